@@ -1,0 +1,1 @@
+"""Deployment: the `specserve` CLI, config files and the Ray Serve app builder."""

@@ -1,0 +1,101 @@
+"""The `specserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="bundled name, HF directory or .gguf path")
+    p.add_argument("--draft-model", default=None, help="draft for speculative decoding (same forms); none = off")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--rejection-sampling", default="probabilistic", choices=["strict", "probabilistic", "synthetic"])
+    p.add_argument("--synthetic-acceptance-rate", type=float, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--draft-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    prompts = list(args.prompt or [])
+    if not prompts:
+        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("specserve generate: give --prompt TEXT (repeatable) or prompts on stdin", file=sys.stderr)
+        return 2
+    llm = LLM(model=args.model, draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
+              rejection_sampling=args.rejection_sampling, synthetic_acceptance_rate=args.synthetic_acceptance_rate,
+              tensor_parallel_size=args.tensor_parallel_size,
+              draft_tensor_parallel_size=args.draft_tensor_parallel_size, device=args.device, dtype=args.dtype,
+              max_model_len=args.max_model_len, seed=args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.chat:
+        t0 = time.perf_counter()
+        outs = [llm.chat([{"role": "user", "content": p}], params) for p in prompts]
+    else:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    for p, o in zip(prompts, outs):
+        if args.json:
+            print(json.dumps({"prompt": p, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+                              "spec_decode": {"num_drafts": o.spec.num_drafts,
+                                              "num_draft_tokens": o.spec.num_draft_tokens,
+                                              "num_accepted_tokens": o.spec.num_accepted_tokens,
+                                              "accepted_per_position": o.spec.accepted_per_position}}))
+        else:
+            print(f"--- {p!r}\n{o.text}\n[finish_reason={o.finish_reason}, {len(o.token_ids)} tokens]")
+    n = sum(len(o.token_ids) for o in outs)
+    stats = llm.spec_stats(outs)
+    extra = ""
+    if args.draft_model:
+        extra = f", acceptance rate {stats.acceptance_rate:.2f}, acceptance length {stats.acceptance_length:.2f}"
+    print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s){extra}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="LLM serving with speculative decoding")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate offline, in this process (no Ray)")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable); default: one per stdin line")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Reference attention over the paged KV cache in plain torch (CPU and GPU).
+
+One code path serves prefill, chunked prefill, decode and multi-token verify queries: each request's
+keys are gathered from its block table into a dense [max_seq_len] window and a boolean mask applies
+causality, the request's length and the sliding window.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import CommonAttentionMetadata, GroupAttentionMetadata
+
+
+def store_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; key/value: [num_tokens, heads, dim]."""
+    nb, bs, h, d = kv_cache.shape[1:]
+    kv_cache[0].view(nb * bs, h, d).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def attention_mask(common: CommonAttentionMetadata, group: GroupAttentionMetadata) -> torch.Tensor:
+    """[num_reqs, 1, max_query_len, max_num_blocks * block_size] bool: True where a query sees a key."""
+    cached = group.cache.get("torch_mask")
+    if cached is not None:
+        return cached
+    num_keys = group.block_table.shape[1] * group.block_size
+    k_pos = torch.arange(num_keys, device=common.query_positions.device)[None, None, :]
+    q_pos = common.query_positions[:, :, None]
+    mask = (k_pos <= q_pos) & (k_pos < common.seq_lens[:, None, None])
+    if group.sliding_window is not None:
+        mask &= k_pos > q_pos - group.sliding_window
+    # Padded query rows see key 0 so softmax stays finite; their outputs are dropped.
+    mask[:, :, 0] |= ~common.query_valid
+    mask = mask[:, None]
+    group.cache["torch_mask"] = mask
+    return mask
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata,
+                    group: GroupAttentionMetadata, scale: float) -> torch.Tensor:
+    """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    r, mb = group.block_table.shape
+    _, _, bs, h_kv, d = kv_cache.shape
+    k = kv_cache[0][group.block_table].view(r, mb * bs, h_kv, d).transpose(1, 2)
+    v = kv_cache[1][group.block_table].view(r, mb * bs, h_kv, d).transpose(1, 2)
+    q = query[common.query_index].transpose(1, 2)  # [num_reqs, heads, max_query_len, dim]
+    mask = attention_mask(common, group)
+    out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != h_kv)
+    out = out.transpose(1, 2)  # [num_reqs, max_query_len, heads, dim]
+    return out[common.query_valid].to(query.dtype)

@@ -1,0 +1,166 @@
+"""Engine configuration: what a model looks like (from its HF config) and how the engine runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "Gemma3ForCausalLM": "gemma3",
+}
+REJECTION_MODES = ("strict", "probabilistic", "synthetic")
+
+
+@dataclass
+class ModelConfig:
+    """The facts about one model that the engine needs, read from its HF config."""
+
+    path: Path
+    hf_config: PretrainedConfig
+    architecture: str
+    family: str  # "llama" | "gemma3": which implementation in engine/models
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    layer_sliding_windows: list[int | None]  # [num_layers]; None = full attention
+    layer_types: list[str]  # [num_layers]; "full_attention" | "sliding_attention"
+    max_model_len: int = 0  # context the engine serves (RoPE tables are built this long); 0 = model's max
+
+    def __post_init__(self) -> None:
+        if self.max_model_len <= 0:
+            self.max_model_len = self.max_position_embeddings
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        hf = AutoConfig.from_pretrained(path)
+        # Gemma 3 multimodal checkpoints wrap the text model; we serve the text part only.
+        if hasattr(hf, "text_config") and getattr(hf, "model_type", "") == "gemma3":
+            hf = hf.text_config
+            hf.architectures = ["Gemma3ForCausalLM"]
+        archs = list(getattr(hf, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or getattr(hf, 'model_type', '?')} in {path}; "
+                f"specserve supports {sorted(SUPPORTED_ARCHITECTURES)}")
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        windows = _layer_sliding_windows(hf)
+        return cls(
+            path=path, hf_config=hf, architecture=arch, family=SUPPORTED_ARCHITECTURES[arch],
+            num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
+            vocab_size=hf.vocab_size,
+            max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
+            layer_sliding_windows=windows,
+            layer_types=["full_attention" if w is None else "sliding_attention" for w in windows],
+        )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def _layer_sliding_windows(hf: PretrainedConfig) -> list[int | None]:
+    """Sliding window per layer. Newer configs list `layer_types`; Mistral-style configs set one
+    `sliding_window` for every layer."""
+    n = hf.num_hidden_layers
+    window = getattr(hf, "sliding_window", None)
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types:
+        return [window if t == "sliding_attention" and window else None for t in layer_types[:n]]
+    if getattr(hf, "use_sliding_window", None) is False:
+        return [None] * n
+    return [window if window else None] * n
+
+
+@dataclass
+class SpeculativeConfig:
+    draft_model: str
+    num_speculative_tokens: int = 4
+    rejection_sampling: str = "probabilistic"
+    synthetic_acceptance_rate: float | None = None
+    draft_tensor_parallel_size: int = 1
+
+    def validate(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if self.rejection_sampling not in REJECTION_MODES:
+            raise ValueError(f"rejection_sampling must be one of {REJECTION_MODES}, "
+                             f"got {self.rejection_sampling!r}")
+        rate = self.synthetic_acceptance_rate
+        if self.rejection_sampling == "synthetic":
+            if rate is None or not 0.0 <= rate <= 1.0:
+                raise ValueError(f"synthetic_acceptance_rate must be in [0, 1] with rejection_sampling="
+                                 f"'synthetic', got {rate!r}")
+        elif rate is not None:
+            raise ValueError("synthetic_acceptance_rate is only used with rejection_sampling='synthetic'")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs: device, dtype, cache and batching limits."""
+
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    block_size: int = 16
+    # Bytes for each model's KV cache. CPU default is modest; GPU runs size it from free memory.
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None  # overrides the memory budget (tests use it to force preemption)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    tensor_parallel_size: int = 1
+
+    def validate(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("the offline engine runs one process (tensor_parallel_size=1); use the Ray "
+                             "serving layer for tensor parallelism")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available on this machine")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """fp32 on CPU (exact comparison with HF), bf16 on GPU, unless asked otherwise."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]

@@ -1,0 +1,87 @@
+"""Incremental detokenization and stop conditions (EOS, stop token ids, stop strings, lengths)."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.request import Request, RequestStatus
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing list of token ids without re-decoding all of it each time.
+
+    Keeps a window of a few tokens before the unread ones so multi-token characters (byte-level BPE)
+    and word-joining spaces come out right; text is only emitted once it no longer ends in U+FFFD.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-5:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+
+class OutputProcessor:
+    """Appends sampled tokens to requests and decides when each stops, token by token, so a stop
+    inside a run of accepted speculative tokens ends the request at the right token."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: list[int],
+                 max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+
+    def append(self, request: Request, new_tokens: list[int]) -> int:
+        """Append tokens until one ends the request; returns how many were kept."""
+        params = request.params
+        for n, tok in enumerate(new_tokens, start=1):
+            request.output_token_ids.append(tok)
+            self._add_text(request, tok)
+            if tok in params.stop_token_ids:
+                self._finish(request, RequestStatus.FINISHED_STOPPED, tok)
+            elif tok in self.eos_token_ids and not params.ignore_eos:
+                self._finish(request, RequestStatus.FINISHED_STOPPED, None)
+            elif params.stop and self._hit_stop_string(request):
+                pass  # _hit_stop_string finished it
+            elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+                self._finish(request, RequestStatus.FINISHED_LENGTH, None)
+            if request.status.finished:
+                return n
+        return len(new_tokens)
+
+    def _add_text(self, request: Request, tok: int) -> None:
+        if self.tokenizer is None:
+            return
+        det = self._detok.get(request.request_id)
+        if det is None:
+            det = self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        request.output_text += det.add(tok)
+
+    def _hit_stop_string(self, request: Request) -> bool:
+        text = request.output_text
+        for s in request.params.stop:
+            idx = text.find(s)
+            if idx != -1:
+                request.output_text = text[:idx]  # the stop string itself is not returned (OpenAI)
+                self._finish(request, RequestStatus.FINISHED_STOPPED, s)
+                return True
+        return False
+
+    def _finish(self, request: Request, status: RequestStatus, reason: str | int | None) -> None:
+        request.status = status
+        request.finish_reason = status.value
+        request.stop_reason = reason
+
+    def release(self, request_id: str) -> None:
+        self._detok.pop(request_id, None)

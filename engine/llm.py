@@ -1,0 +1,142 @@
+"""The offline API: `LLM(model=..., draft_model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.config import EngineConfig, ModelConfig, SpeculativeConfig, resolve_device, resolve_dtype
+from engine.engine_core import EngineCore
+from engine.models.source import resolve_model
+from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, SpecStats
+from engine.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("specserve")
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:  # random-weight test models may ship without one
+        logger.warning("no tokenizer in %s (%s): text prompts and outputs are unavailable", path, e)
+        return None
+
+
+class LLM:
+    """A target model, optionally with a draft model for speculative decoding, in this process."""
+
+    def __init__(self, model: str = "smollm2-135m-instruct", draft_model: str | None = None,
+                 num_speculative_tokens: int = 4, rejection_sampling: str = "probabilistic",
+                 synthetic_acceptance_rate: float | None = None, tensor_parallel_size: int = 1,
+                 draft_tensor_parallel_size: int = 1, device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None, max_model_len: int | None = None, seed: int = 0,
+                 **engine_kwargs: object) -> None:
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        target_src = resolve_model(model)
+        target_cfg = ModelConfig.from_path(target_src.path)
+        limit = target_cfg.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(limit, 4096)
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
+        target_cfg.max_model_len = max_model_len
+        self.engine_config = EngineConfig(device=dev, dtype=dt, max_model_len=max_model_len, seed=seed,
+                                          tensor_parallel_size=tensor_parallel_size,
+                                          **engine_kwargs)  # type: ignore[arg-type]
+        self.engine_config.validate()
+        spec = None
+        draft_cfg = None
+        if draft_model is not None:
+            spec = SpeculativeConfig(draft_model, num_speculative_tokens, rejection_sampling,
+                                     synthetic_acceptance_rate, draft_tensor_parallel_size)
+            spec.validate()
+            if draft_tensor_parallel_size != 1:
+                raise ValueError("the offline engine runs the draft in one process "
+                                 "(draft_tensor_parallel_size=1); use the Ray serving layer for more")
+            draft_cfg = ModelConfig.from_path(resolve_model(draft_model).path)
+            _check_draft_fits(target_cfg, draft_cfg, max_model_len)
+            draft_cfg.max_model_len = max_model_len
+        self.model_config = target_cfg
+        self.tokenizer = load_tokenizer(str(target_src.path))
+        target = ModelRunner(target_cfg, self.engine_config, "target")
+        draft = ModelRunner(draft_cfg, self.engine_config, "draft") if draft_cfg is not None else None
+        self.engine = EngineCore(target, self.engine_config, self.tokenizer, draft, spec)
+        self._ids = itertools.count()
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character")
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        ids = list(prompt)
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise ValueError("a token-id prompt must be a list of integers")
+        return None, ids
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion, batched; outputs in the order of the prompts.
+
+        All prompts are validated before any runs, so one bad prompt loses nothing already queued.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        requests: list[tuple[str | None, Request]] = []
+        for prompt, p in zip(prompts, params):
+            p.validate()
+            text, ids = self._tokenize(prompt)
+            req = Request(f"gen-{next(self._ids)}", ids, p)
+            self.engine.add_request(req)  # validates lengths and ids
+            requests.append((text, req))
+        try:
+            while self.engine.has_unfinished():
+                self.engine.step()
+        except BaseException:
+            for _, req in requests:
+                self.engine.abort_request(req.request_id)
+            raise
+        return [_to_output(text, req) for text, req in requests]
+
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+        return self.generate([list(ids)], sampling_params)[0]
+
+    def spec_stats(self, outputs: Sequence[RequestOutput]) -> SpecStats:
+        total = SpecStats()
+        for o in outputs:
+            total.merge(o.spec)
+        return total
+
+
+def _to_output(prompt: str | None, req: Request) -> RequestOutput:
+    return RequestOutput(request_id=req.request_id, prompt=prompt, prompt_token_ids=req.prompt_token_ids,
+                         token_ids=list(req.output_token_ids), text=req.output_text,
+                         finish_reason=req.finish_reason if req.status != RequestStatus.FINISHED_ABORTED
+                         else "abort", spec=req.spec, stop_reason=req.stop_reason,
+                         num_preemptions=req.num_preemptions)
+
+
+def _check_draft_fits(target: ModelConfig, draft: ModelConfig, max_model_len: int) -> None:
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"draft vocabulary ({draft.vocab_size} tokens) differs from the target's "
+                         f"({target.vocab_size}); a draft must share the target's tokenizer")
+    if draft.max_position_embeddings < max_model_len:
+        raise ValueError(f"the draft's context ({draft.max_position_embeddings} tokens) is shorter than "
+                         f"max_model_len={max_model_len}; lower max_model_len or use another draft")

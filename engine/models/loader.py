@@ -1,0 +1,101 @@
+"""Build a model for a ModelConfig and load its safetensors weights (sharded for tensor parallelism)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger("specserve")
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
+
+# Prefixes that wrap the text model in some checkpoints (Gemma 3 multimodal, older exports).
+_PREFIX_REWRITES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                    ("language_model.lm_head.", "lm_head."))
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> LlamaForCausalLM:
+    """Instantiate the model on `device` in `dtype` and load every parameter; a checkpoint that leaves
+    a parameter unset, or has a tensor of the wrong shape, is an error (never silently random)."""
+    cls = MODEL_CLASSES[cfg.family]
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    load_weights(model, weights if weights is not None else iter_safetensors(cfg.path))
+    return model.eval()
+
+
+def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    owners = {name: mod for mod_name, mod in model.named_modules()
+              for name in (f"{mod_name}.{p}" if mod_name else p for p, _ in mod.named_parameters(recurse=False))}
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        for old, new in _PREFIX_REWRITES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+        if "rotary_emb" in name or name.endswith(".inv_freq"):
+            continue
+        if name == "lm_head.weight" and model.tie_word_embeddings:
+            continue  # tied: the embedding provides it
+        target, shard = name, None
+        for ckpt_part, (ours, shard_id) in model.packed_modules.items():
+            if f".{ckpt_part}." in name:
+                target, shard = name.replace(f".{ckpt_part}.", f".{ours}."), shard_id
+                break
+        if target not in params:
+            if name.startswith("model.vision_tower") or name.startswith("model.multi_modal_projector"):
+                continue
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}; "
+                             "do the weights fit the config?")
+        param = params[target]
+        loader = getattr(owners[target], "weight_loader", None)
+        try:
+            if loader is not None:
+                loader(param, tensor.to(param.dtype), shard)
+            elif param.shape != tensor.shape:
+                raise ValueError(f"weight shape {tuple(tensor.shape)} does not fit the model's {tuple(param.shape)}")
+            else:
+                param.data.copy_(tensor)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        loaded.add(target if shard is None else f"{target}#{shard}")
+    expected = set()
+    for name, mod in owners.items():
+        m = owners[name]
+        if hasattr(m, "out_sizes") and name.endswith("weight"):
+            expected |= {f"{name}#{i}" for i in range(len(m.out_sizes))}
+        elif hasattr(m, "kv_replicas") and name.endswith(("weight", "bias")):
+            expected |= {f"{name}#{s}" for s in "qkv"}
+        else:
+            expected.add(name)
+    if model.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors the config needs, e.g. {missing[:4]}; "
+                         "do the weights fit the config?")

@@ -1,0 +1,86 @@
+"""One model on one device: weights, KV-cache groups and their tensors, and the forward of a step."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
+from engine.models.loader import build_model
+from engine.runner.step_input import StepInput
+
+logger = logging.getLogger("specserve")
+
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+class ModelRunner:
+    """Owns one model (target or draft): builds it, sizes and allocates its paged KV cache per
+    KV-cache group, and runs forwards on StepInputs. Knows nothing of requests or scheduling."""
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, name: str = "target") -> None:
+        self.name = name
+        self.model_config = model_config
+        self.config = engine_config
+        self.device = engine_config.device
+        self.dtype = engine_config.dtype
+        self.model = build_model(model_config, self.device, self.dtype)
+        layers = self.model.attention_layers()
+        specs = [AttentionSpec(a.num_kv_heads, a.head_dim, self.dtype, engine_config.block_size, a.sliding_window)
+                 for a in layers]
+        self.kv_groups: list[KVCacheGroupSpec] = group_layers(specs)
+        self.num_blocks = self._num_blocks()
+        self.kv_manager = KVCacheManager(self.kv_groups, self.num_blocks, engine_config.block_size)
+        self._bind_kv_caches(layers)
+        logger.info("%s: %d KV-cache group(s) %s, %d blocks of %d tokens", name, len(self.kv_groups),
+                    [(len(g.layer_ids), g.spec.sliding_window) for g in self.kv_groups], self.num_blocks,
+                    engine_config.block_size)
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        bytes_per_block = sum(g.block_bytes for g in self.kv_groups)
+        budget = cfg.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.5)
+            else:
+                budget = _DEFAULT_CPU_KV_BYTES
+        # No point holding more than every running request at full length could use.
+        full = max(g.spec.max_blocks_per_request(cfg.max_model_len) for g in self.kv_groups)
+        wanted = cfg.max_num_seqs * full + 1
+        n = min(budget // bytes_per_block, wanted)
+        min_blocks = full + 1
+        if n < min_blocks:
+            raise ValueError(
+                f"{self.name}: a KV budget of {budget} bytes holds {n} blocks, but one request of max_model_len="
+                f"{cfg.max_model_len} needs {min_blocks}; raise kv_cache_memory_bytes or lower max_model_len")
+        return int(n)
+
+    def _bind_kv_caches(self, layers: list) -> None:
+        self.kv_caches: list[list[torch.Tensor]] = []  # [num_groups][layers in group]
+        for g in self.kv_groups:
+            tensors = []
+            for layer_id in g.layer_ids:
+                # Zeroed: masked keys of padding and released blocks still enter the matmul (times 0).
+                t = torch.zeros(2, self.num_blocks, g.spec.block_size, g.spec.num_kv_heads, g.spec.head_dim,
+                                dtype=self.dtype, device=self.device)
+                layers[layer_id].kv_cache = t
+                layers[layer_id].kv_group_id = g.group_id
+                tensors.append(t)
+            self.kv_caches.append(tensors)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Run the forward and return logits [num_logits, vocab_size] float32."""
+        hidden = self.model(step.input_ids, step.positions, step.attn)
+        return self.model.compute_logits(hidden[step.logits_indices])
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size

@@ -1,0 +1,62 @@
+"""What one model processes in one forward: the per-step batch, built once and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata, build_common_metadata, build_group_metadata
+from engine.kv_cache.manager import KVCacheManager
+
+
+@dataclass
+class Chunk:
+    """One request's share of a forward: `token_ids` at positions start_pos.., and how many of the
+    last positions need logits (0 mid-prefill, 1 to sample, k + 1 to verify k drafts)."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    num_logits: int
+
+
+@dataclass
+class StepInput:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn: AttentionMetadata  # common layout + one entry per KV-cache group
+    logits_indices: torch.Tensor  # [num_logits] int64; flat token indices whose logits are computed
+    num_logits_per_req: list[int]  # [num_reqs]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def build_step_input(chunks: list[Chunk], kv: KVCacheManager, device: torch.device) -> StepInput:
+    """Flatten the chunks and build attention metadata for every KV-cache group of this model."""
+    if not chunks:
+        raise ValueError("a step needs at least one request")
+    query_lens = [len(c.token_ids) for c in chunks]
+    seq_lens = [c.start_pos + len(c.token_ids) for c in chunks]
+    common = build_common_metadata(query_lens, seq_lens, device)
+    groups = [
+        build_group_metadata(g.group_id, [kv.block_table(c.request_id, g.group_id) for c in chunks],
+                             query_lens, seq_lens, kv.block_size, g.spec.sliding_window, device)
+        for g in kv.groups
+    ]
+    ids: list[int] = []
+    logits_idx: list[int] = []
+    for c in chunks:
+        if not 0 <= c.num_logits <= len(c.token_ids):
+            raise ValueError(f"{c.request_id}: {c.num_logits} logits asked for {len(c.token_ids)} tokens")
+        ids.extend(c.token_ids)
+        logits_idx.extend(range(len(ids) - c.num_logits, len(ids)))
+    return StepInput(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=common.positions,
+        attn=AttentionMetadata(common=common, groups=groups),
+        logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=device),
+        num_logits_per_req=[c.num_logits for c in chunks],
+    )

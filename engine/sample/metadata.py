@@ -1,0 +1,70 @@
+"""Per-step sampling parameters of the batch, as tensors (built once per step by the runner)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """Sampling settings of the requests in one step, one row per request.
+
+    Randomness: a row with an entry in `generators` draws all of its random numbers from that
+    generator (the runner seeds it from the request's seed and its output position, so a seeded
+    request's samples do not depend on the batch or on preemption). Other rows draw from
+    `default_generator` (engine-wide, seeded by `LLM(seed=...)`).
+    """
+
+    temperature: torch.Tensor  # [num_reqs] float32; 0.0 = greedy
+    top_p: torch.Tensor  # [num_reqs] float32; 1.0 = off
+    top_k: torch.Tensor  # [num_reqs] int64; 0 = off
+    all_greedy: bool  # every row has temperature 0
+    all_random: bool  # no row has temperature 0
+    no_top_p: bool  # every row has top_p == 1
+    no_top_k: bool  # every row has top_k == 0
+    generators: dict[int, torch.Generator]  # row -> generator of a seeded request
+    default_generator: torch.Generator | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @classmethod
+    def from_lists(cls, temperature: list[float], top_p: list[float], top_k: list[int],
+                   generators: dict[int, torch.Generator] | None = None,
+                   default_generator: torch.Generator | None = None,
+                   device: torch.device | str = "cpu") -> SamplingMetadata:
+        t = torch.tensor(temperature, dtype=torch.float32, device=device)
+        p = torch.tensor(top_p, dtype=torch.float32, device=device)
+        k = torch.tensor(top_k, dtype=torch.int64, device=device)
+        return cls(
+            temperature=t, top_p=p, top_k=k,
+            all_greedy=all(x == 0.0 for x in temperature),
+            all_random=all(x > 0.0 for x in temperature),
+            no_top_p=all(x >= 1.0 for x in top_p),
+            no_top_k=all(x == 0 for x in top_k),
+            generators=dict(generators or {}),
+            default_generator=default_generator,
+        )
+
+    def repeat_rows(self, counts: list[int]) -> SamplingMetadata:
+        """Rows repeated `counts[i]` times each (one row per logits position in a verify step).
+
+        Generators are shared by reference, so repeated rows draw from the same stream in order.
+        """
+        idx = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        gens: dict[int, torch.Generator] = {}
+        row = 0
+        for i, c in enumerate(counts):
+            if i in self.generators:
+                for j in range(c):
+                    gens[row + j] = self.generators[i]
+            row += c
+        dev = self.temperature.device
+        idx = idx.to(dev)
+        return SamplingMetadata(
+            temperature=self.temperature[idx], top_p=self.top_p[idx], top_k=self.top_k[idx],
+            all_greedy=self.all_greedy, all_random=self.all_random, no_top_p=self.no_top_p,
+            no_top_k=self.no_top_k, generators=gens, default_generator=self.default_generator)

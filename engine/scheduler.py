@@ -1,0 +1,151 @@
+"""Continuous batching: which requests run this step, how many tokens each, with KV for both models.
+
+Policy (as vLLM v1): running requests first, in arrival order, each gets its remaining tokens (a decode
+step: 1 + its draft length) within the step's token budget; prefills are chunked to fit. When a model's
+KV cache cannot hold a running request's next tokens, the most recently arrived running request is
+preempted: its blocks are freed in both models and it is recomputed later from its tokens so far.
+Waiting requests are admitted while budget, sequence slots and KV blocks allow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # target tokens fed this step, draft slots included
+    num_draft_tokens: int  # k for this request this step; 0 while prefilling or without speculation
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 + self.num_draft_tokens and \
+            self.request.num_computed_tokens == self.request.num_tokens - 1
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv_managers: list[KVCacheManager], max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, num_speculative_tokens: int = 0) -> None:
+        # kv_managers[0] is the target's; a draft's, when there is one, follows.
+        self.kv_managers = kv_managers
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # --- requests in and out -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End a request (done, or aborted at any time) and return its blocks to both pools."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        for kv in self.kv_managers:
+            kv.free(request.request_id)
+        self.requests.pop(request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step ------------------------------------------------------------------------------------
+    def draft_length(self, request: Request) -> int:
+        """k for this request, shrunk near max_tokens and max_model_len so a verify never overruns."""
+        if not self.num_speculative_tokens:
+            return 0
+        room_output = request.params.max_tokens - request.num_output_tokens - 1
+        room_context = self.max_model_len - request.num_tokens - 1
+        return max(0, min(self.num_speculative_tokens, room_output, room_context))
+
+    def _draft_end(self, request: Request, num_new: int, k: int) -> int:
+        """Positions the draft holds KV for after this step: the target's frontier, plus k - 1 drafts."""
+        return request.num_computed_tokens + num_new - k + max(0, k - 1)
+
+    def _try_allocate(self, request: Request, num_new: int, k: int) -> bool:
+        target_end = request.num_computed_tokens + num_new
+        ok = self.kv_managers[0].can_allocate(request.request_id, request.num_computed_tokens, target_end)
+        if ok and len(self.kv_managers) > 1:
+            ok = self.kv_managers[1].can_allocate(request.request_id, request.num_draft_computed_tokens,
+                                                  self._draft_end(request, num_new, k))
+        if not ok:
+            return False
+        self.kv_managers[0].allocate(request.request_id, request.num_computed_tokens, target_end)
+        if len(self.kv_managers) > 1:
+            self.kv_managers[1].allocate(request.request_id, request.num_draft_computed_tokens,
+                                         self._draft_end(request, num_new, k))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        for kv in self.kv_managers:
+            kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_draft_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _num_new(self, request: Request, budget: int) -> tuple[int, int]:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining == 1:  # decoding: the last token plus this step's drafts, unsplittable
+            k = self.draft_length(request)
+            return (1 + k, k) if 1 + k <= budget else (1, 0) if budget >= 1 else (0, 0)
+        return min(remaining, budget), 0
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new, k = self._num_new(req, budget)
+            while not self._try_allocate(req, num_new, k):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new, k))
+                scheduled_ids.add(req.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request preempted itself: nothing later in the list can run either
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                num_new, k = self._num_new(req, budget)
+                if not self._try_allocate(req, num_new, k):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, num_new, k))
+                budget -= num_new
+        return out
