@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, ModelConfig, SpeculativeConfig, resolve_device, resolve_dtype
 from engine.engine_core import EngineCore
+from engine.executor import LocalExecutor
 from engine.models.source import resolve_model
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, SpecStats
 from engine.runner.model_runner import ModelRunner
@@ -65,7 +66,9 @@ class LLM:
         self.tokenizer = load_tokenizer(str(target_src.path))
         target = ModelRunner(target_cfg, self.engine_config, "target")
         draft = ModelRunner(draft_cfg, self.engine_config, "draft") if draft_cfg is not None else None
-        self.engine = EngineCore(target, self.engine_config, self.tokenizer, draft, spec)
+        keep_probs = spec is not None and spec.rejection_sampling == "probabilistic"
+        self.executor = LocalExecutor(target, draft, keep_probs, seed)
+        self.engine = EngineCore(self.executor, self.engine_config, self.tokenizer, target_cfg.eos_token_ids, spec)
         self._ids = itertools.count()
 
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -99,9 +102,11 @@ class LLM:
             p.validate()
             text, ids = self._tokenize(prompt)
             req = Request(f"gen-{next(self._ids)}", ids, p)
-            self.engine.add_request(req)  # validates lengths and ids
+            self.engine.validate_request(req)
             requests.append((text, req))
         try:
+            for _, req in requests:
+                self.engine.add_request(req)
             while self.engine.has_unfinished():
                 self.engine.step()
         except BaseException:

@@ -11,8 +11,14 @@ from torch import nn
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.config import ModelConfig
-from engine.models.layers import (ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-                                  RowParallelLinear, VocabParallelEmbedding)
+from engine.models.layers import (
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from engine.models.llama import GatedMLP, LlamaForCausalLM
 
 

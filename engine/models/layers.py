@@ -24,6 +24,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        _check_unsharded(loaded, (self.out_per_rank * self.tp_size, *param.shape[1:]))
         shard = loaded.narrow(0, self.tp_rank * self.out_per_rank, self.out_per_rank)
         _copy_checked(param, shard)
 
@@ -42,6 +43,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         idx = int(shard_id)  # type: ignore[arg-type]
         offset = sum(self.out_sizes[:idx])
         size = self.out_sizes[idx]
+        _check_unsharded(loaded, (size * self.tp_size, *param.shape[1:]))
         _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
 
 
@@ -67,6 +69,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, start = kv, (self.tp_rank // self.kv_replicas) * kv
         else:
             raise ValueError(f"QKV shard must be q, k or v, got {shard_id!r}")
+        full = q * self.tp_size if shard_id == "q" else kv * self.tp_size // self.kv_replicas
+        _check_unsharded(loaded, (full, *param.shape[1:]))
         _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
 
@@ -85,6 +89,7 @@ class RowParallelLinear(nn.Module):
         if param.dim() == 1:  # bias is added once, after the reduction
             _copy_checked(param, loaded)
             return
+        _check_unsharded(loaded, (param.shape[0], self.in_per_rank * self.tp_size))
         _copy_checked(param, loaded.narrow(1, self.tp_rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,8 +110,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        if loaded.shape[0] != self.vocab_size:
-            raise ValueError(f"embedding has {loaded.shape[0]} rows, config says vocab_size={self.vocab_size}")
+        _check_unsharded(loaded, (self.vocab_size, param.shape[1]))
         rows = loaded[self.start:self.start + self.per_rank]
         param.data.zero_()
         _copy_checked(param.data.narrow(0, 0, rows.shape[0]), rows)
@@ -146,6 +150,12 @@ class RMSNorm(nn.Module):
         if self.offset:  # Gemma multiplies in float32 before casting back
             return (xf * (self.offset + self.weight.float())).to(dtype)
         return self.weight * xf.to(dtype)
+
+
+def _check_unsharded(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """A checkpoint tensor must have the full (unsharded) shape the config implies, before slicing."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit the model's {tuple(expected)}")
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -9,9 +9,15 @@ from transformers.activations import ACT2FN
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.config import ModelConfig
-from engine.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
-                                  QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                  VocabParallelEmbedding)
+from engine.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 
 class LlamaAttention(nn.Module):

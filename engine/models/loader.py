@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
@@ -85,8 +84,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
             raise ValueError(f"{name}: {e}") from None
         loaded.add(target if shard is None else f"{target}#{shard}")
     expected = set()
-    for name, mod in owners.items():
-        m = owners[name]
+    for name, m in owners.items():
         if hasattr(m, "out_sizes") and name.endswith("weight"):
             expected |= {f"{name}#{i}" for i in range(len(m.out_sizes))}
         elif hasattr(m, "kv_replicas") and name.endswith(("weight", "bias")):

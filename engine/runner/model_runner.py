@@ -7,10 +7,9 @@ import logging
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
 from engine.models.loader import build_model
-from engine.runner.step_input import StepInput
+from engine.runner.step_input import Chunk, StepInput, build_step_input
 
 logger = logging.getLogger("specserve")
 
@@ -18,8 +17,9 @@ _DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 class ModelRunner:
-    """Owns one model (target or draft): builds it, sizes and allocates its paged KV cache per
-    KV-cache group, and runs forwards on StepInputs. Knows nothing of requests or scheduling."""
+    """Owns one model (target or draft) on one device: builds it, sizes and allocates its paged KV
+    tensors per KV-cache group, and runs forwards. Block accounting (which blocks a request holds) is the
+    scheduler's; this class only reads the block tables it is given."""
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, name: str = "target") -> None:
         self.name = name
@@ -33,7 +33,6 @@ class ModelRunner:
                  for a in layers]
         self.kv_groups: list[KVCacheGroupSpec] = group_layers(specs)
         self.num_blocks = self._num_blocks()
-        self.kv_manager = KVCacheManager(self.kv_groups, self.num_blocks, engine_config.block_size)
         self._bind_kv_caches(layers)
         logger.info("%s: %d KV-cache group(s) %s, %d blocks of %d tokens", name, len(self.kv_groups),
                     [(len(g.layer_ids), g.spec.sliding_window) for g in self.kv_groups], self.num_blocks,
@@ -80,6 +79,10 @@ class ModelRunner:
         """Run the forward and return logits [num_logits, vocab_size] float32."""
         hidden = self.model(step.input_ids, step.positions, step.attn)
         return self.model.compute_logits(hidden[step.logits_indices])
+
+    def forward_chunks(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Build the step's input (attention metadata for every KV-cache group) and run it."""
+        return self.execute(build_step_input(chunks, self.kv_groups, self.device))
 
     @property
     def vocab_size(self) -> int:

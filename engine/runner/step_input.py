@@ -7,18 +7,18 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.metadata import AttentionMetadata, build_common_metadata, build_group_metadata
-from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.spec import KVCacheGroupSpec
 
 
 @dataclass
 class Chunk:
-    """One request's share of a forward: `token_ids` at positions start_pos.., and how many of the
-    last positions need logits (0 mid-prefill, 1 to sample, k + 1 to verify k drafts)."""
+    """One request's share of a forward: `token_ids` at positions start_pos.., how many of the last
+    positions need logits (0 mid-prefill, 1 to sample, k + 1 to verify k drafts), and where its KV lives."""
 
-    request_id: str
     token_ids: list[int]
     start_pos: int
     num_logits: int
+    block_tables: list[list[int]]  # [num_kv_groups][num_blocks]; must cover start_pos + len(token_ids)
 
 
 @dataclass
@@ -34,7 +34,7 @@ class StepInput:
         return int(self.input_ids.shape[0])
 
 
-def build_step_input(chunks: list[Chunk], kv: KVCacheManager, device: torch.device) -> StepInput:
+def build_step_input(chunks: list[Chunk], groups: list[KVCacheGroupSpec], device: torch.device) -> StepInput:
     """Flatten the chunks and build attention metadata for every KV-cache group of this model."""
     if not chunks:
         raise ValueError("a step needs at least one request")
@@ -42,15 +42,15 @@ def build_step_input(chunks: list[Chunk], kv: KVCacheManager, device: torch.devi
     seq_lens = [c.start_pos + len(c.token_ids) for c in chunks]
     common = build_common_metadata(query_lens, seq_lens, device)
     groups = [
-        build_group_metadata(g.group_id, [kv.block_table(c.request_id, g.group_id) for c in chunks],
-                             query_lens, seq_lens, kv.block_size, g.spec.sliding_window, device)
-        for g in kv.groups
+        build_group_metadata(g.group_id, [c.block_tables[g.group_id] for c in chunks],
+                             query_lens, seq_lens, g.spec.block_size, g.spec.sliding_window, device)
+        for g in groups
     ]
     ids: list[int] = []
     logits_idx: list[int] = []
     for c in chunks:
         if not 0 <= c.num_logits <= len(c.token_ids):
-            raise ValueError(f"{c.request_id}: {c.num_logits} logits asked for {len(c.token_ids)} tokens")
+            raise ValueError(f"{c.num_logits} logits asked for {len(c.token_ids)} tokens")
         ids.extend(c.token_ids)
         logits_idx.extend(range(len(ids) - c.num_logits, len(ids)))
     return StepInput(

@@ -68,3 +68,11 @@ class SamplingMetadata:
             temperature=self.temperature[idx], top_p=self.top_p[idx], top_k=self.top_k[idx],
             all_greedy=self.all_greedy, all_random=self.all_random, no_top_p=self.no_top_p,
             no_top_k=self.no_top_k, generators=gens, default_generator=self.default_generator)
+
+    def select(self, rows: list[int]) -> SamplingMetadata:
+        """The given rows, renumbered 0..len(rows)-1 (generators follow their rows). The flags stay
+        those of the superset, which is safe: a subset of an all-greedy batch is all greedy, etc."""
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.temperature.device)
+        gens = {n: self.generators[i] for n, i in enumerate(rows) if i in self.generators}
+        return SamplingMetadata(self.temperature[idx], self.top_p[idx], self.top_k[idx], self.all_greedy,
+                                self.all_random, self.no_top_p, self.no_top_k, gens, self.default_generator)

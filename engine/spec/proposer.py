@@ -1,10 +1,10 @@
 """The draft proposer: k draft tokens per decoding request, from the draft model's own KV cache.
 
-Step 0 catches the draft up to the target's frontier for every scheduled request (the tokens it has
-not seen: a prefill chunk, or the last accepted token and the bonus token) and samples the first
-draft token of each decoding request. Steps 1..k-1 feed one draft token each. Between steps the
-attention metadata of EVERY draft KV-cache group is rebuilt: positions advance, a step may cross a
-block boundary (new slot), and a sliding window's start moves.
+Step 0 catches the draft up to the target's frontier for every planned request (the tokens it has not
+seen: a prefill chunk, or the last accepted token and the bonus token) and samples the first draft
+token of each decoding request. Steps 1..k-1 feed one draft token each. Between steps the attention
+metadata of EVERY draft KV-cache group is rebuilt: positions advance, a step may cross a block
+boundary (new slot), and a sliding window's start moves.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.runner.model_runner import ModelRunner
-from engine.runner.step_input import Chunk, build_step_input
-from engine.sample.metadata import SamplingMetadata
+from engine.runner.step_input import Chunk
+from engine.sample.from_plan import DRAFT_STREAM, sampling_metadata
 from engine.sample.sampler import Sampler
-from engine.scheduler import ScheduledRequest
+from engine.step_plan import StepPlan
 
 
 @dataclass
@@ -33,56 +33,44 @@ class DraftProposal:
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner, sampler: Sampler, keep_probs: bool) -> None:
+    def __init__(self, runner: ModelRunner, keep_probs: bool, seed: int = 0) -> None:
         self.runner = runner
-        self.sampler = sampler
+        self.sampler = Sampler()
         self.keep_probs = keep_probs  # only probabilistic rejection reads q
+        self.generator = torch.Generator(device=runner.device)
+        self.generator.manual_seed(seed + 1)
 
-    def propose(self, scheduled: list[ScheduledRequest], md: SamplingMetadata) -> DraftProposal:
-        """md: one row per scheduled request (the draft's own generators for seeded requests)."""
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan) -> DraftProposal:
         dev = self.runner.device
-        num_reqs = len(scheduled)
-        ks = [s.num_draft_tokens for s in scheduled]
-        max_k = max(ks)
-        ids = torch.full((num_reqs, max(max_k, 1)), -1, dtype=torch.int64, device=dev)
+        reqs = plan.requests
+        ks = [r.num_draft_tokens for r in reqs]
+        max_k = max(ks, default=0)
+        ids = torch.full((len(reqs), max_k), -1, dtype=torch.int64, device=dev)
         probs = None
         if self.keep_probs and max_k:
-            probs = torch.zeros(num_reqs, max_k, self.runner.vocab_size, dtype=torch.float32, device=dev)
-
-        chunks = []
-        frontiers = []
-        for s in scheduled:
-            r = s.request
-            frontier = r.num_computed_tokens + s.num_new_tokens - s.num_draft_tokens
-            frontiers.append(frontier)
-            toks = r.all_token_ids[r.num_draft_computed_tokens:frontier]
-            chunks.append(Chunk(r.request_id, toks, r.num_draft_computed_tokens, 1 if s.num_draft_tokens else 0))
+            probs = torch.zeros(len(reqs), max_k, self.runner.vocab_size, dtype=torch.float32, device=dev)
+        # Step 0: catch-up (and prefill chunks), logits only where a first draft token is sampled.
+        chunks = [Chunk(r.draft_token_ids, r.draft_start_pos, 1 if r.num_draft_tokens else 0, r.draft_block_tables)
+                  for r in reqs]
         rows = [i for i, k in enumerate(ks) if k > 0]
+        md = sampling_metadata(reqs, DRAFT_STREAM, self.generator, dev)
         last: list[int] = []
         for j in range(max_k):
             if j > 0:
                 rows = [i for i in rows if ks[i] > j]
-                chunks = [Chunk(scheduled[i].request.request_id, [last[i]], frontiers[i] + j - 1, 1) for i in rows]
+                chunks = [Chunk([last[i]], reqs[i].draft_start_pos + len(reqs[i].draft_token_ids) + j - 1, 1,
+                                reqs[i].draft_block_tables) for i in rows]
             # Metadata for every draft KV-cache group is rebuilt from this step's positions.
-            logits = self.runner.execute(build_step_input(chunks, self.runner.kv_manager, dev))
-            sub = _select_rows(md, rows)
-            tok, p = self.sampler.sample_with_probs(logits, sub)
+            logits = self.runner.forward_chunks([c for c in chunks if c.token_ids])
+            tok, p = self.sampler.sample_with_probs(logits, md.select(rows))
             row_idx = torch.tensor(rows, dtype=torch.int64, device=dev)
             ids[row_idx, j] = tok
             if probs is not None:
                 probs[row_idx, j] = p
             # SYNC: the next draft step's input ids are built on the host.
             last = ids[:, j].tolist()
-        if max_k == 0 and chunks:
+        if max_k == 0 and any(c.token_ids for c in chunks):
             # Only catch-up work (prefill chunks, k = 0 decodes): keep the draft's KV in step.
-            self.runner.execute(build_step_input(chunks, self.runner.kv_manager, dev))
-        return DraftProposal(ids[:, :max_k], torch.tensor(ks, dtype=torch.int64, device=dev), probs)
-
-
-def _select_rows(md: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
-    idx = torch.tensor(rows, dtype=torch.int64, device=md.temperature.device)
-    temps = md.temperature[idx]
-    top_p, top_k = md.top_p[idx], md.top_k[idx]
-    gens = {n: md.generators[i] for n, i in enumerate(rows) if i in md.generators}
-    return SamplingMetadata(temps, top_p, top_k, md.all_greedy, md.all_random, md.no_top_p, md.no_top_k,
-                            gens, md.default_generator)
+            self.runner.forward_chunks([c for c in chunks if c.token_ids])
+        return DraftProposal(ids, torch.tensor(ks, dtype=torch.int64, device=dev), probs)

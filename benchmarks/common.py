@@ -1,0 +1,55 @@
+"""Helpers shared by the benchmark scripts: timing with warm-up and medians, environment facts."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def environment() -> dict:
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or 'x86_64'})"
+    return {"date": datetime.date.today().isoformat(), "device": dev, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "python": platform.python_version()}
+
+
+def save_json(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2))
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return "" if v is None else str(v)

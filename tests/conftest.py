@@ -1,0 +1,120 @@
+"""Shared fixtures: tiny random-weight models of every family (HF transformers is the oracle) and the
+real bundled models."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+
+VOCAB = 128
+
+
+@dataclass
+class TinyModel:
+    name: str
+    path: str
+    hf: torch.nn.Module  # the HF transformers reference, fp32, eval mode
+    config: PretrainedConfig
+
+
+def _base(**kw: object) -> dict:
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, head_dim=16,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    base.update(kw)
+    return base
+
+
+# Family -> config. Sliding windows (5-7 tokens) are far shorter than prompt + output in the tests.
+TINY_CONFIGS: dict[str, PretrainedConfig] = {
+    "llama": LlamaConfig(**_base()),
+    "mistral": MistralConfig(**_base(sliding_window=7)),
+    "qwen2": Qwen2Config(**_base(num_hidden_layers=2)),
+    "qwen3": Qwen3Config(**_base()),
+    "gemma3": Gemma3TextConfig(**_base(num_hidden_layers=4, sliding_window=6, query_pre_attn_scalar=16,
+                                       layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                    "sliding_attention"])),
+}
+
+
+def make_tiny_model(root: Path, name: str, config: PretrainedConfig, seed: int = 0, scale: float = 6.0) -> TinyModel:
+    """Random weights, with matrices scaled up so next-token distributions are peaked: greedy then has
+    clear winners, and a comparison with HF cannot flip on a rounding-level tie."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+        for n, p in model.named_parameters():  # nonzero biases, so the Qwen2 bias path is exercised
+            if n.endswith("bias"):
+                p.normal_(0, 0.1)
+    path = root / name
+    model.save_pretrained(path)
+    # The engine is run with ignore_eos; HF must not stop (or, with min_new_tokens, suppress EOS) either.
+    model.generation_config.eos_token_id = None
+    return TinyModel(name, str(path), model, config)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: make_tiny_model(root, name, cfg) for name, cfg in TINY_CONFIGS.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
+    """Drafts of other shapes than the targets, same vocabulary: a 1-layer Llama, a 2-layer Gemma 3 hybrid
+    (two KV-cache groups) and a 1-layer Qwen3."""
+    root = tmp_path_factory.mktemp("drafts")
+    cfgs = {
+        "llama-1l": LlamaConfig(**_base(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                        num_key_value_heads=1, intermediate_size=64)),
+        "gemma3-2l": Gemma3TextConfig(**_base(num_hidden_layers=2, sliding_window=5, query_pre_attn_scalar=16,
+                                              layer_types=["sliding_attention", "full_attention"])),
+        "qwen3-1l": Qwen3Config(**_base(num_hidden_layers=1)),
+    }
+    return {n: make_tiny_model(root, n, c, seed=1) for n, c in cfgs.items()}
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        x = torch.tensor([prompt])
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # ids from 3 up, so no prompt contains BOS/EOS/PAD
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from engine.models.source import resolve_model
+    return str(resolve_model("smollm2-135m-instruct").path)
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> str:
+    from engine.models.source import resolve_model
+    return str(resolve_model("gemma3-270m").path)
