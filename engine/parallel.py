@@ -24,6 +24,13 @@ class TensorParallelGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_min(self, x: torch.Tensor) -> torch.Tensor:
+        """Element-wise minimum over ranks, in place (ranks agreeing on a size each computed alone)."""
+        if self.size == 1:
+            return x
+        dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
+        return x
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x

@@ -15,7 +15,12 @@ import torch
 
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.processing import logits_to_probs
-from engine.spec.rejection_sampler import RejectionOutput, rejection_sample, rejection_sample_from_noise
+from engine.spec.rejection_sampler import (
+    RejectionOutput,
+    rejection_sample,
+    rejection_sample_from_noise,
+    synthetic_position_rate,
+)
 
 P_VALUE_THRESHOLD = 1e-3
 V = 6
@@ -181,12 +186,18 @@ def test_synthetic_acceptance_rate(rate: float) -> None:
         md = mixed_md(n, [(1.0, 0, 1.0)], seed=k)
         drafts, _, target_logits = fixed_step(n, k, md, draft_seed=k)
         out = rejection_sample(drafts, torch.full((n,), k), None, target_logits, md, "synthetic", rate)
-        # Each drafted position that is reached is accepted with probability `rate`: estimate it as
+        # Each drafted position that is reached is accepted with probability a_k: estimate it as
         # accepted / attempted positions (attempted = accepted + 1 rejection, unless all k were accepted).
+        a = synthetic_position_rate(rate, k)
         attempts = torch.clamp(out.num_accepted + 1, max=k).sum().item()
         est = out.num_accepted.sum().item() / attempts
-        sigma = math.sqrt(rate * (1 - rate) / attempts)
-        assert abs(est - rate) <= 5 * sigma + 1e-12
+        sigma = math.sqrt(a * (1 - a) / attempts)
+        assert abs(est - a) <= 5 * sigma + 1e-12
+        # ... and the acceptance rate users see (accepted / drafted) is the configured rate, for every k.
+        mean = out.num_accepted.double().mean().item() / k
+        dist = [a ** j * (1 - a) for j in range(k)] + [a ** k]
+        var = sum(p * j * j for j, p in enumerate(dist)) - sum(p * j for j, p in enumerate(dist)) ** 2
+        assert abs(mean - rate) <= 5 * math.sqrt(var / n) / k + 1e-12
         if 0 < rate < 1:
             # The token output at a rejection is the target's own sample: follows p_0 at position 0.
             rejected0 = out.num_accepted == 0
@@ -309,7 +320,7 @@ def reference_step(drafts: list[int], p: torch.Tensor, q: torch.Tensor | None, u
                 continue
             out.append(t)
             return out
-        if u[j] < rate:  # synthetic
+        if u[j] < synthetic_position_rate(rate, len(drafts)):  # synthetic
             out.append(x)
             continue
         out.append(sample(p[j], j))

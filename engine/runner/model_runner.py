@@ -9,6 +9,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
 from engine.models.loader import build_model
+from engine.parallel import get_tp_group
 from engine.runner.step_input import Chunk, StepInput, build_step_input
 
 logger = logging.getLogger("specserve")
@@ -54,6 +55,10 @@ class ModelRunner:
         full = max(g.spec.max_blocks_per_request(cfg.max_model_len) for g in self.kv_groups)
         wanted = cfg.max_num_seqs * full + 1
         n = min(budget // bytes_per_block, wanted)
+        # Tensor-parallel ranks may see different free memory, but the router's block tables address every
+        # rank's cache alike: all take the smallest count. Reduced before the check below so that a rank
+        # short of memory does not raise while the others wait in the collective.
+        n = int(get_tp_group().all_reduce_min(torch.tensor([n], dtype=torch.int64, device=self.device)).item())
         min_blocks = full + 1
         if n < min_blocks:
             raise ValueError(

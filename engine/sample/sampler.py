@@ -41,8 +41,14 @@ def random_exponential(md: SamplingMetadata, shape_per_row: Sequence[int],
     """[num_rows, *shape_per_row] float32 Exp(1) draws, > 0; generators as in `random_uniform`."""
     shape = (md.num_reqs, *shape_per_row)
     out = torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=md.default_generator)
-    for row, gen in md.generators.items():
-        out[row].exponential_(generator=gen)
+    if md.generators:
+        # A seeded greedy row never reads its noise (one-hot p wins the race with any E > 0), so it does
+        # not draw any: its generator's stream then does not depend on whether other rows are random.
+        # SYNC: one read of the temperatures, only when the batch has seeded rows.
+        temps = md.temperature.tolist()
+        for row, gen in md.generators.items():
+            if temps[row] > 0:
+                out[row].exponential_(generator=gen)
     return out.clamp_(min=_MIN_EXPONENTIAL)
 
 

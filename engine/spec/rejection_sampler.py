@@ -17,13 +17,16 @@ Modes:
   any temperature, top-k, top-p.
 - "strict": sample the target's own token t_j ~ p_j at every position (the argmax at temperature 0); accept
   x_j while x_j == t_j; output t_n. Lossless, as the output is literally the target's samples.
-- "synthetic" (benchmarks only, NOT lossless): accept each draft with a fixed probability
-  (u_j < rate, stop at the first failure) and output the target's own sample t_n.
+- "synthetic" (benchmarks only, NOT lossless): accept each draft with a fixed probability a_k
+  (u_j < a_k, stop at the first failure) and output the target's own sample t_n. The configured rate is the
+  mean acceptance rate users see (accepted / drafted, as vLLM's synthetic mode), so a_k is solved per draft
+  length k from E[accepted] / k = rate, where E[accepted] = a + a^2 + ... + a^k.
 Greedy rows output exactly the target's argmax tokens in the strict and probabilistic modes.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -65,13 +68,16 @@ def rejection_sample(draft_token_ids: Tensor,  # [num_reqs, max_k] int64, -1 bey
     vocab = target_logits.shape[-1]
     device = target_logits.device
 
-    uniforms = None
-    if mode != "strict" and max_k > 0:
-        uniforms = random_uniform(md, (max_k,), device)
+    # Noise first, uniforms second: a seeded row then consumes its generator as a prefix that does not
+    # depend on the batch's max_k (strict noise is row-major over positions, and uniforms beyond the
+    # row's own k are never read), so its result is the same in any batch.
     exponentials = None
     if not md.all_greedy:
         noise_positions = max_k + 1 if mode == "strict" else 1
         exponentials = random_exponential(md, (noise_positions, vocab), device)
+    uniforms = None
+    if mode != "strict" and max_k > 0:
+        uniforms = random_uniform(md, (max_k,), device)
     if md.all_greedy and mode != "probabilistic":
         # One-hot p only feeds an argmax here: skip softmax and top-k/top-p.
         target_probs = target_logits
@@ -120,7 +126,9 @@ def rejection_sample_from_noise(
         # accept always.
         accepted = (uniforms * q_x < p_x) & is_draft
     else:
-        accepted = (uniforms < synthetic_acceptance_rate) & is_draft
+        per_k = torch.tensor([synthetic_position_rate(synthetic_acceptance_rate, k) for k in range(max_k + 1)],
+                             dtype=uniforms.dtype, device=device)
+        accepted = (uniforms < per_k[num_draft_tokens][:, None]) & is_draft
     num_accepted = _prefix_length(accepted)
 
     # Only position n = num_accepted emits a sampled token, so build its distribution for that position
@@ -143,6 +151,20 @@ def rejection_sample_from_noise(
     n = num_accepted[:, None]
     out = torch.where(positions < n, draft_ext, torch.where(positions == n, last_token[:, None], -1))
     return RejectionOutput(out, num_accepted, num_accepted + 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def synthetic_position_rate(rate: float, k: int) -> float:
+    """The per-position acceptance probability a for which accepted / drafted averages `rate` at draft
+    length k: solves (a + a^2 + ... + a^k) / k = rate by bisection (the left side increases with a)."""
+    if k <= 1 or rate in (0.0, 1.0):
+        return float(rate)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        mean = sum(a ** i for i in range(1, k + 1)) / k
+        lo, hi = (a, hi) if mean < rate else (lo, a)
+    return (lo + hi) / 2
 
 
 def _prefix_length(accepted: Tensor) -> Tensor:

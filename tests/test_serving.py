@@ -1,0 +1,413 @@
+"""The serving stack end to end: a real local Ray, Serve's HTTP and gRPC proxies on 127.0.0.1, the router
+actor driving the real SmolLM2-135M with itself as the draft (k=3, so speculation really runs and accepts).
+
+The oracle is the offline engine (engine.LLM) with the same settings in this process: served greedy and
+seeded-sampled outputs must equal it token for token, whichever front end (raw HTTP, SSE, the official
+openai client, gRPC) they come through.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from deploy.config import ServeConfig, load_config
+from engine import LLM, SamplingParams
+from serving.grpc_service import SERVICER_FUNCTION
+from serving.proto import specserve_pb2 as pb
+from serving.proto import specserve_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+ENGINE = dict(model=MODEL, draft_model=MODEL, num_speculative_tokens=3, rejection_sampling="probabilistic",
+              max_model_len=512, device="cpu")
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+SAMPLED = dict(temperature=0.8, top_p=0.95, top_k=40, seed=1234)
+DESIGN_METRICS = [
+    "specserve_spec_decode_num_drafts_total", "specserve_spec_decode_num_draft_tokens_total",
+    "specserve_spec_decode_num_accepted_tokens_total", "specserve_spec_decode_num_accepted_tokens_per_pos_total",
+    "specserve_prompt_tokens_total", "specserve_generation_tokens_total", "specserve_request_success_total",
+    "specserve_num_requests_running", "specserve_num_requests_waiting", "specserve_kv_cache_usage_perc",
+    "specserve_time_to_first_token_seconds", "specserve_inter_token_latency_seconds",
+    "specserve_e2e_request_latency_seconds", "specserve_step_duration_seconds",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    base: str
+    grpc_target: str
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.base, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server():
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app
+
+    http_port, grpc_port = _free_port(), _free_port()
+    ray.init(num_cpus=4, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                    grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]})
+        serve.run(build_app(dict(ENGINE)), name="specserve", route_prefix="/")
+        yield Server(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(**ENGINE)
+
+
+def _offline(llm: LLM, prompt: str | list[dict], **params) -> tuple[str, list[int]]:
+    sp = SamplingParams(**params)
+    out = llm.chat(prompt, sp) if isinstance(prompt, list) else llm.generate([prompt], sp)[0]
+    return out.text, out.token_ids
+
+
+def _sse_events(resp: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE body; checks the framing on the way."""
+    body = resp.text
+    assert body.endswith("data: [DONE]\n\n")
+    events = body.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[len("data: "):] for e in events]
+
+
+def _assert_spec(spec: dict, completion_tokens: int) -> None:
+    assert spec["num_drafts"] > 0  # speculation really ran
+    assert 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert sum(spec["accepted_per_position"]) == spec["num_accepted_tokens"]
+    assert spec["num_accepted_tokens"] < completion_tokens
+    assert spec["acceptance_rate"] == pytest.approx(spec["num_accepted_tokens"] / spec["num_draft_tokens"])
+    assert spec["acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+
+
+# --- completions and chat ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), SAMPLED], ids=["greedy", "seeded"])
+def test_completion_matches_offline(server: Server, llm: LLM, sampling: dict) -> None:
+    text, ids = _offline(llm, PROMPT, max_tokens=16, **sampling)
+    with server.http() as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16, **sampling})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
+    choice = body["choices"][0]
+    assert choice["text"] == text and choice["index"] == 0 and choice["logprobs"] is None
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["completion_tokens"] == len(ids)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    _assert_spec(body["spec_decode"], usage["completion_tokens"])
+
+
+def test_completion_token_id_prompt(server: Server, llm: LLM) -> None:
+    prompt_ids = llm.tokenizer(PROMPT)["input_ids"]
+    text, _ = _offline(llm, PROMPT, max_tokens=8, temperature=0.0)
+    with server.http() as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt_ids, "max_tokens": 8,
+                                            "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == text
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), SAMPLED], ids=["greedy", "seeded"])
+def test_chat_matches_offline(server: Server, llm: LLM, sampling: dict) -> None:
+    text, ids = _offline(llm, CHAT, max_tokens=16, **sampling)
+    with server.http() as c:
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 16, **sampling})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert body["usage"]["completion_tokens"] == len(ids)
+    _assert_spec(body["spec_decode"], len(ids))
+
+
+def test_completion_stream_sse(server: Server, llm: LLM) -> None:
+    text, ids = _offline(llm, PROMPT, max_tokens=16, temperature=0.0)
+    with server.http() as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
+                                            "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = [json.loads(e) for e in _sse_events(r)[:-1]]
+    assert len(chunks) > 1
+    assert all(ch["object"] == "text_completion" for ch in chunks)
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == text
+    assert all(ch["choices"][0]["finish_reason"] is None for ch in chunks[:-1])
+    last = chunks[-1]
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert last["usage"]["completion_tokens"] == len(ids)
+    _assert_spec(last["spec_decode"], len(ids))
+
+
+def test_chat_stream_sse(server: Server, llm: LLM) -> None:
+    text, _ = _offline(llm, CHAT, max_tokens=16, temperature=0.0)
+    with server.http() as c:
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 16,
+                                                 "temperature": 0, "stream": True})
+    chunks = [json.loads(e) for e in _sse_events(r)[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+    assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks) == text
+    assert chunks[-1]["choices"][0]["finish_reason"] is not None and "spec_decode" in chunks[-1]
+
+
+def test_stop_string_streamed_equals_offline(server: Server, llm: LLM) -> None:
+    """A stop string cut off inside a speculative window: no stream ever shows text past it."""
+    full, _ = _offline(llm, PROMPT, max_tokens=16, temperature=0.0)
+    stop = full.strip().split()[2]
+    text, _ = _offline(llm, PROMPT, max_tokens=16, temperature=0.0, stop=[stop])
+    req = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stop": stop}
+    with server.http() as c:
+        plain = c.post("/v1/completions", json=req).json()
+        streamed = c.post("/v1/completions", json={**req, "stream": True})
+    assert plain["choices"][0]["text"] == text and plain["choices"][0]["finish_reason"] == "stop"
+    chunks = [json.loads(e) for e in _sse_events(streamed)[:-1]]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == text
+    assert stop not in text
+
+
+def test_openai_client(server: Server, llm: LLM) -> None:
+    client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x")
+    text, _ = _offline(llm, PROMPT, max_tokens=12, temperature=0.0)
+    chat_text, _ = _offline(llm, CHAT, max_tokens=12, temperature=0.0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert resp.choices[0].text == text and resp.usage.completion_tokens > 0
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content == chat_text and chat.choices[0].message.role == "assistant"
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == text
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == chat_text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+
+
+def test_concurrent_requests_batch(server: Server, llm: LLM) -> None:
+    """Requests in flight together share the router's batch and each still gets its own offline output."""
+    prompts = [PROMPT, "Once upon a time", "def fibonacci(n):"]
+    expected = [_offline(llm, p, max_tokens=12, **SAMPLED)[0] for p in prompts]
+    results: list[str | None] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        with server.http() as c:
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompts[i], "max_tokens": 12, **SAMPLED})
+            results[i] = r.json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected
+
+
+# --- gRPC -------------------------------------------------------------------------------------------------
+def test_grpc_generate_streams(server: Server, llm: LLM) -> None:
+    text, ids = _offline(llm, PROMPT, max_tokens=16, temperature=0.0)
+    with server.http() as c:
+        http_text = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16,
+                                                    "temperature": 0}).json()["choices"][0]["text"]
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        responses = list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=16, temperature=0.0),
+                                       timeout=120))
+    assert len(responses) > 1
+    assert "".join(r.text for r in responses) == http_text == text
+    assert [t for r in responses for t in r.token_ids] == ids
+    assert any(len(r.token_ids) > 1 for r in responses)  # speculation: several tokens in one step
+    assert [r.finish_reason for r in responses[:-1]] == [""] * (len(responses) - 1)
+    last = responses[-1]
+    assert last.finish_reason == "length" and last.usage.completion_tokens == len(ids)
+    assert 0 < last.spec_decode.num_accepted_tokens <= last.spec_decode.num_draft_tokens
+
+
+def test_grpc_seeded_matches_http(server: Server) -> None:
+    with server.http() as c:
+        http_text = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12,
+                                                    **SAMPLED}).json()["choices"][0]["text"]
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        req = pb.GenerateRequest(prompt=PROMPT, max_tokens=12, temperature=SAMPLED["temperature"],
+                                 top_p=SAMPLED["top_p"], top_k=SAMPLED["top_k"], seed=SAMPLED["seed"])
+        text = "".join(r.text for r in pb_grpc.GenerationStub(channel).Generate(req, timeout=120))
+    assert text == http_text
+
+
+@pytest.mark.parametrize("request_kwargs", [dict(prompt=""), dict(prompt=PROMPT, max_tokens=-1),
+                                            dict(prompt=PROMPT, temperature=-1.0)], ids=["empty", "max", "temp"])
+def test_grpc_invalid_argument(server: Server, request_kwargs: dict) -> None:
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(**request_kwargs), timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details()
+
+
+# --- models, health, metrics ------------------------------------------------------------------------------
+def test_models_and_health(server: Server) -> None:
+    with server.http() as c:
+        models = c.get("/v1/models").json()
+        health = c.get("/health")
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert health.status_code == 200
+
+
+def _scrape(c: httpx.Client) -> dict[str, float]:
+    r = c.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    values = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_agree_with_responses(server: Server) -> None:
+    with server.http() as c:
+        before = _scrape(c)
+        usages = []
+        for prompt, n in ((PROMPT, 10), ("Once upon a time", 6)):
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0})
+            usages.append(r.json()["usage"])
+        after = _scrape(c)
+        text = c.get("/metrics").text
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    for name in DESIGN_METRICS:
+        assert re.search(rf"^{name}[{{ ]", text, re.M) or f"{name}_bucket" in text, name
+    assert delta("specserve_generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert delta("specserve_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    success = sum(delta(f'specserve_request_success_total{{finished_reason="{r}"}}') for r in ("stop", "length"))
+    assert success == len(usages)
+    drafted = after["specserve_spec_decode_num_draft_tokens_total"]
+    accepted = after["specserve_spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted <= drafted and after["specserve_spec_decode_num_drafts_total"] > 0
+    per_pos = sum(v for k, v in after.items() if k.startswith("specserve_spec_decode_num_accepted_tokens_per_pos"))
+    assert per_pos == accepted
+    assert after["specserve_num_requests_running"] == 0 and after["specserve_num_requests_waiting"] == 0
+    for model in ("target", "draft"):
+        assert f'specserve_kv_cache_usage_perc{{model="{model}",kv_group="0"}}' in after
+    for phase in ("propose", "verify", "sample"):
+        assert after[f'specserve_step_duration_seconds_count{{phase="{phase}"}}'] > 0
+    assert delta("specserve_e2e_request_latency_seconds_count") == len(usages)
+    assert delta("specserve_time_to_first_token_seconds_count") == len(usages)
+
+
+def test_client_disconnect_aborts_request(server: Server) -> None:
+    """Closing a stream mid-generation aborts the request: it leaves the batch and frees its KV blocks."""
+    with server.http() as c:
+        before = _scrape(c)
+        with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 400,
+                                                       "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+        deadline = time.time() + 60
+        while True:
+            now = _scrape(c)
+            idle = now["specserve_num_requests_running"] == 0 and all(
+                v == 0 for k, v in now.items() if k.startswith("specserve_kv_cache_usage_perc"))
+            if idle or time.time() > deadline:
+                break
+            time.sleep(0.5)
+    assert idle, {k: v for k, v in now.items() if "running" in k or "kv_cache" in k}
+    assert now["specserve_generation_tokens_total"] - before["specserve_generation_tokens_total"] < 400
+    assert now["specserve_request_aborted_total"] > before.get("specserve_request_aborted_total", 0)
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+def _assert_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def test_errors_are_openai_shaped_4xx(server: Server) -> None:
+    with server.http() as c:
+        err = _assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0}),
+                            400)
+        assert err["param"] == "max_tokens" and err["type"] == "invalid_request_error"
+        _assert_error(c.post("/v1/completions", content=b'{"model": "x", "prompt": ',
+                             headers={"content-type": "application/json"}), 400)
+        err = _assert_error(c.post("/v1/completions", json={"model": "gpt-4", "prompt": PROMPT}), 404)
+        assert err["code"] == "model_not_found"
+        assert _assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "n": 2}),
+                             400)["param"] == "n"
+        _assert_error(c.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "n": 2}), 400)
+        _assert_error(c.post("/v1/completions", json={"model": MODEL}), 400)  # no prompt
+        _assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "temperature": -1}), 400)
+        _assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": "many"}),
+                      400)
+        _assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": [10**9]}), 400)
+        _assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0,
+                                                      "stream": True}), 400)
+        _assert_error(c.post("/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
+        # The server is unharmed: a good request still works.
+        ok = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+# --- configuration (no Ray) -------------------------------------------------------------------------------
+def test_config_yaml_and_flags(tmp_path) -> None:
+    f = tmp_path / "serve.yaml"
+    f.write_text("model: m1\ndraft-model: none\nnum_speculative_tokens: 2\nport: 9100\n"
+                 "autoscaling_config: {min_replicas: 1, max_replicas: 3}\n")
+    cfg = load_config(f, {"port": 9200, "max_model_len": "256"})
+    assert (cfg.model, cfg.draft_model, cfg.num_speculative_tokens, cfg.port, cfg.max_model_len) == \
+        ("m1", None, 2, 9200, 256)
+    assert cfg.autoscaling_config == {"min_replicas": 1, "max_replicas": 3}
+    assert ServeConfig.from_dict({"num_replicas": "2", "device": "cpu"}).num_replicas == 2
+    with pytest.raises(ValueError, match="unknown config field"):
+        ServeConfig.from_dict({"num_speculative_token": 3})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        ServeConfig.from_dict({"num_speculative_tokens": "three"})
+    # No draft bundled for the default model (yet): "auto" serves without speculation rather than failing.
+    from engine.models.source import BUNDLED_MODELS
+
+    expected = "smollm2-135m-draft" if "smollm2-135m-draft" in BUNDLED_MODELS else None
+    assert ServeConfig().resolved_draft() == expected
+
+
+def test_cli_serve_flags_parse() -> None:
+    from deploy.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--draft-model", "d", "--num-speculative-tokens", "3",
+                                      "--grpc-port", "9001", "--config", "c.yaml"])
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose", "config")}
+    assert given == {"model": "m", "draft_model": "d", "num_speculative_tokens": 3, "grpc_port": 9001}
+    assert args.config == "c.yaml"
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).command == "generate"
