@@ -47,12 +47,12 @@ class OutputProcessor:
         params = request.params
         for n, tok in enumerate(new_tokens, start=1):
             request.output_token_ids.append(tok)
-            self._add_text(request, tok)
+            new_text = self._add_text(request, tok)
             if tok in params.stop_token_ids:
                 self._finish(request, RequestStatus.FINISHED_STOPPED, tok)
             elif tok in self.eos_token_ids and not params.ignore_eos:
                 self._finish(request, RequestStatus.FINISHED_STOPPED, None)
-            elif params.stop and self._hit_stop_string(request):
+            elif params.stop and new_text and self._hit_stop_string(request, len(new_text)):
                 pass  # _hit_stop_string finished it
             elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 self._finish(request, RequestStatus.FINISHED_LENGTH, None)
@@ -60,22 +60,27 @@ class OutputProcessor:
                 return n
         return len(new_tokens)
 
-    def _add_text(self, request: Request, tok: int) -> None:
+    def _add_text(self, request: Request, tok: int) -> str:
         if self.tokenizer is None:
-            return
+            return ""
         det = self._detok.get(request.request_id)
         if det is None:
             det = self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        request.output_text += det.add(tok)
+        new_text = det.add(tok)
+        request.output_text += new_text
+        return new_text
 
-    def _hit_stop_string(self, request: Request) -> bool:
+    def _hit_stop_string(self, request: Request, num_new_chars: int) -> bool:
+        """Search only where a stop string could newly end: the new text plus the longest stop's overlap."""
         text = request.output_text
-        for s in request.params.stop:
-            idx = text.find(s)
-            if idx != -1:
-                request.output_text = text[:idx]  # the stop string itself is not returned (OpenAI)
-                self._finish(request, RequestStatus.FINISHED_STOPPED, s)
-                return True
+        longest = max(len(s) for s in request.params.stop)
+        start = max(0, len(text) - num_new_chars - longest + 1)
+        hits = [(idx, s) for s in request.params.stop if (idx := text.find(s, start)) != -1]
+        if hits:
+            idx, stop = min(hits)  # the earliest stop string in the text wins
+            request.output_text = text[:idx]  # the stop string itself is not returned (OpenAI)
+            self._finish(request, RequestStatus.FINISHED_STOPPED, stop)
+            return True
         return False
 
     def _finish(self, request: Request, status: RequestStatus, reason: str | int | None) -> None:
