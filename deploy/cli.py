@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 import time
+
+from deploy.distill_cli import _add_distill_parser
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -66,6 +71,74 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Flags default to "not given" (SUPPRESS), so a --config file's values hold unless a flag overrides them.
+    Defaults and meanings are deploy.config.ServeConfig's."""
+    s = argparse.SUPPRESS
+    p.add_argument("--config", default=None, metavar="FILE", help="YAML file of ServeConfig fields (flags override)")
+    p.add_argument("--model", default=s, help=f"bundled name, HF directory or .gguf path (default {DEFAULT_MODEL})")
+    p.add_argument("--draft-model", default=s,
+                   help="draft for speculative decoding; 'none' = off; default 'auto': the bundled draft of the "
+                        "default model when installed")
+    p.add_argument("--num-speculative-tokens", type=int, default=s, help="draft tokens per step, k (default 4)")
+    p.add_argument("--rejection-sampling", default=s, choices=["strict", "probabilistic", "synthetic"])
+    p.add_argument("--synthetic-acceptance-rate", type=float, default=s)
+    p.add_argument("--tensor-parallel-size", type=int, default=s)
+    p.add_argument("--draft-tensor-parallel-size", type=int, default=s)
+    p.add_argument("--max-model-len", type=int, default=s)
+    p.add_argument("--device", default=s, help="cpu or cuda (default: cuda when the cluster has GPUs)")
+    p.add_argument("--dtype", default=s)
+    p.add_argument("--seed", type=int, default=s)
+    p.add_argument("--served-model-name", default=s, help="model name clients send (default: --model)")
+    p.add_argument("--host", default=s, help="HTTP bind address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=s, help="HTTP port (default 8000)")
+    p.add_argument("--grpc-port", type=int, default=s, help="gRPC port (default 9000)")
+    p.add_argument("--num-replicas", type=int, default=s, help="HTTP/gRPC replicas in front of the router")
+    p.add_argument("--max-ongoing-requests", type=int, default=s)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app_from_config
+    from deploy.config import load_config
+    from serving.grpc_service import SERVICER_FUNCTION
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose", "config")}
+    cfg = load_config(args.config, flags)
+    app = build_app_from_config(cfg)  # validates the config before Ray starts
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"])  # join the cluster (KubeRay head, `ray start`)
+    else:
+        # A local cluster for this process. At least 4 logical CPUs: the HTTP replica, the router and one
+        # worker per model rank each reserve one, and on a small box they would otherwise wait forever for
+        # each other; they are single-threaded and mostly idle, so oversubscribing the cores is harmless.
+        ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": cfg.host, "port": cfg.port},
+                    grpc_options={"port": cfg.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]})
+        serve.run(app, name="specserve", route_prefix="/")
+        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        print(f"specserve: serving {cfg.served_model_name or cfg.model}\n"
+              f"  OpenAI HTTP  http://{host}:{cfg.port}/v1\n"
+              f"  gRPC         {host}:{cfg.grpc_port} (specserve.v1.Generation)\n"
+              f"  metrics      http://{host}:{cfg.port}/metrics\n"
+              "Ctrl-C to stop.", flush=True)
+        while not stop.wait(1.0):
+            pass
+        print("specserve: shutting down", file=sys.stderr, flush=True)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="LLM serving with speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -83,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="serve over OpenAI-compatible HTTP and gRPC on Ray Serve")
+    _add_serve_args(srv)
+    srv.set_defaults(func=_serve)
+    _add_distill_parser(sub)
     return parser
 
 

@@ -19,6 +19,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.config import ServeConfig, load_config
 from engine import LLM, SamplingParams
@@ -79,8 +80,17 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(**ENGINE)
+def llm():
+    import torch
+
+    # One thread, like the router: on this project's small CPU runners two threads make a 135M-model step
+    # many times slower, not faster.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LLM(**ENGINE)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _offline(llm: LLM, prompt: str | list[dict], **params) -> tuple[str, list[int]]:
@@ -284,13 +294,14 @@ def test_models_and_health(server: Server) -> None:
 
 
 def _scrape(c: httpx.Client) -> dict[str, float]:
+    """Sample name with its labels, in the exposition's own order (`name{a="1",b="2"}`), to value."""
     r = c.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     values = {}
-    for line in r.text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return values
 
 
@@ -320,7 +331,7 @@ def test_metrics_agree_with_responses(server: Server) -> None:
     assert per_pos == accepted
     assert after["specserve_num_requests_running"] == 0 and after["specserve_num_requests_waiting"] == 0
     for model in ("target", "draft"):
-        assert f'specserve_kv_cache_usage_perc{{model="{model}",kv_group="0"}}' in after
+        assert f'specserve_kv_cache_usage_perc{{kv_group="0",model="{model}"}}' in after
     for phase in ("propose", "verify", "sample"):
         assert after[f'specserve_step_duration_seconds_count{{phase="{phase}"}}'] > 0
     assert delta("specserve_e2e_request_latency_seconds_count") == len(usages)
@@ -381,6 +392,55 @@ def test_errors_are_openai_shaped_4xx(server: Server) -> None:
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
 
+# --- recovery (last: they replace the router) -------------------------------------------------------------
+def _router_handle():
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("::router")]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0], namespace="serve")
+
+
+def _wait_until_served_again(server: Server) -> list[int]:
+    """Statuses of a good request, retried until it succeeds; every failure must be an OpenAI-shaped 503."""
+    statuses = []
+    with server.http() as c:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+            statuses.append(r.status_code)
+            if r.status_code == 200:
+                break
+            _assert_error(r, 503)
+            time.sleep(1.0)
+        assert statuses[-1] == 200, statuses
+        assert c.get("/health").status_code == 200
+    return statuses
+
+
+def test_model_worker_death_replaces_router(server: Server) -> None:
+    """A dead model worker (a crashed GPU process) is found by the next health probe; the router reports
+    unhealthy, ends itself, and Serve's controller builds a new router with new workers."""
+    import ray
+
+    if not ray.get(_router_handle().__ray_call__.remote(lambda r: hasattr(r.engine.executor, "workers"))):
+        pytest.skip("the router runs the models in-process: no worker actors to kill")
+    workers = ray.get(_router_handle().__ray_call__.remote(lambda r: [w for _, _, w in r.engine.executor.workers()]))
+    ray.kill(workers[0], no_restart=True)
+    with server.http() as c:
+        assert c.get("/health").status_code == 503
+    _wait_until_served_again(server)
+
+
+def test_router_recreated_after_it_dies(server: Server) -> None:
+    """Kill the router actor: requests get 503s in OpenAI's shape (never a hang or a 500) until Serve's
+    controller has created a new router (with new model workers), then the same replica serves again."""
+    import ray
+
+    ray.kill(_router_handle(), no_restart=True)
+    assert 503 in _wait_until_served_again(server)
+
+
 # --- configuration (no Ray) -------------------------------------------------------------------------------
 def test_config_yaml_and_flags(tmp_path) -> None:
     f = tmp_path / "serve.yaml"
@@ -395,11 +455,16 @@ def test_config_yaml_and_flags(tmp_path) -> None:
         ServeConfig.from_dict({"num_speculative_token": 3})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         ServeConfig.from_dict({"num_speculative_tokens": "three"})
-    # No draft bundled for the default model (yet): "auto" serves without speculation rather than failing.
-    from engine.models.source import BUNDLED_MODELS
+    # "auto": the bundled draft of the default model where it resolves; else no speculation rather than failing.
+    from engine.models.source import resolve_model
 
-    expected = "smollm2-135m-draft" if "smollm2-135m-draft" in BUNDLED_MODELS else None
+    try:
+        expected = str(resolve_model("smollm2-135m-draft").name)
+    except ValueError:
+        expected = None
     assert ServeConfig().resolved_draft() == expected
+    assert ServeConfig(model="gemma3-270m").resolved_draft() is None
+    assert ServeConfig(draft_model="some-draft").resolved_draft() == "some-draft"
 
 
 def test_cli_serve_flags_parse() -> None:

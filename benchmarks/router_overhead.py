@@ -1,0 +1,187 @@
+"""Per-step dispatch overhead of the Ray executor: Ray Compiled Graph vs plain actor calls vs in process.
+
+    python benchmarks/router_overhead.py [--device cpu|cuda] [--batch-sizes 1 16] [--k 4] [--vocab 128]
+                                         [--target-tp 1] [--draft-tp 1] [--steps 300] [--save-json out.json]
+
+The same decode StepPlan (every request at the same position, so the KV writes overwrite themselves) runs
+many times through LocalExecutor (target and draft in this process), RayExecutor with a compiled graph, and
+RayExecutor with plain `.remote()` calls; a tiny random model keeps the models' own work small, so the
+differences are the dispatch: plan serialization, channels or RPCs, the proposal's trip from the draft to the
+target, the result's trip back. Two raw Ray figures (one actor call; a two-hop compiled graph of no-op
+methods) anchor the table to shared/device/README.md. Medians after warm-up; the table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, markdown_table, save_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import ray  # noqa: E402
+
+from engine.config import EngineConfig, ModelConfig, resolve_dtype  # noqa: E402
+from engine.executor import LocalExecutor  # noqa: E402
+from engine.runner.model_runner import ModelRunner  # noqa: E402
+from engine.step_plan import PlannedRequest, StepPlan  # noqa: E402
+from serving.ray_executor import RayExecutor  # noqa: E402
+
+MAX_MODEL_LEN = 256
+POSITION = 40  # each request's decode position: a few blocks of (zero) KV behind it
+
+
+def tiny_model(path: Path, vocab: int, layers: int, seed: int) -> str:
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_MODEL_LEN,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return str(path)
+
+
+def decode_plan(batch: int, k: int, num_target_groups: int, num_draft_groups: int, block_size: int,
+                vocab: int) -> StepPlan:
+    """One decode step per request (speculating k tokens if k > 0), each request on its own blocks."""
+    per_req = -(-(POSITION + k + 2) // block_size)
+    reqs = []
+    for i in range(batch):
+        blocks = list(range(i * per_req, (i + 1) * per_req))
+        tok = 3 + (7 * i) % (vocab - 3)
+        reqs.append(PlannedRequest(
+            request_id=f"r{i}", token_ids=[tok], start_pos=POSITION, num_draft_tokens=k, sample=True,
+            block_tables=[blocks] * num_target_groups, draft_token_ids=[tok] if k else [],
+            draft_start_pos=POSITION, draft_block_tables=[blocks] * num_draft_groups))
+    return StepPlan(0, reqs, "probabilistic" if k else None)
+
+
+def median_ms(fn: Callable[[], object], steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()  # every executor returns host values: the step's device work is finished here
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def raw_ray_figures(steps: int, warmup: int) -> dict[str, float]:
+    from ray.dag import InputNode, MultiOutputNode
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def f(self, x: object) -> object:
+            return x
+
+    a, b = Echo.remote(), Echo.remote()
+    out = {"actor_call_ms": median_ms(lambda: ray.get(a.f.remote(1)), steps, warmup)}
+    with InputNode() as inp:
+        dag = MultiOutputNode([b.f.bind(a.f.bind(inp))])
+    graph = dag.experimental_compile()
+    out["compiled_graph_2hop_ms"] = median_ms(lambda: ray.get(graph.execute(1)), steps, warmup)
+    graph.teardown()
+    for h in (a, b):
+        ray.kill(h)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=128, help="49152 shows the cost of shipping draft probabilities")
+    ap.add_argument("--target-tp", type=int, default=1)
+    ap.add_argument("--draft-tp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--save-json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"],
+                                                                                   "router_overhead.json"))
+    args = ap.parse_args()
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the workers run one thread each; the in-process baseline does too
+    tmp = Path(tempfile.mkdtemp())
+    target = tiny_model(tmp / "target", args.vocab, layers=2, seed=0)
+    draft = tiny_model(tmp / "draft", args.vocab, layers=1, seed=1)
+    config = EngineConfig(device=device, dtype=resolve_dtype(None, device), max_model_len=MAX_MODEL_LEN,
+                          block_size=16, max_num_seqs=max(args.batch_sizes))
+    ray.init(num_cpus=max(4, 2 * (args.target_tp + args.draft_tp)), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                 [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}})
+    raw = raw_ray_figures(args.steps, args.warmup)
+    print(raw, flush=True)
+
+    rows = []
+    for k in (0, args.k):
+        draft_path = draft if k else None
+        cfgs = {name: ModelConfig.from_path(p) for name, p in (("target", target), ("draft", draft_path)) if p}
+        for c in cfgs.values():
+            c.max_model_len = MAX_MODEL_LEN
+        local = LocalExecutor(ModelRunner(cfgs["target"], config, "target"),
+                              ModelRunner(cfgs["draft"], config, "draft") if k else None, keep_draft_probs=True,
+                              seed=0)
+        plans = {bs: decode_plan(bs, k, len(local.target_kv_groups), len(local.draft_kv_groups or []), 16,
+                                 args.vocab) for bs in args.batch_sizes}
+        executors: dict[str, LocalExecutor | RayExecutor] = {"local": local}
+        for compiled in (True, False):
+            executors["compiled" if compiled else "plain"] = RayExecutor(
+                target, config, draft_path, rejection_sampling="probabilistic" if k else None,
+                tensor_parallel_size=args.target_tp, draft_tensor_parallel_size=args.draft_tp,
+                use_compiled_graph=compiled)
+        # Rounds interleave the variants, so drifting background load (Ray's own processes on a small CPU box)
+        # falls on all of them alike.
+        samples: dict[tuple[str, int], list[float]] = {}
+        dispatch: dict[int, list[float]] = {}
+        try:
+            for ex in executors.values():
+                for plan in plans.values():
+                    for _ in range(args.warmup):
+                        ex.execute(plan)
+            for _ in range(args.rounds):
+                for bs, plan in plans.items():
+                    for name, ex in executors.items():
+                        for _ in range(args.steps // args.rounds):
+                            t0 = time.perf_counter()
+                            result = ex.execute(plan)  # host values back: the step's device work is finished
+                            samples.setdefault((name, bs), []).append(time.perf_counter() - t0)
+                            if name == "compiled":
+                                dispatch.setdefault(bs, []).append(result.phase_seconds["dispatch"])
+        finally:
+            for ex in executors.values():
+                if isinstance(ex, RayExecutor):
+                    ex.shutdown()
+        timings = {name: {bs: statistics.median(samples[(name, bs)]) * 1e3 for bs in plans} for name in executors}
+        phases = {bs: {"dispatch": statistics.median(d) * 1e3} for bs, d in dispatch.items()}
+        for bs in args.batch_sizes:
+            loc, cg, pl = timings["local"][bs], timings["compiled"][bs], timings["plain"][bs]
+            rows.append({"k": k, "batch": bs, "target_tp": args.target_tp, "draft_tp": args.draft_tp if k else None,
+                         "local_ms": loc, "compiled_ms": cg, "plain_ms": pl, "compiled_overhead_ms": cg - loc,
+                         "plain_overhead_ms": pl - loc, "compiled_dispatch_ms": phases[bs].get("dispatch")})
+            print(rows[-1], flush=True)
+    ray.shutdown()
+
+    env = environment() | {"vocab": args.vocab, "steps": args.steps}
+    save_json(args.save_json, {"environment": env, "raw_ray": raw, "rows": rows})
+    print(f"\n{env}\nraw Ray: one actor call {raw['actor_call_ms']:.3f} ms, two-hop compiled graph "
+          f"{raw['compiled_graph_2hop_ms']:.3f} ms (medians)\n")
+    print(markdown_table(rows, ["k", "batch", "target_tp", "draft_tp", "local_ms", "compiled_ms", "plain_ms",
+                                "compiled_overhead_ms", "plain_overhead_ms", "compiled_dispatch_ms"]))
+
+
+if __name__ == "__main__":
+    main()

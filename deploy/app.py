@@ -1,0 +1,63 @@
+"""The application builder that `serve run` and KubeRay import.
+
+    serve run deploy.app:build_app model=smollm2-135m-instruct draft_model=smollm2-135m-instruct \
+        num_speculative_tokens=3 max_model_len=1024
+
+KubeRay (serveConfigV2):
+
+    applications:
+      - name: specserve
+        import_path: deploy.app:build_app
+        route_prefix: /
+        args: {model: smollm2-135m-instruct, draft_model: smollm2-135m-draft, num_speculative_tokens: 4,
+               autoscaling_config: {min_replicas: 1, max_replicas: 4}}
+    grpcOptions:
+      port: 9000
+      grpcServicerFunctions: [serving.proto.specserve_pb2_grpc.add_GenerationServicer_to_server]
+
+`args` take deploy.config.ServeConfig's fields; host/port/grpc_port are ignored here (Serve's http/grpc
+options own the endpoints).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray import serve
+
+from deploy.config import ServeConfig
+
+logger = logging.getLogger("specserve")
+
+
+def _default_device() -> str:
+    """cuda when the cluster (not necessarily this process's node: KubeRay builds apps on the head) has
+    GPUs, so the router asks Ray for one."""
+    import ray
+
+    if ray.is_initialized():
+        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_app_from_config(cfg: ServeConfig) -> serve.Application:
+    from serving.app import build_application
+    from serving.router import DEFAULT_ENGINE_BUILDER
+
+    engine_args = cfg.engine_args()
+    if engine_args["device"] is None:
+        engine_args["device"] = _default_device()
+    logger.info("specserve app: %s", engine_args)
+    return build_application(engine_args, served_model_name=cfg.served_model_name,
+                             engine_builder=cfg.engine_builder or DEFAULT_ENGINE_BUILDER,
+                             num_replicas=cfg.num_replicas, autoscaling_config=cfg.autoscaling_config,
+                             max_ongoing_requests=cfg.max_ongoing_requests, ray_actor_options=cfg.ray_actor_options,
+                             router_options=cfg.router_actor_options)
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """`serve run deploy.app:build_app key=value ...` / KubeRay `args`: ServeConfig fields."""
+    return build_app_from_config(ServeConfig.from_dict(dict(args or {})))

@@ -1,0 +1,164 @@
+"""Serving configuration: one set of field names for `specserve serve` flags, `--config` YAML files, the
+`serve run deploy.app:build_app key=value` arguments and KubeRay's serveConfigV2 `args`.
+
+Precedence: defaults < YAML file < command-line flags. Values may arrive as strings (`serve run` passes
+`key=value` text); they are converted to the field's type, and unknown keys are errors that list the
+known ones, so a typo in a config file does not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+logger = logging.getLogger("specserve")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_DRAFT = "smollm2-135m-draft"  # the bundled distilled draft of DEFAULT_MODEL
+AUTO = "auto"
+
+
+@dataclass
+class ServeConfig:
+    # --- models and speculation (engine.LLM's arguments) ---------------------------------------------
+    model: str = DEFAULT_MODEL
+    draft_model: str | None = AUTO  # "auto": the bundled draft for the default model if installed; none = off
+    num_speculative_tokens: int = 4
+    rejection_sampling: str = "probabilistic"
+    synthetic_acceptance_rate: float | None = None
+    tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    device: str | None = None  # None: cuda when the cluster has GPUs, else cpu
+    dtype: str | None = None
+    seed: int = 0
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineConfig extras (max_num_seqs, ...)
+    engine_builder: str | None = None  # "module:function" building the EngineCore; None = the default
+    served_model_name: str | None = None  # the name clients send as `model`; default: `model`
+    # --- endpoints (the CLI's serve.start; `serve run`/KubeRay set these in their own config) --------
+    host: str = "0.0.0.0"
+    port: int = 8000
+    grpc_port: int = 9000
+    # --- Serve deployment ----------------------------------------------------------------------------
+    num_replicas: int | None = 1
+    autoscaling_config: dict[str, Any] | None = None  # passed to Serve as is; replaces num_replicas
+    max_ongoing_requests: int = 128
+    ray_actor_options: dict[str, Any] | None = None  # of each HTTP/gRPC replica
+    router_actor_options: dict[str, Any] | None = None  # of the router actor (resources)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ServeConfig:
+        return cls(**coerce(values))
+
+    def updated(self, values: dict[str, Any]) -> ServeConfig:
+        return dataclasses.replace(self, **coerce(values))
+
+    def resolved_draft(self) -> str | None:
+        """`draft_model` with "auto" decided: the bundled draft of the default model, when it resolves here."""
+        if self.draft_model != AUTO:
+            return self.draft_model
+        if self.model != DEFAULT_MODEL:
+            return None
+        from engine.models.source import BUNDLED_MODELS, resolve_model
+
+        try:
+            if DEFAULT_DRAFT not in BUNDLED_MODELS:
+                raise ValueError("not a bundled name in this version")
+            resolve_model(DEFAULT_DRAFT)  # a directory check for the bundled draft: cheap
+        except ValueError as e:
+            logger.warning("no bundled draft model %r (%s): serving %s without speculative decoding",
+                           DEFAULT_DRAFT, e, self.model)
+            return None
+        return DEFAULT_DRAFT
+
+    def engine_args(self) -> dict[str, Any]:
+        """engine.LLM's keyword arguments."""
+        args = {"model": self.model, "draft_model": self.resolved_draft(),
+                "num_speculative_tokens": self.num_speculative_tokens, "rejection_sampling": self.rejection_sampling,
+                "synthetic_acceptance_rate": self.synthetic_acceptance_rate,
+                "tensor_parallel_size": self.tensor_parallel_size,
+                "draft_tensor_parallel_size": self.draft_tensor_parallel_size, "max_model_len": self.max_model_len,
+                "device": self.device, "dtype": self.dtype, "seed": self.seed}
+        args.update(self.engine_kwargs)
+        return args
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of field: value, not {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServeConfig:
+    """Defaults, then the YAML file, then `overrides` (the flags given on the command line)."""
+    cfg = ServeConfig()
+    if path is not None:
+        cfg = cfg.updated(load_yaml(path))
+    return cfg.updated(overrides or {})
+
+
+# --- type coercion ---------------------------------------------------------------------------------------
+_NONE = {"none", "null", "~", ""}
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+
+
+def coerce(values: dict[str, Any]) -> dict[str, Any]:
+    """Normalise keys (`num-replicas` -> `num_replicas`), reject unknown ones, convert strings to types."""
+    hints = typing.get_type_hints(ServeConfig)
+    out = {}
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        if name not in hints:
+            known = ", ".join(ServeConfig.field_names())
+            raise ValueError(f"unknown config field {key!r}; known fields: {known}")
+        out[name] = _convert(name, value, hints[name])
+    return out
+
+
+def _convert(name: str, value: Any, hint: Any) -> Any:
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args and typing.get_origin(hint) is not dict \
+        else hint
+    if value is None or (optional and isinstance(value, str) and value.strip().lower() in _NONE):
+        if not optional:
+            raise ValueError(f"config field {name} cannot be empty")
+        return None
+    origin = typing.get_origin(base) or base
+    try:
+        if origin is dict:
+            if isinstance(value, str):
+                value = yaml.safe_load(value)  # `serve run ... autoscaling_config='{min_replicas: 1}'`
+            if not isinstance(value, dict):
+                raise ValueError("expected a mapping")
+            return value
+        if origin is bool:
+            if isinstance(value, str):
+                v = value.strip().lower()
+                if v not in _TRUE | _FALSE:
+                    raise ValueError("expected true or false")
+                return v in _TRUE
+            return bool(value)
+        if origin is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError("expected an integer")
+            return int(value)
+        if origin is float:
+            return float(value)
+        if origin is str:
+            return str(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config field {name}: cannot use {value!r} ({e})") from e
+    return value

@@ -1,0 +1,97 @@
+"""The Ray Serve application: one ingress deployment (HTTP + gRPC) in front of one Router actor.
+
+As in Ray Serve LLM, the deployment is a thin shim: its replicas tokenize, apply the chat template and
+format OpenAI/gRPC responses; the Router (a deployment-scoped actor: created by the Serve controller
+before the first replica, shared by every replica, recreated when it fails its health checks, deleted
+with the deployment) owns the engine. Scaling the deployment scales the HTTP/gRPC front end; all its
+replicas feed one continuous batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray import serve
+from ray.serve.config import DeploymentActorConfig
+
+from serving import grpc_service
+from serving.openai_api import create_openai_app
+from serving.router import DEFAULT_ENGINE_BUILDER, LOCAL_ENGINE_BUILDER, Router
+from serving.router_client import GenerationError, RouterClient
+
+logger = logging.getLogger("specserve")
+
+ROUTER_ACTOR = "router"
+DEPLOYMENT_NAME = "SpecServe"
+
+
+@serve.deployment(name=DEPLOYMENT_NAME)
+@serve.ingress()  # the FastAPI app is built per replica by __serve_build_asgi_app__, around its RouterClient
+class SpecServe:
+    async def __init__(self, model: str, served_model_name: str | None = None) -> None:
+        from engine.llm import load_tokenizer
+        from engine.models.source import resolve_model
+
+        # The router resolved (and, for a GGUF, converted) the model before this replica started: on its
+        # node this is a cache hit; elsewhere it converts once, under the source's file lock.
+        tokenizer = load_tokenizer(str(resolve_model(model).path))
+        if tokenizer is None:
+            raise ValueError(f"model {model} has no tokenizer: the HTTP and gRPC APIs need one for text")
+        router = serve.get_deployment_actor(ROUTER_ACTOR)
+        info = await router.info.remote()
+        self.client = RouterClient(lambda: serve.get_deployment_actor(ROUTER_ACTOR), served_model_name or model,
+                                   tokenizer, info["max_model_len"])
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_openai_app(self.client)
+
+    async def Generate(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802 - the RPC's name
+        async for response in grpc_service.generate(self.client, request, grpc_context):
+            yield response
+
+    async def check_health(self) -> None:
+        """Serve's replica health check. A router that is alive but reports a broken engine fails it; a router
+        that is gone does not: Serve's controller recreates deployment actors itself, and restarting this
+        replica would not bring the router back sooner (its /health answers 503 meanwhile)."""
+        try:
+            health = await self.client.router_health(timeout_s=30.0)
+        except GenerationError:
+            return
+        if not health.get("healthy", False):
+            raise RuntimeError(f"the engine is unhealthy: {health.get('reason')}")
+
+
+def router_actor_options(engine_args: dict[str, Any], engine_builder: str,
+                         overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Resources of the router. An in-process engine on GPU needs the GPU in the router itself; with the Ray
+    executor the router only plans steps and the worker actors hold the GPUs."""
+    opts: dict[str, Any] = {"num_cpus": 1}
+    in_process = engine_builder == LOCAL_ENGINE_BUILDER
+    if in_process and str(engine_args.get("device") or "").startswith("cuda"):
+        opts["num_gpus"] = 1
+    opts.update(overrides or {})
+    return opts
+
+
+def build_application(engine_args: dict[str, Any], *, served_model_name: str | None = None,
+                      engine_builder: str = DEFAULT_ENGINE_BUILDER, num_replicas: int | str | None = None,
+                      autoscaling_config: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
+                      ray_actor_options: dict[str, Any] | None = None,
+                      router_options: dict[str, Any] | None = None) -> serve.Application:
+    """The bound application. `engine_args` are LLM's keyword arguments (model, draft_model, ...)."""
+    model = engine_args["model"]
+    router = DeploymentActorConfig(
+        name=ROUTER_ACTOR, actor_class=Router,
+        init_kwargs={"engine_args": engine_args, "engine_builder": engine_builder,
+                     "model_name": served_model_name or model},
+        actor_options=router_actor_options(engine_args, engine_builder, router_options))
+    options: dict[str, Any] = {"deployment_actors": [router],
+                               "ray_actor_options": ray_actor_options or {"num_cpus": 1}}
+    if autoscaling_config:
+        options["autoscaling_config"] = autoscaling_config  # Serve rejects it together with num_replicas
+    elif num_replicas is not None:
+        options["num_replicas"] = num_replicas
+    if max_ongoing_requests is not None:
+        options["max_ongoing_requests"] = max_ongoing_requests
+    return SpecServe.options(**options).bind(model, served_model_name)

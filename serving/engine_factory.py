@@ -1,0 +1,82 @@
+"""One call from model names to a running EngineCore whose models live on Ray worker actors.
+
+The router (serving/router.py) owns the returned EngineCore: it adds requests and calls `step()`. The
+workers belong to `engine.executor` (a RayExecutor): call `engine.executor.shutdown()` when done. The
+tokenizer, when the model has one, is `engine.output.tokenizer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import ray
+import torch
+
+from engine.config import EngineConfig, ModelConfig, SpeculativeConfig, resolve_dtype
+from engine.engine_core import EngineCore
+from engine.llm import _check_draft_fits, load_tokenizer
+from engine.models.source import resolve_model
+from serving.ray_executor import RayExecutor
+
+logger = logging.getLogger("specserve")
+
+
+def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | None = None, *,
+                     num_speculative_tokens: int = 4, rejection_sampling: str = "probabilistic",
+                     synthetic_acceptance_rate: float | None = None, tensor_parallel_size: int = 1,
+                     draft_tensor_parallel_size: int = 1, device: str | None = None,
+                     dtype: str | torch.dtype | None = None, max_model_len: int | None = None, seed: int = 0,
+                     use_compiled_graph: bool = True, target_resources: dict[str, float] | None = None,
+                     draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
+                     step_timeout_s: float = 300.0, **engine_kwargs: object) -> EngineCore:
+    """Build the target (and draft) worker groups and the EngineCore that drives them.
+
+    Arguments mean what they mean for `engine.LLM`; `engine_kwargs` are further EngineConfig fields
+    (block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_bytes, num_kv_blocks).
+    device: "cuda" or "cpu" for the workers; None picks CUDA when the Ray cluster has GPUs (the router
+    itself may run on a CPU-only node). Ray is initialised (`ray.init()`) if it is not yet.
+    """
+    if not ray.is_initialized():
+        ray.init()
+    if device is None:
+        device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    dt = resolve_dtype(dtype, dev)
+    # Resolved here, once: a GGUF is converted into the cache on this node and the workers load the
+    # directory. Workers on other nodes need that cache on a shared disk (SPECSERVE_CACHE_DIR).
+    target_src = resolve_model(model)
+    target_cfg = ModelConfig.from_path(target_src.path)
+    limit = target_cfg.max_position_embeddings
+    if max_model_len is None:
+        max_model_len = min(limit, 4096)
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
+    config = EngineConfig(device=dev, dtype=dt, max_model_len=max_model_len, seed=seed,
+                          tensor_parallel_size=tensor_parallel_size, **engine_kwargs)  # type: ignore[arg-type]
+    # EngineConfig.validate() refuses tensor parallelism (the offline engine is one process); here the
+    # sizes are checked against the models by RayExecutor, so validate everything else.
+    dataclasses.replace(config, tensor_parallel_size=1).validate()
+    spec = None
+    draft_path = None
+    if draft_model is not None:
+        spec = SpeculativeConfig(draft_model, num_speculative_tokens, rejection_sampling, synthetic_acceptance_rate,
+                                 draft_tensor_parallel_size)
+        spec.validate()
+        draft_path = str(resolve_model(draft_model).path)
+        _check_draft_fits(target_cfg, ModelConfig.from_path(draft_path), max_model_len)
+    executor = RayExecutor(str(target_src.path), config, draft_path,
+                           rejection_sampling=spec.rejection_sampling if spec else None,
+                           tensor_parallel_size=tensor_parallel_size,
+                           draft_tensor_parallel_size=draft_tensor_parallel_size,
+                           use_compiled_graph=use_compiled_graph, target_resources=target_resources,
+                           draft_resources=draft_resources, draft_tensor_transport=draft_tensor_transport,
+                           step_timeout_s=step_timeout_s)
+    try:
+        tokenizer = load_tokenizer(str(target_src.path))
+        return EngineCore(executor, config, tokenizer, target_cfg.eos_token_ids, spec)
+    except BaseException:
+        executor.shutdown()
+        raise

@@ -1,0 +1,119 @@
+"""Prometheus metrics of one router (one engine), with the names DESIGN.md fixes.
+
+The router owns a private CollectorRegistry (not prometheus-client's global one), so two routers in one
+process, or a router and a test, never collide, and `/metrics` shows exactly this engine's series.
+prometheus-client appends `_total` to counters in the exposition, so counters are named without it.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+# Latency buckets: from one CPU-free GPU step (ms) to a long CPU generation (minutes).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0, 160.0, 640.0)
+_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048,
+                 4.096, 8.192)
+STEP_PHASES = ("propose", "verify", "sample")
+
+
+class EngineMetrics:
+    """Every series the router exports. The router calls the `on_*` hooks from its event loop."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # No `*_created` series: they double the exposition and no dashboard reads them (vLLM drops them too).
+        # Process-wide, which is fine in the router's own process.
+        disable_created_metrics()
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = "specserve_"
+        # --- speculative decoding ----------------------------------------------------------------
+        self.num_drafts = Counter(p + "spec_decode_num_drafts", "Verify steps that checked draft tokens",
+                                  registry=r)
+        self.num_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.num_accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                           registry=r)
+        self.accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted, by position in the draft (0-based)",
+                                        ["position"], registry=r)
+        self.draft_length = Gauge(p + "spec_decode_draft_length",
+                                  "Mean draft length (k) of the last step that speculated", registry=r)
+        # --- tokens and requests -----------------------------------------------------------------
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of requests whose prefill finished",
+                                     registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated (output) tokens", registry=r)
+        self.request_success = Counter(p + "request_success", "Requests that finished normally",
+                                       ["finished_reason"], registry=r)
+        self.request_aborted = Counter(p + "request_aborted", "Requests aborted (client gone or engine error)",
+                                       registry=r)
+        self.preemptions = Counter(p + "num_preemptions", "Requests preempted to free KV-cache blocks", registry=r)
+        self.running = Gauge(p + "num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)",
+                              ["model", "kv_group"], registry=r)
+        # --- latencies ---------------------------------------------------------------------------
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival at the router to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds",
+                             "Time per output token after the first (a step's interval spread over its tokens)",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival at the router to the last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_duration = Histogram(p + "step_duration_seconds", "Engine step time by phase", ["phase"],
+                                       buckets=_STEP_BUCKETS, registry=r)
+        # Touch the labelled children that always exist, so a scrape before the first request already
+        # shows every DESIGN.md name (dashboards and alerts key on them).
+        for phase in STEP_PHASES:
+            self.step_duration.labels(phase=phase)
+        for reason in ("stop", "length"):
+            self.request_success.labels(finished_reason=reason)
+
+    # --- hooks -------------------------------------------------------------------------------------
+    def on_spec(self, num_drafts: int, num_draft_tokens: int, num_accepted: int, per_pos: list[int]) -> None:
+        """Increments of one request's speculation counters over one step."""
+        if num_drafts:
+            self.num_drafts.inc(num_drafts)
+            self.num_draft_tokens.inc(num_draft_tokens)
+        if num_accepted:
+            self.num_accepted_tokens.inc(num_accepted)
+        for pos, n in enumerate(per_pos):
+            if n:
+                self.accepted_per_pos.labels(position=str(pos)).inc(n)
+
+    def on_step(self, phase_seconds: dict[str, float], num_running: int, num_waiting: int, num_preempted: int,
+                kv_usage: dict[tuple[str, int], float], mean_draft_length: float | None) -> None:
+        for phase, seconds in phase_seconds.items():
+            self.step_duration.labels(phase=phase).observe(seconds)
+        self.set_queue(num_running, num_waiting)
+        if num_preempted:
+            self.preemptions.inc(num_preempted)
+        for (model, group), usage in kv_usage.items():
+            self.kv_usage.labels(model=model, kv_group=str(group)).set(usage)
+        if mean_draft_length is not None:
+            self.draft_length.set(mean_draft_length)
+
+    def set_queue(self, num_running: int, num_waiting: int) -> None:
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+
+    def on_first_token(self, num_prompt_tokens: int, ttft: float) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.ttft.observe(ttft)
+
+    def on_tokens(self, num_tokens: int, seconds_since_last: float | None) -> None:
+        """`num_tokens` new output tokens; the interval since the request's previous tokens, if any."""
+        self.generation_tokens.inc(num_tokens)
+        if seconds_since_last is not None and num_tokens:
+            per_token = seconds_since_last / num_tokens
+            for _ in range(num_tokens):
+                self.itl.observe(per_token)
+
+    def on_finished(self, finish_reason: str, e2e: float) -> None:
+        if finish_reason == "abort":
+            self.request_aborted.inc()
+            return
+        self.request_success.labels(finished_reason=finish_reason).inc()
+        self.e2e.observe(e2e)
+
+    def exposition(self) -> str:
+        return generate_latest(self.registry).decode()

@@ -1,0 +1,294 @@
+"""The Executor that runs a StepPlan on Ray worker actors: target ranks and draft ranks, each model
+tensor-parallel in its own placement group.
+
+One engine step is one round trip from the router. With a Ray Compiled Graph (the default) the plan goes
+into a shared-memory channel that every draft rank and every target rank reads; draft rank 0's proposal
+goes straight to the target ranks through their own channels (never back through the router), and the
+router reads target rank 0's StepResult:
+
+    plan ──> draft[0..D-1].draft_step(plan) ──(draft[0]'s proposal)──> target[0..T-1].target_step ──> router
+         └─────────────────────────────────────────────────────────────┘
+
+Plain actor calls (`use_compiled_graph=False`) run the same two methods with `.remote()` and ObjectRefs,
+for comparison and debugging; a call costs about 1 ms on the GPU machine against 0.08-0.16 ms for a graph
+execution (shared/device/README.md), a large share of a small model's step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import ray
+from ray.actor import ActorHandle
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache.spec import KVCacheGroupSpec
+from engine.step_plan import StepPlan, StepResult
+from serving.placement import actor_options, bundle_task_options, create_group_placement, make_bundle
+from serving.worker import ModelWorker, WorkerInfo, node_ip_and_free_port
+
+logger = logging.getLogger("specserve")
+
+
+class WorkerDiedError(RuntimeError):
+    """A model worker actor is dead or unresponsive; the executor cannot run steps any more."""
+
+
+@dataclass
+class WorkerGroup:
+    """The ranks of one model."""
+
+    role: str  # "target" | "draft"
+    model_path: str
+    size: int  # tensor-parallel ranks
+    placement: PlacementGroup | None
+    workers: list[ActorHandle] = field(default_factory=list)  # [size], by rank
+    info: WorkerInfo | None = None
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int, role: str) -> None:
+    """Fail on the router, with the numbers, before any worker starts, for a model that cannot be split."""
+    if size < 1:
+        raise ValueError(f"{role} tensor-parallel size must be >= 1, got {size}")
+    hf = cfg.hf_config
+    checks = [("attention heads", cfg.num_heads), ("MLP intermediate size", getattr(hf, "intermediate_size", 0))]
+    for what, n in checks:
+        if n % size:
+            raise ValueError(f"{role} model: {what} ({n}) is not divisible by tensor_parallel_size={size}")
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:
+        # Fewer KV heads than ranks is fine (each is replicated), but the split must be even either way.
+        raise ValueError(f"{role} model: {kv} KV heads cannot be split over tensor_parallel_size={size}; "
+                         "use a size that divides the KV head count or is a multiple of it")
+
+
+class RayExecutor:
+    """Executor protocol (engine/executor.py) over Ray actors: `execute(plan) -> StepResult`."""
+
+    def __init__(self, model_path: str, engine_config: EngineConfig, draft_model_path: str | None = None, *,
+                 rejection_sampling: str | None = None, tensor_parallel_size: int = 1,
+                 draft_tensor_parallel_size: int = 1, use_compiled_graph: bool = True,
+                 target_resources: dict[str, float] | None = None,
+                 draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
+                 placement_timeout_s: float = 120.0, init_timeout_s: float = 900.0,
+                 step_timeout_s: float = 300.0) -> None:
+        """target_resources / draft_resources: merged into each rank's bundle (default {"CPU": 1} on CPU,
+        {"GPU": 1, "CPU": 1} on CUDA), e.g. {"CPU": 2} or a custom resource naming a node pool.
+        draft_tensor_transport: None keeps the proposal in the default shared-memory channel; "nccl" (or
+        "accelerator") sends its tensors GPU to GPU, see `_build_graph`."""
+        if not ray.is_initialized():
+            raise RuntimeError("RayExecutor needs a Ray runtime: call ray.init() (or run inside Ray Serve) first")
+        self.engine_config = engine_config
+        self.use_compiled_graph = use_compiled_graph
+        self.draft_tensor_transport = draft_tensor_transport
+        self.step_timeout_s = step_timeout_s
+        self.target: WorkerGroup | None = None
+        self.draft: WorkerGroup | None = None
+        self._graph: Any = None  # ray.dag.CompiledDAG
+        self._broken: str | None = None
+        check_tensor_parallel(ModelConfig.from_path(model_path), tensor_parallel_size, "target")
+        if draft_model_path is not None:
+            check_tensor_parallel(ModelConfig.from_path(draft_model_path), draft_tensor_parallel_size, "draft")
+        try:
+            self._start(model_path, draft_model_path, rejection_sampling, tensor_parallel_size,
+                        draft_tensor_parallel_size, target_resources, draft_resources, placement_timeout_s,
+                        init_timeout_s)
+            if use_compiled_graph:
+                self._graph = self._build_graph()
+        except BaseException:
+            self.shutdown()  # no half-built executor keeps actors or placement groups alive
+            raise
+        assert self.target is not None and self.target.info is not None
+        self.target_kv_groups: list[KVCacheGroupSpec] = self.target.info.kv_groups
+        self.target_num_blocks: int = self.target.info.num_blocks
+        self.vocab_size: int = self.target.info.vocab_size
+        dinfo = self.draft.info if self.draft is not None else None
+        self.draft_kv_groups: list[KVCacheGroupSpec] | None = dinfo.kv_groups if dinfo is not None else None
+        self.draft_num_blocks: int = dinfo.num_blocks if dinfo is not None else 0
+
+    # --- construction --------------------------------------------------------------------------------
+    def _start(self, model_path: str, draft_model_path: str | None, rejection_sampling: str | None,
+               tp: int, draft_tp: int, target_resources: dict[str, float] | None,
+               draft_resources: dict[str, float] | None, placement_timeout_s: float, init_timeout_s: float) -> None:
+        dev = self.engine_config.device.type
+        specs = [("target", model_path, tp, make_bundle(dev, target_resources))]
+        if draft_model_path is not None:
+            specs.append(("draft", draft_model_path, draft_tp, make_bundle(dev, draft_resources)))
+        groups = []
+        for role, path, size, bundle in specs:
+            pg = create_group_placement(f"specserve-{role}-{id(self):x}", size, bundle, placement_timeout_s)
+            group = WorkerGroup(role, path, size, pg)
+            groups.append((group, bundle))
+            if role == "target":
+                self.target = group
+            else:
+                self.draft = group
+        # Rank 0's node and a free port there, for each group's rendezvous (both looked up at once).
+        lookup = ray.remote(node_ip_and_free_port)
+        addr_refs = [lookup.options(**bundle_task_options(g.placement, 0)).remote() if g.size > 1 else None
+                     for g, _ in groups]
+        # SYNC: construction only.
+        addrs = [ray.get(r, timeout=placement_timeout_s) if r is not None else ("127.0.0.1", 0) for r in addr_refs]
+        # Every rank of both models starts at once: they load weights in parallel.
+        actor_cls = ray.remote(ModelWorker)
+        for (group, bundle), (addr, port) in zip(groups, addrs):
+            for rank in range(group.size):
+                opts = actor_options(group.placement, rank, bundle)
+                group.workers.append(actor_cls.options(**opts).remote(
+                    group.role, group.model_path, self.engine_config, rank, group.size, addr, port,
+                    rejection_sampling if group.role == "draft" else None, int(bundle.get("CPU", 1))))
+        for group, _ in groups:
+            group.info = self._gather_info(group, init_timeout_s)
+
+    def _gather_info(self, group: WorkerGroup, timeout_s: float) -> WorkerInfo:
+        try:
+            # SYNC: construction only; waits for the models to load.
+            infos: list[WorkerInfo] = ray.get([w.info.remote() for w in group.workers], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"{group.role} workers did not finish loading {group.model_path} within "
+                               f"{timeout_s:.0f} s") from None
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"a {group.role} worker failed while loading {group.model_path}: {e}") from e
+        first = infos[0]
+        for rank, info in enumerate(infos[1:], start=1):
+            if (info.num_blocks, info.kv_groups, info.vocab_size) != (first.num_blocks, first.kv_groups,
+                                                                      first.vocab_size):
+                raise RuntimeError(f"{group.role} rank {rank} disagrees with rank 0 on its KV cache: "
+                                   f"{info.num_blocks} vs {first.num_blocks} blocks")
+        logger.info("%s: %d rank(s) on %s, %d KV blocks, %d KV-cache group(s)", group.role, group.size,
+                    sorted({i.node_ip for i in infos}), first.num_blocks, len(first.kv_groups))
+        return first
+
+    def _build_graph(self) -> Any:
+        from ray.dag import InputNode, MultiOutputNode
+
+        assert self.target is not None
+        targets = self.target.workers
+        with InputNode() as plan:
+            if self.draft is None:
+                outs = [w.target_step.bind(plan) for w in targets]
+            else:
+                drafts = [w.draft_step.bind(plan) for w in self.draft.workers]
+                proposal = drafts[0]
+                if self.draft_tensor_transport is not None:
+                    # GPU to GPU: the proposal's tensors (draft ids and the [num_reqs, k, vocab] float32 draft
+                    # probabilities, 12.6 MB for 16 requests x k=4 x 49152) go over NCCL from draft rank 0 to
+                    # each target rank, and only the small rest through shared memory. Without it (the default,
+                    # and the only choice on CPU) Ray serializes them through shared memory, copying GPU ->
+                    # host -> GPU. Both ends need a GPU; `benchmarks/router_overhead.py` measures the step.
+                    proposal = proposal.with_tensor_transport(transport=self.draft_tensor_transport)
+                # Target rank 0 also takes the other draft ranks' outputs (None): a compiled graph may have no
+                # leaf nodes, and this way an error on any draft rank reaches the router.
+                outs = [w.target_step.bind(plan, proposal, *(drafts[1:] if rank == 0 else []))
+                        for rank, w in enumerate(targets)]
+            dag = MultiOutputNode(outs)
+        return dag.experimental_compile(_submit_timeout=self.step_timeout_s)
+
+    # --- steps ---------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self._broken is not None:
+            raise WorkerDiedError(self._broken)
+        t0 = time.perf_counter()
+        try:
+            if self._graph is not None:
+                # SYNC: the router needs the step's tokens to commit and schedule the next step.
+                outputs = ray.get(self._graph.execute(plan), timeout=self.step_timeout_s)
+            else:
+                outputs = self._execute_plain(plan)
+        except Exception as e:
+            self._raise_step_error(e)
+        result: StepResult = outputs[0]
+        wall = time.perf_counter() - t0
+        # What the step cost beyond the models' own work: serialization, channels/RPC, scheduling, and the
+        # verifier's input building (not inside its timed forward).
+        result.phase_seconds["dispatch"] = max(0.0, wall - sum(result.phase_seconds.values()))
+        return result
+
+    def _execute_plain(self, plan: StepPlan) -> list[StepResult | None]:
+        """The same two methods as the graph, with plain actor calls. The proposal travels as an ObjectRef
+        from draft rank 0 to the target ranks; the router waits once, for all of them."""
+        assert self.target is not None
+        drafts = [w.draft_step.remote(plan) for w in self.draft.workers] if self.draft is not None else []
+        targets = [w.target_step.remote(plan, *drafts[:1]) for w in self.target.workers]
+        # SYNC: the router needs the step's tokens; waiting for the draft ranks too surfaces their errors.
+        return ray.get(targets + drafts[1:], timeout=self.step_timeout_s)
+
+    def _raise_step_error(self, error: Exception) -> NoReturn:
+        """Turn a failed step into a clear error: a dead/hung worker poisons the executor for good; an error
+        raised inside a healthy worker (a bug, bad input) goes up as it was."""
+        dead = isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.RayChannelError))
+        timed_out = isinstance(error, (ray.exceptions.GetTimeoutError, ray.exceptions.RayChannelTimeoutError))
+        try:
+            self.check_health()
+        except WorkerDiedError as e:
+            self._broken = str(e)
+            raise e from error
+        if timed_out:
+            self._broken = (f"a step took longer than step_timeout_s={self.step_timeout_s} s; the workers answer "
+                            "pings but the step's state is unknown, so the executor must be rebuilt")
+            raise WorkerDiedError(self._broken) from error
+        if dead:
+            self._broken = f"the step's channels failed ({type(error).__name__}); the executor must be rebuilt"
+            raise WorkerDiedError(self._broken) from error
+        raise error
+
+    # --- health and teardown -------------------------------------------------------------------------
+    def workers(self) -> list[tuple[str, int, ActorHandle]]:
+        return [(g.role, rank, w) for g in (self.target, self.draft) if g is not None
+                for rank, w in enumerate(g.workers)]
+
+    def check_health(self, timeout_s: float = 10.0) -> None:
+        """Ping every worker; raise WorkerDiedError naming the first that is dead or does not answer.
+
+        With plain actor calls a ping waits behind a running step; call this between steps. An executor
+        that a failed step or shutdown() already marked unusable raises at once."""
+        if self._broken is not None:
+            raise WorkerDiedError(self._broken)
+        pending = [(role, rank, w.ping.remote()) for role, rank, w in self.workers()]
+        deadline = time.monotonic() + timeout_s
+        for role, rank, ref in pending:
+            size = (self.target if role == "target" else self.draft).size  # type: ignore[union-attr]
+            try:
+                # SYNC: health check, off the step path.
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.RayActorError as e:
+                raise WorkerDiedError(f"{role} worker rank {rank} of {size} has died "
+                                      f"({type(e).__name__}); the engine must be restarted") from e
+            except ray.exceptions.GetTimeoutError:
+                raise WorkerDiedError(f"{role} worker rank {rank} of {size} did not answer a ping within "
+                                      f"{timeout_s:.0f} s") from None
+
+    def shutdown(self) -> None:
+        """Tear down the graph, kill the workers and free their placement groups. Safe to call twice."""
+        if self._graph is not None:
+            try:
+                self._graph.teardown()
+            except Exception as e:  # a dead actor makes teardown complain; the kill below still runs
+                logger.warning("compiled graph teardown: %s", e)
+            self._graph = None
+        for group in (self.target, self.draft):
+            if group is None:
+                continue
+            for w in group.workers:
+                try:
+                    ray.kill(w)
+                except Exception as e:
+                    logger.warning("killing a %s worker: %s", group.role, e)
+            group.workers = []
+            if group.placement is not None:
+                try:
+                    remove_placement_group(group.placement)
+                except Exception as e:
+                    logger.warning("removing the %s placement group: %s", group.role, e)
+                group.placement = None
+        self._broken = self._broken or "the executor was shut down"
+
+    def __enter__(self) -> RayExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

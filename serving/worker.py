@@ -1,0 +1,165 @@
+"""One tensor-parallel rank of one model (the target or the draft) as a Ray actor.
+
+`ModelWorker` is a plain class; whoever creates it applies `ray.remote(...)` with the resources and
+placement it needs (serving/ray_executor.py does, tests may set other options). Each worker joins its
+model's torch.distributed group, installs it as the engine's tensor-parallel group BEFORE the model is
+built (the parallel layers read the group at construction to size their shards), then builds the
+ModelRunner and either a DraftProposer (role "draft") or a Verifier (role "target").
+
+Every rank runs the same plan with the same sampling: generators are seeded alike, and the logits are
+all-gathered (all-reduce and all-gather hand every rank the same bits), so every rank draws the same
+tokens and the ranks never diverge. Only rank 0's return
+value is used; the other ranks return None from the step methods to keep the messages back small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig, ModelConfig, resolve_dtype
+from engine.kv_cache.spec import KVCacheGroupSpec
+from engine.parallel import TensorParallelGroup, set_tp_group
+from engine.runner.model_runner import ModelRunner
+from engine.spec.proposer import DraftProposal, DraftProposer
+from engine.spec.verifier import Verifier
+from engine.step_plan import StepPlan, StepResult
+
+ROLES = ("target", "draft")
+# Generous: rank 0 waits here for the other ranks' processes to start and import torch. It is also every
+# collective's timeout: a rank whose peer died mid-step errors out after it instead of hanging forever.
+_RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
+
+
+@dataclass
+class WorkerInfo:
+    """What the router needs from a model's workers to build its KV managers (same on every rank)."""
+
+    role: str
+    kv_groups: list[KVCacheGroupSpec]
+    num_blocks: int
+    vocab_size: int
+    world_size: int
+    device: str
+    node_ip: str
+    pid: int
+
+
+@dataclass
+class DraftOutput:
+    """What draft rank 0 hands to the target ranks through the graph: the proposal and its wall time."""
+
+    proposal: DraftProposal
+    seconds: float
+
+
+def engine_config_from(config: EngineConfig | dict[str, Any]) -> EngineConfig:
+    """An EngineConfig from itself or from a plain dict (device/dtype as strings are fine)."""
+    if isinstance(config, EngineConfig):
+        return config
+    fields = dict(config)
+    device = torch.device(fields.pop("device", "cpu"))
+    dtype = resolve_dtype(fields.pop("dtype", None), device)
+    return EngineConfig(device=device, dtype=dtype, **fields)
+
+
+def node_ip_and_free_port() -> tuple[str, int]:
+    """This node's IP and a TCP port free right now, for rank 0's rendezvous.
+
+    Run as a task on the node of rank 0's bundle. The port is released before rank 0 binds it, so another
+    process could take it in between; the window is short and a clash fails loudly at init.
+    """
+    import ray
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+class ModelWorker:
+    """One rank of the target or the draft model."""
+
+    def __init__(self, role: str, model_path: str, engine_config: EngineConfig | dict[str, Any], rank: int = 0,
+                 world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0,
+                 rejection_sampling: str | None = None, cpu_threads: int = 1) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the group of {world_size}")
+        self.role, self.rank, self.world_size = role, rank, world_size
+        config = engine_config_from(engine_config)
+        if config.device.type == "cuda":
+            # Ray gives the actor one GPU through CUDA_VISIBLE_DEVICES: it is cuda:0 in here.
+            torch.cuda.set_device(0)
+            config = dataclasses.replace(config, device=torch.device("cuda", 0))
+        else:
+            # The machine's cores are shared by every rank of both models: one intra-op pool each, sized
+            # to the CPUs of the actor's bundle, not to the whole machine.
+            torch.set_num_threads(max(1, cpu_threads))
+        self.config = config
+        set_tp_group(self._init_distributed(master_addr, master_port))
+        model_config = ModelConfig.from_path(model_path)
+        model_config.max_model_len = config.max_model_len
+        self.runner = ModelRunner(model_config, config, f"{role}[{rank}/{world_size}]")
+        self.proposer: DraftProposer | None = None
+        self.verifier: Verifier | None = None
+        if role == "draft":
+            self.proposer = DraftProposer(self.runner, rejection_sampling == "probabilistic", config.seed)
+        else:
+            self.verifier = Verifier(self.runner, config.seed)
+
+    def _init_distributed(self, master_addr: str, master_port: int) -> TensorParallelGroup:
+        if self.world_size == 1:
+            return TensorParallelGroup()  # collectives are the identity; no process group needed
+        backend = "nccl" if self.config.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                world_size=self.world_size, timeout=_RENDEZVOUS_TIMEOUT)
+        # One process per rank of one model: the world group is the tensor-parallel group.
+        return TensorParallelGroup(self.rank, self.world_size, dist.group.WORLD)
+
+    # --- control -------------------------------------------------------------------------------------
+    def ping(self) -> tuple[str, int, int]:
+        return self.role, self.rank, os.getpid()
+
+    def info(self) -> WorkerInfo:
+        import ray
+
+        r = self.runner
+        return WorkerInfo(self.role, r.kv_groups, r.num_blocks, r.vocab_size, self.world_size, str(r.device),
+                          ray.util.get_node_ip_address(), os.getpid())
+
+    # --- one step (plain calls) ----------------------------------------------------------------------
+    def propose(self, plan: StepPlan) -> DraftProposal:
+        if self.proposer is None:
+            raise RuntimeError(f"propose() called on a {self.role} worker")
+        return self.proposer.propose(plan)
+
+    def verify(self, plan: StepPlan, proposal: DraftProposal | None) -> StepResult:
+        if self.verifier is None:
+            raise RuntimeError(f"verify() called on a {self.role} worker")
+        return self.verifier.verify(plan, proposal)
+
+    # --- one step (graph nodes: the timing travels with the proposal; ranks > 0 return None) ---------
+    def draft_step(self, plan: StepPlan) -> DraftOutput | None:
+        t0 = time.perf_counter()
+        proposal = self.propose(plan)
+        return DraftOutput(proposal, time.perf_counter() - t0) if self.rank == 0 else None
+
+    def target_step(self, plan: StepPlan, draft: DraftOutput | None = None, *_ignored: None) -> StepResult | None:
+        """`draft` is draft rank 0's output; `_ignored` are the other draft ranks' Nones, bound here only so
+        the graph has no leaf nodes."""
+        result = self.verify(plan, draft.proposal if draft is not None else None)
+        if self.rank != 0:
+            return None
+        if draft is not None:
+            result.phase_seconds["propose"] = draft.seconds
+        return result

@@ -1,0 +1,195 @@
+"""The Ray executor on a real local Ray runtime: target and draft worker actors, tensor parallel over gloo,
+steps dispatched through a Ray Compiled Graph or plain actor calls, against the in-process engine.
+
+Greedy outputs must equal engine.LLM's token for token: tensor parallelism only changes the order of float
+sums, and the tiny models' scaled-up weights give next-token distributions too peaked for that to flip an
+argmax. Sampled outputs (temperature > 0) must be identical between the compiled graph and plain calls,
+which run the same worker code on the same seeds. Small blocks, a short max_model_len and a token budget
+below the longest prompt make steps cross block boundaries and mix prefill chunks with (speculative) decodes.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from conftest import TinyModel, random_prompts
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.config import ModelConfig
+from engine.engine_core import EngineCore
+from engine.request import Request
+from engine.step_plan import StepPlan, StepResult
+from serving.engine_factory import build_ray_engine
+from serving.ray_executor import RayExecutor, WorkerDiedError, check_tensor_parallel
+from serving.worker import ModelWorker
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = random_prompts([3, 9, 17], seed=5)
+NEW_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+ENGINE_KW = dict(block_size=4, max_model_len=64, max_num_batched_tokens=20)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_runtime() -> Iterator[None]:
+    # 4 CPUs of bookkeeping on a 2-core box: each worker runs one torch thread and the models are tiny.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def near_llama(tiny_models: dict[str, TinyModel], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama's weights plus 5% noise: a draft that agrees with the target often, so speculative steps
+    accept runs of tokens (4 heads and 2 KV heads: splits evenly over 2 ranks)."""
+    target = tiny_models["llama"]
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(target.config)).eval()
+    with torch.no_grad():
+        model.load_state_dict({n: w + 0.05 * w.std() * torch.randn_like(w) if w.dim() == 2 else w.clone()
+                               for n, w in target.hf.state_dict().items()})
+    path = tmp_path_factory.mktemp("near") / "llama"
+    model.save_pretrained(path)
+    return str(path)
+
+
+def run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> list[Request]:
+    reqs = [Request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        engine.step()
+    return reqs
+
+
+def greedy_tokens(engine: EngineCore) -> list[list[int]]:
+    return [r.output_token_ids for r in run(engine, PROMPTS, [GREEDY] * len(PROMPTS))]
+
+
+def llm_greedy(path: str) -> list[list[int]]:
+    return [o.token_ids for o in LLM(path, **ENGINE_KW).generate(PROMPTS, GREEDY)]
+
+
+def test_worker_methods_replay_the_local_executor(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
+    """In process, no Ray: a draft and a target ModelWorker (engine config as a plain dict) fed the plans that
+    LocalExecutor ran return its results exactly, step by step, sampled tokens included."""
+    llm = LLM(tiny_models["llama"].path, draft_model=near_llama, num_speculative_tokens=3, seed=3, **ENGINE_KW)
+    executor = llm.engine.executor
+    steps: list[tuple[StepPlan, StepResult]] = []
+    run_local = executor.execute
+
+    def recording(plan: StepPlan) -> StepResult:
+        steps.append((plan, run_local(plan)))
+        return steps[-1][1]
+
+    executor.execute = recording  # type: ignore[method-assign]
+    llm.generate(PROMPTS, [GREEDY, SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True),
+                           SamplingParams(max_tokens=NEW_TOKENS, temperature=0.7, seed=9, ignore_eos=True)])
+    config = dict(device="cpu", dtype="float32", seed=3, **ENGINE_KW)
+    threads = torch.get_num_threads()  # a CPU worker pins its process to cpu_threads
+    try:
+        draft = ModelWorker("draft", near_llama, config, rejection_sampling="probabilistic", cpu_threads=threads)
+        target = ModelWorker("target", tiny_models["llama"].path, config, cpu_threads=threads)
+    finally:
+        torch.set_num_threads(threads)
+    assert target.info().num_blocks == executor.target_num_blocks
+    assert draft.info().kv_groups == executor.draft_kv_groups
+    for plan, expected in steps:
+        result = target.verify(plan, draft.propose(plan))
+        assert (result.sampled, result.num_accepted) == (expected.sampled, expected.num_accepted)
+    assert any(any(r.num_accepted) for _, r in steps)  # accepted drafts were replayed too
+
+
+def test_target_only_tp1_matches_llm(tiny_models: dict[str, TinyModel]) -> None:
+    path = tiny_models["llama"].path
+    engine = build_ray_engine(path, **ENGINE_KW)
+    try:
+        assert greedy_tokens(engine) == llm_greedy(path)
+        phases = engine.last_step.phase_seconds
+        assert {"verify", "sample", "dispatch"} <= phases.keys() and "propose" not in phases
+    finally:
+        engine.executor.shutdown()
+
+
+def test_target_tp2_matches_tp1_and_dies_loudly(tiny_models: dict[str, TinyModel]) -> None:
+    path = tiny_models["llama"].path
+    engine = build_ray_engine(path, tensor_parallel_size=2, **ENGINE_KW)
+    executor = engine.executor
+    assert isinstance(executor, RayExecutor)
+    try:
+        assert greedy_tokens(engine) == llm_greedy(path)
+        executor.check_health()
+        # A dead rank: the health check names it, and the next step fails with the same clear error
+        # instead of hanging in the compiled graph or in the surviving rank's collectives.
+        ray.kill(executor.target.workers[1])
+        deadline = time.monotonic() + 30
+        with pytest.raises(WorkerDiedError, match="target worker rank 1 of 2 has died"):
+            while time.monotonic() < deadline:  # the kill is asynchronous
+                executor.check_health()
+                time.sleep(0.2)
+        engine.add_request(Request("after-kill", PROMPTS[0], GREEDY))
+        with pytest.raises(WorkerDiedError, match="rank 1 of 2"):
+            engine.step()
+    finally:
+        executor.shutdown()
+    with pytest.raises(WorkerDiedError):
+        executor.execute(engine.make_plan([]))
+
+
+def test_speculation_with_draft_tp2_compiled_equals_plain(tiny_models: dict[str, TinyModel],
+                                                          near_llama: str) -> None:
+    """Draft at TP=2, target at TP=1, k=3, probabilistic rejection: greedy equals target-only greedy, and every
+    output (greedy, seeded and unseeded sampling) is identical with the compiled graph and plain actor calls."""
+    target = tiny_models["llama"].path
+    expected = llm_greedy(target)
+    sampled = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=s, ignore_eos=True) for s in (1, None)]
+    prompts = PROMPTS + PROMPTS[:2]
+    params = [GREEDY] * len(PROMPTS) + sampled
+    outputs = {}
+    for compiled in (True, False):
+        engine = build_ray_engine(target, near_llama, num_speculative_tokens=3, rejection_sampling="probabilistic",
+                                  draft_tensor_parallel_size=2, use_compiled_graph=compiled, seed=7, **ENGINE_KW)
+        try:
+            reqs = run(engine, prompts, params)
+            assert engine.last_step.phase_seconds.get("propose", 0) > 0
+        finally:
+            engine.executor.shutdown()
+        assert [r.output_token_ids for r in reqs[:len(PROMPTS)]] == expected
+        assert sum(r.spec.num_accepted_tokens for r in reqs) > 0  # accepted runs were exercised
+        outputs[compiled] = [(r.output_token_ids, r.spec.num_accepted_tokens) for r in reqs]
+    assert outputs[True] == outputs[False]
+
+
+def test_gemma3_hybrid_tp2_with_replicated_kv_draft(tiny_models: dict[str, TinyModel],
+                                                    tiny_drafts: dict[str, TinyModel]) -> None:
+    """Gemma 3 target (sliding + full: two KV-cache groups) at TP=2, and a 1-layer Llama draft with a single KV
+    head at TP=2 (the KV head is replicated on both ranks)."""
+    target = tiny_models["gemma3"].path
+    engine = build_ray_engine(target, tiny_drafts["llama-1l"].path, num_speculative_tokens=3,
+                              tensor_parallel_size=2, draft_tensor_parallel_size=2, **ENGINE_KW)
+    try:
+        executor = engine.executor
+        assert len(executor.target_kv_groups) == 2
+        # Per-rank head counts size the caches: 2 KV heads / 2 ranks, 1 KV head replicated.
+        assert {g.spec.num_kv_heads for g in executor.target_kv_groups} == {1}
+        assert [g.spec.num_kv_heads for g in executor.draft_kv_groups] == [1]
+        assert greedy_tokens(engine) == llm_greedy(target)
+    finally:
+        engine.executor.shutdown()
+
+
+def test_tensor_parallel_sizes_are_checked_before_any_worker_starts(tiny_models: dict[str, TinyModel]) -> None:
+    cfg = ModelConfig.from_path(tiny_models["llama"].path)  # 4 heads, 2 KV heads, intermediate 128
+    check_tensor_parallel(cfg, 4, "target")  # KV heads replicated twice
+    with pytest.raises(ValueError, match=r"attention heads \(4\) is not divisible by tensor_parallel_size=3"):
+        check_tensor_parallel(cfg, 3, "target")
+    with pytest.raises(ValueError, match="attention heads"):
+        check_tensor_parallel(cfg, 8, "draft")
