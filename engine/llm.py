@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.config import EngineConfig, ModelConfig, SpeculativeConfig, resolve_device, resolve_dtype
+from engine.config import EngineConfig, resolve_device, resolve_dtype
 from engine.engine_core import EngineCore
 from engine.executor import LocalExecutor
-from engine.models.source import resolve_model
+from engine.model_setup import resolve_model_pair
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, SpecStats
 from engine.runner.model_runner import ModelRunner
 
@@ -38,32 +38,18 @@ class LLM:
                  **engine_kwargs: object) -> None:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        target_src = resolve_model(model)
-        target_cfg = ModelConfig.from_path(target_src.path)
-        limit = target_cfg.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = min(limit, 4096)
-        if max_model_len > limit:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
-        target_cfg.max_model_len = max_model_len
-        self.engine_config = EngineConfig(device=dev, dtype=dt, max_model_len=max_model_len, seed=seed,
+        if draft_model is not None and draft_tensor_parallel_size != 1:
+            raise ValueError("the offline engine runs the draft in one process "
+                             "(draft_tensor_parallel_size=1); use the Ray serving layer for more")
+        pair = resolve_model_pair(model, draft_model, max_model_len, num_speculative_tokens, rejection_sampling,
+                                  synthetic_acceptance_rate, draft_tensor_parallel_size)
+        target_cfg, draft_cfg, spec = pair.target, pair.draft, pair.spec
+        self.engine_config = EngineConfig(device=dev, dtype=dt, max_model_len=pair.max_model_len, seed=seed,
                                           tensor_parallel_size=tensor_parallel_size,
                                           **engine_kwargs)  # type: ignore[arg-type]
         self.engine_config.validate()
-        spec = None
-        draft_cfg = None
-        if draft_model is not None:
-            spec = SpeculativeConfig(draft_model, num_speculative_tokens, rejection_sampling,
-                                     synthetic_acceptance_rate, draft_tensor_parallel_size)
-            spec.validate()
-            if draft_tensor_parallel_size != 1:
-                raise ValueError("the offline engine runs the draft in one process "
-                                 "(draft_tensor_parallel_size=1); use the Ray serving layer for more")
-            draft_cfg = ModelConfig.from_path(resolve_model(draft_model).path)
-            _check_draft_fits(target_cfg, draft_cfg, max_model_len)
-            draft_cfg.max_model_len = max_model_len
         self.model_config = target_cfg
-        self.tokenizer = load_tokenizer(str(target_src.path))
+        self.tokenizer = load_tokenizer(str(target_cfg.path))
         target = ModelRunner(target_cfg, self.engine_config, "target")
         draft = ModelRunner(draft_cfg, self.engine_config, "draft") if draft_cfg is not None else None
         keep_probs = spec is not None and spec.rejection_sampling == "probabilistic"
@@ -137,11 +123,3 @@ def _to_output(prompt: str | None, req: Request) -> RequestOutput:
                          else "abort", spec=req.spec, stop_reason=req.stop_reason,
                          num_preemptions=req.num_preemptions)
 
-
-def _check_draft_fits(target: ModelConfig, draft: ModelConfig, max_model_len: int) -> None:
-    if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"draft vocabulary ({draft.vocab_size} tokens) differs from the target's "
-                         f"({target.vocab_size}); a draft must share the target's tokenizer")
-    if draft.max_position_embeddings < max_model_len:
-        raise ValueError(f"the draft's context ({draft.max_position_embeddings} tokens) is shorter than "
-                         f"max_model_len={max_model_len}; lower max_model_len or use another draft")

@@ -13,10 +13,10 @@ import logging
 import ray
 import torch
 
-from engine.config import EngineConfig, ModelConfig, SpeculativeConfig, resolve_dtype
+from engine.config import EngineConfig, resolve_dtype
 from engine.engine_core import EngineCore
-from engine.llm import _check_draft_fits, load_tokenizer
-from engine.models.source import resolve_model
+from engine.llm import load_tokenizer
+from engine.model_setup import resolve_model_pair
 from serving.ray_executor import RayExecutor
 
 logger = logging.getLogger("specserve")
@@ -47,27 +47,16 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
     dt = resolve_dtype(dtype, dev)
     # Resolved here, once: a GGUF is converted into the cache on this node and the workers load the
     # directory. Workers on other nodes need that cache on a shared disk (SPECSERVE_CACHE_DIR).
-    target_src = resolve_model(model)
-    target_cfg = ModelConfig.from_path(target_src.path)
-    limit = target_cfg.max_position_embeddings
-    if max_model_len is None:
-        max_model_len = min(limit, 4096)
-    if max_model_len > limit:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
-    config = EngineConfig(device=dev, dtype=dt, max_model_len=max_model_len, seed=seed,
+    pair = resolve_model_pair(model, draft_model, max_model_len, num_speculative_tokens, rejection_sampling,
+                              synthetic_acceptance_rate, draft_tensor_parallel_size)
+    spec = pair.spec
+    config = EngineConfig(device=dev, dtype=dt, max_model_len=pair.max_model_len, seed=seed,
                           tensor_parallel_size=tensor_parallel_size, **engine_kwargs)  # type: ignore[arg-type]
     # EngineConfig.validate() refuses tensor parallelism (the offline engine is one process); here the
     # sizes are checked against the models by RayExecutor, so validate everything else.
     dataclasses.replace(config, tensor_parallel_size=1).validate()
-    spec = None
-    draft_path = None
-    if draft_model is not None:
-        spec = SpeculativeConfig(draft_model, num_speculative_tokens, rejection_sampling, synthetic_acceptance_rate,
-                                 draft_tensor_parallel_size)
-        spec.validate()
-        draft_path = str(resolve_model(draft_model).path)
-        _check_draft_fits(target_cfg, ModelConfig.from_path(draft_path), max_model_len)
-    executor = RayExecutor(str(target_src.path), config, draft_path,
+    draft_path = str(pair.draft.path) if pair.draft is not None else None
+    executor = RayExecutor(str(pair.target.path), config, draft_path,
                            rejection_sampling=spec.rejection_sampling if spec else None,
                            tensor_parallel_size=tensor_parallel_size,
                            draft_tensor_parallel_size=draft_tensor_parallel_size,
@@ -75,8 +64,8 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
                            draft_resources=draft_resources, draft_tensor_transport=draft_tensor_transport,
                            step_timeout_s=step_timeout_s)
     try:
-        tokenizer = load_tokenizer(str(target_src.path))
-        return EngineCore(executor, config, tokenizer, target_cfg.eos_token_ids, spec)
+        tokenizer = load_tokenizer(str(pair.target.path))
+        return EngineCore(executor, config, tokenizer, pair.target.eos_token_ids, spec)
     except BaseException:
         executor.shutdown()
         raise
