@@ -118,3 +118,66 @@ def smollm2_path() -> str:
 def gemma3_path() -> str:
     from engine.models.source import resolve_model
     return str(resolve_model("gemma3-270m").path)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Fixtures of the speculative-decoding tests (tests/test_spec_*.py)
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine a second busy process makes
+    2-thread kernels 10-30x slower (measured); one thread keeps this module's runtime steady."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target_greedy(tiny_models):
+    """Target-only greedy outputs per family, checked against HF greedy once: a speculative run is then compared
+    with an oracle already known to be right, so a failure points at speculation."""
+    from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS
+
+    from engine import LLM
+
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(family: str) -> list[list[int]]:
+        if family not in cache:
+            m = tiny_models[family]
+            outs = LLM(m.path, **ENGINE_KW).generate(PROMPTS, GREEDY)
+            ids = [o.token_ids for o in outs]
+            assert ids == [hf_greedy(m.hf, p, NEW_TOKENS) for p in PROMPTS], f"{family}: target-only != HF"
+            cache[family] = ids
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def near_drafts(tiny_models, tmp_path_factory) -> dict[str, TinyModel]:
+    """Per target family, a draft of another shape that agrees with the target about half the time: the target's
+    weights plus 5% noise, and one extra layer (a sliding-window one for Gemma 3). Random drafts of other
+    architectures are almost always rejected, which leaves the paths of accepted runs untested."""
+    import copy
+
+    root = tmp_path_factory.mktemp("near")
+    drafts = {}
+    for family, target in tiny_models.items():
+        cfg = copy.deepcopy(target.config)
+        cfg.num_hidden_layers += 1
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = list(cfg.layer_types) + ["sliding_attention"]
+        torch.manual_seed(7)
+        model = AutoModelForCausalLM.from_config(cfg).eval()  # the extra layer keeps its small random init
+        weights = model.state_dict()
+        with torch.no_grad():
+            for name, w in target.hf.state_dict().items():
+                weights[name] = w + 0.05 * w.std() * torch.randn_like(w) if w.dim() == 2 else w.clone()
+        model.load_state_dict(weights)
+        model.save_pretrained(root / family)
+        drafts[family] = TinyModel(f"{family}-near", str(root / family), model, cfg)
+    return drafts

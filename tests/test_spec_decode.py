@@ -18,166 +18,24 @@ boundary (see record_steps).
 
 from __future__ import annotations
 
-import copy
-import math
-from collections import defaultdict
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import TinyModel, _base, hf_greedy, random_prompts
-from scipy import stats
+from conftest import _base, random_prompts
+from spec_support import (
+    ENGINE_KW,
+    GREEDY,
+    NEW_TOKENS,
+    PROMPTS,
+    assert_kv_released,
+    record_steps,
+    steps_by_request,
+)
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, SamplingParams
-from engine.sample.metadata import SamplingMetadata
-from engine.sample.processing import logits_to_probs
-from engine.spec.rejection_sampler import synthetic_position_rate
 
-P_VALUE_THRESHOLD = 1e-3
-PROMPTS = random_prompts([3, 9, 17], seed=11)
-NEW_TOKENS = 24
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-# max_num_batched_tokens=20 makes the first step a mix of whole prompts and a chunk of the 17-token prompt, and
-# later steps mix speculative decodes with that prompt's last chunk; max_model_len keeps the KV pools small.
-ENGINE_KW = dict(block_size=4, max_model_len=64, max_num_batched_tokens=20)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Step:
-    """One request's share of one step that sampled for it (a verify step, or a plain decode / last prefill chunk)."""
-
-    request_id: str
-    num_output_before: int  # output tokens before this step
-    num_tokens_before: int  # prompt + output tokens before this step
-    num_draft_tokens: int  # k this step (0: plain decode / last prefill chunk)
-    num_accepted: int
-
-
-def record_steps(llm: LLM) -> list[Step]:
-    """Record every sampled request of every step `llm` runs from now on.
-
-    SpecStats only holds totals; the per-step k and accepted counts are what the scheduler's k-shrinking and the
-    reference comparison are about. They cross the executor boundary (StepPlan in, StepResult out: the same
-    interface the Ray workers serve), so this instance's executor is wrapped.
-    """
-    steps: list[Step] = []
-    executor = llm.engine.executor
-    execute = executor.execute
-
-    def recording_execute(plan):
-        result = execute(plan)
-        for p, tokens, accepted in zip(plan.requests, result.sampled, result.num_accepted, strict=True):
-            if tokens is not None:  # None: a prefill chunk short of the prompt's end
-                steps.append(Step(p.request_id, p.num_output_tokens, p.start_pos + len(p.token_ids),
-                                  p.num_draft_tokens, accepted))
-        return result
-
-    executor.execute = recording_execute
-    return steps
-
-
-def steps_by_request(steps: list[Step]) -> dict[str, list[Step]]:
-    out: dict[str, list[Step]] = defaultdict(list)
-    for s in steps:
-        out[s.request_id].append(s)
-    return out
-
-
-def kv_used_blocks(llm: LLM) -> dict[str, list[int]]:
-    """Blocks in use per KV-cache group, for the target's and the draft's managers."""
-    used = {"target": llm.engine.target_kv.num_used_blocks()}
-    if llm.engine.draft_kv is not None:
-        used["draft"] = llm.engine.draft_kv.num_used_blocks()
-    return used
-
-
-def assert_kv_released(llm: LLM) -> None:
-    used = kv_used_blocks(llm)
-    assert set(used) == {"target", "draft"}
-    assert all(n == 0 for groups in used.values() for n in groups), f"blocks still held after generate: {used}"
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled into one cell (the
-    chi-square approximation needs expected counts >= 5). Cells of probability 0 must be empty."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    assert counts[probs == 0].sum() == 0, "the engine produced a sequence of probability 0"
-    expected = probs * counts.sum()
-    big = expected >= 5
-    small = ~big & (probs > 0)
-    obs = torch.cat([counts[big], counts[small].sum().view(1)])
-    exp = torch.cat([expected[big], expected[small].sum().view(1)])
-    if exp[-1] < 5:  # a pooled cell that is still small joins the smallest big cell
-        i = int(exp[:-1].argmin())
-        obs[i] += obs[-1]
-        exp[i] += exp[-1]
-        obs, exp = obs[:-1], exp[:-1]
-    return float(stats.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Fixtures
-# --------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine a second busy process makes
-    2-thread kernels 10-30x slower (measured); one thread keeps this module's runtime steady."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def target_greedy(tiny_models):
-    """Target-only greedy outputs per family, checked against HF greedy once: a speculative run is then compared
-    with an oracle already known to be right, so a failure points at speculation."""
-    cache: dict[str, list[list[int]]] = {}
-
-    def get(family: str) -> list[list[int]]:
-        if family not in cache:
-            m = tiny_models[family]
-            outs = LLM(m.path, **ENGINE_KW).generate(PROMPTS, GREEDY)
-            ids = [o.token_ids for o in outs]
-            assert ids == [hf_greedy(m.hf, p, NEW_TOKENS) for p in PROMPTS], f"{family}: target-only != HF"
-            cache[family] = ids
-        return cache[family]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def near_drafts(tiny_models, tmp_path_factory) -> dict[str, TinyModel]:
-    """Per target family, a draft of another shape that agrees with the target about half the time: the target's
-    weights plus 5% noise, and one extra layer (a sliding-window one for Gemma 3). Random drafts of other
-    architectures are almost always rejected, which leaves the paths of accepted runs untested."""
-    root = tmp_path_factory.mktemp("near")
-    drafts = {}
-    for family, target in tiny_models.items():
-        cfg = copy.deepcopy(target.config)
-        cfg.num_hidden_layers += 1
-        if getattr(cfg, "layer_types", None):
-            cfg.layer_types = list(cfg.layer_types) + ["sliding_attention"]
-        torch.manual_seed(7)
-        model = AutoModelForCausalLM.from_config(cfg).eval()  # the extra layer keeps its small random init
-        weights = model.state_dict()
-        with torch.no_grad():
-            for name, w in target.hf.state_dict().items():
-                weights[name] = w + 0.05 * w.std() * torch.randn_like(w) if w.dim() == 2 else w.clone()
-        model.load_state_dict(weights)
-        model.save_pretrained(root / family)
-        drafts[family] = TinyModel(f"{family}-near", str(root / family), model, cfg)
-    return drafts
-
+# Tiny models gain nothing from intra-op threads, and one thread keeps the runtime steady on a busy machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # --------------------------------------------------------------------------------------------------------
 # 1, 2. Lossless greedy
@@ -286,134 +144,6 @@ def test_engine_matches_reference_speculative_decoding(tiny_models, tiny_drafts,
         assert out.spec.num_accepted_tokens == sum(ref_accepted)
         # A useful oracle comparison needs both accepted and rejected guesses.
         assert 0 < sum(ref_accepted) < out.spec.num_draft_tokens
-
-
-# --------------------------------------------------------------------------------------------------------
-# 4. The output distribution at temperature > 0
-# --------------------------------------------------------------------------------------------------------
-
-SMALL_VOCAB = 8
-DIST_PROMPT = [5]
-DIST_SAMPLES = 10000
-
-
-def _small_vocab_model(path: Path, seed: int, hidden: int, layers: int, head_scale: float) -> torch.nn.Module:
-    cfg = LlamaConfig(vocab_size=SMALL_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                      max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        # RMSNorm undoes scaling inside the network; scaling the output head makes the next-token distributions
-        # non-uniform (largest probability ~0.25-0.3, smallest ~0.03), far from one-hot.
-        model.lm_head.weight.mul_(head_scale)
-    model.save_pretrained(path)
-    return model
-
-
-@pytest.fixture(scope="module")
-def small_vocab_pair(tmp_path_factory) -> tuple[str, torch.nn.Module, str, torch.nn.Module]:
-    root = tmp_path_factory.mktemp("vocab8")
-    target = _small_vocab_model(root / "target", seed=0, hidden=16, layers=1, head_scale=8.0)
-    draft = _small_vocab_model(root / "draft", seed=1, hidden=32, layers=1, head_scale=8.0)
-    return str(root / "target"), target, str(root / "draft"), draft
-
-
-@torch.no_grad()
-def exact_joint(model: torch.nn.Module, prompt: list[int], temperature: float, top_k: int,
-                top_p: float) -> torch.Tensor:
-    """[V, V, V] exact probability of the first three generated tokens, p(x1) p(x2 | x1) p(x3 | x1, x2), after the
-    engine's own temperature / top-k / top-p processing (itself checked against HF's warpers in test_sampling)."""
-    v = SMALL_VOCAB
-    seqs = torch.tensor([prompt + [a, b] for a in range(v) for b in range(v)])  # row a * v + b
-    logits = model(seqs).logits[:, len(prompt) - 1:]  # [v * v, 3, v]
-    md = SamplingMetadata.from_lists([temperature] * v * v, [top_p] * v * v, [top_k] * v * v)
-    probs = logits_to_probs(logits, md).double()
-    p1 = probs[0, 0]  # [v]
-    p2 = probs[::v, 1]  # [x1, v]: rows with b == 0 see prompt + x1
-    p3 = probs[:, 2].view(v, v, v)  # [x1, x2, v]
-    return p1[:, None, None] * p2[:, :, None] * p3
-
-
-# A one-token prompt is decoded from the first step, so with max_tokens=3 and k=2 the first verify step drafts two
-# tokens: x1 and x2 each come from an accepted draft or a recovered token, x3 from the bonus token, or after a
-# rejection from a later step (k=1, or a plain decode). The joint of (x1, x2, x3) covers all of those paths.
-@pytest.mark.parametrize("mode,temperature,top_k,top_p", [
-    ("probabilistic", 1.0, 0, 1.0),
-    ("probabilistic", 0.8, 5, 0.85),
-    ("strict", 1.0, 0, 1.0),
-])
-def test_speculative_sampling_follows_target_distribution(small_vocab_pair, mode, temperature, top_k, top_p):
-    target_path, target_hf, draft_path, draft_hf = small_vocab_pair
-    llm = LLM(target_path, draft_model=draft_path, num_speculative_tokens=2, rejection_sampling=mode, seed=1234,
-              block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES,
-              max_num_batched_tokens=3 * DIST_SAMPLES)
-    params = SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, ignore_eos=True)
-    outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES, params)
-    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)
-    for o in outs:
-        assert len(o.token_ids) == 3
-        counts[tuple(o.token_ids)] += 1
-
-    target = exact_joint(target_hf, DIST_PROMPT, temperature, top_k, top_p)
-    draft = exact_joint(draft_hf, DIST_PROMPT, temperature, top_k, top_p)
-    # Both accepted drafts and rejections must shape the output (strict accepts only when the draft's sample
-    # equals the target's own, sum_x p(x) q(x) ~ 0.15 here; probabilistic accepts sum_x min(p, q) ~ 0.6).
-    total = llm.spec_stats(outs)
-    assert 0.05 < total.acceptance_rate < 0.9, total
-    assert total.accepted_per_position[-1] > 0  # some steps accepted both drafts and output a bonus token
-    p_value = chi_square_p_value(counts, target)
-    assert p_value > P_VALUE_THRESHOLD, f"{mode}: output does not follow the target (p = {p_value:.2e})"
-    # Negative controls, so the test has power: the same counts reject the draft's distribution, and also a subtle
-    # bias, a joint 10% of the way to the draft's (as a sampler that sometimes kept a rejected draft would give).
-    for wrong, limit in ((draft, 1e-6), (0.9 * target + 0.1 * draft, 1e-4)):
-        support = wrong > 0  # cells it cannot produce are dropped: the helper demands they be empty
-        p_wrong = chi_square_p_value(counts[support], wrong[support] / wrong[support].sum())
-        assert p_wrong < limit, f"the test cannot tell a wrong distribution from the target (p = {p_wrong:.2e})"
-
-
-@pytest.mark.parametrize("mode", ["strict", "probabilistic"])
-def test_seeded_speculative_sampling_is_batch_independent(tiny_models, tiny_drafts, mode):
-    # SamplingParams' contract: a seed makes a request's samples independent of what else runs in the batch.
-    # Short requests shrink their k near max_tokens while a long one keeps k = 4, so batched steps mix k's; the
-    # random draft is mostly rejected, so nearly every step samples a recovered token.
-    llm = LLM(tiny_models["llama"].path, draft_model=tiny_drafts["llama-1l"].path, num_speculative_tokens=4,
-              rejection_sampling=mode, block_size=4, max_model_len=64)
-    prompts = random_prompts([5] * 8, seed=9)
-    seeded = [SamplingParams(max_tokens=8, temperature=0.9, seed=s, ignore_eos=True) for s in range(8)]
-    alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, seeded, strict=True)]
-    batched = llm.generate(prompts + [PROMPTS[2]], seeded + [SamplingParams(max_tokens=40, ignore_eos=True)])
-    assert [o.token_ids for o in batched[:8]] == alone
-
-
-# --------------------------------------------------------------------------------------------------------
-# 5. Synthetic acceptance
-# --------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("rate", [0.6, 0.8])
-def test_synthetic_acceptance_rate(tiny_models, tiny_drafts, rate, k):
-    llm = LLM(tiny_models["llama"].path, draft_model=tiny_drafts["qwen3-1l"].path, num_speculative_tokens=k,
-              rejection_sampling="synthetic", synthetic_acceptance_rate=rate, block_size=4, max_model_len=128)
-    steps = record_steps(llm)
-    outs = llm.generate(random_prompts([4] * 64, seed=3), SamplingParams(max_tokens=100, ignore_eos=True))
-    assert all(len(o.token_ids) == 100 for o in outs)
-    # The configured rate is the mean acceptance rate (accepted / drafted) users see, for every k. Each step
-    # accepts A in 0..k drafts with P(A = j) = a^j (1 - a) for j < k and a^k for j = k, a = a_k per position.
-    drafted = [s for s in steps if s.num_draft_tokens]
-    assert len(drafted) >= 1000
-    total = llm.spec_stats(outs)
-    for kk in {s.num_draft_tokens for s in drafted}:
-        of_k = [s for s in drafted if s.num_draft_tokens == kk]
-        if len(of_k) < 200:
-            continue  # the few steps where k shrank near max_tokens
-        a = synthetic_position_rate(rate, kk)
-        dist = [a ** j * (1 - a) for j in range(kk)] + [a ** kk]
-        var = sum(p * j * j for j, p in enumerate(dist)) - sum(p * j for j, p in enumerate(dist)) ** 2
-        mean = sum(s.num_accepted for s in of_k) / len(of_k) / kk
-        assert abs(mean - rate) < 5 * math.sqrt(var / len(of_k)) / kk, (kk, mean, len(of_k))
-    assert abs(total.acceptance_rate - rate) < 0.05, total
 
 
 # --------------------------------------------------------------------------------------------------------
