@@ -105,7 +105,7 @@ class EngineCore:
         planned = []
         for s in scheduled:
             r = s.request
-            frontier = r.num_computed_tokens + s.num_new_tokens - s.num_draft_tokens
+            frontier = s.frontier
             tokens = r.all_token_ids
             p = PlannedRequest(
                 request_id=r.request_id, token_ids=tokens[r.num_computed_tokens:frontier],
@@ -130,7 +130,7 @@ class EngineCore:
         for s, tokens, accepted in zip(scheduled, result.sampled, result.num_accepted):
             r = s.request
             k = s.num_draft_tokens
-            frontier = r.num_computed_tokens + s.num_new_tokens - k
+            frontier = s.frontier
             if tokens is None:  # a prefill chunk that did not reach the end of the prompt
                 r.num_computed_tokens = frontier
                 r.num_draft_computed_tokens = frontier

@@ -23,9 +23,10 @@ class ScheduledRequest:
     num_draft_tokens: int  # k for this request this step; 0 while prefilling or without speculation
 
     @property
-    def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 + self.num_draft_tokens and \
-            self.request.num_computed_tokens == self.request.num_tokens - 1
+    def frontier(self) -> int:
+        """Sequence length the target has seen after this step's committed tokens (drafts not counted);
+        read before the step is committed."""
+        return self.request.num_computed_tokens + self.num_new_tokens - self.num_draft_tokens
 
 
 @dataclass

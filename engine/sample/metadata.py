@@ -49,26 +49,6 @@ class SamplingMetadata:
             default_generator=default_generator,
         )
 
-    def repeat_rows(self, counts: list[int]) -> SamplingMetadata:
-        """Rows repeated `counts[i]` times each (one row per logits position in a verify step).
-
-        Generators are shared by reference, so repeated rows draw from the same stream in order.
-        """
-        idx = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-        gens: dict[int, torch.Generator] = {}
-        row = 0
-        for i, c in enumerate(counts):
-            if i in self.generators:
-                for j in range(c):
-                    gens[row + j] = self.generators[i]
-            row += c
-        dev = self.temperature.device
-        idx = idx.to(dev)
-        return SamplingMetadata(
-            temperature=self.temperature[idx], top_p=self.top_p[idx], top_k=self.top_k[idx],
-            all_greedy=self.all_greedy, all_random=self.all_random, no_top_p=self.no_top_p,
-            no_top_k=self.no_top_k, generators=gens, default_generator=self.default_generator)
-
     def select(self, rows: list[int]) -> SamplingMetadata:
         """The given rows, renumbered 0..len(rows)-1 (generators follow their rows). The flags stay
         those of the superset, which is safe: a subset of an all-greedy batch is all greedy, etc."""
