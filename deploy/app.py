@@ -13,7 +13,7 @@ KubeRay (serveConfigV2):
                autoscaling_config: {min_replicas: 1, max_replicas: 4}}
     grpcOptions:
       port: 9000
-      grpcServicerFunctions: [serving.proto.specserve_pb2_grpc.add_GenerationServicer_to_server]
+      grpcServicerFunctions: [serving.grpc_service.add_servicer]
 
 `args` take deploy.config.ServeConfig's fields; host/port/grpc_port are ignored here (Serve's http/grpc
 options own the endpoints).
@@ -47,6 +47,7 @@ def build_app_from_config(cfg: ServeConfig) -> serve.Application:
     from serving.app import build_application
     from serving.router import DEFAULT_ENGINE_BUILDER
 
+    cfg.validate()
     engine_args = cfg.engine_args()
     if engine_args["device"] is None:
         engine_args["device"] = _default_device()
@@ -55,7 +56,10 @@ def build_app_from_config(cfg: ServeConfig) -> serve.Application:
                              engine_builder=cfg.engine_builder or DEFAULT_ENGINE_BUILDER,
                              num_replicas=cfg.num_replicas, autoscaling_config=cfg.autoscaling_config,
                              max_ongoing_requests=cfg.max_ongoing_requests, ray_actor_options=cfg.ray_actor_options,
-                             router_options=cfg.router_actor_options)
+                             router_options=cfg.router_actor_options, max_queued_requests=cfg.max_queued_requests,
+                             continue_without_draft=cfg.continue_without_draft, api_key=cfg.api_key,
+                             max_request_body_bytes=cfg.max_request_body_bytes,
+                             auth_health_metrics=cfg.auth_health_metrics)
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

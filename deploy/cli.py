@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+from deploy.bench.cli import add_bench_parser
 from deploy.distill_cli import _add_distill_parser
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -83,6 +84,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=s, help="draft tokens per step, k (default 4)")
     p.add_argument("--rejection-sampling", default=s, choices=["strict", "probabilistic", "synthetic"])
     p.add_argument("--synthetic-acceptance-rate", type=float, default=s)
+    p.add_argument("--draft-length-schedule", default=s, metavar="B:K,...",
+                   help="load-adaptive speculation: draft length K for steps of up to B requests, e.g. 4:4,16:2 "
+                        "(default: --num-speculative-tokens at every batch size)")
+    p.add_argument("--spec-disable-above-batch-size", default=s, metavar="N",
+                   help="no speculation for steps of more than N requests (default 32; none = never off)")
     p.add_argument("--tensor-parallel-size", type=int, default=s)
     p.add_argument("--draft-tensor-parallel-size", type=int, default=s)
     p.add_argument("--max-model-len", type=int, default=s)
@@ -95,6 +101,23 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=s, help="gRPC port (default 9000)")
     p.add_argument("--num-replicas", type=int, default=s, help="HTTP/gRPC replicas in front of the router")
     p.add_argument("--max-ongoing-requests", type=int, default=s)
+    p.add_argument("--api-key", default=s,
+                   help="require 'Authorization: Bearer KEY' (gRPC: metadata authorization) on every request; "
+                        "default: $SPECSERVE_API_KEY if set, else no key")
+    p.add_argument("--auth-health-metrics", action="store_true", default=s,
+                   help="require the API key on /health and /metrics too (open by default, for probes)")
+    p.add_argument("--max-request-body-bytes", type=_int_or_none, default=s,
+                   help="larger HTTP request bodies get 413 (default 4194304; none = no limit)")
+    p.add_argument("--max-queued-requests", type=_int_or_none, default=s,
+                   help="requests that may wait for a batch slot; more get 429 + Retry-After (default 256)")
+    p.add_argument("--continue-without-draft", action="store_true", default=s,
+                   help="if the draft's workers die, keep serving without speculation while they restart")
+    p.add_argument("--drain-timeout-s", type=float, default=s,
+                   help="on shutdown, seconds the requests in flight may take to finish (default 30)")
+
+
+def _int_or_none(value: str) -> int | None:
+    return None if value.strip().lower() in ("none", "null", "") else int(value)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -130,7 +153,14 @@ def _serve(args: argparse.Namespace) -> int:
               "Ctrl-C to stop.", flush=True)
         while not stop.wait(1.0):
             pass
-        print("specserve: shutting down", file=sys.stderr, flush=True)
+        print(f"specserve: shutting down: new requests get 503, waiting up to {cfg.drain_timeout_s:g} s for "
+              "the requests in flight", file=sys.stderr, flush=True)
+        from serving.app import drain
+
+        try:
+            drain(cfg.drain_timeout_s)
+        except Exception as e:  # noqa: BLE001 - shut down anyway
+            print(f"specserve: draining failed: {e}", file=sys.stderr, flush=True)
     finally:
         try:
             serve.shutdown()
@@ -160,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_args(srv)
     srv.set_defaults(func=_serve)
     _add_distill_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

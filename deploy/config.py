@@ -22,6 +22,9 @@ logger = logging.getLogger("specserve")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-draft"  # the bundled distilled draft of DEFAULT_MODEL
 AUTO = "auto"
+# A server's batch grows with its load; past this size the draft's extra work outweighs what it saves on the
+# models measured so far (benchmarks/RESULTS.md), so speculation is off. Tune with benchmarks/serve_sweep.py.
+DEFAULT_SPEC_DISABLE_ABOVE_BATCH_SIZE = 32
 
 
 @dataclass
@@ -32,6 +35,12 @@ class ServeConfig:
     num_speculative_tokens: int = 4
     rejection_sampling: str = "probabilistic"
     synthetic_acceptance_rate: float | None = None
+    # Load-adaptive speculation (engine/draft_schedule.py): k per step from the batch size, "4:4,16:2" or
+    # [[4, 4], [16, 2]]; none: num_speculative_tokens at every batch size.
+    draft_length_schedule: list[Any] | str | None = None
+    # No speculation for steps of more requests than this (verifying drafts for a large batch costs more than
+    # it saves); none: speculate at every batch size.
+    spec_disable_above_batch_size: int | None = DEFAULT_SPEC_DISABLE_ABOVE_BATCH_SIZE
     tensor_parallel_size: int = 1
     draft_tensor_parallel_size: int = 1
     max_model_len: int | None = None
@@ -51,6 +60,13 @@ class ServeConfig:
     max_ongoing_requests: int = 128
     ray_actor_options: dict[str, Any] | None = None  # of each HTTP/gRPC replica
     router_actor_options: dict[str, Any] | None = None  # of the router actor (resources)
+    # --- reliability and security --------------------------------------------------------------------
+    api_key: str | None = None  # clients send `Authorization: Bearer KEY`; None: $SPECSERVE_API_KEY, else open
+    auth_health_metrics: bool = False  # also require the key on /health and /metrics (open by default)
+    max_request_body_bytes: int | None = 4 * 1024 * 1024  # larger HTTP bodies get 413; None: no limit
+    max_queued_requests: int | None = 256  # requests waiting for a batch slot; more get 429; None: no bound
+    continue_without_draft: bool = False  # a dead draft group: serve without speculation while it restarts
+    drain_timeout_s: float = 30.0  # on shutdown, how long requests in flight may take to finish
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -62,6 +78,18 @@ class ServeConfig:
 
     def updated(self, values: dict[str, Any]) -> ServeConfig:
         return dataclasses.replace(self, **coerce(values))
+
+    def validate(self) -> None:
+        """Raise ValueError for serving settings that cannot work (the engine checks its own)."""
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty: give a key, or leave it unset to serve without one")
+        if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1 (or none: no limit), "
+                             f"got {self.max_request_body_bytes}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0 (or none: no bound), got {self.max_queued_requests}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
     def resolved_draft(self) -> str | None:
         """`draft_model` with "auto" decided: the bundled draft of the default model, when it resolves here."""
@@ -88,9 +116,19 @@ class ServeConfig:
                 "synthetic_acceptance_rate": self.synthetic_acceptance_rate,
                 "tensor_parallel_size": self.tensor_parallel_size,
                 "draft_tensor_parallel_size": self.draft_tensor_parallel_size, "max_model_len": self.max_model_len,
-                "device": self.device, "dtype": self.dtype, "seed": self.seed}
+                "device": self.device, "dtype": self.dtype, "seed": self.seed,
+                **self._adaptive_spec_args()}
         args.update(self.engine_kwargs)
         return args
+
+
+    def _adaptive_spec_args(self) -> dict[str, Any]:
+        """The schedule in its list form (checked now, before Ray starts) and the threshold."""
+        from engine.draft_schedule import parse_schedule, validate_schedule
+
+        schedule = parse_schedule(self.draft_length_schedule)
+        validate_schedule(schedule, self.spec_disable_above_batch_size, self.num_speculative_tokens)
+        return {"draft_length_schedule": schedule, "spec_disable_above_batch_size": self.spec_disable_above_batch_size}
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -96,11 +96,21 @@ class SpeculativeConfig:
     rejection_sampling: str = "probabilistic"
     synthetic_acceptance_rate: float | None = None
     draft_tensor_parallel_size: int = 1
+    # Load-adaptive speculation (engine/draft_schedule.py): the draft length of a step follows its batch size,
+    # because verifying k drafts per request costs more the larger the batch, until speculation loses to
+    # plain decoding. Pairs (max_batch_size, k), ascending; None: num_speculative_tokens at every size.
+    draft_length_schedule: list[tuple[int, int]] | None = None
+    # Steps whose batch is larger than this run without speculation (the draft does not run; it catches up
+    # when the batch shrinks). None: never off.
+    disable_above_batch_size: int | None = None
 
     def validate(self) -> None:
+        from engine.draft_schedule import validate_schedule
+
         k = self.num_speculative_tokens
         if not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        validate_schedule(self.draft_length_schedule, self.disable_above_batch_size, k)
         if self.rejection_sampling not in REJECTION_MODES:
             raise ValueError(f"rejection_sampling must be one of {REJECTION_MODES}, "
                              f"got {self.rejection_sampling!r}")
@@ -111,6 +121,13 @@ class SpeculativeConfig:
                                  f"'synthetic', got {rate!r}")
         elif rate is not None:
             raise ValueError("synthetic_acceptance_rate is only used with rejection_sampling='synthetic'")
+
+    def draft_length(self, batch_size: int) -> int:
+        """k for a step that runs `batch_size` requests (0: no speculation this step)."""
+        from engine.draft_schedule import draft_length_for
+
+        return draft_length_for(batch_size, self.num_speculative_tokens, self.draft_length_schedule,
+                                self.disable_above_batch_size)
 
 
 @dataclass
@@ -128,8 +145,20 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     seed: int = 0
     tensor_parallel_size: int = 1
+    # "auto": the Triton kernels (engine/kernels) on CUDA, the torch reference elsewhere.
+    attention_backend: str = "auto"
+    # Run every step eagerly (no CUDA graphs): for debugging, and the only mode off CUDA.
+    enforce_eager: bool = False
+    # Batch sizes to capture graphs for; None: 1, 2, 4, 8, then steps of 8 up to min(max_num_seqs, 64).
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # Draft tokens per step the runners size their buffers and graphs for (set from SpeculativeConfig).
+    num_speculative_tokens: int = 0
+    # "auto": the checkpoint's weights; "dummy": random weights (benchmarks of a shape from its config.json).
+    load_format: str = "auto"
 
     def validate(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.block_size < 1:
@@ -139,6 +168,26 @@ class EngineConfig:
         if self.tensor_parallel_size != 1:
             raise ValueError("the offline engine runs one process (tensor_parallel_size=1); use the Ray "
                              "serving layer for tensor parallelism")
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """"auto" picks the Triton kernels on CUDA when triton is installed, the torch reference otherwise."""
+    if name != "auto":
+        return name
+    import importlib.util
+
+    return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+
+
+def graph_batch_sizes(cfg: EngineConfig) -> list[int]:
+    """Batch-size buckets for CUDA graphs, ascending."""
+    if cfg.cuda_graph_batch_sizes is not None:
+        return sorted({b for b in cfg.cuda_graph_batch_sizes if 1 <= b <= cfg.max_num_seqs})
+    cap = min(cfg.max_num_seqs, 64)
+    sizes = [b for b in (1, 2, 4) if b <= cap] + list(range(8, cap + 1, 8))
+    if cap not in sizes:
+        sizes.append(cap)
+    return sorted(set(sizes))
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

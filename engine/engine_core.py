@@ -28,6 +28,7 @@ class StepStats:
     num_scheduled: int = 0
     num_batched_tokens: int = 0
     num_preempted: int = 0
+    draft_length: int = 0  # the step's k (load-adaptive schedule); 0: no speculation this step
     phase_seconds: dict[str, float] = field(default_factory=dict)  # propose, verify, sample
 
 
@@ -44,7 +45,8 @@ class EngineCore:
                          if executor.draft_kv_groups is not None else None)
         managers = [self.target_kv] + ([self.draft_kv] if self.draft_kv is not None else [])
         self.scheduler = Scheduler(managers, engine_config.max_num_seqs, engine_config.max_num_batched_tokens,
-                                   engine_config.max_model_len, num_speculative_tokens=k)
+                                   engine_config.max_model_len, num_speculative_tokens=k,
+                                   draft_length_fn=self.spec_config.draft_length if self.spec_config else None)
         self.output = OutputProcessor(tokenizer, eos_token_ids, engine_config.max_model_len)
         self.vocab_size = executor.vocab_size
         self.last_step = StepStats()
@@ -85,7 +87,7 @@ class EngineCore:
     def step(self) -> list[Request]:
         """Run one step; returns the requests that got tokens or finished."""
         sched = self.scheduler.schedule()
-        stats = StepStats(len(sched.scheduled), sched.num_batched_tokens, len(sched.preempted))
+        stats = StepStats(len(sched.scheduled), sched.num_batched_tokens, len(sched.preempted), sched.draft_length)
         self.last_step = stats
         if not sched.scheduled:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -115,7 +117,7 @@ class EngineCore:
                               for g in range(self.target_kv.num_groups)],
                 temperature=r.params.temperature, top_p=r.params.top_p, top_k=r.params.top_k, seed=r.params.seed,
                 num_output_tokens=r.num_output_tokens)
-            if self.draft_kv is not None:
+            if s.draft_runs:  # else the draft sits this step out (speculation off at this load) and lags
                 p.draft_token_ids = tokens[r.num_draft_computed_tokens:frontier]
                 p.draft_start_pos = r.num_draft_computed_tokens
                 p.draft_block_tables = [list(self.draft_kv.block_table(r.request_id, g))
@@ -133,11 +135,13 @@ class EngineCore:
             frontier = s.frontier
             if tokens is None:  # a prefill chunk that did not reach the end of the prompt
                 r.num_computed_tokens = frontier
-                r.num_draft_computed_tokens = frontier
+                if s.draft_runs:
+                    r.num_draft_computed_tokens = frontier
                 continue
             # KV of the fed last token and of the accepted drafts is valid; rejected slots get overwritten.
             r.num_computed_tokens = frontier + accepted
-            r.num_draft_computed_tokens = frontier + min(accepted, max(k - 1, 0))
+            if s.draft_runs:
+                r.num_draft_computed_tokens = frontier + min(accepted, max(k - 1, 0))
             if k:
                 r.spec.record(k, accepted)
             self.output.append(r, tokens)

@@ -35,23 +35,30 @@ class LLM:
                  synthetic_acceptance_rate: float | None = None, tensor_parallel_size: int = 1,
                  draft_tensor_parallel_size: int = 1, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, max_model_len: int | None = None, seed: int = 0,
-                 **engine_kwargs: object) -> None:
+                 draft_length_schedule: str | list[tuple[int, int]] | None = None,
+                 spec_disable_above_batch_size: int | None = None, **engine_kwargs: object) -> None:
+        """draft_length_schedule / spec_disable_above_batch_size: load-adaptive speculation (the draft length of a
+        step from its batch size, engine/draft_schedule.py); by default every step drafts num_speculative_tokens."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         if draft_model is not None and draft_tensor_parallel_size != 1:
             raise ValueError("the offline engine runs the draft in one process "
                              "(draft_tensor_parallel_size=1); use the Ray serving layer for more")
         pair = resolve_model_pair(model, draft_model, max_model_len, num_speculative_tokens, rejection_sampling,
-                                  synthetic_acceptance_rate, draft_tensor_parallel_size)
+                                  synthetic_acceptance_rate, draft_tensor_parallel_size, draft_length_schedule,
+                                  spec_disable_above_batch_size,
+                                  load_format=str(engine_kwargs.get("load_format", "auto")))
         target_cfg, draft_cfg, spec = pair.target, pair.draft, pair.spec
         self.engine_config = EngineConfig(device=dev, dtype=dt, max_model_len=pair.max_model_len, seed=seed,
                                           tensor_parallel_size=tensor_parallel_size,
+                                          num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                                           **engine_kwargs)  # type: ignore[arg-type]
         self.engine_config.validate()
         self.model_config = target_cfg
         self.tokenizer = load_tokenizer(str(target_cfg.path))
         target = ModelRunner(target_cfg, self.engine_config, "target")
         draft = ModelRunner(draft_cfg, self.engine_config, "draft") if draft_cfg is not None else None
+
         keep_probs = spec is not None and spec.rejection_sampling == "probabilistic"
         self.executor = LocalExecutor(target, draft, keep_probs, seed)
         self.engine = EngineCore(self.executor, self.engine_config, self.tokenizer, target_cfg.eos_token_ids, spec)

@@ -5,11 +5,17 @@ step: 1 + its draft length) within the step's token budget; prefills are chunked
 KV cache cannot hold a running request's next tokens, the most recently arrived running request is
 preempted: its blocks are freed in both models and it is recomputed later from its tokens so far.
 Waiting requests are admitted while budget, sequence slots and KV blocks allow.
+
+Speculation adapts to load: each step takes its draft length from the batch size (`draft_length_fn`, the
+SpeculativeConfig's schedule). A step with draft length 0 does not run the draft at all: the draft falls
+behind (its KV is not allocated or written) and catches up on the missed tokens, in one chunk, at the next
+step that speculates.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache.manager import KVCacheManager
@@ -21,6 +27,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # target tokens fed this step, draft slots included
     num_draft_tokens: int  # k for this request this step; 0 while prefilling or without speculation
+    draft_runs: bool = False  # the draft processes this request this step (catch-up, prefill, proposals)
 
     @property
     def frontier(self) -> int:
@@ -33,6 +40,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    draft_length: int = 0  # the step's k from the load-adaptive schedule (0: the draft does not run)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -41,13 +49,17 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_managers: list[KVCacheManager], max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_speculative_tokens: int = 0) -> None:
+                 max_model_len: int, num_speculative_tokens: int = 0,
+                 draft_length_fn: Callable[[int], int] | None = None) -> None:
         # kv_managers[0] is the target's; a draft's, when there is one, follows.
         self.kv_managers = kv_managers
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
+        # batch size -> the step's k; None: num_speculative_tokens at every batch size.
+        self.draft_length_fn = draft_length_fn
+        self.step_draft_length = num_speculative_tokens  # k of the step being scheduled
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -76,11 +88,23 @@ class Scheduler:
     # --- one step ------------------------------------------------------------------------------------
     def draft_length(self, request: Request) -> int:
         """k for this request, shrunk near max_tokens and max_model_len so a verify never overruns."""
-        if not self.num_speculative_tokens:
+        if not self.step_draft_length:
             return 0
         room_output = request.params.max_tokens - request.num_output_tokens - 1
         room_context = self.max_model_len - request.num_tokens - 1
-        return max(0, min(self.num_speculative_tokens, room_output, room_context))
+        return max(0, min(self.step_draft_length, room_output, room_context))
+
+    def _step_draft_length(self) -> int:
+        """This step's k from its load: the requests that want to run, as many as a step may hold."""
+        if not self.num_speculative_tokens or self.draft_length_fn is None:
+            return self.num_speculative_tokens
+        batch = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+        return max(0, min(self.num_speculative_tokens, self.draft_length_fn(batch)))
+
+    @property
+    def _draft_runs(self) -> bool:
+        """Whether the draft model works this step: it has a KV manager and the step speculates."""
+        return len(self.kv_managers) > 1 and self.step_draft_length > 0
 
     def _draft_end(self, request: Request, num_new: int, k: int) -> int:
         """Positions the draft holds KV for after this step: the target's frontier, plus k - 1 drafts."""
@@ -89,13 +113,13 @@ class Scheduler:
     def _try_allocate(self, request: Request, num_new: int, k: int) -> bool:
         target_end = request.num_computed_tokens + num_new
         ok = self.kv_managers[0].can_allocate(request.request_id, request.num_computed_tokens, target_end)
-        if ok and len(self.kv_managers) > 1:
+        if ok and self._draft_runs:
             ok = self.kv_managers[1].can_allocate(request.request_id, request.num_draft_computed_tokens,
                                                   self._draft_end(request, num_new, k))
         if not ok:
             return False
         self.kv_managers[0].allocate(request.request_id, request.num_computed_tokens, target_end)
-        if len(self.kv_managers) > 1:
+        if self._draft_runs:
             self.kv_managers[1].allocate(request.request_id, request.num_draft_computed_tokens,
                                          self._draft_end(request, num_new, k))
         return True
@@ -118,7 +142,9 @@ class Scheduler:
         return min(remaining, budget), 0
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        self.step_draft_length = self._step_draft_length()
+        out = SchedulerOutput(draft_length=self.step_draft_length)
+        draft_runs = self._draft_runs
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
         i = 0
@@ -132,7 +158,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, num_new, k))
+                out.scheduled.append(ScheduledRequest(req, num_new, k, draft_runs))
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
                 i += 1
@@ -147,6 +173,6 @@ class Scheduler:
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                out.scheduled.append(ScheduledRequest(req, num_new, k))
+                out.scheduled.append(ScheduledRequest(req, num_new, k, draft_runs))
                 budget -= num_new
         return out

@@ -10,8 +10,10 @@ replicas feed one continuous batch.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve.config import DeploymentActorConfig
 
@@ -29,7 +31,10 @@ DEPLOYMENT_NAME = "SpecServe"
 @serve.deployment(name=DEPLOYMENT_NAME)
 @serve.ingress()  # the FastAPI app is built per replica by __serve_build_asgi_app__, around its RouterClient
 class SpecServe:
-    async def __init__(self, model: str, served_model_name: str | None = None) -> None:
+    async def __init__(self, model: str, served_model_name: str | None = None,
+                       security: dict[str, Any] | None = None) -> None:
+        """security: `api_key` (None: the SPECSERVE_API_KEY environment variable, else no key),
+        `max_request_body_bytes`, `auth_health_metrics` (see deploy.config.ServeConfig)."""
         from engine.llm import load_tokenizer
         from engine.models.source import resolve_model
 
@@ -42,12 +47,18 @@ class SpecServe:
         info = await router.info.remote()
         self.client = RouterClient(lambda: serve.get_deployment_actor(ROUTER_ACTOR), served_model_name or model,
                                    tokenizer, info["max_model_len"])
+        security = dict(security or {})
+        # A key from the environment (a Kubernetes Secret) stays out of Serve's stored config.
+        self.api_key: str | None = security.get("api_key") or os.environ.get("SPECSERVE_API_KEY") or None
+        self.max_body_bytes: int | None = security.get("max_request_body_bytes")
+        self.auth_health_metrics = bool(security.get("auth_health_metrics", False))
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_openai_app(self.client)
+        return create_openai_app(self.client, api_key=self.api_key, max_body_bytes=self.max_body_bytes,
+                                 auth_health_metrics=self.auth_health_metrics)
 
     async def Generate(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802 - the RPC's name
-        async for response in grpc_service.generate(self.client, request, grpc_context):
+        async for response in grpc_service.generate(self.client, request, grpc_context, self.api_key):
             yield response
 
     async def check_health(self) -> None:
@@ -58,7 +69,8 @@ class SpecServe:
             health = await self.client.router_health(timeout_s=30.0)
         except GenerationError:
             return
-        if not health.get("healthy", False):
+        # While the router rebuilds its workers, restarting this replica would only drop its connections.
+        if not health.get("healthy", False) and not health.get("recovering", False):
             raise RuntimeError(f"the engine is unhealthy: {health.get('reason')}")
 
 
@@ -78,13 +90,18 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
                       engine_builder: str = DEFAULT_ENGINE_BUILDER, num_replicas: int | str | None = None,
                       autoscaling_config: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
                       ray_actor_options: dict[str, Any] | None = None,
-                      router_options: dict[str, Any] | None = None) -> serve.Application:
-    """The bound application. `engine_args` are LLM's keyword arguments (model, draft_model, ...)."""
+                      router_options: dict[str, Any] | None = None, max_queued_requests: int | None = None,
+                      continue_without_draft: bool = False, api_key: str | None = None,
+                      max_request_body_bytes: int | None = None,
+                      auth_health_metrics: bool = False) -> serve.Application:
+    """The bound application. `engine_args` are LLM's keyword arguments (model, draft_model, ...); the rest are
+    deploy.config.ServeConfig's fields of the same names."""
     model = engine_args["model"]
     router = DeploymentActorConfig(
         name=ROUTER_ACTOR, actor_class=Router,
         init_kwargs={"engine_args": engine_args, "engine_builder": engine_builder,
-                     "model_name": served_model_name or model},
+                     "model_name": served_model_name or model, "max_queued_requests": max_queued_requests,
+                     "continue_without_draft": continue_without_draft},
         actor_options=router_actor_options(engine_args, engine_builder, router_options))
     options: dict[str, Any] = {"deployment_actors": [router],
                                "ray_actor_options": ray_actor_options or {"num_cpus": 1}}
@@ -94,4 +111,26 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
         options["num_replicas"] = num_replicas
     if max_ongoing_requests is not None:
         options["max_ongoing_requests"] = max_ongoing_requests
-    return SpecServe.options(**options).bind(model, served_model_name)
+    if max_queued_requests is not None:
+        # Serve's own queue in front of the replicas (requests not yet handed to one) is bounded too, so that
+        # neither queue grows without limit under overload (past it Serve's proxy answers 503). It is sized past
+        # a replica's capacity: a burst of arrivals waits there for a few milliseconds even when the router has
+        # room, and those must reach the router, which answers 429 itself.
+        options["max_queued_requests"] = max_queued_requests + (max_ongoing_requests or 100)
+    security = {"api_key": api_key, "max_request_body_bytes": max_request_body_bytes,
+                "auth_health_metrics": auth_health_metrics}
+    return SpecServe.options(**options).bind(model, served_model_name, security)
+
+
+def router_actors() -> list[Any]:
+    """Handles of every specserve router in the cluster (one per application)."""
+    names = [(a["name"], a.get("namespace")) for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].endswith(f"::{ROUTER_ACTOR}")]
+    return [ray.get_actor(name, namespace=ns or "serve") for name, ns in names]
+
+
+def drain(timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """Graceful shutdown, first half: every router refuses new requests (503) and waits up to `timeout_s` for
+    the requests in flight to finish. Call it before serve.shutdown(); returns each router's report."""
+    refs = [r.drain.remote(timeout_s) for r in router_actors()]
+    return ray.get(refs, timeout=timeout_s + 30.0) if refs else []

@@ -29,7 +29,8 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
                      dtype: str | torch.dtype | None = None, max_model_len: int | None = None, seed: int = 0,
                      use_compiled_graph: bool = True, target_resources: dict[str, float] | None = None,
                      draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
-                     step_timeout_s: float = 300.0, **engine_kwargs: object) -> EngineCore:
+                     step_timeout_s: float = 300.0, draft_length_schedule: object = None,
+                     spec_disable_above_batch_size: int | None = None, **engine_kwargs: object) -> EngineCore:
     """Build the target (and draft) worker groups and the EngineCore that drives them.
 
     Arguments mean what they mean for `engine.LLM`; `engine_kwargs` are further EngineConfig fields
@@ -48,10 +49,13 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
     # Resolved here, once: a GGUF is converted into the cache on this node and the workers load the
     # directory. Workers on other nodes need that cache on a shared disk (SPECSERVE_CACHE_DIR).
     pair = resolve_model_pair(model, draft_model, max_model_len, num_speculative_tokens, rejection_sampling,
-                              synthetic_acceptance_rate, draft_tensor_parallel_size)
+                              synthetic_acceptance_rate, draft_tensor_parallel_size, draft_length_schedule,
+                              spec_disable_above_batch_size, load_format=str(engine_kwargs.get("load_format", "auto")))
     spec = pair.spec
     config = EngineConfig(device=dev, dtype=dt, max_model_len=pair.max_model_len, seed=seed,
-                          tensor_parallel_size=tensor_parallel_size, **engine_kwargs)  # type: ignore[arg-type]
+                          tensor_parallel_size=tensor_parallel_size,
+                          num_speculative_tokens=pair.spec.num_speculative_tokens if pair.spec else 0,
+                          **engine_kwargs)  # type: ignore[arg-type]
     # EngineConfig.validate() refuses tensor parallelism (the offline engine is one process); here the
     # sizes are checked against the models by RayExecutor, so validate everything else.
     dataclasses.replace(config, tensor_parallel_size=1).validate()

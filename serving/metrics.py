@@ -37,7 +37,8 @@ class EngineMetrics:
                                         "Draft tokens accepted, by position in the draft (0-based)",
                                         ["position"], registry=r)
         self.draft_length = Gauge(p + "spec_decode_draft_length",
-                                  "Mean draft length (k) of the last step that speculated", registry=r)
+                                  "Draft length (k) the last step used: load-adaptive, 0 while the batch is too "
+                                  "large to speculate", registry=r)
         # --- tokens and requests -----------------------------------------------------------------
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of requests whose prefill finished",
                                      registry=r)
@@ -81,7 +82,8 @@ class EngineMetrics:
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
 
     def on_step(self, phase_seconds: dict[str, float], num_running: int, num_waiting: int, num_preempted: int,
-                kv_usage: dict[tuple[str, int], float], mean_draft_length: float | None) -> None:
+                kv_usage: dict[tuple[str, int], float], draft_length: int) -> None:
+        """draft_length: the step's k (0: no speculation this step, or none at all on this engine)."""
         for phase, seconds in phase_seconds.items():
             self.step_duration.labels(phase=phase).observe(seconds)
         self.set_queue(num_running, num_waiting)
@@ -89,8 +91,7 @@ class EngineMetrics:
             self.preemptions.inc(num_preempted)
         for (model, group), usage in kv_usage.items():
             self.kv_usage.labels(model=model, kv_group=str(group)).set(usage)
-        if mean_draft_length is not None:
-            self.draft_length.set(mean_draft_length)
+        self.draft_length.set(draft_length)
 
     def set_queue(self, num_running: int, num_waiting: int) -> None:
         self.running.set(num_running)

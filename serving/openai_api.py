@@ -5,7 +5,9 @@ streaming), /v1/models, /health, /metrics. The Serve deployment passes itself it
 start; anything else with the same methods (a fake in a unit test) works as well.
 
 Errors always have OpenAI's shape. Client faults are 4xx: FastAPI's 422 for a body that does not parse or
-validate becomes 400 (what OpenAI and vLLM return), engine ValueErrors arrive as GenerationError(400).
+validate becomes 400 (what OpenAI and vLLM return), engine ValueErrors arrive as GenerationError(400), a full
+queue is 429 and an engine that is down or draining 503, both with Retry-After. The API key and the body size
+limit are checked before any route (serving/http_guard.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.http_guard import OPEN_PATHS, RequestGuard
 from serving.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -61,16 +64,17 @@ class Client(Protocol):
     async def metrics_text(self) -> str: ...
 
 
-def _error_response(status: int, message: str, param: str | None = None, code: str | int | None = None
-                    ) -> JSONResponse:
-    return JSONResponse(error_body(message, error_type(status), param, code), status_code=status)
+def _error_response(status: int, message: str, param: str | None = None, code: str | int | None = None,
+                    retry_after_s: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return JSONResponse(error_body(message, error_type(status), param, code), status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GenerationError)
     async def _generation_error(_: Request, e: GenerationError) -> JSONResponse:
-        code = "model_not_found" if e.status == 404 else None
-        return _error_response(e.status, e.message, e.param, code)
+        code = {404: "model_not_found", 429: "rate_limit_exceeded"}.get(e.status)
+        return _error_response(e.status, e.message, e.param, code, e.retry_after_s)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -94,17 +98,25 @@ def install_error_handlers(app: FastAPI) -> None:
         return _error_response(500, f"internal error: {type(e).__name__}: {e}")
 
 
-def create_openai_app(client: Client) -> FastAPI:
+def create_openai_app(client: Client, api_key: str | None = None, max_body_bytes: int | None = None,
+                      auth_health_metrics: bool = False) -> FastAPI:
+    """api_key: required as a Bearer token (None: open); /health and /metrics stay open unless
+    auth_health_metrics. max_body_bytes: larger request bodies get 413 (None: no limit)."""
     app = FastAPI(title="specserve", description="OpenAI-compatible LLM serving with speculative decoding")
     install_error_handlers(app)
+    if api_key is not None or max_body_bytes is not None:
+        app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes,
+                           open_paths=frozenset() if auth_health_metrics else OPEN_PATHS)
 
     @app.get("/health")
     async def health() -> Response:
         try:
-            await client.check_health()
+            report = await client.check_health()
         except GenerationError as e:
-            return _error_response(503, e.message)
-        return JSONResponse({"status": "ok"})
+            return _error_response(503, e.message, retry_after_s=e.retry_after_s)
+        # Serving, perhaps degraded: speculation off while a new draft group starts (still lossless).
+        return JSONResponse({"status": "ok", "speculation": report.get("speculation", True),
+                             "degraded": report.get("degraded")})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -146,7 +158,10 @@ def _tokenize(client: Client, prompt: str | list[int]) -> list[int]:
         return prompt
     if not prompt:
         raise GenerationError("prompt is empty: give at least one character", 400, "prompt")
-    return list(client.tokenizer(prompt)["input_ids"])
+    try:
+        return list(client.tokenizer(prompt)["input_ids"])
+    except Exception as e:  # noqa: BLE001 - e.g. text the tokenizer cannot encode (lone surrogates)
+        raise GenerationError(f"the prompt cannot be tokenized: {type(e).__name__}: {e}", 400, "prompt") from e
 
 
 def _apply_chat_template(client: Client, body: ChatCompletionRequest) -> list[int]:

@@ -229,4 +229,6 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | i
 def error_type(status: int) -> str:
     if status == 503:
         return "service_unavailable"
+    if status == 429:
+        return "rate_limit_exceeded"
     return "invalid_request_error" if 400 <= status < 500 else "internal_server_error"

@@ -35,7 +35,12 @@ logger = logging.getLogger("specserve")
 
 
 class WorkerDiedError(RuntimeError):
-    """A model worker actor is dead or unresponsive; the executor cannot run steps any more."""
+    """A model worker actor is dead or unresponsive; the executor cannot run steps any more.
+    `role` ("target" | "draft") names the group of the worker found dead, when it is known."""
+
+    def __init__(self, message: str, role: str | None = None) -> None:
+        super().__init__(message)
+        self.role = role
 
 
 @dataclass
@@ -90,6 +95,11 @@ class RayExecutor:
         self.draft: WorkerGroup | None = None
         self._graph: Any = None  # ray.dag.CompiledDAG
         self._broken: str | None = None
+        self._broken_role: str | None = None  # the group of the dead worker that broke the executor
+        # What a replacement draft group is built from (serving/engine_recovery.py), and one being built.
+        self._draft_args = (draft_model_path, draft_tensor_parallel_size, draft_resources, rejection_sampling,
+                            placement_timeout_s, init_timeout_s)
+        self._pending_draft: WorkerGroup | None = None
         check_tensor_parallel(ModelConfig.from_path(model_path), tensor_parallel_size, "target")
         if draft_model_path is not None:
             check_tensor_parallel(ModelConfig.from_path(draft_model_path), draft_tensor_parallel_size, "draft")
@@ -191,7 +201,7 @@ class RayExecutor:
     # --- steps ---------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         if self._broken is not None:
-            raise WorkerDiedError(self._broken)
+            raise WorkerDiedError(self._broken, self._broken_role)
         t0 = time.perf_counter()
         try:
             if self._graph is not None:
@@ -225,7 +235,7 @@ class RayExecutor:
         try:
             self.check_health()
         except WorkerDiedError as e:
-            self._broken = str(e)
+            self._broken, self._broken_role = str(e), e.role
             raise e from error
         if timed_out:
             self._broken = (f"a step took longer than step_timeout_s={self.step_timeout_s} s; the workers answer "
@@ -247,7 +257,7 @@ class RayExecutor:
         With plain actor calls a ping waits behind a running step; call this between steps. An executor
         that a failed step or shutdown() already marked unusable raises at once."""
         if self._broken is not None:
-            raise WorkerDiedError(self._broken)
+            raise WorkerDiedError(self._broken, self._broken_role)
         pending = [(role, rank, w.ping.remote()) for role, rank, w in self.workers()]
         deadline = time.monotonic() + timeout_s
         for role, rank, ref in pending:
@@ -257,38 +267,94 @@ class RayExecutor:
                 ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except ray.exceptions.RayActorError as e:
                 raise WorkerDiedError(f"{role} worker rank {rank} of {size} has died "
-                                      f"({type(e).__name__}); the engine must be restarted") from e
+                                      f"({type(e).__name__}); the engine must be restarted", role) from e
             except ray.exceptions.GetTimeoutError:
                 raise WorkerDiedError(f"{role} worker rank {rank} of {size} did not answer a ping within "
-                                      f"{timeout_s:.0f} s") from None
+                                      f"{timeout_s:.0f} s", role) from None
 
     def shutdown(self) -> None:
         """Tear down the graph, kill the workers and free their placement groups. Safe to call twice."""
+        self._teardown_graph()
+        for group in (self.target, self.draft, self._pending_draft):
+            if group is not None:
+                _release_group(group)
+        self._broken = self._broken or "the executor was shut down"
+
+    def _teardown_graph(self) -> None:
         if self._graph is not None:
             try:
                 self._graph.teardown()
             except Exception as e:  # a dead actor makes teardown complain; the kill below still runs
                 logger.warning("compiled graph teardown: %s", e)
             self._graph = None
-        for group in (self.target, self.draft):
-            if group is None:
-                continue
-            for w in group.workers:
-                try:
-                    ray.kill(w)
-                except Exception as e:
-                    logger.warning("killing a %s worker: %s", group.role, e)
-            group.workers = []
-            if group.placement is not None:
-                try:
-                    remove_placement_group(group.placement)
-                except Exception as e:
-                    logger.warning("removing the %s placement group: %s", group.role, e)
-                group.placement = None
-        self._broken = self._broken or "the executor was shut down"
+
+    # --- replacing the draft group (serving/engine_recovery.py) --------------------------------------
+    def detach_draft(self) -> None:
+        """Run on the target alone: drop the draft ranks (dead or alive) and rebuild the graph without them.
+        Raises WorkerDiedError if a target rank is dead too."""
+        self._teardown_graph()
+        if self.draft is not None:
+            _release_group(self.draft)
+        self.draft, self.draft_kv_groups, self.draft_num_blocks = None, None, 0
+        self._broken = self._broken_role = None
+        self.check_health()
+        if self.use_compiled_graph:
+            self._graph = self._build_graph()
+
+    def start_draft_group(self) -> None:
+        """Start and load a new draft group beside the running target (blocking; steps may run meanwhile).
+        `attach_draft` then puts it into the step."""
+        path, size, resources, rejection_sampling, placement_timeout_s, init_timeout_s = self._draft_args
+        if path is None:
+            raise RuntimeError("this executor was built without a draft model")
+        if self._pending_draft is not None:
+            _release_group(self._pending_draft)
+        bundle = make_bundle(self.engine_config.device.type, resources)
+        pg = create_group_placement(f"specserve-draft-{id(self):x}-{time.monotonic_ns():x}", size, bundle,
+                                    placement_timeout_s)
+        group = WorkerGroup("draft", path, size, pg)
+        self._pending_draft = group
+        addr, port = "127.0.0.1", 0
+        if size > 1:
+            lookup = ray.remote(node_ip_and_free_port)
+            # SYNC: off the step path (recovery).
+            addr, port = ray.get(lookup.options(**bundle_task_options(pg, 0)).remote(), timeout=placement_timeout_s)
+        actor_cls = ray.remote(ModelWorker)
+        for rank in range(size):
+            group.workers.append(actor_cls.options(**actor_options(pg, rank, bundle)).remote(
+                "draft", path, self.engine_config, rank, size, addr, port, rejection_sampling,
+                int(bundle.get("CPU", 1))))
+        group.info = self._gather_info(group, init_timeout_s)
+
+    def attach_draft(self) -> None:
+        """Put the group `start_draft_group` built into the step: the graph is rebuilt with it (between steps)."""
+        group, self._pending_draft = self._pending_draft, None
+        if group is None or group.info is None:
+            raise RuntimeError("no started draft group to attach: call start_draft_group() first")
+        self._teardown_graph()
+        self.draft = group
+        self.draft_kv_groups, self.draft_num_blocks = group.info.kv_groups, group.info.num_blocks
+        if self.use_compiled_graph:
+            self._graph = self._build_graph()
 
     def __enter__(self) -> RayExecutor:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _release_group(group: WorkerGroup) -> None:
+    """Kill a group's workers and free its placement group (a dead worker's kill is a no-op)."""
+    for w in group.workers:
+        try:
+            ray.kill(w)
+        except Exception as e:
+            logger.warning("killing a %s worker: %s", group.role, e)
+    group.workers = []
+    if group.placement is not None:
+        try:
+            remove_placement_group(group.placement)
+        except Exception as e:
+            logger.warning("removing the %s placement group: %s", group.role, e)
+        group.placement = None

@@ -9,6 +9,12 @@ Engine state is touched only under `_lock`: the loop holds it for a step, `add`/
 steps (asyncio.Lock hands it to waiters first, so a steady stream of steps cannot starve them). Token
 deltas are snapshotted under the lock too, so a stream never reads a request a running step is writing.
 
+Reliability (see serving/engine_recovery.py for the worker side): the waiting queue is bounded (past
+`max_queued_requests` a request is refused with 429 and a retry hint instead of growing memory); a dead model
+worker fails the requests in flight with a 503 that says so, and the router rebuilds its worker groups in
+place (or, with `continue_without_draft`, drops a dead draft group and serves on the target alone until a new
+draft group is attached); `drain()` refuses new requests and waits for those in flight, for shutdown.
+
 This module is pickled by value into the Serve controller (deployment-scoped actor), so engine imports
 stay inside functions: the controller must not import torch just to create the actor.
 """
@@ -21,10 +27,12 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
+
+if TYPE_CHECKING:
+    from serving.request_stream import RequestStream
 
 logger = logging.getLogger("specserve")
 
@@ -49,44 +57,16 @@ def _import_builder(path: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
-@dataclass
-class _Stream:
-    """One request's published state: what the last step left, and what the caller has already seen."""
-
-    request: Any  # engine.request.Request (read only under the router's lock)
-    arrival: float
-    holdback: int  # chars of text withheld while running: a stop string may still cut them off
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    pending_tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    error: tuple[str, int] | None = None  # (message, HTTP-like status)
-    spec: dict[str, Any] = field(default_factory=lambda: {"num_drafts": 0, "num_draft_tokens": 0,
-                                                          "num_accepted_tokens": 0, "accepted_per_position": []})
-    num_published: int = 0  # output tokens already moved to pending_tokens
-    sent_text: int = 0  # chars of text already yielded
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-
-    def take_delta(self) -> dict[str, Any]:
-        done = self.finish_reason is not None
-        end = len(self.text) if done else max(self.sent_text, len(self.text) - self.holdback)
-        text = self.text[self.sent_text:end]
-        self.sent_text = max(self.sent_text, end)
-        tokens, self.pending_tokens = self.pending_tokens, []
-        return {"request_id": self.request.request_id, "token_ids": tokens, "text": text,
-                "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
-                "num_prompt_tokens": self.request.num_prompt_tokens, "num_completion_tokens": self.num_published,
-                "spec": dict(self.spec, accepted_per_position=list(self.spec["accepted_per_position"]))}
-
-
 @ray.remote
 class Router:
     """Owns one EngineCore. `engine_args` go to the builder (LLM's arguments for the local engine)."""
 
     def __init__(self, engine_args: dict[str, Any], engine_builder: str = DEFAULT_ENGINE_BUILDER,
-                 model_name: str | None = None) -> None:
+                 model_name: str | None = None, max_queued_requests: int | None = None,
+                 continue_without_draft: bool = False) -> None:
+        """max_queued_requests: requests that may wait for a batch slot; more are refused with 429 (None: no
+        bound). continue_without_draft: when the draft's workers die, serve on the target alone (lossless,
+        slower) and attach a rebuilt draft group, instead of failing the requests in flight."""
         from serving.metrics import EngineMetrics
 
         device = str(engine_args.get("device") or "")
@@ -98,14 +78,22 @@ class Router:
                 # intra-op threads slow every step down.
                 torch.set_num_threads(int(os.environ.get("SPECSERVE_TORCH_THREADS", "1")))
         self.engine_args = dict(engine_args)
+        self.engine_builder = engine_builder
         self.model_name = model_name or str(engine_args.get("model"))
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0 (or None: no bound), got {max_queued_requests}")
+        self.max_queued_requests = max_queued_requests
+        self.continue_without_draft = continue_without_draft
         logger.info("router: building the engine with %s(%s)", engine_builder, engine_args)
         self.engine = _import_builder(engine_builder)(**engine_args)
         self.metrics = EngineMetrics()
         self._lock = asyncio.Lock()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._loop_task: asyncio.Task | None = None
         self._unhealthy: str | None = None
+        self._draining = False
+        self._degraded: str | None = None  # why speculation is off (the draft group died), while it is
+        self._recovery: asyncio.Task | None = None  # rebuilding workers: keeps a reference so it is not collected
         self.metrics.set_queue(0, 0)
         self._update_kv_gauges()
 
@@ -117,10 +105,15 @@ class Router:
         Invalid input yields one `{"error": message, "status": 400}` instead of raising, so the caller
         gets a plain message rather than a wrapped RayTaskError. Closing the stream early aborts the request.
         """
+        from serving.request_stream import Rejected
+
         try:
             stream = await self._add(request_id, prompt_token_ids, params)
         except (ValueError, TypeError) as e:
             yield {"error": str(e), "status": 400}
+            return
+        except Rejected as e:
+            yield {"error": str(e), "status": e.status, "retry_after": e.retry_after_s}
             return
         except RuntimeError as e:
             yield {"error": str(e), "status": 503}
@@ -167,8 +160,19 @@ class Router:
                     await asyncio.to_thread(check, 10.0)
                 except Exception as e:  # noqa: BLE001 - WorkerDiedError: a rank is dead or hung
                     self._declare_dead(e)
-        return {"healthy": self._unhealthy is None, "reason": self._unhealthy,
+        return {"healthy": self._unhealthy is None, "reason": self._unhealthy, "draining": self._draining,
+                "recovering": self._recovery is not None and not self._recovery.done(),
+                "speculation": self.engine.spec_config is not None, "degraded": self._degraded,
                 "num_running": len(self.engine.scheduler.running), "num_waiting": len(self.engine.scheduler.waiting)}
+
+    async def drain(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """For shutdown: refuse new requests (503) from now on and wait up to `timeout_s` for the ones in flight
+        to finish. Returns whether they all did and how many are left."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return {"drained": not self._streams, "num_in_flight": len(self._streams)}
 
     async def metrics_text(self) -> str:
         return self.metrics.exposition()
@@ -185,29 +189,60 @@ class Router:
         return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "num_streams": len(self._streams), "kv_cache_usage": {f"{m}/{g}": u for (m, g), u in
                                                                        self._kv_usage().items()},
-                "healthy": self._unhealthy is None, **await self.info()}
+                "kv_blocks_used": self._kv_blocks_used(), "healthy": self._unhealthy is None,
+                "draining": self._draining, "degraded": self._degraded, **await self.info()}
+
+    async def workers(self) -> list[dict[str, Any]]:
+        """The model workers: role, rank and Ray actor id (hex), for operators and fault-injection tests."""
+        listing = getattr(self.engine.executor, "workers", None)
+        return [{"role": role, "rank": rank, "actor_id": w._actor_id.hex()} for role, rank, w in
+                (listing() if listing is not None else [])]
 
     # --- requests -------------------------------------------------------------------------------------
-    async def _add(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any]) -> _Stream:
+    async def _add(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any]) -> RequestStream:
         from engine.request import Request, SamplingParams
+        from serving.request_stream import RETRY_AFTER_S, Rejected, RequestStream
 
+        if self._draining:
+            raise Rejected("the server is shutting down and takes no new requests; retry on another replica", 503)
         if self._unhealthy is not None:
-            raise RuntimeError(f"the engine is unavailable: {self._unhealthy}")
+            raise Rejected(f"the engine is unavailable: {self._unhealthy}; retry shortly", 503, RETRY_AFTER_S)
         sp = SamplingParams(**params)  # validates; TypeError for an unknown field
         if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt_token_ids):
             raise ValueError("prompt token ids must be integers")
+        if len(prompt_token_ids) < self.engine.config.max_model_len:  # else the engine names max_model_len
+            self._check_fits(len(prompt_token_ids))
         req = Request(request_id, list(prompt_token_ids), sp)
         holdback = max((len(s) for s in sp.stop), default=1) - 1
-        stream = _Stream(request=req, arrival=time.perf_counter(), holdback=holdback)
+        stream = RequestStream(request=req, arrival=time.perf_counter(), holdback=holdback)
         async with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            waiting = len(self.engine.scheduler.waiting)
+            if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
+                # Refuse rather than queue without bound: memory stays flat and the client backs off.
+                raise Rejected(f"the server is overloaded: {waiting} requests are already waiting "
+                               f"(max_queued_requests={self.max_queued_requests}); retry after "
+                               f"{RETRY_AFTER_S} s", 429, RETRY_AFTER_S)
             self.engine.add_request(req)  # raises ValueError before changing anything
             self._streams[request_id] = stream
             self.metrics.set_queue(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting))
             if self._loop_task is None or self._loop_task.done():
                 self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
         return stream
+
+    def _check_fits(self, num_prompt_tokens: int) -> None:
+        """A prompt whose KV alone outgrows a model's whole cache could never run: say so now (400), rather
+        than fail it after it reached the head of the queue."""
+        for model, kv in (("target", self.engine.target_kv), ("draft", self.engine.draft_kv)):
+            if kv is None:
+                continue
+            need = -(-num_prompt_tokens // kv.block_size)
+            have = min(pool.num_usable for pool in kv.pools)
+            if need > have:
+                raise ValueError(f"prompt has {num_prompt_tokens} tokens, which need {need} KV blocks of "
+                                 f"{kv.block_size} tokens, but the {model} model's KV cache holds {have} blocks "
+                                 f"({have * kv.block_size} tokens); shorten the prompt")
 
     # --- the step loop --------------------------------------------------------------------------------
     async def _run_loop(self) -> None:
@@ -224,7 +259,6 @@ class Router:
 
     def _publish(self, touched: list[Any], now: float) -> None:
         """Move what the step produced into the streams, and into the metrics."""
-        drafts = draft_tokens = 0
         for req in touched:
             s = self._streams.get(req.request_id)
             if s is None:
@@ -242,7 +276,6 @@ class Router:
                     self.metrics.on_tokens(len(new), now - (s.last_token_time or now))
                 s.last_token_time = now
             d, dt, acc, per_pos = self._spec_increment(s, req.spec)
-            drafts, draft_tokens = drafts + d, draft_tokens + dt
             self.metrics.on_spec(d, dt, acc, per_pos)
             if req.status.finished:
                 s.finish_reason = req.finish_reason or req.status.value
@@ -252,10 +285,10 @@ class Router:
         stats = self.engine.last_step
         self.metrics.on_step(stats.phase_seconds, len(self.engine.scheduler.running),
                              len(self.engine.scheduler.waiting), stats.num_preempted, self._kv_usage(),
-                             draft_tokens / drafts if drafts else None)
+                             stats.draft_length)
 
     @staticmethod
-    def _spec_increment(s: _Stream, spec: Any) -> tuple[int, int, int, list[int]]:
+    def _spec_increment(s: RequestStream, spec: Any) -> tuple[int, int, int, list[int]]:
         old = s.spec
         per_pos = list(spec.accepted_per_position)
         old_pos = old["accepted_per_position"] + [0] * (len(per_pos) - len(old["accepted_per_position"]))
@@ -266,9 +299,12 @@ class Router:
         return inc
 
     def _on_step_error(self, error: Exception) -> None:
-        """Fail the requests the error belongs to; if it cannot be pinned on some, fail them all."""
-        culprits = [s for s in self._streams.values() if s.request.status.finished and s.finish_reason is None]
+        """Fail the requests the error belongs to; if it cannot be pinned on some, fail them all. A dead draft
+        worker with `continue_without_draft` fails none: the engine goes on without speculation."""
         dead = isinstance(error, ray.exceptions.RayActorError) or type(error).__name__ == "WorkerDiedError"
+        if dead and self._serve_without_draft(error):
+            return
+        culprits = [s for s in self._streams.values() if s.request.status.finished and s.finish_reason is None]
         if culprits and not dead:
             logger.warning("engine step failed for %d request(s): %s", len(culprits), error)
         else:
@@ -280,7 +316,9 @@ class Router:
                 except Exception:  # noqa: BLE001 - the state is suspect; the streams still get their error
                     logger.exception("aborting %s after a failed step", s.request.request_id)
         for s in culprits:
-            s.error = (f"the engine failed: {error}", 503 if dead else 500)
+            what = "a model worker died" if dead else "the engine failed"
+            s.error = (f"{what}: {error}; the request was aborted" + (", retry shortly" if dead else ""),
+                       503 if dead else 500)
             s.finish_reason = "abort"
             self.metrics.on_finished("abort", 0.0)
             s.event.set()
@@ -290,11 +328,73 @@ class Router:
 
     def _declare_dead(self, error: Exception) -> None:
         """A model worker died (serving.ray_executor.WorkerDiedError): this engine cannot step again. Say so
-        (/health 503, new requests 503), let the streams deliver their errors, then end this actor: Serve's
-        controller sees the deployment actor die and creates a new router, which builds new workers."""
+        (/health 503, new requests 503), then rebuild the worker groups in the background; should that fail,
+        end this actor so that Serve's controller creates a new router, which builds new workers."""
+        if self._serve_without_draft(error):
+            return
         if self._unhealthy is None:
             self._unhealthy = f"a model worker died: {error}"
-            asyncio.get_running_loop().create_task(self._exit_soon())
+            self._recovery = asyncio.get_running_loop().create_task(self._rebuild_engine())
+
+    def _serve_without_draft(self, error: Exception) -> bool:
+        """With `continue_without_draft`, a dead draft rank only switches speculation off: the target's state is
+        intact (the failed step committed nothing), so the requests in flight go on, token for token as they
+        would have (speculation is lossless). A new draft group is attached in the background."""
+        if not (self.continue_without_draft and getattr(error, "role", None) == "draft"
+                and self.engine.spec_config is not None and self._unhealthy is None):
+            return False
+        from serving.engine_recovery import detach_draft
+
+        try:
+            spec = detach_draft(self.engine)
+        except Exception as e:  # noqa: BLE001 - e.g. a target rank died too: the whole engine is rebuilt
+            logger.error("could not go on without the draft (%s); rebuilding the engine", e)
+            return False
+        self._degraded = f"speculation is off: {error}"
+        logger.warning("the draft group died; serving on the target alone while a new one starts: %s", error)
+        self._update_queue_and_kv()
+        self._recovery = asyncio.get_running_loop().create_task(self._reattach_draft(self.engine, spec))
+        return True
+
+    async def _rebuild_engine(self) -> None:
+        old = self.engine
+        try:
+            await asyncio.to_thread(old.executor.shutdown)  # frees the dead group's placement (its GPUs)
+            logger.warning("router: rebuilding the engine's worker groups after: %s", self._unhealthy)
+            engine = await asyncio.to_thread(_import_builder(self.engine_builder), **self.engine_args)
+        except Exception:  # noqa: BLE001 - e.g. no resources: let Serve replace the whole router
+            logger.exception("router: rebuilding the engine failed")
+            await self._exit_soon(0.0)
+            return
+        async with self._lock:
+            self.engine = engine
+            self._unhealthy = None
+            self._degraded = None
+            self._update_queue_and_kv()
+        logger.warning("router: the engine is serving again with new worker groups")
+
+    async def _reattach_draft(self, engine: Any, spec: Any) -> None:
+        """Start a new draft group next to the running target and attach it between steps; retry with backoff."""
+        from serving.engine_recovery import attach_draft
+
+        delay = 1.0
+        while self.engine is engine and self._unhealthy is None:
+            try:
+                await asyncio.to_thread(engine.executor.start_draft_group)  # loads the draft; steps go on
+                async with self._lock:
+                    if self.engine is not engine or self._unhealthy is not None:
+                        # The whole engine died meanwhile: release what was just started with the rest of it.
+                        await asyncio.to_thread(engine.executor.shutdown)
+                        return
+                    attach_draft(engine, spec)
+                    self._degraded = None
+                    self._update_queue_and_kv()
+                logger.warning("router: a new draft group is attached; speculation is back on")
+                return
+            except Exception:  # noqa: BLE001 - keep serving without speculation, and try again later
+                logger.exception("router: attaching a new draft group failed; retrying in %.0f s", delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 60.0)
 
     async def _exit_soon(self, delay_s: float = 1.0) -> None:
         await asyncio.sleep(delay_s)
@@ -309,6 +409,14 @@ class Router:
                 for g in range(kv.num_groups):
                     usage[(model, g)] = kv.usage(g)
         return usage
+
+    def _kv_blocks_used(self) -> dict[str, int]:
+        used = {}
+        for model, kv in (("target", self.engine.target_kv), ("draft", self.engine.draft_kv)):
+            if kv is not None:
+                for g, n in enumerate(kv.num_used_blocks()):
+                    used[f"{model}/{g}"] = n
+        return used
 
     def _update_kv_gauges(self) -> None:
         for (model, group), usage in self._kv_usage().items():

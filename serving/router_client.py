@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -21,11 +22,48 @@ logger = logging.getLogger("specserve")
 class GenerationError(Exception):
     """A request that cannot be served. `status` follows HTTP: 4xx the client's fault, 5xx ours."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.retry_after_s = retry_after_s  # HTTP Retry-After for 429/503
+
+
+# The API's own limits, stricter than the engine's (whose offline users may want more): OpenAI's temperature
+# range, and sizes that keep every value a machine integer on the step path (a top_k past int64 would fail
+# the whole batch's sampling step, not just the one request).
+MAX_TEMPERATURE = 2.0
+MAX_TOP_K = 2**31 - 1
+# Below this a temperature is greedy: 1 / T overflows float32 logits into NaN probabilities (vLLM does the same).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+_INT64 = 2**63
+
+
+def check_api_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Check the front ends' sampling parameters against the API's limits; raises GenerationError(400). The
+    engine's SamplingParams checks the rest (ranges, types) in the router."""
+    t = params.get("temperature")
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
+        if not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
+            raise GenerationError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {t!r}", 400,
+                                  "temperature")
+        if t < GREEDY_BELOW_TEMPERATURE:
+            params = dict(params, temperature=0.0)
+    p = params.get("top_p")
+    if isinstance(p, float) and not math.isfinite(p):
+        raise GenerationError(f"top_p must be in (0, 1], got {p!r}", 400, "top_p")
+    k = params.get("top_k")
+    if isinstance(k, int) and k > MAX_TOP_K:
+        raise GenerationError(f"top_k must be at most {MAX_TOP_K} (0 disables it), got {k}", 400, "top_k")
+    seed = params.get("seed")
+    if isinstance(seed, int) and not -_INT64 <= seed < _INT64:
+        raise GenerationError(f"seed must fit in 64 bits, got {seed}", 400, "seed")
+    if any(isinstance(t, int) and not 0 <= t < _INT64 for t in params.get("stop_token_ids") or []):
+        raise GenerationError("stop_token_ids must be token ids (non-negative integers below 2**63)", 400,
+                              "stop_token_ids")
+    return params
 
 
 # Engine validation messages start with the parameter's name ("max_tokens must be ..."): report it as
@@ -62,11 +100,12 @@ class RouterClient:
     def _lost(self, error: BaseException) -> GenerationError:
         self._router = None
         return GenerationError(f"the engine is unavailable (the router actor died: {type(error).__name__}); "
-                               "retry shortly", 503)
+                               "retry shortly", 503, retry_after_s=1)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The router's deltas; raises GenerationError. Stopping early (aclose/cancel) aborts the request."""
+        params = check_api_params(params)
         router = self.router()
         finished = False
         try:
@@ -75,7 +114,8 @@ class RouterClient:
                 delta = await ref
                 if "error" in delta:
                     finished = True
-                    raise GenerationError(delta["error"], delta["status"], _param_of(delta["error"]))
+                    raise GenerationError(delta["error"], delta["status"], _param_of(delta["error"]),
+                                          delta.get("retry_after"))
                 finished = delta["finish_reason"] is not None
                 yield delta
         except ray.exceptions.RayActorError as e:
@@ -101,6 +141,8 @@ class RouterClient:
         health = await self.router_health(timeout_s)
         if not health.get("healthy", False):
             raise GenerationError(f"the engine is unhealthy: {health.get('reason')}", 503)
+        if health.get("draining"):
+            raise GenerationError("the server is shutting down (draining its requests in flight)", 503)
         return health
 
     async def metrics_text(self) -> str:

@@ -34,6 +34,17 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         group = md.groups[self.kv_group_id]
-        torch_backend.store_kv(self.kv_cache, k, v, group.slot_mapping)
-        out = torch_backend.paged_attention(q, self.kv_cache, md.common, group, self.scale)
+        if md.backend == "triton":
+            # Imported here: the kernels need triton, which CPU-only installs may lack.
+            from engine.kernels.kv_store import store_kv
+            from engine.kernels.paged_attention import paged_attention
+
+            store_kv(k, v, self.kv_cache[0], self.kv_cache[1], group.slot_mapping)
+            out = torch.empty_like(q)
+            c = md.common
+            paged_attention(q, self.kv_cache[0], self.kv_cache[1], out, c.query_start_loc, c.seq_lens,
+                            group.block_table, self.scale, group.sliding_window, c.max_query_len)
+        else:
+            torch_backend.store_kv(self.kv_cache, k, v, group.slot_mapping)
+            out = torch_backend.paged_attention(q, self.kv_cache, md.common, group, self.scale)
         return out.reshape(n, self.num_heads * self.head_dim)

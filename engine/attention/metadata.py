@@ -10,23 +10,32 @@ from engine.kv_cache.block_pool import NULL_BLOCK
 
 
 @dataclass
+class DenseQueryLayout:
+    """The torch reference backend's view of the queries: one padded row per request."""
+
+    query_index: torch.Tensor  # [num_reqs, max_query_len] int64; flat token index, padding -> 0
+    query_valid: torch.Tensor  # [num_reqs, max_query_len] bool
+    query_positions: torch.Tensor  # [num_reqs, max_query_len] int64; padding -> -1
+
+
+@dataclass
 class CommonAttentionMetadata:
     """Query layout of the step, shared by every KV-cache group.
 
     Tokens of all requests are flattened; request i owns tokens query_start_loc[i]:query_start_loc[i+1],
-    which sit at positions seq_lens[i] - query_len .. seq_lens[i] - 1 of its sequence.
+    which sit at positions seq_lens[i] - query_len .. seq_lens[i] - 1 of its sequence. On the kernel path
+    these are views into the runner's input buffers (fixed addresses that CUDA graphs read); requests with
+    no query tokens and tokens past query_start_loc[num_reqs] are padding.
     """
 
-    query_start_loc: torch.Tensor  # [num_reqs + 1] int64
-    seq_lens: torch.Tensor  # [num_reqs] int64; KV length after this step's tokens are stored
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32 (kernel path) or int64 (torch path)
+    seq_lens: torch.Tensor  # [num_reqs] int32 or int64; KV length after this step's tokens are stored
     positions: torch.Tensor  # [num_tokens] int64
-    query_index: torch.Tensor  # [num_reqs, max_query_len] int64; flat token index, padding -> 0
-    query_valid: torch.Tensor  # [num_reqs, max_query_len] bool
-    query_positions: torch.Tensor  # [num_reqs, max_query_len] int64; padding -> -1
     num_reqs: int
     num_tokens: int
-    max_query_len: int
-    max_seq_len: int
+    max_query_len: int  # upper bound; sizes the kernel grid
+    max_seq_len: int  # upper bound
+    dense: DenseQueryLayout | None = None  # torch backend only
 
 
 @dataclass
@@ -34,8 +43,8 @@ class GroupAttentionMetadata:
     """Where one KV-cache group's keys and values live for this step."""
 
     group_id: int
-    block_table: torch.Tensor  # [num_reqs, max_num_blocks] int64; NULL_BLOCK for released/padding
-    slot_mapping: torch.Tensor  # [num_tokens] int64; flat slot (block * block_size + offset) per token
+    block_table: torch.Tensor  # [num_reqs, max_num_blocks] int64 (int32 on the kernel path); NULL_BLOCK for released
+    slot_mapping: torch.Tensor  # [num_tokens] int64; flat slot (block * block_size + offset); -1: padding token
     sliding_window: int | None
     block_size: int
     # Backend-private tensors derived from the above (e.g. the torch backend's mask), built by the
@@ -47,6 +56,7 @@ class GroupAttentionMetadata:
 class AttentionMetadata:
     common: CommonAttentionMetadata
     groups: list[GroupAttentionMetadata]  # [num_kv_groups], indexed by group id
+    backend: str = "torch"  # "torch" (reference, any device) | "triton" (engine/kernels, CUDA graphs)
 
 
 def build_common_metadata(query_lens: list[int], seq_lens: list[int], device: torch.device
@@ -71,8 +81,8 @@ def build_common_metadata(query_lens: list[int], seq_lens: list[int], device: to
         query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        query_index=q_index.to(device), query_valid=q_valid.to(device), query_positions=q_pos.to(device),
-        num_reqs=num_reqs, num_tokens=qsl[-1], max_query_len=max_q, max_seq_len=max(seq_lens))
+        num_reqs=num_reqs, num_tokens=qsl[-1], max_query_len=max_q, max_seq_len=max(seq_lens),
+        dense=DenseQueryLayout(q_index.to(device), q_valid.to(device), q_pos.to(device)))
 
 
 def build_group_metadata(group_id: int, block_tables: list[list[int]], query_lens: list[int],

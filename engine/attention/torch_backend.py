@@ -26,13 +26,13 @@ def attention_mask(common: CommonAttentionMetadata, group: GroupAttentionMetadat
     if cached is not None:
         return cached
     num_keys = group.block_table.shape[1] * group.block_size
-    k_pos = torch.arange(num_keys, device=common.query_positions.device)[None, None, :]
-    q_pos = common.query_positions[:, :, None]
+    k_pos = torch.arange(num_keys, device=common.dense.query_positions.device)[None, None, :]
+    q_pos = common.dense.query_positions[:, :, None]
     mask = (k_pos <= q_pos) & (k_pos < common.seq_lens[:, None, None])
     if group.sliding_window is not None:
         mask &= k_pos > q_pos - group.sliding_window
     # Padded query rows see key 0 so softmax stays finite; their outputs are dropped.
-    mask[:, :, 0] |= ~common.query_valid
+    mask[:, :, 0] |= ~common.dense.query_valid
     mask = mask[:, None]
     group.cache["torch_mask"] = mask
     return mask
@@ -45,9 +45,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, common: CommonA
     _, _, bs, h_kv, d = kv_cache.shape
     k = kv_cache[0][group.block_table].view(r, mb * bs, h_kv, d).transpose(1, 2)
     v = kv_cache[1][group.block_table].view(r, mb * bs, h_kv, d).transpose(1, 2)
-    q = query[common.query_index].transpose(1, 2)  # [num_reqs, heads, max_query_len, dim]
+    q = query[common.dense.query_index].transpose(1, 2)  # [num_reqs, heads, max_query_len, dim]
     mask = attention_mask(common, group)
     out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=q.shape[1] != h_kv)
     out = out.transpose(1, 2)  # [num_reqs, max_query_len, heads, dim]
-    return out[common.query_valid].to(query.dtype)
+    return out[common.dense.query_valid].to(query.dtype)

@@ -62,8 +62,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), md))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        attn = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), md))
+        h, x = self.pre_feedforward_layernorm.forward_with_residual(attn, x)
+        return x + self.post_feedforward_layernorm(self.mlp(h))
 
 
 class Gemma3Model(nn.Module):

@@ -9,6 +9,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref, use_fused_kernels
+from engine.kernels.rotary import rotary_embedding, rotary_embedding_ref
 from engine.parallel import divide, get_tp_group
 
 
@@ -144,12 +146,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:  # Gemma multiplies in float32 before casting back
-            return (xf * (self.offset + self.weight.float())).to(dtype)
-        return self.weight * xf.to(dtype)
+        if use_fused_kernels(x):
+            return rms_norm(x, self.weight, self.eps, self.offset)
+        return rms_norm_ref(x, self.weight, self.eps, self.offset)
+
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): one kernel on the fused path."""
+        if use_fused_kernels(x):
+            return add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+        return add_rms_norm_ref(x, residual, self.weight, self.eps, self.offset)
 
 
 def _check_unsharded(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -195,13 +200,6 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [num_tokens, heads, head_dim], k: [num_tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(dtype)
+        if use_fused_kernels(q):
+            return rotary_embedding(positions, q, k, self.cos, self.sin)
+        return rotary_embedding_ref(positions, q, k, self.cos, self.sin)

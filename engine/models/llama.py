@@ -9,6 +9,8 @@ from transformers.activations import ACT2FN
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.config import ModelConfig
+from engine.kernels.activation import ACTIVATIONS, act_and_mul
+from engine.kernels.rms_norm import use_fused_kernels
 from engine.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -61,9 +63,13 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.act = ACT2FN[act]
+        self.act_name = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act_name in ACTIVATIONS and use_fused_kernels(gate_up):
+            return self.down_proj(act_and_mul(gate_up, self.act_name))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -77,8 +83,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.forward_with_residual(
+            self.self_attn(positions, self.input_layernorm(x), md), x)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

@@ -76,9 +76,12 @@ def _rewrite_prefix(name: str) -> str:
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> LlamaForCausalLM:
+                weights: Iterator[tuple[str, torch.Tensor]] | None = None,
+                load_format: str = "auto") -> LlamaForCausalLM:
     """Instantiate the model on `device` in `dtype` and load every parameter; a checkpoint that leaves
-    a parameter unset, or has a tensor of the wrong shape, is an error (never silently random)."""
+    a parameter unset, or has a tensor of the wrong shape, is an error (never silently random).
+    load_format "dummy" asks for random weights instead (benchmarks of model shapes: the directory needs only
+    a config.json)."""
     cls = MODEL_CLASSES[cfg.family]
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -87,8 +90,22 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
             model = cls(cfg)
     finally:
         torch.set_default_dtype(prev)
-    load_weights(model, weights if weights is not None else model_weights(cfg))
+    if load_format == "dummy":
+        init_random_weights(model)
+    elif load_format == "auto":
+        load_weights(model, weights if weights is not None else model_weights(cfg))
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     return model.eval()
+
+
+@torch.no_grad()
+def init_random_weights(model: LlamaForCausalLM, std: float = 0.02) -> None:
+    """Random matrices of the usual scale, seeded from the current RNG; norms and biases keep the neutral
+    values they are built with."""
+    for p in model.parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, std)
 
 
 def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -134,8 +134,10 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "specserve"
 
 
-def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> ModelSource:
+def resolve_model(model: str, cache_dir: str | os.PathLike | None = None, require_weights: bool = True
+                  ) -> ModelSource:
     """Resolve `model` (a bundled name, an HF-style directory or a .gguf file) to a local HF directory.
+    require_weights=False accepts a directory with only a config.json (random weights, load_format "dummy").
 
     GGUF files, bundled or not, are converted into `cache_dir` (default: `default_cache_dir()`) on first
     use. Raises ValueError for anything that cannot be resolved, with what to do about it.
@@ -146,7 +148,7 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> Mod
 
     path = Path(model).expanduser()
     if path.is_dir():
-        _check_hf_dir(path)
+        _check_hf_dir(path, require_weights)
         return ModelSource(name=model, path=path, kind="hf_dir")
     if path.is_file() and path.suffix.lower() == ".gguf":
         return ModelSource(name=model, path=_gguf_to_hf_dir(path, cache), kind="gguf")
@@ -179,11 +181,11 @@ def _to_hf_dir(path: Path, cache_dir: Path) -> Path:
     raise ValueError(f"bundled model file {path} is neither an HF directory nor a .gguf file")
 
 
-def _check_hf_dir(path: Path) -> None:
+def _check_hf_dir(path: Path, require_weights: bool = True) -> None:
     """Fail early, with the missing file named, rather than deep inside model loading."""
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {path} has no config.json")
-    if not any(path.glob("*.safetensors")):
+    if require_weights and not any(path.glob("*.safetensors")):
         raise ValueError(f"model directory {path} has no *.safetensors weights")
 
 

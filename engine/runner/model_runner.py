@@ -6,10 +6,12 @@ import logging
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, graph_batch_sizes, resolve_attention_backend
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
 from engine.models.loader import build_model
 from engine.parallel import get_tp_group
+from engine.runner.cuda_graphs import ForwardGraphs, GraphPool
+from engine.runner.input_buffers import InputBuffers
 from engine.runner.step_input import Chunk, StepInput, build_step_input
 
 logger = logging.getLogger("specserve")
@@ -28,13 +30,25 @@ class ModelRunner:
         self.config = engine_config
         self.device = engine_config.device
         self.dtype = engine_config.dtype
-        self.model = build_model(model_config, self.device, self.dtype)
+        self.model = build_model(model_config, self.device, self.dtype, load_format=engine_config.load_format)
         layers = self.model.attention_layers()
         specs = [AttentionSpec(a.num_kv_heads, a.head_dim, self.dtype, engine_config.block_size, a.sliding_window)
                  for a in layers]
         self.kv_groups: list[KVCacheGroupSpec] = group_layers(specs)
         self.num_blocks = self._num_blocks()
         self._bind_kv_caches(layers)
+        # The kernel path reads its inputs from buffers at fixed addresses (what CUDA graphs need); the
+        # torch reference path builds fresh tensors every step.
+        self.backend = resolve_attention_backend(engine_config.attention_backend, self.device)
+        self.buffers: InputBuffers | None = None
+        self.graphs: ForwardGraphs | None = None
+        self.graph_pool: GraphPool | None = None
+        if self.backend == "triton":
+            max_reqs = engine_config.max_num_seqs
+            # Verify steps may add k + 1 tokens per request beyond the scheduler's token budget.
+            per_req = engine_config.num_speculative_tokens + 2
+            max_tokens = engine_config.max_num_batched_tokens + max_reqs * per_req
+            self.buffers = InputBuffers(self.kv_groups, max_reqs, max_tokens, engine_config.max_model_len, self.device)
         logger.info("%s: %d KV-cache group(s) %s, %d blocks of %d tokens", name, len(self.kv_groups),
                     [(len(g.layer_ids), g.spec.sliding_window) for g in self.kv_groups], self.num_blocks,
                     engine_config.block_size)
@@ -85,9 +99,29 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, step.attn)
         return self.model.compute_logits(hidden[step.logits_indices])
 
+    def forward_all(self, step: StepInput) -> torch.Tensor:
+        """Logits of every token of the step [num_tokens, vocab_size] float32 (graphs capture this)."""
+        return self.model.compute_logits(self.model(step.input_ids, step.positions, step.attn))
+
     def forward_chunks(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Build the step's input (attention metadata for every KV-cache group) and run it."""
-        return self.execute(build_step_input(chunks, self.kv_groups, self.device))
+        """Build the step's input (attention metadata for every KV-cache group) and run it: a graph replay
+        when one fits, else eagerly."""
+        if self.buffers is None:
+            return self.execute(build_step_input(chunks, self.kv_groups, self.device))
+        key = self.graphs.bucket(chunks) if self.graphs is not None else None
+        if key is not None:
+            return self.graphs.run(chunks, key)
+        return self.execute(self.buffers.load(chunks))
+
+    def capture_graphs(self, query_lens: list[int]) -> None:
+        """Capture decode/verify graphs for these query lengths (1: decode, k + 1: verify), unless eager."""
+        if self.backend != "triton" or self.config.enforce_eager or self.device.type != "cuda":
+            return
+        if self.graph_pool is None:
+            self.graph_pool = GraphPool()
+        self.graphs = ForwardGraphs(self.buffers, torch.inference_mode()(self.forward_all),
+                                    graph_batch_sizes(self.config), query_lens, self.graph_pool)
+        self.graphs.capture()
 
     @property
     def vocab_size(self) -> int:

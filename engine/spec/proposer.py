@@ -15,8 +15,9 @@ import torch
 
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
-from engine.sample.from_plan import DRAFT_STREAM, sampling_metadata
+from engine.sample.from_plan import DRAFT_STREAM, request_generator, sampling_metadata
 from engine.sample.sampler import Sampler
+from engine.spec.draft_loop import DraftLoop
 from engine.step_plan import StepPlan
 
 
@@ -39,9 +40,16 @@ class DraftProposer:
         self.keep_probs = keep_probs  # only probabilistic rejection reads q
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed(seed + 1)
+        # Kernel path: the k steps run from static buffers, as CUDA graphs where captured.
+        self.loop: DraftLoop | None = None
+        if runner.buffers is not None:
+            self.loop = DraftLoop(runner, runner.config.num_speculative_tokens, keep_probs)
+            self.loop.capture()
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan) -> DraftProposal:
+        if self.loop is not None:
+            return self._propose_loop(plan)
         dev = self.runner.device
         reqs = plan.requests
         ks = [r.num_draft_tokens for r in reqs]
@@ -73,4 +81,36 @@ class DraftProposer:
         if max_k == 0 and any(c.token_ids for c in chunks):
             # Only catch-up work (prefill chunks, k = 0 decodes): keep the draft's KV in step.
             self.runner.forward_chunks([c for c in chunks if c.token_ids])
+        return DraftProposal(ids, torch.tensor(ks, dtype=torch.int64, device=dev), probs)
+
+    def _propose_loop(self, plan: StepPlan) -> DraftProposal:
+        """The same proposal from the draft loop's buffers and graphs. Its random numbers are drawn up front
+        (the eager torch path draws them step by step), so sampled drafts differ between the two paths;
+        both draw from the same distributions, and greedy drafts are identical."""
+        dev = self.runner.device
+        reqs = plan.requests
+        ks = [r.num_draft_tokens for r in reqs]
+        max_k = max(ks, default=0)
+        rows = [i for i, r in enumerate(reqs) if r.draft_token_ids]
+        if any(k > 0 and not reqs[i].draft_token_ids for i, k in enumerate(ks)):
+            raise RuntimeError("a speculating request has no unseen token for the draft")
+        ids = torch.full((len(reqs), max_k), -1, dtype=torch.int64, device=dev)
+        probs = None
+        if rows:
+            chunks = [Chunk(reqs[i].draft_token_ids, reqs[i].draft_start_pos, 1, reqs[i].draft_block_tables)
+                      for i in rows]
+            sub = [reqs[i] for i in rows]
+            md = sampling_metadata(sub, DRAFT_STREAM, self.generator, dev)
+            gens = {n: request_generator(r.seed, r.num_output_tokens, DRAFT_STREAM, dev)
+                    for n, r in enumerate(sub) if r.seed is not None and r.temperature > 0}
+            loop_ids, loop_probs = self.loop.run(chunks, [ks[i] for i in rows], md, gens, self.generator)
+            if max_k:
+                row_idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+                ids[row_idx] = loop_ids
+                if loop_probs is not None and self.keep_probs:
+                    if len(rows) == len(reqs):
+                        probs = loop_probs
+                    else:
+                        probs = torch.zeros(len(reqs), max_k, loop_probs.shape[-1], device=dev)
+                        probs[row_idx] = loop_probs
         return DraftProposal(ids, torch.tensor(ks, dtype=torch.int64, device=dev), probs)

@@ -62,6 +62,10 @@ def rejection_sample(draft_token_ids: Tensor,  # [num_reqs, max_k] int64, -1 bey
     from their own generator, so their result depends only on their own inputs and generator (for a given
     max_k and V).
     """
+    if md.all_greedy and mode == "probabilistic":
+        # With one-hot p, probabilistic acceptance is "x equals the argmax" whatever q is, and the residual
+        # max(0, p - q) peaks at that argmax too: strict mode gives the same tokens without reading q.
+        mode = "strict"
     _validate(draft_token_ids, num_draft_tokens, draft_probs, target_logits, md, mode,
               synthetic_acceptance_rate)
     num_reqs, max_k = draft_token_ids.shape

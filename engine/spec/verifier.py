@@ -22,6 +22,9 @@ class Verifier:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed(seed)
+        k = runner.config.num_speculative_tokens
+        # Every verify width up to k + 1: a load-adaptive draft length may pick any k per step.
+        runner.capture_graphs(list(range(1, k + 2)))
 
     @torch.inference_mode()
     def verify(self, plan: StepPlan, proposal: DraftProposal | None) -> StepResult:

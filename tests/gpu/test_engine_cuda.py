@@ -10,7 +10,8 @@ from conftest import random_prompts
 from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
-KW = dict(max_model_len=256, block_size=16, num_kv_blocks=256)
+# Few graph buckets: capture time, not coverage (test_fast_path_cuda.py covers padded buckets).
+KW = dict(max_model_len=256, block_size=16, num_kv_blocks=256, max_num_seqs=8, cuda_graph_batch_sizes=(1, 4, 8))
 
 
 def _hf_greedy_cuda(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:

@@ -1,0 +1,78 @@
+"""Draft step time on one GPU, CUDA graphs against eager, for a Qwen3-0.6B shape and SmolLM2-135M (random
+weights, bf16): one draft loop of k steps from a 512-token context, timed whole and divided by k, plus HF
+transformers eager decoding of the same shape for scale.
+
+    python benchmarks/gpu_draft.py --out results/gpu_draft.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import environment, markdown_table, save_json
+from gpu_decode import cuda_median_ms, hf_decode_ms
+from gpu_shapes import shape_dir
+
+from engine.config import EngineConfig, ModelConfig
+from engine.runner.model_runner import ModelRunner
+from engine.runner.step_input import Chunk
+from engine.sample.metadata import SamplingMetadata
+from engine.spec.draft_loop import DraftLoop
+
+
+def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: bool, steps: int) -> float:
+    max_len = context + 64
+    cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=max_len, max_num_seqs=batch,
+                       kv_cache_memory_bytes=2 << 30, enforce_eager=not graphs, num_speculative_tokens=k,
+                       load_format="dummy", cuda_graph_batch_sizes=(batch,))
+    mc = ModelConfig.from_path(shape_dir(name))
+    mc.max_model_len = max_len
+    runner = ModelRunner(mc, cfg, "draft")
+    loop = DraftLoop(runner, k, keep_probs=not greedy)
+    loop.capture()
+    per_req = -(-max_len // cfg.block_size)
+    tables = [[list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for _ in runner.kv_groups] for i in range(batch)]
+    prompt = torch.randint(0, runner.vocab_size, (context,)).tolist()
+    for i in range(batch):
+        runner.forward_chunks([Chunk(prompt, 0, 0, tables[i])])
+    temp = 0.0 if greedy else 0.8
+    md = SamplingMetadata.from_lists([temp] * batch, [1.0] * batch, [0] * batch, device="cuda")
+    gen = torch.Generator(device="cuda")
+    chunks = [Chunk([11, 12], context, 1, tables[i]) for i in range(batch)]  # last accepted + bonus token
+    return cuda_median_ms(lambda: loop.run(chunks, [k] * batch, md, {}, gen), steps) / k
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen3-0.6b,smollm2-135m")
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rows = []
+    t0 = time.perf_counter()
+    for name in args.shapes.split(","):
+        for b in (int(x) for x in args.batch.split(",")):
+            row = {"shape": name, "batch": b, "k": args.k}
+            for greedy in (True, False):
+                tag = "greedy" if greedy else "sampled"
+                row[f"graph_{tag}_ms"] = loop_ms(name, b, args.k, args.context, True, greedy, args.steps)
+                row[f"eager_{tag}_ms"] = loop_ms(name, b, args.k, args.context, False, greedy, args.steps)
+                torch.cuda.empty_cache()
+            row["graph_speedup"] = row["eager_greedy_ms"] / row["graph_greedy_ms"]
+            row["hf_eager_ms"] = hf_decode_ms(name, b, args.context, args.steps)
+            rows.append(row)
+    cols = ["shape", "batch", "k", "graph_greedy_ms", "eager_greedy_ms", "graph_speedup", "graph_sampled_ms",
+            "eager_sampled_ms", "hf_eager_ms"]
+    print(f"draft step time (ms per draft token, loop of k={args.k} from a {args.context}-token context); "
+          f"{time.perf_counter() - t0:.0f} s")
+    print(markdown_table(rows, cols))
+    save_json(args.out, {"env": environment(), "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

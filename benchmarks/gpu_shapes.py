@@ -1,0 +1,67 @@
+"""Model shapes the GPU benchmarks run with random weights (load_format "dummy": a directory with a config.json),
+and the device's copy bandwidth, which sets the memory-bound floor of a decode step."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, Qwen3Config
+
+SHAPES = {
+    # Qwen3-8B and Qwen3-0.6B (their published configs), SmolLM2-135M(-Instruct).
+    "qwen3-8b": lambda: Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                    max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1e6),
+    "qwen3-0.6b": lambda: Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                      max_position_embeddings=40960, tie_word_embeddings=True, rope_theta=1e6),
+    "smollm2-135m": lambda: LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                        max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=1e5),
+}
+ARCH = {"qwen3-8b": "Qwen3ForCausalLM", "qwen3-0.6b": "Qwen3ForCausalLM", "smollm2-135m": "LlamaForCausalLM"}
+
+
+def shape_dir(name: str, root: str | Path = "/tmp/specserve-shapes") -> str:
+    """A directory holding only the shape's config.json (load with load_format='dummy')."""
+    path = Path(root) / name
+    cfg = SHAPES[name]()
+    cfg.architectures = [ARCH[name]]
+    cfg.save_pretrained(path)
+    return str(path)
+
+
+def hf_config(name: str):
+    cfg = SHAPES[name]()
+    cfg.architectures = [ARCH[name]]
+    return cfg
+
+
+def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of `repeats`."""
+    n = int(gib * (1 << 30))
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / statistics.median(times)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total

@@ -1,0 +1,79 @@
+"""Speculative decoding speed on one GPU in synthetic mode (random weights; the acceptance rate is set, so speed
+can be measured without a trained pair): a Qwen3-8B-shaped target with a Qwen3-0.6B-shaped draft, acceptance
+0.6 and 0.8, k in {2, 4, 6}, batch 1, 8, 32; output tokens/s against the target alone, medians of 3 runs.
+
+    python benchmarks/gpu_spec.py --out results/gpu_spec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+from common import environment, markdown_table, save_json
+from gpu_shapes import shape_dir
+
+from engine import LLM, SamplingParams
+
+
+def tokens_per_s(llm: LLM, batch: int, context: int, new_tokens: int, repeats: int) -> tuple[float, float]:
+    prompts = [torch.randint(0, 150000, (context,)).tolist() for _ in range(batch)]
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    times, acc = [], 0.0
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        times.append(time.perf_counter() - t0)
+        stats = llm.spec_stats(outs)
+        acc = stats.acceptance_rate if stats.num_draft_tokens else 0.0
+    return batch * new_tokens / statistics.median(times), acc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="qwen3-8b")
+    ap.add_argument("--draft", default="qwen3-0.6b")
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--k", default="2,4,6")
+    ap.add_argument("--rates", default="0.6,0.8")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
+    common = dict(load_format="dummy", device="cuda", max_model_len=args.context + args.new_tokens + 16,
+                  max_num_seqs=max(batches), kv_cache_memory_bytes=8 << 30, cuda_graph_batch_sizes=tuple(batches))
+    target = shape_dir(args.target)
+    t0 = time.perf_counter()
+    llm = LLM(target, **common)
+    base = {b: tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats)[0] for b in batches}
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    rows = [{"k": 0, "rate": None, "batch": b, "tok_s": base[b], "speedup": 1.0} for b in batches]
+    for k in (int(x) for x in args.k.split(",")):
+        llm = LLM(target, draft_model=shape_dir(args.draft), num_speculative_tokens=k, rejection_sampling="synthetic",
+                  synthetic_acceptance_rate=0.8, **common)
+        for rate in (float(r) for r in args.rates.split(",")):
+            llm.engine.spec_config.synthetic_acceptance_rate = rate
+            for b in batches:
+                tps, acc = tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats)
+                rows.append({"k": k, "rate": rate, "batch": b, "tok_s": tps, "speedup": tps / base[b],
+                             "measured_acceptance": acc})
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"{args.target} + {args.draft} (synthetic), context {args.context}, {args.new_tokens} new tokens; "
+          f"{time.perf_counter() - t0:.0f} s")
+    print(markdown_table(rows, ["k", "rate", "batch", "tok_s", "speedup", "measured_acceptance"]))
+    save_json(args.out, {"env": environment(), "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

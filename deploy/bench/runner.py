@@ -1,0 +1,167 @@
+"""Send a benchmark's requests: arrivals at a Poisson (or gamma, with burstiness) rate or all at once, at most
+`max_concurrency` in flight, a progress bar; and the server's Prometheus counters before and after, for
+speculation statistics of servers whose responses do not carry them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from deploy.bench.client import RequestResult, request_body, send_request
+from deploy.bench.datasets import BenchRequest
+
+logger = logging.getLogger("specserve")
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+
+
+@dataclass
+class BenchConfig:
+    base_url: str  # http://host:port
+    model: str
+    endpoint: str = "/v1/completions"  # or /v1/chat/completions
+    request_rate: float = math.inf  # requests per second; inf: all at once
+    burstiness: float = 1.0  # gamma shape of the inter-arrival times; 1 = Poisson
+    max_concurrency: int | None = None  # requests in flight at most; None: no cap
+    temperature: float = 0.0
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    seed: int = 0
+    timeout_s: float = 600.0
+    progress: bool = True
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint.rstrip("/").endswith("chat/completions")
+
+    def validate(self) -> None:
+        if not (self.request_rate > 0):
+            raise ValueError(f"--request-rate must be > 0 (or inf), got {self.request_rate}")
+        if self.burstiness <= 0:
+            raise ValueError(f"--burstiness must be > 0, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+
+
+@dataclass
+class RunResult:
+    config: BenchConfig
+    results: list[RequestResult]
+    duration_s: float
+    metrics_before: dict[str, float] | None  # Prometheus samples ("name{labels}" -> value), None: no /metrics
+    metrics_after: dict[str, float] | None
+
+
+async def _arrivals(requests: list[BenchRequest], rate: float, burstiness: float, seed: int
+                    ) -> AsyncIterator[tuple[int, BenchRequest]]:
+    """Yield (index, request) at the benchmark's arrival times: gamma-distributed gaps with mean 1 / rate
+    (exponential, i.e. a Poisson process, at burstiness 1); all at once for an infinite rate."""
+    rng = random.Random(seed)
+    for i, req in enumerate(requests):
+        yield i, req
+        if math.isinf(rate) or i == len(requests) - 1:
+            continue
+        await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
+
+
+async def fetch_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
+    """The server's /metrics as {"name{labels}": value}; None when it has none."""
+    try:
+        resp = await client.get(base_url.rstrip("/") + "/metrics", timeout=30.0)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    return parse_prometheus(resp.text)
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {"name{labels}": value} (labels as written by the server)."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+async def fetch_model_name(base_url: str, timeout_s: float = 30.0) -> str:
+    """The first model the server lists at /v1/models."""
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        try:
+            resp = await client.get(base_url.rstrip("/") + "/v1/models")
+            resp.raise_for_status()
+            return resp.json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"could not read the served model from {base_url}/v1/models ({e}); is the server up? "
+                             "Give --model to skip this") from None
+
+
+async def run_benchmark(requests: list[BenchRequest], cfg: BenchConfig, warmup: int = 0) -> RunResult:
+    """Send `requests` as `cfg` says and wait for all of them. `warmup` requests (the first ones of the list,
+    at the same concurrency) run before and are not counted: first-request costs (compilation, graph capture,
+    cold caches) stay out of the figures."""
+    cfg.validate()
+    url = cfg.base_url.rstrip("/") + cfg.endpoint
+    limit = cfg.max_concurrency
+    # One connection per request in flight: a shared pool would queue streams behind each other.
+    limits = httpx.Limits(max_connections=limit or None, max_keepalive_connections=limit or None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0), limits=limits) as client:
+        semaphore = asyncio.Semaphore(limit) if limit else None
+
+        def body(i: int, req: BenchRequest) -> dict[str, Any]:
+            # Per-request seeds make sampled runs repeatable; greedy requests need none.
+            seed = cfg.seed + i if cfg.temperature > 0 else None
+            return request_body(cfg.model, req.prompt, req.output_len, cfg.chat, cfg.temperature, cfg.top_p,
+                                cfg.ignore_eos, seed, cfg.extra_body)
+
+        async def one(i: int, req: BenchRequest, bar: Any) -> RequestResult:
+            if semaphore is None:
+                res = await send_request(client, url, body(i, req), cfg.chat, req.prompt_len)
+            else:
+                async with semaphore:
+                    res = await send_request(client, url, body(i, req), cfg.chat, req.prompt_len)
+            if bar is not None:
+                bar.update(1)
+            return res
+
+        if warmup:
+            warm = [requests[i % len(requests)] for i in range(warmup)]
+            done = await asyncio.gather(*(one(i, r, None) for i, r in enumerate(warm)))
+            failed = [r.error for r in done if not r.success]
+            if failed:
+                raise RuntimeError(f"{len(failed)} of {warmup} warm-up requests failed; first error: {failed[0]}")
+        before = await fetch_metrics(client, cfg.base_url)
+        bar = _progress_bar(len(requests), cfg.progress)
+        tasks = []
+        t0 = time.perf_counter()
+        async for i, req in _arrivals(requests, cfg.request_rate, cfg.burstiness, cfg.seed):
+            tasks.append(asyncio.create_task(one(i, req, bar)))
+        results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        after = await fetch_metrics(client, cfg.base_url)
+    return RunResult(cfg, results, duration, before, after)
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True)

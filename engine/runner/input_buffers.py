@@ -1,0 +1,151 @@
+"""Input buffers at fixed device addresses for the kernel path, and the host code that fills them.
+
+Every kernel-path step, eager or a CUDA-graph replay, reads its inputs from these tensors: a graph
+captured once keeps reading the same addresses, so a step only rewrites their contents (one host-to-device
+copy per tensor). Requests past the step's real ones are padding (no query tokens, seq_len 0), and tokens
+past the real ones have slot -1, which the KV-store kernel skips.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.attention.metadata import AttentionMetadata, CommonAttentionMetadata, GroupAttentionMetadata
+from engine.kv_cache.block_pool import NULL_BLOCK
+from engine.kv_cache.spec import KVCacheGroupSpec
+from engine.runner.step_input import Chunk, StepInput
+
+
+class InputBuffers:
+    """Device tensors a step reads, sized for the largest step; the KV-cache group is their first dim."""
+
+    def __init__(self, groups: list[KVCacheGroupSpec], max_num_reqs: int, max_num_tokens: int,
+                 max_model_len: int, device: torch.device) -> None:
+        self.groups = groups
+        self.device = device
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        # One spare block: a draft loop may look one position past the last allocated one.
+        self.max_blocks = max(-(-max_model_len // g.spec.block_size) for g in groups) + 1
+        g, r, t, b = len(groups), max_num_reqs, max_num_tokens, self.max_blocks
+        i32, i64 = torch.int32, torch.int64
+        self.input_ids = torch.zeros(t, dtype=i64, device=device)  # [max_num_tokens] int64
+        self.positions = torch.zeros(t, dtype=i64, device=device)  # [max_num_tokens] int64
+        self.query_start_loc = torch.zeros(r + 1, dtype=i32, device=device)  # [max_num_reqs + 1] int32
+        self.seq_lens = torch.zeros(r, dtype=i32, device=device)  # [max_num_reqs] int32
+        self.block_tables = torch.zeros(g, r, b, dtype=i32, device=device)  # [num_groups, max_num_reqs, max_blocks]
+        self.slot_mappings = torch.full((g, t), -1, dtype=i64, device=device)  # [num_groups, max_num_tokens]
+        self.logits_indices = torch.zeros(t, dtype=i64, device=device)  # [max_num_tokens] int64
+        pin = device.type == "cuda"
+        # Host staging of the same shapes: pinned, so the copies are asynchronous DMA.
+        self._host = {name: torch.zeros_like(getattr(self, name), device="cpu").pin_memory() if pin
+                      else torch.zeros_like(getattr(self, name), device="cpu")
+                      for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "block_tables",
+                                   "slot_mappings", "logits_indices")}
+
+    def view(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
+             num_logits: int) -> StepInput:
+        """A StepInput whose tensors are views of the buffers (what a graph is captured with)."""
+        common = CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc[:num_reqs + 1], seq_lens=self.seq_lens[:num_reqs],
+            positions=self.positions[:num_tokens], num_reqs=num_reqs, num_tokens=num_tokens,
+            max_query_len=max_query_len, max_seq_len=max_seq_len)
+        groups = [GroupAttentionMetadata(group_id=g.group_id, block_table=self.block_tables[g.group_id, :num_reqs],
+                                         slot_mapping=self.slot_mappings[g.group_id, :num_tokens],
+                                         sliding_window=g.spec.sliding_window, block_size=g.spec.block_size)
+                  for g in self.groups]
+        return StepInput(input_ids=self.input_ids[:num_tokens], positions=self.positions[:num_tokens],
+                         attn=AttentionMetadata(common, groups, backend="triton"),
+                         logits_indices=self.logits_indices[:num_logits], num_logits_per_req=[])
+
+    def load(self, chunks: list[Chunk], num_reqs: int | None = None, num_tokens: int | None = None,
+             max_query_len: int | None = None, num_logits_padded: int | None = None) -> StepInput:
+        """Write the chunks into the buffers, padded to num_reqs requests and num_tokens tokens, and
+        return the step's view. Logits rows are the chunks' last num_logits tokens, in order, then token 0
+        up to num_logits_padded rows (so a graph's fixed-size gather stays in bounds)."""
+        if not chunks:
+            raise ValueError("a step needs at least one request")
+        n_real = len(chunks)
+        qlens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+        starts = np.array([c.start_pos for c in chunks], dtype=np.int64)
+        nlog = np.array([c.num_logits for c in chunks], dtype=np.int64)
+        if (nlog < 0).any() or (nlog > qlens).any():
+            raise ValueError("each chunk needs 0 <= num_logits <= its number of tokens")
+        t_real = int(qlens.sum())
+        r = n_real if num_reqs is None else num_reqs
+        t = t_real if num_tokens is None else num_tokens
+        if r > self.max_num_reqs or t > self.max_num_tokens or r < n_real or t < t_real:
+            raise ValueError(f"step of {n_real} requests / {t_real} tokens (padded {r} / {t}) does not fit the "
+                             f"input buffers ({self.max_num_reqs} / {self.max_num_tokens})")
+        h = self._host
+        qsl = h["query_start_loc"][:r + 1].numpy()
+        qsl[0] = 0
+        np.cumsum(qlens, out=qsl[1:n_real + 1])
+        qsl[n_real + 1:] = t_real
+        seq = h["seq_lens"][:r].numpy()
+        seq[:n_real] = starts + qlens
+        seq[n_real:] = 0
+        ids = h["input_ids"][:t].numpy()
+        ids[:t_real] = np.fromiter((tok for c in chunks for tok in c.token_ids), dtype=np.int64, count=t_real)
+        ids[t_real:] = 0
+        req_of_tok = np.repeat(np.arange(n_real), qlens)
+        pos = h["positions"][:t].numpy()
+        pos[:t_real] = np.arange(t_real) - qsl[req_of_tok] + starts[req_of_tok]
+        pos[t_real:] = 0
+        for g in self.groups:
+            gid, bs = g.group_id, g.spec.block_size
+            bt = h["block_tables"][gid, :r].numpy()
+            bt[:] = NULL_BLOCK
+            for i, c in enumerate(chunks):
+                row = c.block_tables[gid]
+                if len(row) > self.max_blocks:
+                    raise ValueError(f"block table of {len(row)} blocks exceeds max_model_len")
+                bt[i, :len(row)] = row
+            blk = bt[req_of_tok, np.minimum(pos[:t_real] // bs, self.max_blocks - 1)]
+            if (blk == NULL_BLOCK).any():
+                raise RuntimeError(f"a new token maps to a released or unallocated block in group {gid}")
+            slots = h["slot_mappings"][gid, :t].numpy()
+            slots[:t_real] = blk.astype(np.int64) * bs + pos[:t_real] % bs
+            slots[t_real:] = -1
+        ends = qsl[1:n_real + 1].astype(np.int64)
+        num_logits = int(nlog.sum())
+        padded = max(num_logits, num_logits_padded or 0)
+        li = h["logits_indices"][:padded].numpy()
+        first = np.repeat(ends - nlog, nlog)
+        offset = np.arange(num_logits) - np.repeat(np.cumsum(nlog) - nlog, nlog)
+        li[:num_logits] = first + offset
+        li[num_logits:] = 0
+        self._upload(r, t, padded)
+        step = self.view(r, t, max_query_len if max_query_len is not None else int(qlens.max()),
+                         int(seq.max()), padded)
+        step.num_logits_per_req = nlog.tolist()
+        return step
+
+    def load_dummy(self, num_reqs: int, query_len: int) -> StepInput:
+        """A padding-only step of num_reqs requests with query_len tokens each, reading the null block and
+        writing nothing: what graphs are captured with."""
+        chunks = [Chunk([0] * query_len, 0, query_len, [[] for _ in self.groups])] * num_reqs
+        h = self._host
+        r, t = num_reqs, num_reqs * query_len
+        h["query_start_loc"][:r + 1] = torch.arange(0, t + 1, query_len, dtype=torch.int32)
+        h["seq_lens"][:r] = query_len
+        h["input_ids"][:t] = 0
+        h["positions"][:t] = torch.arange(query_len).repeat(r)
+        h["block_tables"][:, :r] = NULL_BLOCK
+        h["slot_mappings"][:, :t] = -1
+        h["logits_indices"][:t] = torch.arange(t)
+        self._upload(r, t, t)
+        step = self.view(r, t, query_len, query_len, t)
+        step.num_logits_per_req = [c.num_logits for c in chunks]
+        return step
+
+    def _upload(self, r: int, t: int, num_logits: int) -> None:
+        h = self._host
+        self.query_start_loc[:r + 1].copy_(h["query_start_loc"][:r + 1], non_blocking=True)
+        self.seq_lens[:r].copy_(h["seq_lens"][:r], non_blocking=True)
+        self.input_ids[:t].copy_(h["input_ids"][:t], non_blocking=True)
+        self.positions[:t].copy_(h["positions"][:t], non_blocking=True)
+        self.block_tables[:, :r].copy_(h["block_tables"][:, :r], non_blocking=True)
+        self.slot_mappings[:, :t].copy_(h["slot_mappings"][:, :t], non_blocking=True)
+        self.logits_indices[:num_logits].copy_(h["logits_indices"][:num_logits], non_blocking=True)

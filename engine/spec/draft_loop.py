@@ -1,0 +1,182 @@
+"""The draft's k steps on the kernel path: one step function, captured as a CUDA graph and replayed.
+
+A draft step is forward -> logits -> sample -> write the token (and its probabilities q) at column
+`step_idx` of static output buffers -> rebuild the next step's inputs in place. The rebuild is the
+attention metadata of EVERY draft KV-cache group: each request moves one position on (seq_len + 1), its new
+token's slot comes from its block table at that position (which may be a new block), and the sliding window's
+start follows the position inside the attention kernel. Everything lives in device buffers, so the step
+index is a device tensor and k replays need no host work between them.
+
+The first step also catches the draft up (the last accepted token and the bonus token: up to 2 tokens per
+request; or a prefill chunk, which runs eagerly), so it is a separate graph of query length 2. Requests with
+fewer drafts than the batch's k, and padding rows, keep running but write nowhere (slot -1) and read only
+position 0: their extra tokens are dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from engine.config import graph_batch_sizes
+from engine.runner.cuda_graphs import GraphPool
+from engine.runner.model_runner import ModelRunner
+from engine.runner.step_input import Chunk
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.processing import logits_to_probs
+from engine.sample.sampler import exponential_race
+
+FIRST_QUERY_LEN = 2  # last accepted token + bonus token
+
+
+class DraftLoop:
+    """Static buffers and graphs of the draft loop for batches of up to max_num_reqs requests."""
+
+    def __init__(self, runner: ModelRunner, max_k: int, keep_probs: bool) -> None:
+        if runner.buffers is None:
+            raise ValueError("the draft loop needs the kernel path (attention_backend='triton')")
+        self.runner = runner
+        self.buffers = runner.buffers
+        self.max_k = max(max_k, 1)
+        self.keep_probs = keep_probs
+        dev, r, v = runner.device, runner.buffers.max_num_reqs, runner.vocab_size
+        self.ids = torch.zeros(r, self.max_k, dtype=torch.int64, device=dev)  # [max_num_reqs, max_k] int64
+        # [max_num_reqs, max_k, V] float32: q of every draft token, read by probabilistic rejection.
+        self.probs = torch.zeros(r, self.max_k, v, dtype=torch.float32, device=dev) if keep_probs else None
+        # [max_num_reqs, max_k, V] float32 Exp(1) noise, drawn before the loop (seeded rows from their own
+        # generator), so graph replays need no random-number state.
+        self.noise = torch.ones(r, self.max_k, v, dtype=torch.float32, device=dev)
+        self.num_draft = torch.zeros(r, dtype=torch.int64, device=dev)  # [max_num_reqs] int64
+        self.temperature = torch.zeros(r, dtype=torch.float32, device=dev)  # [max_num_reqs] float32
+        self.top_p = torch.ones(r, dtype=torch.float32, device=dev)  # [max_num_reqs] float32
+        self.top_k = torch.zeros(r, dtype=torch.int64, device=dev)  # [max_num_reqs] int64
+        self.step_idx = torch.zeros(1, dtype=torch.int64, device=dev)  # [1] int64; column the step writes
+        self._arange = torch.arange(r + 1, device=dev)  # [max_num_reqs + 1] int64
+        self.batch_sizes: list[int] = []
+        self.pool: GraphPool | None = None
+        # (batch, greedy) -> graph; each graph's output is self.ids (the work is in-place).
+        self.first_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.next_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.num_graph_replays = 0
+
+    # ---- the step functions (run eagerly or captured) -------------------------------------------------
+    def _sample_and_advance(self, logits: torch.Tensor, b: int, greedy: bool) -> torch.Tensor:
+        """logits: [b, V]. Writes column step_idx of ids (and probs), then the next step's inputs."""
+        j = self.step_idx
+        if greedy:
+            tok = logits.argmax(dim=-1)
+        else:
+            md = SamplingMetadata(self.temperature[:b], self.top_p[:b], self.top_k[:b], all_greedy=False,
+                                  all_random=False, no_top_p=False, no_top_k=False, generators={})
+            probs = logits_to_probs(logits, md)
+            tok = exponential_race(probs, self.noise[:b].index_select(1, j).squeeze(1))
+            if self.probs is not None:
+                self.probs[:b].index_copy_(1, j, probs.unsqueeze(1))
+        self.ids[:b].index_copy_(1, j, tok.unsqueeze(1))
+        bufs = self.buffers
+        valid = j + 1 < self.num_draft[:b]  # [b] bool: this row feeds its token to a next step
+        pos = torch.where(valid, bufs.seq_lens[:b].to(torch.int64), 0)  # the new token's position
+        bufs.input_ids[:b] = torch.where(valid, tok, 0)
+        bufs.positions[:b] = pos
+        bufs.seq_lens[:b] = (pos + 1).to(torch.int32)
+        bufs.query_start_loc[:b + 1] = self._arange[:b + 1].to(torch.int32)
+        bufs.logits_indices[:b] = self._arange[:b]
+        for g in bufs.groups:
+            bs = g.spec.block_size
+            blk = bufs.block_tables[g.group_id, :b].gather(1, (pos // bs)[:, None]).squeeze(1).to(torch.int64)
+            bufs.slot_mappings[g.group_id, :b] = torch.where(valid, blk * bs + pos % bs, -1)
+        self.step_idx.add_(1)
+        return self.ids
+
+    def _first_step(self, b: int, num_tokens: int, query_len: int, greedy: bool) -> torch.Tensor:
+        step = self.buffers.view(b, num_tokens, query_len, self.runner.config.max_model_len, b)
+        return self._sample_and_advance(self.runner.execute(step), b, greedy)
+
+    def _next_step(self, b: int, greedy: bool) -> torch.Tensor:
+        step = self.buffers.view(b, b, 1, self.runner.config.max_model_len, b)
+        return self._sample_and_advance(self.runner.execute(step), b, greedy)
+
+    # ---- graphs -----------------------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Capture first and next step graphs for every batch bucket, greedy and sampled, largest first."""
+        runner = self.runner
+        if runner.config.enforce_eager or runner.device.type != "cuda":
+            return
+        self.batch_sizes = graph_batch_sizes(runner.config)
+        self.pool = runner.graph_pool = runner.graph_pool or GraphPool()
+        for b in reversed(self.batch_sizes):
+            for greedy in (True, False):
+                for first in (True, False):
+                    def fn(b: int = b, greedy: bool = greedy, first: bool = first) -> torch.Tensor:
+                        # Each run rewrites the inputs, so reload the dummy batch and reset the step index.
+                        self.buffers.load_dummy(b, FIRST_QUERY_LEN if first else 1)
+                        self.step_idx.zero_()
+                        if first:
+                            return self._first_step(b, b * FIRST_QUERY_LEN, FIRST_QUERY_LEN, greedy)
+                        return self._next_step(b, greedy)
+                    with torch.inference_mode():
+                        fn()  # warm-up outside the capture stream: compiles the kernels
+                    self.buffers.load_dummy(b, FIRST_QUERY_LEN if first else 1)
+                    graph, _ = self.pool.capture(lambda b=b, greedy=greedy, first=first: (
+                        self._first_step(b, b * FIRST_QUERY_LEN, FIRST_QUERY_LEN, greedy) if first
+                        else self._next_step(b, greedy)), warmup=0)
+                    (self.first_graphs if first else self.next_graphs)[(b, greedy)] = graph
+
+    def _bucket(self, num_reqs: int) -> int | None:
+        i = bisect.bisect_left(self.batch_sizes, num_reqs)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    # ---- one proposal -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, chunks: list[Chunk], ks: list[int], md: SamplingMetadata, seeded_gens: dict[int, torch.Generator],
+            default_gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """chunks: one per request with unseen draft tokens (each num_logits 1); ks: its draft count.
+        Returns ids [num_reqs, max(ks)] int64 (-1 beyond a row's count) and q [num_reqs, max(ks), V] (a view
+        of the static buffer, valid until the next proposal) or None when every row is greedy."""
+        n = len(chunks)
+        max_k = max(ks)
+        if max_k > self.max_k:
+            raise ValueError(f"draft length {max_k} exceeds the draft loop's {self.max_k}")
+        greedy = md.all_greedy
+        b = self._bucket(n) if self.next_graphs else None
+        graphed = b is not None
+        b = b if graphed else n
+        first_graph = graphed and all(len(c.token_ids) <= FIRST_QUERY_LEN for c in chunks)
+        dev = self.runner.device
+        # Per-row settings (padding rows: no drafts, greedy).
+        k_t = torch.zeros(b, dtype=torch.int64)
+        k_t[:n] = torch.tensor(ks, dtype=torch.int64)
+        self.num_draft[:b].copy_(k_t, non_blocking=True)
+        if not greedy:
+            self.temperature[:n].copy_(md.temperature)
+            self.top_p[:n].copy_(md.top_p)
+            self.top_k[:n].copy_(md.top_k)
+            self.temperature[n:b] = 0
+            self.top_p[n:b] = 1
+            self.top_k[n:b] = 0
+            noise = self.noise[:n, :max_k]
+            noise.exponential_(generator=default_gen)
+            for row, gen in seeded_gens.items():
+                noise[row, :ks[row]].exponential_(generator=gen)
+            noise.clamp_(min=torch.finfo(torch.float32).tiny)
+        self.step_idx.zero_()
+        if first_graph:
+            self.buffers.load(chunks, num_reqs=b, num_tokens=b * FIRST_QUERY_LEN, max_query_len=FIRST_QUERY_LEN,
+                              num_logits_padded=b)
+            self.first_graphs[(b, greedy)].replay()
+            self.num_graph_replays += 1
+        else:
+            step = self.buffers.load(chunks, num_reqs=b, num_logits_padded=b)
+            self._first_step(b, step.num_tokens, step.attn.common.max_query_len, greedy)
+        for _ in range(1, max_k):
+            if graphed:
+                self.next_graphs[(b, greedy)].replay()
+                self.num_graph_replays += 1
+            else:
+                self._next_step(b, greedy)
+        ids = self.ids[:n, :max_k].clone()
+        cols = torch.arange(max_k, device=dev)
+        ids.masked_fill_(cols[None, :] >= self.num_draft[:n, None], -1)
+        probs = self.probs[:n, :max_k] if (self.probs is not None and not greedy) else None
+        return ids, probs

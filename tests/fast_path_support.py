@@ -1,0 +1,50 @@
+"""Shared by the kernel-path tests on CPU (Triton's interpreter) and on CUDA: the draft loop run directly on a
+draft model, against HF greedy decoding of the same model as the oracle."""
+
+from __future__ import annotations
+
+import torch
+from conftest import TinyModel, hf_greedy
+
+from engine.config import EngineConfig, ModelConfig
+from engine.runner.model_runner import ModelRunner
+from engine.runner.step_input import Chunk
+from engine.sample.from_plan import request_generator
+from engine.sample.metadata import SamplingMetadata
+from engine.spec.draft_loop import DraftLoop
+
+BLOCKS_PER_REQ = 16
+
+
+def draft_runner(model: TinyModel, device: str, k: int, block_size: int, graphs: bool,
+                 dtype: torch.dtype = torch.float32) -> ModelRunner:
+    cfg = EngineConfig(device=torch.device(device), dtype=dtype, max_model_len=BLOCKS_PER_REQ * block_size,
+                       block_size=block_size, num_kv_blocks=1 + 8 * BLOCKS_PER_REQ, max_num_seqs=8,
+                       attention_backend="triton", enforce_eager=not graphs, num_speculative_tokens=k)
+    mc = ModelConfig.from_path(model.path)
+    mc.max_model_len = cfg.max_model_len
+    return ModelRunner(mc, cfg, "draft")
+
+
+def tables(runner: ModelRunner, i: int) -> list[list[int]]:
+    """Request i's own blocks in every KV-cache group (block 0 is the null block)."""
+    first = 1 + i * BLOCKS_PER_REQ
+    return [list(range(first, first + BLOCKS_PER_REQ)) for _ in runner.kv_groups]
+
+
+def run_draft_loop(runner: ModelRunner, loop: DraftLoop, prompts: list[list[int]], ks: list[int],
+                   temperature: float = 0.0, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prefill all but each prompt's last token, then one draft loop from the last token."""
+    dev = runner.device
+    runner.forward_chunks([Chunk(p[:-1], 0, 0, tables(runner, i)) for i, p in enumerate(prompts)])
+    n = len(prompts)
+    md = SamplingMetadata.from_lists([temperature] * n, [1.0] * n, [0] * n, device=dev)
+    gens = {i: request_generator(seed, 0, 1, dev) for i in range(n)} if temperature > 0 else {}
+    default = torch.Generator(device=dev)
+    default.manual_seed(seed)
+    chunks = [Chunk([p[-1]], len(p) - 1, 1, tables(runner, i)) for i, p in enumerate(prompts)]
+    return loop.run(chunks, ks, md, gens, default)
+
+
+def hf_draft_tokens(model: TinyModel, prompts: list[list[int]], ks: list[int]) -> list[list[int]]:
+    return [hf_greedy(model.hf, p, k) for p, k in zip(prompts, ks)]

@@ -1,0 +1,55 @@
+"""Run in a subprocess by test_kernel_path.py: Triton's interpreter must be switched on before triton is first
+imported, which other test modules may already have done in the pytest process."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+from conftest import TINY_CONFIGS, make_tiny_model, random_prompts  # noqa: E402
+from fast_path_support import draft_runner, hf_draft_tokens, run_draft_loop  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.spec.draft_loop import DraftLoop  # noqa: E402
+
+
+def main(root: str) -> dict:
+    torch.set_num_threads(1)
+    from pathlib import Path
+
+    out: dict = {"generate": {}, "draft_loop": {}}
+    prompts = random_prompts([5, 9, 14, 3], seed=4)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    kw = dict(device="cpu", block_size=4, num_kv_blocks=200, max_num_seqs=4)
+    for fam in ("mistral", "gemma3"):
+        target = make_tiny_model(Path(root), fam, TINY_CONFIGS[fam])
+        # A slightly perturbed copy: accepts often, rejects sometimes, so both commit paths run.
+        draft = make_tiny_model(Path(root), fam + "-draft", TINY_CONFIGS[fam], scale=5.9)
+        res = {}
+        for backend in ("torch", "triton"):
+            for d in (None, draft.path):
+                llm = LLM(target.path, draft_model=d, num_speculative_tokens=3, attention_backend=backend, **kw)
+                outs = llm.generate(prompts, params)
+                key = f"{backend}{'+spec' if d else ''}"
+                res[key] = [o.token_ids for o in outs]
+                if d:
+                    res[key + ":acceptance"] = llm.spec_stats(outs).acceptance_rate
+        out["generate"][fam] = res
+        # The draft loop alone, k = 6 steps from positions that cross block (4) and window (5-7) boundaries.
+        runner = draft_runner(draft, "cpu", 6, 4, graphs=False)
+        loop = DraftLoop(runner, 6, keep_probs=False)
+        lp = random_prompts([6, 7, 10], seed=5)
+        ks = [6, 4, 6]
+        ids, _ = run_draft_loop(runner, loop, lp, ks)
+        out["draft_loop"][fam] = {"loop": [row[:k] for row, k in zip(ids.tolist(), ks)],
+                                  "padding": [row[k:] for row, k in zip(ids.tolist(), ks)],
+                                  "hf": hf_draft_tokens(draft, lp, ks)}
+    return out
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main(sys.argv[1])))

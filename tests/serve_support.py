@@ -1,0 +1,222 @@
+"""Shared helpers of the reliability tests: tiny served models with a real tokenizer, a real local Ray + Serve
+server on 127.0.0.1 (HTTP and gRPC), and the router's own view of its requests and KV blocks.
+
+The tiny models read bytes: a byte-level tokenizer (259 ids: pad, BOS, EOS, then the 256 bytes) saved next to
+random-weight Llama checkpoints, so every text prompt tokenizes, every output decodes, and a server starts and
+steps in well under a second per request on a 2-core CPU. The draft is the target plus 5% noise with one more
+layer: it agrees with the target often (speculation really accepts runs) and, being larger, gets fewer KV blocks
+than the target from the same memory budget (so the draft is the model that runs out first).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+REPO = Path(__file__).resolve().parent.parent
+BYTE_VOCAB = 3 + 256
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE without merges: one token per byte, ids 3..258; 0/1/2 are pad/BOS/EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: ord(ch))
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + i for i, ch in enumerate(alphabet)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _config(num_layers: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def make_byte_models(root: Path, draft_layers: int = 3) -> tuple[str, str]:
+    """(target, draft) directories: a 2-layer target and its noisy draft with `draft_layers` layers (the first
+    two are the target's plus noise), both with the tokenizer."""
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(_config(2)).eval()
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.mul_(6.0)  # peaked next-token distributions: greedy has clear winners
+    torch.manual_seed(1)
+    draft = AutoModelForCausalLM.from_config(_config(draft_layers)).eval()  # extra layers: small random init
+    weights = draft.state_dict()
+    with torch.no_grad():
+        for name, w in target.state_dict().items():
+            weights[name] = w + 0.05 * w.std() * torch.randn_like(w) if w.dim() == 2 else w.clone()
+    draft.load_state_dict(weights)
+    tok = byte_tokenizer()
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        path = root / name
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        paths.append(str(path))
+    return paths[0], paths[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    base: str
+    grpc_target: str
+    model: str
+    headers: dict[str, str]
+
+    def http(self, timeout: float = 60.0, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.base, timeout=timeout, headers=kw.pop("headers", self.headers), **kw)
+
+
+def serve_config(target: str, draft: str | None, **overrides: Any) -> dict[str, Any]:
+    """ServeConfig fields of a small, fast CPU server: short context, small blocks, a bounded KV pool."""
+    engine_kwargs = {"block_size": 4, "num_kv_blocks": 256, "max_num_batched_tokens": 64}
+    engine_kwargs.update(overrides.pop("engine_kwargs", {}))
+    cfg = {"model": target, "draft_model": draft or "none", "num_speculative_tokens": 3,
+           "rejection_sampling": "strict", "max_model_len": 128, "device": "cpu", "served_model_name": "tiny",
+           "engine_kwargs": engine_kwargs}
+    cfg.update(overrides)
+    return cfg
+
+
+@contextmanager
+def running_server(config: dict[str, Any], num_cpus: int = 6) -> Iterator[Server]:
+    """A local Ray with Serve's HTTP and gRPC proxies on 127.0.0.1 serving `config` (ServeConfig fields)."""
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app
+    from serving.grpc_service import SERVICER_FUNCTION
+
+    http_port, grpc_port = free_port(), free_port()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
+                                       "OMP_NUM_THREADS": "1"}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                    grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]})
+        serve.run(build_app(dict(config)), name="specserve", route_prefix="/")
+        key = config.get("api_key")
+        yield Server(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
+                     config.get("served_model_name") or config["model"],
+                     {"Authorization": f"Bearer {key}"} if key else {})
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+# --- the router's view ------------------------------------------------------------------------------------
+def router_handle() -> Any:
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("::router")]
+    if len(names) != 1:
+        raise LookupError(f"expected one router actor, found {names}")
+    return ray.get_actor(names[0], namespace="serve")
+
+
+def router_stats(timeout_s: float = 30.0) -> dict[str, Any]:
+    import ray
+
+    return ray.get(router_handle().stats.remote(), timeout=timeout_s)
+
+
+def kv_blocks_used(stats: dict[str, Any]) -> dict[str, int]:
+    """KV blocks in use per `model/group` (both models, every KV-cache group)."""
+    return dict(stats["kv_blocks_used"])
+
+
+def wait_idle(timeout_s: float = 30.0, baseline: dict[str, int] | None = None) -> dict[str, Any]:
+    """Poll the router until no request runs, waits or streams and every KV-cache group of both models is back
+    to `baseline` (default: no blocks held); returns the last stats (the caller asserts on them)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            stats = router_stats()
+        except LookupError:
+            stats = None
+        if stats is not None:
+            used = kv_blocks_used(stats)
+            base = baseline if baseline is not None else {k: 0 for k in used}
+            if (stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_streams"] == 0
+                    and used == base):
+                return stats
+        if time.monotonic() > deadline:
+            return stats or {}
+        time.sleep(0.1)
+
+
+def assert_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    """An OpenAI-shaped error with this status; returns its `error` object."""
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str) and err["message"]
+    return err
+
+
+def sse_payloads(text: str) -> list[str]:
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[len("data: "):] for e in events]
+
+
+def completion(server: Server, client: httpx.Client, prompt: str = "hello", max_tokens: int = 8,
+               **extra: Any) -> httpx.Response:
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **extra}
+    return client.post("/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+def worker_handles() -> dict[str, tuple[str, Any]]:
+    """The router's model workers: actor id (hex) -> (role, actor handle)."""
+    import ray
+
+    return ray.get(router_handle().__ray_call__.remote(
+        lambda r: {w._actor_id.hex(): (role, w) for role, _, w in r.engine.executor.workers()}), timeout=30)
+
+
+def kill_worker(role: str) -> str:
+    """Kill the first `role` worker by its actor id, as a crashed GPU process would die; returns the id."""
+    import ray
+
+    actor_id, (_, handle) = next((aid, v) for aid, v in worker_handles().items() if v[0] == role)
+    ray.kill(handle, no_restart=True)
+    return actor_id
+
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    """`/metrics` as {sample name with sorted labels: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = client.get("/metrics")
+    assert r.status_code == 200, r.text
+    values = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values

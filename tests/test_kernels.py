@@ -1,0 +1,217 @@
+"""The Triton kernels (engine/kernels) against their torch references, on CPU under Triton's interpreter.
+
+TRITON_INTERPRET=1 only works if it is set before triton is first imported, and this test process has
+imported triton long before (transformers imports it), so the kernel tests run in a child pytest process
+started with the variable set; in this process they are skipped and `test_kernels_under_interpreter` runs
+that child and fails with its output if any kernel test fails. Started with TRITON_INTERPRET=1 from the
+outset, the tests run in-process.
+
+The interpreter's tl.dot mishandles bfloat16, so attention runs in fp32 and fp16 here; bf16 is covered by
+tests/gpu/test_kernels_cuda.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_support import attention_case, poison_outside_window, rejection_case
+
+from engine.kernels import kv_store, paged_attention, rejection
+from engine.kernels.triton_compat import HAS_TRITON, interpreting
+from engine.spec import rejection_sampler
+
+if not HAS_TRITON:
+    pytest.skip("triton is not installed (the `test` extra installs it on Linux)", allow_module_level=True)
+
+INTERPRETED = interpreting()
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process started "
+                                                         "by test_kernels_under_interpreter")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(INTERPRETED, reason="already under the interpreter: the kernel tests run in this process")
+def test_kernels_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    # --noconftest: the shared fixtures (which import transformers) are not needed here.
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-x",
+                           "-p", "no:cacheprovider", "--noconftest"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (f"kernel tests failed under the interpreter:\n{proc.stdout[-6000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+
+
+# --------------------------------------------------------------------------------------------------------
+# paged attention
+# --------------------------------------------------------------------------------------------------------
+
+# A mix of padding requests (q_len 0), decode (1), verify (3) and a prefill (17) after cached prefixes that end
+# inside and at the edges of blocks; a request's tokens then cross block boundaries.
+MIXED = ([1, 3, 0, 17, 1, 5], [40, 14, 0, 29, 0, 59])
+DECODE = ([1, 1, 0, 1], [33, 16, 5, 70])
+VERIFY = ([5, 5, 5], [12, 31, 0])
+LONG = ([1, 4, 0, 1], [300, 190, 0, 64])  # several key tiles per request: for splits of the keys
+
+
+def _check_attention(case, atol: float, rtol: float, splits: int | None = None) -> None:
+    sentinel = 7.0
+    out = torch.full_like(case.query, sentinel)
+    ref = torch.full_like(case.query, sentinel)
+    paged_attention.paged_attention_ref(*case.args(ref))
+    kv = poison_outside_window(case) if case.sliding_window is not None else case.kv_cache
+    paged_attention.paged_attention(*case.args(out, kv), num_kv_splits=splits)
+    n = case.num_valid_tokens
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=atol, rtol=rtol)
+    pad = out[n:]
+    assert bool(((pad == sentinel) | (pad == 0)).all()), "padding tokens were written with values"
+
+
+@interpreted
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_paged_attention_matches_reference(num_heads, num_kv_heads, head_dim):
+    for block_size in (16, 32):
+        for window in (None, 5, 20):
+            case = attention_case(num_heads, num_kv_heads, head_dim, block_size, *MIXED, window, torch.float32,
+                                  seed=block_size + (window or 0))
+            _check_attention(case, atol=2e-5, rtol=1e-4)
+    # fp16; and flash-decoding splits of the keys (some splits of the short requests see no key at all).
+    for lens, window, splits in ((DECODE, None, 1), (DECODE, 7, 4), (VERIFY, None, 4), (VERIFY, 9, 1),
+                                 (LONG, None, 4), (LONG, 100, 8)):
+        case = attention_case(num_heads, num_kv_heads, head_dim, 16, *lens, window, torch.float16, seed=head_dim)
+        _check_attention(case, atol=2e-3, rtol=2e-3, splits=splits)
+
+
+@interpreted
+def test_paged_attention_int64_metadata_and_loose_max_query_len():
+    case = attention_case(4, 1, 64, 16, *MIXED, 6, torch.float32, seed=3)
+    case.max_query_len += 9  # an upper bound (e.g. a CUDA graph's bucket) sizes the grid only
+    case.query_start_loc = case.query_start_loc.long()
+    case.seq_lens = case.seq_lens.long()
+    case.block_table = case.block_table.long()
+    _check_attention(case, atol=2e-5, rtol=1e-4)
+
+
+@interpreted
+def test_paged_attention_reads_strided_views_of_the_engine_cache():
+    """The engine passes kv_cache[0] / kv_cache[1] of a [2, num_blocks, ...] tensor; a wrong stride would
+    read the other half. Here the value half is the negated key half, so keys and values must not mix."""
+    case = attention_case(4, 2, 64, 32, *VERIFY, None, torch.float32, seed=4)
+    case.kv_cache[1] = -case.kv_cache[0]
+    _check_attention(case, atol=2e-5, rtol=1e-4)
+
+
+def test_paged_attention_rejects_bad_shapes():
+    case = attention_case(6, 4, 64, 16, *DECODE, None, torch.float32)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_attention.paged_attention_ref(*case.args(torch.empty_like(case.query)))
+    case = attention_case(4, 2, 64, 16, *DECODE, None, torch.float32)
+    with pytest.raises(ValueError, match="out must have the query's shape"):
+        paged_attention.paged_attention_ref(*case.args(torch.empty(1, 4, 64)))
+    case.sliding_window = 0
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention.paged_attention_ref(*case.args(torch.empty_like(case.query)))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="checks the error outside the interpreter")
+def test_kernels_refuse_cpu_tensors_without_interpreter():
+    case = attention_case(4, 2, 64, 16, *DECODE, None, torch.float32)
+    with pytest.raises(ValueError, match="paged_attention_ref"):
+        paged_attention.paged_attention(*case.args(torch.empty_like(case.query)))
+
+
+# --------------------------------------------------------------------------------------------------------
+# KV store
+# --------------------------------------------------------------------------------------------------------
+
+
+@interpreted
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(1, 64, 16), (3, 128, 32), (2, 256, 16)])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_kv_matches_reference_and_skips_padding(num_kv_heads, head_dim, block_size, slot_dtype):
+    g = torch.Generator().manual_seed(head_dim)
+    num_blocks, num_tokens = 6, 21
+    base = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).half()
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[[2, 7, 20]] = -1  # CUDA-graph padding tokens
+    slots = slots.to(slot_dtype)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)  # fp32 into an fp16 cache: cast
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    got, want = base.clone(), base.clone()
+    kv_store.store_kv(key, value, got[0], got[1], slots)
+    kv_store.store_kv_ref(key, value, want[0], want[1], slots)
+    assert torch.equal(got, want)
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0].long()] = True
+    flat = got.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    assert torch.equal(flat[:, ~written], base.view_as(flat)[:, ~written]), "a slot outside the mapping changed"
+    assert torch.equal(flat[0, slots[0].long()], key[0].half())
+
+
+def test_store_kv_rejects_bad_slot_mapping():
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    key = torch.zeros(3, 2, 64)
+    with pytest.raises(ValueError, match="one slot per token"):
+        kv_store.store_kv_ref(key, key, cache[0], cache[1], torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="int32 or int64"):
+        kv_store.store_kv_ref(key, key, cache[0], cache[1], torch.zeros(3))
+
+
+# --------------------------------------------------------------------------------------------------------
+# rejection sampling
+# --------------------------------------------------------------------------------------------------------
+
+
+def _check_rejection(case) -> None:
+    want = rejection_sampler.rejection_sample_from_noise(*case.args())
+    got = rejection.rejection_sample_from_noise(*case.args())
+    assert torch.equal(got.output_token_ids, want.output_token_ids), (got.output_token_ids, want.output_token_ids)
+    assert torch.equal(got.num_accepted, want.num_accepted)
+    assert torch.equal(got.num_output, want.num_output)
+    assert got.output_token_ids.dtype == got.num_accepted.dtype == got.num_output.dtype == torch.int64
+
+
+@interpreted
+@pytest.mark.parametrize("mode", ["strict", "probabilistic", "synthetic"])
+@pytest.mark.parametrize("noise", [False, True], ids=["greedy", "random"])
+def test_rejection_matches_torch(mode, noise):
+    accepted = 0
+    for max_k in (0, 1, 3, 5):
+        for seed in range(2):
+            case = rejection_case(mode, 7, max_k, 300, noise, seed=seed + 10 * max_k)
+            _check_rejection(case)
+            accepted += int(rejection_sampler.rejection_sample_from_noise(*case.args()).num_accepted.sum())
+    assert accepted > 0, "no draft was accepted: the accepted-prefix paths went untested"
+
+
+@interpreted
+@pytest.mark.parametrize("mode", ["strict", "probabilistic", "synthetic"])
+def test_rejection_large_vocab_ties_and_raw_logits(mode):
+    # Several vocabulary blocks, with ties across them (first index wins, as torch.argmax).
+    _check_rejection(rejection_case(mode, 3, 2, 9000, noise=False, ties=True, seed=1))
+    _check_rejection(rejection_case(mode, 3, 2, 9000, noise=True, ties=True, seed=2))
+    if mode != "probabilistic":  # all-greedy strict / synthetic batches pass raw logits (negative scores)
+        _check_rejection(rejection_case(mode, 4, 3, 500, noise=False, raw_logits=True, seed=3))
+
+
+@interpreted
+def test_rejection_broadcasts_one_noise_row_in_strict_mode():
+    case = rejection_case("strict", 5, 3, 200, noise=True, seed=5)
+    case.exponentials = case.exponentials[:, :1].contiguous()
+    _check_rejection(case)
+
+
+def test_rejection_rejects_missing_inputs():
+    case = rejection_case("probabilistic", 2, 2, 50, noise=False)
+    case.draft_probs = None
+    with pytest.raises(ValueError, match="draft_probs"):
+        rejection.rejection_sample_from_noise(*case.args())
+    case = rejection_case("synthetic", 2, 2, 50, noise=False)
+    case.rate = None
+    with pytest.raises(ValueError, match="synthetic_acceptance_rate"):
+        rejection.rejection_sample_from_noise(*case.args())
