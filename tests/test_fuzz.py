@@ -98,6 +98,10 @@ def _typed(schema: dict, spec: dict, depth: int) -> st.SearchStrategy:
 def _object(schema: dict, spec: dict, depth: int) -> st.SearchStrategy:
     props = schema.get("properties", {})
     required = set(schema.get("required", []))
+    if not props:  # a free-form mapping (e.g. logit_bias)
+        values = schema.get("additionalProperties")
+        return st.dictionaries(st.text(max_size=6), _typed(values, spec, depth + 1) if isinstance(values, dict)
+                               else SCALARS, max_size=3)
 
     @st.composite
     def objects(draw: st.DrawFn) -> dict:
@@ -164,7 +168,7 @@ def check_response(r: httpx.Response, streamed: bool) -> None:
         assert r.json()["choices"], r.text[:500]
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
 @given(data=st.data())
 def test_schema_fuzz_no_5xx(client: httpx.Client, routes: dict[str, st.SearchStrategy], data: st.DataObject) -> None:
     path = data.draw(st.sampled_from(sorted(routes)), label="path")
@@ -176,7 +180,7 @@ def test_schema_fuzz_no_5xx(client: httpx.Client, routes: dict[str, st.SearchStr
     check_response(r, streamed)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
        raw=st.one_of(st.binary(max_size=64), st.text(max_size=64).map(str.encode),
                      st.sampled_from([b"{", b"[]", b"null", b'"x"', b"1e999", b'{"prompt": NaN}', b"\xff\xfe"])),

@@ -13,8 +13,12 @@ each K/V tile once for all the heads that share it, and lets a decode step (1 to
 running max, sum and accumulator, as in FlashAttention-2); each key's block id is looked up per position,
 so tiles may span several cache blocks.
 
-The grid depends only on host ints (number of requests, max_query_len, KV heads): inside a CUDA graph the
-per-request lengths change between replays, so every loop bound is read from device memory.
+The grid depends only on host ints (number of requests, max_query_len, KV heads, and the splits chosen from
+them): inside a CUDA graph the per-request lengths change between replays, so every loop bound is read from
+device memory. Small decode / verify batches would leave most SMs idle (batch 1 of an 8-KV-head model: 8
+programs), so their keys are split over NUM_SPLITS programs (flash-decoding) whose partial results a small
+second kernel combines; measured on an H100 (bf16, 32q/8kv heads, d128, 1024 keys, in a CUDA graph): batch 1
+22.4 -> 6.2 us, batch 8 25.4 -> 12.8 us (1.13x the KV-read floor), batch 32 51 us unsplit (1.12x).
 """
 
 from __future__ import annotations

@@ -48,7 +48,9 @@ class Verifier:
         if not rows:
             return StepResult(sampled, accepted)
         md = sampling_metadata([plan.requests[i] for i in rows], TARGET_STREAM, self.generator, dev)
-        if plan.rejection_sampling is None:
+        if plan.rejection_sampling is None or not any(drafts[i] for i in rows):
+            # No drafts this step (no draft model, or a load-adaptive k of 0): plain sampling, so that
+            # speculation switched off costs what no speculation costs.
             # SYNC: new tokens go to the host to be appended, detokenized and checked for stops.
             for i, t in zip(rows, self.sampler(logits, md).tolist()):
                 sampled[i] = [t]
