@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serve_support import Server, running_server
 
 from deploy.config import ServeConfig, load_config
 from engine import LLM, SamplingParams
-from serving.grpc_service import SERVICER_FUNCTION
 from serving.proto import specserve_pb2 as pb
 from serving.proto import specserve_pb2_grpc as pb_grpc
 
@@ -45,38 +43,10 @@ DESIGN_METRICS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    base: str
-    grpc_target: str
-
-    def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.base, timeout=120)
-
-
 @pytest.fixture(scope="module")
 def server():
-    import ray
-    from ray import serve
-
-    from deploy.app import build_app
-
-    http_port, grpc_port = _free_port(), _free_port()
-    ray.init(num_cpus=4, include_dashboard=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                    grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]})
-        serve.run(build_app(dict(ENGINE)), name="specserve", route_prefix="/")
-        yield Server(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with running_server(dict(ENGINE), num_cpus=4) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +91,7 @@ def _assert_spec(spec: dict, completion_tokens: int) -> None:
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), SAMPLED], ids=["greedy", "seeded"])
 def test_completion_matches_offline(server: Server, llm: LLM, sampling: dict) -> None:
     text, ids = _offline(llm, PROMPT, max_tokens=16, **sampling)
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16, **sampling})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -138,7 +108,7 @@ def test_completion_matches_offline(server: Server, llm: LLM, sampling: dict) ->
 def test_completion_token_id_prompt(server: Server, llm: LLM) -> None:
     prompt_ids = llm.tokenizer(PROMPT)["input_ids"]
     text, _ = _offline(llm, PROMPT, max_tokens=8, temperature=0.0)
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt_ids, "max_tokens": 8,
                                             "temperature": 0})
     assert r.status_code == 200, r.text
@@ -148,7 +118,7 @@ def test_completion_token_id_prompt(server: Server, llm: LLM) -> None:
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), SAMPLED], ids=["greedy", "seeded"])
 def test_chat_matches_offline(server: Server, llm: LLM, sampling: dict) -> None:
     text, ids = _offline(llm, CHAT, max_tokens=16, **sampling)
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 16, **sampling})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -160,7 +130,7 @@ def test_chat_matches_offline(server: Server, llm: LLM, sampling: dict) -> None:
 
 def test_completion_stream_sse(server: Server, llm: LLM) -> None:
     text, ids = _offline(llm, PROMPT, max_tokens=16, temperature=0.0)
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
                                             "stream": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -177,7 +147,7 @@ def test_completion_stream_sse(server: Server, llm: LLM) -> None:
 
 def test_chat_stream_sse(server: Server, llm: LLM) -> None:
     text, _ = _offline(llm, CHAT, max_tokens=16, temperature=0.0)
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 16,
                                                  "temperature": 0, "stream": True})
     chunks = [json.loads(e) for e in _sse_events(r)[:-1]]
@@ -193,7 +163,7 @@ def test_stop_string_streamed_equals_offline(server: Server, llm: LLM) -> None:
     stop = full.strip().split()[2]
     text, _ = _offline(llm, PROMPT, max_tokens=16, temperature=0.0, stop=[stop])
     req = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stop": stop}
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         plain = c.post("/v1/completions", json=req).json()
         streamed = c.post("/v1/completions", json={**req, "stream": True})
     assert plain["choices"][0]["text"] == text and plain["choices"][0]["finish_reason"] == "stop"
@@ -231,7 +201,7 @@ def test_concurrent_requests_batch(server: Server, llm: LLM) -> None:
     results: list[str | None] = [None] * len(prompts)
 
     def run(i: int) -> None:
-        with server.http() as c:
+        with server.http(timeout=120) as c:
             r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompts[i], "max_tokens": 12, **SAMPLED})
             results[i] = r.json()["choices"][0]["text"]
 
@@ -246,7 +216,7 @@ def test_concurrent_requests_batch(server: Server, llm: LLM) -> None:
 # --- gRPC -------------------------------------------------------------------------------------------------
 def test_grpc_generate_streams(server: Server, llm: LLM) -> None:
     text, ids = _offline(llm, PROMPT, max_tokens=16, temperature=0.0)
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         http_text = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16,
                                                     "temperature": 0}).json()["choices"][0]["text"]
     with grpc.insecure_channel(server.grpc_target) as channel:
@@ -264,7 +234,7 @@ def test_grpc_generate_streams(server: Server, llm: LLM) -> None:
 
 
 def test_grpc_seeded_matches_http(server: Server) -> None:
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         http_text = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12,
                                                     **SAMPLED}).json()["choices"][0]["text"]
     with grpc.insecure_channel(server.grpc_target) as channel:
@@ -286,7 +256,7 @@ def test_grpc_invalid_argument(server: Server, request_kwargs: dict) -> None:
 
 # --- models, health, metrics ------------------------------------------------------------------------------
 def test_models_and_health(server: Server) -> None:
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         models = c.get("/v1/models").json()
         health = c.get("/health")
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
@@ -306,7 +276,7 @@ def _scrape(c: httpx.Client) -> dict[str, float]:
 
 
 def test_metrics_agree_with_responses(server: Server) -> None:
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         before = _scrape(c)
         usages = []
         for prompt, n in ((PROMPT, 10), ("Once upon a time", 6)):
@@ -340,7 +310,7 @@ def test_metrics_agree_with_responses(server: Server) -> None:
 
 def test_client_disconnect_aborts_request(server: Server) -> None:
     """Closing a stream mid-generation aborts the request: it leaves the batch and frees its KV blocks."""
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         before = _scrape(c)
         with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 400,
                                                        "temperature": 0, "ignore_eos": True, "stream": True}) as r:
@@ -368,7 +338,7 @@ def _assert_error(r: httpx.Response, status: int) -> dict:
 
 
 def test_errors_are_openai_shaped_4xx(server: Server) -> None:
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         err = _assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0}),
                             400)
         assert err["param"] == "max_tokens" and err["type"] == "invalid_request_error"
@@ -404,7 +374,7 @@ def _router_handle():
 def _wait_until_served_again(server: Server) -> list[int]:
     """Statuses of a good request, retried until it succeeds; every failure must be an OpenAI-shaped 503."""
     statuses = []
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         deadline = time.time() + 180
         while time.time() < deadline:
             r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
@@ -427,7 +397,7 @@ def test_model_worker_death_replaces_router(server: Server) -> None:
         pytest.skip("the router runs the models in-process: no worker actors to kill")
     workers = ray.get(_router_handle().__ray_call__.remote(lambda r: [w for _, _, w in r.engine.executor.workers()]))
     ray.kill(workers[0], no_restart=True)
-    with server.http() as c:
+    with server.http(timeout=120) as c:
         assert c.get("/health").status_code == 503
     _wait_until_served_again(server)
 

@@ -43,9 +43,8 @@ class Gemma3Attention(nn.Module):
         n = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary.forward_with_norms(positions, q.reshape(n, self.num_heads, self.head_dim),
+                                              k.reshape(n, self.num_kv_heads, self.head_dim), self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, md))
 
 
@@ -61,10 +60,16 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        attn = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), md))
-        h, x = self.pre_feedforward_layernorm.forward_with_residual(attn, x)
-        return x + self.post_feedforward_layernorm(self.mlp(h))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaDecoderLayer.forward: returns (post-feed-forward-normed MLP output, residual stream)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        attn = self.post_attention_layernorm(self.self_attn(positions, h, md))
+        h, residual = self.pre_feedforward_layernorm.forward_with_residual(attn, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Gemma3Model(nn.Module):
@@ -84,9 +89,10 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         # HF casts the scale to the weights' dtype before multiplying; do the same for bf16 parity.
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x, md)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, md)
+        return self.norm.forward_with_residual(x, residual)[0]
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

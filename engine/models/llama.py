@@ -50,8 +50,9 @@ class LlamaAttention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = self.rotary.forward_with_norms(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, md))
 
 
@@ -82,10 +83,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        h, x = self.post_attention_layernorm.forward_with_residual(
-            self.self_attn(positions, self.input_layernorm(x), md), x)
-        return x + self.mlp(h)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this layer's input before the residual add (the previous layer's MLP output, or the embeddings
+        with residual None). Returns (MLP output, residual stream): the add lands in the next norm's kernel."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        h, residual = self.post_attention_layernorm.forward_with_residual(self.self_attn(positions, h, md), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -97,10 +104,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.hf_config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x, md)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, md)
+        return self.norm.forward_with_residual(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
