@@ -43,8 +43,9 @@ class Gemma3Attention(nn.Module):
         n = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q, k = self.rotary.forward_with_norms(positions, q.reshape(n, self.num_heads, self.head_dim),
-                                              k.reshape(n, self.num_kv_heads, self.head_dim), self.q_norm, self.k_norm)
+        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, md))
 
 

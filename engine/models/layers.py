@@ -203,11 +203,3 @@ class RotaryEmbedding(nn.Module):
         if use_fused_kernels(q):
             return rotary_embedding(positions, q, k, self.cos, self.sin)
         return rotary_embedding_ref(positions, q, k, self.cos, self.sin)
-
-    def forward_with_norms(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm,
-                           k_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """rotate(q_norm(q)), rotate(k_norm(k)): one kernel on the fused path (Qwen3, Gemma 3)."""
-        if q_norm.eps != k_norm.eps or q_norm.offset != k_norm.offset:
-            return self.forward(positions, q_norm(q), k_norm(k))
-        args = (positions, q, k, self.cos, self.sin, (q_norm.weight, k_norm.weight), q_norm.eps, q_norm.offset)
-        return rotary_embedding(*args) if use_fused_kernels(q) else rotary_embedding_ref(*args)

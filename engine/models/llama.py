@@ -50,9 +50,8 @@ class LlamaAttention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.rotary.forward_with_norms(positions, q, k, self.q_norm, self.k_norm)
-        else:
-            q, k = self.rotary(positions, q, k)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, md))
 
 
