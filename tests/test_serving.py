@@ -17,8 +17,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from serve_support import Server, running_server
+from serve_support import Server, running_server, scrape
 
 from deploy.config import ServeConfig, load_config
 from engine import LLM, SamplingParams
@@ -263,26 +262,15 @@ def test_models_and_health(server: Server) -> None:
     assert health.status_code == 200
 
 
-def _scrape(c: httpx.Client) -> dict[str, float]:
-    """Sample name with its labels, in the exposition's own order (`name{a="1",b="2"}`), to value."""
-    r = c.get("/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    values = {}
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return values
-
-
 def test_metrics_agree_with_responses(server: Server) -> None:
     with server.http(timeout=120) as c:
-        before = _scrape(c)
+        assert c.get("/metrics").headers["content-type"].startswith("text/plain")  # Prometheus' text format
+        before = scrape(c)
         usages = []
         for prompt, n in ((PROMPT, 10), ("Once upon a time", 6)):
             r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0})
             usages.append(r.json()["usage"])
-        after = _scrape(c)
+        after = scrape(c)
         text = c.get("/metrics").text
 
     def delta(name: str) -> float:
@@ -311,14 +299,14 @@ def test_metrics_agree_with_responses(server: Server) -> None:
 def test_client_disconnect_aborts_request(server: Server) -> None:
     """Closing a stream mid-generation aborts the request: it leaves the batch and frees its KV blocks."""
     with server.http(timeout=120) as c:
-        before = _scrape(c)
+        before = scrape(c)
         with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 400,
                                                        "temperature": 0, "ignore_eos": True, "stream": True}) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
         deadline = time.time() + 60
         while True:
-            now = _scrape(c)
+            now = scrape(c)
             idle = now["specserve_num_requests_running"] == 0 and all(
                 v == 0 for k, v in now.items() if k.startswith("specserve_kv_cache_usage_perc"))
             if idle or time.time() > deadline:
