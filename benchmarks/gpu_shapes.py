@@ -4,6 +4,7 @@ and the device's copy bandwidth, which sets the memory-bound floor of a decode s
 from __future__ import annotations
 
 import statistics
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,9 +25,9 @@ SHAPES = {
 ARCH = {"qwen3-8b": "Qwen3ForCausalLM", "qwen3-0.6b": "Qwen3ForCausalLM", "smollm2-135m": "LlamaForCausalLM"}
 
 
-def shape_dir(name: str, root: str | Path = "/tmp/specserve-shapes") -> str:
+def shape_dir(name: str, root: str | Path | None = None) -> str:
     """A directory holding only the shape's config.json (load with load_format='dummy')."""
-    path = Path(root) / name
+    path = Path(root if root is not None else Path(tempfile.gettempdir()) / "specserve-shapes") / name
     cfg = SHAPES[name]()
     cfg.architectures = [ARCH[name]]
     cfg.save_pretrained(path)
