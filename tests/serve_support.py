@@ -11,6 +11,7 @@ than the target from the same memory budget (so the draft is the model that runs
 from __future__ import annotations
 
 import json
+import random
 import socket
 import time
 from collections.abc import Iterator
@@ -75,10 +76,42 @@ def make_byte_models(root: Path, draft_layers: int = 3) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
+# Below the kernel's ephemeral range (32768-60999 on Linux) and above Ray's worker ports (10002-19999): a port
+# the OS hands out for "port 0" can be taken by any other socket (a Ray process's) between our check and the
+# server's own bind, as CI once saw for Serve's gRPC proxy; a port in this range is only taken by an explicit bind.
+_PORT_RANGE = (20000, 32000)
+_ports_given: set[int] = set()
+
+
+def _families() -> list[tuple[socket.AddressFamily, str]]:
+    families = [(socket.AF_INET, "0.0.0.0")]
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+        families.append((socket.AF_INET6, "::"))
+    except OSError:  # no IPv6 on this machine: gRPC's [::] bind falls back to IPv4 there
+        pass
+    return families
+
+
+_FAMILIES = _families()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on every interface (gRPC binds [::]) that this process has not handed out before."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(*_PORT_RANGE)
+        if port in _ports_given:
+            continue
+        try:
+            for family, addr in _FAMILIES:
+                with socket.socket(family, socket.SOCK_STREAM) as s:
+                    s.bind((addr, port))
+        except OSError:
+            continue
+        _ports_given.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_PORT_RANGE}")
 
 
 @dataclass
