@@ -8,6 +8,7 @@ prefill chunks. The models run behind an Executor: in this process, or on Ray wo
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -29,7 +30,9 @@ class StepStats:
     num_batched_tokens: int = 0
     num_preempted: int = 0
     draft_length: int = 0  # the step's k (load-adaptive schedule); 0: no speculation this step
-    phase_seconds: dict[str, float] = field(default_factory=dict)  # propose, verify, sample
+    # propose, verify, sample (the models' work), dispatch (executor transport), and the engine's own
+    # bookkeeping around them: schedule (scheduling and building the plan) and commit (applying the tokens).
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -86,6 +89,7 @@ class EngineCore:
     # --- one step ------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one step; returns the requests that got tokens or finished."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         stats = StepStats(len(sched.scheduled), sched.num_batched_tokens, len(sched.preempted), sched.draft_length)
         self.last_step = stats
@@ -99,9 +103,12 @@ class EngineCore:
                                    "KV cache even alone; raise the KV budget or lower max_model_len")
             return []
         plan = self.make_plan(sched.scheduled)
+        t1 = time.perf_counter()
         result = self.executor.execute(plan)
-        stats.phase_seconds = result.phase_seconds
-        return self.commit(sched.scheduled, result)
+        t2 = time.perf_counter()
+        touched = self.commit(sched.scheduled, result)
+        stats.phase_seconds = {**result.phase_seconds, "schedule": t1 - t0, "commit": time.perf_counter() - t2}
+        return touched
 
     def make_plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
         planned = []

@@ -39,8 +39,9 @@ class SpecServe:
         from engine.models.source import resolve_model
 
         # The router resolved (and, for a GGUF, converted) the model before this replica started: on its
-        # node this is a cache hit; elsewhere it converts once, under the source's file lock.
-        tokenizer = load_tokenizer(str(resolve_model(model).path))
+        # node this is a cache hit; elsewhere it converts once, under the source's file lock. Only the tokenizer
+        # is read here: a directory of random weights (load_format "dummy") holds none.
+        tokenizer = load_tokenizer(str(resolve_model(model, require_weights=False).path))
         if tokenizer is None:
             raise ValueError(f"model {model} has no tokenizer: the HTTP and gRPC APIs need one for text")
         router = serve.get_deployment_actor(ROUTER_ACTOR)

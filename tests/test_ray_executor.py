@@ -144,6 +144,20 @@ def test_target_tp2_matches_tp1_and_dies_loudly(tiny_models: dict[str, TinyModel
         executor.execute(engine.make_plan([]))
 
 
+def test_random_weights_are_the_same_model_at_every_tensor_parallel_size(tiny_models: dict[str, TinyModel]) -> None:
+    """load_format "dummy" (how the GPU benchmarks run 8B shapes) draws each checkpoint tensor whole and shards
+    it like real weights: TP=2 workers hold the same model as the in-process engine, not a different random one.
+    The gemma3 config has two KV-cache groups, q/k norms and 4 heads over 2 ranks."""
+    path = tiny_models["gemma3"].path
+    offline = [o.token_ids for o in LLM(path, load_format="dummy", **ENGINE_KW).generate(PROMPTS, GREEDY)]
+    assert offline != llm_greedy(path)  # random weights, not the checkpoint's
+    engine = build_ray_engine(path, tensor_parallel_size=2, load_format="dummy", **ENGINE_KW)
+    try:
+        assert greedy_tokens(engine) == offline
+    finally:
+        engine.executor.shutdown()
+
+
 def test_speculation_with_draft_tp2_compiled_equals_plain(tiny_models: dict[str, TinyModel],
                                                           near_llama: str) -> None:
     """Draft at TP=2, target at TP=1, k=3, probabilistic rejection: greedy equals target-only greedy, and every

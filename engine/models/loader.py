@@ -91,7 +91,10 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     finally:
         torch.set_default_dtype(prev)
     if load_format == "dummy":
-        init_random_weights(model)
+        from engine.models.dummy_weights import dummy_weights
+
+        # Vectors are left out of the random weights: norms and biases keep their neutral built values.
+        load_weights(model, dummy_weights(cfg, device, dtype), allow_missing_vectors=True)
     elif load_format == "auto":
         load_weights(model, weights if weights is not None else model_weights(cfg))
     else:
@@ -99,16 +102,10 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     return model.eval()
 
 
-@torch.no_grad()
-def init_random_weights(model: LlamaForCausalLM, std: float = 0.02) -> None:
-    """Random matrices of the usual scale, seeded from the current RNG; norms and biases keep the neutral
-    values they are built with."""
-    for p in model.parameters():
-        if p.dim() >= 2:
-            p.normal_(0.0, std)
-
-
-def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]],
+                 allow_missing_vectors: bool = False) -> None:
+    """Copy checkpoint tensors into the model through each layer's weight loader (which takes this rank's
+    shard). Every parameter must be set, except, with allow_missing_vectors, one-dimensional ones."""
     params = dict(model.named_parameters(remove_duplicate=False))
     owners = {name: mod for mod_name, mod in model.named_modules()
               for name in (f"{mod_name}.{p}" if mod_name else p for p, _ in mod.named_parameters(recurse=False))}
@@ -152,6 +149,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     if model.tie_word_embeddings:
         expected.discard("lm_head.weight")
     missing = sorted(expected - loaded)
+    if allow_missing_vectors:
+        missing = [m for m in missing if params[m.split("#")[0]].dim() >= 2]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors the config needs, e.g. {missing[:4]}; "
                          "do the weights fit the config?")

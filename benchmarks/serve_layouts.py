@@ -1,0 +1,368 @@
+"""Target and draft on their own GPU groups through the Ray Serve app: greedy outputs, tokens/s and router overhead
+per layout.
+
+    python benchmarks/serve_layouts.py --pair qwen3-8b-0.6b \\
+        --layouts offline offline+d t1+d1 t1+d1/plain t2 t2+d2 t2+d1 t2+d1/shared --out layouts.json
+    python benchmarks/serve_layouts.py --pair qwen3-8b-0.6b --dtype float32 --check-only --layouts t1+d1 t2+d2 t2+d1
+    python benchmarks/serve_layouts.py --pair smollm2 --layouts t1 t1+d1 t3+d1 t1+d1/nccl
+    python benchmarks/serve_layouts.py --smoke      # CPU: tiny random models, gloo, checks the script end to end
+
+A layout is `t<T>` (the target alone at tensor-parallel size T) or `t<T>+d<D>` (and the draft at size D), with
+options after slashes: `plain` (plain Ray actor calls instead of a compiled graph), `shared` (the draft on the
+target's GPUs: target ranks take 0.75 of a GPU each, draft ranks 0.25; otherwise every rank has a GPU of its own,
+the target's first), `nccl` (the draft's proposal tensors go GPU to GPU through NCCL). `offline` and `offline+d`
+are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for serving's cost.
+
+Per layout, on a fresh Ray runtime that sees only the GPUs the layout needs:
+  check  greedy completions of --check-prompts prompts, one at a time, compared with the first layout of the run
+         that has the same draft (none / one) at tensor-parallel sizes 1 and no options (the real SmolLM2 pair
+         with probabilistic rejection is lossless, so there the target alone is the reference for every layout)
+  bench  `specserve bench` at each --concurrency (random or eval prompts, fixed output length, greedy, rate inf):
+         output tokens/s, TPOT, and from /metrics the mean time per step of each phase; the router's own share
+         of a step is schedule + dispatch + commit (dispatch: the executor's transport, plan out and result back).
+Random weights (the Qwen3 shapes) are drawn per checkpoint tensor and sharded like real weights, so every
+tensor-parallel size holds the same model. A layout that fails is recorded with its error and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment  # noqa: E402
+from engine_driver import prompt_ids, run_in_process  # noqa: E402
+from sweep_models import Pair, materialize, model_pairs  # noqa: E402
+
+from deploy.bench.datasets import build_requests, load_tokenizer  # noqa: E402
+from deploy.bench.report import summarize  # noqa: E402
+from deploy.bench.runner import BenchConfig, run_benchmark  # noqa: E402
+
+logger = logging.getLogger("specserve")
+PHASES = ("schedule", "propose", "verify", "sample", "dispatch", "commit")
+ROUTER_PHASES = ("schedule", "dispatch", "commit")
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    offline: bool
+    target_tp: int
+    draft_tp: int  # 0: no draft
+    plain: bool = False
+    shared: bool = False
+    nccl: bool = False
+
+    @staticmethod
+    def parse(text: str) -> Layout:
+        head, *opts = text.split("/")
+        unknown = set(opts) - {"plain", "shared", "nccl"}
+        if unknown:
+            raise ValueError(f"layout {text!r}: unknown options {sorted(unknown)}")
+        if head in ("offline", "offline+d"):
+            if opts:
+                raise ValueError(f"layout {text!r}: the offline engine takes no options")
+            return Layout(text, True, 1, int(head.endswith("+d")))
+        parts = head.split("+")
+        try:
+            if not parts[0].startswith("t") or (len(parts) == 2 and not parts[1].startswith("d")) or len(parts) > 2:
+                raise ValueError
+            t, d = int(parts[0][1:]), int(parts[1][1:]) if len(parts) == 2 else 0
+        except ValueError:
+            raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared][/nccl]") from None
+        if t < 1 or (len(parts) == 2 and d < 1):
+            raise ValueError(f"layout {text!r}: sizes must be >= 1")
+        if ("shared" in opts or "nccl" in opts) and not d:
+            raise ValueError(f"layout {text!r}: shared and nccl need a draft")
+        return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "nccl" in opts)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.target_tp if (self.offline or self.shared) else self.target_tp + self.draft_tp
+
+    def reference_key(self, lossless: bool) -> tuple[int, bool]:
+        """Layouts with equal keys must give equal greedy outputs."""
+        return (0, False) if lossless else (self.draft_tp > 0, False)
+
+    @property
+    def is_reference(self) -> bool:
+        return not self.offline and self.target_tp == 1 and self.draft_tp <= 1 and not (
+            self.plain or self.shared or self.nccl)
+
+
+def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
+    engine_kwargs: dict[str, Any] = {"max_num_seqs": max(args.concurrency), **pair.engine_kwargs}
+    if args.smoke:
+        engine_kwargs.update(num_kv_blocks=512, max_num_batched_tokens=512)
+    if args.device == "cuda" and layout.shared:
+        engine_kwargs.update(target_resources={"GPU": 0.75}, draft_resources={"GPU": 0.25})
+    if layout.plain:
+        engine_kwargs["use_compiled_graph"] = False
+    if layout.nccl:
+        engine_kwargs["draft_tensor_transport"] = "nccl"
+    return {"model": pair.target, "draft_model": pair.draft if layout.draft_tp else None,
+            "num_speculative_tokens": args.k, "rejection_sampling": pair.rejection_sampling,
+            "synthetic_acceptance_rate": pair.synthetic_acceptance_rate if layout.draft_tp else None,
+            "tensor_parallel_size": layout.target_tp, "draft_tensor_parallel_size": max(1, layout.draft_tp),
+            "max_model_len": args.max_model_len, "device": args.device, "dtype": args.dtype,
+            "served_model_name": "bench", "engine_kwargs": engine_kwargs, "spec_disable_above_batch_size": None,
+            "max_queued_requests": None}
+
+
+def workloads(pair: Pair, args: argparse.Namespace, base_url: str):
+    tokenizer = load_tokenizer(pair.target)
+    ds = pair.dataset
+    chat = ds["endpoint"].endswith("chat/completions")
+    for c in args.concurrency:
+        n = max(args.min_prompts, c * args.prompts_per_concurrency)
+        requests = build_requests(ds["dataset_name"], n, args.seed, tokenizer, chat, path=ds.get("dataset_path"),
+                                  input_len=args.input_len, output_len=args.output_len)
+        yield c, requests, BenchConfig(base_url=base_url, model="bench", endpoint=ds["endpoint"], max_concurrency=c,
+                                       temperature=0.0, ignore_eos=True, seed=args.seed, progress=False)
+
+
+def phase_means_ms(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """Mean milliseconds per step of each phase between two /metrics scrapes, and the step count."""
+    if not before or not after:
+        return {}
+    out: dict[str, float] = {}
+    steps = 0.0
+    for phase in PHASES:
+        count, total = (f'specserve_step_duration_seconds_{s}{{phase="{phase}"}}' for s in ("count", "sum"))
+        n = after.get(count, 0.0) - before.get(count, 0.0)
+        if n > 0:
+            out[phase] = 1e3 * (after.get(total, 0.0) - before.get(total, 0.0)) / n
+            steps = max(steps, n)
+    if out:
+        out["router"] = sum(out.get(p, 0.0) for p in ROUTER_PHASES)
+        out["steps"] = steps
+    return out
+
+
+def check_prompts(pair: Pair, args: argparse.Namespace) -> tuple[list[Any], bool]:
+    tokenizer = load_tokenizer(pair.target)
+    ds = pair.dataset
+    chat = ds["endpoint"].endswith("chat/completions")
+    reqs = build_requests(ds["dataset_name"], args.check_prompts, args.seed + 1, tokenizer, chat,
+                          path=ds.get("dataset_path"), input_len=args.input_len, output_len=args.check_tokens)
+    return reqs, chat
+
+
+async def http_greedy(base_url: str, pair: Pair, args: argparse.Namespace) -> list[str]:
+    import httpx
+
+    reqs, chat = check_prompts(pair, args)
+    texts = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for r in reqs:
+            body: dict[str, Any] = {"model": "bench", "max_tokens": args.check_tokens, "temperature": 0.0,
+                                    "ignore_eos": True}
+            if chat:
+                body["messages"] = [{"role": "user", "content": r.prompt}]
+            else:
+                body["prompt"] = r.prompt
+            resp = await client.post(base_url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body)
+            resp.raise_for_status()
+            choice = resp.json()["choices"][0]
+            texts.append(choice["message"]["content"] if chat else choice["text"])
+    return texts
+
+
+async def http_layout(pair: Pair, layout: Layout, args: argparse.Namespace, base_url: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"check": await http_greedy(base_url, pair, args)}
+    if not args.check_only:
+        out["runs"] = []
+        for i, (c, requests, cfg) in enumerate(workloads(pair, args, base_url)):
+            run = await run_benchmark(requests, cfg, warmup=args.warmup if i == 0 else 0)
+            out["runs"].append(run_summary(run, c, phase_means_ms(run.metrics_before, run.metrics_after)))
+    return out
+
+
+def run_summary(run: Any, c: int, phases: dict[str, float]) -> dict[str, Any]:
+    s = summarize(run, f"c={c}")
+    if s["failed"]:
+        raise RuntimeError(f"{s['failed']} requests failed at concurrency {c}: {s['per_request']['errors'][0]}")
+    spec = s.get("spec_decode") or {}
+    return {"concurrency": c, "output_tok_s": s["output_throughput"], "median_tpot_ms": s["median_tpot_ms"],
+            "completed": s["completed"], "acceptance_length": spec.get("acceptance_length"), "phases_ms": phases}
+
+
+def run_serve_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app
+
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT)), "TOKENIZERS_PARALLELISM": "false"}
+    if args.device == "cuda":
+        # The raylet reads the visible GPUs when it starts: a layout sees just the ones it should use.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(layout.num_gpus))
+    ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, log_to_driver=args.worker_logs,
+             runtime_env={"env_vars": env})
+    t0 = time.perf_counter()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        serve.run(build_app(serve_config(pair, layout, args)), name="specserve", route_prefix="/")
+        startup = time.perf_counter() - t0
+        out = asyncio.run(http_layout(pair, layout, args, f"http://127.0.0.1:{args.port}"))
+        return {"startup_s": startup, **out}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+
+
+def run_offline_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
+    import gc
+
+    import torch
+
+    from deploy.config import ServeConfig
+    from engine import LLM
+
+    cfg = serve_config(pair, layout, args)
+    known = set(ServeConfig.field_names())
+    t0 = time.perf_counter()
+    llm = LLM(**ServeConfig.from_dict({k: v for k, v in cfg.items() if k in known}).engine_args())
+    out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "runs": []}
+    try:
+        if not args.check_only:
+            for i, (c, requests, bench_cfg) in enumerate(workloads(pair, args, "in-process")):
+                run = run_in_process(llm.engine, requests, bench_cfg, llm.tokenizer,
+                                     warmup=args.warmup if i == 0 else 0)
+                out["runs"].append(run_summary(run, c, {}))
+        return out
+    finally:
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def compare(results: dict[str, Any], layouts: list[Layout], lossless: bool) -> None:
+    """Mark each layout's greedy texts against its reference: `matches`, and the share of equal texts."""
+    refs: dict[tuple[int, bool], str] = {}
+    for lay in layouts:
+        r = results.get(lay.name) or {}
+        if lay.is_reference and "check" in r and lay.reference_key(lossless) not in refs:
+            refs[lay.reference_key(lossless)] = lay.name
+    for lay in layouts:
+        r = results.get(lay.name) or {}
+        ref = refs.get(lay.reference_key(lossless))
+        if "check" not in r or ref is None:
+            continue
+        mine, theirs = r["check"], results[ref]["check"]
+        r["check_reference"] = ref
+        r["check_equal"] = sum(a == b for a, b in zip(mine, theirs))
+        r["check_total"] = len(theirs)
+        r["matches"] = mine == theirs
+
+
+def table(results: dict[str, Any], layouts: list[Layout], args: argparse.Namespace) -> str:
+    lines = ["| layout | GPUs | greedy equal to | " + " | ".join(
+        f"c={c} tok/s | c={c} TPOT ms | c={c} router ms/step" for c in args.concurrency) + " | phases at c=1 (ms/step) |",
+        "|---|---|---|" + "---|---|---|" * len(args.concurrency) + "---|"]
+    for lay in layouts:
+        r = results.get(lay.name) or {}
+        if "error" in r:
+            lines.append(f"| {lay.name} | {lay.num_gpus} | failed: {r['error'][:80]} |")
+            continue
+        eq = (f"{r['check_reference']}: {r['check_equal']}/{r['check_total']}" if "check_reference" in r else "-")
+        cells = [lay.name, str(lay.num_gpus), eq]
+        runs = {x["concurrency"]: x for x in r.get("runs", [])}
+        for c in args.concurrency:
+            x = runs.get(c)
+            router = (x or {}).get("phases_ms", {}).get("router")
+            cells += [f"{x['output_tok_s']:.1f}" if x else "-",
+                      f"{x['median_tpot_ms']:.2f}" if x and x["median_tpot_ms"] else "-",
+                      f"{router:.2f}" if router is not None else "-"]
+        ph = (runs.get(args.concurrency[0]) or {}).get("phases_ms", {})
+        cells.append(", ".join(f"{p} {ph[p]:.2f}" for p in PHASES if p in ph) or "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default="qwen3-8b-0.6b", choices=["smollm2", "qwen3-8b-0.6b"])
+    ap.add_argument("--layouts", nargs="+", default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--acceptance", type=float, default=0.8, help="synthetic acceptance rate (qwen3 shapes)")
+    ap.add_argument("--dtype", default=None, help="float32 for the exactness checks; default bf16 on GPU")
+    ap.add_argument("--check-only", action="store_true", help="greedy comparison only, no bench")
+    ap.add_argument("--check-prompts", type=int, default=4)
+    ap.add_argument("--check-tokens", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--prompts-per-concurrency", type=int, default=2)
+    ap.add_argument("--min-prompts", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--work-dir", default=None)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--worker-logs", action="store_true", help="show the workers' logs")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON results (merged into an existing file)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.smoke:
+        args.layouts = args.layouts or ["offline+d", "t1+d1", "t1+d1/plain", "t2+d2", "t2+d1"]
+        args.concurrency, args.input_len, args.output_len = [1, 2], 16, 12
+        args.check_prompts, args.check_tokens, args.max_model_len = 2, 12, 128
+    layouts = [Layout.parse(x) for x in args.layouts or ["t1+d1", "t2+d2", "t2+d1"]]
+    if args.device == "cuda":
+        have = torch.cuda.device_count()
+        too_big = [lay.name for lay in layouts if lay.num_gpus > have]
+        if too_big:
+            raise SystemExit(f"layouts {too_big} need more than the {have} GPUs here")
+    work = Path(args.work_dir or Path(tempfile.gettempdir()) / "specserve-sweep")
+    work.mkdir(parents=True, exist_ok=True)
+    pair = model_pairs(work, args.smoke, args.device, args.acceptance)[args.pair]
+    materialize(args.pair, pair, work, args.smoke, args.device)
+    lossless = pair.rejection_sampling != "synthetic"
+    out_path = Path(args.out) if args.out else None
+    doc: dict[str, Any] = json.loads(out_path.read_text()) if out_path and out_path.is_file() else {}
+    run_key = f"{args.pair} {args.dtype or 'default'}{' check' if args.check_only else ''}"
+    results: dict[str, Any] = doc.setdefault(run_key, {"pair": pair.name, "command": " ".join(sys.argv),
+                                                       "env": environment(), "layouts": {}})["layouts"]
+    for lay in layouts:
+        print(f"[{lay.name}] starting", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            runner = run_offline_layout if lay.offline else run_serve_layout
+            results[lay.name] = runner(pair, lay, args)
+        except Exception as e:  # one failed layout must not cost the others their device time
+            traceback.print_exc()
+            results[lay.name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"[{lay.name}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        compare(results, layouts, lossless)
+        if out_path:
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            out_path.write_text(json.dumps(doc, indent=1))
+    print(f"\n### {pair.name}: {run_key}\n\n{environment()['device']}, k={args.k}, greedy, {args.output_len} "
+          f"output tokens (EOS ignored), request rate inf\n")
+    print(table(results, layouts, args))
+    return 0 if all("error" not in results[lay.name] for lay in layouts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
