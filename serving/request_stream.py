@@ -43,6 +43,39 @@ class RequestStream:
     first_token_time: float | None = None
     last_token_time: float | None = None
 
+    def publish(self, req: Any, now: float, metrics: Any) -> None:
+        """Take what a step gave `req` (an engine Request): new tokens, text, speculation counts, the finish;
+        count them in `metrics` (serving.metrics.EngineMetrics) and wake the caller."""
+        new = req.output_token_ids[self.num_published:]
+        self.num_published += len(new)
+        self.pending_tokens.extend(new)
+        self.text = req.output_text
+        if new:
+            if self.first_token_time is None:
+                self.first_token_time = now
+                metrics.on_first_token(req.num_prompt_tokens, now - self.arrival)
+                metrics.on_tokens(len(new), None)
+            else:
+                metrics.on_tokens(len(new), now - (self.last_token_time or now))
+            self.last_token_time = now
+        metrics.on_spec(*self._spec_increment(req.spec))
+        if req.status.finished:
+            self.finish_reason = req.finish_reason or req.status.value
+            self.stop_reason = req.stop_reason
+            metrics.on_finished(self.finish_reason, now - self.arrival)
+        self.event.set()
+
+    def _spec_increment(self, spec: Any) -> tuple[int, int, int, list[int]]:
+        """(drafts, draft tokens, accepted tokens, accepted per position) since the last publish."""
+        old = self.spec
+        per_pos = list(spec.accepted_per_position)
+        old_pos = old["accepted_per_position"] + [0] * (len(per_pos) - len(old["accepted_per_position"]))
+        inc = (spec.num_drafts - old["num_drafts"], spec.num_draft_tokens - old["num_draft_tokens"],
+               spec.num_accepted_tokens - old["num_accepted_tokens"], [a - b for a, b in zip(per_pos, old_pos)])
+        self.spec = {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+                     "num_accepted_tokens": spec.num_accepted_tokens, "accepted_per_position": per_pos}
+        return inc
+
     def take_delta(self) -> dict[str, Any]:
         done = self.finish_reason is not None
         end = len(self.text) if done else max(self.sent_text, len(self.text) - self.holdback)

@@ -261,42 +261,12 @@ class Router:
         """Move what the step produced into the streams, and into the metrics."""
         for req in touched:
             s = self._streams.get(req.request_id)
-            if s is None:
-                continue
-            new = req.output_token_ids[s.num_published:]
-            s.num_published += len(new)
-            s.pending_tokens.extend(new)
-            s.text = req.output_text
-            if new:
-                if s.first_token_time is None:
-                    s.first_token_time = now
-                    self.metrics.on_first_token(req.num_prompt_tokens, now - s.arrival)
-                    self.metrics.on_tokens(len(new), None)
-                else:
-                    self.metrics.on_tokens(len(new), now - (s.last_token_time or now))
-                s.last_token_time = now
-            d, dt, acc, per_pos = self._spec_increment(s, req.spec)
-            self.metrics.on_spec(d, dt, acc, per_pos)
-            if req.status.finished:
-                s.finish_reason = req.finish_reason or req.status.value
-                s.stop_reason = req.stop_reason
-                self.metrics.on_finished(s.finish_reason, now - s.arrival)
-            s.event.set()
+            if s is not None:
+                s.publish(req, now, self.metrics)
         stats = self.engine.last_step
         self.metrics.on_step(stats.phase_seconds, len(self.engine.scheduler.running),
                              len(self.engine.scheduler.waiting), stats.num_preempted, self._kv_usage(),
                              stats.draft_length)
-
-    @staticmethod
-    def _spec_increment(s: RequestStream, spec: Any) -> tuple[int, int, int, list[int]]:
-        old = s.spec
-        per_pos = list(spec.accepted_per_position)
-        old_pos = old["accepted_per_position"] + [0] * (len(per_pos) - len(old["accepted_per_position"]))
-        inc = (spec.num_drafts - old["num_drafts"], spec.num_draft_tokens - old["num_draft_tokens"],
-               spec.num_accepted_tokens - old["num_accepted_tokens"], [a - b for a, b in zip(per_pos, old_pos)])
-        s.spec = {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
-                  "num_accepted_tokens": spec.num_accepted_tokens, "accepted_per_position": per_pos}
-        return inc
 
     def _on_step_error(self, error: Exception) -> None:
         """Fail the requests the error belongs to; if it cannot be pinned on some, fail them all. A dead draft
