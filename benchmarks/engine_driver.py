@@ -10,15 +10,38 @@ deploy/bench/report.py summarizes it like a served run.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from deploy.bench.client import RequestResult
 from deploy.bench.datasets import BenchRequest
 from deploy.bench.runner import BenchConfig, RunResult
 from engine.request import Request, RequestStatus, SamplingParams
+
+
+@contextmanager
+def offline_llm(serve_fields: dict[str, Any]) -> Iterator[Any]:
+    """engine.LLM built from `specserve serve` config fields (unknown keys ignored), as the served app would
+    build its engine; its GPU memory is given back on exit, so the next engine of a sweep has the whole GPU."""
+    import torch
+
+    from deploy.config import ServeConfig
+    from engine import LLM
+
+    known = set(ServeConfig.field_names())
+    llm = LLM(**ServeConfig.from_dict({k: v for k, v in serve_fields.items() if k in known}).engine_args())
+    try:
+        yield llm
+    finally:
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def prompt_ids(req: BenchRequest, tokenizer: Any, chat: bool) -> list[int]:

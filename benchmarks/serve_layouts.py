@@ -44,12 +44,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment  # noqa: E402
-from engine_driver import run_in_process  # noqa: E402
-from sweep_models import Pair, materialize, model_pairs  # noqa: E402
+from engine_driver import offline_llm, run_in_process  # noqa: E402
+from sweep_models import Pair, bench_workloads, materialize, model_pairs  # noqa: E402
 
 from deploy.bench.datasets import build_requests, load_tokenizer  # noqa: E402
 from deploy.bench.report import summarize  # noqa: E402
-from deploy.bench.runner import BenchConfig, run_benchmark  # noqa: E402
+from deploy.bench.runner import run_benchmark  # noqa: E402
 
 logger = logging.getLogger("specserve")
 PHASES = ("schedule", "propose", "verify", "sample", "dispatch", "commit")
@@ -124,18 +124,6 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
             "max_queued_requests": None}
 
 
-def workloads(pair: Pair, args: argparse.Namespace, base_url: str):
-    tokenizer = load_tokenizer(pair.target)
-    ds = pair.dataset
-    chat = ds["endpoint"].endswith("chat/completions")
-    for c in args.concurrency:
-        n = max(args.min_prompts, c * args.prompts_per_concurrency)
-        requests = build_requests(ds["dataset_name"], n, args.seed, tokenizer, chat, path=ds.get("dataset_path"),
-                                  input_len=args.input_len, output_len=args.output_len)
-        yield c, requests, BenchConfig(base_url=base_url, model="bench", endpoint=ds["endpoint"], max_concurrency=c,
-                                       temperature=0.0, ignore_eos=True, seed=args.seed, progress=False)
-
-
 def phase_means_ms(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
     """Mean milliseconds per step of each phase between two /metrics scrapes, and the step count."""
     if not before or not after:
@@ -187,7 +175,7 @@ async def http_layout(pair: Pair, layout: Layout, args: argparse.Namespace, base
     out: dict[str, Any] = {"check": await http_greedy(base_url, pair, args)}
     if not args.check_only:
         out["runs"] = []
-        for i, (c, requests, cfg) in enumerate(workloads(pair, args, base_url)):
+        for i, (c, requests, cfg) in enumerate(bench_workloads(pair, args, base_url)):
             run = await run_benchmark(requests, cfg, warmup=args.warmup if i == 0 else 0)
             out["runs"].append(run_summary(run, c, phase_means_ms(run.metrics_before, run.metrics_after)))
     return out
@@ -228,30 +216,15 @@ def run_serve_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> di
 
 
 def run_offline_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
-    import gc
-
-    import torch
-
-    from deploy.config import ServeConfig
-    from engine import LLM
-
-    cfg = serve_config(pair, layout, args)
-    known = set(ServeConfig.field_names())
     t0 = time.perf_counter()
-    llm = LLM(**ServeConfig.from_dict({k: v for k, v in cfg.items() if k in known}).engine_args())
-    out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "runs": []}
-    try:
+    with offline_llm(serve_config(pair, layout, args)) as llm:
+        out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "runs": []}
         if not args.check_only:
-            for i, (c, requests, bench_cfg) in enumerate(workloads(pair, args, "in-process")):
+            for i, (c, requests, bench_cfg) in enumerate(bench_workloads(pair, args, "in-process")):
                 run = run_in_process(llm.engine, requests, bench_cfg, llm.tokenizer,
                                      warmup=args.warmup if i == 0 else 0)
                 out["runs"].append(run_summary(run, c, {}))
         return out
-    finally:
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 def compare(results: dict[str, Any], layouts: list[Layout], lossless: bool) -> None:

@@ -34,12 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment  # noqa: E402
-from engine_driver import run_in_process  # noqa: E402
-from sweep_models import Pair, materialize, model_pairs  # noqa: E402
+from engine_driver import offline_llm, run_in_process  # noqa: E402
+from sweep_models import Pair, bench_workloads, materialize, model_pairs  # noqa: E402
 
-from deploy.bench.datasets import build_requests, load_tokenizer  # noqa: E402
 from deploy.bench.report import format_table, summarize  # noqa: E402
-from deploy.bench.runner import BenchConfig, run_benchmark  # noqa: E402
+from deploy.bench.runner import run_benchmark  # noqa: E402
 from engine.draft_schedule import format_schedule, parse_schedule  # noqa: E402
 
 logger = logging.getLogger("specserve")
@@ -121,44 +120,15 @@ def run_variant(pair: Pair, variant: str, args: argparse.Namespace, schedule: li
 def run_variant_in_process(pair: Pair, variant: str, args: argparse.Namespace,
                            schedule: list[tuple[int, int]] | None) -> list[dict[str, Any]]:
     """The same sweep against an EngineCore in this process (engine_driver.py): no Ray, no HTTP."""
-    import gc
 
-    import torch
-
-    from deploy.config import ServeConfig
-    from engine import LLM
-
-    known = set(ServeConfig.field_names())
-    cfg = ServeConfig.from_dict({k: v for k, v in serve_config(pair, variant, args, schedule).items() if k in known})
     t0 = time.perf_counter()
-    llm = LLM(**cfg.engine_args())
-    print(f"[{variant}] engine up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    try:
+    with offline_llm(serve_config(pair, variant, args, schedule)) as llm:
+        print(f"[{variant}] engine up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         out = []
-        for i, (c, requests, bench_cfg) in enumerate(_workloads(pair, args, "in-process")):
+        for i, (c, requests, bench_cfg) in enumerate(bench_workloads(pair, args, "in-process", not args.disable_tqdm)):
             run = run_in_process(llm.engine, requests, bench_cfg, llm.tokenizer, warmup=args.warmup if i == 0 else 0)
             out.append(_summary(run, pair, variant, c))
         return out
-    finally:
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
-def _workloads(pair: Pair, args: argparse.Namespace, base_url: str):
-    """(concurrency, requests, BenchConfig) per concurrency: max(min_prompts, c * prompts_per_concurrency)
-    requests, greedy, fixed output lengths (ignore EOS), all sent at once."""
-    ds = pair.dataset
-    tokenizer = load_tokenizer(pair.target)
-    chat = ds["endpoint"].endswith("chat/completions")
-    for c in args.concurrency:
-        n = max(args.min_prompts, c * args.prompts_per_concurrency)
-        requests = build_requests(ds["dataset_name"], n, args.seed, tokenizer, chat, path=ds.get("dataset_path"),
-                                  input_len=args.input_len, output_len=args.output_len)
-        yield c, requests, BenchConfig(base_url=base_url, model="bench", endpoint=ds["endpoint"], max_concurrency=c,
-                                       temperature=0.0, ignore_eos=True, seed=args.seed,
-                                       progress=not args.disable_tqdm)
 
 
 def _summary(run: Any, pair: Pair, variant: str, c: int) -> dict[str, Any]:
@@ -172,7 +142,7 @@ def _summary(run: Any, pair: Pair, variant: str, c: int) -> dict[str, Any]:
 
 async def _sweep(pair: Pair, variant: str, args: argparse.Namespace, base_url: str) -> list[dict[str, Any]]:
     out = []
-    for i, (c, requests, cfg) in enumerate(_workloads(pair, args, base_url)):
+    for i, (c, requests, cfg) in enumerate(bench_workloads(pair, args, base_url, not args.disable_tqdm)):
         run = await run_benchmark(requests, cfg, warmup=args.warmup if i == 0 else 0)
         out.append(_summary(run, pair, variant, c))
     return out

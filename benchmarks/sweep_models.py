@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,3 +122,21 @@ def materialize(pair_key: str, pair: Pair, work_dir: Path, smoke: bool, device: 
     target, draft = (TINY_TARGET, TINY_DRAFT) if smoke else (QWEN3_8B, QWEN3_0_6B)
     shape_only(Path(pair.target), Qwen3Config(**{**target, "architectures": ["Qwen3ForCausalLM"]}))
     shape_only(Path(pair.draft), Qwen3Config(**{**draft, "architectures": ["Qwen3ForCausalLM"]}))
+
+
+def bench_workloads(pair: Pair, args: Any, base_url: str, progress: bool = False) -> Iterator[tuple[int, list, Any]]:
+    """(concurrency, requests, BenchConfig) for each of args.concurrency: max(args.min_prompts, c *
+    args.prompts_per_concurrency) requests of the pair's dataset (args.input_len / args.output_len for random
+    prompts), greedy, fixed output lengths (EOS ignored), all sent at once."""
+    from deploy.bench.datasets import build_requests, load_tokenizer
+    from deploy.bench.runner import BenchConfig
+
+    ds = pair.dataset
+    tokenizer = load_tokenizer(pair.target)
+    chat = ds["endpoint"].endswith("chat/completions")
+    for c in args.concurrency:
+        n = max(args.min_prompts, c * args.prompts_per_concurrency)
+        requests = build_requests(ds["dataset_name"], n, args.seed, tokenizer, chat, path=ds.get("dataset_path"),
+                                  input_len=args.input_len, output_len=args.output_len)
+        yield c, requests, BenchConfig(base_url=base_url, model="bench", endpoint=ds["endpoint"], max_concurrency=c,
+                                       temperature=0.0, ignore_eos=True, seed=args.seed, progress=progress)
