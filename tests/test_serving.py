@@ -17,9 +17,8 @@ import grpc
 import httpx
 import openai
 import pytest
-from serve_support import Server, running_server, scrape
+from serve_support import Server, assert_error, router_handle, running_server, scrape
 
-from deploy.config import ServeConfig, load_config
 from engine import LLM, SamplingParams
 from serving.proto import specserve_pb2 as pb
 from serving.proto import specserve_pb2_grpc as pb_grpc
@@ -318,47 +317,32 @@ def test_client_disconnect_aborts_request(server: Server) -> None:
 
 
 # --- errors -----------------------------------------------------------------------------------------------
-def _assert_error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    return err
-
-
 def test_errors_are_openai_shaped_4xx(server: Server) -> None:
     with server.http(timeout=120) as c:
-        err = _assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0}),
+        err = assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0}),
                             400)
         assert err["param"] == "max_tokens" and err["type"] == "invalid_request_error"
-        _assert_error(c.post("/v1/completions", content=b'{"model": "x", "prompt": ',
+        assert_error(c.post("/v1/completions", content=b'{"model": "x", "prompt": ',
                              headers={"content-type": "application/json"}), 400)
-        err = _assert_error(c.post("/v1/completions", json={"model": "gpt-4", "prompt": PROMPT}), 404)
+        err = assert_error(c.post("/v1/completions", json={"model": "gpt-4", "prompt": PROMPT}), 404)
         assert err["code"] == "model_not_found"
-        assert _assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "n": 2}),
+        assert assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "n": 2}),
                              400)["param"] == "n"
-        _assert_error(c.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "n": 2}), 400)
-        _assert_error(c.post("/v1/completions", json={"model": MODEL}), 400)  # no prompt
-        _assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "temperature": -1}), 400)
-        _assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": "many"}),
+        assert_error(c.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "n": 2}), 400)
+        assert_error(c.post("/v1/completions", json={"model": MODEL}), 400)  # no prompt
+        assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "temperature": -1}), 400)
+        assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": "many"}),
                       400)
-        _assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": [10**9]}), 400)
-        _assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0,
+        assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": [10**9]}), 400)
+        assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0,
                                                       "stream": True}), 400)
-        _assert_error(c.post("/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
+        assert_error(c.post("/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
         # The server is unharmed: a good request still works.
         ok = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
 
 # --- recovery (last: they replace the router) -------------------------------------------------------------
-def _router_handle():
-    import ray
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("::router")]
-    assert len(names) == 1, names
-    return ray.get_actor(names[0], namespace="serve")
-
-
 def _wait_until_served_again(server: Server) -> list[int]:
     """Statuses of a good request, retried until it succeeds; every failure must be an OpenAI-shaped 503."""
     statuses = []
@@ -369,7 +353,7 @@ def _wait_until_served_again(server: Server) -> list[int]:
             statuses.append(r.status_code)
             if r.status_code == 200:
                 break
-            _assert_error(r, 503)
+            assert_error(r, 503)
             time.sleep(1.0)
         assert statuses[-1] == 200, statuses
         assert c.get("/health").status_code == 200
@@ -381,9 +365,9 @@ def test_model_worker_death_replaces_router(server: Server) -> None:
     unhealthy, ends itself, and Serve's controller builds a new router with new workers."""
     import ray
 
-    if not ray.get(_router_handle().__ray_call__.remote(lambda r: hasattr(r.engine.executor, "workers"))):
+    if not ray.get(router_handle().__ray_call__.remote(lambda r: hasattr(r.engine.executor, "workers"))):
         pytest.skip("the router runs the models in-process: no worker actors to kill")
-    workers = ray.get(_router_handle().__ray_call__.remote(lambda r: [w for _, _, w in r.engine.executor.workers()]))
+    workers = ray.get(router_handle().__ray_call__.remote(lambda r: [w for _, _, w in r.engine.executor.workers()]))
     ray.kill(workers[0], no_restart=True)
     with server.http(timeout=120) as c:
         assert c.get("/health").status_code == 503
@@ -395,42 +379,5 @@ def test_router_recreated_after_it_dies(server: Server) -> None:
     controller has created a new router (with new model workers), then the same replica serves again."""
     import ray
 
-    ray.kill(_router_handle(), no_restart=True)
+    ray.kill(router_handle(), no_restart=True)
     assert 503 in _wait_until_served_again(server)
-
-
-# --- configuration (no Ray) -------------------------------------------------------------------------------
-def test_config_yaml_and_flags(tmp_path) -> None:
-    f = tmp_path / "serve.yaml"
-    f.write_text("model: m1\ndraft-model: none\nnum_speculative_tokens: 2\nport: 9100\n"
-                 "autoscaling_config: {min_replicas: 1, max_replicas: 3}\n")
-    cfg = load_config(f, {"port": 9200, "max_model_len": "256"})
-    assert (cfg.model, cfg.draft_model, cfg.num_speculative_tokens, cfg.port, cfg.max_model_len) == \
-        ("m1", None, 2, 9200, 256)
-    assert cfg.autoscaling_config == {"min_replicas": 1, "max_replicas": 3}
-    assert ServeConfig.from_dict({"num_replicas": "2", "device": "cpu"}).num_replicas == 2
-    with pytest.raises(ValueError, match="unknown config field"):
-        ServeConfig.from_dict({"num_speculative_token": 3})
-    with pytest.raises(ValueError, match="num_speculative_tokens"):
-        ServeConfig.from_dict({"num_speculative_tokens": "three"})
-    # "auto": the bundled draft of the default model where it resolves; else no speculation rather than failing.
-    from engine.models.source import resolve_model
-
-    try:
-        expected = str(resolve_model("smollm2-135m-draft").name)
-    except ValueError:
-        expected = None
-    assert ServeConfig().resolved_draft() == expected
-    assert ServeConfig(model="gemma3-270m").resolved_draft() is None
-    assert ServeConfig(draft_model="some-draft").resolved_draft() == "some-draft"
-
-
-def test_cli_serve_flags_parse() -> None:
-    from deploy.cli import build_parser
-
-    args = build_parser().parse_args(["serve", "--model", "m", "--draft-model", "d", "--num-speculative-tokens", "3",
-                                      "--grpc-port", "9001", "--config", "c.yaml"])
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose", "config")}
-    assert given == {"model": "m", "draft_model": "d", "num_speculative_tokens": 3, "grpc_port": 9001}
-    assert args.config == "c.yaml"
-    assert build_parser().parse_args(["generate", "--prompt", "x"]).command == "generate"

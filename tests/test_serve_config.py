@@ -1,0 +1,44 @@
+"""`specserve serve` configuration without Ray: the YAML file and flags merged into ServeConfig, its checks, the
+draft chosen by "auto", and the CLI's flag parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.config import ServeConfig, load_config
+
+
+def test_config_yaml_and_flags(tmp_path) -> None:
+    f = tmp_path / "serve.yaml"
+    f.write_text("model: m1\ndraft-model: none\nnum_speculative_tokens: 2\nport: 9100\n"
+                 "autoscaling_config: {min_replicas: 1, max_replicas: 3}\n")
+    cfg = load_config(f, {"port": 9200, "max_model_len": "256"})
+    assert (cfg.model, cfg.draft_model, cfg.num_speculative_tokens, cfg.port, cfg.max_model_len) == \
+        ("m1", None, 2, 9200, 256)
+    assert cfg.autoscaling_config == {"min_replicas": 1, "max_replicas": 3}
+    assert ServeConfig.from_dict({"num_replicas": "2", "device": "cpu"}).num_replicas == 2
+    with pytest.raises(ValueError, match="unknown config field"):
+        ServeConfig.from_dict({"num_speculative_token": 3})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        ServeConfig.from_dict({"num_speculative_tokens": "three"})
+    # "auto": the bundled draft of the default model where it resolves; else no speculation rather than failing.
+    from engine.models.source import resolve_model
+
+    try:
+        expected = str(resolve_model("smollm2-135m-draft").name)
+    except ValueError:
+        expected = None
+    assert ServeConfig().resolved_draft() == expected
+    assert ServeConfig(model="gemma3-270m").resolved_draft() is None
+    assert ServeConfig(draft_model="some-draft").resolved_draft() == "some-draft"
+
+
+def test_cli_serve_flags_parse() -> None:
+    from deploy.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--draft-model", "d", "--num-speculative-tokens", "3",
+                                      "--grpc-port", "9001", "--config", "c.yaml"])
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose", "config")}
+    assert given == {"model": "m", "draft_model": "d", "num_speculative_tokens": 3, "grpc_port": 9001}
+    assert args.config == "c.yaml"
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).command == "generate"
