@@ -52,7 +52,7 @@ from deploy.bench.report import summarize  # noqa: E402
 from deploy.bench.runner import run_benchmark  # noqa: E402
 
 logger = logging.getLogger("specserve")
-PHASES = ("schedule", "propose", "verify", "sample", "dispatch", "commit")
+PHASES = ("schedule", "propose", "prepare", "verify", "sample", "dispatch", "commit")
 ROUTER_PHASES = ("schedule", "dispatch", "commit")
 
 

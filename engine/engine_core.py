@@ -86,6 +86,30 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # --- KV caches -----------------------------------------------------------------------------------
+    def kv_managers(self) -> list[tuple[str, KVCacheManager]]:
+        """("target" | "draft", its KV manager): the draft's only while the engine has one."""
+        return [("target", self.target_kv)] + ([("draft", self.draft_kv)] if self.draft_kv is not None else [])
+
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """Raise ValueError for a prompt whose KV alone outgrows a model's whole cache: it could never run, and
+        saying so up front beats failing it once it reaches the head of the queue."""
+        for model, kv in self.kv_managers():
+            need = -(-num_prompt_tokens // kv.block_size)
+            have = min(pool.num_usable for pool in kv.pools)
+            if need > have:
+                raise ValueError(f"prompt has {num_prompt_tokens} tokens, which need {need} KV blocks of "
+                                 f"{kv.block_size} tokens, but the {model} model's KV cache holds {have} blocks "
+                                 f"({have * kv.block_size} tokens); shorten the prompt")
+
+    def kv_usage(self) -> dict[tuple[str, int], float]:
+        """Fraction of each (model, KV-cache group)'s blocks in use."""
+        return {(model, g): kv.usage(g) for model, kv in self.kv_managers() for g in range(kv.num_groups)}
+
+    def kv_blocks_used(self) -> dict[str, int]:
+        """Blocks in use per "model/group"."""
+        return {f"{model}/{g}": n for model, kv in self.kv_managers() for g, n in enumerate(kv.num_used_blocks())}
+
     # --- one step ------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one step; returns the requests that got tokens or finished."""

@@ -42,7 +42,7 @@ class LocalExecutor:
         # A step without speculation (load-adaptive k = 0) leaves the draft idle: skip even the proposer's
         # bookkeeping, so such a step costs what a step of a target-only engine costs.
         draft_idle = not plan.max_draft_tokens and not any(r.draft_token_ids for r in plan.requests)
-        proposal = self.proposer.propose(plan) if self.proposer is not None and not draft_idle else None
+        proposal = self.proposer.propose(plan).to_host() if self.proposer is not None and not draft_idle else None
         t1 = time.perf_counter()
         result = self.verifier.verify(plan, proposal)
         result.phase_seconds["propose"] = t1 - t0

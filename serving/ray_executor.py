@@ -213,8 +213,8 @@ class RayExecutor:
             self._raise_step_error(e)
         result: StepResult = outputs[0]
         wall = time.perf_counter() - t0
-        # What the step cost beyond the models' own work: serialization, channels/RPC, scheduling, and the
-        # verifier's input building (not inside its timed forward).
+        # What the step cost beyond the workers' own timed work (propose, prepare, verify, sample): serialization
+        # and channels or RPCs, the plan out, the proposal across and the result back.
         result.phase_seconds["dispatch"] = max(0.0, wall - sum(result.phase_seconds.values()))
         return result
 

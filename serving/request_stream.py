@@ -24,10 +24,22 @@ class Rejected(Exception):
 
 
 @dataclass
+class StepDelta:
+    """What one step left a request, copied on the step thread before the next step can change it."""
+
+    new_token_ids: list[int]
+    text: str
+    spec: tuple[int, int, int, list[int]]  # drafts, draft tokens, accepted tokens, accepted per position (totals)
+    finish_reason: str | None  # set when the request finished in this step
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+
+
+@dataclass
 class RequestStream:
     """One request's published state: what the last step left, and what the caller has already seen."""
 
-    request: Any  # engine.request.Request (read only under the router's lock)
+    request: Any  # engine.request.Request (read only between steps: the step thread writes it)
     arrival: float
     holdback: int  # chars of text withheld while running: a stop string may still cut them off
     event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -38,42 +50,53 @@ class RequestStream:
     error: tuple[str, int] | None = None  # (message, HTTP-like status)
     spec: dict[str, Any] = field(default_factory=lambda: {"num_drafts": 0, "num_draft_tokens": 0,
                                                           "num_accepted_tokens": 0, "accepted_per_position": []})
+    num_snapshotted: int = 0  # output tokens already copied into a StepDelta (the step thread's counter)
     num_published: int = 0  # output tokens already moved to pending_tokens
     sent_text: int = 0  # chars of text already yielded
     first_token_time: float | None = None
     last_token_time: float | None = None
 
-    def publish(self, req: Any, now: float, metrics: Any) -> None:
-        """Take what a step gave `req` (an engine Request): new tokens, text, speculation counts, the finish;
-        count them in `metrics` (serving.metrics.EngineMetrics) and wake the caller."""
-        new = req.output_token_ids[self.num_published:]
+    def snapshot(self, req: Any) -> StepDelta:
+        """Copy what a step gave `req` (an engine Request). Runs on the step thread, between two steps."""
+        new = req.output_token_ids[self.num_snapshotted:]
+        self.num_snapshotted += len(new)
+        sp = req.spec
+        finish = (req.finish_reason or req.status.value) if req.status.finished else None
+        return StepDelta(list(new), req.output_text, (sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens,
+                                                      list(sp.accepted_per_position)),
+                         finish, req.stop_reason, req.num_prompt_tokens)
+
+    def publish(self, delta: StepDelta, now: float, metrics: Any) -> None:
+        """Take a step's delta: new tokens, text, speculation counts, the finish; count them in `metrics`
+        (serving.metrics.EngineMetrics) and wake the caller. Runs on the event loop."""
+        new = delta.new_token_ids
         self.num_published += len(new)
         self.pending_tokens.extend(new)
-        self.text = req.output_text
+        self.text = delta.text
         if new:
             if self.first_token_time is None:
                 self.first_token_time = now
-                metrics.on_first_token(req.num_prompt_tokens, now - self.arrival)
+                metrics.on_first_token(delta.num_prompt_tokens, now - self.arrival)
                 metrics.on_tokens(len(new), None)
             else:
                 metrics.on_tokens(len(new), now - (self.last_token_time or now))
             self.last_token_time = now
-        metrics.on_spec(*self._spec_increment(req.spec))
-        if req.status.finished:
-            self.finish_reason = req.finish_reason or req.status.value
-            self.stop_reason = req.stop_reason
+        metrics.on_spec(*self._spec_increment(delta.spec))
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
             metrics.on_finished(self.finish_reason, now - self.arrival)
         self.event.set()
 
-    def _spec_increment(self, spec: Any) -> tuple[int, int, int, list[int]]:
+    def _spec_increment(self, spec: tuple[int, int, int, list[int]]) -> tuple[int, int, int, list[int]]:
         """(drafts, draft tokens, accepted tokens, accepted per position) since the last publish."""
         old = self.spec
-        per_pos = list(spec.accepted_per_position)
+        drafts, draft_tokens, accepted, per_pos = spec
         old_pos = old["accepted_per_position"] + [0] * (len(per_pos) - len(old["accepted_per_position"]))
-        inc = (spec.num_drafts - old["num_drafts"], spec.num_draft_tokens - old["num_draft_tokens"],
-               spec.num_accepted_tokens - old["num_accepted_tokens"], [a - b for a, b in zip(per_pos, old_pos)])
-        self.spec = {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
-                     "num_accepted_tokens": spec.num_accepted_tokens, "accepted_per_position": per_pos}
+        inc = (drafts - old["num_drafts"], draft_tokens - old["num_draft_tokens"],
+               accepted - old["num_accepted_tokens"], [a - b for a, b in zip(per_pos, old_pos)])
+        self.spec = {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+                     "accepted_per_position": per_pos}
         return inc
 
     def take_delta(self) -> dict[str, Any]:

@@ -5,9 +5,11 @@ tokenize and format), so all requests share one continuous batch and one KV cach
 loop runs only while there is work; each blocking `engine.step()` runs in a thread so the actor keeps
 answering health checks, metric scrapes, new requests and aborts meanwhile.
 
-Engine state is touched only under `_lock`: the loop holds it for a step, `add`/`abort` take it between
-steps (asyncio.Lock hands it to waiters first, so a steady stream of steps cannot starve them). Token
-deltas are snapshotted under the lock too, so a stream never reads a request a running step is writing.
+Engine state is touched only under `_lock`. The loop holds it while a step thread runs steps back to back;
+`add`/`abort`/health checks/recovery ask for it through `_between_steps`, which makes the step thread stop at the
+end of its step and hand the lock over (asyncio.Lock serves waiters first, so steps cannot starve them). The
+step thread copies each step's token deltas before the next step runs and the event loop publishes the copies,
+so a stream never reads a request that a running step is writing.
 
 Reliability (see serving/engine_recovery.py for the worker side): the waiting queue is bounded (past
 `max_queued_requests` a request is refused with 429 and a retry hint instead of growing memory); a dead model
@@ -22,6 +24,7 @@ stay inside functions: the controller must not import torch just to create the a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
@@ -88,6 +91,7 @@ class Router:
         self.engine = _import_builder(engine_builder)(**engine_args)
         self.metrics = EngineMetrics()
         self._lock = asyncio.Lock()
+        self._lock_waiters = 0  # coroutines waiting for `_lock`: the step thread yields the engine to them
         self._streams: dict[str, RequestStream] = {}
         self._loop_task: asyncio.Task | None = None
         self._unhealthy: str | None = None
@@ -139,7 +143,7 @@ class Router:
                 asyncio.get_running_loop().create_task(self.abort(request_id))
 
     async def abort(self, request_id: str) -> bool:
-        async with self._lock:
+        async with self._between_steps():
             req = self.engine.abort_request(request_id)
             stream = self._streams.get(request_id)
             if req is not None:
@@ -155,7 +159,7 @@ class Router:
         that died while the engine was idle is found by the next probe, not by the next request."""
         check = getattr(self.engine.executor, "check_health", None)
         if self._unhealthy is None and check is not None:
-            async with self._lock:
+            async with self._between_steps():
                 try:
                     await asyncio.to_thread(check, 10.0)
                 except Exception as e:  # noqa: BLE001 - WorkerDiedError: a rank is dead or hung
@@ -188,8 +192,8 @@ class Router:
         sched = self.engine.scheduler
         return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "num_streams": len(self._streams), "kv_cache_usage": {f"{m}/{g}": u for (m, g), u in
-                                                                       self._kv_usage().items()},
-                "kv_blocks_used": self._kv_blocks_used(), "healthy": self._unhealthy is None,
+                                                                       self.engine.kv_usage().items()},
+                "kv_blocks_used": self.engine.kv_blocks_used(), "healthy": self._unhealthy is None,
                 "draining": self._draining, "degraded": self._degraded, **await self.info()}
 
     async def workers(self) -> list[dict[str, Any]]:
@@ -211,11 +215,11 @@ class Router:
         if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt_token_ids):
             raise ValueError("prompt token ids must be integers")
         if len(prompt_token_ids) < self.engine.config.max_model_len:  # else the engine names max_model_len
-            self._check_fits(len(prompt_token_ids))
+            self.engine.check_fits(len(prompt_token_ids))
         req = Request(request_id, list(prompt_token_ids), sp)
         holdback = max((len(s) for s in sp.stop), default=1) - 1
         stream = RequestStream(request=req, arrival=time.perf_counter(), holdback=holdback)
-        async with self._lock:
+        async with self._between_steps():
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             waiting = len(self.engine.scheduler.waiting)
@@ -231,42 +235,56 @@ class Router:
                 self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
         return stream
 
-    def _check_fits(self, num_prompt_tokens: int) -> None:
-        """A prompt whose KV alone outgrows a model's whole cache could never run: say so now (400), rather
-        than fail it after it reached the head of the queue."""
-        for model, kv in (("target", self.engine.target_kv), ("draft", self.engine.draft_kv)):
-            if kv is None:
-                continue
-            need = -(-num_prompt_tokens // kv.block_size)
-            have = min(pool.num_usable for pool in kv.pools)
-            if need > have:
-                raise ValueError(f"prompt has {num_prompt_tokens} tokens, which need {need} KV blocks of "
-                                 f"{kv.block_size} tokens, but the {model} model's KV cache holds {have} blocks "
-                                 f"({have * kv.block_size} tokens); shorten the prompt")
-
     # --- the step loop --------------------------------------------------------------------------------
     async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             async with self._lock:
                 if not self.engine.has_unfinished():
                     self._loop_task = None  # under the lock: `_add` starts a new loop if work arrives now
                     return
                 try:
-                    touched = await asyncio.to_thread(self.engine.step)
-                    self._publish(touched, time.perf_counter())
+                    await asyncio.to_thread(self._run_steps, loop)
                 except Exception as e:  # noqa: BLE001 - any engine failure is reported to its requests
                     self._on_step_error(e)
 
-    def _publish(self, touched: list[Any], now: float) -> None:
-        """Move what the step produced into the streams, and into the metrics."""
-        for req in touched:
-            s = self._streams.get(req.request_id)
-            if s is not None:
-                s.publish(req, now, self.metrics)
-        stats = self.engine.last_step
-        self.metrics.on_step(stats.phase_seconds, len(self.engine.scheduler.running),
-                             len(self.engine.scheduler.waiting), stats.num_preempted, self._kv_usage(),
-                             stats.draft_length)
+    def _run_steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On a thread of its own, holding the lock for the event loop: steps back to back while there is work
+        and no coroutine waits for the engine (`_between_steps`). Each step's results are copied here and handed
+        to the event loop, which publishes them while the next step runs, so the step path never waits for the
+        event loop: no thread hop, lock hand-over or stream wake-up between two steps."""
+        engine = self.engine
+        while True:
+            touched = engine.step()
+            now = time.perf_counter()
+            deltas = [(s, s.snapshot(req)) for req in touched
+                      if (s := self._streams.get(req.request_id)) is not None]
+            sched, stats = engine.scheduler, engine.last_step
+            step = (stats.phase_seconds, len(sched.running), len(sched.waiting), stats.num_preempted,
+                    self.engine.kv_usage(), stats.draft_length)
+            loop.call_soon_threadsafe(self._publish, deltas, step, now)
+            if self._lock_waiters or not engine.has_unfinished():
+                return
+
+    def _publish(self, deltas: list[tuple[RequestStream, Any]], step: tuple[Any, ...], now: float) -> None:
+        """Move what a step produced into the streams, and into the metrics (on the event loop)."""
+        for stream, delta in deltas:
+            stream.publish(delta, now, self.metrics)
+        self.metrics.on_step(*step)
+
+    @contextlib.asynccontextmanager
+    async def _between_steps(self) -> AsyncIterator[None]:
+        """Hold the engine between two steps: the step thread stops at the end of its current step."""
+        acquired = False
+        self._lock_waiters += 1
+        try:
+            async with self._lock:
+                acquired = True
+                self._lock_waiters -= 1
+                yield
+        finally:
+            if not acquired:  # cancelled while waiting: no longer a waiter
+                self._lock_waiters -= 1
 
     def _on_step_error(self, error: Exception) -> None:
         """Fail the requests the error belongs to; if it cannot be pinned on some, fail them all. A dead draft
@@ -336,7 +354,7 @@ class Router:
             logger.exception("router: rebuilding the engine failed")
             await self._exit_soon(0.0)
             return
-        async with self._lock:
+        async with self._between_steps():
             self.engine = engine
             self._unhealthy = None
             self._degraded = None
@@ -351,7 +369,7 @@ class Router:
         while self.engine is engine and self._unhealthy is None:
             try:
                 await asyncio.to_thread(engine.executor.start_draft_group)  # loads the draft; steps go on
-                async with self._lock:
+                async with self._between_steps():
                     if self.engine is not engine or self._unhealthy is not None:
                         # The whole engine died meanwhile: release what was just started with the rest of it.
                         await asyncio.to_thread(engine.executor.shutdown)
@@ -372,24 +390,8 @@ class Router:
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # --- gauges ---------------------------------------------------------------------------------------
-    def _kv_usage(self) -> dict[tuple[str, int], float]:
-        usage = {}
-        for model, kv in (("target", self.engine.target_kv), ("draft", self.engine.draft_kv)):
-            if kv is not None:
-                for g in range(kv.num_groups):
-                    usage[(model, g)] = kv.usage(g)
-        return usage
-
-    def _kv_blocks_used(self) -> dict[str, int]:
-        used = {}
-        for model, kv in (("target", self.engine.target_kv), ("draft", self.engine.draft_kv)):
-            if kv is not None:
-                for g, n in enumerate(kv.num_used_blocks()):
-                    used[f"{model}/{g}"] = n
-        return used
-
     def _update_kv_gauges(self) -> None:
-        for (model, group), usage in self._kv_usage().items():
+        for (model, group), usage in self.engine.kv_usage().items():
             self.metrics.kv_usage.labels(model=model, kv_group=str(group)).set(usage)
 
     def _update_queue_and_kv(self) -> None:

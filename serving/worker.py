@@ -152,7 +152,10 @@ class ModelWorker:
     def draft_step(self, plan: StepPlan) -> DraftOutput | None:
         t0 = time.perf_counter()
         proposal = self.propose(plan)
-        return DraftOutput(proposal, time.perf_counter() - t0) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        proposal = proposal.to_host()  # ids cross to the target ranks as plain host tensors
+        return DraftOutput(proposal, time.perf_counter() - t0)
 
     def target_step(self, plan: StepPlan, draft: DraftOutput | None = None, *_ignored: None) -> StepResult | None:
         """`draft` is draft rank 0's output; `_ignored` are the other draft ranks' Nones, bound here only so

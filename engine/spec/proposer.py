@@ -28,9 +28,17 @@ class DraftProposal:
     draft_probs: torch.Tensor | None  # [num_reqs, max_k, vocab] float32; q after temperature/top-k/top-p
 
     def draft_token_lists(self) -> list[list[int]]:
-        # SYNC: the target's verify input is built on the host from these ids.
+        # SYNC: the target's verify input is built on the host from these ids (free once `to_host` ran).
         ids, n = self.draft_token_ids.tolist(), self.num_draft_tokens.tolist()
         return [row[:k] for row, k in zip(ids, n)]
+
+    def to_host(self) -> DraftProposal:
+        """The ids and counts on the host, probabilities where they are. The verifier needs the ids on the host
+        anyway (its input is built there), so copying them when the draft finishes costs no extra sync, times
+        the draft's GPU work where it was spent, and sends the target's workers plain CPU tensors, which cross
+        a Ray channel without a device copy at either end."""
+        # SYNC: waits for the draft's kernels: the proposal is complete here.
+        return DraftProposal(self.draft_token_ids.cpu(), self.num_draft_tokens.cpu(), self.draft_probs)
 
 
 class DraftProposer:

@@ -28,15 +28,29 @@ class Verifier:
 
     @torch.inference_mode()
     def verify(self, plan: StepPlan, proposal: DraftProposal | None) -> StepResult:
+        t_in = time.perf_counter()
         drafts = proposal.draft_token_lists() if proposal is not None else [[] for _ in plan.requests]
         chunks = [Chunk(r.token_ids + d, r.start_pos, 1 + len(d) if r.sample else 0, r.block_tables)
                   for r, d in zip(plan.requests, drafts)]
         t0 = time.perf_counter()
+        events = None
+        if self.runner.device.type == "cuda":
+            # The forward only queues kernels; the host waits for them at the sampler's sync. CUDA events
+            # time the forward on the GPU without a sync of their own, so verify is not booked as sample.
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
         logits = self.runner.forward_chunks(chunks)  # [sum of num_logits, V]
+        if events is not None:
+            events[1].record()
         t1 = time.perf_counter()
         result = self._sample(plan, proposal, drafts, logits)
-        # Timed on the host: on GPU these include waiting for the kernels at the sync points.
-        result.phase_seconds = {"verify": t1 - t0, "sample": time.perf_counter() - t1}
+        t2 = time.perf_counter()
+        # After the sampler's .tolist() both events have completed and elapsed_time does not wait; a step that
+        # sampled nothing (mid-prefill) did not sync, and keeps the host's figure rather than add a sync.
+        done = events is not None and events[1].query()
+        verify = events[0].elapsed_time(events[1]) / 1e3 if done else t1 - t0
+        # prepare: the host's work before the forward (draft ids to lists, chunks), in-process or on a worker.
+        result.phase_seconds = {"prepare": t0 - t_in, "verify": verify, "sample": max(0.0, t2 - t0 - verify)}
         return result
 
     def _sample(self, plan: StepPlan, proposal: DraftProposal | None, drafts: list[list[int]],
@@ -63,8 +77,11 @@ class Verifier:
         col_of = torch.cat([torch.arange(c, device=dev) for c in counts])
         target_logits[row_of, col_of] = logits
         row_idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-        draft_ids = proposal.draft_token_ids[row_idx, :max_k] if proposal is not None else \
-            torch.empty(len(rows), 0, dtype=torch.int64, device=dev)
+        if proposal is not None:  # the ids may be on the host (DraftProposal.to_host)
+            ids = proposal.draft_token_ids
+            draft_ids = ids[row_idx.to(ids.device), :max_k].to(dev)
+        else:
+            draft_ids = torch.empty(len(rows), 0, dtype=torch.int64, device=dev)
         q = None
         if proposal is not None and proposal.draft_probs is not None and max_k:
             q = proposal.draft_probs[row_idx, :max_k]
