@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,8 +54,9 @@ from deploy.bench.report import summarize  # noqa: E402
 from deploy.bench.runner import run_benchmark  # noqa: E402
 
 logger = logging.getLogger("specserve")
-PHASES = ("schedule", "propose", "prepare", "verify", "sample", "dispatch", "commit")
-ROUTER_PHASES = ("schedule", "dispatch", "commit")
+PHASES = ("schedule", "propose", "handoff", "prepare", "verify", "sample", "dispatch", "commit")
+# The router's share of a step: its bookkeeping and the transport (handoff: the draft's proposal to the target).
+ROUTER_PHASES = ("schedule", "dispatch", "handoff", "commit")
 
 
 @dataclass(frozen=True)
@@ -216,15 +219,44 @@ def run_serve_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> di
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 
 
+@contextlib.contextmanager
+def recorded_phases(engine: Any) -> Iterator[dict[str, float]]:
+    """The in-process engine's phases over the block, as `phase_means_ms` reads them from a server's /metrics:
+    mean ms per step that has the phase, the router's share (schedule + commit here) and the step count."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    step = engine.step
+
+    def recording_step() -> Any:
+        out = step()
+        for phase, seconds in engine.last_step.phase_seconds.items():
+            sums[phase] = sums.get(phase, 0.0) + seconds
+            counts[phase] = counts.get(phase, 0) + 1
+        return out
+
+    engine.step = recording_step
+    means: dict[str, float] = {}
+    try:
+        yield means
+    finally:
+        del engine.step  # the instance attribute goes: the class's method again
+        means.update({p: 1e3 * sums[p] / counts[p] for p in PHASES if p in sums})
+        if means:
+            means["router"] = sum(means.get(p, 0.0) for p in ROUTER_PHASES)
+            means["steps"] = float(max(counts.values()))
+
+
 def run_offline_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     with offline_llm(serve_config(pair, layout, args)) as llm:
         out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "runs": []}
         if not args.check_only:
             for i, (c, requests, bench_cfg) in enumerate(bench_workloads(pair, args, "in-process")):
-                run = run_in_process(llm.engine, requests, bench_cfg, llm.tokenizer,
-                                     warmup=args.warmup if i == 0 else 0)
-                out["runs"].append(run_summary(run, c, {}))
+                if i == 0 and args.warmup:  # outside the recorded phases, as the served runs' scrapes are
+                    run_in_process(llm.engine, requests[:args.warmup], bench_cfg, llm.tokenizer, warmup=0)
+                with recorded_phases(llm.engine) as phases:
+                    run = run_in_process(llm.engine, requests, bench_cfg, llm.tokenizer, warmup=0)
+                out["runs"].append(run_summary(run, c, phases))
         return out
 
 

@@ -34,6 +34,7 @@ from engine.spec.verifier import Verifier
 from engine.step_plan import StepPlan, StepResult
 
 ROLES = ("target", "draft")
+_HOST = socket.gethostname()
 # Generous: rank 0 waits here for the other ranks' processes to start and import torch. It is also every
 # collective's timeout: a rank whose peer died mid-step errors out after it instead of hanging forever.
 _RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
@@ -55,10 +56,13 @@ class WorkerInfo:
 
 @dataclass
 class DraftOutput:
-    """What draft rank 0 hands to the target ranks through the graph: the proposal and its wall time."""
+    """What draft rank 0 hands to the target ranks through the graph: the proposal, its wall time, and when and
+    where it was sent (perf_counter is the host's monotonic clock: comparable between processes of one host)."""
 
     proposal: DraftProposal
     seconds: float
+    sent_at: float
+    host: str
 
 
 def engine_config_from(config: EngineConfig | dict[str, Any]) -> EngineConfig:
@@ -155,14 +159,20 @@ class ModelWorker:
         if self.rank != 0:
             return None
         proposal = proposal.to_host()  # ids cross to the target ranks as plain host tensors
-        return DraftOutput(proposal, time.perf_counter() - t0)
+        now = time.perf_counter()
+        return DraftOutput(proposal, now - t0, now, _HOST)
 
     def target_step(self, plan: StepPlan, draft: DraftOutput | None = None, *_ignored: None) -> StepResult | None:
         """`draft` is draft rank 0's output; `_ignored` are the other draft ranks' Nones, bound here only so
         the graph has no leaf nodes."""
+        received = time.perf_counter()
         result = self.verify(plan, draft.proposal if draft is not None else None)
         if self.rank != 0:
             return None
         if draft is not None:
             result.phase_seconds["propose"] = draft.seconds
+            if draft.host == _HOST:
+                # The proposal's trip from the draft's worker to this one (serialization and channel); only
+                # where both clocks are this host's. The executor's dispatch is then the router's two hops.
+                result.phase_seconds["handoff"] = max(0.0, received - draft.sent_at)
         return result
