@@ -261,7 +261,7 @@ class Router:
                       if (s := self._streams.get(req.request_id)) is not None]
             sched, stats = engine.scheduler, engine.last_step
             step = (stats.phase_seconds, len(sched.running), len(sched.waiting), stats.num_preempted,
-                    self.engine.kv_usage(), stats.draft_length)
+                    engine.kv_usage(), stats.draft_length)
             loop.call_soon_threadsafe(self._publish, deltas, step, now)
             if self._lock_waiters or not engine.has_unfinished():
                 return
