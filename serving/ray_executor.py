@@ -213,8 +213,9 @@ class RayExecutor:
             self._raise_step_error(e)
         result: StepResult = outputs[0]
         wall = time.perf_counter() - t0
-        # What the step cost beyond the workers' own timed work (propose, prepare, verify, sample): serialization
-        # and channels or RPCs, the plan out, the proposal across and the result back.
+        # What the step cost beyond the workers' own timed work (propose, handoff, prepare, verify, sample):
+        # serialization and channels or RPCs, the plan out and the result back (and the proposal across where
+        # draft and target are on different hosts, which cannot time the handoff).
         result.phase_seconds["dispatch"] = max(0.0, wall - sum(result.phase_seconds.values()))
         return result
 
