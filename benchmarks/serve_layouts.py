@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment  # noqa: E402
 from engine_driver import offline_llm, run_in_process  # noqa: E402
-from sweep_models import Pair, bench_workloads, materialize, model_pairs  # noqa: E402
+from sweep_models import Pair, bench_workloads, materialize, model_pairs, warmup_count  # noqa: E402
 
 from deploy.bench.datasets import build_requests, load_tokenizer  # noqa: E402
 from deploy.bench.report import summarize  # noqa: E402
@@ -179,8 +179,8 @@ async def http_layout(pair: Pair, layout: Layout, args: argparse.Namespace, base
     out: dict[str, Any] = {"check": await http_greedy(base_url, pair, args)}
     if not args.check_only:
         out["runs"] = []
-        for i, (c, requests, cfg) in enumerate(bench_workloads(pair, args, base_url)):
-            run = await run_benchmark(requests, cfg, warmup=args.warmup if i == 0 else 0)
+        for c, requests, cfg in bench_workloads(pair, args, base_url):
+            run = await run_benchmark(requests, cfg, warmup=warmup_count(args, c))
             out["runs"].append(run_summary(run, c, phase_means_ms(run.metrics_before, run.metrics_after)))
     return out
 
@@ -251,9 +251,11 @@ def run_offline_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> 
     with offline_llm(serve_config(pair, layout, args)) as llm:
         out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "runs": []}
         if not args.check_only:
-            for i, (c, requests, bench_cfg) in enumerate(bench_workloads(pair, args, "in-process")):
-                if i == 0 and args.warmup:  # outside the recorded phases, as the served runs' scrapes are
-                    run_in_process(llm.engine, requests[:args.warmup], bench_cfg, llm.tokenizer, warmup=0)
+            for c, requests, bench_cfg in bench_workloads(pair, args, "in-process"):
+                warm = warmup_count(args, c)
+                if warm:  # outside the recorded phases, as the served runs' scrapes are
+                    run_in_process(llm.engine, [requests[j % len(requests)] for j in range(warm)], bench_cfg,
+                                   llm.tokenizer, warmup=0)
                 with recorded_phases(llm.engine) as phases:
                     run = run_in_process(llm.engine, requests, bench_cfg, llm.tokenizer, warmup=0)
                 out["runs"].append(run_summary(run, c, phases))
@@ -319,7 +321,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--prompts-per-concurrency", type=int, default=2)
     ap.add_argument("--min-prompts", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up requests before each concurrency (at least c)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--device", default=None)
     ap.add_argument("--port", type=int, default=8123)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment  # noqa: E402
 from engine_driver import offline_llm, run_in_process  # noqa: E402
-from sweep_models import Pair, bench_workloads, materialize, model_pairs  # noqa: E402
+from sweep_models import Pair, bench_workloads, materialize, model_pairs, warmup_count  # noqa: E402
 
 from deploy.bench.report import format_table, summarize  # noqa: E402
 from deploy.bench.runner import run_benchmark  # noqa: E402
@@ -125,8 +125,8 @@ def run_variant_in_process(pair: Pair, variant: str, args: argparse.Namespace,
     with offline_llm(serve_config(pair, variant, args, schedule)) as llm:
         print(f"[{variant}] engine up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         out = []
-        for i, (c, requests, bench_cfg) in enumerate(bench_workloads(pair, args, "in-process", not args.disable_tqdm)):
-            run = run_in_process(llm.engine, requests, bench_cfg, llm.tokenizer, warmup=args.warmup if i == 0 else 0)
+        for c, requests, bench_cfg in bench_workloads(pair, args, "in-process", not args.disable_tqdm):
+            run = run_in_process(llm.engine, requests, bench_cfg, llm.tokenizer, warmup=warmup_count(args, c))
             out.append(_summary(run, pair, variant, c))
         return out
 
@@ -142,8 +142,8 @@ def _summary(run: Any, pair: Pair, variant: str, c: int) -> dict[str, Any]:
 
 async def _sweep(pair: Pair, variant: str, args: argparse.Namespace, base_url: str) -> list[dict[str, Any]]:
     out = []
-    for i, (c, requests, cfg) in enumerate(bench_workloads(pair, args, base_url, not args.disable_tqdm)):
-        run = await run_benchmark(requests, cfg, warmup=args.warmup if i == 0 else 0)
+    for c, requests, cfg in bench_workloads(pair, args, base_url, not args.disable_tqdm):
+        run = await run_benchmark(requests, cfg, warmup=warmup_count(args, c))
         out.append(_summary(run, pair, variant, c))
     return out
 
@@ -184,7 +184,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=None, help="tokens per request (default 128; smoke 16)")
     ap.add_argument("--prompts-per-concurrency", type=int, default=4)
     ap.add_argument("--min-prompts", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2, help="requests before the first concurrency of a server")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up requests per concurrency (at least c)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--engine", default="auto", choices=["auto", "inproc", "local", "ray"],

@@ -124,6 +124,14 @@ def materialize(pair_key: str, pair: Pair, work_dir: Path, smoke: bool, device: 
     shape_only(Path(pair.draft), Qwen3Config(**{**draft, "architectures": ["Qwen3ForCausalLM"]}))
 
 
+def warmup_count(args: Any, concurrency: int) -> int:
+    """Warm-up requests before each concurrency's measured run (0 with --warmup 0): at least one full batch at
+    that concurrency. The first use of a batch size pays one-off costs (Triton specializations, allocator growth);
+    warmed at the first concurrency only, they landed in the first engine's later points and not in the engines
+    measured after it, which share the process's compiled kernels: a bias between variants, not a difference."""
+    return max(args.warmup, concurrency) if args.warmup else 0
+
+
 def bench_workloads(pair: Pair, args: Any, base_url: str, progress: bool = False) -> Iterator[tuple[int, list, Any]]:
     """(concurrency, requests, BenchConfig) for each of args.concurrency: max(args.min_prompts, c *
     args.prompts_per_concurrency) requests of the pair's dataset (args.input_len / args.output_len for random
