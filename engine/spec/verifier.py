@@ -79,7 +79,7 @@ class Verifier:
         row_idx = torch.tensor(rows, dtype=torch.int64, device=dev)
         if proposal is not None:  # the ids may be on the host (DraftProposal.to_host)
             ids = proposal.draft_token_ids
-            draft_ids = ids[row_idx.to(ids.device), :max_k].to(dev)
+            draft_ids = ids[torch.tensor(rows, device=ids.device), :max_k].to(dev)  # no device-to-host index
         else:
             draft_ids = torch.empty(len(rows), 0, dtype=torch.int64, device=dev)
         q = None
