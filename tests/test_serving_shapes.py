@@ -48,5 +48,5 @@ def test_served_random_weights_equal_the_offline_engine(shape_dirs: tuple[str, s
     assert texts == expected
     # The draft has its own shape (3 layers to the target's 2), so it is really a second model here.
     assert metrics["specserve_spec_decode_num_draft_tokens_total"] > 0
-    for phase in ("schedule", "propose", "prepare", "verify", "sample", "dispatch", "commit"):
+    for phase in ("schedule", "propose", "handoff", "prepare", "verify", "sample", "dispatch", "commit"):
         assert metrics[f'specserve_step_duration_seconds_count{{phase="{phase}"}}'] > 0, phase
