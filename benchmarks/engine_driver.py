@@ -56,19 +56,22 @@ def prompt_ids(req: BenchRequest, tokenizer: Any, chat: bool) -> list[int]:
 
 
 def run_in_process(engine: Any, requests: list[BenchRequest], cfg: BenchConfig, tokenizer: Any,
-                   warmup: int = 0) -> RunResult:
-    """Run `requests` through `engine` (an EngineCore) at cfg.max_concurrency; request rate must be inf."""
+                   warmup: int = 0, phase_totals: dict[str, list[float]] | None = None) -> RunResult:
+    """Run `requests` through `engine` (an EngineCore) at cfg.max_concurrency; request rate must be inf.
+    phase_totals: filled with [seconds, steps] per step phase of the measured run (not the warm-up), as a
+    server's `specserve_step_duration_seconds{phase}` sum and count would hold them."""
     if not math.isinf(cfg.request_rate):
         raise ValueError("the in-process driver sends requests as fast as slots free up (request rate inf)")
     encoded = [(prompt_ids(r, tokenizer, cfg.chat), r.output_len) for r in requests]
     if warmup:
         _drive(engine, [encoded[i % len(encoded)] for i in range(warmup)], cfg, "warmup")
     t0 = time.perf_counter()
-    results = _drive(engine, encoded, cfg, "bench")
+    results = _drive(engine, encoded, cfg, "bench", phase_totals)
     return RunResult(cfg, results, time.perf_counter() - t0, None, None)
 
 
-def _drive(engine: Any, encoded: list[tuple[list[int], int]], cfg: BenchConfig, tag: str) -> list[RequestResult]:
+def _drive(engine: Any, encoded: list[tuple[list[int], int]], cfg: BenchConfig, tag: str,
+           phase_totals: dict[str, list[float]] | None = None) -> list[RequestResult]:
     limit = cfg.max_concurrency or len(encoded)
     pending = deque(enumerate(encoded))
     live: dict[str, tuple[Request, RequestResult, int]] = {}  # id -> (request, result, output tokens seen)
@@ -85,6 +88,11 @@ def _drive(engine: Any, encoded: list[tuple[list[int], int]], cfg: BenchConfig, 
             results[i] = res
         engine.step()
         now = time.perf_counter()
+        if phase_totals is not None:
+            for phase, seconds in engine.last_step.phase_seconds.items():
+                total = phase_totals.setdefault(phase, [0.0, 0.0])
+                total[0] += seconds
+                total[1] += 1
         for rid, (req, res, seen) in list(live.items()):
             n = req.num_output_tokens
             if n > seen:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -37,7 +36,6 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,20 +127,23 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
 
 
 def phase_means_ms(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
-    """Mean milliseconds per step of each phase between two /metrics scrapes, and the step count."""
+    """`phase_summary` of the steps between two /metrics scrapes."""
     if not before or not after:
         return {}
-    out: dict[str, float] = {}
-    steps = 0.0
+    totals: dict[str, list[float]] = {}
     for phase in PHASES:
         count, total = (f'specserve_step_duration_seconds_{s}{{phase="{phase}"}}' for s in ("count", "sum"))
-        n = after.get(count, 0.0) - before.get(count, 0.0)
-        if n > 0:
-            out[phase] = 1e3 * (after.get(total, 0.0) - before.get(total, 0.0)) / n
-            steps = max(steps, n)
+        totals[phase] = [after.get(total, 0.0) - before.get(total, 0.0), after.get(count, 0.0) - before.get(count, 0.0)]
+    return phase_summary(totals)
+
+
+def phase_summary(totals: dict[str, list[float]]) -> dict[str, float]:
+    """Mean milliseconds per step of each phase from [seconds, steps] totals (steps: those that had the phase),
+    the router's share of a step and the step count."""
+    out = {p: 1e3 * totals[p][0] / totals[p][1] for p in PHASES if p in totals and totals[p][1] > 0}
     if out:
         out["router"] = sum(out.get(p, 0.0) for p in ROUTER_PHASES)
-        out["steps"] = steps
+        out["steps"] = max(totals[p][1] for p in PHASES if p in totals)
     return out
 
 
@@ -219,46 +220,15 @@ def run_serve_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> di
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 
 
-@contextlib.contextmanager
-def recorded_phases(engine: Any) -> Iterator[dict[str, float]]:
-    """The in-process engine's phases over the block, as `phase_means_ms` reads them from a server's /metrics:
-    mean ms per step that has the phase, the router's share (schedule + commit here) and the step count."""
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    step = engine.step
-
-    def recording_step() -> Any:
-        out = step()
-        for phase, seconds in engine.last_step.phase_seconds.items():
-            sums[phase] = sums.get(phase, 0.0) + seconds
-            counts[phase] = counts.get(phase, 0) + 1
-        return out
-
-    engine.step = recording_step
-    means: dict[str, float] = {}
-    try:
-        yield means
-    finally:
-        del engine.step  # the instance attribute goes: the class's method again
-        means.update({p: 1e3 * sums[p] / counts[p] for p in PHASES if p in sums})
-        if means:
-            means["router"] = sum(means.get(p, 0.0) for p in ROUTER_PHASES)
-            means["steps"] = float(max(counts.values()))
-
-
 def run_offline_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     with offline_llm(serve_config(pair, layout, args)) as llm:
         out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "runs": []}
         if not args.check_only:
             for c, requests, bench_cfg in bench_workloads(pair, args, "in-process"):
-                warm = warmup_count(args, c)
-                if warm:  # outside the recorded phases, as the served runs' scrapes are
-                    run_in_process(llm.engine, [requests[j % len(requests)] for j in range(warm)], bench_cfg,
-                                   llm.tokenizer, warmup=0)
-                with recorded_phases(llm.engine) as phases:
-                    run = run_in_process(llm.engine, requests, bench_cfg, llm.tokenizer, warmup=0)
-                out["runs"].append(run_summary(run, c, phases))
+                totals: dict[str, list[float]] = {}
+                run = run_in_process(llm.engine, requests, bench_cfg, llm.tokenizer, warmup_count(args, c), totals)
+                out["runs"].append(run_summary(run, c, phase_summary(totals)))
         return out
 
 

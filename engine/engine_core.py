@@ -30,8 +30,9 @@ class StepStats:
     num_batched_tokens: int = 0
     num_preempted: int = 0
     draft_length: int = 0  # the step's k (load-adaptive schedule); 0: no speculation this step
-    # propose, verify, sample (the models' work), dispatch (executor transport), and the engine's own
-    # bookkeeping around them: schedule (scheduling and building the plan) and commit (applying the tokens).
+    # propose, prepare, verify, sample (the models' work and its input), handoff and dispatch (the executor's
+    # transport), and the engine's own bookkeeping around them: schedule (scheduling and building the plan) and
+    # commit (applying the tokens).
     phase_seconds: dict[str, float] = field(default_factory=dict)
 
 

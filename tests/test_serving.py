@@ -318,7 +318,8 @@ def test_client_disconnect_aborts_request(server: Server) -> None:
 
 def test_request_joins_a_running_batch(server: Server, llm: LLM) -> None:
     """A request that arrives mid-generation joins the batch between two steps: the router's step thread hands
-    the engine over at the end of its step rather than running the requests it has to their end."""
+    the engine over at the end of its step rather than running the requests it has to their end. Leaving the
+    stream aborts the long request, so the next test finds an idle engine."""
     expected = _offline(llm, "Once upon a time", max_tokens=4, temperature=0)[0]
     with server.http(timeout=120) as c, server.http(timeout=120) as c2:
         with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 300,
@@ -328,7 +329,6 @@ def test_request_joins_a_running_batch(server: Server, llm: LLM) -> None:
             short = c2.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4,
                                                      "temperature": 0})
             during = scrape(c2)
-        # Leaving the stream aborts the long request; the next test finds an idle engine.
     assert short.status_code == 200, short.text
     assert short.json()["choices"][0]["text"] == expected
     assert during["specserve_num_requests_running"] == 1  # the long request was still generating
