@@ -253,3 +253,12 @@ def scrape(client: httpx.Client) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
             values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return values
+
+
+def sse_events(resp: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE body; checks the framing on the way."""
+    body = resp.text
+    assert body.endswith("data: [DONE]\n\n")
+    events = body.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[len("data: "):] for e in events]

@@ -14,10 +14,9 @@ import threading
 import time
 
 import grpc
-import httpx
 import openai
 import pytest
-from serve_support import Server, assert_error, router_handle, running_server, scrape
+from serve_support import Server, assert_error, router_handle, running_server, scrape, sse_events
 
 from engine import LLM, SamplingParams
 from serving.proto import specserve_pb2 as pb
@@ -65,15 +64,6 @@ def _offline(llm: LLM, prompt: str | list[dict], **params) -> tuple[str, list[in
     sp = SamplingParams(**params)
     out = llm.chat(prompt, sp) if isinstance(prompt, list) else llm.generate([prompt], sp)[0]
     return out.text, out.token_ids
-
-
-def _sse_events(resp: httpx.Response) -> list[str]:
-    """The `data:` payloads of an SSE body; checks the framing on the way."""
-    body = resp.text
-    assert body.endswith("data: [DONE]\n\n")
-    events = body.split("\n\n")[:-1]
-    assert all(e.startswith("data: ") for e in events), events
-    return [e[len("data: "):] for e in events]
 
 
 def _assert_spec(spec: dict, completion_tokens: int) -> None:
@@ -132,7 +122,7 @@ def test_completion_stream_sse(server: Server, llm: LLM) -> None:
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
                                             "stream": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-    chunks = [json.loads(e) for e in _sse_events(r)[:-1]]
+    chunks = [json.loads(e) for e in sse_events(r)[:-1]]
     assert len(chunks) > 1
     assert all(ch["object"] == "text_completion" for ch in chunks)
     assert "".join(ch["choices"][0]["text"] for ch in chunks) == text
@@ -148,7 +138,7 @@ def test_chat_stream_sse(server: Server, llm: LLM) -> None:
     with server.http(timeout=120) as c:
         r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 16,
                                                  "temperature": 0, "stream": True})
-    chunks = [json.loads(e) for e in _sse_events(r)[:-1]]
+    chunks = [json.loads(e) for e in sse_events(r)[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
     assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks) == text
@@ -165,7 +155,7 @@ def test_stop_string_streamed_equals_offline(server: Server, llm: LLM) -> None:
         plain = c.post("/v1/completions", json=req).json()
         streamed = c.post("/v1/completions", json={**req, "stream": True})
     assert plain["choices"][0]["text"] == text and plain["choices"][0]["finish_reason"] == "stop"
-    chunks = [json.loads(e) for e in _sse_events(streamed)[:-1]]
+    chunks = [json.loads(e) for e in sse_events(streamed)[:-1]]
     assert "".join(ch["choices"][0]["text"] for ch in chunks) == text
     assert stop not in text
 
