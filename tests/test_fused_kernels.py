@@ -1,7 +1,7 @@
 """The fused elementwise kernels of the model layers (RMSNorm with and without the residual add, act(gate) * up,
-rotary embedding) against their torch references, on CPU under Triton's interpreter (in a child process, as in
-test_kernels.py: the interpreter must be switched on before triton is first imported). CUDA runs them in
-tests/gpu/test_fused_kernels_cuda.py."""
+rotary embedding, attention's prologue of q/k norm + rotary + KV store) against their torch references, on CPU
+under Triton's interpreter (in a child process, as in test_kernels.py: the interpreter must be switched on before
+triton is first imported). CUDA runs them in tests/gpu/test_fused_kernels_cuda.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import activation, rms_norm, rotary
+from engine.kernels import activation, draft_advance, qk_norm_rope_store, rms_norm, rotary
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 
 if not HAS_TRITON:
@@ -61,7 +61,7 @@ def check_fused_kernels(device: str, dtype: torch.dtype) -> None:
             x = rand(rows, 2 * inter, scale=3.0)
             torch.testing.assert_close(activation.act_and_mul(x, act), activation.act_and_mul_ref(x, act), **tol)
     positions = torch.tensor([0, 5, 17, 511, 3], device=device)
-    for hq, hk, d in ((4, 2, 16), (9, 3, 64), (8, 1, 256)):
+    for hq, hk, d in ((4, 2, 16), (9, 3, 64), (16, 4, 128), (8, 1, 256)):
         inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
         freqs = torch.outer(torch.arange(512).float(), inv)
         cos, sin = freqs.cos().to(device), freqs.sin().to(device)
@@ -72,12 +72,76 @@ def check_fused_kernels(device: str, dtype: torch.dtype) -> None:
                                                                                                    cos, sin)
         torch.testing.assert_close(got[0], ref[0], **tol)
         torch.testing.assert_close(got[1], ref[1], **tol)
+        check_qk_norm_rope_store(qkv, hq, hk, positions, cos, sin, rand, tol)
+
+
+def check_draft_advance(device: str) -> None:
+    """The draft loop's input rebuild against its reference: two KV-cache groups, rows that stop drafting, a
+    padding row, and positions that open a new block."""
+    g = torch.Generator().manual_seed(1)
+    b, max_k, groups, blocks, bs = 5, 4, 2, 6, 4
+    num_draft = torch.tensor([4, 1, 3, 4, 0], device=device)
+    seq_lens = torch.tensor([7, 12, 3, 16, 0], dtype=torch.int32, device=device)  # 7 -> 8 opens block 2, ...
+    tables = (torch.randperm(groups * 8 * blocks, generator=g)[:groups * 8 * blocks].reshape(groups, 8, blocks)
+              .to(torch.int32).to(device))
+    for step in (0, 2, 3):
+        bufs = [dict(tok=torch.randint(0, 1000, (b,), generator=g).to(device),
+                     ids=torch.zeros(8, max_k, dtype=torch.int64, device=device),
+                     step_idx=torch.tensor([step], device=device), num_draft=num_draft.clone(),
+                     input_ids=torch.full((8,), 9, device=device), positions=torch.full((8,), 9, device=device),
+                     seq_lens=torch.cat([seq_lens, torch.full((3,), 9, dtype=torch.int32, device=device)]),
+                     query_start_loc=torch.full((9,), 9, dtype=torch.int32, device=device),
+                     logits_indices=torch.full((8,), 9, device=device), block_tables=tables,
+                     slot_mappings=torch.full((groups, 8), 9, device=device), block_size=bs)]
+        bufs.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in bufs[0].items()})
+        draft_advance.advance_draft_inputs(**bufs[0])
+        draft_advance.advance_draft_inputs_ref(**bufs[1])
+        for name in bufs[0]:
+            assert torch.equal(torch.as_tensor(bufs[0][name]), torch.as_tensor(bufs[1][name])), (step, name)
+        assert int(bufs[0]["step_idx"]) == step + 1
+        assert bufs[0]["seq_lens"][5:].eq(9).all()  # rows past b are left alone
+
+
+def check_qk_norm_rope_store(qkv: torch.Tensor, hq: int, hk: int, positions: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor, rand, tol: dict) -> None:
+    """Without norms, with Llama-form and with Gemma-form (offset) norms; token 2 is padding (slot -1): the cache
+    around the written slots must stay as it was."""
+    n, d = qkv.shape[0], cos.shape[-1] * 2
+    block_size, num_blocks = 4, 6
+    slots = torch.tensor([5, 0, -1, 22, 9], device=qkv.device)[:n]  # blocks 1, 0, -, 5, 2
+    cache0 = rand(2, num_blocks, block_size, hk, d)
+    for norm in (None, 0.0, 1.0):
+        weights = (rand(d) * 0.2 + (0.0 if norm else 1.0), rand(d) * 0.2 + (0.0 if norm else 1.0)) \
+            if norm is not None else (None, None)
+        caches = cache0.clone(), cache0.clone()
+        outs = [fn(qkv, hq, hk, positions, cos, sin, c[0], c[1], slots, *weights, 1e-6, norm or 0.0)
+                for fn, c in zip((qk_norm_rope_store.qk_norm_rope_store, qk_norm_rope_store.qk_norm_rope_store_ref),
+                                 caches)]
+        torch.testing.assert_close(outs[0], outs[1], **tol)
+        assert outs[0].shape == (n, hq, d) and outs[0].is_contiguous()
+        assert torch.equal(caches[0][1], caches[1][1])  # values are copied as they are
+        torch.testing.assert_close(caches[0][0], caches[1][0], **tol)
+        untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=qkv.device)
+        untouched[slots[slots >= 0]] = False
+        flat = caches[0].reshape(2, num_blocks * block_size, hk, d)
+        assert torch.equal(flat[:, untouched], cache0.reshape(2, -1, hk, d)[:, untouched])
+        assert not torch.equal(flat[0, ~untouched], cache0.reshape(2, -1, hk, d)[0, ~untouched])
+    with pytest.raises(ValueError, match="qkv width"):
+        qk_norm_rope_store.qk_norm_rope_store(qkv[:, :-d], hq, hk, positions, cos, sin, cache0[0], cache0[1], slots)
+    with pytest.raises(ValueError, match="both q and k norm"):
+        qk_norm_rope_store.qk_norm_rope_store(qkv, hq, hk, positions, cos, sin, cache0[0], cache0[1], slots,
+                                              torch.ones(d, device=qkv.device, dtype=qkv.dtype))
 
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_kernels_match_references(dtype):
     check_fused_kernels("cpu", dtype)
+
+
+@interpreted
+def test_draft_advance_matches_reference():
+    check_draft_advance("cpu")
 
 
 def test_cpu_without_interpreter_keeps_the_torch_path():

@@ -182,6 +182,25 @@ def test_spec_stats_are_consistent_with_steps(tiny_models, near_drafts, temperat
     assert total.accepted_per_position == [sum(o.spec.accepted_per_position[i] for o in outs) for i in range(k)]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_draft_ids_on_the_device_or_from_the_host_verify_alike(tiny_models, near_drafts, monkeypatch, temperature):
+    """An in-process draft's ids stay on the device and are written into the verify input there; a remote draft's
+    arrive as host tensors and go in as lists. Same seed, same steps: the tokens must match one for one."""
+    from engine.spec.verifier import Verifier
+
+    def run() -> tuple[list[list[int]], int]:
+        llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
+                  rejection_sampling="probabilistic", seed=5, **ENGINE_KW)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=temperature,
+                                                    ignore_eos=True))
+        return [o.token_ids for o in outs], llm.spec_stats(outs).num_accepted_tokens
+
+    on_device, accepted = run()
+    assert accepted > 0  # drafts were read, not only bonus tokens
+    monkeypatch.setattr(Verifier, "ids_on_device", lambda self, proposal: False)
+    assert run() == (on_device, accepted)
+
+
 # --------------------------------------------------------------------------------------------------------
 # 7. k shrinks near max_tokens and max_model_len
 # --------------------------------------------------------------------------------------------------------

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from engine.attention import torch_backend
 from engine.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.models.layers import RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -25,10 +30,35 @@ class Attention(nn.Module):
         self.kv_group_id: int = -1
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads, head_dim]
 
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, rotary: RotaryEmbedding,
+                    q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """The whole layer after the fused projection. qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim];
+        q_norm / k_norm: per-head RMSNorms (Qwen3, Gemma 3) or None; rotary: the model's RotaryEmbedding.
+        Returns [num_tokens, num_heads * head_dim]. On the kernel path norms, rotation and the KV store are one
+        kernel (engine/kernels/qk_norm_rope_store.py)."""
+        n = qkv.shape[0]
+        if md.backend == "triton":
+            from engine.kernels.qk_norm_rope_store import qk_norm_rope_store
+
+            kv = self._bound_cache()
+            eps, offset = (q_norm.eps, q_norm.offset) if q_norm is not None else (0.0, 0.0)
+            q = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, positions, rotary.cos, rotary.sin, kv[0],
+                                   kv[1], md.groups[self.kv_group_id].slot_mapping,
+                                   q_norm.weight if q_norm is not None else None,
+                                   k_norm.weight if k_norm is not None else None, eps, offset)
+            return self._attend_triton(q, md).reshape(n, self.num_heads * self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k = rotary(positions, q, k)
+        return self(q.reshape(n, -1), k.reshape(n, -1), v, md)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim]."""
-        if self.kv_cache is None:
-            raise RuntimeError(f"layer {self.layer_id} has no KV cache bound; the runner binds it at start")
+        """q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim]: store k/v, attend."""
+        kv_cache = self._bound_cache()
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -37,14 +67,25 @@ class Attention(nn.Module):
         if md.backend == "triton":
             # Imported here: the kernels need triton, which CPU-only installs may lack.
             from engine.kernels.kv_store import store_kv
-            from engine.kernels.paged_attention import paged_attention
 
-            store_kv(k, v, self.kv_cache[0], self.kv_cache[1], group.slot_mapping)
-            out = torch.empty_like(q)
-            c = md.common
-            paged_attention(q, self.kv_cache[0], self.kv_cache[1], out, c.query_start_loc, c.seq_lens,
-                            group.block_table, self.scale, group.sliding_window, c.max_query_len)
+            store_kv(k, v, kv_cache[0], kv_cache[1], group.slot_mapping)
+            out = self._attend_triton(q, md)
         else:
-            torch_backend.store_kv(self.kv_cache, k, v, group.slot_mapping)
-            out = torch_backend.paged_attention(q, self.kv_cache, md.common, group, self.scale)
+            torch_backend.store_kv(kv_cache, k, v, group.slot_mapping)
+            out = torch_backend.paged_attention(q, kv_cache, md.common, group, self.scale)
         return out.reshape(n, self.num_heads * self.head_dim)
+
+    def _bound_cache(self) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError(f"layer {self.layer_id} has no KV cache bound; the runner binds it at start")
+        return self.kv_cache
+
+    def _attend_triton(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim] -> the same shape, over this layer's group of the cache."""
+        from engine.kernels.paged_attention import paged_attention
+
+        kv, group, c = self._bound_cache(), md.groups[self.kv_group_id], md.common
+        out = torch.empty_like(q)
+        paged_attention(q, kv[0], kv[1], out, c.query_start_loc, c.seq_lens, group.block_table, self.scale,
+                        group.sliding_window, c.max_query_len)
+        return out

@@ -40,13 +40,8 @@ class Gemma3Attention(nn.Module):
                               cfg.layer_sliding_windows[layer_id], layer_id)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, md))
+        return self.o_proj(self.attn.forward_qkv(self.qkv_proj(x), positions, md, self.rotary, self.q_norm,
+                                                 self.k_norm))
 
 
 class Gemma3DecoderLayer(nn.Module):

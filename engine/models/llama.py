@@ -44,15 +44,8 @@ class LlamaAttention(nn.Module):
                               cfg.layer_sliding_windows[layer_id], layer_id)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, md))
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        return self.o_proj(self.attn.forward_qkv(self.qkv_proj(x), positions, md, self.rotary, *norms))
 
 
 class GatedMLP(nn.Module):

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from engine.runner.input_buffers import InputBuffers
-from engine.runner.step_input import Chunk, StepInput
+from engine.runner.step_input import Chunk, DeviceTokens, StepInput
 
 logger = logging.getLogger("specserve")
 
@@ -77,11 +77,13 @@ class ForwardGraphs:
             return None
         return self.batch_sizes[bi], self.query_lens[qi]
 
-    def run(self, chunks: list[Chunk], key: tuple[int, int]) -> torch.Tensor:
+    def run(self, chunks: list[Chunk], key: tuple[int, int], device_tokens: DeviceTokens | None = None
+            ) -> torch.Tensor:
         """Replay the graph `key` on the chunks: logits [num real tokens, V] (a view of the static output,
         valid until the next replay of any graph of this pool)."""
         b, q = key
         self.buffers.load(chunks, num_reqs=b, num_tokens=b * q, max_query_len=q)
+        self.buffers.write_device_tokens(device_tokens)
         graph, out = self.graphs[key]
         graph.replay()
         self.num_replays += 1

@@ -14,7 +14,7 @@ import torch
 from engine.attention.metadata import AttentionMetadata, CommonAttentionMetadata, GroupAttentionMetadata
 from engine.kv_cache.block_pool import NULL_BLOCK
 from engine.kv_cache.spec import KVCacheGroupSpec
-from engine.runner.step_input import Chunk, StepInput
+from engine.runner.step_input import Chunk, DeviceTokens, StepInput
 
 
 class InputBuffers:
@@ -43,6 +43,8 @@ class InputBuffers:
                       else torch.zeros_like(getattr(self, name), device="cpu")
                       for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "block_tables",
                                    "slot_mappings", "logits_indices")}
+        # Recorded after each upload: the staging memory may be rewritten only once the copies have read it.
+        self._uploaded = torch.cuda.Event() if pin else None
 
     def view(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
              num_logits: int) -> StepInput:
@@ -78,6 +80,7 @@ class InputBuffers:
         if r > self.max_num_reqs or t > self.max_num_tokens or r < n_real or t < t_real:
             raise ValueError(f"step of {n_real} requests / {t_real} tokens (padded {r} / {t}) does not fit the "
                              f"input buffers ({self.max_num_reqs} / {self.max_num_tokens})")
+        self._wait_for_upload()
         h = self._host
         qsl = h["query_start_loc"][:r + 1].numpy()
         qsl[0] = 0
@@ -122,10 +125,16 @@ class InputBuffers:
         step.num_logits_per_req = nlog.tolist()
         return step
 
+    def write_device_tokens(self, tokens: DeviceTokens | None) -> None:
+        """Overwrite placeholders of the loaded step with ids that are on the device (queued after the upload)."""
+        if tokens is not None and tokens.index.numel():
+            self.input_ids.index_copy_(0, tokens.index, tokens.ids)
+
     def load_dummy(self, num_reqs: int, query_len: int) -> StepInput:
         """A padding-only step of num_reqs requests with query_len tokens each, reading the null block and
         writing nothing: what graphs are captured with."""
         chunks = [Chunk([0] * query_len, 0, query_len, [[] for _ in self.groups])] * num_reqs
+        self._wait_for_upload()
         h = self._host
         r, t = num_reqs, num_reqs * query_len
         h["query_start_loc"][:r + 1] = torch.arange(0, t + 1, query_len, dtype=torch.int32)
@@ -140,6 +149,13 @@ class InputBuffers:
         step.num_logits_per_req = [c.num_logits for c in chunks]
         return step
 
+    def _wait_for_upload(self) -> None:
+        # SYNC: only until the previous step's copies have run. A step that samples nothing (mid-prefill) does
+        # not wait for its GPU work, so without this the next step could rewrite the pinned staging memory
+        # before the DMA of the last one read it. Normally those copies finished long ago.
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+
     def _upload(self, r: int, t: int, num_logits: int) -> None:
         h = self._host
         self.query_start_loc[:r + 1].copy_(h["query_start_loc"][:r + 1], non_blocking=True)
@@ -149,3 +165,5 @@ class InputBuffers:
         self.block_tables[:, :r].copy_(h["block_tables"][:, :r], non_blocking=True)
         self.slot_mappings[:, :t].copy_(h["slot_mappings"][:, :t], non_blocking=True)
         self.logits_indices[:num_logits].copy_(h["logits_indices"][:num_logits], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()

@@ -12,7 +12,7 @@ from engine.models.loader import build_model
 from engine.parallel import get_tp_group
 from engine.runner.cuda_graphs import ForwardGraphs, GraphPool
 from engine.runner.input_buffers import InputBuffers
-from engine.runner.step_input import Chunk, StepInput, build_step_input
+from engine.runner.step_input import Chunk, DeviceTokens, StepInput, build_step_input
 
 logger = logging.getLogger("specserve")
 
@@ -103,15 +103,20 @@ class ModelRunner:
         """Logits of every token of the step [num_tokens, vocab_size] float32 (graphs capture this)."""
         return self.model.compute_logits(self.model(step.input_ids, step.positions, step.attn))
 
-    def forward_chunks(self, chunks: list[Chunk]) -> torch.Tensor:
+    def forward_chunks(self, chunks: list[Chunk], device_tokens: DeviceTokens | None = None) -> torch.Tensor:
         """Build the step's input (attention metadata for every KV-cache group) and run it: a graph replay
-        when one fits, else eagerly."""
+        when one fits, else eagerly. device_tokens replace placeholder ids of the chunks on the device."""
         if self.buffers is None:
-            return self.execute(build_step_input(chunks, self.kv_groups, self.device))
+            step = build_step_input(chunks, self.kv_groups, self.device)
+            if device_tokens is not None:
+                step.input_ids.index_copy_(0, device_tokens.index, device_tokens.ids)
+            return self.execute(step)
         key = self.graphs.bucket(chunks) if self.graphs is not None else None
         if key is not None:
-            return self.graphs.run(chunks, key)
-        return self.execute(self.buffers.load(chunks))
+            return self.graphs.run(chunks, key, device_tokens)
+        step = self.buffers.load(chunks)
+        self.buffers.write_device_tokens(device_tokens)
+        return self.execute(step)
 
     def capture_graphs(self, query_lens: list[int]) -> None:
         """Capture decode/verify graphs for these query lengths (1: decode, k + 1: verify), unless eager."""

@@ -22,6 +22,16 @@ class Chunk:
 
 
 @dataclass
+class DeviceTokens:
+    """Token ids of a step that are still on the model's device when its input is built (a draft's proposal
+    verified in the same process): the chunks hold placeholders at these flat token indices, and the device
+    overwrites them before the forward, so the host never waits for the ids."""
+
+    index: torch.Tensor  # [m] int64; flat token index within the step's input
+    ids: torch.Tensor  # [m] int64; the token ids, on the model's device
+
+
+@dataclass
 class StepInput:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_copy import to_device
+
 
 @dataclass
 class SamplingMetadata:
@@ -36,9 +38,9 @@ class SamplingMetadata:
                    generators: dict[int, torch.Generator] | None = None,
                    default_generator: torch.Generator | None = None,
                    device: torch.device | str = "cpu") -> SamplingMetadata:
-        t = torch.tensor(temperature, dtype=torch.float32, device=device)
-        p = torch.tensor(top_p, dtype=torch.float32, device=device)
-        k = torch.tensor(top_k, dtype=torch.int64, device=device)
+        t = to_device(temperature, torch.float32, device)
+        p = to_device(top_p, torch.float32, device)
+        k = to_device(top_k, torch.int64, device)
         return cls(
             temperature=t, top_p=p, top_k=k,
             all_greedy=all(x == 0.0 for x in temperature),
@@ -52,7 +54,7 @@ class SamplingMetadata:
     def select(self, rows: list[int]) -> SamplingMetadata:
         """The given rows, renumbered 0..len(rows)-1 (generators follow their rows). The flags stay
         those of the superset, which is safe: a subset of an all-greedy batch is all greedy, etc."""
-        idx = torch.tensor(rows, dtype=torch.int64, device=self.temperature.device)
+        idx = to_device(rows, torch.int64, self.temperature.device)
         gens = {n: self.generators[i] for n, i in enumerate(rows) if i in self.generators}
         return SamplingMetadata(self.temperature[idx], self.top_p[idx], self.top_k[idx], self.all_greedy,
                                 self.all_random, self.no_top_p, self.no_top_k, gens, self.default_generator)

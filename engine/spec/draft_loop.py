@@ -20,6 +20,8 @@ import bisect
 import torch
 
 from engine.config import graph_batch_sizes
+from engine.kernels.draft_advance import advance_draft_inputs, advance_draft_inputs_ref
+from engine.kernels.rms_norm import use_fused_kernels
 from engine.runner.cuda_graphs import GraphPool
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
@@ -52,7 +54,10 @@ class DraftLoop:
         self.top_p = torch.ones(r, dtype=torch.float32, device=dev)  # [max_num_reqs] float32
         self.top_k = torch.zeros(r, dtype=torch.int64, device=dev)  # [max_num_reqs] int64
         self.step_idx = torch.zeros(1, dtype=torch.int64, device=dev)  # [1] int64; column the step writes
-        self._arange = torch.arange(r + 1, device=dev)  # [max_num_reqs + 1] int64
+        sizes = {g.spec.block_size for g in runner.buffers.groups}
+        if len(sizes) != 1:  # the engine gives every KV-cache group its block_size
+            raise ValueError(f"the draft loop needs one block size for all KV-cache groups, got {sorted(sizes)}")
+        self.block_size = sizes.pop()
         self.batch_sizes: list[int] = []
         self.pool: GraphPool | None = None
         # (batch, greedy) -> graph; each graph's output is self.ids (the work is in-place).
@@ -73,20 +78,13 @@ class DraftLoop:
             tok = exponential_race(probs, self.noise[:b].index_select(1, j).squeeze(1))
             if self.probs is not None:
                 self.probs[:b].index_copy_(1, j, probs.unsqueeze(1))
-        self.ids[:b].index_copy_(1, j, tok.unsqueeze(1))
         bufs = self.buffers
-        valid = j + 1 < self.num_draft[:b]  # [b] bool: this row feeds its token to a next step
-        pos = torch.where(valid, bufs.seq_lens[:b].to(torch.int64), 0)  # the new token's position
-        bufs.input_ids[:b] = torch.where(valid, tok, 0)
-        bufs.positions[:b] = pos
-        bufs.seq_lens[:b] = (pos + 1).to(torch.int32)
-        bufs.query_start_loc[:b + 1] = self._arange[:b + 1].to(torch.int32)
-        bufs.logits_indices[:b] = self._arange[:b]
-        for g in bufs.groups:
-            bs = g.spec.block_size
-            blk = bufs.block_tables[g.group_id, :b].gather(1, (pos // bs)[:, None]).squeeze(1).to(torch.int64)
-            bufs.slot_mappings[g.group_id, :b] = torch.where(valid, blk * bs + pos % bs, -1)
-        self.step_idx.add_(1)
+        args = (tok, self.ids, self.step_idx, self.num_draft, bufs.input_ids, bufs.positions, bufs.seq_lens,
+                bufs.query_start_loc, bufs.logits_indices, bufs.block_tables, bufs.slot_mappings, self.block_size)
+        if use_fused_kernels(tok):
+            advance_draft_inputs(*args)
+        else:
+            advance_draft_inputs_ref(*args)
         return self.ids
 
     def _first_step(self, b: int, num_tokens: int, query_len: int, greedy: bool) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_copy import to_device
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.sample.from_plan import DRAFT_STREAM, request_generator, sampling_metadata
@@ -28,15 +29,15 @@ class DraftProposal:
     draft_probs: torch.Tensor | None  # [num_reqs, max_k, vocab] float32; q after temperature/top-k/top-p
 
     def draft_token_lists(self) -> list[list[int]]:
-        # SYNC: the target's verify input is built on the host from these ids (free once `to_host` ran).
+        # SYNC: a remote draft's ids, for a target that builds its verify input from host lists (free once
+        # `to_host` ran); a draft in the target's process hands its ids over on the device instead.
         ids, n = self.draft_token_ids.tolist(), self.num_draft_tokens.tolist()
         return [row[:k] for row, k in zip(ids, n)]
 
     def to_host(self) -> DraftProposal:
-        """The ids and counts on the host, probabilities where they are. The verifier needs the ids on the host
-        anyway (its input is built there), so copying them when the draft finishes costs no extra sync, times
-        the draft's GPU work where it was spent, and sends the target's workers plain CPU tensors, which cross
-        a Ray channel without a device copy at either end."""
+        """The ids and counts on the host, probabilities where they are: what a draft worker sends to the target's
+        workers. Copying them when the draft finishes times the draft's GPU work where it was spent, and plain CPU
+        tensors cross a Ray channel without a device copy at either end."""
         # SYNC: waits for the draft's kernels: the proposal is complete here.
         return DraftProposal(self.draft_token_ids.cpu(), self.num_draft_tokens.cpu(), self.draft_probs)
 
@@ -80,7 +81,7 @@ class DraftProposer:
             # Metadata for every draft KV-cache group is rebuilt from this step's positions.
             logits = self.runner.forward_chunks([c for c in chunks if c.token_ids])
             tok, p = self.sampler.sample_with_probs(logits, md.select(rows))
-            row_idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+            row_idx = to_device(rows, torch.int64, dev)
             ids[row_idx, j] = tok
             if probs is not None:
                 probs[row_idx, j] = p
@@ -89,7 +90,7 @@ class DraftProposer:
         if max_k == 0 and any(c.token_ids for c in chunks):
             # Only catch-up work (prefill chunks, k = 0 decodes): keep the draft's KV in step.
             self.runner.forward_chunks([c for c in chunks if c.token_ids])
-        return DraftProposal(ids, torch.tensor(ks, dtype=torch.int64, device=dev), probs)
+        return DraftProposal(ids, to_device(ks, torch.int64, dev), probs)
 
     def _propose_loop(self, plan: StepPlan) -> DraftProposal:
         """The same proposal from the draft loop's buffers and graphs. Its random numbers are drawn up front
@@ -112,13 +113,14 @@ class DraftProposer:
             gens = {n: request_generator(r.seed, r.num_output_tokens, DRAFT_STREAM, dev)
                     for n, r in enumerate(sub) if r.seed is not None and r.temperature > 0}
             loop_ids, loop_probs = self.loop.run(chunks, [ks[i] for i in rows], md, gens, self.generator)
-            if max_k:
-                row_idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+            if max_k and len(rows) == len(reqs):
+                ids = loop_ids  # every request drafts (the usual case): no scatter
+                if loop_probs is not None and self.keep_probs:
+                    probs = loop_probs
+            elif max_k:
+                row_idx = to_device(rows, torch.int64, dev)
                 ids[row_idx] = loop_ids
                 if loop_probs is not None and self.keep_probs:
-                    if len(rows) == len(reqs):
-                        probs = loop_probs
-                    else:
-                        probs = torch.zeros(len(reqs), max_k, loop_probs.shape[-1], device=dev)
-                        probs[row_idx] = loop_probs
-        return DraftProposal(ids, torch.tensor(ks, dtype=torch.int64, device=dev), probs)
+                    probs = torch.zeros(len(reqs), max_k, loop_probs.shape[-1], device=dev)
+                    probs[row_idx] = loop_probs
+        return DraftProposal(ids, to_device(ks, torch.int64, dev), probs)

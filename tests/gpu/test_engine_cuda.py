@@ -41,8 +41,14 @@ def test_fp32_speculation_lossless_on_cuda_with_hybrid_draft(tiny_models, tiny_d
     base = LLM(model=target.path, device="cuda", dtype="float32", **KW).generate(prompts, params)
     spec_llm = LLM(model=target.path, draft_model=draft.path, num_speculative_tokens=k, device="cuda",
                    dtype="float32", **KW)
+    verifier = spec_llm.executor.verifier
+    paths = []
+    ids_on_device = verifier.ids_on_device
+    verifier.ids_on_device = lambda proposal: paths.append(ids_on_device(proposal)) or paths[-1]
     spec = spec_llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in base]
+    # In process the draft's ids never leave the GPU (a host copy here would wait for the draft every step).
+    assert paths and all(paths)
     assert len(spec_llm.executor.draft.kv_groups) == 2
     assert spec_llm.engine.target_kv.num_used_blocks() == [0, 0]
 
