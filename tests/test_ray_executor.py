@@ -11,6 +11,7 @@ below the longest prompt make steps cross block boundaries and mix prefill chunk
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,7 @@ from engine.request import Request
 from engine.step_plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
 from serving.ray_executor import RayExecutor, WorkerDiedError, check_tensor_parallel
-from serving.worker import ModelWorker
+from serving.worker import DEFAULT_GIL_SWITCH_INTERVAL_S, ModelWorker
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = random_prompts([3, 9, 17], seed=5)
@@ -95,11 +96,13 @@ def test_worker_methods_replay_the_local_executor(tiny_models: dict[str, TinyMod
                            SamplingParams(max_tokens=NEW_TOKENS, temperature=0.7, seed=9, ignore_eos=True)])
     config = dict(device="cpu", dtype="float32", seed=3, **ENGINE_KW)
     threads = torch.get_num_threads()  # a CPU worker pins its process to cpu_threads
+    interval = sys.getswitchinterval()  # and sets the process's thread switch interval
     try:
         draft = ModelWorker("draft", near_llama, config, rejection_sampling="probabilistic", cpu_threads=threads)
         target = ModelWorker("target", tiny_models["llama"].path, config, cpu_threads=threads)
     finally:
         torch.set_num_threads(threads)
+        sys.setswitchinterval(interval)
     assert target.info().num_blocks == executor.target_num_blocks
     assert draft.info().kv_groups == executor.draft_kv_groups
     for plan, expected in steps:
@@ -115,6 +118,9 @@ def test_target_only_tp1_matches_llm(tiny_models: dict[str, TinyModel]) -> None:
         assert greedy_tokens(engine) == llm_greedy(path)
         phases = engine.last_step.phase_seconds
         assert {"verify", "sample", "dispatch"} <= phases.keys() and "propose" not in phases
+        # The worker process switches threads every 200 us, not Python's 5 ms (see set_gil_switch_interval).
+        interval = ray.get(engine.executor.target.workers[0].__ray_call__.remote(lambda self: sys.getswitchinterval()))
+        assert interval == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_S)
     finally:
         engine.executor.shutdown()
 
