@@ -82,8 +82,7 @@ class ForwardGraphs:
         """Replay the graph `key` on the chunks: logits [num real tokens, V] (a view of the static output,
         valid until the next replay of any graph of this pool)."""
         b, q = key
-        self.buffers.load(chunks, num_reqs=b, num_tokens=b * q, max_query_len=q)
-        self.buffers.write_device_tokens(device_tokens)
+        self.buffers.load(chunks, num_reqs=b, num_tokens=b * q, max_query_len=q, device_tokens=device_tokens)
         graph, out = self.graphs[key]
         graph.replay()
         self.num_replays += 1

@@ -82,10 +82,12 @@ class InputBuffers:
         return step
 
     def load(self, chunks: list[Chunk], num_reqs: int | None = None, num_tokens: int | None = None,
-             max_query_len: int | None = None, num_logits_padded: int | None = None) -> StepInput:
+             max_query_len: int | None = None, num_logits_padded: int | None = None,
+             device_tokens: DeviceTokens | None = None) -> StepInput:
         """Write the chunks into the buffers, padded to num_reqs requests and num_tokens tokens, and
         return the step's view. Logits rows are the chunks' last num_logits tokens, in order, then token 0
-        up to num_logits_padded rows (so a graph's fixed-size gather stays in bounds)."""
+        up to num_logits_padded rows (so a graph's fixed-size gather stays in bounds). device_tokens replace
+        placeholder ids of the chunks, on the device after the upload."""
         if not chunks:
             raise ValueError("a step needs at least one request")
         n_real = len(chunks)
@@ -140,15 +142,12 @@ class InputBuffers:
         li[:num_logits] = np.repeat(qsl[1:n_real + 1] - np.cumsum(nlog), nlog) + np.arange(num_logits)
         li[num_logits:] = 0
         self._upload(r, t, padded)
+        if device_tokens is not None:
+            device_tokens.write(self.input_ids)
         step = self.view(r, t, max_query_len if max_query_len is not None else int(qlens.max()),
                          int(seq.max()), padded)
         step.num_logits_per_req = nlog.tolist()
         return step
-
-    def write_device_tokens(self, tokens: DeviceTokens | None) -> None:
-        """Overwrite placeholders of the loaded step with ids that are on the device (queued after the upload)."""
-        if tokens is not None and tokens.index.numel():
-            self.input_ids.index_copy_(0, tokens.index, tokens.ids)
 
     def load_dummy(self, num_reqs: int, query_len: int) -> StepInput:
         """A padding-only step of num_reqs requests with query_len tokens each, reading the null block and

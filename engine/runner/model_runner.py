@@ -107,16 +107,11 @@ class ModelRunner:
         """Build the step's input (attention metadata for every KV-cache group) and run it: a graph replay
         when one fits, else eagerly. device_tokens replace placeholder ids of the chunks on the device."""
         if self.buffers is None:
-            step = build_step_input(chunks, self.kv_groups, self.device)
-            if device_tokens is not None:
-                step.input_ids.index_copy_(0, device_tokens.index, device_tokens.ids)
-            return self.execute(step)
+            return self.execute(build_step_input(chunks, self.kv_groups, self.device, device_tokens))
         key = self.graphs.bucket(chunks) if self.graphs is not None else None
         if key is not None:
             return self.graphs.run(chunks, key, device_tokens)
-        step = self.buffers.load(chunks)
-        self.buffers.write_device_tokens(device_tokens)
-        return self.execute(step)
+        return self.execute(self.buffers.load(chunks, device_tokens=device_tokens))
 
     def capture_graphs(self, query_lens: list[int]) -> None:
         """Capture decode/verify graphs for these query lengths (1: decode, k + 1: verify), unless eager."""

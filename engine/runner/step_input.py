@@ -30,6 +30,10 @@ class DeviceTokens:
     index: torch.Tensor  # [m] int64; flat token index within the step's input
     ids: torch.Tensor  # [m] int64; the token ids, on the model's device
 
+    def write(self, input_ids: torch.Tensor) -> None:
+        """Overwrite the placeholders in a step's input ids (queued on the device, no host sync)."""
+        input_ids.index_copy_(0, self.index, self.ids)
+
 
 @dataclass
 class StepInput:
@@ -44,8 +48,10 @@ class StepInput:
         return int(self.input_ids.shape[0])
 
 
-def build_step_input(chunks: list[Chunk], groups: list[KVCacheGroupSpec], device: torch.device) -> StepInput:
-    """Flatten the chunks and build attention metadata for every KV-cache group of this model."""
+def build_step_input(chunks: list[Chunk], groups: list[KVCacheGroupSpec], device: torch.device,
+                     device_tokens: DeviceTokens | None = None) -> StepInput:
+    """Flatten the chunks and build attention metadata for every KV-cache group of this model; device_tokens
+    replace placeholder ids of the chunks."""
     if not chunks:
         raise ValueError("a step needs at least one request")
     query_lens = [len(c.token_ids) for c in chunks]
@@ -63,10 +69,13 @@ def build_step_input(chunks: list[Chunk], groups: list[KVCacheGroupSpec], device
             raise ValueError(f"{c.num_logits} logits asked for {len(c.token_ids)} tokens")
         ids.extend(c.token_ids)
         logits_idx.extend(range(len(ids) - c.num_logits, len(ids)))
-    return StepInput(
+    step = StepInput(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=common.positions,
         attn=AttentionMetadata(common=common, groups=groups),
         logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=device),
         num_logits_per_req=[c.num_logits for c in chunks],
     )
+    if device_tokens is not None:
+        device_tokens.write(step.input_ids)
+    return step
