@@ -20,6 +20,8 @@ def _add_distill_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--work-dir", type=Path, default=None,
                    help="data, checkpoints and logs (default: OUT/distill_work)")
     p.add_argument("--resume", action="store_true", help="continue from the work directory's data and checkpoint")
+    p.add_argument("--data-only", action="store_true",
+                   help="stop once the teacher data is in the work directory (then --resume trains on it)")
     g = p.add_argument_group("draft shape (default: the target's, with 2 layers)")
     g.add_argument("--layers", type=int, default=2, help="decoder layers (started from evenly spaced target layers)")
     g.add_argument("--hidden-size", type=int, default=None,
@@ -37,7 +39,13 @@ def _add_distill_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
                    help="continuations sampled at --sample-temperature per prompt, besides the greedy one")
     g.add_argument("--sample-temperature", type=float, default=0.7)
     g.add_argument("--generation-max-num-seqs", type=int, default=None,
-                   help="engine batch for the teacher's continuations (default: 256 on GPU, 64 on CPU)")
+                   help="engine batch for the teacher's continuations (default: 512 on GPU, 64 on CPU)")
+    g.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="also ask the target to write N user prompts of its own (through its chat template) and "
+                        "train on its answers to them; unfinished, short and repeated ones are dropped")
+    g.add_argument("--self-prompt-samples", type=int, default=1,
+                   help="continuations sampled per self-written prompt, besides the greedy one")
+    g.add_argument("--self-prompt-max-tokens", type=int, default=96, help="longest self-written prompt, in tokens")
     g.add_argument("--teacher-topk", type=int, default=None,
                    help="0: live full teacher distributions; K: precomputed top-K (default: 0 on GPU, 64 on CPU)")
     g.add_argument("--val-every", type=int, default=20,
@@ -87,7 +95,9 @@ def _distill(args: argparse.Namespace) -> int:
                         val_every=args.val_every, eval_prompts=args.eval_prompts, eval_max_tokens=args.eval_max_tokens,
                         num_speculative_tokens=args.num_speculative_tokens, device=args.device, dtype=args.dtype,
                         seed=args.seed, work_dir=args.work_dir, resume=args.resume, progress=not args.no_progress,
-                        generation_max_num_seqs=args.generation_max_num_seqs)
+                        generation_max_num_seqs=args.generation_max_num_seqs, self_prompts=args.self_prompts,
+                        self_prompt_samples=args.self_prompt_samples,
+                        self_prompt_max_tokens=args.self_prompt_max_tokens, data_only=args.data_only)
     report = run_distill(cfg)
     print(report.summary(args.num_speculative_tokens))
     return 0

@@ -61,7 +61,7 @@ class OutputProcessor:
         return len(new_tokens)
 
     def _add_text(self, request: Request, tok: int) -> str:
-        if self.tokenizer is None:
+        if self.tokenizer is None or not request.params.detokenize:
             return ""
         det = self._detok.get(request.request_id)
         if det is None:

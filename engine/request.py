@@ -22,6 +22,10 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # False: the output carries token ids only (vLLM's `detokenize`). Incremental decoding costs two tokenizer
+    # calls per token per request, which is most of a step's host time when thousands of requests generate
+    # data nobody reads as text (distillation); stop strings need the text, so they need it on.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +50,8 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are matched against the output text: they need detokenize=True")
 
     @property
     def greedy(self) -> bool:

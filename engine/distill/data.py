@@ -81,10 +81,17 @@ def collate(seqs: Sequence[DistillSequence], pad_id: int, max_len: int) -> Batch
 
 
 def save_sequences(seqs: Sequence[DistillSequence], path: Path) -> None:
+    """One flat int32 tensor of every token plus the lengths: a few bytes a token, where a pickled list of Python
+    ints takes several times that (millions of teacher tokens are tens of MB)."""
+    flat = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int32)
+    lengths = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64)
+    prompt_lens = torch.tensor([s.prompt_len for s in seqs], dtype=torch.int64)
     tmp = path.with_suffix(".tmp")
-    torch.save([(s.token_ids, s.prompt_len) for s in seqs], tmp)
+    torch.save({"tokens": flat, "lengths": lengths, "prompt_lens": prompt_lens}, tmp)
     tmp.replace(path)  # atomic: a killed run never leaves a half-written data file that --resume would trust
 
 
 def load_sequences(path: Path) -> list[DistillSequence]:
-    return [DistillSequence(ids, n) for ids, n in torch.load(path)]
+    data = torch.load(path)
+    rows = data["tokens"].split(data["lengths"].tolist())
+    return [DistillSequence(r.tolist(), n) for r, n in zip(rows, data["prompt_lens"].tolist())]

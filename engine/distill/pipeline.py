@@ -19,6 +19,7 @@ from engine.config import ModelConfig, resolve_device
 from engine.distill.data import DistillSequence, encode_prompt, load_prompts, load_sequences, save_sequences
 from engine.distill.evaluate import Acceptance, format_acceptance, measure_acceptance
 from engine.distill.export import export_draft
+from engine.distill.self_prompts import chat_frame, synthesize_prompts
 from engine.distill.student import StudentSpec, build_student
 from engine.distill.teacher import TopK, generate_continuations, load_teacher, precompute_topk
 from engine.distill.trainer import TrainConfig, Trainer, TrainResult
@@ -49,7 +50,14 @@ class DistillConfig:
     work_dir: Path | None = None  # None: <out>/distill_work
     resume: bool = False
     progress: bool = True
-    generation_max_num_seqs: int | None = None  # engine batch for the teacher's continuations (None: 256 GPU, 64 CPU)
+    generation_max_num_seqs: int | None = None  # engine batch for the teacher's continuations (None: 512 GPU, 64 CPU)
+    # Prompts the target writes itself (engine/distill/self_prompts.py), on top of the hand-written set: how many
+    # to ask for (fewer are kept: unfinished, too short and repeated ones are dropped), how many sampled
+    # continuations each gets besides the greedy one, and how long a written prompt may be.
+    self_prompts: int = 0
+    self_prompt_samples: int = 1
+    self_prompt_max_tokens: int = 96
+    data_only: bool = False  # stop once the teacher data is saved (a later --resume trains on it)
 
 
 @dataclass
@@ -62,12 +70,13 @@ class DistillReport:
     seconds: dict[str, float]  # per phase: data, train, eval
 
     def summary(self, k: int) -> str:
-        lines = [f"draft written to {self.out}",
+        lines = [f"draft written to {self.out}" if self.train.losses else "teacher data only (no draft written)",
                  f"data: {self.num_sequences} sequences, {self.num_target_tokens} scored tokens "
-                 f"({self.seconds.get('data', 0):.0f} s)",
-                 f"train: steps {self.train.start_step}->{len(self.train.losses)}, KL first "
-                 f"{_mean(self.train.losses[:10]):.3f} -> last {_mean(self.train.losses[-10:]):.3f} "
-                 f"({self.seconds.get('train', 0):.0f} s)"]
+                 f"({self.seconds.get('data', 0):.0f} s)"]
+        if self.train.losses:
+            lines.append(f"train: steps {self.train.start_step}->{len(self.train.losses)}, KL first "
+                         f"{_mean(self.train.losses[:10]):.3f} -> last {_mean(self.train.losses[-10:]):.3f} "
+                         f"({self.seconds.get('train', 0):.0f} s)")
         if self.train.validation:
             v = min(self.train.validation, key=lambda r: r["kl"])
             lines.append(f"validation (held-out train prompts): best KL {v['kl']:.3f}, top-1 agreement "
@@ -97,8 +106,12 @@ def run_distill(cfg: DistillConfig) -> DistillReport:
     t0 = time.perf_counter()
     prompts = [encode_prompt(p, tokenizer, target_cfg.vocab_size)  # type: ignore[arg-type]
                for p in load_prompts("train", cfg.num_prompts)]
-    seqs = [s for s in _teacher_data(cfg, device, work, prompts) if s.prompt_len < cfg.train.max_seq_len]
+    data = _teacher_data(cfg, device, work, prompts, target_cfg, tokenizer)
+    seqs = [s for s in data.seqs if s.prompt_len < cfg.train.max_seq_len]
     seconds["data"] = time.perf_counter() - t0
+    if cfg.data_only:
+        logger.info("teacher data saved in %s; --resume without --data-only trains on it", work)
+        return DistillReport(out, len(seqs), sum(s.num_targets for s in seqs), TrainResult(), [], seconds)
 
     teacher = load_teacher(target_dir, device)
     student = build_student(teacher, cfg.spec, cfg.seed)
@@ -110,7 +123,8 @@ def run_distill(cfg: DistillConfig) -> DistillReport:
         teacher = None
         _free(device)
     # Validation holds out whole prompts (all their continuations), so it measures prompts never trained on.
-    held = {tuple(p) for i, p in enumerate(prompts) if cfg.val_every and i % cfg.val_every == cfg.val_every - 1}
+    held = {tuple(p) for group in (prompts, data.self_prompts) for i, p in enumerate(group)
+            if cfg.val_every and i % cfg.val_every == cfg.val_every - 1}
     is_val = [tuple(s.token_ids[:s.prompt_len]) in held for s in seqs]
     train_idx = [i for i, v in enumerate(is_val) if not v]
     val_idx = [i for i, v in enumerate(is_val) if v]
@@ -141,7 +155,8 @@ def run_distill(cfg: DistillConfig) -> DistillReport:
                            seconds)
     (work / "report.json").write_text(json.dumps(
         {"config": _jsonable(asdict(cfg)), "num_sequences": report.num_sequences,
-         "num_target_tokens": report.num_target_tokens, "losses": result.losses, "seconds": seconds,
+         "num_target_tokens": report.num_target_tokens, "num_self_prompts": len(data.self_prompts),
+         "losses": result.losses, "seconds": seconds,
          "validation": result.validation, "best_step": result.best_step,
          "acceptance": [a.as_dict() for a in acceptance], "device": str(device)}, indent=1))
     return report
@@ -159,22 +174,57 @@ def evaluate_draft(target: str, draft: str, tokenizer: object, vocab_size: int, 
         _free(device)
 
 
-def _teacher_data(cfg: DistillConfig, device: torch.device, work: Path,
-                  prompts: list[list[int]]) -> list[DistillSequence]:
+@dataclass
+class TeacherData:
+    seqs: list[DistillSequence]  # every prompt's continuations: hand-written prompts' first
+    self_prompts: list[list[int]]  # the prompts the target wrote, framed by its chat template
+
+
+def _teacher_data(cfg: DistillConfig, device: torch.device, work: Path, prompts: list[list[int]],
+                  target_cfg: ModelConfig, tokenizer: object) -> TeacherData:
+    """The target's continuations of the hand-written prompts and of the prompts it writes itself. Each part is
+    saved as it is made (`--resume` picks up from there): the written prompts, then continuation shards."""
     path = work / "data.pt"
+    self_path = work / "self_prompts.pt"
     if cfg.resume and path.is_file():
         logger.info("reusing the teacher data in %s", path)
-        return load_sequences(path)
-    max_seqs = cfg.generation_max_num_seqs or (256 if device.type == "cuda" else 64)
-    llm = LLM(model=cfg.target, device=device, seed=cfg.seed, max_num_seqs=max_seqs)
+        return TeacherData(load_sequences(path), torch.load(self_path) if self_path.is_file() else [])
+    if not cfg.resume:  # a fresh run must not pick up another run's shards
+        for old in (work / "shards").glob("*/*.pt") if (work / "shards").is_dir() else ():
+            old.unlink()
+        self_path.unlink(missing_ok=True)
+    max_seqs = cfg.generation_max_num_seqs or (512 if device.type == "cuda" else 64)
+    # Prefill chunks as large as a batch's prompts: a step then admits a whole wave of new requests.
+    llm = LLM(model=cfg.target, device=device, seed=cfg.seed, max_num_seqs=max_seqs,
+              max_num_batched_tokens=max(2048, 16 * max_seqs))
     try:
+        written: list[list[int]] = []
+        if cfg.self_prompts:
+            if self_path.is_file():
+                written = torch.load(self_path)
+            else:
+                frame = chat_frame(tokenizer, getattr(target_cfg.hf_config, "bos_token_id", None),  # type: ignore
+                                   target_cfg.eos_token_ids)
+                # The eval split must stay unseen, and a hand-written prompt needs no second copy.
+                evals = [encode_prompt(p, tokenizer, target_cfg.vocab_size)  # type: ignore[arg-type]
+                         for p in load_prompts("eval")]
+                written = synthesize_prompts(llm, frame, cfg.self_prompts, cfg.self_prompt_max_tokens,
+                                             exclude=[*evals, *prompts], progress=cfg.progress)
+                tmp = self_path.with_suffix(".tmp")
+                torch.save(written, tmp)
+                tmp.replace(self_path)
         seqs = generate_continuations(llm, prompts, cfg.max_new_tokens, cfg.samples_per_prompt,
-                                      cfg.sample_temperature, cfg.seed, progress=cfg.progress)
+                                      cfg.sample_temperature, shard_dir=work / "shards" / "hand",
+                                      progress=cfg.progress)
+        if written:
+            seqs += generate_continuations(llm, written, cfg.max_new_tokens, cfg.self_prompt_samples,
+                                           cfg.sample_temperature, shard_dir=work / "shards" / "self",
+                                           progress=cfg.progress, desc="continuations of written prompts")
     finally:
         del llm
         _free(device)
     save_sequences(seqs, path)
-    return seqs
+    return TeacherData(seqs, written)
 
 
 def _topk_cache(cfg: DistillConfig, teacher: torch.nn.Module, seqs: list[DistillSequence], k: int, pad_id: int,

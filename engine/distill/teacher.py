@@ -4,6 +4,7 @@ distributions over prompt + continuation."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from engine.distill.data import DistillSequence, collate
+from engine.distill.data import DistillSequence, collate, load_sequences, save_sequences
 from engine.distill.logits import autocast, logits_at_targets
 from engine.llm import LLM
 from engine.request import SamplingParams
@@ -21,31 +22,55 @@ logger = logging.getLogger("specserve")
 
 
 def generate_continuations(llm: LLM, prompts: Sequence[list[int]], max_new_tokens: int, samples_per_prompt: int = 1,
-                           temperature: float = 0.7, seed: int = 0, chunk: int = 512,
-                           progress: bool = True) -> list[DistillSequence]:
+                           temperature: float = 0.7, chunk: int = 4096, shard_dir: Path | None = None,
+                           progress: bool = True, desc: str = "teacher continuations") -> list[DistillSequence]:
     """Per prompt: the target's greedy continuation, then `samples_per_prompt` samples at `temperature`.
 
     Both kinds matter: served traffic is greedy and sampled alike, and a draft trained only on greedy text never
-    sees the less likely turns a sampled request takes. Each sample has its own seed, so the data set is the same
-    on every run whatever the batching. Empty continuations (EOS at once) carry no signal and are dropped.
+    sees the less likely turns a sampled request takes. Sampling follows the engine's seed, not a seed per
+    request: per-request generators cost a kernel per row per step, which at thousands of rows is most of a
+    step. Empty continuations (EOS at once) carry no signal and are dropped.
+
+    With `shard_dir`, each chunk of jobs is saved as it finishes and chunks already there are loaded instead of
+    generated, so a run stopped part-way (a time limit, a lost machine) resumes at its last chunk.
     """
     jobs: list[tuple[list[int], SamplingParams]] = []
-    for i, p in enumerate(prompts):
-        jobs.append((p, SamplingParams(max_tokens=max_new_tokens, temperature=0.0)))
-        for j in range(samples_per_prompt):
-            jobs.append((p, SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
-                                           seed=seed * 1_000_003 + i * 1009 + j)))
+    for p in prompts:
+        jobs.append((p, SamplingParams(max_tokens=max_new_tokens, temperature=0.0, detokenize=False)))
+        for _ in range(samples_per_prompt):
+            jobs.append((p, SamplingParams(max_tokens=max_new_tokens, temperature=temperature, detokenize=False)))
+    if shard_dir is not None:
+        shard_dir.mkdir(parents=True, exist_ok=True)
     seqs: list[DistillSequence] = []
-    bar = tqdm(total=len(jobs), desc="teacher continuations", unit="seq", disable=not progress)
-    # Chunks only so the bar moves; the engine batches within a chunk.
+    bar = tqdm(total=len(jobs), desc=desc, unit="seq", disable=not progress)
+    generated = 0
+    t0 = time.perf_counter()
+    # The engine batches within a chunk; a chunk several times the engine's batch keeps its tail (the last,
+    # longest requests running nearly alone) short next to the rest.
     for start in range(0, len(jobs), chunk):
         part = jobs[start:start + chunk]
+        shard = shard_dir / f"part-{start:08d}-{len(part)}.pt" if shard_dir is not None else None
+        if shard is not None and shard.is_file():
+            seqs.extend(load_sequences(shard))
+            bar.update(len(part))
+            continue
+        new = []
         for out in llm.generate([p for p, _ in part], [sp for _, sp in part]):
+            generated += len(out.token_ids)
             if out.token_ids:
-                seqs.append(DistillSequence(list(out.prompt_token_ids) + list(out.token_ids),
-                                            len(out.prompt_token_ids)))
+                new.append(DistillSequence(list(out.prompt_token_ids) + list(out.token_ids),
+                                           len(out.prompt_token_ids)))
+        if shard is not None:
+            save_sequences(new, shard)
+        seqs.extend(new)
         bar.update(len(part))
+        logger.info("%s: %d of %d done, %.0f tokens/s", desc, start + len(part), len(jobs),
+                    generated / (time.perf_counter() - t0))
     bar.close()
+    seconds = time.perf_counter() - t0
+    if generated:
+        logger.info("%s: %d tokens generated in %.0f s (%.0f tokens/s)", desc, generated, seconds,
+                    generated / seconds)
     return seqs
 
 
