@@ -235,5 +235,5 @@ def test_bundled_draft_is_lossless_and_accepts() -> None:
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in target.generate(prompts, params)]
     stats = llm.spec_stats(outs)
-    # Measured 2.06 on the whole eval split (MODEL_CARD.md); an untrained draft accepts ~nothing (1.0).
-    assert stats.acceptance_length > 1.5, stats
+    # Measured 2.51-2.55 on the whole eval split (MODEL_CARD.md); an untrained draft accepts ~nothing (1.0).
+    assert stats.acceptance_length > 2.0, stats  # 2.61 on these 3 prompts x 48 tokens, fp32 CPU
