@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -112,8 +113,11 @@ class EngineCore:
         return {f"{model}/{g}": n for model, kv in self.kv_managers() for g, n in enumerate(kv.num_used_blocks())}
 
     # --- one step ------------------------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """Run one step; returns the requests that got tokens or finished."""
+    def step(self, on_dispatched: Callable[[], None] | None = None) -> list[Request]:
+        """Run one step; returns the requests that got tokens or finished. on_dispatched: called once the step's
+        plan is on its way to the models, before waiting for them (an executor on other processes), so that a
+        caller's own work (a server publishing the last step's tokens) overlaps the models' instead of delaying
+        the plan."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         stats = StepStats(len(sched.scheduled), sched.num_batched_tokens, len(sched.preempted), sched.draft_length)
@@ -129,7 +133,10 @@ class EngineCore:
             return []
         plan = self.make_plan(sched.scheduled)
         t1 = time.perf_counter()
-        result = self.executor.execute(plan)
+        if on_dispatched is None:
+            result = self.executor.execute(plan)
+        else:
+            result = self.executor.execute(plan, on_dispatched=on_dispatched)
         t2 = time.perf_counter()
         touched = self.commit(sched.scheduled, result)
         stats.phase_seconds = {**result.phase_seconds, "schedule": t1 - t0, "commit": time.perf_counter() - t2}

@@ -4,6 +4,7 @@ verifier directly; the Ray one (serving/) sends the same plan to worker actors."
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -22,7 +23,9 @@ class Executor(Protocol):
     draft_num_blocks: int
     vocab_size: int
 
-    def execute(self, plan: StepPlan) -> StepResult: ...
+    def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
+        """Run the plan; call on_dispatched (if given) once it is on its way and before waiting for its result."""
+        ...
 
 
 class LocalExecutor:
@@ -39,7 +42,9 @@ class LocalExecutor:
         self.draft_num_blocks = draft.num_blocks if draft is not None else 0
         self.vocab_size = target.vocab_size
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
+        if on_dispatched is not None:
+            on_dispatched()  # this process runs the step itself: there is no wait to overlap
         t0 = time.perf_counter()
         # A step without speculation (load-adaptive k = 0) leaves the draft idle: skip even the proposer's
         # bookkeeping, so such a step costs what a step of a target-only engine costs.

@@ -4,10 +4,11 @@ tensor-parallel in its own placement group.
 One engine step is one round trip from the router. With a Ray Compiled Graph (the default) the plan goes
 into a shared-memory channel that every draft rank and every target rank reads; draft rank 0's proposal
 goes straight to the target ranks through their own channels (never back through the router), and the
-router reads target rank 0's StepResult:
+router reads target rank 0's StepResult. The target ranks build their verify input from the plan while the
+draft proposes (`target_prepare`, a node of its own), so the proposal's ids are all that is left to write:
 
     plan ──> draft[0..D-1].draft_step(plan) ──(draft[0]'s proposal)──> target[0..T-1].target_step ──> router
-         └─────────────────────────────────────────────────────────────┘
+         └──> target[0..T-1].target_prepare(plan) ──(the same rank's verify input)──┘
 
 Plain actor calls (`use_compiled_graph=False`) run the same two methods with `.remote()` and ObjectRefs,
 for comparison and debugging; a call costs about 1 ms on the GPU machine against 0.08-0.16 ms for a graph
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -191,24 +193,31 @@ class RayExecutor:
                     # and the only choice on CPU) Ray serializes them through shared memory, copying GPU ->
                     # host -> GPU. Both ends need a GPU; `benchmarks/router_overhead.py` measures the step.
                     proposal = proposal.with_tensor_transport(transport=self.draft_tensor_transport)
-                # Target rank 0 also takes the other draft ranks' outputs (None): a compiled graph may have no
-                # leaf nodes, and this way an error on any draft rank reaches the router.
-                outs = [w.target_step.bind(plan, proposal, *(drafts[1:] if rank == 0 else []))
+                # Each target rank builds its verify input while the draft proposes: a node bound to the plan
+                # alone, whose output stays in the rank's process. Target rank 0 also takes the other draft
+                # ranks' outputs (None): a compiled graph may have no leaf nodes, and this way an error on any
+                # draft rank reaches the router.
+                prepared = [w.target_prepare.bind(plan) for w in targets]
+                outs = [w.target_step.bind(prepared[rank], proposal, *(drafts[1:] if rank == 0 else []))
                         for rank, w in enumerate(targets)]
             dag = MultiOutputNode(outs)
         return dag.experimental_compile(_submit_timeout=self.step_timeout_s)
 
     # --- steps ---------------------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
+        """Run the plan on the workers; on_dispatched runs once the plan is sent, while the workers work."""
         if self._broken is not None:
             raise WorkerDiedError(self._broken, self._broken_role)
         t0 = time.perf_counter()
         try:
             if self._graph is not None:
+                ref = self._graph.execute(plan)
+                if on_dispatched is not None:
+                    on_dispatched()
                 # SYNC: the router needs the step's tokens to commit and schedule the next step.
-                outputs = ray.get(self._graph.execute(plan), timeout=self.step_timeout_s)
+                outputs = ray.get(ref, timeout=self.step_timeout_s)
             else:
-                outputs = self._execute_plain(plan)
+                outputs = self._execute_plain(plan, on_dispatched)
         except Exception as e:
             self._raise_step_error(e)
         result: StepResult = outputs[0]
@@ -219,12 +228,14 @@ class RayExecutor:
         result.phase_seconds["dispatch"] = max(0.0, wall - sum(result.phase_seconds.values()))
         return result
 
-    def _execute_plain(self, plan: StepPlan) -> list[StepResult | None]:
+    def _execute_plain(self, plan: StepPlan, on_dispatched: Callable[[], None] | None) -> list[StepResult | None]:
         """The same two methods as the graph, with plain actor calls. The proposal travels as an ObjectRef
         from draft rank 0 to the target ranks; the router waits once, for all of them."""
         assert self.target is not None
         drafts = [w.draft_step.remote(plan) for w in self.draft.workers] if self.draft is not None else []
         targets = [w.target_step.remote(plan, *drafts[:1]) for w in self.target.workers]
+        if on_dispatched is not None:
+            on_dispatched()
         # SYNC: the router needs the step's tokens; waiting for the draft ranks too surfaces their errors.
         return ray.get(targets + drafts[1:], timeout=self.step_timeout_s)
 

@@ -71,7 +71,11 @@ class Router:
         bound). continue_without_draft: when the draft's workers die, serve on the target alone (lossless,
         slower) and attach a rebuilt draft group, instead of failing the requests in flight."""
         from serving.metrics import EngineMetrics
+        from serving.thread_switch import set_gil_switch_interval
 
+        # The step thread waits on the workers with the interpreter lock released while the event loop streams
+        # the last step's tokens; at Python's 5 ms interval the loop could keep it waiting for the lock that long.
+        set_gil_switch_interval()
         device = str(engine_args.get("device") or "")
         if not device.startswith("cuda"):
             import torch
@@ -251,20 +255,34 @@ class Router:
     def _run_steps(self, loop: asyncio.AbstractEventLoop) -> None:
         """On a thread of its own, holding the lock for the event loop: steps back to back while there is work
         and no coroutine waits for the engine (`_between_steps`). Each step's results are copied here and handed
-        to the event loop, which publishes them while the next step runs, so the step path never waits for the
-        event loop: no thread hop, lock hand-over or stream wake-up between two steps."""
+        to the event loop once the next step's plan is on its way to the workers, so the event loop publishes
+        them while this thread waits for the models: its work neither delays the next plan nor holds the
+        interpreter lock while the next plan is being built. No thread hop, lock hand-over or stream wake-up
+        sits between two steps."""
         engine = self.engine
-        while True:
-            touched = engine.step()
-            now = time.perf_counter()
-            deltas = [(s, s.snapshot(req)) for req in touched
-                      if (s := self._streams.get(req.request_id)) is not None]
-            sched, stats = engine.scheduler, engine.last_step
-            step = (stats.phase_seconds, len(sched.running), len(sched.waiting), stats.num_preempted,
-                    engine.kv_usage(), stats.draft_length)
-            loop.call_soon_threadsafe(self._publish, deltas, step, now)
-            if self._lock_waiters or not engine.has_unfinished():
-                return
+        pending: tuple[Any, ...] | None = None  # the last step's copied results, not yet handed over
+
+        def hand_over() -> None:
+            nonlocal pending
+            if pending is not None:
+                loop.call_soon_threadsafe(self._publish, *pending)
+                pending = None
+
+        try:
+            while True:
+                touched = engine.step(on_dispatched=hand_over)
+                hand_over()  # a step that dispatched nothing (none scheduled) did not hand the last one over
+                now = time.perf_counter()
+                deltas = [(s, s.snapshot(req)) for req in touched
+                          if (s := self._streams.get(req.request_id)) is not None]
+                sched, stats = engine.scheduler, engine.last_step
+                step = (stats.phase_seconds, len(sched.running), len(sched.waiting), stats.num_preempted,
+                        engine.kv_usage(), stats.draft_length)
+                pending = (deltas, step, now)
+                if self._lock_waiters or not engine.has_unfinished():
+                    return
+        finally:
+            hand_over()  # the last step's, and one before a failed step's dispatch
 
     def _publish(self, deltas: list[tuple[RequestStream, Any]], step: tuple[Any, ...], now: float) -> None:
         """Move what a step produced into the streams, and into the metrics (on the event loop)."""

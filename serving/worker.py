@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,8 +30,9 @@ from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.parallel import TensorParallelGroup, set_tp_group
 from engine.runner.model_runner import ModelRunner
 from engine.spec.proposer import DraftProposal, DraftProposer
-from engine.spec.verifier import Verifier
+from engine.spec.verifier import Verifier, VerifyInput
 from engine.step_plan import StepPlan, StepResult
+from serving.thread_switch import set_gil_switch_interval
 
 ROLES = ("target", "draft")
 _HOST = socket.gethostname()
@@ -57,8 +57,10 @@ class WorkerInfo:
 
 @dataclass
 class DraftOutput:
-    """What draft rank 0 hands to the target ranks through the graph: the proposal, its wall time, and when and
-    where it was sent (perf_counter is the host's monotonic clock: comparable between processes of one host)."""
+    """What draft rank 0 hands to the target ranks through the graph: the proposal (ids as host lists), its wall
+    time, and when and where it was sent (perf_counter is the host's monotonic clock: comparable between processes
+    of one host). Small on purpose: it is serialized on the draft's worker and read on the target's while the
+    step waits."""
 
     proposal: DraftProposal
     seconds: float
@@ -90,21 +92,6 @@ def node_ip_and_free_port() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
-# Python's own is 5 ms: how long a thread that gave up the GIL (for the step's wait on the GPU or a compiled-graph
-# channel) may have to wait to get it back while another thread of the process holds it.
-DEFAULT_GIL_SWITCH_INTERVAL_S = 0.0002
-
-
-def set_gil_switch_interval() -> None:
-    """Shorten the interpreter's thread switch interval in a worker process (SPECSERVE_GIL_SWITCH_INTERVAL_S,
-    default 200 us, Python's own is 5 ms). A worker's step thread drops the GIL at every wait and then competes
-    for it with Ray's own threads in the process; at 5 ms a step could lose up to that much getting it back. On
-    2 H200s, with the draft on another GPU, the target's mean `sample` phase fell from 3.1 to 0.15 ms and c=1
-    tokens/s rose from 229 to 264 at the same TPOT (an A/B in one call); the target alone measured +7.4% over the
-    in-process engine in one run with it, against +6.1% to +18.6% before (benchmarks/RESULTS.md)."""
-    sys.setswitchinterval(float(os.environ.get("SPECSERVE_GIL_SWITCH_INTERVAL_S", DEFAULT_GIL_SWITCH_INTERVAL_S)))
-
-
 class ModelWorker:
     """One rank of the target or the draft model."""
 
@@ -133,6 +120,7 @@ class ModelWorker:
         self.runner = ModelRunner(model_config, config, f"{role}[{rank}/{world_size}]")
         self.proposer: DraftProposer | None = None
         self.verifier: Verifier | None = None
+        self.num_prepared_ahead = 0  # verify steps whose input was built while the draft proposed
         if role == "draft":
             self.proposer = DraftProposer(self.runner, rejection_sampling == "probabilistic", config.seed)
         else:
@@ -175,15 +163,29 @@ class ModelWorker:
         proposal = self.propose(plan)
         if self.rank != 0:
             return None
-        proposal = proposal.to_host()  # ids cross to the target ranks as plain host tensors
+        proposal = proposal.to_host([r.num_draft_tokens for r in plan.requests])
         now = time.perf_counter()
         return DraftOutput(proposal, now - t0, now, _HOST)
 
-    def target_step(self, plan: StepPlan, draft: DraftOutput | None = None, *_ignored: None) -> StepResult | None:
-        """`draft` is draft rank 0's output; `_ignored` are the other draft ranks' Nones, bound here only so
-        the graph has no leaf nodes."""
+    def target_prepare(self, plan: StepPlan) -> VerifyInput:
+        """The verify input of a step with a draft, built from the plan alone: a graph node bound to the plan, so
+        it runs while the draft's workers propose and the proposal finds the input ready."""
+        if self.verifier is None:
+            raise RuntimeError(f"target_prepare() called on a {self.role} worker")
+        return self.verifier.prepare(plan, with_drafts=True)
+
+    def target_step(self, step: StepPlan | VerifyInput, draft: DraftOutput | None = None,
+                    *_ignored: None) -> StepResult | None:
+        """`step` is the plan, or its verify input from `target_prepare`; `draft` is draft rank 0's output;
+        `_ignored` are the other draft ranks' Nones, bound here only so the graph has no leaf nodes."""
         received = time.perf_counter()
-        result = self.verify(plan, draft.proposal if draft is not None else None)
+        if self.verifier is None:
+            raise RuntimeError(f"target_step() called on a {self.role} worker")
+        proposal = draft.proposal if draft is not None else None
+        ahead = isinstance(step, VerifyInput)
+        inp = step if ahead else self.verifier.prepare(step, with_drafts=proposal is not None)
+        result = self.verifier.run(inp, proposal, prepared_ahead=ahead)
+        self.num_prepared_ahead += ahead
         if self.rank != 0:
             return None
         if draft is not None:

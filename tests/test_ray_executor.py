@@ -29,7 +29,8 @@ from engine.request import Request
 from engine.step_plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
 from serving.ray_executor import RayExecutor, WorkerDiedError, check_tensor_parallel
-from serving.worker import DEFAULT_GIL_SWITCH_INTERVAL_S, ModelWorker
+from serving.thread_switch import DEFAULT_GIL_SWITCH_INTERVAL_S
+from serving.worker import ModelWorker
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = random_prompts([3, 9, 17], seed=5)
@@ -191,7 +192,8 @@ def test_speculation_with_draft_tp2_compiled_equals_plain(tiny_models: dict[str,
 def test_gemma3_hybrid_tp2_with_replicated_kv_draft(tiny_models: dict[str, TinyModel],
                                                     tiny_drafts: dict[str, TinyModel]) -> None:
     """Gemma 3 target (sliding + full: two KV-cache groups) at TP=2, and a 1-layer Llama draft with a single KV
-    head at TP=2 (the KV head is replicated on both ranks)."""
+    head at TP=2 (the KV head is replicated on both ranks). Every step's verify input is built by the graph's
+    prepare node on both target ranks, before the proposal arrives, and the drafts written into it later."""
     target = tiny_models["gemma3"].path
     engine = build_ray_engine(target, tiny_drafts["llama-1l"].path, num_speculative_tokens=3,
                               tensor_parallel_size=2, draft_tensor_parallel_size=2, **ENGINE_KW)
@@ -201,7 +203,14 @@ def test_gemma3_hybrid_tp2_with_replicated_kv_draft(tiny_models: dict[str, TinyM
         # Per-rank head counts size the caches: 2 KV heads / 2 ranks, 1 KV head replicated.
         assert {g.spec.num_kv_heads for g in executor.target_kv_groups} == {1}
         assert [g.spec.num_kv_heads for g in executor.draft_kv_groups] == [1]
+        steps: list[StepResult] = []
+        execute = executor.execute
+        executor.execute = lambda plan: steps.append(execute(plan)) or steps[-1]  # type: ignore[method-assign]
         assert greedy_tokens(engine) == llm_greedy(target)
+        ahead = ray.get([w.__ray_call__.remote(lambda self: self.num_prepared_ahead) for w in executor.target.workers])
+        assert ahead == [len(steps), len(steps)]
+        # Built ahead, the input costs the step only the drafts' copy into it: not the whole build.
+        assert all(s.phase_seconds["prepare"] < s.phase_seconds["verify"] + s.phase_seconds["sample"] for s in steps)
     finally:
         engine.executor.shutdown()
 

@@ -3,18 +3,22 @@ no checkpoint), the way the GPU benchmarks serve Qwen3-8B shapes, through the re
 
 The random weights are drawn per checkpoint tensor from the tensor's name, so the served model (here with a
 tensor-parallel draft) is the same model as the in-process engine's: greedy text must match it exactly. /metrics
-splits each step into the models' phases and the router's own (schedule, dispatch, commit).
+splits each step into the models' phases and the router's own (schedule, dispatch, commit). The router switches
+threads as often as the workers, and the target builds its verify inputs while the draft proposes.
 """
 
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
-from serve_support import completion, make_byte_models, running_server, scrape, serve_config
+import ray
+from serve_support import completion, make_byte_models, router_handle, running_server, scrape, serve_config
 
 from engine import LLM, SamplingParams
+from serving.thread_switch import DEFAULT_GIL_SWITCH_INTERVAL_S
 
 PROMPTS = ["hello there", "the quick brown fox"]
 MAX_TOKENS = 10
@@ -45,7 +49,14 @@ def test_served_random_weights_equal_the_offline_engine(shape_dirs: tuple[str, s
             assert r.status_code == 200, r.text
             texts.append(r.json()["choices"][0]["text"])
         metrics = scrape(client)
+        router = router_handle()
+        # The router's step thread and the target's verify input built while the draft proposes.
+        interval = ray.get(router.__ray_call__.remote(lambda r: sys.getswitchinterval()))
+        targets = ray.get(router.__ray_call__.remote(lambda r: r.engine.executor.target.workers))
+        ahead = ray.get([w.__ray_call__.remote(lambda w: w.num_prepared_ahead) for w in targets])
     assert texts == expected
+    assert interval == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_S)
+    assert ahead[0] > 0
     # The draft has its own shape (3 layers to the target's 2), so it is really a second model here.
     assert metrics["specserve_spec_decode_num_draft_tokens_total"] > 0
     for phase in ("schedule", "propose", "handoff", "prepare", "verify", "sample", "dispatch", "commit"):

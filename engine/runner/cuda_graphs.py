@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from engine.runner.input_buffers import InputBuffers
-from engine.runner.step_input import Chunk, DeviceTokens, StepInput
+from engine.runner.step_input import Chunk, StepInput
 
 logger = logging.getLogger("specserve")
 
@@ -77,13 +77,15 @@ class ForwardGraphs:
             return None
         return self.batch_sizes[bi], self.query_lens[qi]
 
-    def run(self, chunks: list[Chunk], key: tuple[int, int], device_tokens: DeviceTokens | None = None
-            ) -> torch.Tensor:
-        """Replay the graph `key` on the chunks: logits [num real tokens, V] (a view of the static output,
-        valid until the next replay of any graph of this pool)."""
+    def load(self, chunks: list[Chunk], key: tuple[int, int]) -> StepInput:
+        """Write the chunks into the input buffers, padded to the graph `key`'s shape."""
         b, q = key
-        self.buffers.load(chunks, num_reqs=b, num_tokens=b * q, max_query_len=q, device_tokens=device_tokens)
+        return self.buffers.load(chunks, num_reqs=b, num_tokens=b * q, max_query_len=q)
+
+    def replay(self, key: tuple[int, int], num_tokens: int) -> torch.Tensor:
+        """Replay the graph `key` on what the buffers hold: logits [num_tokens, V] of the real tokens (a view of
+        the static output, valid until the next replay of any graph of this pool)."""
         graph, out = self.graphs[key]
         graph.replay()
         self.num_replays += 1
-        return out[:sum(len(c.token_ids) for c in chunks)]
+        return out[:num_tokens]

@@ -18,7 +18,7 @@ import torch
 from engine.attention.metadata import AttentionMetadata, CommonAttentionMetadata, GroupAttentionMetadata
 from engine.kv_cache.block_pool import NULL_BLOCK
 from engine.kv_cache.spec import KVCacheGroupSpec
-from engine.runner.step_input import Chunk, DeviceTokens, StepInput
+from engine.runner.step_input import Chunk, StepInput
 
 
 class InputBuffers:
@@ -82,12 +82,10 @@ class InputBuffers:
         return step
 
     def load(self, chunks: list[Chunk], num_reqs: int | None = None, num_tokens: int | None = None,
-             max_query_len: int | None = None, num_logits_padded: int | None = None,
-             device_tokens: DeviceTokens | None = None) -> StepInput:
+             max_query_len: int | None = None, num_logits_padded: int | None = None) -> StepInput:
         """Write the chunks into the buffers, padded to num_reqs requests and num_tokens tokens, and
         return the step's view. Logits rows are the chunks' last num_logits tokens, in order, then token 0
-        up to num_logits_padded rows (so a graph's fixed-size gather stays in bounds). device_tokens replace
-        placeholder ids of the chunks, on the device after the upload."""
+        up to num_logits_padded rows (so a graph's fixed-size gather stays in bounds)."""
         if not chunks:
             raise ValueError("a step needs at least one request")
         n_real = len(chunks)
@@ -142,8 +140,6 @@ class InputBuffers:
         li[:num_logits] = np.repeat(qsl[1:n_real + 1] - np.cumsum(nlog), nlog) + np.arange(num_logits)
         li[num_logits:] = 0
         self._upload(r, t, padded)
-        if device_tokens is not None:
-            device_tokens.write(self.input_ids)
         step = self.view(r, t, max_query_len if max_query_len is not None else int(qlens.max()),
                          int(seq.max()), padded)
         step.num_logits_per_req = nlog.tolist()

@@ -12,7 +12,7 @@ from engine.models.loader import build_model
 from engine.parallel import get_tp_group
 from engine.runner.cuda_graphs import ForwardGraphs, GraphPool
 from engine.runner.input_buffers import InputBuffers
-from engine.runner.step_input import Chunk, DeviceTokens, StepInput, build_step_input
+from engine.runner.step_input import Chunk, DeviceTokens, PreparedForward, StepInput, build_step_input
 
 logger = logging.getLogger("specserve")
 
@@ -106,12 +106,26 @@ class ModelRunner:
     def forward_chunks(self, chunks: list[Chunk], device_tokens: DeviceTokens | None = None) -> torch.Tensor:
         """Build the step's input (attention metadata for every KV-cache group) and run it: a graph replay
         when one fits, else eagerly. device_tokens replace placeholder ids of the chunks on the device."""
+        return self.run_forward(self.prepare_forward(chunks), device_tokens)
+
+    def prepare_forward(self, chunks: list[Chunk]) -> PreparedForward:
+        """The step's input on the device, not run yet (placeholders may stand where ids are still missing)."""
+        num_tokens = sum(len(c.token_ids) for c in chunks)
         if self.buffers is None:
-            return self.execute(build_step_input(chunks, self.kv_groups, self.device, device_tokens))
+            return PreparedForward(build_step_input(chunks, self.kv_groups, self.device), None, num_tokens)
         key = self.graphs.bucket(chunks) if self.graphs is not None else None
         if key is not None:
-            return self.graphs.run(chunks, key, device_tokens)
-        return self.execute(self.buffers.load(chunks, device_tokens=device_tokens))
+            return PreparedForward(self.graphs.load(chunks, key), key, num_tokens)
+        return PreparedForward(self.buffers.load(chunks), None, num_tokens)
+
+    def run_forward(self, prepared: PreparedForward, device_tokens: DeviceTokens | None = None) -> torch.Tensor:
+        """Write device_tokens over their placeholders and run the prepared input: logits [num_logits, V]
+        (every real token's on a graph replay, whose chunks all want logits)."""
+        if device_tokens is not None:
+            device_tokens.write(prepared.step.input_ids)
+        if prepared.graph_key is not None:
+            return self.graphs.replay(prepared.graph_key, prepared.num_tokens)
+        return self.execute(prepared.step)
 
     def capture_graphs(self, query_lens: list[int]) -> None:
         """Capture decode/verify graphs for these query lengths (1: decode, k + 1: verify), unless eager."""

@@ -23,9 +23,9 @@ class Chunk:
 
 @dataclass
 class DeviceTokens:
-    """Token ids of a step that are still on the model's device when its input is built (a draft's proposal
-    verified in the same process): the chunks hold placeholders at these flat token indices, and the device
-    overwrites them before the forward, so the host never waits for the ids."""
+    """Token ids of a step that were not known when its input was built (a draft's proposal): the chunks hold
+    placeholders at these flat token indices, and the device overwrites them before the forward, so the host
+    never waits for ids still on the GPU, and an input built ahead takes its drafts without being rebuilt."""
 
     index: torch.Tensor  # [m] int64; flat token index within the step's input
     ids: torch.Tensor  # [m] int64; the token ids, on the model's device
@@ -48,10 +48,19 @@ class StepInput:
         return int(self.input_ids.shape[0])
 
 
-def build_step_input(chunks: list[Chunk], groups: list[KVCacheGroupSpec], device: torch.device,
-                     device_tokens: DeviceTokens | None = None) -> StepInput:
-    """Flatten the chunks and build attention metadata for every KV-cache group of this model; device_tokens
-    replace placeholder ids of the chunks."""
+@dataclass
+class PreparedForward:
+    """A forward's input, already on the device, that has not run yet: `ModelRunner.prepare_forward` builds it,
+    `run_forward` writes in the ids that were placeholders and runs it. Between the two a target's worker waits
+    for the draft's proposal, so the input is built while the draft works instead of after it."""
+
+    step: StepInput  # on the kernel path, views of the runner's input buffers
+    graph_key: tuple[int, int] | None  # (batch, query len) of the CUDA graph to replay; None: run eagerly
+    num_tokens: int  # real tokens; a graph's output has padding rows after them
+
+
+def build_step_input(chunks: list[Chunk], groups: list[KVCacheGroupSpec], device: torch.device) -> StepInput:
+    """Flatten the chunks and build attention metadata for every KV-cache group of this model."""
     if not chunks:
         raise ValueError("a step needs at least one request")
     query_lens = [len(c.token_ids) for c in chunks]
@@ -69,13 +78,10 @@ def build_step_input(chunks: list[Chunk], groups: list[KVCacheGroupSpec], device
             raise ValueError(f"{c.num_logits} logits asked for {len(c.token_ids)} tokens")
         ids.extend(c.token_ids)
         logits_idx.extend(range(len(ids) - c.num_logits, len(ids)))
-    step = StepInput(
+    return StepInput(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=common.positions,
         attn=AttentionMetadata(common=common, groups=groups),
         logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=device),
         num_logits_per_req=[c.num_logits for c in chunks],
     )
-    if device_tokens is not None:
-        device_tokens.write(step.input_ids)
-    return step

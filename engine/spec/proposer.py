@@ -24,22 +24,27 @@ from engine.step_plan import StepPlan
 
 @dataclass
 class DraftProposal:
-    draft_token_ids: torch.Tensor  # [num_reqs, max_k] int64; -1 beyond num_draft_tokens
-    num_draft_tokens: torch.Tensor  # [num_reqs] int64
+    """A step's drafts. In process the ids stay on the draft's device; a draft worker sends them to the target's
+    workers as host lists (`to_host`): a few small ints pickle in microseconds, where Ray pickles a CPU tensor
+    through torch's own serialization, about 0.2 ms each way."""
+
+    # [num_reqs, max_k] int64 on the draft's device, -1 beyond a request's k; or, from `to_host`, each request's
+    # k ids as a host list
+    draft_token_ids: torch.Tensor | list[list[int]]
     draft_probs: torch.Tensor | None  # [num_reqs, max_k, vocab] float32; q after temperature/top-k/top-p
 
-    def draft_token_lists(self) -> list[list[int]]:
-        # SYNC: a remote draft's ids, for a target that builds its verify input from host lists (free once
-        # `to_host` ran); a draft in the target's process hands its ids over on the device instead.
-        ids, n = self.draft_token_ids.tolist(), self.num_draft_tokens.tolist()
-        return [row[:k] for row, k in zip(ids, n)]
+    def host_rows(self, counts: list[int]) -> list[list[int]]:
+        """Each request's draft ids on the host; counts: the plan's k per request."""
+        if isinstance(self.draft_token_ids, list):
+            return self.draft_token_ids
+        # SYNC: waits for the draft's kernels; only where the ids must leave the draft's device (a draft
+        # worker's proposal), or for a caller that asks for them on the host.
+        return [row[:k] for row, k in zip(self.draft_token_ids.tolist(), counts)]
 
-    def to_host(self) -> DraftProposal:
-        """The ids and counts on the host, probabilities where they are: what a draft worker sends to the target's
-        workers. Copying them when the draft finishes times the draft's GPU work where it was spent, and plain CPU
-        tensors cross a Ray channel without a device copy at either end."""
-        # SYNC: waits for the draft's kernels: the proposal is complete here.
-        return DraftProposal(self.draft_token_ids.cpu(), self.num_draft_tokens.cpu(), self.draft_probs)
+    def to_host(self, counts: list[int]) -> DraftProposal:
+        """What a draft worker sends to the target's workers: ids as host lists, probabilities where they are.
+        Copying the ids when the draft finishes times the draft's GPU work where it was spent."""
+        return DraftProposal(self.host_rows(counts), self.draft_probs)
 
 
 class DraftProposer:
@@ -90,7 +95,7 @@ class DraftProposer:
         if max_k == 0 and any(c.token_ids for c in chunks):
             # Only catch-up work (prefill chunks, k = 0 decodes): keep the draft's KV in step.
             self.runner.forward_chunks([c for c in chunks if c.token_ids])
-        return DraftProposal(ids, to_device(ks, torch.int64, dev), probs)
+        return DraftProposal(ids, probs)
 
     def _propose_loop(self, plan: StepPlan) -> DraftProposal:
         """The same proposal from the draft loop's buffers and graphs. Its random numbers are drawn up front
@@ -123,4 +128,4 @@ class DraftProposer:
                 if loop_probs is not None and self.keep_probs:
                     probs = torch.zeros(len(reqs), max_k, loop_probs.shape[-1], device=dev)
                     probs[row_idx] = loop_probs
-        return DraftProposal(ids, to_device(ks, torch.int64, dev), probs)
+        return DraftProposal(ids, probs)

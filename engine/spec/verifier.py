@@ -1,20 +1,39 @@
 """The target's side of a step: one forward over every planned request (prefill chunks, plain decodes,
-and [last token + k drafts] for speculating requests), then sampling or rejection sampling."""
+and [last token + k drafts] for speculating requests), then sampling or rejection sampling.
+
+A step is two calls: `prepare` builds the forward's input from the plan alone, with placeholders where the drafts
+go, and `run` writes the draft ids in on the device and runs it. In process they follow each other (the host
+builds the input while the GPU runs the draft); a target worker prepares while the draft's worker proposes, so
+that only the ids' small copy waits for the proposal."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from engine.host_copy import to_device
 from engine.runner.model_runner import ModelRunner
-from engine.runner.step_input import Chunk, DeviceTokens
+from engine.runner.step_input import Chunk, DeviceTokens, PreparedForward
 from engine.sample.from_plan import TARGET_STREAM, sampling_metadata
 from engine.sample.sampler import Sampler
 from engine.spec.proposer import DraftProposal
 from engine.spec.rejection_sampler import rejection_sample
 from engine.step_plan import StepPlan, StepResult
+
+
+@dataclass
+class VerifyInput:
+    """A verify step built from its plan before the draft's ids exist."""
+
+    plan: StepPlan
+    counts: list[int]  # [num_reqs] drafts verified per request: the plan's k (0 for all without a draft)
+    forward: PreparedForward  # the input on the device; placeholder ids where the drafts go
+    # [2, num drafts] int64 on the device, or None without drafts: row 0 the drafts' flat token indices in the
+    # forward's input, row 1 their indices in the proposal's flattened [num_reqs, max_k] ids
+    draft_index: torch.Tensor | None
+    seconds: float  # host time spent building it
 
 
 class Verifier:
@@ -29,30 +48,59 @@ class Verifier:
         # Every verify width up to k + 1: a load-adaptive draft length may pick any k per step.
         runner.capture_graphs(list(range(1, k + 2)))
 
-    @torch.inference_mode()
     def verify(self, plan: StepPlan, proposal: DraftProposal | None) -> StepResult:
-        t_in = time.perf_counter()
+        return self.run(self.prepare(plan, proposal is not None), proposal)
+
+    @torch.inference_mode()
+    def prepare(self, plan: StepPlan, with_drafts: bool) -> VerifyInput:
+        """The step's input with a placeholder for each of the plan's drafts (with_drafts: a proposal will come;
+        its counts are the plan's)."""
+        t0 = time.perf_counter()
         reqs = plan.requests
+        counts = [r.num_draft_tokens for r in reqs] if with_drafts else [0] * len(reqs)
+        chunks = [Chunk(r.token_ids + [0] * k if k else r.token_ids, r.start_pos, 1 + k if r.sample else 0,
+                        r.block_tables) for r, k in zip(reqs, counts)]
+        forward = self.runner.prepare_forward(chunks)
+        draft_index = None
+        if any(counts):
+            max_k = max(counts)
+            dst: list[int] = []
+            src: list[int] = []
+            offset = 0
+            for i, (r, k) in enumerate(zip(reqs, counts)):
+                start = offset + len(r.token_ids)
+                dst.extend(range(start, start + k))
+                src.extend(range(i * max_k, i * max_k + k))
+                offset = start + k
+            draft_index = to_device([dst, src], torch.int64, self.runner.device)
+        return VerifyInput(plan, counts, forward, draft_index, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def run(self, inp: VerifyInput, proposal: DraftProposal | None, prepared_ahead: bool = False) -> StepResult:
+        """Write the proposal's ids into the prepared input, run the forward and sample. prepared_ahead: the input
+        was built while the draft proposed, so its time is not the step's (not booked as `prepare`)."""
+        t_in = time.perf_counter()
+        plan, counts = inp.plan, inp.counts
         dev = self.runner.device
+        draft_ids = None  # [num_reqs, max_k] int64 on the device
         device_tokens = None
-        if proposal is None:
-            counts = [0] * len(reqs)
-            token_ids = [r.token_ids for r in reqs]
-            draft_ids = None
-        elif self.ids_on_device(proposal):
-            # A draft in this process: its ids stay on the device. The host builds the verify input with
-            # placeholders and queues the forward behind the draft's kernels; nothing waits for the draft.
-            counts = [r.num_draft_tokens for r in reqs]  # the proposal's counts: the plan sets them
-            token_ids = [r.token_ids + [0] * k for r, k in zip(reqs, counts)]
-            draft_ids = proposal.draft_token_ids
-            device_tokens = self._device_tokens(reqs, counts, draft_ids)
-        else:
-            drafts = proposal.draft_token_lists()  # a remote draft's proposal arrives with its ids on the host
-            counts = [len(d) for d in drafts]
-            token_ids = [r.token_ids + d for r, d in zip(reqs, drafts)]
-            draft_ids = proposal.draft_token_ids.to(dev, non_blocking=True)
-        chunks = [Chunk(ids, r.start_pos, 1 + k if r.sample else 0, r.block_tables)
-                  for r, ids, k in zip(reqs, token_ids, counts)]
+        if proposal is not None and inp.draft_index is not None:
+            max_k = max(counts)
+            if self.ids_on_device(proposal):
+                # A draft in this process: its ids stay on the device and the forward is queued behind the
+                # draft's kernels; nothing waits for the draft.
+                draft_ids = proposal.draft_token_ids
+            else:
+                # A remote draft's ids arrive on the host: one small copy, queued without a sync.
+                rows = proposal.host_rows(counts)
+                if [len(row) for row in rows] != counts:
+                    raise ValueError(f"the plan asks for {counts} drafts, the proposal has {[len(r) for r in rows]}")
+                draft_ids = to_device([row + [-1] * (max_k - len(row)) for row in rows], torch.int64, dev)
+            if draft_ids.shape[1] != max_k:
+                raise ValueError(f"the plan asks for {max_k} drafts per request, the proposal has "
+                                 f"{draft_ids.shape[1]}")
+            index = inp.draft_index
+            device_tokens = DeviceTokens(index[0], draft_ids.reshape(-1).index_select(0, index[1]))
         t0 = time.perf_counter()
         events = None
         if dev.type == "cuda":
@@ -60,7 +108,7 @@ class Verifier:
             # time the forward on the GPU without a sync of their own, so verify is not booked as sample.
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             events[0].record()
-        logits = self.runner.forward_chunks(chunks, device_tokens)  # [sum of num_logits, V]
+        logits = self.runner.run_forward(inp.forward, device_tokens)  # [sum of num_logits, V]
         if events is not None:
             events[1].record()
         t1 = time.perf_counter()
@@ -70,32 +118,16 @@ class Verifier:
         # sampled nothing (mid-prefill) did not sync, and keeps the host's figure rather than add a sync.
         done = events is not None and events[1].query()
         verify = events[0].elapsed_time(events[1]) / 1e3 if done else t1 - t0
-        # prepare: the host's work before the forward (draft ids to lists, chunks), in-process or on a worker.
-        result.phase_seconds = {"prepare": t0 - t_in, "verify": verify, "sample": max(0.0, t2 - t0 - verify)}
+        # prepare: the host's work before the forward on the step's path (the input, and the draft ids into it).
+        prepare = (0.0 if prepared_ahead else inp.seconds) + t0 - t_in
+        result.phase_seconds = {"prepare": prepare, "verify": verify, "sample": max(0.0, t2 - t0 - verify)}
         return result
 
     def ids_on_device(self, proposal: DraftProposal) -> bool:
         """Whether the proposal's ids are on this model's device (a draft in the same process), so the verify
-        input takes them there; otherwise (a remote draft's host tensors on a GPU target) via host lists."""
-        return proposal.draft_token_ids.device == self._device
-
-    def _device_tokens(self, reqs: list, counts: list[int], draft_ids: torch.Tensor) -> DeviceTokens | None:
-        """Where each request's drafts go in the step's flat input, gathered from draft_ids [num_reqs, max_k]."""
-        max_k = draft_ids.shape[1]
-        if max(counts, default=0) > max_k:
-            raise ValueError(f"the plan asks for {max(counts)} drafts, the proposal has {max_k}")
-        dst: list[int] = []
-        src: list[int] = []
-        offset = 0
-        for i, (r, k) in enumerate(zip(reqs, counts)):
-            start = offset + len(r.token_ids)
-            dst.extend(range(start, start + k))
-            src.extend(range(i * max_k, i * max_k + k))
-            offset = start + k
-        if not dst:
-            return None
-        index = to_device([dst, src], torch.int64, self.runner.device)
-        return DeviceTokens(index[0], draft_ids.reshape(-1).index_select(0, index[1]))
+        input takes them there; otherwise (a remote draft's host lists) they are copied in."""
+        ids = proposal.draft_token_ids
+        return isinstance(ids, torch.Tensor) and ids.device == self._device
 
     def _sample(self, plan: StepPlan, proposal: DraftProposal | None, draft_ids: torch.Tensor | None,
                 counts: list[int], logits: torch.Tensor) -> StepResult:
