@@ -85,7 +85,7 @@ def serve_config(pair: Pair, variant: str, args: argparse.Namespace, schedule: l
     if variant == "no-spec":
         cfg["rejection_sampling"] = "probabilistic"
     if args.engine == "local":
-        cfg["engine_builder"] = "serving.router:build_local_engine"
+        cfg["engine_builder"] = "serving.engine_builders:build_local_engine"
     return cfg
 
 

@@ -45,7 +45,7 @@ def _default_device() -> str:
 
 def build_app_from_config(cfg: ServeConfig) -> serve.Application:
     from serving.app import build_application
-    from serving.router import DEFAULT_ENGINE_BUILDER
+    from serving.engine_builders import DEFAULT_ENGINE_BUILDER
 
     cfg.validate()
     engine_args = cfg.engine_args()

@@ -18,8 +18,9 @@ from ray import serve
 from ray.serve.config import DeploymentActorConfig
 
 from serving import grpc_service
+from serving.engine_builders import DEFAULT_ENGINE_BUILDER, LOCAL_ENGINE_BUILDER
 from serving.openai_api import create_openai_app
-from serving.router import DEFAULT_ENGINE_BUILDER, LOCAL_ENGINE_BUILDER, Router
+from serving.router import Router
 from serving.router_client import GenerationError, RouterClient
 
 logger = logging.getLogger("specserve")

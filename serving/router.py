@@ -25,39 +25,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import ray
+
+from serving.engine_builders import DEFAULT_ENGINE_BUILDER, import_builder
 
 if TYPE_CHECKING:
     from serving.request_stream import RequestStream
 
 logger = logging.getLogger("specserve")
-
-# The engine the router drives: target and draft on Ray worker actors (each tensor-parallel, on its own
-# placement group), stepped through a compiled graph. "serving.router:build_local_engine" runs both models
-# inside the router's own process instead (no worker actors; tensor_parallel_size 1 only).
-DEFAULT_ENGINE_BUILDER = "serving.engine_factory:build_ray_engine"
-LOCAL_ENGINE_BUILDER = "serving.router:build_local_engine"
-
-
-def build_local_engine(**engine_args: Any) -> Any:
-    """Target (and draft) in the router's own process, through the offline LLM's construction."""
-    from engine.llm import LLM
-
-    return LLM(**engine_args).engine
-
-
-def _import_builder(path: str) -> Callable[..., Any]:
-    module, _, name = path.partition(":")
-    if not name:
-        raise ValueError(f"engine builder must look like 'package.module:function', got {path!r}")
-    return getattr(importlib.import_module(module), name)
 
 
 @ray.remote
@@ -92,7 +73,7 @@ class Router:
         self.max_queued_requests = max_queued_requests
         self.continue_without_draft = continue_without_draft
         logger.info("router: building the engine with %s(%s)", engine_builder, engine_args)
-        self.engine = _import_builder(engine_builder)(**engine_args)
+        self.engine = import_builder(engine_builder)(**engine_args)
         self.metrics = EngineMetrics()
         self._lock = asyncio.Lock()
         self._lock_waiters = 0  # coroutines waiting for `_lock`: the step thread yields the engine to them
@@ -367,7 +348,7 @@ class Router:
         try:
             await asyncio.to_thread(old.executor.shutdown)  # frees the dead group's placement (its GPUs)
             logger.warning("router: rebuilding the engine's worker groups after: %s", self._unhealthy)
-            engine = await asyncio.to_thread(_import_builder(self.engine_builder), **self.engine_args)
+            engine = await asyncio.to_thread(import_builder(self.engine_builder), **self.engine_args)
         except Exception:  # noqa: BLE001 - e.g. no resources: let Serve replace the whole router
             logger.exception("router: rebuilding the engine failed")
             await self._exit_soon(0.0)

@@ -30,7 +30,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(models):
     target, draft = models
-    cfg = serve_config(target, draft, engine_builder="serving.router:build_local_engine",
+    cfg = serve_config(target, draft, engine_builder="serving.engine_builders:build_local_engine",
                        draft_length_schedule="1:3", spec_disable_above_batch_size=2)
     with running_server(cfg, num_cpus=4) as srv:
         yield srv

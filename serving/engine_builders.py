@@ -1,0 +1,32 @@
+"""Which engine a router drives, named as `package.module:function` so a Serve config can choose it.
+
+Kept free of engine imports at module level: the router's module is pickled by value into the Serve controller,
+which must not import torch just to create the actor.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+# The engine the router drives: target and draft on Ray worker actors (each tensor-parallel, on its own
+# placement group), stepped through a compiled graph. LOCAL_ENGINE_BUILDER runs both models inside the router's
+# own process instead (no worker actors; tensor_parallel_size 1 only).
+DEFAULT_ENGINE_BUILDER = "serving.engine_factory:build_ray_engine"
+LOCAL_ENGINE_BUILDER = "serving.engine_builders:build_local_engine"
+
+
+def build_local_engine(**engine_args: Any) -> Any:
+    """Target (and draft) in the router's own process, through the offline LLM's construction."""
+    from engine.llm import LLM
+
+    return LLM(**engine_args).engine
+
+
+def import_builder(path: str) -> Callable[..., Any]:
+    """The builder function a `package.module:function` path names."""
+    module, _, name = path.partition(":")
+    if not name:
+        raise ValueError(f"engine builder must look like 'package.module:function', got {path!r}")
+    return getattr(importlib.import_module(module), name)
