@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from serving.engine_builders import DEFAULT_ENGINE_BUILDER, import_builder
+# build_local_engine stays importable from here for configs that name serving.router:build_local_engine.
+from serving.engine_builders import DEFAULT_ENGINE_BUILDER, build_local_engine, import_builder  # noqa: F401
 
 if TYPE_CHECKING:
     from serving.request_stream import RequestStream
