@@ -80,15 +80,21 @@ def collate(seqs: Sequence[DistillSequence], pad_id: int, max_len: int) -> Batch
     return Batch(ids, attn, loss)
 
 
+def save_atomic(obj: object, path: Path) -> None:
+    """torch.save through a temporary file and a rename: a killed run never leaves a half-written file that
+    --resume would trust."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
 def save_sequences(seqs: Sequence[DistillSequence], path: Path) -> None:
     """One flat int32 tensor of every token plus the lengths: a few bytes a token, where a pickled list of Python
     ints takes several times that (millions of teacher tokens are tens of MB)."""
     flat = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int32)
     lengths = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64)
     prompt_lens = torch.tensor([s.prompt_len for s in seqs], dtype=torch.int64)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"tokens": flat, "lengths": lengths, "prompt_lens": prompt_lens}, tmp)
-    tmp.replace(path)  # atomic: a killed run never leaves a half-written data file that --resume would trust
+    save_atomic({"tokens": flat, "lengths": lengths, "prompt_lens": prompt_lens}, path)
 
 
 def load_sequences(path: Path) -> list[DistillSequence]:

@@ -16,7 +16,14 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig, resolve_device
-from engine.distill.data import DistillSequence, encode_prompt, load_prompts, load_sequences, save_sequences
+from engine.distill.data import (
+    DistillSequence,
+    encode_prompt,
+    load_prompts,
+    load_sequences,
+    save_atomic,
+    save_sequences,
+)
 from engine.distill.evaluate import Acceptance, format_acceptance, measure_acceptance
 from engine.distill.export import export_draft
 from engine.distill.self_prompts import chat_frame, synthesize_prompts
@@ -210,9 +217,7 @@ def _teacher_data(cfg: DistillConfig, device: torch.device, work: Path, prompts:
                          for p in load_prompts("eval")]
                 written = synthesize_prompts(llm, frame, cfg.self_prompts, cfg.self_prompt_max_tokens,
                                              exclude=[*evals, *prompts], progress=cfg.progress)
-                tmp = self_path.with_suffix(".tmp")
-                torch.save(written, tmp)
-                tmp.replace(self_path)
+                save_atomic(written, self_path)
         seqs = generate_continuations(llm, prompts, cfg.max_new_tokens, cfg.samples_per_prompt,
                                       cfg.sample_temperature, shard_dir=work / "shards" / "hand",
                                       progress=cfg.progress)
@@ -234,9 +239,7 @@ def _topk_cache(cfg: DistillConfig, teacher: torch.nn.Module, seqs: list[Distill
         return [TopK(lp, ids) for lp, ids in torch.load(path)]
     topk = precompute_topk(teacher, seqs, k, cfg.train.batch_size, cfg.train.max_seq_len, pad_id, device,
                            cfg.progress)  # type: ignore[arg-type]
-    tmp = path.with_suffix(".tmp")
-    torch.save([(t.logprobs, t.token_ids) for t in topk], tmp)
-    tmp.replace(path)
+    save_atomic([(t.logprobs, t.token_ids) for t in topk], path)
     return topk
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from engine.distill.data import Batch, DistillSequence, collate
+from engine.distill.data import Batch, DistillSequence, collate, save_atomic
 from engine.distill.logits import autocast, logits_at_targets
 from engine.distill.student import Student
 from engine.distill.teacher import TopK
@@ -253,12 +253,10 @@ class Trainer:
         assert self.checkpoint_dir is not None
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         path = self.checkpoint_dir / CHECKPOINT_NAME
-        tmp = path.with_suffix(".tmp")
-        torch.save({"step": self.step, "model": self.student.trainable_state(),
-                    "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "losses": self.losses, "config": asdict(self.cfg), "validation": self.validation,
-                    "best": self.best}, tmp)
-        tmp.replace(path)
+        save_atomic({"step": self.step, "model": self.student.trainable_state(),
+                     "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                     "losses": self.losses, "config": asdict(self.cfg), "validation": self.validation,
+                     "best": self.best}, path)
         return path
 
     def load_checkpoint(self) -> bool:
