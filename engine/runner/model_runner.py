@@ -103,10 +103,10 @@ class ModelRunner:
         """Logits of every token of the step [num_tokens, vocab_size] float32 (graphs capture this)."""
         return self.model.compute_logits(self.model(step.input_ids, step.positions, step.attn))
 
-    def forward_chunks(self, chunks: list[Chunk], device_tokens: DeviceTokens | None = None) -> torch.Tensor:
+    def forward_chunks(self, chunks: list[Chunk]) -> torch.Tensor:
         """Build the step's input (attention metadata for every KV-cache group) and run it: a graph replay
-        when one fits, else eagerly. device_tokens replace placeholder ids of the chunks on the device."""
-        return self.run_forward(self.prepare_forward(chunks), device_tokens)
+        when one fits, else eagerly. A step whose ids are not all known yet uses prepare_forward/run_forward."""
+        return self.run_forward(self.prepare_forward(chunks))
 
     def prepare_forward(self, chunks: list[Chunk]) -> PreparedForward:
         """The step's input on the device, not run yet (placeholders may stand where ids are still missing)."""
