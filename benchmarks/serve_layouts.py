@@ -11,7 +11,9 @@ per layout.
 A layout is `t<T>` (the target alone at tensor-parallel size T) or `t<T>+d<D>` (and the draft at size D), with
 options after slashes: `plain` (plain Ray actor calls instead of a compiled graph), `shared` (the draft on the
 target's GPUs: target ranks take 0.75 of a GPU each, draft ranks 0.25; otherwise every rank has a GPU of its own,
-the target's first), `nccl` (the draft's proposal tensors go GPU to GPU through NCCL). `offline` and `offline+d`
+the target's first), `nccl` (the draft's proposal tensors go GPU to GPU through NCCL), `ahead` / `noahead` (the
+target's verify forward launched before the draft's ids come, behind the ids gate, forced on / off; by default
+it is on where no GPU is shared). `offline` and `offline+d`
 are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for serving's cost.
 
 Per layout, on a fresh Ray runtime that sees only the GPUs the layout needs:
@@ -66,11 +68,12 @@ class Layout:
     plain: bool = False
     shared: bool = False
     nccl: bool = False
+    ahead: bool | None = None  # launch_verify_ahead forced on / off; None: the executor's default
 
     @staticmethod
     def parse(text: str) -> Layout:
         head, *opts = text.split("/")
-        unknown = set(opts) - {"plain", "shared", "nccl"}
+        unknown = set(opts) - {"plain", "shared", "nccl", "ahead", "noahead"}
         if unknown:
             raise ValueError(f"layout {text!r}: unknown options {sorted(unknown)}")
         if head in ("offline", "offline+d"):
@@ -83,12 +86,15 @@ class Layout:
                 raise ValueError
             t, d = int(parts[0][1:]), int(parts[1][1:]) if len(parts) == 2 else 0
         except ValueError:
-            raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared][/nccl]") from None
+            raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared][/nccl][/ahead|/noahead]") from None
         if t < 1 or (len(parts) == 2 and d < 1):
             raise ValueError(f"layout {text!r}: sizes must be >= 1")
-        if ("shared" in opts or "nccl" in opts) and not d:
-            raise ValueError(f"layout {text!r}: shared and nccl need a draft")
-        return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "nccl" in opts)
+        if ("shared" in opts or "nccl" in opts or "ahead" in opts or "noahead" in opts) and not d:
+            raise ValueError(f"layout {text!r}: shared, nccl, ahead and noahead need a draft")
+        if "ahead" in opts and "noahead" in opts:
+            raise ValueError(f"layout {text!r}: ahead or noahead, not both")
+        ahead = True if "ahead" in opts else False if "noahead" in opts else None
+        return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "nccl" in opts, ahead)
 
     @property
     def num_gpus(self) -> int:
@@ -101,7 +107,7 @@ class Layout:
 
     @property
     def is_reference(self) -> bool:
-        return not self.offline and self.target_tp == 1 and self.draft_tp <= 1 and not (
+        return not self.offline and self.target_tp == 1 and self.draft_tp <= 1 and self.ahead is None and not (
             self.plain or self.shared or self.nccl)
 
 
@@ -117,6 +123,8 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
         engine_kwargs["enforce_eager"] = True
     if layout.nccl:
         engine_kwargs["draft_tensor_transport"] = "nccl"
+    if layout.ahead is not None:
+        engine_kwargs["launch_verify_ahead"] = layout.ahead
     return {"model": pair.target, "draft_model": pair.draft if layout.draft_tp else None,
             "num_speculative_tokens": args.k, "rejection_sampling": pair.rejection_sampling,
             "synthetic_acceptance_rate": pair.synthetic_acceptance_rate if layout.draft_tp else None,

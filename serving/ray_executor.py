@@ -81,17 +81,22 @@ class RayExecutor:
                  draft_tensor_parallel_size: int = 1, use_compiled_graph: bool = True,
                  target_resources: dict[str, float] | None = None,
                  draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
-                 placement_timeout_s: float = 120.0, init_timeout_s: float = 900.0,
-                 step_timeout_s: float = 300.0) -> None:
+                 launch_verify_ahead: bool | None = None, placement_timeout_s: float = 120.0,
+                 init_timeout_s: float = 900.0, step_timeout_s: float = 300.0) -> None:
         """target_resources / draft_resources: merged into each rank's bundle (default {"CPU": 1} on CPU,
         {"GPU": 1, "CPU": 1} on CUDA), e.g. {"CPU": 2} or a custom resource naming a node pool.
         draft_tensor_transport: None keeps the proposal in the default shared-memory channel; "nccl" (or
-        "accelerator") sends its tensors GPU to GPU, see `_build_graph`."""
+        "accelerator") sends its tensors GPU to GPU, see `_build_graph`.
+        launch_verify_ahead: the target's ranks queue each verify forward on the GPU while the draft proposes,
+        behind a kernel that waits for the draft's ids (engine/kernels/ids_gate.py), so the forward starts the
+        moment they land. None (the default): on CUDA where every rank of both models has whole GPUs; a waiting
+        kernel would take a draft's time slices on a GPU the two share."""
         if not ray.is_initialized():
             raise RuntimeError("RayExecutor needs a Ray runtime: call ray.init() (or run inside Ray Serve) first")
         self.engine_config = engine_config
         self.use_compiled_graph = use_compiled_graph
         self.draft_tensor_transport = draft_tensor_transport
+        self.launch_verify_ahead = launch_verify_ahead
         self.step_timeout_s = step_timeout_s
         self.target: WorkerGroup | None = None
         self.draft: WorkerGroup | None = None
@@ -139,6 +144,10 @@ class RayExecutor:
                 self.target = group
             else:
                 self.draft = group
+        ahead = self.launch_verify_ahead
+        if ahead is None:
+            ahead = (dev == "cuda" and len(specs) == 2 and self.use_compiled_graph
+                     and all(bundle.get("GPU", 0) >= 1 for *_, bundle in specs))
         # Rank 0's node and a free port there, for each group's rendezvous (both looked up at once).
         lookup = ray.remote(node_ip_and_free_port)
         addr_refs = [lookup.options(**bundle_task_options(g.placement, 0)).remote() if g.size > 1 else None
@@ -152,7 +161,8 @@ class RayExecutor:
                 opts = actor_options(group.placement, rank, bundle)
                 group.workers.append(actor_cls.options(**opts).remote(
                     group.role, group.model_path, self.engine_config, rank, group.size, addr, port,
-                    rejection_sampling if group.role == "draft" else None, int(bundle.get("CPU", 1))))
+                    rejection_sampling if group.role == "draft" else None, int(bundle.get("CPU", 1)),
+                    launch_verify_ahead=ahead and group.role == "target"))
         for group, _ in groups:
             group.info = self._gather_info(group, init_timeout_s)
 

@@ -97,7 +97,8 @@ class ModelWorker:
 
     def __init__(self, role: str, model_path: str, engine_config: EngineConfig | dict[str, Any], rank: int = 0,
                  world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0,
-                 rejection_sampling: str | None = None, cpu_threads: int = 1) -> None:
+                 rejection_sampling: str | None = None, cpu_threads: int = 1,
+                 launch_verify_ahead: bool = False) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if not 0 <= rank < world_size:
@@ -121,10 +122,15 @@ class ModelWorker:
         self.proposer: DraftProposer | None = None
         self.verifier: Verifier | None = None
         self.num_prepared_ahead = 0  # verify steps whose input was built while the draft proposed
+        self.num_launched_ahead = 0  # ... and whose forward was queued on the GPU before the ids came
         if role == "draft":
             self.proposer = DraftProposer(self.runner, rejection_sampling == "probabilistic", config.seed)
         else:
             self.verifier = Verifier(self.runner, config.seed)
+        # Queue each verify forward before the draft's ids come (Verifier.enable_launch_ahead): only where graphs
+        # replay on CUDA, so it stays off on CPU and under enforce_eager whatever was asked.
+        self.launch_verify_ahead = bool(launch_verify_ahead and self.verifier is not None
+                                        and self.verifier.enable_launch_ahead())
 
     def _init_distributed(self, master_addr: str, master_port: int) -> TensorParallelGroup:
         if self.world_size == 1:
@@ -172,7 +178,7 @@ class ModelWorker:
         it runs while the draft's workers propose and the proposal finds the input ready."""
         if self.verifier is None:
             raise RuntimeError(f"target_prepare() called on a {self.role} worker")
-        return self.verifier.prepare(plan, with_drafts=True)
+        return self.verifier.prepare(plan, with_drafts=True, launch_ahead=self.launch_verify_ahead)
 
     def target_step(self, step: StepPlan | VerifyInput, draft: DraftOutput | None = None,
                     *_ignored: None) -> StepResult | None:
@@ -186,6 +192,7 @@ class ModelWorker:
         inp = step if ahead else self.verifier.prepare(step, with_drafts=proposal is not None)
         result = self.verifier.run(inp, proposal, prepared_ahead=ahead)
         self.num_prepared_ahead += ahead
+        self.num_launched_ahead += inp.launched is not None
         if self.rank != 0:
             return None
         if draft is not None:

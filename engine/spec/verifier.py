@@ -4,16 +4,22 @@ and [last token + k drafts] for speculating requests), then sampling or rejectio
 A step is two calls: `prepare` builds the forward's input from the plan alone, with placeholders where the drafts
 go, and `run` writes the draft ids in on the device and runs it. In process they follow each other (the host
 builds the input while the GPU runs the draft); a target worker prepares while the draft's worker proposes, so
-that only the ids' small copy waits for the proposal."""
+that only the ids' small copy waits for the proposal. With `launch_ahead` (a remote draft on GPUs of its own) the
+prepared forward is even queued on the GPU before the ids exist, behind a kernel that waits for them
+(engine/kernels/ids_gate.py), and `run` only writes them into pinned memory."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.host_copy import to_device
+from engine.kernels.ids_gate import IdsGate
+from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, DeviceTokens, PreparedForward
 from engine.sample.from_plan import TARGET_STREAM, sampling_metadata
@@ -21,6 +27,19 @@ from engine.sample.sampler import Sampler
 from engine.spec.proposer import DraftProposal
 from engine.spec.rejection_sampler import rejection_sample
 from engine.step_plan import StepPlan, StepResult
+
+logger = logging.getLogger("specserve")
+
+
+@dataclass
+class LaunchedForward:
+    """A verify forward queued on the GPU before its draft ids exist, waiting behind the gate's kernel."""
+
+    logits: torch.Tensor  # [num_tokens, V] the graph's static output: valid once the ids came and the stream ran
+    draft_ids: torch.Tensor  # [num_reqs, max_k] int64 on the device, written by the gate (-1 padding)
+    positions: list[int]  # [num_reqs * max_k] each draft's flat index in the forward's input, -1 for padding
+    gate_done: torch.cuda.Event  # recorded after the gate's kernel
+    events: tuple[torch.cuda.Event, torch.cuda.Event]  # around the forward alone, for its GPU time
 
 
 @dataclass
@@ -34,6 +53,7 @@ class VerifyInput:
     # forward's input, row 1 their indices in the proposal's flattened [num_reqs, max_k] ids
     draft_index: torch.Tensor | None
     seconds: float  # host time spent building it
+    launched: LaunchedForward | None = None  # the forward already queued, waiting for the ids (launch_ahead)
 
 
 class Verifier:
@@ -44,23 +64,42 @@ class Verifier:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed(seed)
+        self.gate: IdsGate | None = None  # set by enable_launch_ahead
         k = runner.config.num_speculative_tokens
         # Every verify width up to k + 1: a load-adaptive draft length may pick any k per step.
         runner.capture_graphs(list(range(1, k + 2)))
+
+    def enable_launch_ahead(self) -> bool:
+        """Let `prepare(..., launch_ahead=True)` queue graph-replayed forwards before a remote draft's ids come.
+        Only where forwards replay CUDA graphs (the gate's kernel is Triton; the interpreter would wait forever);
+        only for a target whose GPU no draft shares. Returns whether it is on."""
+        if self.runner.graphs is None or not HAS_TRITON or interpreting():
+            return False
+        if self.gate is None:
+            cfg = self.runner.config
+            self.gate = IdsGate(cfg.max_num_seqs * max(1, cfg.num_speculative_tokens), self.runner.device)
+        return True
 
     def verify(self, plan: StepPlan, proposal: DraftProposal | None) -> StepResult:
         return self.run(self.prepare(plan, proposal is not None), proposal)
 
     @torch.inference_mode()
-    def prepare(self, plan: StepPlan, with_drafts: bool) -> VerifyInput:
+    def prepare(self, plan: StepPlan, with_drafts: bool, launch_ahead: bool = False) -> VerifyInput:
         """The step's input with a placeholder for each of the plan's drafts (with_drafts: a proposal will come;
-        its counts are the plan's)."""
+        its counts are the plan's). launch_ahead: also queue the forward behind the gate (enable_launch_ahead)
+        when it replays a graph; `run` then hands the gate the ids."""
         t0 = time.perf_counter()
+        if self.gate is not None:
+            # A step whose proposal never came (the draft failed) left its forward waiting: let it go first.
+            self.gate.release()
         reqs = plan.requests
         counts = [r.num_draft_tokens for r in reqs] if with_drafts else [0] * len(reqs)
         chunks = [Chunk(r.token_ids + [0] * k if k else r.token_ids, r.start_pos, 1 + k if r.sample else 0,
                         r.block_tables) for r, k in zip(reqs, counts)]
         forward = self.runner.prepare_forward(chunks)
+        if launch_ahead and self.gate is not None and forward.graph_key is not None and any(counts):
+            launched = self._launch(reqs, counts, forward)
+            return VerifyInput(plan, counts, forward, None, time.perf_counter() - t0, launched)
         draft_index = None
         if any(counts):
             max_k = max(counts)
@@ -80,7 +119,9 @@ class Verifier:
         """Write the proposal's ids into the prepared input, run the forward and sample. prepared_ahead: the input
         was built while the draft proposed, so its time is not the step's (not booked as `prepare`)."""
         t_in = time.perf_counter()
-        plan, counts = inp.plan, inp.counts
+        if inp.launched is not None:
+            return self._run_launched(inp, proposal, t_in)
+        counts = inp.counts
         dev = self.runner.device
         draft_ids = None  # [num_reqs, max_k] int64 on the device
         device_tokens = None
@@ -102,17 +143,29 @@ class Verifier:
             index = inp.draft_index
             device_tokens = DeviceTokens(index[0], draft_ids.reshape(-1).index_select(0, index[1]))
         t0 = time.perf_counter()
+        logits, events = self._forward(inp.forward, device_tokens)  # [sum of num_logits, V]
+        return self._finish(inp, proposal, draft_ids, logits, events, t_in, t0, prepared_ahead)
+
+    def _forward(self, forward: PreparedForward, device_tokens: DeviceTokens | None
+                 ) -> tuple[torch.Tensor, tuple[torch.cuda.Event, torch.cuda.Event] | None]:
+        """Queue the forward: logits [sum of num_logits, V], and CUDA events around it (None off CUDA)."""
         events = None
-        if dev.type == "cuda":
+        if self.runner.device.type == "cuda":
             # The forward only queues kernels; the host waits for them at the sampler's sync. CUDA events
             # time the forward on the GPU without a sync of their own, so verify is not booked as sample.
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             events[0].record()
-        logits = self.runner.run_forward(inp.forward, device_tokens)  # [sum of num_logits, V]
+        logits = self.runner.run_forward(forward, device_tokens)
         if events is not None:
             events[1].record()
+        return logits, events
+
+    def _finish(self, inp: VerifyInput, proposal: DraftProposal | None, draft_ids: torch.Tensor | None,
+                logits: torch.Tensor, events: tuple[torch.cuda.Event, torch.cuda.Event] | None, t_in: float,
+                t0: float, prepared_ahead: bool) -> StepResult:
+        """Sample the queued forward's logits; t0: when the forward could start on the GPU."""
         t1 = time.perf_counter()
-        result = self._sample(plan, proposal, draft_ids, counts, logits)
+        result = self._sample(inp.plan, proposal, draft_ids, inp.counts, logits)
         t2 = time.perf_counter()
         # After the sampler's .tolist() both events have completed and elapsed_time does not wait; a step that
         # sampled nothing (mid-prefill) did not sync, and keeps the host's figure rather than add a sync.
@@ -122,6 +175,59 @@ class Verifier:
         prepare = (0.0 if prepared_ahead else inp.seconds) + t0 - t_in
         result.phase_seconds = {"prepare": prepare, "verify": verify, "sample": max(0.0, t2 - t0 - verify)}
         return result
+
+    def _launch(self, reqs: list, counts: list[int], forward: PreparedForward) -> LaunchedForward:
+        """Queue the gate's kernel, then the forward behind it (graph replays only: nothing waits on the host)."""
+        assert self.gate is not None and forward.graph_key is not None
+        max_k = max(counts)
+        positions: list[int] = []
+        offset = 0
+        for r, k in zip(reqs, counts):
+            start = offset + len(r.token_ids)
+            positions.extend(list(range(start, start + k)) + [-1] * (max_k - k))
+            offset = start + k
+        index = to_device(positions, torch.int64, self.runner.device)
+        draft_ids = self.gate.arm(index, forward.step.input_ids).view(len(reqs), max_k)
+        gate_done = torch.cuda.Event()
+        gate_done.record()
+        logits, events = self._forward(forward, None)
+        assert events is not None
+        return LaunchedForward(logits, draft_ids, positions, gate_done, events)
+
+    def _run_launched(self, inp: VerifyInput, proposal: DraftProposal | None, t_in: float) -> StepResult:
+        """Hand the waiting forward its ids (host stores into pinned memory), then sample as `run` does."""
+        launched, counts = inp.launched, inp.counts
+        assert launched is not None and self.gate is not None
+        try:
+            if proposal is None:
+                raise ValueError("this step's forward was launched for drafts, but no proposal came")
+            rows = proposal.host_rows(counts)
+            if [len(row) for row in rows] != counts:
+                raise ValueError(f"the plan asks for {counts} drafts, the proposal has {[len(r) for r in rows]}")
+        except Exception:
+            self.gate.release()  # the forward must not wait for ids that will never come
+            raise
+        max_k = max(counts)
+        flat = np.full((len(rows), max_k), -1, dtype=np.int64)
+        for i, row in enumerate(rows):
+            flat[i, :len(row)] = row
+        self.gate.open(flat.reshape(-1))
+        t0 = time.perf_counter()
+        # SYNC: waits for the gate's kernel alone, which ends microseconds after the ids were written (the
+        # forward runs on meanwhile): a gate that gave up must not let its forward's logits be sampled.
+        launched.gate_done.synchronize()
+        if not self.gate.timed_out():
+            return self._finish(inp, proposal, launched.draft_ids, launched.logits, launched.events, t_in, t0,
+                                True)
+        logger.warning("the verify forward's gate gave up before the draft's ids came; running it again")
+        keep = [i for i, p in enumerate(launched.positions) if p >= 0]
+        dev = self.runner.device
+        device_tokens = DeviceTokens(to_device([launched.positions[i] for i in keep], torch.int64, dev),
+                                     to_device(flat.reshape(-1)[keep].tolist(), torch.int64, dev))
+        t0 = time.perf_counter()
+        logits, events = self._forward(inp.forward, device_tokens)
+        draft_ids = to_device(flat.tolist(), torch.int64, dev)
+        return self._finish(inp, proposal, draft_ids, logits, events, t_in, t0, True)
 
     def ids_on_device(self, proposal: DraftProposal) -> bool:
         """Whether the proposal's ids are on this model's device (a draft in the same process), so the verify
