@@ -73,6 +73,18 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, role: str) -> None:
                          "use a size that divides the KV head count or is a multiple of it")
 
 
+def launch_verify_ahead_for(requested: bool | None, device_type: str, bundles: list[dict[str, float]],
+                            use_compiled_graph: bool) -> bool:
+    """Whether the target's ranks launch each verify forward before the draft's ids come. `requested` wins when
+    set. By default: with a draft, through the compiled graph (which runs `target_prepare` ahead), on CUDA, and
+    only where every rank of both models has whole GPUs (bundles: the target's, then the draft's): the gate's
+    waiting kernel would take a draft's time slices on a GPU the two share."""
+    if requested is not None:
+        return requested
+    return (device_type == "cuda" and len(bundles) == 2 and use_compiled_graph
+            and all(b.get("GPU", 0) >= 1 for b in bundles))
+
+
 class RayExecutor:
     """Executor protocol (engine/executor.py) over Ray actors: `execute(plan) -> StepResult`."""
 
@@ -144,10 +156,7 @@ class RayExecutor:
                 self.target = group
             else:
                 self.draft = group
-        ahead = self.launch_verify_ahead
-        if ahead is None:
-            ahead = (dev == "cuda" and len(specs) == 2 and self.use_compiled_graph
-                     and all(bundle.get("GPU", 0) >= 1 for *_, bundle in specs))
+        ahead = launch_verify_ahead_for(self.launch_verify_ahead, dev, [b for *_, b in specs], self.use_compiled_graph)
         # Rank 0's node and a free port there, for each group's rendezvous (both looked up at once).
         lookup = ray.remote(node_ip_and_free_port)
         addr_refs = [lookup.options(**bundle_task_options(g.placement, 0)).remote() if g.size > 1 else None

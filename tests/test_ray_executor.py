@@ -28,7 +28,7 @@ from engine.engine_core import EngineCore
 from engine.request import Request
 from engine.step_plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
-from serving.ray_executor import RayExecutor, WorkerDiedError, check_tensor_parallel
+from serving.ray_executor import RayExecutor, WorkerDiedError, check_tensor_parallel, launch_verify_ahead_for
 from serving.thread_switch import DEFAULT_GIL_SWITCH_INTERVAL_S
 from serving.worker import ModelWorker
 
@@ -193,10 +193,12 @@ def test_gemma3_hybrid_tp2_with_replicated_kv_draft(tiny_models: dict[str, TinyM
                                                     tiny_drafts: dict[str, TinyModel]) -> None:
     """Gemma 3 target (sliding + full: two KV-cache groups) at TP=2, and a 1-layer Llama draft with a single KV
     head at TP=2 (the KV head is replicated on both ranks). Every step's verify input is built by the graph's
-    prepare node on both target ranks, before the proposal arrives, and the drafts written into it later."""
+    prepare node on both target ranks, before the proposal arrives, and the drafts written into it later. Launching
+    the forward ahead too is asked for, and stays off: it needs CUDA graphs."""
     target = tiny_models["gemma3"].path
     engine = build_ray_engine(target, tiny_drafts["llama-1l"].path, num_speculative_tokens=3,
-                              tensor_parallel_size=2, draft_tensor_parallel_size=2, **ENGINE_KW)
+                              tensor_parallel_size=2, draft_tensor_parallel_size=2, launch_verify_ahead=True,
+                              **ENGINE_KW)
     try:
         executor = engine.executor
         assert len(executor.target_kv_groups) == 2
@@ -209,10 +211,24 @@ def test_gemma3_hybrid_tp2_with_replicated_kv_draft(tiny_models: dict[str, TinyM
         assert greedy_tokens(engine) == llm_greedy(target)
         ahead = ray.get([w.__ray_call__.remote(lambda self: self.num_prepared_ahead) for w in executor.target.workers])
         assert ahead == [len(steps), len(steps)]
+        launched = ray.get([w.__ray_call__.remote(lambda self: (self.launch_verify_ahead, self.num_launched_ahead))
+                            for w in executor.target.workers])
+        assert launched == [(False, 0), (False, 0)]
         # Built ahead, the input costs the step only the drafts' copy into it: not the whole build.
         assert all(s.phase_seconds["prepare"] < s.phase_seconds["verify"] + s.phase_seconds["sample"] for s in steps)
     finally:
         engine.executor.shutdown()
+
+
+def test_verify_launched_ahead_only_where_no_gpu_is_shared() -> None:
+    whole, cpu = {"GPU": 1, "CPU": 1}, {"CPU": 1}
+    assert launch_verify_ahead_for(None, "cuda", [whole, whole], use_compiled_graph=True)
+    assert not launch_verify_ahead_for(None, "cuda", [{"GPU": 0.75}, {"GPU": 0.25}], use_compiled_graph=True)
+    assert not launch_verify_ahead_for(None, "cuda", [whole], use_compiled_graph=True)  # no draft
+    assert not launch_verify_ahead_for(None, "cuda", [whole, whole], use_compiled_graph=False)  # no prepare node
+    assert not launch_verify_ahead_for(None, "cpu", [cpu, cpu], use_compiled_graph=True)
+    assert launch_verify_ahead_for(True, "cuda", [{"GPU": 0.75}, {"GPU": 0.25}], use_compiled_graph=True)
+    assert not launch_verify_ahead_for(False, "cuda", [whole, whole], use_compiled_graph=True)
 
 
 def test_tensor_parallel_sizes_are_checked_before_any_worker_starts(tiny_models: dict[str, TinyModel]) -> None:
