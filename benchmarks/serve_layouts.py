@@ -18,7 +18,7 @@ are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the referenc
 
 Per layout, on a fresh Ray runtime that sees only the GPUs the layout needs:
   check  greedy completions of --check-prompts prompts, one at a time, compared with the first layout of the run
-         that has the same draft (none / one) at tensor-parallel sizes 1 and no options (the real SmolLM2 pair
+         that has the same draft (none / one) at tensor-parallel sizes 1 and no options but `shared` (the real SmolLM2 pair
          with probabilistic rejection is lossless, so there the target alone is the reference for every layout)
   bench  `specserve bench` at each --concurrency (random or eval prompts, fixed output length, greedy, rate inf):
          output tokens/s, TPOT, and from /metrics the mean time per step of each phase; the router's own share
@@ -107,8 +107,9 @@ class Layout:
 
     @property
     def is_reference(self) -> bool:
+        # `shared` only places the ranks, so a one-GPU run can take t1+d1/shared as its reference.
         return not self.offline and self.target_tp == 1 and self.draft_tp <= 1 and self.ahead is None and not (
-            self.plain or self.shared or self.nccl)
+            self.plain or self.nccl)
 
 
 def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
