@@ -18,8 +18,9 @@ are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the referenc
 
 Per layout, on a fresh Ray runtime that sees only the GPUs the layout needs:
   check  greedy completions of --check-prompts prompts, one at a time, compared with the first layout of the run
-         that has the same draft (none / one) at tensor-parallel sizes 1 and no options but `shared` (the real SmolLM2 pair
-         with probabilistic rejection is lossless, so there the target alone is the reference for every layout)
+         that has the same draft (none / one) at tensor-parallel sizes 1 and no options but `shared` (the real
+         SmolLM2 pair with probabilistic rejection is lossless, so there the target alone is the reference for
+         every layout)
   bench  `specserve bench` at each --concurrency (random or eval prompts, fixed output length, greedy, rate inf):
          output tokens/s, TPOT, and from /metrics the mean time per step of each phase; the router's own share
          of a step is schedule + dispatch + commit (dispatch: the executor's transport, plan out and result back).
