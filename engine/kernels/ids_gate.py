@@ -2,17 +2,18 @@
 
 A target worker whose draft runs in another process gets the draft's ids on the host, a few milliseconds after it
 built the step's input. Copying them in then, and only then launching the forward, leaves the target's GPU idle
-for the copy, the index write and the launch of a graph of several hundred kernels: about 0.45 ms a step for an
-8B-shaped target on an H200, which the in-process engine never pays (its forward is queued behind the draft's
-kernels). Here the forward is queued while the draft works, behind one small kernel that waits on the GPU for the
-ids: the host writes them into pinned memory that the kernel reads directly, and the forward starts as soon as
-they land.
+for the copy, the index write and the launch of a graph of several hundred kernels, which the in-process engine
+never pays (its forward is queued behind the draft's kernels): 0.19 ms a step for an 8B-shaped target on an H200
+(`benchmarks/verify_launch.py`). Here the forward is queued while the draft works, behind one small kernel that
+waits on the GPU for the ids: the host writes them into pinned memory that the kernel reads directly, and the
+forward starts as soon as they land.
 
 Each slot of the pinned buffer carries the step's sequence number in its high 32 bits and the token id (sign
 extended, -1 for padding) in the low 32, so the kernel knows a slot is this step's without any ordering between
-slots or a separate flag. The kernel gives up after `max_spins` polls (seconds) and records that in the buffer's
-status word: the host then runs the forward again the ordinary way, so a draft slower than that costs time,
-never wrong tokens.
+slots or a separate flag. The kernel gives up after `timeout_ns` of the GPU's global timer (5 s by default) and
+records that in the buffer's status word: the host then runs the forward again the ordinary way, so a draft slower
+than that costs time, never wrong tokens. (A poll count is no clock: two million polls of pinned memory were over
+within 50 ms on an H200.)
 
 Only for a target whose GPU the draft does not share: a spinning kernel from another process would take the
 draft's time slices on a shared GPU.
@@ -23,29 +24,38 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.kernels.triton_compat import require_triton, tl, triton
+from engine.kernels.triton_compat import HAS_TRITON, interpreting, require_triton, tl, triton
+
+if HAS_TRITON:
+    from triton.language.extra.cuda import globaltimer
 
 __all__ = ["IdsGate", "gate_ref", "pack_slots"]
 
-# Polls before the kernel gives up; one poll reads the slots over PCIe, about a microsecond on an H100 or H200,
-# so this is a few seconds: far beyond a draft step, short enough that a lost proposal does not hang the GPU.
-DEFAULT_MAX_SPINS = 2_000_000
+# How long the kernel waits before it gives up: far beyond a draft step, short enough that a proposal that never
+# comes (and is not released) does not hold the GPU for long.
+DEFAULT_TIMEOUT_NS = 5_000_000_000
 _SEQ_MOD = 1 << 31  # sequence numbers stay positive in the high 32 bits of an int64
 
 
-@triton.jit(do_not_specialize=["n", "seq", "max_spins"])
-def _gate_kernel(slots_ptr, status_ptr, index_ptr, input_ids_ptr, ids_out_ptr, n, seq, max_spins,
-                 BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "seq", "timeout"])
+def _gate_kernel(slots_ptr, status_ptr, index_ptr, input_ids_ptr, ids_out_ptr, n, seq, timeout,
+                 BLOCK: tl.constexpr, TIMER: tl.constexpr):
+    # timeout: ns of the global timer (TIMER), or polls (Triton's interpreter, which has no timer)
     offs = tl.arange(0, BLOCK)
     live = offs < n
     seq64 = seq.to(tl.int64)
     v = tl.load(slots_ptr + offs, mask=live, other=0, volatile=True)
     missing = tl.sum((((v >> 32) != seq64) & live).to(tl.int32))
-    spins = max_spins * 0  # an int32 tensor from the start: the loop carries it
-    while (missing > 0) & (spins < max_spins):
+    waited = timeout.to(tl.int64) * 0  # an int64 tensor from the start: the loop carries it
+    if TIMER:
+        start = globaltimer()
+    while (missing > 0) & (waited < timeout):
         v = tl.load(slots_ptr + offs, mask=live, other=0, volatile=True)
         missing = tl.sum((((v >> 32) != seq64) & live).to(tl.int32))
-        spins += 1
+        if TIMER:
+            waited = globaltimer() - start
+        else:
+            waited += 1
     if missing == 0:
         ids = (v << 32) >> 32  # the low 32 bits, sign extended
         tl.store(ids_out_ptr + offs, ids, mask=live)
@@ -85,10 +95,10 @@ class IdsGate:
     from the host, `timed_out` tells after the step's sync whether the kernel gave up. Steps never overlap: the
     sampler's sync ends each one before the next is armed."""
 
-    def __init__(self, capacity: int, device: torch.device, max_spins: int = DEFAULT_MAX_SPINS) -> None:
+    def __init__(self, capacity: int, device: torch.device, timeout_ns: int = DEFAULT_TIMEOUT_NS) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity, self.max_spins = capacity, max_spins
+        self.capacity, self.timeout_ns = capacity, timeout_ns
         # [capacity + 1] int64 pinned: the slots, then the status word the kernel writes (1: timed out). Pinned
         # memory is mapped into the GPU's address space (unified addressing): the kernel reads it directly.
         self._host = torch.zeros(capacity + 1, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -109,8 +119,11 @@ class IdsGate:
         require_triton("IdsGate.arm", index, input_ids, self.ids)
         self.seq = self.seq % (_SEQ_MOD - 1) + 1
         self._slots[self.capacity] = 0
+        if interpreting():
+            raise RuntimeError("IdsGate cannot run under Triton's interpreter: its kernel would wait for ids that "
+                               "only a later call writes")
         _gate_kernel[(1,)](self._host, self._host[self.capacity:], index, input_ids, self.ids, n, self.seq,
-                           self.max_spins, BLOCK=max(16, triton.next_power_of_2(n)), num_warps=1)
+                           self.timeout_ns, BLOCK=max(16, triton.next_power_of_2(n)), TIMER=True, num_warps=1)
         self.armed = n
         return self.ids[:n]
 

@@ -1,5 +1,5 @@
 """The ids gate on CUDA: its kernel holds the stream until the host writes the ids, then writes what the torch
-reference writes; it gives up after max_spins and says so; and a verify forward launched ahead through it gives
+reference writes; it gives up after its timeout and says so; and a verify forward launched ahead through it gives
 the tokens of the ordinary path (greedy: those of the target alone)."""
 
 from __future__ import annotations
@@ -54,16 +54,18 @@ def test_gate_holds_the_stream_until_the_ids_come_then_equals_the_reference(n):
         assert torch.equal(after.cpu(), ref_in * 3)
 
 
-def test_gate_gives_up_after_max_spins_and_writes_nothing():
-    gate = IdsGate(8, torch.device("cuda"), max_spins=200)
+def test_gate_gives_up_after_its_timeout_and_writes_nothing():
+    gate = IdsGate(8, torch.device("cuda"), timeout_ns=20_000_000)
     ids, index = _case(8, 20, 0)
     input_ids = torch.arange(20, device="cuda")
     gate.arm(index.cuda(), input_ids)
+    t0 = time.perf_counter()
     torch.cuda.synchronize()  # returns: the kernel stopped polling by itself
     assert gate.timed_out()
+    assert 0.015 < time.perf_counter() - t0 < 1.0  # after its 20 ms on the GPU's clock, not a count of polls
     assert input_ids.tolist() == list(range(20))
     gate.release()  # late ids for a kernel that is gone: harmless
-    gate.max_spins = 10**7
+    gate.timeout_ns = 5_000_000_000
     gate.arm(index.cuda(), input_ids)
     gate.open(ids)
     torch.cuda.synchronize()
