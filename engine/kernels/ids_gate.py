@@ -15,6 +15,11 @@ records that in the buffer's status word: the host then runs the forward again t
 than that costs time, never wrong tokens. (A poll count is no clock: two million polls of pinned memory were over
 within 50 ms on an H200.)
 
+Between `arm` and `open` nothing on the host may wait for the stream (a sync would wait for the ids it has not
+written yet) or launch a kernel that has never run in the process: CUDA loads modules lazily, and a first load
+while a kernel of the context runs waits for that kernel. A target worker arms, replays a captured graph (loaded
+at capture) and only reads the proposal's channel until it opens.
+
 Only for a target whose GPU the draft does not share: a spinning kernel from another process would take the
 draft's time slices on a shared GPU.
 """

@@ -33,6 +33,9 @@ def _case(n: int, num_tokens: int, seed: int) -> tuple[np.ndarray, torch.Tensor]
 @pytest.mark.parametrize("n", [1, 4, 37, 64])
 def test_gate_holds_the_stream_until_the_ids_come_then_equals_the_reference(n):
     gate = IdsGate(64, torch.device("cuda"))
+    # The consumer's kernel is loaded before any gate waits: CUDA loads modules lazily, and a first load while a
+    # kernel of this context runs waits for it (here: for the ids the host writes only after the check below).
+    torch.arange(4, device="cuda") * 3
     for step in range(3):  # the sequence number moves on: old slots never pass for new ones
         ids, index = _case(n, 300, n + step)
         input_ids = torch.randint(0, 1000, (300,), device="cuda")
@@ -97,10 +100,13 @@ def _launched_verify(monkeypatch, counter: list[int], delay_s: float) -> None:
     def verify(self, plan, proposal):
         if proposal is None:
             return self.run(self.prepare(plan, False), None)
+        # The ids to the host first, as the draft's worker sends them: a sync after the gate was armed would wait
+        # for the gate, which waits for the ids.
+        remote = proposal.to_host([r.num_draft_tokens for r in plan.requests])
         inp = self.prepare(plan, True, launch_ahead=True)
         counter[0] += inp.launched is not None
         time.sleep(delay_s)  # the draft's worker is still proposing
-        return self.run(inp, proposal.to_host(inp.counts), prepared_ahead=True)
+        return self.run(inp, remote, prepared_ahead=True)
 
     monkeypatch.setattr(Verifier, "__init__", init)
     monkeypatch.setattr(Verifier, "verify", verify)
