@@ -10,9 +10,11 @@ and the attention metadata is rewritten in place before a replay. Anything else 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -20,6 +22,26 @@ from engine.runner.input_buffers import InputBuffers
 from engine.runner.step_input import Chunk, StepInput
 
 logger = logging.getLogger("specserve")
+
+
+@contextlib.contextmanager
+def no_gc_while_capturing() -> Iterator[None]:
+    """Collect garbage once, then keep the cyclic collector off until the captures are done.
+
+    The collector runs wherever an allocation happens to trigger it, so it can free another engine's objects (an
+    LLM left to the collector: engines hold reference cycles) in the middle of a capture, and freeing CUDA memory
+    (a pinned host tensor's free records an event on the stream that used it) is a call a capture in progress
+    may forbid. The draft loop's capture failed so in two GPU test runs of three ("operation not permitted when
+    stream is capturing", at whichever capture the collector landed on); with the collector held off here it
+    did not fail again."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class GraphPool:
@@ -58,11 +80,12 @@ class ForwardGraphs:
 
     def capture(self) -> None:
         t0 = time.perf_counter()
-        for q in reversed(self.query_lens):
-            for b in reversed(self.batch_sizes):
-                step = self.buffers.load_dummy(b, q)
-                self.graphs[(b, q)] = self.pool.capture(lambda step=step: self.forward(step))
-        torch.cuda.synchronize()
+        with no_gc_while_capturing():
+            for q in reversed(self.query_lens):
+                for b in reversed(self.batch_sizes):
+                    step = self.buffers.load_dummy(b, q)
+                    self.graphs[(b, q)] = self.pool.capture(lambda step=step: self.forward(step))
+            torch.cuda.synchronize()
         logger.info("captured %d forward graphs (batch sizes %s, query lens %s) in %.1f s", len(self.graphs),
                     self.batch_sizes, self.query_lens, time.perf_counter() - t0)
 

@@ -22,7 +22,7 @@ import torch
 from engine.config import graph_batch_sizes
 from engine.kernels.draft_advance import advance_draft_inputs, advance_draft_inputs_ref
 from engine.kernels.rms_norm import use_fused_kernels
-from engine.runner.cuda_graphs import GraphPool
+from engine.runner.cuda_graphs import GraphPool, no_gc_while_capturing
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.sample.metadata import SamplingMetadata
@@ -103,23 +103,24 @@ class DraftLoop:
             return
         self.batch_sizes = graph_batch_sizes(runner.config)
         self.pool = runner.graph_pool = runner.graph_pool or GraphPool()
-        for b in reversed(self.batch_sizes):
-            for greedy in (True, False):
-                for first in (True, False):
-                    def fn(b: int = b, greedy: bool = greedy, first: bool = first) -> torch.Tensor:
-                        # Each run rewrites the inputs, so reload the dummy batch and reset the step index.
+        with no_gc_while_capturing():
+            for b in reversed(self.batch_sizes):
+                for greedy in (True, False):
+                    for first in (True, False):
+                        def fn(b: int = b, greedy: bool = greedy, first: bool = first) -> torch.Tensor:
+                            # Each run rewrites the inputs, so reload the dummy batch and reset the step index.
+                            self.buffers.load_dummy(b, FIRST_QUERY_LEN if first else 1)
+                            self.step_idx.zero_()
+                            if first:
+                                return self._first_step(b, b * FIRST_QUERY_LEN, FIRST_QUERY_LEN, greedy)
+                            return self._next_step(b, greedy)
+                        with torch.inference_mode():
+                            fn()  # warm-up outside the capture stream: compiles the kernels
                         self.buffers.load_dummy(b, FIRST_QUERY_LEN if first else 1)
-                        self.step_idx.zero_()
-                        if first:
-                            return self._first_step(b, b * FIRST_QUERY_LEN, FIRST_QUERY_LEN, greedy)
-                        return self._next_step(b, greedy)
-                    with torch.inference_mode():
-                        fn()  # warm-up outside the capture stream: compiles the kernels
-                    self.buffers.load_dummy(b, FIRST_QUERY_LEN if first else 1)
-                    graph, _ = self.pool.capture(lambda b=b, greedy=greedy, first=first: (
-                        self._first_step(b, b * FIRST_QUERY_LEN, FIRST_QUERY_LEN, greedy) if first
-                        else self._next_step(b, greedy)), warmup=0)
-                    (self.first_graphs if first else self.next_graphs)[(b, greedy)] = graph
+                        graph, _ = self.pool.capture(lambda b=b, greedy=greedy, first=first: (
+                            self._first_step(b, b * FIRST_QUERY_LEN, FIRST_QUERY_LEN, greedy) if first
+                            else self._next_step(b, greedy)), warmup=0)
+                        (self.first_graphs if first else self.next_graphs)[(b, greedy)] = graph
 
     def _bucket(self, num_reqs: int) -> int | None:
         i = bisect.bisect_left(self.batch_sizes, num_reqs)
