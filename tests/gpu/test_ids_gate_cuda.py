@@ -88,7 +88,7 @@ def test_released_gate_lets_the_stream_go_with_token_zero():
     assert torch.equal(input_ids.cpu(), expect)
 
 
-def _launched_verify(monkeypatch, counter: list[int], delay_s: float) -> None:
+def _launched_verify(monkeypatch, counter: list[int], delay_s: float, timeout_ns: int | None = None) -> None:
     """The in-process engine's verify, the way a target worker runs it with a remote draft: input built and
     forward launched first, the proposal's ids later, from the host."""
     original_init = Verifier.__init__
@@ -96,6 +96,8 @@ def _launched_verify(monkeypatch, counter: list[int], delay_s: float) -> None:
     def init(self, runner, seed=0):
         original_init(self, runner, seed)
         assert self.enable_launch_ahead()
+        if timeout_ns is not None:
+            self.gate.timeout_ns = timeout_ns
 
     def verify(self, plan, proposal):
         if proposal is None:
@@ -130,3 +132,20 @@ def test_verify_launched_ahead_gives_the_ordinary_paths_tokens(tiny_models, tiny
     assert counter[0] > 10  # decode steps went through the gate
     assert not llm.executor.verifier.gate.timed_out()
     assert launched == ordinary
+
+
+def test_a_gate_that_gave_up_costs_time_not_tokens(tiny_models, tiny_drafts, monkeypatch):
+    """Ids that come after the gate's timeout: every step's forward ran on placeholders, and the verifier, told
+    so by the status word, runs it again with the ids. Greedy tokens stay the target's own."""
+    target, draft = tiny_models["gemma3"], tiny_drafts["gemma3-2l"]
+    prompts = random_prompts([5, 30], seed=6)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    alone = LLM(model=target.path, device="cuda", dtype="float32", **KW).generate(prompts, params)
+    counter = [0]
+    _launched_verify(monkeypatch, counter, delay_s=0.01, timeout_ns=1_000_000)
+    llm = LLM(model=target.path, draft_model=draft.path, num_speculative_tokens=3, device="cuda", dtype="float32",
+              **KW)
+    out = llm.generate(prompts, params)
+    assert counter[0] > 3
+    assert llm.executor.verifier.gate.timed_out()  # the last step's gate gave up too
+    assert [o.token_ids for o in out] == [o.token_ids for o in alone]
