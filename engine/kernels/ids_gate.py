@@ -3,7 +3,7 @@
 A target worker whose draft runs in another process gets the draft's ids on the host, a few milliseconds after it
 built the step's input. Copying them in then, and only then launching the forward, leaves the target's GPU idle
 for the copy, the index write and the launch of a graph of several hundred kernels, which the in-process engine
-never pays (its forward is queued behind the draft's kernels): 0.19 ms a step for an 8B-shaped target on an H200
+never pays (its forward is queued behind the draft's kernels): 0.15-0.19 ms a step for an 8B-shaped target on an H200
 (`benchmarks/verify_launch.py`). Here the forward is queued while the draft works, behind one small kernel that
 waits on the GPU for the ids: the host writes them into pinned memory that the kernel reads directly, and the
 forward starts as soon as they land.
@@ -12,8 +12,8 @@ Each slot of the pinned buffer carries the step's sequence number in its high 32
 extended, -1 for padding) in the low 32, so the kernel knows a slot is this step's without any ordering between
 slots or a separate flag. The kernel gives up after `timeout_ns` of the GPU's global timer (5 s by default) and
 records that in the buffer's status word: the host then runs the forward again the ordinary way, so a draft slower
-than that costs time, never wrong tokens. (A poll count is no clock: two million polls of pinned memory were over
-within 50 ms on an H200.)
+than that costs time, never wrong tokens. (A count of polls would be no clock: how long one poll of host memory
+takes depends on the machine and its bus.)
 
 Between `arm` and `open` nothing on the host may wait for the stream (a sync would wait for the ids it has not
 written yet) or launch a kernel that has never run in the process: CUDA loads modules lazily, and a first load
