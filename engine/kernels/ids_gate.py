@@ -122,11 +122,11 @@ class IdsGate:
         if self.armed is not None:
             raise RuntimeError("the gate is still armed: open or release it before arming it again")
         require_triton("IdsGate.arm", index, input_ids, self.ids)
-        self.seq = self.seq % (_SEQ_MOD - 1) + 1
-        self._slots[self.capacity] = 0
         if interpreting():
             raise RuntimeError("IdsGate cannot run under Triton's interpreter: its kernel would wait for ids that "
                                "only a later call writes")
+        self.seq = self.seq % (_SEQ_MOD - 1) + 1
+        self._slots[self.capacity] = 0
         _gate_kernel[(1,)](self._host, self._host[self.capacity:], index, input_ids, self.ids, n, self.seq,
                            self.timeout_ns, BLOCK=max(16, triton.next_power_of_2(n)), TIMER=True, num_warps=1)
         self.armed = n

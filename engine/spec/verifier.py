@@ -10,6 +10,7 @@ prepared forward is even queued on the GPU before the ids exist, behind a kernel
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -97,22 +98,19 @@ class Verifier:
         chunks = [Chunk(r.token_ids + [0] * k if k else r.token_ids, r.start_pos, 1 + k if r.sample else 0,
                         r.block_tables) for r, k in zip(reqs, counts)]
         forward = self.runner.prepare_forward(chunks)
-        if launch_ahead and self.gate is not None and forward.graph_key is not None and any(counts):
-            launched = self._launch(reqs, counts, forward)
+        if not any(counts):
+            return VerifyInput(plan, counts, forward, None, time.perf_counter() - t0)
+        positions = _draft_positions(plan, counts)
+        if launch_ahead and self.gate is not None and forward.graph_key is not None:
+            launched = self._launch(positions, len(reqs), max(counts), forward)
             return VerifyInput(plan, counts, forward, None, time.perf_counter() - t0, launched)
-        draft_index = None
-        if any(counts):
-            max_k = max(counts)
-            dst: list[int] = []
-            src: list[int] = []
-            offset = 0
-            for i, (r, k) in enumerate(zip(reqs, counts)):
-                start = offset + len(r.token_ids)
-                dst.extend(range(start, start + k))
-                src.extend(range(i * max_k, i * max_k + k))
-                offset = start + k
-            draft_index = to_device([dst, src], torch.int64, self.runner.device)
+        draft_index = self._draft_index(positions)
         return VerifyInput(plan, counts, forward, draft_index, time.perf_counter() - t0)
+
+    def _draft_index(self, positions: list[int]) -> torch.Tensor:
+        """VerifyInput.draft_index from _draft_positions: the drafts' input indices over their proposal indices."""
+        src = [i for i, p in enumerate(positions) if p >= 0]
+        return to_device([[positions[i] for i in src], src], torch.int64, self.runner.device)
 
     @torch.inference_mode()
     def run(self, inp: VerifyInput, proposal: DraftProposal | None, prepared_ahead: bool = False) -> StepResult:
@@ -176,18 +174,11 @@ class Verifier:
         result.phase_seconds = {"prepare": prepare, "verify": verify, "sample": max(0.0, t2 - t0 - verify)}
         return result
 
-    def _launch(self, reqs: list, counts: list[int], forward: PreparedForward) -> LaunchedForward:
+    def _launch(self, positions: list[int], num_reqs: int, max_k: int, forward: PreparedForward) -> LaunchedForward:
         """Queue the gate's kernel, then the forward behind it (graph replays only: nothing waits on the host)."""
         assert self.gate is not None and forward.graph_key is not None
-        max_k = max(counts)
-        positions: list[int] = []
-        offset = 0
-        for r, k in zip(reqs, counts):
-            start = offset + len(r.token_ids)
-            positions.extend(list(range(start, start + k)) + [-1] * (max_k - k))
-            offset = start + k
         index = to_device(positions, torch.int64, self.runner.device)
-        draft_ids = self.gate.arm(index, forward.step.input_ids).view(len(reqs), max_k)
+        draft_ids = self.gate.arm(index, forward.step.input_ids).view(num_reqs, max_k)
         gate_done = torch.cuda.Event()
         gate_done.record()
         logits, events = self._forward(forward, None)
@@ -220,14 +211,9 @@ class Verifier:
             return self._finish(inp, proposal, launched.draft_ids, launched.logits, launched.events, t_in, t0,
                                 True)
         logger.warning("the verify forward's gate gave up before the draft's ids came; running it again")
-        keep = [i for i, p in enumerate(launched.positions) if p >= 0]
-        dev = self.runner.device
-        device_tokens = DeviceTokens(to_device([launched.positions[i] for i in keep], torch.int64, dev),
-                                     to_device(flat.reshape(-1)[keep].tolist(), torch.int64, dev))
-        t0 = time.perf_counter()
-        logits, events = self._forward(inp.forward, device_tokens)
-        draft_ids = to_device(flat.tolist(), torch.int64, dev)
-        return self._finish(inp, proposal, draft_ids, logits, events, t_in, t0, True)
+        # The ordinary path on the same prepared input: the ids copied in, the forward replayed.
+        ordinary = dataclasses.replace(inp, draft_index=self._draft_index(launched.positions), launched=None)
+        return self.run(ordinary, proposal, prepared_ahead=True)
 
     def ids_on_device(self, proposal: DraftProposal) -> bool:
         """Whether the proposal's ids are on this model's device (a draft in the same process), so the verify
@@ -280,3 +266,16 @@ class Verifier:
             sampled[i] = row[1:row[0] + 2]
             accepted[i] = row[0]
         return StepResult(sampled, accepted)
+
+
+def _draft_positions(plan: StepPlan, counts: list[int]) -> list[int]:
+    """[num_reqs * max_k] each draft's flat index in the forward's input (its request's placeholders follow the
+    request's tokens), -1 where a request has fewer than max_k drafts."""
+    max_k = max(counts)
+    positions: list[int] = []
+    offset = 0
+    for r, k in zip(plan.requests, counts):
+        start = offset + len(r.token_ids)
+        positions.extend(list(range(start, start + k)) + [-1] * (max_k - k))
+        offset = start + k
+    return positions
