@@ -90,7 +90,7 @@ class Layout:
             raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared][/nccl][/ahead|/noahead]") from None
         if t < 1 or (len(parts) == 2 and d < 1):
             raise ValueError(f"layout {text!r}: sizes must be >= 1")
-        if ("shared" in opts or "nccl" in opts or "ahead" in opts or "noahead" in opts) and not d:
+        if set(opts) & {"shared", "nccl", "ahead", "noahead"} and not d:
             raise ValueError(f"layout {text!r}: shared, nccl, ahead and noahead need a draft")
         if "ahead" in opts and "noahead" in opts:
             raise ValueError(f"layout {text!r}: ahead or noahead, not both")
