@@ -8,7 +8,7 @@ many times through LocalExecutor (target and draft in this process), RayExecutor
 RayExecutor with plain `.remote()` calls; a tiny random model keeps the models' own work small, so the
 differences are the dispatch: plan serialization, channels or RPCs, the proposal's trip from the draft to the
 target, the result's trip back. Two raw Ray figures (one actor call; a two-hop compiled graph of no-op
-methods) anchor the table to shared/device/README.md. Medians after warm-up; the table prints last.
+methods) anchor the table to the figures in benchmarks/RESULTS.md. Medians after warm-up; the table prints last.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ options after slashes: `plain` (plain Ray actor calls instead of a compiled grap
 target's GPUs: target ranks take 0.75 of a GPU each, draft ranks 0.25; otherwise every rank has a GPU of its own,
 the target's first), `nccl` (the draft's proposal tensors go GPU to GPU through NCCL), `ahead` / `noahead` (the
 target's verify forward launched before the draft's ids come, behind the ids gate, forced on / off; by default
-it is on where no GPU is shared). `offline` and `offline+d`
+it is on where no GPU is shared), `sync` (synchronous scheduling: the router waits for each step's tokens before it
+plans the next; by default it plans step n+1 while step n runs). `offline` and `offline+d`
 are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for serving's cost.
 
 Per layout, on a fresh Ray runtime that sees only the GPUs the layout needs:
@@ -70,11 +71,12 @@ class Layout:
     shared: bool = False
     nccl: bool = False
     ahead: bool | None = None  # launch_verify_ahead forced on / off; None: the executor's default
+    sync: bool = False  # async_scheduling off
 
     @staticmethod
     def parse(text: str) -> Layout:
         head, *opts = text.split("/")
-        unknown = set(opts) - {"plain", "shared", "nccl", "ahead", "noahead"}
+        unknown = set(opts) - {"plain", "shared", "nccl", "ahead", "noahead", "sync"}
         if unknown:
             raise ValueError(f"layout {text!r}: unknown options {sorted(unknown)}")
         if head in ("offline", "offline+d"):
@@ -87,7 +89,8 @@ class Layout:
                 raise ValueError
             t, d = int(parts[0][1:]), int(parts[1][1:]) if len(parts) == 2 else 0
         except ValueError:
-            raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared][/nccl][/ahead|/noahead]") from None
+            raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared][/nccl][/ahead|/noahead][/sync]"
+                             ) from None
         if t < 1 or (len(parts) == 2 and d < 1):
             raise ValueError(f"layout {text!r}: sizes must be >= 1")
         if set(opts) & {"shared", "nccl", "ahead", "noahead"} and not d:
@@ -95,7 +98,7 @@ class Layout:
         if "ahead" in opts and "noahead" in opts:
             raise ValueError(f"layout {text!r}: ahead or noahead, not both")
         ahead = True if "ahead" in opts else False if "noahead" in opts else None
-        return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "nccl" in opts, ahead)
+        return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "nccl" in opts, ahead, "sync" in opts)
 
     @property
     def num_gpus(self) -> int:
@@ -127,6 +130,8 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
         engine_kwargs["draft_tensor_transport"] = "nccl"
     if layout.ahead is not None:
         engine_kwargs["launch_verify_ahead"] = layout.ahead
+    if layout.sync:
+        engine_kwargs["async_scheduling"] = False
     return {"model": pair.target, "draft_model": pair.draft if layout.draft_tp else None,
             "num_speculative_tokens": args.k, "rejection_sampling": pair.rejection_sampling,
             "synthetic_acceptance_rate": pair.synthetic_acceptance_rate if layout.draft_tp else None,

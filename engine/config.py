@@ -155,6 +155,10 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     # "auto": the checkpoint's weights; "dummy": random weights (benchmarks of a shape from its config.json).
     load_format: str = "auto"
+    # Schedule step n+1 while step n runs (its tokens arrive one step later): the scheduler's hops and
+    # bookkeeping leave the models' critical path. None: on where the models run in other processes (the Ray
+    # executor's compiled graph), off in process, where it would only add a step of latency.
+    async_scheduling: bool | None = None
 
     def validate(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):

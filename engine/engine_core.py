@@ -1,16 +1,24 @@
 """The engine's step loop on the scheduler's side: schedule, plan, execute (propose + verify), commit.
 
 Without a draft this is plain continuous batching. With one, every decoding request runs one
-speculation step per engine step (DESIGN.md, "One speculation step"), batched with other requests'
+speculation step per engine step (docs/ARCHITECTURE.md, "One speculation step"), batched with other requests'
 prefill chunks. The models run behind an Executor: in this process, or on Ray worker actors.
+
+Asynchronous scheduling (EngineConfig.async_scheduling): `step()` submits step n+1 before it collects step n, so
+the models never wait for the scheduler. The executor's sides own what the scheduler cannot know yet (a decode's
+input after a step in flight: engine/request_table.py); the scheduler plans from bounds (engine/scheduler.py) and
+commits exactly as before, one step late. A request that ends while a later step of it is in flight keeps its KV
+blocks until that step has landed (its tokens are dropped), and the sides forget it with the next plan.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -37,6 +45,16 @@ class StepStats:
     phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class _InFlight:
+    """A submitted step whose result the engine has not collected yet."""
+
+    scheduled: list[ScheduledRequest]
+    handle: Any  # the executor's
+    stats: StepStats
+    schedule_seconds: float
+
+
 class EngineCore:
     def __init__(self, executor: Executor, engine_config: EngineConfig, tokenizer: PreTrainedTokenizerBase | None,
                  eos_token_ids: list[int], spec_config: SpeculativeConfig | None = None) -> None:
@@ -56,6 +74,12 @@ class EngineCore:
         self.vocab_size = executor.vocab_size
         self.last_step = StepStats()
         self._step_ids = itertools.count()
+        self.async_scheduling = bool(getattr(executor, "async_scheduling", False))
+        self._inflight: deque[_InFlight] = deque()
+        # Ended requests whose KV blocks wait for their step in flight, and ids the sides may forget.
+        self._deferred_free: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self._sync_next = False  # let the steps in flight land before scheduling (a preemption is due)
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -74,19 +98,28 @@ class EngineCore:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if request.request_id in self.scheduler.requests:
+        if request.request_id in self.scheduler.requests or request.request_id in self._deferred_free:
             raise ValueError(f"request id {request.request_id!r} is already in use")
 
     def abort_request(self, request_id: str) -> Request | None:
         req = self.scheduler.requests.get(request_id)
         if req is not None:
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
             req.finish_reason = "abort"
-            self.output.release(request_id)
         return req
 
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request; its KV blocks go back at once, or once its step in flight has landed."""
+        keep_kv = req.inflight is not None
+        self.scheduler.finish_request(req, status, free_kv=not keep_kv)
+        if keep_kv:
+            self._deferred_free[req.request_id] = req
+        self._finished_ids.append(req.request_id)
+        self.output.release(req.request_id)
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or steps in flight to collect (whose blocks may still be held)."""
+        return self.scheduler.has_unfinished() or bool(self._inflight)
 
     # --- KV caches -----------------------------------------------------------------------------------
     def kv_managers(self) -> list[tuple[str, KVCacheManager]]:
@@ -117,19 +150,13 @@ class EngineCore:
         """Run one step; returns the requests that got tokens or finished. on_dispatched: called once the step's
         plan is on its way to the models, before waiting for them (an executor on other processes), so that a
         caller's own work (a server publishing the last step's tokens) overlaps the models' instead of delaying
-        the plan."""
+        the plan. With asynchronous scheduling the tokens returned are those of the step before the one just
+        submitted."""
+        if self.async_scheduling:
+            return self._step_async(on_dispatched)
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        stats = StepStats(len(sched.scheduled), sched.num_batched_tokens, len(sched.preempted), sched.draft_length)
-        self.last_step = stats
-        if not sched.scheduled:
-            if self.scheduler.waiting and not self.scheduler.running:
-                # Nothing runs and the head request does not fit an empty cache: fail it, do not spin.
-                req = self.scheduler.waiting[0]
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
-                req.finish_reason = "abort"
-                raise RuntimeError(f"request {req.request_id} ({req.num_tokens} tokens) does not fit in the "
-                                   "KV cache even alone; raise the KV budget or lower max_model_len")
+        sched = self._schedule(optimistic=False)
+        if sched is None:
             return []
         plan = self.make_plan(sched.scheduled)
         t1 = time.perf_counter()
@@ -139,39 +166,128 @@ class EngineCore:
             result = self.executor.execute(plan, on_dispatched=on_dispatched)
         t2 = time.perf_counter()
         touched = self.commit(sched.scheduled, result)
-        stats.phase_seconds = {**result.phase_seconds, "schedule": t1 - t0, "commit": time.perf_counter() - t2}
+        self.last_step.phase_seconds = {**result.phase_seconds, "schedule": t1 - t0,
+                                        "commit": time.perf_counter() - t2}
         return touched
+
+    def _schedule(self, optimistic: bool) -> Any:
+        """The scheduler's output for the next step, or None when nothing can run (and nothing is in flight)."""
+        sched = self.scheduler.schedule(optimistic=optimistic)
+        self.last_step = StepStats(len(sched.scheduled), sched.num_batched_tokens, len(sched.preempted),
+                                   sched.draft_length)
+        for req in sched.preempted:
+            self._finished_ids.append(req.request_id)  # the sides forget it; it resumes with explicit input
+        if sched.scheduled:
+            return sched
+        if not optimistic and self.scheduler.waiting and not self.scheduler.running:
+            # Nothing runs and the head request does not fit an empty cache: fail it, do not spin.
+            req = self.scheduler.waiting[0]
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            req.finish_reason = "abort"
+            raise RuntimeError(f"request {req.request_id} ({req.num_tokens} tokens) does not fit in the "
+                               "KV cache even alone; raise the KV budget or lower max_model_len")
+        return sched if optimistic else None
+
+    def _step_async(self, on_dispatched: Callable[[], None] | None) -> list[Request]:
+        """Submit the next step (scheduled from bounds while one is in flight), then collect the oldest."""
+        touched: list[Request] = []
+        if self._sync_next:
+            while self._inflight:
+                touched += self._collect()
+            self._sync_next = False
+        t0 = time.perf_counter()
+        sched = self._schedule(optimistic=bool(self._inflight))
+        submitted = False
+        if sched is not None:
+            self._sync_next = sched.blocked
+            if sched.scheduled:
+                plan = self.make_plan(sched.scheduled)
+                handle = self.executor.submit(plan)
+                for s in sched.scheduled:
+                    s.request.inflight = s
+                self._inflight.append(_InFlight(sched.scheduled, handle, self.last_step, time.perf_counter() - t0))
+                submitted = True
+        if on_dispatched is not None:
+            on_dispatched()
+        if len(self._inflight) > 1 or (self._inflight and not submitted):
+            touched += self._collect()
+        return touched
+
+    def _collect(self) -> list[Request]:
+        """Wait for the oldest step in flight and commit it."""
+        step = self._inflight[0]
+        try:
+            result = self.executor.collect(step.handle)
+        except BaseException:
+            self._drop_inflight()
+            raise
+        self._inflight.popleft()
+        t = time.perf_counter()
+        touched = self.commit(step.scheduled, result)
+        for s in step.scheduled:
+            if s.request.inflight is s:
+                s.request.inflight = None
+                done = self._deferred_free.pop(s.request.request_id, None)
+                if done is not None:
+                    self.scheduler.free_kv(done)
+        step.stats.phase_seconds = {**result.phase_seconds, "schedule": step.schedule_seconds,
+                                    "commit": time.perf_counter() - t}
+        self.last_step = step.stats
+        return touched
+
+    def flush(self) -> list[Request]:
+        """Collect every step in flight (before the executor's workers change: a draft group attached or
+        detached); returns the requests they gave tokens or finished."""
+        touched: list[Request] = []
+        while self._inflight:
+            touched += self._collect()
+        return touched
+
+    def _drop_inflight(self) -> None:
+        """A step failed: forget every step in flight (none of them is committed; the sides drop what they
+        resolved, and requests still running are planned with explicit input next)."""
+        for step in self._inflight:
+            for s in step.scheduled:
+                s.request.inflight = None
+        self._inflight.clear()
+        for req in self._deferred_free.values():
+            self.scheduler.free_kv(req)
+        self._deferred_free.clear()
 
     def make_plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
         planned = []
         for s in scheduled:
             r = s.request
             frontier = s.frontier
-            tokens = r.all_token_ids
+            tokens = r.all_token_ids if not s.open_input else []
             p = PlannedRequest(
-                request_id=r.request_id, token_ids=tokens[r.num_computed_tokens:frontier],
-                start_pos=r.num_computed_tokens, num_draft_tokens=s.num_draft_tokens,
-                sample=frontier == r.num_tokens,
+                request_id=r.request_id, token_ids=None if s.open_input else tokens[s.start:frontier],
+                start_pos=s.start, num_draft_tokens=s.num_draft_tokens, sample=s.samples,
                 block_tables=[list(self.target_kv.block_table(r.request_id, g))
                               for g in range(self.target_kv.num_groups)],
                 temperature=r.params.temperature, top_p=r.params.top_p, top_k=r.params.top_k, seed=r.params.seed,
-                num_output_tokens=r.num_output_tokens)
+                num_output_tokens=r.num_output_tokens, draft_start_pos=s.draft_start)
             if s.draft_runs:  # else the draft sits this step out (speculation off at this load) and lags
-                p.draft_token_ids = tokens[r.num_draft_computed_tokens:frontier]
-                p.draft_start_pos = r.num_draft_computed_tokens
+                p.draft_runs = True
+                if not s.open_input:
+                    p.draft_token_ids = tokens[s.draft_start:frontier]
                 p.draft_block_tables = [list(self.draft_kv.block_table(r.request_id, g))
                                         for g in range(self.draft_kv.num_groups)]
             planned.append(p)
         spec = self.spec_config
+        finished, self._finished_ids = self._finished_ids, []
         return StepPlan(next(self._step_ids), planned, spec.rejection_sampling if spec else None,
-                        spec.synthetic_acceptance_rate if spec else None)
+                        spec.synthetic_acceptance_rate if spec else None, finished_ids=finished)
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
         touched = []
         for s, tokens, accepted in zip(scheduled, result.sampled, result.num_accepted):
             r = s.request
+            if r.status.finished:  # ended while this step was in flight: its tokens come after the end
+                continue
             k = s.num_draft_tokens
-            frontier = s.frontier
+            # An open input began where the step before it ended: the committed frontier now.
+            frontier = r.num_tokens if s.open_input else s.frontier
             if tokens is None:  # a prefill chunk that did not reach the end of the prompt
                 r.num_computed_tokens = frontier
                 if s.draft_runs:
@@ -186,6 +302,5 @@ class EngineCore:
             self.output.append(r, tokens)
             touched.append(r)
             if r.status.finished:
-                self.scheduler.finish_request(r, r.status)
-                self.output.release(r.request_id)
+                self._finish(r, r.status)
         return touched

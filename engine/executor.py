@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from engine.kv_cache.spec import KVCacheGroupSpec
+from engine.request_table import RequestTable
 from engine.runner.model_runner import ModelRunner
 from engine.spec.proposer import DraftProposer
 from engine.spec.verifier import Verifier
@@ -22,14 +23,26 @@ class Executor(Protocol):
     draft_kv_groups: list[KVCacheGroupSpec] | None
     draft_num_blocks: int
     vocab_size: int
+    # Whether the engine may submit a step before collecting the one before (EngineCore's asynchronous
+    # scheduling): the executor's sides then keep request state (engine/request_table.py) and resolve open plans.
+    async_scheduling: bool
 
     def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
         """Run the plan; call on_dispatched (if given) once it is on its way and before waiting for its result."""
         ...
 
+    def submit(self, plan: StepPlan) -> Any:
+        """Send the plan on its way; returns a handle for `collect`. Steps run in the order submitted."""
+        ...
+
+    def collect(self, handle: Any) -> StepResult:
+        """Wait for a submitted step's result (handles are collected in the order submitted)."""
+        ...
+
 
 class LocalExecutor:
-    """Target and (optional) draft in this process."""
+    """Target and (optional) draft in this process. Both share one request table: the step's result is recorded
+    once, for both models."""
 
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, keep_draft_probs: bool, seed: int) -> None:
         self.target = target
@@ -41,10 +54,27 @@ class LocalExecutor:
         self.draft_kv_groups = draft.kv_groups if draft is not None else None
         self.draft_num_blocks = draft.num_blocks if draft is not None else 0
         self.vocab_size = target.vocab_size
+        self.table = RequestTable()
+        # Off unless asked for: in process a step runs where it is submitted, so submitting the next one early
+        # saves nothing and only delays each step's tokens by one step (tests exercise it here).
+        self.async_scheduling = bool(target.config.async_scheduling)
+
+    def submit(self, plan: StepPlan) -> StepResult:
+        """Runs the step now: the handle is its result."""
+        return self.execute(plan)
+
+    def collect(self, handle: StepResult) -> StepResult:
+        return handle
 
     def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
         if on_dispatched is not None:
             on_dispatched()  # this process runs the step itself: there is no wait to overlap
+        plan = self.table.resolve(plan)
+        result = self._run(plan)
+        self.table.record(result)
+        return result
+
+    def _run(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         # A step without speculation (load-adaptive k = 0) leaves the draft idle: skip even the proposer's
         # bookkeeping, so such a step costs what a step of a target-only engine costs.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -131,6 +132,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_draft_computed_tokens = 0
         self.num_preemptions = 0
+        # The ScheduledRequest of this request's step in flight (asynchronous scheduling), until it is committed.
+        self.inflight: Any = None
         self.spec = SpecStats()
         self.output_text = ""
         self.finish_reason: str | None = None
@@ -164,7 +167,7 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What `LLM.generate` returns per prompt (DESIGN.md contract)."""
+    """What `LLM.generate` returns per prompt (a public contract: docs/ARCHITECTURE.md)."""
 
     request_id: str
     prompt: str | None

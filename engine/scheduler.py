@@ -10,6 +10,14 @@ Speculation adapts to load: each step takes its draft length from the batch size
 SpeculativeConfig's schedule). A step with draft length 0 does not run the draft at all: the draft falls
 behind (its KV is not allocated or written) and catches up on the missed tokens, in one chunk, at the next
 step that speculates.
+
+Asynchronous scheduling (EngineCore): step n+1 is scheduled while step n is in flight, so a request's committed
+state lags by that step. `schedule(optimistic=True)` plans from the committed state advanced by the step in flight
+(`Request.inflight`): a prefill chunk short of the prompt's end is exact (the next chunk follows it); a step that
+samples may add up to k + 1 tokens, so the next step's KV is allocated for all of them, its k is shrunk so that
+even then it cannot overrun max_tokens or max_model_len, and a request that may already be done sits the step
+out. Such a step never preempts (blocks freed under a step in flight could be written by it): when one would
+be needed, the output says `blocked` and the engine lets the step in flight land first.
 """
 
 from __future__ import annotations
@@ -28,12 +36,29 @@ class ScheduledRequest:
     num_new_tokens: int  # target tokens fed this step, draft slots included
     num_draft_tokens: int  # k for this request this step; 0 while prefilling or without speculation
     draft_runs: bool = False  # the draft processes this request this step (catch-up, prefill, proposals)
+    # Where the target's input starts, and the draft's; -1: the request's committed counts. Set when the request
+    # has a step in flight: a chunk's successor starts where that chunk ends.
+    start: int = -1
+    draft_start: int = -1
+    # The input is left to the sides (StepPlan: token_ids None): it follows a step in flight that samples.
+    open_input: bool = False
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            self.start = self.request.num_computed_tokens
+        if self.draft_start < 0:
+            self.draft_start = self.request.num_draft_computed_tokens
 
     @property
     def frontier(self) -> int:
-        """Sequence length the target has seen after this step's committed tokens (drafts not counted);
-        read before the step is committed."""
-        return self.request.num_computed_tokens + self.num_new_tokens - self.num_draft_tokens
+        """Sequence length the target has seen after this step's committed tokens (drafts not counted); for an
+        open input, an upper bound (the step in flight before it accepted every draft)."""
+        return self.start + self.num_new_tokens - self.num_draft_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the end of the known tokens, so it samples (and may add up to k + 1 tokens)."""
+        return self.open_input or self.frontier >= self.request.num_tokens
 
 
 @dataclass
@@ -41,6 +66,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     draft_length: int = 0  # the step's k from the load-adaptive schedule (0: the draft does not run)
+    blocked: bool = False  # an optimistic schedule stopped where a preemption would have been needed
 
     @property
     def num_batched_tokens(self) -> int:
@@ -71,27 +97,35 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_request(self, request: Request, status: RequestStatus) -> None:
-        """End a request (done, or aborted at any time) and return its blocks to both pools."""
+    def finish_request(self, request: Request, status: RequestStatus, free_kv: bool = True) -> None:
+        """End a request (done, or aborted at any time) and return its blocks to both pools. free_kv=False: the
+        caller frees them later (`free_kv`), once no step in flight can write them."""
         request.status = status
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if free_kv:
+            self.free_kv(request)
+        self.requests.pop(request.request_id, None)
+
+    def free_kv(self, request: Request) -> None:
         for kv in self.kv_managers:
             kv.free(request.request_id)
-        self.requests.pop(request.request_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     # --- one step ------------------------------------------------------------------------------------
-    def draft_length(self, request: Request) -> int:
-        """k for this request, shrunk near max_tokens and max_model_len so a verify never overruns."""
+    def draft_length(self, request: Request, num_tokens: int | None = None, num_output: int | None = None) -> int:
+        """k for this request, shrunk near max_tokens and max_model_len so a verify never overruns. num_tokens /
+        num_output: upper bounds to use instead of the committed counts (a step in flight)."""
         if not self.step_draft_length:
             return 0
-        room_output = request.params.max_tokens - request.num_output_tokens - 1
-        room_context = self.max_model_len - request.num_tokens - 1
+        num_tokens = request.num_tokens if num_tokens is None else num_tokens
+        num_output = request.num_output_tokens if num_output is None else num_output
+        room_output = request.params.max_tokens - num_output - 1
+        room_context = self.max_model_len - num_tokens - 1
         return max(0, min(self.step_draft_length, room_output, room_context))
 
     def _step_draft_length(self) -> int:
@@ -106,22 +140,22 @@ class Scheduler:
         """Whether the draft model works this step: it has a KV manager and the step speculates."""
         return len(self.kv_managers) > 1 and self.step_draft_length > 0
 
-    def _draft_end(self, request: Request, num_new: int, k: int) -> int:
-        """Positions the draft holds KV for after this step: the target's frontier, plus k - 1 drafts."""
-        return request.num_computed_tokens + num_new - k + max(0, k - 1)
-
-    def _try_allocate(self, request: Request, num_new: int, k: int) -> bool:
-        target_end = request.num_computed_tokens + num_new
+    def _try_allocate(self, request: Request, num_new: int, k: int, start: int | None = None) -> bool:
+        """KV for the step in both models. start: where the target's input begins (default: the committed count;
+        an upper bound after a step in flight). The committed counts decide what sliding windows release: they
+        never exceed the true ones, so nothing a step in flight may still read is released."""
+        start = request.num_computed_tokens if start is None else start
+        target_end = start + num_new
+        # The draft holds KV up to the target's frontier plus k - 1 drafts after the step.
+        draft_end = start + num_new - k + max(0, k - 1)
         ok = self.kv_managers[0].can_allocate(request.request_id, request.num_computed_tokens, target_end)
         if ok and self._draft_runs:
-            ok = self.kv_managers[1].can_allocate(request.request_id, request.num_draft_computed_tokens,
-                                                  self._draft_end(request, num_new, k))
+            ok = self.kv_managers[1].can_allocate(request.request_id, request.num_draft_computed_tokens, draft_end)
         if not ok:
             return False
         self.kv_managers[0].allocate(request.request_id, request.num_computed_tokens, target_end)
         if self._draft_runs:
-            self.kv_managers[1].allocate(request.request_id, request.num_draft_computed_tokens,
-                                         self._draft_end(request, num_new, k))
+            self.kv_managers[1].allocate(request.request_id, request.num_draft_computed_tokens, draft_end)
         return True
 
     def _preempt(self, request: Request) -> None:
@@ -141,7 +175,37 @@ class Scheduler:
             return (1 + k, k) if 1 + k <= budget else (1, 0) if budget >= 1 else (0, 0)
         return min(remaining, budget), 0
 
-    def schedule(self) -> SchedulerOutput:
+    def _schedule_after_inflight(self, req: Request, budget: int) -> ScheduledRequest | None | bool:
+        """The next step of a request whose last step is still in flight: a ScheduledRequest, None to sit this
+        step out, or False when its KV does not fit (a preemption would be needed)."""
+        s = req.inflight
+        assert s is not None
+        if not s.samples:  # a prefill chunk short of the prompt's end: the next chunk follows it, exactly
+            draft_start = s.frontier if s.draft_runs else req.num_draft_computed_tokens
+            remaining = req.num_tokens - s.frontier
+            k = self.draft_length(req) if remaining == 1 else 0
+            num_new = 1 + k if remaining == 1 else min(remaining, budget)
+            if num_new > budget:
+                return None
+            if not self._try_allocate(req, num_new, k, start=s.frontier):
+                return False
+            return ScheduledRequest(req, num_new, k, self._draft_runs, start=s.frontier, draft_start=draft_start)
+        # It samples: up to k + 1 tokens more. Plan for all of them; sit out if they could end the request. Its
+        # input began at the committed frontier (any step before it has landed; an open step's own `frontier`
+        # was only an upper bound).
+        num_tokens_max = req.num_tokens + s.num_draft_tokens + 1
+        num_output_max = req.num_output_tokens + s.num_draft_tokens + 1
+        if num_tokens_max >= self.max_model_len or num_output_max >= req.params.max_tokens:
+            return None
+        k = self.draft_length(req, num_tokens_max, num_output_max)
+        if 1 + k > budget:
+            return None
+        if not self._try_allocate(req, 1 + k, k, start=num_tokens_max - 1):
+            return False
+        return ScheduledRequest(req, 1 + k, k, self._draft_runs, start=num_tokens_max - 1, open_input=True)
+
+    def schedule(self, optimistic: bool = False) -> SchedulerOutput:
+        """optimistic: steps may be in flight (asynchronous scheduling); see the module docstring."""
         self.step_draft_length = self._step_draft_length()
         out = SchedulerOutput(draft_length=self.step_draft_length)
         draft_runs = self._draft_runs
@@ -150,8 +214,22 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if optimistic and req.inflight is not None:
+                s = self._schedule_after_inflight(req, budget)
+                if s is False:
+                    out.blocked = True
+                    return out
+                if s is not None:
+                    out.scheduled.append(s)
+                    scheduled_ids.add(req.request_id)
+                    budget -= s.num_new_tokens
+                i += 1
+                continue
             num_new, k = self._num_new(req, budget)
-            while not self._try_allocate(req, num_new, k):
+            if optimistic and not self._try_allocate(req, num_new, k):
+                out.blocked = True
+                return out
+            while not optimistic and not self._try_allocate(req, num_new, k):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)

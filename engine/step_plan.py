@@ -2,6 +2,10 @@
 
 Small and picklable: token deltas, positions, block ids per KV-cache group and sampling settings; no
 tensors. The same plan drives the in-process executor and the Ray workers, so both run the same code.
+
+With asynchronous scheduling the scheduler sends step n+1's plan before step n's tokens reach it, so a decoding
+request's entry may leave its input to the side that runs it: `token_ids=None` means "the tokens you accepted
+last step, from where your KV ends" (engine/request_table.py resolves such entries from the state every side keeps).
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from dataclasses import dataclass, field
 class PlannedRequest:
     request_id: str
     # Target: committed tokens to feed from start_pos on (a prefill chunk, or the last token); the step's
-    # draft tokens are appended to them on the worker.
-    token_ids: list[int]
+    # draft tokens are appended to them on the worker. None: a decode whose input only the sides know yet (the
+    # tokens of a step still in flight); they fill token_ids, start_pos, num_output_tokens and the draft's
+    # token_ids/start_pos in from their request table before running it.
+    token_ids: list[int] | None
     start_pos: int
     num_draft_tokens: int  # k this step (0: no speculation for this request)
     sample: bool  # the chunk reaches the end of the sequence, so a token is sampled
@@ -23,6 +29,7 @@ class PlannedRequest:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_start_pos: int = 0
     draft_block_tables: list[list[int]] = field(default_factory=list)  # [num_draft_groups][num_blocks]
+    draft_runs: bool = False  # the draft processes this request this step (catch-up, prefill, proposals)
     # Sampling: settings, and the output position that seeds a seeded request's generators.
     temperature: float = 0.0
     top_p: float = 1.0
@@ -37,6 +44,8 @@ class StepPlan:
     requests: list[PlannedRequest]
     rejection_sampling: str | None = None  # None: no speculation this engine
     synthetic_acceptance_rate: float | None = None
+    # Requests that ended since the last plan: the sides drop their state before running this one.
+    finished_ids: list[str] = field(default_factory=list)
 
     @property
     def max_draft_tokens(self) -> int:
@@ -49,4 +58,5 @@ class StepResult:
 
     sampled: list[list[int] | None]  # None where the request did not sample (mid-prefill)
     num_accepted: list[int]
+    step_id: int = -1  # the plan's: a side that records results matches them to the plans it ran
     phase_seconds: dict[str, float] = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one router (one engine), with the names DESIGN.md fixes.
+"""Prometheus metrics of one router (one engine), with the names docs/ARCHITECTURE.md fixes.
 
 The router owns a private CollectorRegistry (not prometheus-client's global one), so two routers in one
 process, or a router and a test, never collide, and `/metrics` shows exactly this engine's series.
@@ -63,7 +63,7 @@ class EngineMetrics:
         self.step_duration = Histogram(p + "step_duration_seconds", "Engine step time by phase", ["phase"],
                                        buckets=_STEP_BUCKETS, registry=r)
         # Touch the labelled children that always exist, so a scrape before the first request already
-        # shows every DESIGN.md name (dashboards and alerts key on them).
+        # shows every documented name (dashboards and alerts key on them).
         for phase in STEP_PHASES:
             self.step_duration.labels(phase=phase)
         for reason in ("stop", "length"):

@@ -136,7 +136,7 @@ class Usage(BaseModel):
 
 
 class SpecDecodeStats(BaseModel):
-    """Per-request speculation statistics (DESIGN.md: rate = accepted / drafted, length = 1 + accepted /
+    """Per-request speculation statistics (docs/ARCHITECTURE.md: rate = accepted / drafted, length = 1 + accepted /
     verify steps)."""
 
     num_drafts: int

@@ -8,11 +8,17 @@ router reads target rank 0's StepResult. The target ranks build their verify inp
 draft proposes (`target_prepare`, a node of its own), so the proposal's ids are all that is left to write:
 
     plan ──> draft[0..D-1].draft_step(plan) ──(draft[0]'s proposal)──> target[0..T-1].target_step ──> router
-         └──> target[0..T-1].target_prepare(plan) ──(the same rank's verify input)──┘
+         └──> target[0..T-1].target_prepare(plan) ──(the same rank's verify input)──┘      │
+                                   draft[0..D-1].draft_absorb <──(target[0]'s result)──────┘  (async only)
 
-Plain actor calls (`use_compiled_graph=False`) run the same two methods with `.remote()` and ObjectRefs,
-for comparison and debugging; a call costs about 1 ms on the GPU machine against 0.08-0.16 ms for a graph
-execution (shared/device/README.md), a large share of a small model's step.
+Asynchronous scheduling (the default here): the router submits step n+1 before it reads step n's result, and
+every rank keeps its requests' state (engine/request_table.py). Target rank 0's result goes straight to the draft
+ranks (`draft_absorb`), so the next proposal starts as soon as the verify ends, without a round trip through the
+router; the router's hops and bookkeeping overlap the models' work.
+
+Plain actor calls (`use_compiled_graph=False`) run the same methods with `.remote()` and ObjectRefs, for
+comparison and debugging; a call costs about 1 ms on the GPU machine against 0.08-0.16 ms for a graph execution
+(benchmarks/RESULTS.md), a large share of a small model's step.
 """
 
 from __future__ import annotations
@@ -107,12 +113,16 @@ class RayExecutor:
             raise RuntimeError("RayExecutor needs a Ray runtime: call ray.init() (or run inside Ray Serve) first")
         self.engine_config = engine_config
         self.use_compiled_graph = use_compiled_graph
+        # Ordered actor calls and graph executions both keep submitted steps in order: either may run ahead.
+        self.async_scheduling = (True if engine_config.async_scheduling is None
+                                 else bool(engine_config.async_scheduling))
         self.draft_tensor_transport = draft_tensor_transport
         self.launch_verify_ahead = launch_verify_ahead
         self.step_timeout_s = step_timeout_s
         self.target: WorkerGroup | None = None
         self.draft: WorkerGroup | None = None
         self._graph: Any = None  # ray.dag.CompiledDAG
+        self._last_collected = 0.0  # when the last step's result came back (perf_counter)
         self._broken: str | None = None
         self._broken_role: str | None = None  # the group of the dead worker that broke the executor
         # What a replacement draft group is built from (serving/engine_recovery.py), and one being built.
@@ -219,44 +229,60 @@ class RayExecutor:
                 prepared = [w.target_prepare.bind(plan) for w in targets]
                 outs = [w.target_step.bind(prepared[rank], proposal, *(drafts[1:] if rank == 0 else []))
                         for rank, w in enumerate(targets)]
+                if self.async_scheduling:
+                    outs += [w.draft_absorb.bind(outs[0]) for w in self.draft.workers]
             dag = MultiOutputNode(outs)
-        return dag.experimental_compile(_submit_timeout=self.step_timeout_s)
+        # Two executions in flight at most (EngineCore submits one before it collects the one before).
+        return dag.experimental_compile(_submit_timeout=self.step_timeout_s, _max_inflight_executions=4)
 
     # --- steps ---------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
         """Run the plan on the workers; on_dispatched runs once the plan is sent, while the workers work."""
+        handle = self.submit(plan)
+        if on_dispatched is not None:
+            on_dispatched()
+        return self.collect(handle)
+
+    def submit(self, plan: StepPlan) -> tuple[Any, float]:
+        """Send the plan to the workers (a graph execution, or ordered actor calls); returns the handle."""
         if self._broken is not None:
             raise WorkerDiedError(self._broken, self._broken_role)
         t0 = time.perf_counter()
         try:
-            if self._graph is not None:
-                ref = self._graph.execute(plan)
-                if on_dispatched is not None:
-                    on_dispatched()
-                # SYNC: the router needs the step's tokens to commit and schedule the next step.
-                outputs = ray.get(ref, timeout=self.step_timeout_s)
-            else:
-                outputs = self._execute_plain(plan, on_dispatched)
+            return (self._graph.execute(plan) if self._graph is not None else self._submit_plain(plan)), t0
+        except Exception as e:
+            self._raise_step_error(e)
+
+    def collect(self, handle: tuple[Any, float]) -> StepResult:
+        """Wait for a submitted step's result (target rank 0's)."""
+        ref, t0 = handle
+        try:
+            # SYNC: the router needs the step's tokens to commit them (one step late with asynchronous scheduling).
+            outputs = ray.get(ref, timeout=self.step_timeout_s)
         except Exception as e:
             self._raise_step_error(e)
         result: StepResult = outputs[0]
-        wall = time.perf_counter() - t0
+        now = time.perf_counter()
         # What the step cost beyond the workers' own timed work (propose, handoff, prepare, verify, sample):
         # serialization and channels or RPCs, the plan out and the result back (and the proposal across where
-        # draft and target are on different hosts, which cannot time the handoff).
+        # draft and target are on different hosts, which cannot time the handoff). A step submitted while the one
+        # before was still running is timed from that one's result: what its transport added to the step period.
+        wall = now - max(t0, self._last_collected)
+        self._last_collected = now
         result.phase_seconds["dispatch"] = max(0.0, wall - sum(result.phase_seconds.values()))
         return result
 
-    def _execute_plain(self, plan: StepPlan, on_dispatched: Callable[[], None] | None) -> list[StepResult | None]:
-        """The same two methods as the graph, with plain actor calls. The proposal travels as an ObjectRef
-        from draft rank 0 to the target ranks; the router waits once, for all of them."""
+    def _submit_plain(self, plan: StepPlan) -> list[Any]:
+        """The same methods as the graph, with plain actor calls (each actor runs its calls in order). The proposal
+        travels as an ObjectRef from draft rank 0 to the target ranks, and target rank 0's result to the draft
+        ranks; the router waits once, for all of them."""
         assert self.target is not None
         drafts = [w.draft_step.remote(plan) for w in self.draft.workers] if self.draft is not None else []
         targets = [w.target_step.remote(plan, *drafts[:1]) for w in self.target.workers]
-        if on_dispatched is not None:
-            on_dispatched()
-        # SYNC: the router needs the step's tokens; waiting for the draft ranks too surfaces their errors.
-        return ray.get(targets + drafts[1:], timeout=self.step_timeout_s)
+        absorbs = ([w.draft_absorb.remote(targets[0]) for w in self.draft.workers]
+                   if self.draft is not None and self.async_scheduling else [])
+        # Waiting for the draft ranks too surfaces their errors.
+        return targets + drafts[1:] + absorbs
 
     def _raise_step_error(self, error: Exception) -> NoReturn:
         """Turn a failed step into a clear error: a dead/hung worker poisons the executor for good; an error

@@ -266,6 +266,14 @@ class Router:
         finally:
             hand_over()  # the last step's, and one before a failed step's dispatch
 
+    def _publish_now(self, touched: list[Any]) -> None:
+        """Publish what steps collected outside the step thread gave their requests (on the event loop)."""
+        now = time.perf_counter()
+        for req in touched:
+            stream = self._streams.get(req.request_id)
+            if stream is not None:
+                stream.publish(stream.snapshot(req), now, self.metrics)
+
     def _publish(self, deltas: list[tuple[RequestStream, Any]], step: tuple[Any, ...], now: float) -> None:
         """Move what a step produced into the streams, and into the metrics (on the event loop)."""
         for stream, delta in deltas:
@@ -374,6 +382,8 @@ class Router:
                         # The whole engine died meanwhile: release what was just started with the rest of it.
                         await asyncio.to_thread(engine.executor.shutdown)
                         return
+                    # The graph is rebuilt around the new draft: let the steps in flight land first.
+                    self._publish_now(engine.flush())
                     attach_draft(engine, spec)
                     self._degraded = None
                     self._update_queue_and_kv()

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig, ModelConfig, resolve_dtype
 from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.parallel import TensorParallelGroup, set_tp_group
+from engine.request_table import RequestTable
 from engine.runner.model_runner import ModelRunner
 from engine.spec.proposer import DraftProposal, DraftProposer
 from engine.spec.verifier import Verifier, VerifyInput
@@ -121,6 +122,9 @@ class ModelWorker:
         self.runner = ModelRunner(model_config, config, f"{role}[{rank}/{world_size}]")
         self.proposer: DraftProposer | None = None
         self.verifier: Verifier | None = None
+        # What this rank knows of its requests between steps: open plan entries (asynchronous scheduling) are
+        # resolved from it. Every rank of both models keeps the same table (engine/request_table.py).
+        self.table = RequestTable()
         self.num_prepared_ahead = 0  # verify steps whose input was built while the draft proposed
         self.num_launched_ahead = 0  # ... and whose forward was queued on the GPU before the ids came
         if role == "draft":
@@ -156,29 +160,42 @@ class ModelWorker:
     def propose(self, plan: StepPlan) -> DraftProposal:
         if self.proposer is None:
             raise RuntimeError(f"propose() called on a {self.role} worker")
-        return self.proposer.propose(plan)
+        return self.proposer.propose(self.table.resolve(plan))
 
     def verify(self, plan: StepPlan, proposal: DraftProposal | None) -> StepResult:
         if self.verifier is None:
             raise RuntimeError(f"verify() called on a {self.role} worker")
-        return self.verifier.verify(plan, proposal)
+        result = self.verifier.verify(self.table.resolve(plan), proposal)
+        self.table.record(result)
+        return result
 
     # --- one step (graph nodes: the timing travels with the proposal; ranks > 0 return None) ---------
     def draft_step(self, plan: StepPlan) -> DraftOutput | None:
         t0 = time.perf_counter()
-        proposal = self.propose(plan)
+        if self.proposer is None:
+            raise RuntimeError(f"draft_step() called on a {self.role} worker")
+        plan = self.table.resolve(plan)
+        proposal = self.proposer.propose(plan)
         if self.rank != 0:
             return None
         proposal = proposal.to_host([r.num_draft_tokens for r in plan.requests])
         now = time.perf_counter()
         return DraftOutput(proposal, now - t0, now, _HOST)
 
+    def draft_absorb(self, result: StepResult | None) -> None:
+        """The target's result of the step this rank just proposed for (asynchronous scheduling): recorded
+        here, so the next step's open entries resolve without the scheduler. It comes straight from target
+        rank 0, while the router is still on its way to the result."""
+        if result is None:
+            raise RuntimeError("draft_absorb() needs target rank 0's result")
+        self.table.record(result)
+
     def target_prepare(self, plan: StepPlan) -> VerifyInput:
         """The verify input of a step with a draft, built from the plan alone: a graph node bound to the plan, so
         it runs while the draft's workers propose and the proposal finds the input ready."""
         if self.verifier is None:
             raise RuntimeError(f"target_prepare() called on a {self.role} worker")
-        return self.verifier.prepare(plan, with_drafts=True, launch_ahead=self.launch_verify_ahead)
+        return self.verifier.prepare(self.table.resolve(plan), with_drafts=True, launch_ahead=self.launch_verify_ahead)
 
     def target_step(self, step: StepPlan | VerifyInput, draft: DraftOutput | None = None,
                     *_ignored: None) -> StepResult | None:
@@ -189,8 +206,9 @@ class ModelWorker:
             raise RuntimeError(f"target_step() called on a {self.role} worker")
         proposal = draft.proposal if draft is not None else None
         ahead = isinstance(step, VerifyInput)
-        inp = step if ahead else self.verifier.prepare(step, with_drafts=proposal is not None)
+        inp = step if ahead else self.verifier.prepare(self.table.resolve(step), with_drafts=proposal is not None)
         result = self.verifier.run(inp, proposal, prepared_ahead=ahead)
+        self.table.record(result)
         self.num_prepared_ahead += ahead
         self.num_launched_ahead += inp.launched is not None
         if self.rank != 0:

@@ -1,8 +1,8 @@
 """Helpers of the Kubernetes and monitoring tests: the k8s/ manifests, their schemas, kustomize, the test-only
 programs (Prometheus, kubectl), and the PromQL of the Grafana dashboard and the alert rules.
 
-Schemas: the KubeRay and prometheus-operator CRDs come from ../shared/schemas beside the checkout (CI has it; the
-tests that need it skip without it). CRD schemas leave objects open, relying on the API server to prune or (with
+Schemas: the KubeRay and prometheus-operator CRDs are vendored under tests/data/crds (their README says from which
+release). CRD schemas leave objects open, relying on the API server to prune or (with
 strict field validation, kubectl's default) reject unknown fields; `closed_schema` closes them so that a
 misspelt field fails here as `kubectl apply` would fail against a cluster. Core kinds are checked against the
 Kubernetes JSON schemas that the kubernetes-validate package ships, in their strict form.
@@ -24,7 +24,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
 OVERLAYS = ("cpu", "gpu")
-SCHEMAS = REPO.parent / "shared" / "schemas"
+SCHEMAS = REPO / "tests" / "data" / "crds"
 DASHBOARD = K8S / "monitoring" / "dashboards" / "specserve.json"
 PROMETHEUS_RULE = K8S / "monitoring" / "prometheusrule.yaml"
 RAYSERVICE = K8S / "base" / "rayservice.yaml"
@@ -96,8 +96,7 @@ def ray_start_resources(params: dict[str, str]) -> dict[str, float]:
 # --- schemas ------------------------------------------------------------------------------------------------
 def require_schemas() -> Path:
     if not SCHEMAS.is_dir():
-        pytest.skip(f"no CRD schemas at {SCHEMAS.relative_to(REPO.parent)} (CI has ../shared/schemas beside the "
-                    "checkout): the KubeRay and prometheus-operator kinds cannot be validated")
+        raise FileNotFoundError(f"the vendored CRD schemas are missing: {SCHEMAS}")
     return SCHEMAS
 
 
@@ -126,7 +125,7 @@ def closed_schema(schema: Any) -> Any:
 
 @cache
 def crd_schemas() -> dict[tuple[str, str, str], dict[str, Any]]:
-    """(group, version, kind) -> the closed openAPIV3Schema of every CRD under ../shared/schemas."""
+    """(group, version, kind) -> the closed openAPIV3Schema of every CRD under tests/data/crds."""
     out = {}
     for path in sorted(require_schemas().rglob("*.yaml")):
         for doc in load_docs(path):

@@ -144,7 +144,10 @@ def test_target_tp2_matches_tp1_and_dies_loudly(tiny_models: dict[str, TinyModel
                 time.sleep(0.2)
         engine.add_request(Request("after-kill", PROMPTS[0], GREEDY))
         with pytest.raises(WorkerDiedError, match="rank 1 of 2"):
-            engine.step()
+            # With asynchronous scheduling the first step is only submitted; collecting it (at the latest on the
+            # next call) raises.
+            for _ in range(2):
+                engine.step()
     finally:
         executor.shutdown()
     with pytest.raises(WorkerDiedError):
@@ -206,8 +209,8 @@ def test_gemma3_hybrid_tp2_with_replicated_kv_draft(tiny_models: dict[str, TinyM
         assert {g.spec.num_kv_heads for g in executor.target_kv_groups} == {1}
         assert [g.spec.num_kv_heads for g in executor.draft_kv_groups] == [1]
         steps: list[StepResult] = []
-        execute = executor.execute
-        executor.execute = lambda plan: steps.append(execute(plan)) or steps[-1]  # type: ignore[method-assign]
+        collect = executor.collect
+        executor.collect = lambda h: steps.append(collect(h)) or steps[-1]  # type: ignore[method-assign]
         assert greedy_tokens(engine) == llm_greedy(target)
         ahead = ray.get([w.__ray_call__.remote(lambda self: self.num_prepared_ahead) for w in executor.target.workers])
         assert ahead == [len(steps), len(steps)]
@@ -218,6 +221,45 @@ def test_gemma3_hybrid_tp2_with_replicated_kv_draft(tiny_models: dict[str, TinyM
         assert all(s.phase_seconds["prepare"] < s.phase_seconds["verify"] + s.phase_seconds["sample"] for s in steps)
     finally:
         engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_async_scheduling_tp2_both_sides_hybrid_draft(tiny_models: dict[str, TinyModel],
+                                                      tiny_drafts: dict[str, TinyModel], compiled: bool) -> None:
+    """Asynchronous scheduling across processes: Gemma 3 target (two KV-cache groups) at TP=2 with the Gemma 3
+    hybrid draft (two KV-cache groups) at TP=2, through the compiled graph and through plain actor calls. Greedy
+    equals the in-process target alone; steps really go out before their predecessors' tokens came back, their
+    decodes open (resolved by the workers' tables, the draft's fed by target rank 0's result); every rank's
+    table forgets the requests once they end; sampled outputs are the same on both paths."""
+    target, draft = tiny_models["gemma3"].path, tiny_drafts["gemma3-2l"].path
+    engine = build_ray_engine(target, draft, num_speculative_tokens=3, rejection_sampling="probabilistic",
+                              tensor_parallel_size=2, draft_tensor_parallel_size=2, use_compiled_graph=compiled,
+                              seed=5, **ENGINE_KW)
+    executor = engine.executor
+    try:
+        assert engine.async_scheduling and executor.async_scheduling
+        plans: list[StepPlan] = []
+        submit = executor.submit
+        executor.submit = lambda plan: plans.append(plan) or submit(plan)  # type: ignore[method-assign]
+        assert greedy_tokens(engine) == llm_greedy(target)
+        assert sum(p.token_ids is None for plan in plans for p in plan.requests) > len(plans) // 2
+        sampled = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 2)]
+        reqs = run(engine, PROMPTS[:2], sampled)
+        # One more request's plans carry the finished ids: then every rank remembers that request alone.
+        last = run(engine, [PROMPTS[0]], [SamplingParams(max_tokens=2, ignore_eos=True)])[0]
+        known = ray.get([w.__ray_call__.remote(lambda self: sorted(self.table.requests)) for _, _, w in
+                         executor.workers()])
+        assert known == [[last.request_id]] * 4
+        result = [r.output_token_ids for r in reqs]
+    finally:
+        executor.shutdown()
+    assert all(len(t) == NEW_TOKENS for t in result)
+    key = "tp2-hybrid-sampled"
+    _SAMPLED.setdefault(key, result)
+    assert _SAMPLED[key] == result  # compiled graph and plain calls run the same worker code on the same seeds
+
+
+_SAMPLED: dict[str, list[list[int]]] = {}
 
 
 def test_verify_launched_ahead_only_where_no_gpu_is_shared() -> None:

@@ -4,8 +4,8 @@ Throughput counts completed requests only, over the whole run (first send to las
 in milliseconds: TTFT, TPOT (per request: (E2E - TTFT) / (output tokens - 1)), ITL (every gap between streamed
 chunks) and E2E, each as mean, median and p99. Speculation: acceptance rate = accepted / drafted tokens,
 acceptance length = 1 + accepted / verify steps, and per position the accepted fraction of verify steps that
-drafted there (DESIGN.md's definitions), from the responses' `spec_decode` objects, or else from the difference
-of the server's Prometheus counters before and after the run.
+drafted there (docs/ARCHITECTURE.md's definitions), from the responses' `spec_decode` objects, or else from the
+difference of the server's Prometheus counters before and after the run.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Logits -> sampling probabilities: temperature, then top-k, then top-p (HF / vLLM order and semantics).
 
 The target's p and the draft's q in speculative decoding must go through exactly this code, so that
-rejection sampling reproduces the distribution the user asked for (DESIGN.md, "Rejection sampling modes").
+rejection sampling reproduces the distribution the user asked for (docs/ARCHITECTURE.md, "Rejection sampling").
 """
 
 from __future__ import annotations

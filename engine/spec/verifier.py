@@ -172,6 +172,7 @@ class Verifier:
         # prepare: the host's work before the forward on the step's path (the input, and the draft ids into it).
         prepare = (0.0 if prepared_ahead else inp.seconds) + t0 - t_in
         result.phase_seconds = {"prepare": prepare, "verify": verify, "sample": max(0.0, t2 - t0 - verify)}
+        result.step_id = inp.plan.step_id
         return result
 
     def _launch(self, positions: list[int], num_reqs: int, max_k: int, forward: PreparedForward) -> LaunchedForward:
