@@ -1,0 +1,100 @@
+"""Predict tokens/s of the draft on a GPU of its own (t1+d1, t2+d1) from phase times measured on one GPU.
+
+    python benchmarks/overlap_model.py layouts.json                  # the serve_layouts.py JSON of a one-GPU run
+    python benchmarks/overlap_model.py layouts.json --hit-rate 0.3 --target-tp-speedup 1.8
+
+The one-GPU run (`serve_layouts.py --layouts offline offline+d t1 t1/sync t1+d1/shared t1+d1/shared/sync`) gives
+each phase's mean milliseconds per step: propose (the draft's k steps), verify and sample (the target), prepare,
+handoff (the proposal's trip to the target's worker), and the router's schedule, dispatch and commit. On two GPUs
+the draft and the target stop sharing one, so the model composes a step from those phases per schedule:
+
+  in process, serial        propose + prepare + verify + sample + schedule + commit   (measured: offline+d)
+  served, synchronous       propose + handoff + verify + sample + dispatch + schedule + commit
+  served, asynchronous      propose + handoff + verify + sample + absorb        (the router's work overlaps; absorb,
+                                                                                  the result's trip to the draft,
+                                                                                  costs what the handoff costs)
+  + speculation ahead, hit  handoff + max(verify + sample, propose)             (the next window was drafted while
+                                                                                  the target verified)
+  + speculation ahead, miss the asynchronous step
+
+and decode tokens/s = concurrency x acceptance length / step, to be compared with the measured
+concurrency x 1000 / median TPOT (the measured output tokens/s also holds prefill and the gaps between requests).
+The hit rate of speculation ahead (the next window pre-drafted
+for the outcome that happens) is at most P(all k drafts accepted) x P(the bonus token among the pre-drafted guesses):
+with synthetic acceptance a per draft that is a^k x b. `--target-tp-speedup` divides verify and sample (a target at
+TP 2). A model, not a measurement: it assumes the phases keep their one-GPU times when the GPU is no longer shared
+(they get faster, so the predictions are conservative there) and ignores contention between the two processes'
+host threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def phases_of(layouts: dict[str, Any], name: str, c: int) -> tuple[dict[str, float], float] | None:
+    """(phases ms per step, acceptance length) of one layout at concurrency c, from serve_layouts.py's JSON."""
+    r = layouts.get(name) or {}
+    for run in r.get("runs", []):
+        if run["concurrency"] == c:
+            return run.get("phases_ms", {}), float(run.get("acceptance_length") or 1.0)
+    return None
+
+
+def predict(ph: dict[str, float], accept_len: float, c: int, hit_rate: float, tp_speedup: float) -> dict[str, float]:
+    """Tokens/s per schedule from one-GPU phase means (ms)."""
+    g = ph.get
+    target = (g("verify", 0.0) + g("sample", 0.0)) / tp_speedup
+    propose, handoff = g("propose", 0.0), g("handoff", 0.0)
+    router = g("schedule", 0.0) + g("dispatch", 0.0) + g("commit", 0.0)
+    steps = {
+        "serial": propose + g("prepare", 0.0) + target + g("schedule", 0.0) + g("commit", 0.0),
+        "sync": propose + handoff + target + router,
+        "async": propose + 2 * handoff + target,
+    }
+    hit = handoff + max(target, propose)
+    steps["async+ahead"] = hit_rate * hit + (1 - hit_rate) * steps["async"]
+    return {k: c * accept_len / (v / 1e3) for k, v in steps.items() if v > 0}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", help="serve_layouts.py --out JSON of a one-GPU run")
+    ap.add_argument("--run", default=None, help="the run key inside the JSON (default: the first)")
+    ap.add_argument("--from-layout", default="t1+d1/shared/sync",
+                    help="layout whose phases feed the model (a synchronous served run has every phase)")
+    ap.add_argument("--hit-rate", type=float, nargs="+", default=None,
+                    help="speculation-ahead hit rates; default: 0.8^4 x {0.5, 0.9}, i.e. 0.20 and 0.37")
+    ap.add_argument("--target-tp-speedup", type=float, default=1.0)
+    args = ap.parse_args()
+    doc = json.loads(Path(args.results).read_text())
+    run = doc[args.run] if args.run else next(iter(doc.values()))
+    layouts = run["layouts"]
+    hits = args.hit_rate or [round(0.8 ** 4 * b, 2) for b in (0.5, 0.9)]
+    print(f"### Predicted tokens/s, draft on a GPU of its own (phases of {args.from_layout}; "
+          f"target TP speed-up {args.target_tp_speedup})\n")
+    print("| c | measured offline+d (c x 1000/TPOT) | measured offline, no draft | serial | served sync | "
+          "served async | " + " | ".join(f"async + ahead, hit {h}" for h in hits) + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(hits))
+    for c in sorted({x["concurrency"] for r in layouts.values() for x in r.get("runs", [])}):
+        got = phases_of(layouts, args.from_layout, c)
+        if got is None:
+            continue
+        ph, acc = got
+        measured = {n: next((c * 1e3 / x["median_tpot_ms"] for x in (layouts.get(n) or {}).get("runs", [])
+                             if x["concurrency"] == c and x.get("median_tpot_ms")), None)
+                    for n in ("offline+d", "offline")}
+        base = predict(ph, acc, c, 0.0, args.target_tp_speedup)
+        ahead = [predict(ph, acc, c, h, args.target_tp_speedup)["async+ahead"] for h in hits]
+        fmt = [f"{v:.1f}" if v else "-" for v in (measured["offline+d"], measured["offline"])]
+        print(f"| {c} | " + " | ".join(fmt + [f"{base[k]:.1f}" for k in ("serial", "sync", "async")]
+                                       + [f"{v:.1f}" for v in ahead]) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
