@@ -99,8 +99,17 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=s, help="HTTP bind address (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=s, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, default=s, help="gRPC port (default 9000)")
-    p.add_argument("--num-replicas", type=int, default=s, help="HTTP/gRPC replicas in front of the router")
-    p.add_argument("--max-ongoing-requests", type=int, default=s)
+    p.add_argument("--num-replicas", type=int, default=s,
+                   help="engine replicas: each a router with its own target and draft worker groups (default 1)")
+    p.add_argument("--autoscaling-config", default=s, metavar="YAML",
+                   help="scale engine replicas on load instead, e.g. '{min_replicas: 1, max_replicas: 4, "
+                        "target_ongoing_requests: 32}' (Serve's autoscaling_config; replaces --num-replicas)")
+    p.add_argument("--max-ongoing-requests", type=int, default=s,
+                   help="requests one engine replica holds before Serve queues in front of it (default 128)")
+    p.add_argument("--ingress-replicas", type=int, default=s, help="HTTP/gRPC replicas (default 1)")
+    p.add_argument("--request-router", default=s, choices=["power_of_two", "prefix_aware"],
+                   help="how a request picks its engine replica: the shorter of two random queues (default), or "
+                        "the replica that served its longest prompt prefix")
     p.add_argument("--api-key", default=s,
                    help="require 'Authorization: Bearer KEY' (gRPC: metadata authorization) on every request; "
                         "default: $SPECSERVE_API_KEY if set, else no key")

@@ -1,9 +1,10 @@
-"""The router: a Ray async actor that owns one EngineCore, drives its step loop and streams token deltas.
+"""The router: owns one EngineCore, drives its step loop and streams token deltas (an async Ray actor).
 
-Every request of an application goes through one router (Serve replicas are thin HTTP/gRPC shims that
-tokenize and format), so all requests share one continuous batch and one KV cache per model. The step
-loop runs only while there is work; each blocking `engine.step()` runs in a thread so the actor keeps
-answering health checks, metric scrapes, new requests and aborts meanwhile.
+One router is one engine: one continuous batch and one KV cache per model. In the Serve application every
+engine replica is a router (serving/engine_deployment.py subclasses it), and the HTTP/gRPC shims route each
+request to one of them; `RouterActor` is the same class as a plain Ray actor. The step loop runs only while
+there is work; each blocking `engine.step()` runs in a thread so the actor keeps answering health checks,
+metric scrapes, new requests and aborts meanwhile.
 
 Engine state is touched only under `_lock`. The loop holds it while a step thread runs steps back to back;
 `add`/`abort`/health checks/recovery ask for it through `_between_steps`, which makes the step thread stop at the
@@ -17,8 +18,8 @@ worker fails the requests in flight with a 503 that says so, and the router rebu
 place (or, with `continue_without_draft`, drops a dead draft group and serves on the target alone until a new
 draft group is attached); `drain()` refuses new requests and waits for those in flight, for shutdown.
 
-This module is pickled by value into the Serve controller (deployment-scoped actor), so engine imports
-stay inside functions: the controller must not import torch just to create the actor.
+Engine imports stay inside functions: a process that only names the class (the ingress, Serve's controller)
+must not import torch for it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("specserve")
 
 
-@ray.remote
 class Router:
     """Owns one EngineCore. `engine_args` go to the builder (LLM's arguments for the local engine)."""
 
@@ -392,3 +392,7 @@ class Router:
     def _update_queue_and_kv(self) -> None:
         self.metrics.set_queue(self.engine.num_running(), self.engine.num_waiting())
         self._update_kv_gauges()
+
+
+# The router as a plain Ray actor (one engine outside Serve: tests, benchmarks, embedding).
+RouterActor = ray.remote(Router)
