@@ -4,6 +4,7 @@ Every request sent while replicas come and go gets 200 and the exact greedy outp
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -38,6 +39,7 @@ def test_autoscaling_one_to_two_and_back(tmp_path) -> None:
     tok = byte_tokenizer()
     offline = LLM(target, max_model_len=MAX_MODEL_LEN, block_size=4, num_kv_blocks=1024)
 
+    @functools.cache
     def expected(prompt: str, n: int) -> str:
         ids = list(tok(prompt)["input_ids"])
         return offline.generate([ids], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].text
