@@ -10,9 +10,13 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from deploy.bench.cli import add_bench_parser
 from deploy.distill_cli import _add_distill_parser
+
+if TYPE_CHECKING:
+    from deploy.config import ServeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -125,6 +129,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="on shutdown, seconds the requests in flight may take to finish (default 30)")
 
 
+def _local_cpus(cfg: ServeConfig) -> int:
+    """Logical CPUs the app reserves at its largest: the ingress replicas, and per engine replica its router and
+    one per model rank (the default bundles)."""
+    engines = int((cfg.autoscaling_config or {}).get("max_replicas") or cfg.num_replicas or 1)
+    ranks = cfg.tensor_parallel_size + (cfg.draft_tensor_parallel_size if cfg.resolved_draft() else 0)
+    return cfg.ingress_replicas + engines * (1 + ranks)
+
+
 def _int_or_none(value: str) -> int | None:
     return None if value.strip().lower() in ("none", "null", "") else int(value)
 
@@ -143,10 +155,10 @@ def _serve(args: argparse.Namespace) -> int:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])  # join the cluster (KubeRay head, `ray start`)
     else:
-        # A local cluster for this process. At least 4 logical CPUs: the HTTP replica, the router and one
-        # worker per model rank each reserve one, and on a small box they would otherwise wait forever for
-        # each other; they are single-threaded and mostly idle, so oversubscribing the cores is harmless.
-        ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False)
+        # A local cluster for this process, with a logical CPU for each HTTP/gRPC replica, and for each engine
+        # replica's router and model ranks: each reserves one, and on a small box they would otherwise wait forever
+        # for each other; they are single-threaded and mostly idle, so oversubscribing the cores is harmless.
+        ray.init(num_cpus=max(os.cpu_count() or 1, _local_cpus(cfg)), include_dashboard=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

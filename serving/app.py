@@ -43,14 +43,14 @@ class SpecServe:
         from engine.llm import load_tokenizer
         from engine.models.source import resolve_model
 
-        # engine: a DeploymentHandle of the engine replicas. An engine replica resolved (and, for a GGUF,
-        # converted) the model before this answers: on its node this is a cache hit; elsewhere it converts once,
+        # engine: a DeploymentHandle of the engine replicas. The first engine replica resolved (and, for a GGUF,
+        # converted) the model before it answers: on its node this is a cache hit; elsewhere it converts once,
         # under the source's file lock. Only the tokenizer is read here: a directory of random weights (load_format
         # "dummy") holds none.
+        info = await engine.info.remote()
         tokenizer = load_tokenizer(str(resolve_model(model, require_weights=False).path))
         if tokenizer is None:
             raise ValueError(f"model {model} has no tokenizer: the HTTP and gRPC APIs need one for text")
-        info = await engine.info.remote()
         self.client = RouterClient(engine, served_model_name or model, tokenizer, info["max_model_len"])
         security = dict(security or {})
         # A key from the environment (a Kubernetes Secret) stays out of Serve's stored config.

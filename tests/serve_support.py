@@ -276,17 +276,21 @@ def kill_worker(role: str, replica: str | None = None) -> str:
     return actor_id
 
 
-def scrape(client: httpx.Client) -> dict[str, float]:
-    """`/metrics` as {sample name with sorted labels: value}."""
+def scrape(client: httpx.Client, by_replica: bool = False) -> dict[str, float]:
+    """`/metrics` as {sample name with sorted labels: value}: summed over the engine replicas (their `replica`
+    label dropped: the totals; with one replica, its values), or per replica with `by_replica`."""
     from prometheus_client.parser import text_string_to_metric_families
 
     r = client.get("/metrics")
     assert r.status_code == 200, r.text
-    values = {}
+    values: dict[str, float] = {}
     for family in text_string_to_metric_families(r.text):
         for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+            assert "replica" in sample.labels, sample  # every engine series says which replica it is
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())
+                              if by_replica or k != "replica")
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            values[key] = values.get(key, 0.0) + sample.value
     return values
 
 

@@ -77,7 +77,7 @@ def _body(prompt: str, max_tokens: int, stream: bool = False) -> dict:
 def served(server: Server) -> dict[str, float]:
     """Requests each engine replica has finished normally, from /metrics (replica label -> count)."""
     with server.http() as c:
-        metrics = scrape(c)
+        metrics = scrape(c, by_replica=True)
     counts: dict[str, float] = {}
     for key, value in metrics.items():
         if key.startswith("specserve_request_success_total{"):
