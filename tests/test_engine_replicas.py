@@ -115,6 +115,9 @@ def test_two_replicas_both_serve_and_match_offline(server: Server, oracle) -> No
     assert sum(delta.values()) == len(prompts) and all(n > 0 for n in delta.values()), delta  # both served
     stats = engine_broadcast("stats")
     assert {s["replica"] for s in stats} == replicas and all(s["healthy"] for s in stats)
+    with server.http() as c:
+        health = c.get("/health").json()
+    assert (health["engine_replicas"], health["engine_replicas_serving"]) == (2, 2), health
 
 
 def test_shared_prefix_lands_on_one_replica(server: Server, oracle) -> None:
@@ -169,6 +172,7 @@ def test_worker_death_fails_only_its_replicas_requests(server: Server, oracle) -
     with server.http() as c:
         health = c.get("/health")
         assert health.status_code == 200, health.text  # the survivor serves
+        assert health.json()["engine_replicas"] == 2, health.json()
         for p in ("while", "recovering"):  # served meanwhile: by the survivor (or a retry once the victim is back)
             r = c.post("/v1/completions", json=_body(p, 8))
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == oracle(p, 8), r.text
