@@ -3,6 +3,7 @@ evenly the ingress spread the requests over the replicas.
 
     python benchmarks/serve_replicas.py --replicas 1 2 --concurrency 16 --out benchmarks/out/serve_replicas.json
     python benchmarks/serve_replicas.py --smoke      # tiny random models: checks the script end to end
+    python benchmarks/serve_replicas.py --device cuda --concurrency 16,64   # 4 GPUs: a target + a draft each
 
 Each setting starts the `specserve serve` app (Ray Serve on 127.0.0.1) with `num_replicas` engine replicas of the
 pair (default: the bundled SmolLM2-135M-Instruct with its distilled draft, probabilistic rejection, the eval prompts
@@ -58,18 +59,23 @@ def run_setting(pair: Any, replicas: int, args: argparse.Namespace) -> dict[str,
     from deploy.app import build_app
 
     threads = args.total_threads // replicas
-    if threads < 1 or threads * replicas != args.total_threads:
+    if args.device == "cpu" and (threads < 1 or threads * replicas != args.total_threads):
         raise ValueError(f"--total-threads {args.total_threads} does not split evenly over {replicas} replicas")
     cfg: dict[str, Any] = {
         "model": pair.target, "draft_model": pair.draft, "num_speculative_tokens": args.k,
-        "rejection_sampling": pair.rejection_sampling, "max_model_len": args.max_model_len, "device": "cpu",
+        "rejection_sampling": pair.rejection_sampling, "max_model_len": args.max_model_len,
         "served_model_name": "bench", "num_replicas": replicas, "request_router": args.request_router,
         "max_queued_requests": None,
-        "engine_kwargs": {"max_num_seqs": max(args.concurrency), "target_resources": {"CPU": threads},
-                          "draft_resources": {"CPU": threads}, **pair.engine_kwargs},
+        "engine_kwargs": {"max_num_seqs": max(args.concurrency), **pair.engine_kwargs},
     }
+    if args.device == "cpu":
+        # A CPU worker runs as many torch threads as its bundle has CPUs.
+        cfg["device"] = "cpu"
+        cfg["engine_kwargs"].update(target_resources={"CPU": threads}, draft_resources={"CPU": threads})
+    else:
+        cfg["device"] = "cuda"  # one GPU per rank of each model: 2 GPUs per replica
     # Logical CPUs: every replica's router and its workers' bundles, the ingress, and room for Serve's actors.
-    ray.init(num_cpus=replicas * (1 + 2 * threads) + 2, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=replicas * (1 + 2 * max(threads, 1)) + 2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
                                        "OMP_NUM_THREADS": "1"}})
     t0 = time.perf_counter()
@@ -122,7 +128,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[16])
-    ap.add_argument("--total-threads", type=int, default=2, help="torch threads per model, over all replicas")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--total-threads", type=int, default=2,
+                    help="CPU: torch threads per model, over all replicas (each replica's workers get an equal share)")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--request-router", default="power_of_two", choices=["power_of_two", "prefix_aware"])
     ap.add_argument("--input-len", type=int, default=128, help="random prompts' length (smoke)")
@@ -139,8 +147,8 @@ def main() -> int:
     ap.add_argument("--disable-tqdm", action="store_true")
     args = ap.parse_args()
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="serve_replicas_"))
-    pair = model_pairs(work_dir, args.smoke, "cpu", 0.8)["smollm2"]
-    materialize("smollm2", pair, work_dir, args.smoke, "cpu")
+    pair = model_pairs(work_dir, args.smoke, args.device, 0.8)["smollm2"]
+    materialize("smollm2", pair, work_dir, args.smoke, args.device)
     results = [run_setting(pair, n, args) for n in args.replicas]
     table = results_table(results)
     print(table)
