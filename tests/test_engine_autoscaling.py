@@ -1,6 +1,7 @@
 """Serve's autoscaler scales engine replicas (each a router with its own worker group) on load, on a real local
 Ray + Serve with a tiny byte-level model: 1 replica idle, 2 under load, back to 1 once idle, with short delays.
-Every request sent while replicas come and go gets 200 and the exact greedy output."""
+Every request sent while replicas come and go gets 200 and the exact greedy output, those in flight while a replica
+is stopped (and drained) included."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from serve_support import byte_tokenizer, make_byte_models, running_server, serv
 from engine import LLM, SamplingParams
 from serving.engine_deployment import ENGINE_DEPLOYMENT
 
-MAX_MODEL_LEN = 128
+MAX_MODEL_LEN = 512
+LONG = 400  # tokens of the requests in flight while the extra replica goes
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
                "downscale_delay_s": 2.0, "metrics_interval_s": 0.5, "look_back_period_s": 1.0}
 
@@ -72,8 +74,23 @@ def test_autoscaling_one_to_two_and_back(tmp_path) -> None:
             stop.set()
             for t in loaders:
                 t.join()
-        # Idle now: the extra replica is drained (Serve waits for its requests in flight) and stopped.
+        # Two long requests, about one per replica (power of two choices), then the load is under one replica's
+        # target: Serve stops a replica while they run (most runs), draining it: both must still finish, exactly.
+        long_results: list[tuple[int, str]] = []
+
+        def long_request(i: int) -> None:
+            with server.http(timeout=300) as c:
+                r = c.post("/v1/completions", json={"model": "tiny", "prompt": f"long {i}", "max_tokens": LONG,
+                                                    "temperature": 0, "ignore_eos": True})
+                long_results.append((r.status_code, r.json()["choices"][0]["text"] if r.is_success else r.text))
+
+        longs = [threading.Thread(target=long_request, args=(i,)) for i in range(2)]
+        for t in longs:
+            t.start()
         assert wait_for(lambda: running_replicas() == 1, 90), "the second engine replica stayed while idle"
+        for t in longs:
+            t.join()
+        assert sorted(long_results) == sorted((200, expected(f"long {i}", LONG)) for i in range(2)), long_results
         with server.http() as c:
             r = c.post("/v1/completions", json={"model": "tiny", "prompt": "after", "max_tokens": 8, "temperature": 0,
                                                 "ignore_eos": True})
