@@ -17,7 +17,7 @@ from serving.engine_deployment import ENGINE_DEPLOYMENT
 MAX_MODEL_LEN = 512
 LONG = 400  # tokens of the requests in flight while the extra replica goes
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
-               "downscale_delay_s": 2.0, "metrics_interval_s": 0.5, "look_back_period_s": 1.0}
+               "downscale_delay_s": 0.5, "metrics_interval_s": 0.5, "look_back_period_s": 1.0}
 
 
 def running_replicas() -> int:
@@ -65,17 +65,6 @@ def test_autoscaling_one_to_two_and_back(tmp_path) -> None:
         loaders = [threading.Thread(target=load, args=(i,)) for i in range(6)]
         for t in loaders:
             t.start()
-        try:
-            assert wait_for(lambda: running_replicas() == 2, 120), "no second engine replica under load"
-            # Let the new replica take requests before the load stops.
-            n = len(results)
-            assert wait_for(lambda: len(results) >= n + 6, 60)
-        finally:
-            stop.set()
-            for t in loaders:
-                t.join()
-        # Two long requests, about one per replica (power of two choices), then the load is under one replica's
-        # target: Serve stops a replica while they run (most runs), draining it: both must still finish, exactly.
         long_results: list[tuple[int, str]] = []
 
         def long_request(i: int) -> None:
@@ -85,8 +74,19 @@ def test_autoscaling_one_to_two_and_back(tmp_path) -> None:
                 long_results.append((r.status_code, r.json()["choices"][0]["text"] if r.is_success else r.text))
 
         longs = [threading.Thread(target=long_request, args=(i,)) for i in range(2)]
-        for t in longs:
-            t.start()
+        try:
+            assert wait_for(lambda: running_replicas() == 2, 120), "no second engine replica under load"
+            # Let the new replica take requests before the load stops.
+            n = len(results)
+            assert wait_for(lambda: len(results) >= n + 6, 60)
+            # Two long requests join the load; once the load stops they are under one replica's target, and Serve
+            # stops a replica while they run, draining it: both must still finish, exactly.
+            for t in longs:
+                t.start()
+        finally:
+            stop.set()
+            for t in loaders:
+                t.join()
         assert wait_for(lambda: running_replicas() == 1, 90), "the second engine replica stayed while idle"
         for t in longs:
             t.join()
