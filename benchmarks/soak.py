@@ -214,7 +214,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import tempfile
 
-    import ray
     from serve_support import make_byte_models, router_stats, running_server, serve_config, wait_idle
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -226,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = {"model": args.model, "draft_model": args.draft_model, "max_model_len": args.max_model_len,
                    "device": "cpu", "num_speculative_tokens": 3}
         with running_server(cfg, num_cpus=8) as server:
-            from serve_support import router_handle
+            from serve_support import router_call
 
-            router_pid = ray.get(router_handle().__ray_call__.remote(lambda r: os.getpid()))
+            router_pid = router_call(lambda r: os.getpid())
             result = run_soak(server.base, server.grpc_target, server.model, args.duration_s, args.concurrency,
                               args.seed, server.headers, router_pid)
             stats = wait_idle(timeout_s=60)

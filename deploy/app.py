@@ -10,7 +10,8 @@ KubeRay (serveConfigV2):
         import_path: deploy.app:build_app
         route_prefix: /
         args: {model: smollm2-135m-instruct, draft_model: smollm2-135m-draft, num_speculative_tokens: 4,
-               autoscaling_config: {min_replicas: 1, max_replicas: 4}}
+               autoscaling_config: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 32},
+               request_router: prefix_aware}
     grpcOptions:
       port: 9000
       grpcServicerFunctions: [serving.grpc_service.add_servicer]
@@ -59,7 +60,9 @@ def build_app_from_config(cfg: ServeConfig) -> serve.Application:
                              router_options=cfg.router_actor_options, max_queued_requests=cfg.max_queued_requests,
                              continue_without_draft=cfg.continue_without_draft, api_key=cfg.api_key,
                              max_request_body_bytes=cfg.max_request_body_bytes,
-                             auth_health_metrics=cfg.auth_health_metrics)
+                             auth_health_metrics=cfg.auth_health_metrics, ingress_replicas=cfg.ingress_replicas,
+                             request_router=cfg.request_router, request_router_kwargs=cfg.request_router_kwargs,
+                             drain_timeout_s=cfg.drain_timeout_s)
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

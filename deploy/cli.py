@@ -10,9 +10,13 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from deploy.bench.cli import add_bench_parser
 from deploy.distill_cli import _add_distill_parser
+
+if TYPE_CHECKING:
+    from deploy.config import ServeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -99,8 +103,17 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=s, help="HTTP bind address (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=s, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, default=s, help="gRPC port (default 9000)")
-    p.add_argument("--num-replicas", type=int, default=s, help="HTTP/gRPC replicas in front of the router")
-    p.add_argument("--max-ongoing-requests", type=int, default=s)
+    p.add_argument("--num-replicas", type=int, default=s,
+                   help="engine replicas: each a router with its own target and draft worker groups (default 1)")
+    p.add_argument("--autoscaling-config", default=s, metavar="YAML",
+                   help="scale engine replicas on load instead, e.g. '{min_replicas: 1, max_replicas: 4, "
+                        "target_ongoing_requests: 32}' (Serve's autoscaling_config; replaces --num-replicas)")
+    p.add_argument("--max-ongoing-requests", type=int, default=s,
+                   help="requests one engine replica holds before Serve queues in front of it (default 128)")
+    p.add_argument("--ingress-replicas", type=int, default=s, help="HTTP/gRPC replicas (default 1)")
+    p.add_argument("--request-router", default=s, choices=["power_of_two", "prefix_aware"],
+                   help="how a request picks its engine replica: the shorter of two random queues (default), or "
+                        "the replica that served its longest prompt prefix")
     p.add_argument("--api-key", default=s,
                    help="require 'Authorization: Bearer KEY' (gRPC: metadata authorization) on every request; "
                         "default: $SPECSERVE_API_KEY if set, else no key")
@@ -114,6 +127,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="if the draft's workers die, keep serving without speculation while they restart")
     p.add_argument("--drain-timeout-s", type=float, default=s,
                    help="on shutdown, seconds the requests in flight may take to finish (default 30)")
+
+
+def _local_cpus(cfg: ServeConfig) -> int:
+    """Logical CPUs the app reserves at its largest: the ingress replicas, and per engine replica its router and
+    one per model rank (the default bundles)."""
+    engines = int((cfg.autoscaling_config or {}).get("max_replicas") or cfg.num_replicas or 1)
+    ranks = cfg.tensor_parallel_size + (cfg.draft_tensor_parallel_size if cfg.resolved_draft() else 0)
+    return cfg.ingress_replicas + engines * (1 + ranks)
 
 
 def _int_or_none(value: str) -> int | None:
@@ -134,10 +155,10 @@ def _serve(args: argparse.Namespace) -> int:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])  # join the cluster (KubeRay head, `ray start`)
     else:
-        # A local cluster for this process. At least 4 logical CPUs: the HTTP replica, the router and one
-        # worker per model rank each reserve one, and on a small box they would otherwise wait forever for
-        # each other; they are single-threaded and mostly idle, so oversubscribing the cores is harmless.
-        ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False)
+        # A local cluster for this process, with a logical CPU for each HTTP/gRPC replica, and for each engine
+        # replica's router and model ranks: each reserves one, and on a small box they would otherwise wait forever
+        # for each other; they are single-threaded and mostly idle, so oversubscribing the cores is harmless.
+        ray.init(num_cpus=max(os.cpu_count() or 1, _local_cpus(cfg)), include_dashboard=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -25,6 +25,7 @@ AUTO = "auto"
 # A server's batch grows with its load; past this size the draft's extra work outweighs what it saves on the
 # models measured so far (benchmarks/RESULTS.md), so speculation is off. Tune with benchmarks/serve_sweep.py.
 DEFAULT_SPEC_DISABLE_ABOVE_BATCH_SIZE = 32
+REQUEST_ROUTER_NAMES = ("power_of_two", "prefix_aware")  # serving.app.REQUEST_ROUTERS' keys
 
 
 @dataclass
@@ -54,12 +55,19 @@ class ServeConfig:
     host: str = "0.0.0.0"
     port: int = 8000
     grpc_port: int = 9000
-    # --- Serve deployment ----------------------------------------------------------------------------
-    num_replicas: int | None = 1
-    autoscaling_config: dict[str, Any] | None = None  # passed to Serve as is; replaces num_replicas
-    max_ongoing_requests: int = 128
+    # --- Serve deployments: engine replicas (a router + its target/draft worker groups) and the ingress ---
+    num_replicas: int | None = 1  # engine replicas
+    # Engine replicas on load, passed to Serve as is (min_replicas, max_replicas, target_ongoing_requests,
+    # upscale_delay_s, downscale_delay_s, ...); replaces num_replicas.
+    autoscaling_config: dict[str, Any] | None = None
+    max_ongoing_requests: int = 128  # requests one engine replica holds (running + waiting) before Serve queues
+    router_actor_options: dict[str, Any] | None = None  # of each engine replica's router (resources)
+    ingress_replicas: int = 1  # HTTP/gRPC replicas (tokenize, format, route)
     ray_actor_options: dict[str, Any] | None = None  # of each HTTP/gRPC replica
-    router_actor_options: dict[str, Any] | None = None  # of the router actor (resources)
+    # How the ingress picks an engine replica: "power_of_two" (Serve's default: the shorter of two random
+    # replicas' queues) or "prefix_aware" (requests sharing a long prompt prefix go to one replica).
+    request_router: str = "power_of_two"
+    request_router_kwargs: dict[str, Any] | None = None  # options of serving/replica_router.py's router
     # --- reliability and security --------------------------------------------------------------------
     api_key: str | None = None  # clients send `Authorization: Bearer KEY`; None: $SPECSERVE_API_KEY, else open
     auth_health_metrics: bool = False  # also require the key on /health and /metrics (open by default)
@@ -90,6 +98,12 @@ class ServeConfig:
             raise ValueError(f"max_queued_requests must be >= 0 (or none: no bound), got {self.max_queued_requests}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.num_replicas is not None and self.num_replicas < 1 and not self.autoscaling_config:
+            raise ValueError(f"num_replicas must be >= 1 (engine replicas), got {self.num_replicas}")
+        if self.ingress_replicas < 1:
+            raise ValueError(f"ingress_replicas must be >= 1, got {self.ingress_replicas}")
+        if self.request_router not in REQUEST_ROUTER_NAMES:
+            raise ValueError(f"request_router must be one of {list(REQUEST_ROUTER_NAMES)}, got {self.request_router!r}")
 
     def resolved_draft(self) -> str | None:
         """`draft_model` with "auto" decided: the bundled draft of the default model, when it resolves here."""

@@ -121,6 +121,91 @@ class EngineCore:
         """Requests to run, or steps in flight to collect (whose blocks may still be held)."""
         return self.scheduler.has_unfinished() or bool(self._inflight)
 
+    # --- what a server reads between steps ------------------------------------------------------------
+    # A server (serving/router.py) drives this engine from another thread and must not read the scheduler's
+    # queues or a request's fields itself: those belong to the step path, whose state may move (e.g. into the
+    # workers) without the server having to follow. Call these between steps.
+    def has_request(self, request_id: str) -> bool:
+        """Whether `request_id` is queued or running (a finished or aborted request is gone)."""
+        return request_id in self.scheduler.requests
+
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        """Requests waiting for a batch slot."""
+        return len(self.scheduler.waiting)
+
+    def stats(self) -> dict[str, Any]:
+        """Load and KV use: num_running, num_waiting, kv_cache_usage ("model/group" -> fraction in use),
+        kv_blocks_used ("model/group" -> blocks), speculation (whether the engine has a draft now)."""
+        return {"num_running": self.num_running(), "num_waiting": self.num_waiting(),
+                "kv_cache_usage": {f"{m}/{g}": u for (m, g), u in self.kv_usage().items()},
+                "kv_blocks_used": self.kv_blocks_used(), "speculation": self.spec_config is not None}
+
+    # --- the models' workers -------------------------------------------------------------------------
+    def workers(self) -> list[tuple[str, int, Any]]:
+        """(role, rank, actor handle) of each model worker; empty for models in this process."""
+        listing = getattr(self.executor, "workers", None)
+        return list(listing()) if listing is not None else []
+
+    def check_health(self, timeout_s: float = 10.0) -> None:
+        """Raise (serving.ray_executor.WorkerDiedError) when a model worker is dead or does not answer within
+        `timeout_s`; call between steps. Models in this process have nothing to check."""
+        check = getattr(self.executor, "check_health", None)
+        if check is not None:
+            check(timeout_s)
+
+    def shutdown(self) -> None:
+        """Release the models' workers (their placement groups, hence their GPUs), if they have any."""
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    # --- speculation on and off (a draft group that died and restarts) -------------------------------
+    # Speculation is lossless: the target decides every token, so an engine that stops speculating
+    # mid-request produces exactly what it would have with the draft. A failed step commits nothing, so the
+    # target's KV and every request's progress are intact when the draft's group dies; only the draft's side
+    # is dropped, and a new draft group catches up on each request's tokens in one chunk once attached.
+    def detach_draft(self) -> SpeculativeConfig:
+        """Switch to target-only steps (the executor stops running the draft; no draft KV; k = 0); returns the
+        SpeculativeConfig, for `attach_draft`. Raises if the engine does not speculate or the executor cannot
+        (a target rank is dead too). Call between steps."""
+        spec = self.spec_config
+        if spec is None:
+            raise RuntimeError("the engine does not speculate: there is no draft to detach")
+        detach = getattr(self.executor, "detach_draft", None)
+        if detach is None:
+            raise RuntimeError(f"{type(self.executor).__name__} cannot run without its draft")
+        detach()
+        self.spec_config = None
+        self.draft_kv = None
+        self.scheduler.kv_managers = [self.target_kv]
+        self.scheduler.num_speculative_tokens = 0
+        self._restart_draft_progress()
+        return spec
+
+    def start_draft_group(self) -> None:
+        """Start (load) a new draft group next to the running target, after `detach_draft`; steps may run
+        meanwhile (not between steps: loading takes long). `attach_draft` puts it into the step."""
+        self.executor.start_draft_group()
+
+    def attach_draft(self, spec: SpeculativeConfig) -> None:
+        """Put the draft group that `start_draft_group` started into the step; call between steps. The
+        draft's KV starts empty: each request's draft progress restarts at 0."""
+        self.executor.attach_draft()
+        ex = self.executor
+        self.draft_kv = KVCacheManager(ex.draft_kv_groups, ex.draft_num_blocks, self.config.block_size)
+        self._restart_draft_progress()
+        self.scheduler.kv_managers = [self.target_kv, self.draft_kv]
+        self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
+        self.spec_config = spec
+
+    def _restart_draft_progress(self) -> None:
+        for req in self.scheduler.requests.values():
+            req.num_draft_computed_tokens = 0
+
     # --- KV caches -----------------------------------------------------------------------------------
     def kv_managers(self) -> list[tuple[str, KVCacheManager]]:
         """("target" | "draft", its KV manager): the draft's only while the engine has one."""

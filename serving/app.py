@@ -1,10 +1,11 @@
-"""The Ray Serve application: one ingress deployment (HTTP + gRPC) in front of one Router actor.
+"""The Ray Serve application: an ingress deployment (HTTP + gRPC) in front of a deployment of engine replicas.
 
-As in Ray Serve LLM, the deployment is a thin shim: its replicas tokenize, apply the chat template and
-format OpenAI/gRPC responses; the Router (a deployment-scoped actor: created by the Serve controller
-before the first replica, shared by every replica, recreated when it fails its health checks, deleted
-with the deployment) owns the engine. Scaling the deployment scales the HTTP/gRPC front end; all its
-replicas feed one continuous batch.
+As in Ray Serve LLM, the ingress is a thin shim: its replicas tokenize, apply the chat template and format
+OpenAI/gRPC responses, and send each request through a DeploymentHandle to one engine replica
+(serving/engine_deployment.py: a router with its own target and draft worker groups). `num_replicas` and
+`autoscaling_config` scale the engine replicas; `ingress_replicas` the shims. Serve's request router picks the
+engine replica of each request (serving/replica_router.py): among the replicas that take requests, power of two
+choices on queue length by default, or prefix affinity with `request_router: prefix_aware`.
 """
 
 from __future__ import annotations
@@ -13,42 +14,44 @@ import logging
 import os
 from typing import Any
 
-import ray
 from ray import serve
-from ray.serve.config import DeploymentActorConfig
+from ray.serve.config import RequestRouterConfig
 
 from serving import grpc_service
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, LOCAL_ENGINE_BUILDER
+from serving.engine_deployment import ENGINE_DEPLOYMENT, EngineReplica
 from serving.openai_api import create_openai_app
-from serving.router import Router
-from serving.router_client import GenerationError, RouterClient
+from serving.router_client import RouterClient
 
 logger = logging.getLogger("specserve")
 
-ROUTER_ACTOR = "router"
-DEPLOYMENT_NAME = "SpecServe"
+DEPLOYMENT_NAME = "SpecServe"  # the ingress
+# request_router values -> whether the engine replicas' request router uses prefix affinity.
+REQUEST_ROUTERS = {"power_of_two": False, "prefix_aware": True}
+REQUEST_ROUTER_CLASS = "serving.replica_router:EngineRequestRouter"
+# How often each engine replica's routing stats (whether it takes requests) reach the request routers.
+ROUTING_STATS_PERIOD_S = 2.0
 
 
 @serve.deployment(name=DEPLOYMENT_NAME)
 @serve.ingress()  # the FastAPI app is built per replica by __serve_build_asgi_app__, around its RouterClient
 class SpecServe:
-    async def __init__(self, model: str, served_model_name: str | None = None,
+    async def __init__(self, engine: Any, model: str, served_model_name: str | None = None,
                        security: dict[str, Any] | None = None) -> None:
         """security: `api_key` (None: the SPECSERVE_API_KEY environment variable, else no key),
         `max_request_body_bytes`, `auth_health_metrics` (see deploy.config.ServeConfig)."""
         from engine.llm import load_tokenizer
         from engine.models.source import resolve_model
 
-        # The router resolved (and, for a GGUF, converted) the model before this replica started: on its
-        # node this is a cache hit; elsewhere it converts once, under the source's file lock. Only the tokenizer
-        # is read here: a directory of random weights (load_format "dummy") holds none.
+        # engine: a DeploymentHandle of the engine replicas. The first engine replica resolved (and, for a GGUF,
+        # converted) the model before it answers: on its node this is a cache hit; elsewhere it converts once,
+        # under the source's file lock. Only the tokenizer is read here: a directory of random weights (load_format
+        # "dummy") holds none.
+        info = await engine.info.remote()
         tokenizer = load_tokenizer(str(resolve_model(model, require_weights=False).path))
         if tokenizer is None:
             raise ValueError(f"model {model} has no tokenizer: the HTTP and gRPC APIs need one for text")
-        router = serve.get_deployment_actor(ROUTER_ACTOR)
-        info = await router.info.remote()
-        self.client = RouterClient(lambda: serve.get_deployment_actor(ROUTER_ACTOR), served_model_name or model,
-                                   tokenizer, info["max_model_len"])
+        self.client = RouterClient(engine, served_model_name or model, tokenizer, info["max_model_len"])
         security = dict(security or {})
         # A key from the environment (a Kubernetes Secret) stays out of Serve's stored config.
         self.api_key: str | None = security.get("api_key") or os.environ.get("SPECSERVE_API_KEY") or None
@@ -62,18 +65,6 @@ class SpecServe:
     async def Generate(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802 - the RPC's name
         async for response in grpc_service.generate(self.client, request, grpc_context, self.api_key):
             yield response
-
-    async def check_health(self) -> None:
-        """Serve's replica health check. A router that is alive but reports a broken engine fails it; a router
-        that is gone does not: Serve's controller recreates deployment actors itself, and restarting this
-        replica would not bring the router back sooner (its /health answers 503 meanwhile)."""
-        try:
-            health = await self.client.router_health(timeout_s=30.0)
-        except GenerationError:
-            return
-        # While the router rebuilds its workers, restarting this replica would only drop its connections.
-        if not health.get("healthy", False) and not health.get("recovering", False):
-            raise RuntimeError(f"the engine is unhealthy: {health.get('reason')}")
 
 
 def router_actor_options(engine_args: dict[str, Any], engine_builder: str,
@@ -94,45 +85,59 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
                       ray_actor_options: dict[str, Any] | None = None,
                       router_options: dict[str, Any] | None = None, max_queued_requests: int | None = None,
                       continue_without_draft: bool = False, api_key: str | None = None,
-                      max_request_body_bytes: int | None = None,
-                      auth_health_metrics: bool = False) -> serve.Application:
+                      max_request_body_bytes: int | None = None, auth_health_metrics: bool = False,
+                      ingress_replicas: int = 1, request_router: str = "power_of_two",
+                      request_router_kwargs: dict[str, Any] | None = None,
+                      drain_timeout_s: float = 30.0) -> serve.Application:
     """The bound application. `engine_args` are LLM's keyword arguments (model, draft_model, ...); the rest are
-    deploy.config.ServeConfig's fields of the same names."""
+    deploy.config.ServeConfig's fields of the same names (router_options: its router_actor_options)."""
+    if request_router not in REQUEST_ROUTERS:
+        raise ValueError(f"request_router must be one of {sorted(REQUEST_ROUTERS)}, got {request_router!r}")
     model = engine_args["model"]
-    router = DeploymentActorConfig(
-        name=ROUTER_ACTOR, actor_class=Router,
-        init_kwargs={"engine_args": engine_args, "engine_builder": engine_builder,
-                     "model_name": served_model_name or model, "max_queued_requests": max_queued_requests,
-                     "continue_without_draft": continue_without_draft},
-        actor_options=router_actor_options(engine_args, engine_builder, router_options))
-    options: dict[str, Any] = {"deployment_actors": [router],
-                               "ray_actor_options": ray_actor_options or {"num_cpus": 1}}
+    engine_options: dict[str, Any] = {
+        "ray_actor_options": router_actor_options(engine_args, engine_builder, router_options),
+        # Scale-down: Serve waits this long for a replica's requests in flight before stopping it.
+        "graceful_shutdown_timeout_s": drain_timeout_s}
     if autoscaling_config:
-        options["autoscaling_config"] = autoscaling_config  # Serve rejects it together with num_replicas
+        engine_options["autoscaling_config"] = autoscaling_config  # Serve rejects it together with num_replicas
     elif num_replicas is not None:
-        options["num_replicas"] = num_replicas
+        engine_options["num_replicas"] = num_replicas
     if max_ongoing_requests is not None:
-        options["max_ongoing_requests"] = max_ongoing_requests
+        engine_options["max_ongoing_requests"] = max_ongoing_requests
     if max_queued_requests is not None:
-        # Serve's own queue in front of the replicas (requests not yet handed to one) is bounded too, so that
-        # neither queue grows without limit under overload (past it Serve's proxy answers 503). It is sized past
-        # a replica's capacity: a burst of arrivals waits there for a few milliseconds even when the router has
-        # room, and those must reach the router, which answers 429 itself.
-        options["max_queued_requests"] = max_queued_requests + (max_ongoing_requests or 100)
+        # Serve's own queue in front of the engine replicas (requests not yet handed to one) is bounded too, so
+        # that neither queue grows without limit under overload (past it the ingress answers 429). A replica has
+        # room for max_ongoing_requests before Serve queues in front of it, and the router bounds its own waiting
+        # queue (429 past max_queued_requests).
+        engine_options["max_queued_requests"] = max_queued_requests
+    from serving.replica_router import check_router_kwargs
+
+    kwargs = check_router_kwargs({**(request_router_kwargs or {}), "prefix_affinity": REQUEST_ROUTERS[request_router]})
+    engine_options["request_router_config"] = RequestRouterConfig(
+        request_router_class=REQUEST_ROUTER_CLASS, request_router_kwargs=kwargs,
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+    engine = EngineReplica.options(**engine_options).bind(
+        engine_args, engine_builder, served_model_name or model, max_queued_requests, continue_without_draft)
+
+    # The ingress holds every request for its whole stream: room for what all engine replicas can hold.
+    max_engines = int((autoscaling_config or {}).get("max_replicas") or
+                      (num_replicas if isinstance(num_replicas, int) else 1))
+    per_engine = max_ongoing_requests or 100
+    ingress_options: dict[str, Any] = {"ray_actor_options": ray_actor_options or {"num_cpus": 1},
+                                       "num_replicas": ingress_replicas,
+                                       "max_ongoing_requests": -(-per_engine * max_engines // ingress_replicas)}
+    if max_queued_requests is not None:
+        # Serve's proxy queue in front of the ingress: past it the proxy answers 503. Sized past what reaches
+        # the engines, so that a burst reaches them and gets the engines' own 429 instead.
+        ingress_options["max_queued_requests"] = max_queued_requests + per_engine * max_engines
     security = {"api_key": api_key, "max_request_body_bytes": max_request_body_bytes,
                 "auth_health_metrics": auth_health_metrics}
-    return SpecServe.options(**options).bind(model, served_model_name, security)
+    return SpecServe.options(**ingress_options).bind(engine, model, served_model_name, security)
 
 
-def router_actors() -> list[Any]:
-    """Handles of every specserve router in the cluster (one per application)."""
-    names = [(a["name"], a.get("namespace")) for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].endswith(f"::{ROUTER_ACTOR}")]
-    return [ray.get_actor(name, namespace=ns or "serve") for name, ns in names]
-
-
-def drain(timeout_s: float = 30.0) -> list[dict[str, Any]]:
-    """Graceful shutdown, first half: every router refuses new requests (503) and waits up to `timeout_s` for
-    the requests in flight to finish. Call it before serve.shutdown(); returns each router's report."""
-    refs = [r.drain.remote(timeout_s) for r in router_actors()]
-    return ray.get(refs, timeout=timeout_s + 30.0) if refs else []
+def drain(timeout_s: float = 30.0, app_name: str = "specserve") -> list[dict[str, Any]]:
+    """Graceful shutdown, first half: every engine replica of the application refuses new requests (503) and
+    waits up to `timeout_s` for the requests in flight to finish. Call it before serve.shutdown(); returns each
+    replica's report."""
+    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name)
+    return handle.broadcast("drain", timeout_s).results(timeout_s=timeout_s + 30.0)

@@ -1,7 +1,7 @@
 """One call from model names to a running EngineCore whose models live on Ray worker actors.
 
 The router (serving/router.py) owns the returned EngineCore: it adds requests and calls `step()`. The
-workers belong to `engine.executor` (a RayExecutor): call `engine.executor.shutdown()` when done. The
+workers belong to `engine.executor` (a RayExecutor): call `engine.shutdown()` when done. The
 tokenizer, when the model has one, is `engine.output.tokenizer`.
 """
 

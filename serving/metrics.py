@@ -1,8 +1,10 @@
-"""Prometheus metrics of one router (one engine), with the names docs/ARCHITECTURE.md fixes.
+"""Prometheus metrics of one router (one engine), under the project's fixed metric names.
 
 The router owns a private CollectorRegistry (not prometheus-client's global one), so two routers in one
-process, or a router and a test, never collide, and `/metrics` shows exactly this engine's series.
-prometheus-client appends `_total` to counters in the exposition, so counters are named without it.
+process, or a router and a test, never collide, and an exposition shows exactly this engine's series. The
+ingress's `/metrics` merges every engine replica's exposition, each series labelled with its `replica`
+(merge_replica_expositions). prometheus-client appends `_total` to counters in the exposition, so counters are
+named without it.
 """
 
 from __future__ import annotations
@@ -118,3 +120,27 @@ class EngineMetrics:
 
     def exposition(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+def merge_replica_expositions(parts: list[tuple[str, str]], label: str = "replica") -> str:
+    """One exposition of several engines' (replica, exposition) pairs: every sample gets a `replica` label, and
+    each metric family appears once (a scrape may not repeat a family). Totals are sums over the label."""
+    from prometheus_client.core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Metric] = {}
+    for replica, text in sorted(parts):
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation, family.type)
+            for s in family.samples:
+                merged.samples.append(s._replace(labels={**s.labels, label: replica}))
+
+    class _Merged:
+        def collect(self) -> list[Metric]:
+            return list(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    return generate_latest(registry).decode()

@@ -1,9 +1,10 @@
-"""The router: a Ray async actor that owns one EngineCore, drives its step loop and streams token deltas.
+"""The router: owns one EngineCore, drives its step loop and streams token deltas (an async Ray actor).
 
-Every request of an application goes through one router (Serve replicas are thin HTTP/gRPC shims that
-tokenize and format), so all requests share one continuous batch and one KV cache per model. The step
-loop runs only while there is work; each blocking `engine.step()` runs in a thread so the actor keeps
-answering health checks, metric scrapes, new requests and aborts meanwhile.
+One router is one engine: one continuous batch and one KV cache per model. In the Serve application every
+engine replica is a router (serving/engine_deployment.py subclasses it), and the HTTP/gRPC shims route each
+request to one of them; `RouterActor` is the same class as a plain Ray actor. The step loop runs only while
+there is work; each blocking `engine.step()` runs in a thread so the actor keeps answering health checks,
+metric scrapes, new requests and aborts meanwhile.
 
 Engine state is touched only under `_lock`. The loop holds it while a step thread runs steps back to back;
 `add`/`abort`/health checks/recovery ask for it through `_between_steps`, which makes the step thread stop at the
@@ -17,8 +18,8 @@ worker fails the requests in flight with a 503 that says so, and the router rebu
 place (or, with `continue_without_draft`, drops a dead draft group and serves on the target alone until a new
 draft group is attached); `drain()` refuses new requests and waits for those in flight, for shutdown.
 
-This module is pickled by value into the Serve controller (deployment-scoped actor), so engine imports
-stay inside functions: the controller must not import torch just to create the actor.
+Engine imports stay inside functions: a process that only names the class (the ingress, Serve's controller)
+must not import torch for it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("specserve")
 
 
-@ray.remote
 class Router:
     """Owns one EngineCore. `engine_args` go to the builder (LLM's arguments for the local engine)."""
 
@@ -143,17 +143,16 @@ class Router:
     async def health(self) -> dict[str, Any]:
         """Healthy unless the engine is broken. With worker actors, ping them too (between steps), so a worker
         that died while the engine was idle is found by the next probe, not by the next request."""
-        check = getattr(self.engine.executor, "check_health", None)
-        if self._unhealthy is None and check is not None:
+        if self._unhealthy is None:
             async with self._between_steps():
                 try:
-                    await asyncio.to_thread(check, 10.0)
+                    await asyncio.to_thread(self.engine.check_health, 10.0)
                 except Exception as e:  # noqa: BLE001 - WorkerDiedError: a rank is dead or hung
                     self._declare_dead(e)
         return {"healthy": self._unhealthy is None, "reason": self._unhealthy, "draining": self._draining,
                 "recovering": self._recovery is not None and not self._recovery.done(),
                 "speculation": self.engine.spec_config is not None, "degraded": self._degraded,
-                "num_running": len(self.engine.scheduler.running), "num_waiting": len(self.engine.scheduler.waiting)}
+                "num_running": self.engine.num_running(), "num_waiting": self.engine.num_waiting()}
 
     async def drain(self, timeout_s: float = 30.0) -> dict[str, Any]:
         """For shutdown: refuse new requests (503) from now on and wait up to `timeout_s` for the ones in flight
@@ -175,18 +174,12 @@ class Router:
                 "rejection_sampling": spec.rejection_sampling if spec else None}
 
     async def stats(self) -> dict[str, Any]:
-        sched = self.engine.scheduler
-        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
-                "num_streams": len(self._streams), "kv_cache_usage": {f"{m}/{g}": u for (m, g), u in
-                                                                       self.engine.kv_usage().items()},
-                "kv_blocks_used": self.engine.kv_blocks_used(), "healthy": self._unhealthy is None,
+        return {**self.engine.stats(), "num_streams": len(self._streams), "healthy": self._unhealthy is None,
                 "draining": self._draining, "degraded": self._degraded, **await self.info()}
 
     async def workers(self) -> list[dict[str, Any]]:
         """The model workers: role, rank and Ray actor id (hex), for operators and fault-injection tests."""
-        listing = getattr(self.engine.executor, "workers", None)
-        return [{"role": role, "rank": rank, "actor_id": w._actor_id.hex()} for role, rank, w in
-                (listing() if listing is not None else [])]
+        return [{"role": role, "rank": rank, "actor_id": w._actor_id.hex()} for role, rank, w in self.engine.workers()]
 
     # --- requests -------------------------------------------------------------------------------------
     async def _add(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any]) -> RequestStream:
@@ -208,7 +201,7 @@ class Router:
         async with self._between_steps():
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            waiting = len(self.engine.scheduler.waiting)
+            waiting = self.engine.num_waiting()
             if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
                 # Refuse rather than queue without bound: memory stays flat and the client backs off.
                 raise Rejected(f"the server is overloaded: {waiting} requests are already waiting "
@@ -216,7 +209,7 @@ class Router:
                                f"{RETRY_AFTER_S} s", 429, RETRY_AFTER_S)
             self.engine.add_request(req)  # raises ValueError before changing anything
             self._streams[request_id] = stream
-            self.metrics.set_queue(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting))
+            self.metrics.set_queue(self.engine.num_running(), self.engine.num_waiting())
             if self._loop_task is None or self._loop_task.done():
                 self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
         return stream
@@ -300,7 +293,9 @@ class Router:
         dead = isinstance(error, ray.exceptions.RayActorError) or type(error).__name__ == "WorkerDiedError"
         if dead and self._serve_without_draft(error):
             return
-        culprits = [s for s in self._streams.values() if s.request.status.finished and s.finish_reason is None]
+        # The engine's own culprits: requests it ended (aborted) in the failed step, which no step published.
+        culprits = [s for s in self._streams.values()
+                    if s.finish_reason is None and not self.engine.has_request(s.request.request_id)]
         if culprits and not dead:
             logger.warning("engine step failed for %d request(s): %s", len(culprits), error)
         else:
@@ -355,7 +350,7 @@ class Router:
     async def _rebuild_engine(self) -> None:
         old = self.engine
         try:
-            await asyncio.to_thread(old.executor.shutdown)  # frees the dead group's placement (its GPUs)
+            await asyncio.to_thread(old.shutdown)  # frees the dead group's placement (its GPUs)
             logger.warning("router: rebuilding the engine's worker groups after: %s", self._unhealthy)
             engine = await asyncio.to_thread(import_builder(self.engine_builder), **self.engine_args)
         except Exception:  # noqa: BLE001 - e.g. no resources: let Serve replace the whole router
@@ -376,11 +371,11 @@ class Router:
         delay = 1.0
         while self.engine is engine and self._unhealthy is None:
             try:
-                await asyncio.to_thread(engine.executor.start_draft_group)  # loads the draft; steps go on
+                await asyncio.to_thread(engine.start_draft_group)  # loads the draft; steps go on
                 async with self._between_steps():
                     if self.engine is not engine or self._unhealthy is not None:
                         # The whole engine died meanwhile: release what was just started with the rest of it.
-                        await asyncio.to_thread(engine.executor.shutdown)
+                        await asyncio.to_thread(engine.shutdown)
                         return
                     # The graph is rebuilt around the new draft: let the steps in flight land first.
                     self._publish_now(engine.flush())
@@ -405,5 +400,9 @@ class Router:
             self.metrics.kv_usage.labels(model=model, kv_group=str(group)).set(usage)
 
     def _update_queue_and_kv(self) -> None:
-        self.metrics.set_queue(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting))
+        self.metrics.set_queue(self.engine.num_running(), self.engine.num_waiting())
         self._update_kv_gauges()
+
+
+# The router as a plain Ray actor (one engine outside Serve: tests, benchmarks, embedding).
+RouterActor = ray.remote(Router)

@@ -1,17 +1,18 @@
-"""The front ends' side of the router: tokenizer, request streaming and failure mapping, for HTTP and gRPC.
+"""The front ends' side of the engine replicas: tokenizer, request streaming and failure mapping, for HTTP and gRPC.
 
-A Serve replica holds one RouterClient. It turns the router's delta stream into an async iterator that
-raises `GenerationError` (with an HTTP-like status) for bad input or a lost engine, aborts the request
-when the consumer stops early (client disconnect), and re-resolves the router's handle when the router
-was recreated (Serve recreates a deployment-scoped actor that failed its health checks).
+An ingress replica holds one RouterClient. It turns an engine replica's delta stream into an async iterator that
+raises `GenerationError` (with an HTTP-like status) for bad input, overload or a lost replica, and aborts the
+request when the consumer stops early (client disconnect). Serve picks the replica of each request and routes
+around replicas that died or are being replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
@@ -39,6 +40,12 @@ MAX_TOP_K = 2**31 - 1
 # Below this a temperature is greedy: 1 / T overflows float32 logits into NaN probabilities (vLLM does the same).
 GREEDY_BELOW_TEMPERATURE = 1e-5
 _INT64 = 2**63
+# Seconds an overloaded client is told to wait (HTTP Retry-After), as the router tells it for its own queue.
+_RETRY_AFTER_S = 1
+# A request refused with 503 before any output is tried this many times in all, this long apart: long enough for
+# Serve's request routers to learn that the refusing replica takes no requests (serving.app's stats period).
+_ATTEMPTS = 2
+_RETRY_DELAY_S = 2.5
 
 
 def check_api_params(params: dict[str, Any]) -> dict[str, Any]:
@@ -77,41 +84,48 @@ def _param_of(message: str) -> str | None:
 
 
 class RouterClient:
-    """Streams requests through a Router actor. `get_router` returns a fresh handle (after recreation)."""
+    """Streams requests to the engine replicas through a Serve DeploymentHandle of their deployment
+    (serving/engine_deployment.py). Serve's request router picks a replica per request; health and metrics ask
+    every replica (`broadcast`)."""
 
-    def __init__(self, get_router: Callable[[], Any], model_name: str, tokenizer: Any,
-                 max_model_len: int) -> None:
-        self._get_router = get_router
-        self._router: Any = get_router()
+    def __init__(self, engine: Any, model_name: str, tokenizer: Any, max_model_len: int) -> None:
+        self._engine = engine
+        self._stream = engine.options(stream=True)
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
-    def router(self) -> Any:
-        """The router's handle, re-resolved after it died. A new router answers once its engine is built;
-        until Serve has created it at all, requests get a 503 right away instead of waiting here."""
-        if self._router is None:
-            try:
-                self._router = self._get_router()
-            except ValueError as e:
-                raise GenerationError("the engine is restarting (no router actor yet); retry shortly", 503) from e
-        return self._router
-
-    def _lost(self, error: BaseException) -> GenerationError:
-        self._router = None
-        return GenerationError(f"the engine is unavailable (the router actor died: {type(error).__name__}); "
-                               "retry shortly", 503, retry_after_s=1)
-
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The router's deltas; raises GenerationError. Stopping early (aclose/cancel) aborts the request."""
+        """The replica's deltas; raises GenerationError. Stopping early (aclose/cancel) aborts the request.
+
+        A request that fails with 503 before its first delta (its replica refused it while recovering or
+        draining, or lost its worker before the first token) is sent once more, after the request routers have
+        had time to learn which replicas take requests: another replica may serve it, and the client saw nothing
+        of the first attempt."""
         params = check_api_params(params)
-        router = self.router()
+        for attempt in range(_ATTEMPTS):
+            started = False
+            try:
+                async with contextlib.aclosing(self._attempt(request_id, prompt_token_ids, params)) as deltas:
+                    async for delta in deltas:
+                        started = True
+                        yield delta
+                return
+            except GenerationError as e:
+                if started or e.status != 503 or attempt == _ATTEMPTS - 1:
+                    raise
+                logger.warning("request %s got 503 before any output (%s); retrying", request_id, e.message)
+                await asyncio.sleep(_RETRY_DELAY_S)
+
+    async def _attempt(self, request_id: str, prompt_token_ids: list[int],
+                       params: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        from ray.serve.exceptions import BackPressureError
+
         finished = False
+        responses = self._stream.generate.remote(request_id, prompt_token_ids, params)
         try:
-            gen = router.generate.options(num_returns="streaming").remote(request_id, prompt_token_ids, params)
-            async for ref in gen:
-                delta = await ref
+            async for delta in responses:
                 if "error" in delta:
                     finished = True
                     raise GenerationError(delta["error"], delta["status"], _param_of(delta["error"]),
@@ -119,37 +133,53 @@ class RouterClient:
                 finished = delta["finish_reason"] is not None
                 yield delta
         except ray.exceptions.RayActorError as e:
-            finished = True  # nothing left to abort
-            raise self._lost(e) from e
+            finished = True  # the replica is gone, with the request
+            raise GenerationError(f"the engine replica serving this request died ({type(e).__name__}); "
+                                  "retry shortly", 503, retry_after_s=1) from e
+        except BackPressureError as e:
+            finished = True  # never reached a replica
+            raise GenerationError(f"the server is overloaded: every engine replica is busy and Serve's queue in "
+                                  f"front of them is full (max_queued_requests); retry after {_RETRY_AFTER_S} s",
+                                  429, retry_after_s=_RETRY_AFTER_S) from e
         finally:
             if not finished:
-                # Fire and forget: the consumer is gone (client disconnect, cancelled task); the router frees
-                # the request's KV blocks without waiting for it to run to max_tokens.
-                router.abort.remote(request_id)
+                # The consumer is gone (client disconnect, cancelled task): cancelling the call ends the
+                # replica's stream, whose router then frees the request's KV blocks at once.
+                responses.cancel()
 
-    async def router_health(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        """The router's own report; raises GenerationError(503) when no live router answers in time."""
+    async def _broadcast(self, method: str, timeout_s: float, *args: Any) -> list[Any]:
+        """Every engine replica's answer (an exception for a replica that failed or died)."""
         try:
-            return await asyncio.wait_for(self.router().health.remote(), timeout_s)
-        except ray.exceptions.RayActorError as e:
-            raise self._lost(e) from e
-        except asyncio.TimeoutError as e:
-            raise GenerationError(f"the router did not answer a health check within {timeout_s} s", 503) from e
+            return await self._engine.broadcast(method, *args).results_async(timeout_s=timeout_s,
+                                                                              return_exceptions=True)
+        except TimeoutError as e:
+            raise GenerationError(f"the engine replicas did not answer {method} within {timeout_s} s", 503) from e
+
+    async def replica_health(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        """Each engine replica's own health report; one that does not answer reads as unhealthy."""
+        return [r if isinstance(r, dict) else {"healthy": False, "reason": f"{type(r).__name__}: {r}"}
+                for r in await self._broadcast("health", timeout_s)]
 
     async def check_health(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        """The router's health; raises GenerationError(503) when it is gone, stuck or unhealthy."""
-        health = await self.router_health(timeout_s)
-        if not health.get("healthy", False):
-            raise GenerationError(f"the engine is unhealthy: {health.get('reason')}", 503)
-        if health.get("draining"):
-            raise GenerationError("the server is shutting down (draining its requests in flight)", 503)
-        return health
+        """Healthy while at least one engine replica serves (the others may be recovering); raises
+        GenerationError(503) when none does. The report counts the replicas."""
+        reports = await self.replica_health(timeout_s)
+        serving = [r for r in reports if r.get("healthy") and not r.get("draining")]
+        if not serving:
+            if reports and all(r.get("draining") for r in reports):
+                raise GenerationError("the server is shutting down (draining its requests in flight)", 503)
+            reasons = "; ".join(str(r.get("reason")) for r in reports) or "no engine replica is running"
+            raise GenerationError(f"the engine is unhealthy: {reasons}", 503, retry_after_s=1)
+        return {"speculation": all(r.get("speculation", False) for r in serving),
+                "degraded": "; ".join(r["degraded"] for r in serving if r.get("degraded")) or None,
+                "num_replicas": len(reports), "num_serving": len(serving)}
 
-    async def metrics_text(self) -> str:
-        try:
-            return await self.router().metrics_text.remote()
-        except ray.exceptions.RayActorError as e:
-            raise self._lost(e) from e
+    async def metrics_text(self, timeout_s: float = 10.0) -> str:
+        """Every engine replica's metrics, each series labelled with its `replica`."""
+        from serving.metrics import merge_replica_expositions
+
+        parts = [r for r in await self._broadcast("replica_metrics", timeout_s) if not isinstance(r, BaseException)]
+        return merge_replica_expositions([tuple(p) for p in parts])
 
 
 def spec_decode_summary(spec: dict[str, Any]) -> dict[str, Any]:

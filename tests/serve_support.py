@@ -152,7 +152,7 @@ def running_server(config: dict[str, Any], num_cpus: int = 6) -> Iterator[Server
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]})
-        serve.run(build_app(dict(config)), name="specserve", route_prefix="/")
+        serve.run(build_app(dict(config)), name=APP, route_prefix="/")
         key = config.get("api_key")
         yield Server(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
                      config.get("served_model_name") or config["model"],
@@ -162,20 +162,58 @@ def running_server(config: dict[str, Any], num_cpus: int = 6) -> Iterator[Server
         ray.shutdown()
 
 
-# --- the router's view ------------------------------------------------------------------------------------
-def router_handle() -> Any:
+# --- the engine replicas' view ---------------------------------------------------------------------------
+APP = "specserve"
+
+
+def engine_replica_actors() -> dict[str, Any]:
+    """The engine replicas' Serve actors: replica label (Serve's unique id) -> actor handle."""
     import ray
 
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("::router")]
-    if len(names) != 1:
-        raise LookupError(f"expected one router actor, found {names}")
-    return ray.get_actor(names[0], namespace="serve")
+    from serving.engine_deployment import ENGINE_DEPLOYMENT
+
+    tag = f"#{ENGINE_DEPLOYMENT}#"
+    return {a["name"].rsplit("#", 1)[1]: ray.get_actor(a["name"], namespace=a["namespace"])
+            for a in ray.util.list_named_actors(all_namespaces=True) if tag in a["name"]}
+
+
+def router_handle(replica: str | None = None) -> Any:
+    """The Serve actor of engine replica `replica` (None: the only one)."""
+    actors = engine_replica_actors()
+    if replica is None:
+        if len(actors) != 1:
+            raise LookupError(f"expected one engine replica, found {sorted(actors)}")
+        return next(iter(actors.values()))
+    return actors[replica]
+
+
+def router_call(fn: Any, replica: str | None = None, timeout_s: float = 60.0) -> Any:
+    """fn(router) run inside an engine replica's process, on its Router (serving.engine_deployment.EngineReplica):
+    the tests' way to look at (or break) what only the replica holds."""
+    import ray
+
+    def call(actor: Any) -> Any:
+        return fn(actor._replica_impl._user_callable_wrapper.user_callable)
+
+    return ray.get(router_handle(replica).__ray_call__.remote(call), timeout=timeout_s)
+
+
+def engine_broadcast(method: str, *args: Any, timeout_s: float = 30.0) -> list[Any]:
+    """Every engine replica's answer to `method` (Serve's broadcast through a deployment handle)."""
+    from ray import serve
+
+    from serving.engine_deployment import ENGINE_DEPLOYMENT
+
+    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP)
+    return handle.broadcast(method, *args).results(timeout_s=timeout_s)
 
 
 def router_stats(timeout_s: float = 30.0) -> dict[str, Any]:
-    import ray
-
-    return ray.get(router_handle().stats.remote(), timeout=timeout_s)
+    """The only engine replica's stats."""
+    stats = engine_broadcast("stats", timeout_s=timeout_s)
+    if len(stats) != 1:
+        raise LookupError(f"expected one engine replica, found {[s['replica'] for s in stats]}")
+    return stats[0]
 
 
 def kv_blocks_used(stats: dict[str, Any]) -> dict[str, int]:
@@ -224,34 +262,35 @@ def completion(server: Server, client: httpx.Client, prompt: str = "hello", max_
     return client.post("/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"})
 
 
-def worker_handles() -> dict[str, tuple[str, Any]]:
-    """The router's model workers: actor id (hex) -> (role, actor handle)."""
-    import ray
-
-    return ray.get(router_handle().__ray_call__.remote(
-        lambda r: {w._actor_id.hex(): (role, w) for role, _, w in r.engine.executor.workers()}), timeout=30)
+def worker_handles(replica: str | None = None) -> dict[str, tuple[str, Any]]:
+    """An engine replica's model workers: actor id (hex) -> (role, actor handle)."""
+    return router_call(lambda r: {w._actor_id.hex(): (role, w) for role, _, w in r.engine.workers()}, replica)
 
 
-def kill_worker(role: str) -> str:
+def kill_worker(role: str, replica: str | None = None) -> str:
     """Kill the first `role` worker by its actor id, as a crashed GPU process would die; returns the id."""
     import ray
 
-    actor_id, (_, handle) = next((aid, v) for aid, v in worker_handles().items() if v[0] == role)
+    actor_id, (_, handle) = next((aid, v) for aid, v in worker_handles(replica).items() if v[0] == role)
     ray.kill(handle, no_restart=True)
     return actor_id
 
 
-def scrape(client: httpx.Client) -> dict[str, float]:
-    """`/metrics` as {sample name with sorted labels: value}."""
+def scrape(client: httpx.Client, by_replica: bool = False) -> dict[str, float]:
+    """`/metrics` as {sample name with sorted labels: value}: summed over the engine replicas (their `replica`
+    label dropped: the totals; with one replica, its values), or per replica with `by_replica`."""
     from prometheus_client.parser import text_string_to_metric_families
 
     r = client.get("/metrics")
     assert r.status_code == 200, r.text
-    values = {}
+    values: dict[str, float] = {}
     for family in text_string_to_metric_families(r.text):
         for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+            assert "replica" in sample.labels, sample  # every engine series says which replica it is
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())
+                              if by_replica or k != "replica")
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            values[key] = values.get(key, 0.0) + sample.value
     return values
 
 

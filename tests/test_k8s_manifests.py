@@ -184,6 +184,7 @@ def test_serve_config_imports_and_builds_the_app(rendered) -> None:
     from deploy.config import ServeConfig
     from engine.models.source import BUNDLED_MODELS, resolve_model
     from serving.app import DEPLOYMENT_NAME
+    from serving.engine_deployment import ENGINE_DEPLOYMENT
 
     _, objects = rendered
     rs = _rayservice(objects)
@@ -194,7 +195,8 @@ def test_serve_config_imports_and_builds_the_app(rendered) -> None:
     (app_cfg,) = config.applications
     app = call_user_app_builder_with_args_if_necessary(import_attr(app_cfg.import_path), app_cfg.args)
     built = build_app(app, name=app_cfg.name, route_prefix=app_cfg.route_prefix)
-    assert [d.name for d in built.deployments] == [DEPLOYMENT_NAME] == [built.ingress_deployment_name]
+    assert sorted(d.name for d in built.deployments) == sorted([DEPLOYMENT_NAME, ENGINE_DEPLOYMENT])
+    assert built.ingress_deployment_name == DEPLOYMENT_NAME
 
     engine_args = ServeConfig.from_dict(app_cfg.args).engine_args()
     for model in (engine_args["model"], engine_args["draft_model"]):
@@ -210,6 +212,33 @@ def test_serve_config_imports_and_builds_the_app(rendered) -> None:
             offered = {g: r.get(resource, 0) for g, r in groups.items()}
             assert offered[role] >= amount and head.get(resource, 0) == 0, (resource, offered)
             assert all(v == 0 for g, v in offered.items() if g != role), (resource, offered)
+
+
+def test_engine_autoscaling_has_pods_to_grow_into(rendered) -> None:
+    """Serve may run up to max_replicas engine replicas, each with a target and a draft worker group on its own
+    pool: Ray's autoscaler must be on and every pool must be allowed the pods (custom resources) that many
+    replicas ask for, and keep those that min_replicas needs."""
+    from deploy.config import ServeConfig
+
+    _, objects = rendered
+    rs = _rayservice(objects)
+    cluster = rs["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    (app_cfg,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    cfg = ServeConfig.from_dict(app_cfg["args"])
+    cfg.validate()
+    scaling = cfg.autoscaling_config
+    assert scaling and scaling["max_replicas"] > scaling["min_replicas"] >= 1, scaling
+    engine_args = cfg.engine_args()
+    ranks = {"target": engine_args["tensor_parallel_size"], "draft": engine_args["draft_tensor_parallel_size"]}
+    for group in cluster["workerGroupSpecs"]:
+        role = group["groupName"]
+        (resource, per_rank), = engine_args[f"{role}_resources"].items()
+        per_pod = ray_start_resources(group["rayStartParams"])[resource]
+        pods_per_replica = -(-ranks[role] * per_rank // per_pod)
+        assert group["maxReplicas"] >= scaling["max_replicas"] * pods_per_replica, (role, group["maxReplicas"])
+        assert group["minReplicas"] >= scaling["min_replicas"] * pods_per_replica, (role, group["minReplicas"])
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], role
 
 
 # --- dashboard and alerts -----------------------------------------------------------------------------------

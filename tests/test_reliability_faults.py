@@ -195,9 +195,9 @@ def _router_run(engine_args: dict, prompts: list[str], max_tokens: int) -> tuple
                                                                                  dict[str, int]]:
     """Run prompts concurrently through a Router actor of their own (real worker actors, no HTTP); return the
     token ids, the router's stats once idle, its metrics exposition and each model's KV pool size in blocks."""
-    from serving.router import Router
+    from serving.router import RouterActor
 
-    router = Router.options(num_cpus=0).remote(engine_args, model_name="tiny")
+    router = RouterActor.options(num_cpus=0).remote(engine_args, model_name="tiny")
     try:
         params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
         gens = [router.generate.options(num_returns="streaming").remote(f"kv-{i}", ids(p), params)

@@ -42,3 +42,34 @@ def test_cli_serve_flags_parse() -> None:
     assert given == {"model": "m", "draft_model": "d", "num_speculative_tokens": 3, "grpc_port": 9001}
     assert args.config == "c.yaml"
     assert build_parser().parse_args(["generate", "--prompt", "x"]).command == "generate"
+
+
+def test_scaling_fields_flags_and_checks() -> None:
+    """Engine replicas' settings: flags and config fields, and a clear error (naming the field) for bad values."""
+    from deploy.cli import build_parser
+    from serving.app import build_application
+
+    args = build_parser().parse_args(["serve", "--num-replicas", "2", "--ingress-replicas", "2", "--request-router",
+                                      "prefix_aware", "--autoscaling-config", "{min_replicas: 1, max_replicas: 3}"])
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose", "config")}
+    cfg = load_config(None, given)
+    assert (cfg.num_replicas, cfg.ingress_replicas, cfg.request_router) == (2, 2, "prefix_aware")
+    assert cfg.autoscaling_config == {"min_replicas": 1, "max_replicas": 3}
+    cfg.validate()
+    for bad, field in (({"request_router": "random"}, "request_router"), ({"ingress_replicas": 0}, "ingress_replicas"),
+                       ({"num_replicas": 0}, "num_replicas")):
+        with pytest.raises(ValueError, match=field):
+            ServeConfig.from_dict(bad).validate()
+    engine_args = {"model": "m", "device": "cpu"}
+    with pytest.raises(ValueError, match="unknown option.*block_sz"):
+        build_application(engine_args, request_router="prefix_aware", request_router_kwargs={"block_sz": 8})
+    with pytest.raises(ValueError, match="request_router_kwargs.min_prefix_tokens"):
+        build_application(engine_args, request_router="prefix_aware", request_router_kwargs={"min_prefix_tokens": 0})
+    app = build_application(engine_args, num_replicas=2, request_router="prefix_aware",
+                            request_router_kwargs={"block_size": 8}, drain_timeout_s=12.0)
+    engine = app._bound_deployment.init_args[0]  # the ingress is bound to the engine deployment's handle
+    config = engine._bound_deployment._deployment_config
+    assert config.num_replicas == 2 and config.graceful_shutdown_timeout_s == 12.0
+    router = config.request_router_config
+    assert router.request_router_kwargs == {"prefix_affinity": True, "block_size": 8, "min_prefix_tokens": 64,
+                                            "imbalanced_threshold": 8, "max_entries": 200_000}

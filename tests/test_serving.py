@@ -16,7 +16,16 @@ import time
 import grpc
 import openai
 import pytest
-from serve_support import Server, assert_error, router_handle, running_server, scrape, sse_events
+from serve_support import (
+    Server,
+    assert_error,
+    engine_replica_actors,
+    router_call,
+    router_handle,
+    running_server,
+    scrape,
+    sse_events,
+)
 
 from engine import LLM, SamplingParams
 from serving.proto import specserve_pb2 as pb
@@ -369,13 +378,13 @@ def _wait_until_served_again(server: Server) -> list[int]:
 
 
 def test_model_worker_death_replaces_router(server: Server) -> None:
-    """A dead model worker (a crashed GPU process) is found by the next health probe; the router reports
-    unhealthy, ends itself, and Serve's controller builds a new router with new workers."""
+    """A dead model worker (a crashed GPU process) is found by the next health probe; the engine replica reports
+    unhealthy and rebuilds its worker groups (or Serve replaces the replica), and the server serves again."""
     import ray
 
-    if not ray.get(router_handle().__ray_call__.remote(lambda r: hasattr(r.engine.executor, "workers"))):
+    if not router_call(lambda r: bool(r.engine.workers())):
         pytest.skip("the router runs the models in-process: no worker actors to kill")
-    workers = ray.get(router_handle().__ray_call__.remote(lambda r: [w for _, _, w in r.engine.executor.workers()]))
+    workers = router_call(lambda r: [w for _, _, w in r.engine.workers()])
     ray.kill(workers[0], no_restart=True)
     with server.http(timeout=120) as c:
         assert c.get("/health").status_code == 503
@@ -383,9 +392,13 @@ def test_model_worker_death_replaces_router(server: Server) -> None:
 
 
 def test_router_recreated_after_it_dies(server: Server) -> None:
-    """Kill the router actor: requests get 503s in OpenAI's shape (never a hang or a 500) until Serve's
-    controller has created a new router (with new model workers), then the same replica serves again."""
+    """Kill the engine replica (the router's process): requests get 503s in OpenAI's shape or wait for the new
+    replica (never a hang or a 500) until Serve's controller has started a new one (with new model workers),
+    which then serves."""
     import ray
 
+    old = set(engine_replica_actors())
     ray.kill(router_handle(), no_restart=True)
-    assert 503 in _wait_until_served_again(server)
+    statuses = _wait_until_served_again(server)
+    assert set(statuses) <= {200, 503}, statuses
+    assert set(engine_replica_actors()).isdisjoint(old)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from serve_support import completion, make_byte_models, router_handle, running_server, scrape, serve_config
+from serve_support import completion, make_byte_models, router_call, running_server, scrape, serve_config
 
 from engine import LLM, SamplingParams
 from serving.thread_switch import DEFAULT_GIL_SWITCH_INTERVAL_S
@@ -49,10 +49,9 @@ def test_served_random_weights_equal_the_offline_engine(shape_dirs: tuple[str, s
             assert r.status_code == 200, r.text
             texts.append(r.json()["choices"][0]["text"])
         metrics = scrape(client)
-        router = router_handle()
         # The router's step thread and the target's verify input built while the draft proposes.
-        interval = ray.get(router.__ray_call__.remote(lambda r: sys.getswitchinterval()))
-        targets = ray.get(router.__ray_call__.remote(lambda r: r.engine.executor.target.workers))
+        interval = router_call(lambda r: sys.getswitchinterval())
+        targets = router_call(lambda r: r.engine.executor.target.workers)
         ahead = ray.get([w.__ray_call__.remote(lambda w: w.num_prepared_ahead) for w in targets])
     assert texts == expected
     assert interval == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_S)

@@ -11,12 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import ray
 from serve_support import (
     Server,
     kv_blocks_used,
     make_byte_models,
-    router_handle,
+    router_call,
     running_server,
     serve_config,
     wait_idle,
@@ -43,7 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def test_bounded_soak(server: Server) -> None:
-    router_pid = ray.get(router_handle().__ray_call__.remote(lambda r: os.getpid()))
+    router_pid = router_call(lambda r: os.getpid())
     result = run_soak(server.base, server.grpc_target, server.model, DURATION_S, concurrency=6, seed=1,
                       router_pid=router_pid)
     assert result["unexpected"] == [], result["unexpected"][:10]
