@@ -155,6 +155,8 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     # "auto": the checkpoint's weights; "dummy": random weights (benchmarks of a shape from its config.json).
     load_format: str = "auto"
+    # Reuse the KV of full blocks whose token prefix was computed before (engine/kv_cache): both models' caches.
+    enable_prefix_caching: bool = True
 
     def validate(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -42,7 +42,8 @@ def attach_draft(engine: Any, spec: Any) -> None:
 
     ex = engine.executor
     ex.attach_draft()
-    engine.draft_kv = KVCacheManager(ex.draft_kv_groups, ex.draft_num_blocks, engine.config.block_size)
+    engine.draft_kv = KVCacheManager(ex.draft_kv_groups, ex.draft_num_blocks, engine.config.block_size,
+                                     engine.config.enable_prefix_caching)
     sched = engine.scheduler
     for req in sched.requests.values():
         req.num_draft_computed_tokens = 0
