@@ -7,7 +7,7 @@ Workload: `--sessions` users chat at once, each conversation opening with the sa
 sends one request per session (concurrently, as one batch), whose prompt is the system prompt plus the session's
 whole history (earlier user turns and the model's greedy answers) plus a new user message, rendered with the
 tokenizer's chat template. With caching, a round reuses the system prompt and each session's previous turns; without
-it, every round prefills everything again. Both modes must give identical greedy outputs (checked).
+it, every round prefills everything again. Greedy outputs of both modes are compared (on CPU, fp32: must be equal).
 
 TTFT: from the round's submission to the step that gives the request its first token, through the engine's step
 loop in this process (no HTTP). tokens/s: output tokens of the whole workload over its wall time. Hit rates: per
@@ -138,14 +138,21 @@ def main() -> None:
                      "tok/s": med("tok_s"), "prompt tokens": rs[0]["prompt_tokens"],
                      "cached": rs[0]["cached_tokens"],
                      "hit rate": ", ".join(f"{m} {v:.2f}" for m, v in rs[0]["hit_rate"].items())})
-    same = all(a["outputs"] == b["outputs"] for a, b in zip(runs["on"], runs["off"]))
+    pairs = [(x, y) for a, b in zip(runs["on"], runs["off"]) for x, y in zip(a["outputs"], b["outputs"])]
+    same = sum(x == y for x, y in pairs)
     print(markdown_table(rows, list(rows[0])))
-    print(f"greedy outputs identical with and without caching: {same}")
+    print(f"greedy outputs identical with and without caching: {same}/{len(pairs)}")
     env = environment()
     print(env)
-    save_json(args.save_json, {"env": env, "args": vars(args), "rows": rows, "identical_outputs": same})
-    if not same:
-        raise SystemExit("outputs differ with prefix caching: a correctness bug")
+    save_json(args.save_json, {"env": env, "args": vars(args), "rows": rows, "identical_outputs": [same, len(pairs)]})
+    # fp32 on CPU is exact enough for equality (the tests assert it); in bf16 on a GPU a prefill split differently
+    # (cached blocks, other chunks) may round differently and flip a near-tie, so there it is reported only.
+    if same != len(pairs) and llm_device(args.device) == "cpu":
+        raise SystemExit("outputs differ with prefix caching in fp32: a correctness bug")
+
+
+def llm_device(device: str) -> str:
+    return device.split(":")[0]
 
 
 if __name__ == "__main__":

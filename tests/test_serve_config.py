@@ -42,3 +42,22 @@ def test_cli_serve_flags_parse() -> None:
     assert given == {"model": "m", "draft_model": "d", "num_speculative_tokens": 3, "grpc_port": 9001}
     assert args.config == "c.yaml"
     assert build_parser().parse_args(["generate", "--prompt", "x"]).command == "generate"
+
+
+def test_prefix_caching_flag_and_field() -> None:
+    from deploy.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--no-enable-prefix-caching"])
+    assert args.enable_prefix_caching is False
+    assert "enable_prefix_caching" not in vars(build_parser().parse_args(["serve"]))  # not given: the config's holds
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).enable_prefix_caching is True
+    assert ServeConfig().engine_args()["enable_prefix_caching"] is True
+    assert load_config(None, {"enable_prefix_caching": "off"}).engine_args()["enable_prefix_caching"] is False
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        ServeConfig.from_dict({"enable_prefix_caching": "sometimes"})
+    import torch
+
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(torch.device("cpu"), torch.float32, 64, enable_prefix_caching="yes").validate()
