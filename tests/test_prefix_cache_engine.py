@@ -195,3 +195,29 @@ def test_abort_never_frees_blocks_another_request_uses(tiny_models, tiny_drafts)
     _assert_released(llm)
     # Aborted or not, the blocks stay cached: the next request with the same prefix reuses them.
     assert llm.generate([TURNS[3]], GREEDY)[0].num_cached_tokens >= 12
+
+
+def test_draft_sitting_out_catches_up_from_the_hit(tiny_models, near_drafts):
+    """Load-adaptive speculation: admitted with a hit while the batch is too large to speculate, the draft takes the
+    hit's blocks without running; once two requests are gone it catches up from the hit, not from 0."""
+    m = tiny_models["gemma3"]
+    llm = LLM(m.path, draft_model=near_drafts["gemma3"].path, num_speculative_tokens=3,
+              spec_disable_above_batch_size=2, **KW)
+    llm.generate([TURNS[0]], GREEDY)  # caches the system prompt in both models (batch 1: the draft runs)
+    engine = llm.engine
+    reqs = [Request(f"q{i}", p, SamplingParams(max_tokens=16, ignore_eos=True)) for i, p in enumerate(TURNS)]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()
+    assert engine.last_step.draft_length == 0 and all(r.num_cached_tokens >= 12 for r in reqs)
+    assert all(engine.draft_kv.has(r.request_id) for r in reqs)  # the hit's blocks, held for the catch-up
+    engine.step()
+    engine.abort_request("q2")
+    engine.abort_request("q3")
+    drafted = 0
+    while engine.has_unfinished():
+        engine.step()
+        drafted += engine.last_step.draft_length
+    assert drafted > 0
+    assert [r.output_token_ids for r in reqs[:2]] == [hf_greedy(m.hf, p, 16) for p in TURNS[:2]]
+    _assert_released(llm)
