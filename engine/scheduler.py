@@ -139,9 +139,9 @@ class Scheduler:
         """Allocate both models' KV for this step, or nothing. With a prefix hit, every model's table starts
         from its cached blocks, the draft's too when it sits this step out (it then catches up from the hit)."""
         rid = request.request_id
-        # (manager, computed, end, prefix) for each model that takes blocks this step
         if hit is not None and not hit.num_tokens:
             hit = None
+        # (manager, computed, end, prefix) for each model that takes blocks this step
         plans = [(self.kv_managers[0], request.num_computed_tokens, request.num_computed_tokens + num_new,
                   hit.blocks[0] if hit else None)]
         if len(self.kv_managers) > 1 and (self._draft_runs or hit is not None):
