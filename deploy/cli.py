@@ -33,6 +33,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes computed before (default on)")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -48,7 +50,7 @@ def _generate(args: argparse.Namespace) -> int:
               rejection_sampling=args.rejection_sampling, synthetic_acceptance_rate=args.synthetic_acceptance_rate,
               tensor_parallel_size=args.tensor_parallel_size,
               draft_tensor_parallel_size=args.draft_tensor_parallel_size, device=args.device, dtype=args.dtype,
-              max_model_len=args.max_model_len, seed=args.seed)
+              max_model_len=args.max_model_len, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
     if args.chat:
@@ -99,6 +101,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=s, help="cpu or cuda (default: cuda when the cluster has GPUs)")
     p.add_argument("--dtype", default=s)
     p.add_argument("--seed", type=int, default=s)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=s,
+                   help="reuse the KV of prompt prefixes (full blocks) computed before, in the target's and the "
+                        "draft's caches (default on)")
     p.add_argument("--served-model-name", default=s, help="model name clients send (default: --model)")
     p.add_argument("--host", default=s, help="HTTP bind address (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=s, help="HTTP port (default 8000)")

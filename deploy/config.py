@@ -48,6 +48,7 @@ class ServeConfig:
     device: str | None = None  # None: cuda when the cluster has GPUs, else cpu
     dtype: str | None = None
     seed: int = 0
+    enable_prefix_caching: bool = True  # reuse the KV of full prompt blocks computed before (both models)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineConfig extras (max_num_seqs, ...)
     engine_builder: str | None = None  # "module:function" building the EngineCore; None = the default
     served_model_name: str | None = None  # the name clients send as `model`; default: `model`
@@ -131,6 +132,7 @@ class ServeConfig:
                 "tensor_parallel_size": self.tensor_parallel_size,
                 "draft_tensor_parallel_size": self.draft_tensor_parallel_size, "max_model_len": self.max_model_len,
                 "device": self.device, "dtype": self.dtype, "seed": self.seed,
+                "enable_prefix_caching": self.enable_prefix_caching,
                 **self._adaptive_spec_args()}
         args.update(self.engine_kwargs)
         return args

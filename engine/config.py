@@ -159,6 +159,8 @@ class EngineConfig:
     # bookkeeping leave the models' critical path. None: on where the models run in other processes (the Ray
     # executor's compiled graph), off in process, where it would only add a step of latency.
     async_scheduling: bool | None = None
+    # Reuse the KV of full blocks whose token prefix was computed before (engine/kv_cache): both models' caches.
+    enable_prefix_caching: bool = True
 
     def validate(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -169,6 +171,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("the offline engine runs one process (tensor_parallel_size=1); use the Ray "
                              "serving layer for tensor parallelism")

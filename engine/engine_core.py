@@ -63,13 +63,15 @@ class EngineCore:
         self.spec_config = spec_config if executor.draft_kv_groups is not None else None
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         bs = engine_config.block_size
-        self.target_kv = KVCacheManager(executor.target_kv_groups, executor.target_num_blocks, bs)
-        self.draft_kv = (KVCacheManager(executor.draft_kv_groups, executor.draft_num_blocks, bs)
+        caching = engine_config.enable_prefix_caching
+        self.target_kv = KVCacheManager(executor.target_kv_groups, executor.target_num_blocks, bs, caching)
+        self.draft_kv = (KVCacheManager(executor.draft_kv_groups, executor.draft_num_blocks, bs, caching)
                          if executor.draft_kv_groups is not None else None)
         managers = [self.target_kv] + ([self.draft_kv] if self.draft_kv is not None else [])
         self.scheduler = Scheduler(managers, engine_config.max_num_seqs, engine_config.max_num_batched_tokens,
                                    engine_config.max_model_len, num_speculative_tokens=k,
-                                   draft_length_fn=self.spec_config.draft_length if self.spec_config else None)
+                                   draft_length_fn=self.spec_config.draft_length if self.spec_config else None,
+                                   enable_prefix_caching=caching)
         self.output = OutputProcessor(tokenizer, eos_token_ids, engine_config.max_model_len)
         self.vocab_size = executor.vocab_size
         self.last_step = StepStats()
@@ -196,7 +198,8 @@ class EngineCore:
         draft's KV starts empty: each request's draft progress restarts at 0."""
         self.executor.attach_draft()
         ex = self.executor
-        self.draft_kv = KVCacheManager(ex.draft_kv_groups, ex.draft_num_blocks, self.config.block_size)
+        self.draft_kv = KVCacheManager(ex.draft_kv_groups, ex.draft_num_blocks, self.config.block_size,
+                                       self.config.enable_prefix_caching)
         self._restart_draft_progress()
         self.scheduler.kv_managers = [self.target_kv, self.draft_kv]
         self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
@@ -229,6 +232,10 @@ class EngineCore:
     def kv_blocks_used(self) -> dict[str, int]:
         """Blocks in use per "model/group"."""
         return {f"{model}/{g}": n for model, kv in self.kv_managers() for g, n in enumerate(kv.num_used_blocks())}
+
+    def prefix_cache_stats(self) -> dict[str, tuple[int, int]]:
+        """Per model, (tokens looked up, tokens found) in its prefix cache since the model's KV manager began."""
+        return {model: (kv.prefix_queries, kv.prefix_hits) for model, kv in self.kv_managers()}
 
     # --- one step ------------------------------------------------------------------------------------
     def step(self, on_dispatched: Callable[[], None] | None = None) -> list[Request]:
@@ -377,6 +384,7 @@ class EngineCore:
                 r.num_computed_tokens = frontier
                 if s.draft_runs:
                     r.num_draft_computed_tokens = frontier
+                self.scheduler.cache_committed_blocks(r)
                 continue
             # KV of the fed last token and of the accepted drafts is valid; rejected slots get overwritten.
             r.num_computed_tokens = frontier + accepted
@@ -385,6 +393,7 @@ class EngineCore:
             if k:
                 r.spec.record(k, accepted)
             self.output.append(r, tokens)
+            self.scheduler.cache_committed_blocks(r)  # before a finish frees the blocks
             touched.append(r)
             if r.status.finished:
                 self._finish(r, r.status)

@@ -128,5 +128,5 @@ def _to_output(prompt: str | None, req: Request) -> RequestOutput:
                          token_ids=list(req.output_token_ids), text=req.output_text,
                          finish_reason=req.finish_reason if req.status != RequestStatus.FINISHED_ABORTED
                          else "abort", spec=req.spec, stop_reason=req.stop_reason,
-                         num_preemptions=req.num_preemptions)
+                         num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens or 0)
 

@@ -134,6 +134,10 @@ class Request:
         self.num_preemptions = 0
         # The ScheduledRequest of this request's step in flight (asynchronous scheduling), until it is committed.
         self.inflight: Any = None
+        # Prompt tokens the first admission took from the prefix cache instead of computing; None until admitted.
+        self.num_cached_tokens: int | None = None
+        # Content addresses of the full blocks of all_token_ids (engine/kv_cache/block_hash.py), filled lazily.
+        self.block_hashes: list[bytes] = []
         self.spec = SpecStats()
         self.output_text = ""
         self.finish_reason: str | None = None
@@ -178,3 +182,4 @@ class RequestOutput:
     spec: SpecStats
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)

@@ -18,6 +18,13 @@ samples may add up to k + 1 tokens, so the next step's KV is allocated for all o
 even then it cannot overrun max_tokens or max_model_len, and a request that may already be done sits the step
 out. Such a step never preempts (blocks freed under a step in flight could be written by it): when one would
 be needed, the output says `blocked` and the engine lets the step in flight land first.
+
+Prefix caching (engine/kv_cache): a waiting request is admitted from the longest prefix of full blocks that every
+KV-cache group of every model can supply from its cache (`_prefix_hit`); both models' progress starts there and
+chunked prefill computes only the rest. The rule takes one length for target and draft alike: were the target
+to skip more than the draft holds, the draft would lack KV for tokens it must attend to. At least the last token
+is always computed, since the step must produce logits to sample from. Freed and preempted requests drop their
+references only: their cached blocks stay reusable (by anyone, the resumed request included) until evicted.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.kv_cache.block_hash import update_block_hashes
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
 
@@ -62,6 +70,22 @@ class ScheduledRequest:
 
 
 @dataclass
+class PrefixHit:
+    """A waiting request's start from cached blocks: the same length in every model, per model its tables."""
+
+    num_tokens: int  # a multiple of the block size, below the request's length; 0: no hit
+    blocks: list[list[list[int]]]  # [model][group] block ids of the hit (NULL_BLOCK outside sliding windows)
+    model_hits: list[int]  # [model] tokens that model alone could have supplied (its prefix-cache hit count)
+    num_queried: int  # tokens looked up
+
+    def count(self, kv_managers: list[KVCacheManager]) -> None:
+        """Add this lookup to each model's prefix-cache counters (once the request is admitted)."""
+        for kv, n in zip(kv_managers, self.model_hits):
+            kv.prefix_queries += self.num_queried
+            kv.prefix_hits += n
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -76,9 +100,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv_managers: list[KVCacheManager], max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, num_speculative_tokens: int = 0,
-                 draft_length_fn: Callable[[int], int] | None = None) -> None:
+                 draft_length_fn: Callable[[int], int] | None = None, enable_prefix_caching: bool = False) -> None:
         # kv_managers[0] is the target's; a draft's, when there is one, follows.
         self.kv_managers = kv_managers
+        self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -140,23 +165,55 @@ class Scheduler:
         """Whether the draft model works this step: it has a KV manager and the step speculates."""
         return len(self.kv_managers) > 1 and self.step_draft_length > 0
 
-    def _try_allocate(self, request: Request, num_new: int, k: int, start: int | None = None) -> bool:
-        """KV for the step in both models. start: where the target's input begins (default: the committed count;
-        an upper bound after a step in flight). The committed counts decide what sliding windows release: they
-        never exceed the true ones, so nothing a step in flight may still read is released."""
+    def _try_allocate(self, request: Request, num_new: int, k: int, start: int | None = None,
+                      hit: PrefixHit | None = None) -> bool:
+        """Allocate both models' KV for this step, or nothing. start: where the target's input begins (default: the
+        committed count; an upper bound after a step in flight). The committed counts decide what sliding windows
+        release: they never exceed the true ones, so nothing a step in flight may still read is released. With a
+        prefix hit, every model's table starts from its cached blocks, the draft's too when it sits this step out
+        (it then catches up from the hit)."""
+        rid = request.request_id
         start = request.num_computed_tokens if start is None else start
-        target_end = start + num_new
-        # The draft holds KV up to the target's frontier plus k - 1 drafts after the step.
-        draft_end = start + num_new - k + max(0, k - 1)
-        ok = self.kv_managers[0].can_allocate(request.request_id, request.num_computed_tokens, target_end)
-        if ok and self._draft_runs:
-            ok = self.kv_managers[1].can_allocate(request.request_id, request.num_draft_computed_tokens, draft_end)
-        if not ok:
+        if hit is not None and not hit.num_tokens:
+            hit = None
+        # (manager, computed, end, prefix) for each model that takes blocks this step
+        plans = [(self.kv_managers[0], request.num_computed_tokens, start + num_new, hit.blocks[0] if hit else None)]
+        if len(self.kv_managers) > 1 and (self._draft_runs or hit is not None):
+            # The draft holds KV up to the target's frontier plus k - 1 drafts after the step.
+            end = start + num_new - k + max(0, k - 1) if self._draft_runs else request.num_draft_computed_tokens
+            plans.append((self.kv_managers[1], request.num_draft_computed_tokens, end, hit.blocks[1] if hit else None))
+        if not all(kv.can_allocate(rid, computed, end, prefix) for kv, computed, end, prefix in plans):
             return False
-        self.kv_managers[0].allocate(request.request_id, request.num_computed_tokens, target_end)
-        if self._draft_runs:
-            self.kv_managers[1].allocate(request.request_id, request.num_draft_computed_tokens, draft_end)
+        for kv, computed, end, prefix in plans:
+            kv.allocate(rid, computed, end, prefix)
         return True
+
+    # --- prefix caching ------------------------------------------------------------------------------
+    def _prefix_hit(self, request: Request) -> PrefixHit | None:
+        """The longest cached prefix every group of every model can supply (None: caching is off)."""
+        if not self.enable_prefix_caching:
+            return None
+        bs = self.kv_managers[0].block_size
+        hashes = update_block_hashes(request, bs)
+        max_blocks = (request.num_tokens - 1) // bs  # leave the last token to compute: its logits are sampled
+        valid = [True] * (max_blocks + 1)
+        model_hits = []
+        for kv in self.kv_managers:
+            own = kv.valid_prefix_lengths(hashes, max_blocks)
+            model_hits.append(bs * max(h for h, ok in enumerate(own) if ok))
+            valid = [a and b for a, b in zip(valid, own)]
+        n = max(h for h, ok in enumerate(valid) if ok)
+        blocks = [kv.prefix_blocks(hashes, n) for kv in self.kv_managers] if n else []
+        return PrefixHit(n * bs, blocks, model_hits, request.num_tokens)
+
+    def cache_committed_blocks(self, request: Request) -> None:
+        """Offer the request's newly full, computed blocks to each model's cache; called after each commit."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = update_block_hashes(request, self.kv_managers[0].block_size)
+        self.kv_managers[0].cache_blocks(request.request_id, hashes, request.num_computed_tokens)
+        if len(self.kv_managers) > 1:
+            self.kv_managers[1].cache_blocks(request.request_id, hashes, request.num_draft_computed_tokens)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -245,9 +302,17 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                hit = self._prefix_hit(req)
+                if hit is not None and hit.num_tokens:
+                    req.num_computed_tokens = req.num_draft_computed_tokens = hit.num_tokens
                 num_new, k = self._num_new(req, budget)
-                if not self._try_allocate(req, num_new, k):
+                if not self._try_allocate(req, num_new, k, hit=hit):
+                    req.num_computed_tokens = req.num_draft_computed_tokens = 0
                     break
+                if hit is not None:
+                    hit.count(self.kv_managers)
+                if req.num_cached_tokens is None:  # the first admission's hit is the one reported
+                    req.num_cached_tokens = req.num_computed_tokens
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)

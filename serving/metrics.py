@@ -54,6 +54,12 @@ class EngineMetrics:
         self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)",
                               ["model", "kv_group"], registry=r)
+        # Prefix caching, in tokens as vLLM counts it: hits / queries is the model's hit rate.
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Tokens looked up in the prefix cache at admission",
+                                      ["model"], registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Tokens of those lookups the model's prefix cache held",
+                                   ["model"], registry=r)
+        self._prefix_seen: dict[str, tuple[int, int]] = {}  # model -> the engine's totals at the last sync
         # --- latencies ---------------------------------------------------------------------------
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival at the router to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -70,6 +76,8 @@ class EngineMetrics:
             self.step_duration.labels(phase=phase)
         for reason in ("stop", "length"):
             self.request_success.labels(finished_reason=reason)
+        self.prefix_queries.labels(model="target")
+        self.prefix_hits.labels(model="target")
 
     # --- hooks -------------------------------------------------------------------------------------
     def on_spec(self, num_drafts: int, num_draft_tokens: int, num_accepted: int, per_pos: list[int]) -> None:
@@ -94,6 +102,19 @@ class EngineMetrics:
         for (model, group), usage in kv_usage.items():
             self.kv_usage.labels(model=model, kv_group=str(group)).set(usage)
         self.draft_length.set(draft_length)
+
+    def on_prefix_cache(self, totals: dict[str, tuple[int, int]]) -> None:
+        """Bring the counters up to the engine's running totals per model, (queries, hits) in tokens. Totals
+        below the last ones seen mean the model's KV manager was rebuilt (a new draft group): they count anew."""
+        for model, (queries, hits) in totals.items():
+            q0, h0 = self._prefix_seen.get(model, (0, 0))
+            if queries < q0 or hits < h0:
+                q0 = h0 = 0
+            if queries > q0:
+                self.prefix_queries.labels(model=model).inc(queries - q0)
+            if hits > h0:
+                self.prefix_hits.labels(model=model).inc(hits - h0)
+            self._prefix_seen[model] = (queries, hits)
 
     def set_queue(self, num_running: int, num_waiting: int) -> None:
         self.running.set(num_running)

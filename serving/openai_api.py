@@ -40,6 +40,7 @@ from serving.openai_protocol import (
     DeltaMessage,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     Usage,
     error_body,
     error_type,
@@ -212,7 +213,8 @@ async def _serve(client: Client, body: CompletionRequest | ChatCompletionRequest
 
 def _usage(delta: dict[str, Any]) -> Usage:
     p, c = delta["num_prompt_tokens"], delta["num_completion_tokens"]
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=delta.get("num_cached_tokens", 0)))
 
 
 def _sse_event(payload: dict[str, Any]) -> str:

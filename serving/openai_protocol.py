@@ -129,10 +129,15 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 # --- responses -------------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache instead of being computed
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class SpecDecodeStats(BaseModel):

@@ -33,6 +33,7 @@ class StepDelta:
     finish_reason: str | None  # set when the request finished in this step
     stop_reason: str | int | None
     num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens the prefix cache supplied (0 until the request is admitted)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class RequestStream:
     sent_text: int = 0  # chars of text already yielded
     first_token_time: float | None = None
     last_token_time: float | None = None
+    num_cached_tokens: int = 0
 
     def snapshot(self, req: Any) -> StepDelta:
         """Copy what a step gave `req` (an engine Request). Runs on the step thread, between two steps."""
@@ -64,7 +66,7 @@ class RequestStream:
         finish = (req.finish_reason or req.status.value) if req.status.finished else None
         return StepDelta(list(new), req.output_text, (sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens,
                                                       list(sp.accepted_per_position)),
-                         finish, req.stop_reason, req.num_prompt_tokens)
+                         finish, req.stop_reason, req.num_prompt_tokens, req.num_cached_tokens or 0)
 
     def publish(self, delta: StepDelta, now: float, metrics: Any) -> None:
         """Take a step's delta: new tokens, text, speculation counts, the finish; count them in `metrics`
@@ -73,6 +75,7 @@ class RequestStream:
         self.num_published += len(new)
         self.pending_tokens.extend(new)
         self.text = delta.text
+        self.num_cached_tokens = delta.num_cached_tokens
         if new:
             if self.first_token_time is None:
                 self.first_token_time = now
@@ -108,4 +111,5 @@ class RequestStream:
         return {"request_id": self.request.request_id, "token_ids": tokens, "text": text,
                 "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
                 "num_prompt_tokens": self.request.num_prompt_tokens, "num_completion_tokens": self.num_published,
+                "num_cached_tokens": self.num_cached_tokens,
                 "spec": dict(self.spec, accepted_per_position=list(self.spec["accepted_per_position"]))}

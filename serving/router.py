@@ -164,6 +164,9 @@ class Router:
         return {"drained": not self._streams, "num_in_flight": len(self._streams)}
 
     async def metrics_text(self) -> str:
+        # Prefix-cache counters are pulled at scrape time: the engine keeps running totals per model, so the
+        # step loop carries nothing for them.
+        self.metrics.on_prefix_cache(self.engine.prefix_cache_stats())
         return self.metrics.exposition()
 
     async def info(self) -> dict[str, Any]:

@@ -261,7 +261,7 @@ def test_dashboard_reads_existing_metrics_and_covers_the_panels() -> None:
     titles = " | ".join(p["title"].lower() for p in dashboard_panels())
     for wanted in ("acceptance rate", "acceptance length", "acceptance by position", "drafted vs accepted",
                    "time to first token", "inter-token latency", "end-to-end", "running and waiting",
-                   "kv cache usage by model and kv-cache group", "step phase", "draft length"):
+                   "kv cache usage by model and kv-cache group", "step phase", "draft length", "prefix cache hit rate"):
         assert wanted in titles, wanted
     kv = [e for _, e in dashboard_queries() if "kv_cache_usage_perc" in e and "by (model, kv_group)" in e]
     assert kv, "KV usage must be split per model and KV-cache group"

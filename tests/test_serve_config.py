@@ -73,3 +73,22 @@ def test_scaling_fields_flags_and_checks() -> None:
     router = config.request_router_config
     assert router.request_router_kwargs == {"prefix_affinity": True, "block_size": 8, "min_prefix_tokens": 64,
                                             "imbalanced_threshold": 8, "max_entries": 200_000}
+
+
+def test_prefix_caching_flag_and_field() -> None:
+    from deploy.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--no-enable-prefix-caching"])
+    assert args.enable_prefix_caching is False
+    assert "enable_prefix_caching" not in vars(build_parser().parse_args(["serve"]))  # not given: the config's holds
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).enable_prefix_caching is True
+    assert ServeConfig().engine_args()["enable_prefix_caching"] is True
+    assert load_config(None, {"enable_prefix_caching": "off"}).engine_args()["enable_prefix_caching"] is False
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        ServeConfig.from_dict({"enable_prefix_caching": "sometimes"})
+    import torch
+
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(torch.device("cpu"), torch.float32, 64, enable_prefix_caching="yes").validate()

@@ -46,6 +46,7 @@ DESIGN_METRICS = [
     "specserve_num_requests_running", "specserve_num_requests_waiting", "specserve_kv_cache_usage_perc",
     "specserve_time_to_first_token_seconds", "specserve_inter_token_latency_seconds",
     "specserve_e2e_request_latency_seconds", "specserve_step_duration_seconds",
+    "specserve_prefix_cache_queries_total", "specserve_prefix_cache_hits_total",
 ]
 
 
@@ -292,6 +293,35 @@ def test_metrics_agree_with_responses(server: Server) -> None:
         assert after[f'specserve_step_duration_seconds_count{{phase="{phase}"}}'] > 0
     assert delta("specserve_e2e_request_latency_seconds_count") == len(usages)
     assert delta("specserve_time_to_first_token_seconds_count") == len(usages)
+
+
+def test_prefix_cache_in_usage_and_metrics(server: Server, llm: LLM) -> None:
+    """A second prompt sharing a long prefix with the first reports the tokens it took from the cache (plain and
+    streamed usage), gives the offline engine's text, and the per-model prefix-cache counters count the hit."""
+    shared = "You answer questions about the sea in one short sentence, politely and without jargon. " * 3
+    first, second = shared + "Why is it salty?", shared + "Why is it blue?"
+    n_prompt = len(llm.tokenizer(second)["input_ids"])
+    text, _ = _offline(llm, second, max_tokens=8, temperature=0.0)
+    with server.http(timeout=120) as c:
+        before = scrape(c)
+        r1 = c.post("/v1/completions", json={"model": MODEL, "prompt": first, "max_tokens": 8, "temperature": 0})
+        r2 = c.post("/v1/completions", json={"model": MODEL, "prompt": second, "max_tokens": 8, "temperature": 0})
+        r3 = c.post("/v1/completions", json={"model": MODEL, "prompt": second, "max_tokens": 8, "temperature": 0,
+                                             "stream": True, "stream_options": {"include_usage": True}})
+        after = scrape(c)
+    assert r1.status_code == r2.status_code == r3.status_code == 200, (r1.text, r2.text, r3.text)
+    usage = r2.json()["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    # The shared text is 3+ blocks of 16 tokens; the hit is whole blocks and leaves the last prompt token.
+    assert 48 <= cached < n_prompt and cached % 16 == 0 and usage["prompt_tokens"] == n_prompt
+    assert r2.json()["choices"][0]["text"] == text
+    last = json.loads(sse_events(r3)[-2])  # the usage chunk, before [DONE]
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == n_prompt - 1 - (n_prompt - 1) % 16
+    for model in ("target", "draft"):
+        key = f'specserve_prefix_cache_hits_total{{model="{model}"}}'
+        assert after[key] - before.get(key, 0.0) >= 2 * cached
+        key = f'specserve_prefix_cache_queries_total{{model="{model}"}}'
+        assert after[key] - before.get(key, 0.0) >= 2 * n_prompt
 
 
 def test_client_disconnect_aborts_request(server: Server) -> None:

@@ -1,0 +1,45 @@
+"""Content addresses of full KV blocks: a hash chain over a request's tokens.
+
+Block i's hash covers its parent's hash (so it stands for the whole prefix, not just its own tokens), its
+block_size token ids, and extra keys: anything else that changes the KV those tokens produce. Nothing else does
+today (one model per KV manager, no adapters, no multimodal inputs), so the extra keys are empty; a feature
+that makes KV depend on more than the tokens (a LoRA adapter, an image) must add its key in `extra_keys`.
+
+SHA-256 rather than Python's `hash`: a collision would silently reuse another prefix's KV, so the address must
+be collision-resistant, and it costs microseconds per block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from engine.request import Request
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
+    h = hashlib.sha256()
+    h.update(parent or b"\0" * 32)
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra_keys)
+    return h.digest()
+
+
+def extra_keys(request: Request, block_index: int) -> bytes:
+    """What besides the tokens makes this block's KV: nothing yet (see the module docstring)."""
+    return b""
+
+
+def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
+    """Extend `request.block_hashes` to every full block of its tokens (prompt and output); returns it.
+
+    Tokens never change once committed, so hashes are computed once per block."""
+    hashes = request.block_hashes
+    n_full = request.num_tokens // block_size
+    if len(hashes) < n_full:
+        tokens = request.all_token_ids
+        for i in range(len(hashes), n_full):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block(parent, tokens[i * block_size:(i + 1) * block_size], extra_keys(request, i)))
+    return hashes
