@@ -19,7 +19,9 @@ from ray.serve.config import DeploymentActorConfig
 
 from serving import grpc_service
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, LOCAL_ENGINE_BUILDER
+from serving.generation_config import load_generation_defaults
 from serving.openai_api import create_openai_app
+from serving.openai_protocol import SUPPORTED_DEFAULTS
 from serving.router import Router
 from serving.router_client import GenerationError, RouterClient
 
@@ -42,13 +44,15 @@ class SpecServe:
         # The router resolved (and, for a GGUF, converted) the model before this replica started: on its
         # node this is a cache hit; elsewhere it converts once, under the source's file lock. Only the tokenizer
         # is read here: a directory of random weights (load_format "dummy") holds none.
-        tokenizer = load_tokenizer(str(resolve_model(model, require_weights=False).path))
+        model_dir = str(resolve_model(model, require_weights=False).path)
+        tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:
             raise ValueError(f"model {model} has no tokenizer: the HTTP and gRPC APIs need one for text")
         router = serve.get_deployment_actor(ROUTER_ACTOR)
         info = await router.info.remote()
         self.client = RouterClient(lambda: serve.get_deployment_actor(ROUTER_ACTOR), served_model_name or model,
-                                   tokenizer, info["max_model_len"])
+                                   tokenizer, info["max_model_len"],
+                                   load_generation_defaults(model_dir, SUPPORTED_DEFAULTS))
         security = dict(security or {})
         # A key from the environment (a Kubernetes Secret) stays out of Serve's stored config.
         self.api_key: str | None = security.get("api_key") or os.environ.get("SPECSERVE_API_KEY") or None

@@ -80,12 +80,14 @@ class RouterClient:
     """Streams requests through a Router actor. `get_router` returns a fresh handle (after recreation)."""
 
     def __init__(self, get_router: Callable[[], Any], model_name: str, tokenizer: Any,
-                 max_model_len: int) -> None:
+                 max_model_len: int, generation_defaults: dict[str, Any] | None = None) -> None:
+        """generation_defaults: request field -> the model's default (serving.generation_config)."""
         self._get_router = get_router
         self._router: Any = get_router()
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.generation_defaults = dict(generation_defaults or {})
 
     def router(self) -> Any:
         """The router's handle, re-resolved after it died. A new router answers once its engine is built;
