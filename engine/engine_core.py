@@ -155,7 +155,7 @@ class EngineCore:
                 block_tables=[list(self.target_kv.block_table(r.request_id, g))
                               for g in range(self.target_kv.num_groups)],
                 temperature=r.params.temperature, top_p=r.params.top_p, top_k=r.params.top_k, seed=r.params.seed,
-                num_output_tokens=r.num_output_tokens)
+                num_output_tokens=r.num_output_tokens, logprobs=r.params.logprobs)
             if s.draft_runs:  # else the draft sits this step out (speculation off at this load) and lags
                 p.draft_token_ids = tokens[r.num_draft_computed_tokens:frontier]
                 p.draft_start_pos = r.num_draft_computed_tokens
@@ -168,7 +168,7 @@ class EngineCore:
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
         touched = []
-        for s, tokens, accepted in zip(scheduled, result.sampled, result.num_accepted):
+        for n, (s, tokens, accepted) in enumerate(zip(scheduled, result.sampled, result.num_accepted)):
             r = s.request
             k = s.num_draft_tokens
             frontier = s.frontier
@@ -183,7 +183,9 @@ class EngineCore:
                 r.num_draft_computed_tokens = frontier + min(accepted, max(k - 1, 0))
             if k:
                 r.spec.record(k, accepted)
-            self.output.append(r, tokens)
+            kept = self.output.append(r, tokens)
+            if result.logprobs is not None and result.logprobs[n] is not None:
+                r.output_logprobs.extend(result.logprobs[n][:kept])  # none for tokens past a stop
             touched.append(r)
             if r.status.finished:
                 self.scheduler.finish_request(r, r.status)

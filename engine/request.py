@@ -22,6 +22,9 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # None: no logprobs. k >= 0: each output token's logprob and the k most likely tokens at its position, from the
+    # target's raw logits (before temperature, top-k, top-p: vLLM's default "raw_logprobs"), with or without a draft.
+    logprobs: int | None = None
     # False: the output carries token ids only (vLLM's `detokenize`). Incremental decoding costs two tokenizer
     # calls per token per request, which is most of a step's host time when thousands of requests generate
     # data nobody reads as text (distillation); stop strings need the text, so they need it on.
@@ -50,6 +53,10 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0 (the most likely tokens to list), "
+                             f"got {self.logprobs!r}")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are matched against the output text: they need detokenize=True")
 
@@ -124,6 +131,8 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        # With params.logprobs: per output token, (logprob, [(token id, logprob), ...] of the most likely tokens).
+        self.output_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.params = params
         self.status = RequestStatus.WAITING
         self.arrival_index = arrival_index
@@ -175,3 +184,6 @@ class RequestOutput:
     spec: SpecStats
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    # With SamplingParams.logprobs (vLLM's shape): per output token, {token id: logprob} of the token itself, then
+    # the most likely tokens at its position.
+    logprobs: list[dict[int, float]] | None = None

@@ -29,6 +29,8 @@ class PlannedRequest:
     top_k: int = 0
     seed: int | None = None
     num_output_tokens: int = 0
+    # Logprobs: None (the default) computes none; k >= 0 returns each emitted token's logprob and the k most likely.
+    logprobs: int | None = None
 
 
 @dataclass
@@ -50,3 +52,6 @@ class StepResult:
     sampled: list[list[int] | None]  # None where the request did not sample (mid-prefill)
     num_accepted: list[int]
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    # Per planned request, one (logprob, [(token id, logprob), ...]) per sampled token, where the request asked for
+    # logprobs (engine.sample.logprobs); None when no request of the step did.
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None

@@ -177,10 +177,8 @@ class CompletionRequest(_SamplingRequest):
     add_special_tokens: bool = True  # extension (vLLM): the tokenizer's BOS etc. around a text prompt
     suffix: str | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.logprobs is not None:
-            raise GenerationError("logprobs are not supported yet", 400, "logprobs")
+    def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {**super().sampling_params(max_tokens, defaults), "logprobs": self.logprobs}
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one text or token list, or a batch of them (each gets n choices)."""
@@ -275,8 +273,10 @@ class ChatCompletionRequest(_SamplingRequest):
                                   "continue_final_message")
         if self.top_logprobs and not self.logprobs:
             raise GenerationError("top_logprobs needs logprobs=true", 400, "top_logprobs")
-        if self.logprobs:
-            raise GenerationError("logprobs are not supported yet", 400, "logprobs")
+
+    def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {**super().sampling_params(max_tokens, defaults),
+                "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of tokenizer.apply_chat_template besides the messages."""

@@ -68,7 +68,7 @@ def check_api_params(params: dict[str, Any]) -> dict[str, Any]:
 
 # Engine validation messages start with the parameter's name ("max_tokens must be ..."): report it as
 # the error's `param`, as OpenAI does.
-_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "prompt")
+_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "prompt", "logprobs")
 
 
 def _param_of(message: str) -> str | None:

@@ -235,3 +235,59 @@ def test_openai_client_reads_choices(server: Server) -> None:
     with pytest.raises(openai.BadRequestError):
         oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                    response_format={"type": "json_object"})
+
+
+# --- logprobs ---------------------------------------------------------------------------------------------------
+def _offline_logprobs(llm: LLM, prompt: str | list[int], k: int, **params) -> tuple[list[int], list[dict]]:
+    out = llm.generate([prompt], SamplingParams(logprobs=k, **params))[0]
+    return out.token_ids, out.logprobs
+
+
+def test_completion_logprobs(client: httpx.Client, llm: LLM) -> None:
+    """Served logprobs (with the draft speculating) are the offline engine's, which equal HF's (test_logprobs.py)."""
+    ids, ref = _offline_logprobs(llm, "hello", 3, max_tokens=8, temperature=0.0, ignore_eos=True)
+    req = {"model": MODEL, "prompt": "hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    body = client.post("/v1/completions", json=req).json()
+    lp = body["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == pytest.approx([r[t] for t, r in zip(ids, ref)], abs=1e-4)
+    assert len(lp["tokens"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 8
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    # Each position lists the emitted token and the 3 most likely (fewer keys where byte tokens decode alike).
+    for top, r in zip(lp["top_logprobs"], ref):
+        assert 1 <= len(top) <= 4 and max(top.values()) == pytest.approx(max(r.values()), abs=1e-4)
+    chunks = [json.loads(e) for e in sse_events(client.post("/v1/completions", json={**req, "stream": True}))[:-1]]
+    streamed = [v for ch in chunks for v in ch["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-6)
+    assert client.post("/v1/completions", json={**req, "logprobs": None}).json()["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs(client: httpx.Client, llm: LLM) -> None:
+    req = {**CHAT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    body = client.post("/v1/chat/completions", json=req).json()
+    prompt = client.post("/tokenize", json={"model": MODEL, "messages": CHAT["messages"]}).json()["tokens"]
+    ids, ref = _offline_logprobs(llm, prompt, 2, max_tokens=6, temperature=0.0, ignore_eos=True)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == pytest.approx([r[t] for t, r in zip(ids, ref)], abs=1e-4)
+    assert all(len(c["top_logprobs"]) == 2 and c["bytes"] == list(c["token"].encode()) for c in content)
+    assert [c["top_logprobs"][0]["logprob"] for c in content] == pytest.approx([max(r.values()) for r in ref],
+                                                                              abs=1e-4)
+    only = client.post("/v1/chat/completions", json={**req, "top_logprobs": None}).json()
+    assert all(c["top_logprobs"] == [] for c in only["choices"][0]["logprobs"]["content"])
+
+
+def test_openai_client_reads_logprobs(server: Server) -> None:
+    import openai
+
+    oc = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x")
+    resp = oc.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0, logprobs=2)
+    lp = resp.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs) and len(lp.top_logprobs) == 4
+    chat = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                      temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    stream = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                        temperature=0, logprobs=True, stream=True)
+    streamed = [c.logprob for ch in stream if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content]
+    assert streamed == pytest.approx([c.logprob for c in content], abs=1e-6)

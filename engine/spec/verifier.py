@@ -24,10 +24,11 @@ from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, DeviceTokens, PreparedForward
 from engine.sample.from_plan import TARGET_STREAM, sampling_metadata
+from engine.sample.logprobs import emitted_logprobs
 from engine.sample.sampler import Sampler
 from engine.spec.proposer import DraftProposal
 from engine.spec.rejection_sampler import rejection_sample
-from engine.step_plan import StepPlan, StepResult
+from engine.step_plan import PlannedRequest, StepPlan, StepResult
 
 logger = logging.getLogger("specserve")
 
@@ -238,7 +239,7 @@ class Verifier:
             # SYNC: new tokens go to the host to be appended, detokenized and checked for stops.
             for i, t in zip(rows, self.sampler(logits, md).tolist()):
                 sampled[i] = [t]
-            return StepResult(sampled, accepted)
+            return self._with_logprobs(StepResult(sampled, accepted), reqs, counts, logits)
         widths = [1 + counts[i] for i in rows]
         max_k = max(widths) - 1
         all_rows = len(rows) == len(reqs)
@@ -265,7 +266,28 @@ class Verifier:
         for row, i in zip(packed, rows):
             sampled[i] = row[1:row[0] + 2]
             accepted[i] = row[0]
-        return StepResult(sampled, accepted)
+        return self._with_logprobs(StepResult(sampled, accepted), reqs, counts, logits)
+
+    @staticmethod
+    def _with_logprobs(result: StepResult, reqs: list[PlannedRequest], counts: list[int],
+                       logits: torch.Tensor) -> StepResult:
+        """Add the logprobs of the emitted tokens for the requests that asked (nothing to do, and no cost, for a
+        step where none did). logits: [sum of num_logits, V], 1 + k rows per sampling request."""
+        want = [i for i, r in enumerate(reqs) if r.logprobs is not None and result.sampled[i] is not None]
+        if not want:
+            return result
+        starts, offset = {}, 0
+        for i, r in enumerate(reqs):
+            if r.sample:
+                starts[i] = offset
+                offset += 1 + counts[i]
+        tokens = [result.sampled[i] or [] for i in want]
+        rows = [[starts[i] + j for j in range(len(t))] for i, t in zip(want, tokens)]
+        per_req = emitted_logprobs(logits, rows, tokens, [reqs[i].logprobs or 0 for i in want])
+        result.logprobs = [None] * len(reqs)
+        for i, lp in zip(want, per_req):
+            result.logprobs[i] = lp
+        return result
 
 
 def _draft_positions(plan: StepPlan, counts: list[int]) -> list[int]:
