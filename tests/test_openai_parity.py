@@ -291,3 +291,25 @@ def test_openai_client_reads_logprobs(server: Server) -> None:
     streamed = [c.logprob for ch in stream if ch.choices and ch.choices[0].logprobs
                 for c in ch.choices[0].logprobs.content]
     assert streamed == pytest.approx([c.logprob for c in content], abs=1e-6)
+
+
+def test_grpc_logprobs(server: Server, llm: LLM) -> None:
+    import grpc
+
+    from serving.proto import specserve_pb2 as pb
+    from serving.proto import specserve_pb2_grpc as pb_grpc
+
+    ids, ref = _offline_logprobs(llm, "hello", 2, max_tokens=6, temperature=0.0, ignore_eos=True)
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        responses = list(stub.Generate(pb.GenerateRequest(prompt="hello", max_tokens=6, ignore_eos=True, logprobs=2),
+                                       timeout=120))
+        entries = [e for r in responses for e in r.logprobs]
+        assert [e.token_id for e in entries] == [t for r in responses for t in r.token_ids] == ids
+        assert [e.logprob for e in entries] == pytest.approx([r[t] for t, r in zip(ids, ref)], abs=1e-4)
+        assert all(len(e.top_logprobs) == 2 for e in entries)
+        plain = list(stub.Generate(pb.GenerateRequest(prompt="hello", max_tokens=3), timeout=120))
+        assert not any(r.logprobs for r in plain)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(prompt="hello", logprobs=21), timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
