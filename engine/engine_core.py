@@ -19,6 +19,7 @@ from engine.detokenizer import OutputProcessor
 from engine.executor import Executor
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.sample.logits_params import logits_params_of
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.step_plan import PlannedRequest, StepPlan, StepResult
 
@@ -60,6 +61,7 @@ class EngineCore:
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
+        request.logits_params = logits_params_of(request, self.output.eos_token_ids)
         self.scheduler.add_request(request)
 
     def validate_request(self, request: Request) -> None:
@@ -74,6 +76,10 @@ class EngineCore:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in request.params.token_ids_used() if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} of logit_bias / allowed_token_ids / bad words are outside the "
+                             f"vocabulary [0, {vocab})")
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
 
@@ -155,7 +161,9 @@ class EngineCore:
                 block_tables=[list(self.target_kv.block_table(r.request_id, g))
                               for g in range(self.target_kv.num_groups)],
                 temperature=r.params.temperature, top_p=r.params.top_p, top_k=r.params.top_k, seed=r.params.seed,
-                num_output_tokens=r.num_output_tokens, logprobs=r.params.logprobs)
+                num_output_tokens=r.num_output_tokens, logprobs=r.params.logprobs, logits_params=r.logits_params,
+                output_token_ids=list(r.output_token_ids)
+                if r.logits_params is not None and r.logits_params.needs_output_history else None)
             if s.draft_runs:  # else the draft sits this step out (speculation off at this load) and lags
                 p.draft_token_ids = tokens[r.num_draft_computed_tokens:frontier]
                 p.draft_start_pos = r.num_draft_computed_tokens

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.sample.logits_params import LogitsParams
+
 
 @dataclass
 class PlannedRequest:
@@ -31,6 +33,10 @@ class PlannedRequest:
     num_output_tokens: int = 0
     # Logprobs: None (the default) computes none; k >= 0 returns each emitted token's logprob and the k most likely.
     logprobs: int | None = None
+    # Logits processing (penalties, logit_bias, masks, min_p): only for requests that use it; None costs nothing.
+    logits_params: LogitsParams | None = None
+    # The request's output so far, only where logits_params needs the history (penalties, multi-token bad words).
+    output_token_ids: list[int] | None = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, DeviceTokens, PreparedForward
 from engine.sample.from_plan import TARGET_STREAM, sampling_metadata
+from engine.sample.logits_processors import needs_draft_history, needs_processing, process_target_logits
 from engine.sample.logprobs import emitted_logprobs
 from engine.sample.sampler import Sampler
 from engine.spec.proposer import DraftProposal
@@ -236,8 +237,11 @@ class Verifier:
         if plan.rejection_sampling is None or draft_ids is None or not any(counts[i] for i in rows):
             # No drafts this step (no draft model, or a load-adaptive k of 0): plain sampling, so that
             # speculation switched off costs what no speculation costs.
+            scores = logits
+            if needs_processing([reqs[i] for i in rows]):  # penalties, logit_bias, masks: those requests only
+                scores = process_target_logits(logits[:, None], [reqs[i] for i in rows], None)[:, 0]
             # SYNC: new tokens go to the host to be appended, detokenized and checked for stops.
-            for i, t in zip(rows, self.sampler(logits, md).tolist()):
+            for i, t in zip(rows, self.sampler(scores, md).tolist()):
                 sampled[i] = [t]
             return self._with_logprobs(StepResult(sampled, accepted), reqs, counts, logits)
         widths = [1 + counts[i] for i in rows]
@@ -258,6 +262,16 @@ class Verifier:
         q = None
         if proposal is not None and proposal.draft_probs is not None and max_k:
             q = (proposal.draft_probs if all_rows else proposal.draft_probs.index_select(0, row_index))[:, :max_k]
+        row_reqs = [reqs[i] for i in rows]
+        if needs_processing(row_reqs):
+            # The target's p at position j follows the history output + drafts[:j] (engine/sample/logits_processors.py).
+            drafts = None
+            if needs_draft_history(row_reqs):
+                # SYNC: the drafts go to the host for the penalties' histories; only in steps with such requests.
+                drafts = [row[:w - 1] for row, w in zip(row_ids.tolist(), widths)]
+            else:
+                drafts = [[0] * (w - 1) for w in widths]  # only the number of positions is read
+            target_logits = process_target_logits(target_logits, row_reqs, drafts)
         num_drafts = to_device([w - 1 for w in widths], torch.int64, dev)
         out = rejection_sample(row_ids, num_drafts, q, target_logits, md, plan.rejection_sampling,
                                plan.synthetic_acceptance_rate)

@@ -1,0 +1,136 @@
+"""Penalties, logit_bias, allowed_token_ids, bad words, min_tokens and min_p: each equals a plain reference, and the
+engine's greedy output with them equals a plain greedy decode of HF transformers' logits processed by that
+reference, with and without a draft (so each verify position is processed with the drafts before it). The sampled
+distribution under speculation is checked in tests/test_spec_distribution.py's style below."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import random_prompts
+from spec_support import ENGINE_KW
+
+from engine import LLM, SamplingParams
+from engine.sample.penalties import apply_penalties, apply_penalties_reference
+from engine.sample.token_masks import (
+    apply_allowed_token_ids,
+    apply_logit_bias,
+    apply_min_p,
+    bad_word_bans,
+    min_tokens_bans,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# --- each processor against its definition ----------------------------------------------------------------------
+def test_penalties_equal_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    vocab, positions = 13, 3
+    logits = torch.randn(2, positions, vocab, generator=g) * 3
+    outputs = [[[1, 4, 4], [1, 4, 4, 7], [1, 4, 4, 7, 1]], [[], [2], [2, 2]]]
+    prompts = [[5, 6], [0]]
+    settings = [(0.5, 0.3, 1.4), (-0.2, 1.1, 0.8)]
+    counts = torch.zeros(2, positions, vocab)
+    for i, hist in enumerate(outputs):
+        for j, h in enumerate(hist):
+            for t in h:
+                counts[i, j, t] += 1
+    mask = torch.zeros(2, vocab, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        mask[i, p] = True
+    got = apply_penalties(logits, counts, mask, *(torch.tensor([s[n] for s in settings]) for n in range(3)))
+    for i in range(2):
+        for j in range(positions):
+            ref = apply_penalties_reference(logits[i, j].tolist(), outputs[i][j], prompts[i], *settings[i])
+            assert got[i, j].tolist() == pytest.approx(ref, abs=1e-5)
+
+
+def test_token_masks_equal_definitions() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
+    assert apply_logit_bias(logits, {1: 5.0, 3: -1.0}).tolist() == [[0, 6, 2, 2], [3, 7, 1, -1]]
+    assert apply_allowed_token_ids(logits, [0, 2]).tolist() == [[0, -math.inf, 2, -math.inf],
+                                                                 [3, -math.inf, 1, -math.inf]]
+    # A one-token word is always banned; a longer one once the history ends with its prefix.
+    assert bad_word_bans([[3], [1, 2], [0, 1, 2]], [[], [5, 1], [0, 1], [1, 0, 1]]) == [[3], [3, 2], [3, 2, 2],
+                                                                                       [3, 2, 2]]
+    assert min_tokens_bans(3, [2, 9], num_output_tokens=1, num_positions=4) == [[2, 9], [2, 9], [], []]
+    # min_p against its definition: softmax after temperature, tokens under min_p * max masked.
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randn(5, 20, generator=g) * 2
+    for t, m in [(1.0, 0.1), (0.5, 0.3), (2.0, 0.05)]:
+        probs = torch.softmax(raw / t, dim=-1)
+        keep = probs >= m * probs.max(dim=-1, keepdim=True).values
+        assert torch.equal(apply_min_p(raw, m, t) > -math.inf, keep)
+    assert torch.equal(apply_min_p(raw, 0.5, 0.0), raw)  # greedy: the argmax is all that matters
+
+
+# --- the engine against a plain greedy decode of HF's logits -------------------------------------------------
+def _reference_greedy(model: torch.nn.Module, prompt: list[int], sp: SamplingParams, eos: int = 2) -> list[int]:
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < sp.max_tokens:
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].float().tolist()
+            if sp.allowed_token_ids is not None:
+                logits = [v if t in sp.allowed_token_ids else -math.inf for t, v in enumerate(logits)]
+            for t in (b for ban in bad_word_bans(sp.bad_words_token_ids or [], [out]) for b in ban):
+                logits[t] = -math.inf
+            if len(out) < sp.min_tokens:
+                for t in list(sp.stop_token_ids) + ([] if sp.ignore_eos else [eos]):
+                    logits[t] = -math.inf
+            for t, b in (sp.logit_bias or {}).items():
+                logits[t] += b
+            logits = apply_penalties_reference(logits, out, prompt, sp.presence_penalty, sp.frequency_penalty,
+                                               sp.repetition_penalty)
+            tok = max(range(len(logits)), key=lambda v: logits[v])
+            out.append(tok)
+            if tok in sp.stop_token_ids or (tok == eos and not sp.ignore_eos):
+                break
+    return out
+
+
+CASES = {
+    "penalties": dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.5, ignore_eos=True),
+    "negative-presence": dict(presence_penalty=-1.5, repetition_penalty=0.7, ignore_eos=True),
+    "logit-bias": dict(logit_bias={7: 4.0, 9: 3.0, 11: -100.0}, ignore_eos=True),
+    "allowed-and-bad-words": dict(allowed_token_ids=list(range(3, 40)), bad_words_token_ids=[[5], [10, 12]],
+                                  frequency_penalty=0.5, ignore_eos=True),
+    "min-tokens": dict(min_tokens=4, logit_bias={2: 50.0}),  # EOS is forced, but not before 4 tokens
+}
+
+
+@pytest.mark.parametrize("draft", [None, "probabilistic", "strict"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_with_processors_equals_reference(tiny_models, near_drafts, case, draft) -> None:
+    tm = tiny_models["llama"]
+    kw = dict(draft_model=near_drafts["llama"].path, num_speculative_tokens=3, rejection_sampling=draft) \
+        if draft else {}
+    llm = LLM(tm.path, **kw, **ENGINE_KW)
+    prompts = random_prompts([6, 3], seed=21)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, **CASES[case])
+    # A request without processing in the same batch keeps its own plain output.
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts + [prompts[0]], [sp, sp, plain])
+    for out, prompt in zip(outs[:2], prompts):
+        assert out.token_ids == _reference_greedy(tm.hf, prompt, sp)
+    assert outs[2].token_ids == llm.generate([prompts[0]], plain)[0].token_ids
+    if case == "min-tokens":
+        assert [len(o.token_ids) for o in outs[:2]] == [5, 5] and outs[0].finish_reason == "stop"
+    if draft:
+        assert llm.spec_stats(outs).num_accepted_tokens > 0
+
+
+def test_out_of_vocabulary_ids_are_refused(tiny_models) -> None:
+    llm = LLM(tiny_models["llama"].path, **ENGINE_KW)
+    for kw in (dict(logit_bias={10**6: 1.0}), dict(allowed_token_ids=[10**6]), dict(bad_words_token_ids=[[10**6]])):
+        with pytest.raises(ValueError, match="vocabulary"):
+            llm.generate([[5, 6]], SamplingParams(max_tokens=2, **kw))
+    for kw, name in ((dict(presence_penalty=3.0), "presence_penalty"), (dict(repetition_penalty=0.0),
+                                                                          "repetition_penalty"),
+                     (dict(min_p=1.5), "min_p"), (dict(min_tokens=9, max_tokens=4), "min_tokens"),
+                     (dict(logit_bias={5: 200.0}), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids")):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kw)
+    assert not llm.engine.has_unfinished()
