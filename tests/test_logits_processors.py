@@ -134,3 +134,65 @@ def test_out_of_vocabulary_ids_are_refused(tiny_models) -> None:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kw)
     assert not llm.engine.has_unfinished()
+
+
+# --- the sampled distribution under speculation ------------------------------------------------------------------
+SAMPLES = 10000
+PROCESSED = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={3: 1.0, 6: -1.5})
+
+
+@torch.no_grad()
+def _exact_processed_joint(model: torch.nn.Module, prompt: list[int], sp: SamplingParams) -> torch.Tensor:
+    """[V, V, V] exact probability of the first three tokens when each position's logits are processed with its own
+    history by the plain references, then go through the engine's temperature / top-k / top-p / min_p."""
+    from test_spec_distribution import SMALL_VOCAB as v
+
+    from engine.sample.metadata import SamplingMetadata
+    from engine.sample.processing import logits_to_probs
+
+    seqs = torch.tensor([prompt + [a, b] for a in range(v) for b in range(v)])
+    raw = model(seqs).logits[:, len(prompt) - 1:].float()  # [v * v, 3, v]
+    processed = torch.empty_like(raw)
+    for row in range(v * v):
+        a, b = divmod(row, v)
+        for j, history in enumerate(([], [a], [a, b])):
+            logits = raw[row, j].tolist()
+            for t, bias in (sp.logit_bias or {}).items():
+                logits[t] += bias
+            logits = apply_penalties_reference(logits, history, prompt, sp.presence_penalty, sp.frequency_penalty,
+                                               sp.repetition_penalty)
+            processed[row, j] = apply_min_p(torch.tensor([logits]), sp.min_p, sp.temperature)[0]
+    md = SamplingMetadata.from_lists([sp.temperature] * v * v, [sp.top_p] * v * v, [sp.top_k] * v * v)
+    probs = logits_to_probs(processed, md).double()
+    p1, p2, p3 = probs[0, 0], probs[::v, 1], probs[:, 2].view(v, v, v)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.mark.parametrize("mode,extra", [("probabilistic", dict(temperature=1.0)),
+                                        ("probabilistic", dict(temperature=0.8, top_k=6, min_p=0.05)),
+                                        ("strict", dict(temperature=1.0))], ids=["prob", "prob-topk-minp", "strict"])
+def test_speculative_sampling_with_processing_is_exact(tmp_path, mode, extra) -> None:
+    from spec_support import P_VALUE_THRESHOLD, chi_square_p_value
+    from test_spec_distribution import SMALL_VOCAB as v
+    from test_spec_distribution import _small_vocab_model
+
+    target = _small_vocab_model(tmp_path / "target", seed=0, hidden=16, layers=1, head_scale=8.0)
+    _small_vocab_model(tmp_path / "draft", seed=1, hidden=32, layers=1, head_scale=8.0)
+    llm = LLM(str(tmp_path / "target"), draft_model=str(tmp_path / "draft"), num_speculative_tokens=2,
+              rejection_sampling=mode, seed=99, block_size=4, max_model_len=16, max_num_seqs=SAMPLES,
+              max_num_batched_tokens=3 * SAMPLES)
+    prompt = [5]
+    sp = SamplingParams(max_tokens=3, ignore_eos=True, **PROCESSED, **extra)
+    outs = llm.generate([prompt] * SAMPLES, sp)
+    counts = torch.zeros(v, v, v, dtype=torch.float64)
+    for o in outs:
+        counts[tuple(o.token_ids)] += 1
+    total = llm.spec_stats(outs)
+    assert 0.05 < total.acceptance_rate < 0.95 and total.accepted_per_position[-1] > 0, total
+    expected = _exact_processed_joint(target, prompt, sp)
+    p_value = chi_square_p_value(counts, expected)
+    assert p_value > P_VALUE_THRESHOLD, f"output does not follow the processed target (p = {p_value:.2e})"
+    # Negative control: the unprocessed target's joint is rejected by the same counts.
+    plain = _exact_processed_joint(target, prompt, SamplingParams(max_tokens=3, **extra))
+    support = plain > 0
+    assert chi_square_p_value(counts[support], plain[support] / plain[support].sum()) < 1e-6
