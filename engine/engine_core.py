@@ -76,10 +76,10 @@ class EngineCore:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        bad = [t for t in request.params.token_ids_used() if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} of logit_bias / allowed_token_ids / bad words are outside the "
-                             f"vocabulary [0, {vocab})")
+        for name, ids in request.params.token_ids_used().items():
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} names token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
 

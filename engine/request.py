@@ -100,10 +100,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def token_ids_used(self) -> list[int]:
-        """Every token id the logits processing names (to check against the vocabulary)."""
-        return [*(self.logit_bias or {}), *(self.allowed_token_ids or []),
-                *(t for w in self.bad_words_token_ids or [] for t in w)]
+    def token_ids_used(self) -> dict[str, list[int]]:
+        """The token ids each logits processing field names (to check against the vocabulary)."""
+        return {"logit_bias": list(self.logit_bias or {}), "allowed_token_ids": list(self.allowed_token_ids or []),
+                "bad_words_token_ids": [t for w in self.bad_words_token_ids or [] for t in w]}
 
     @property
     def processes_logits(self) -> bool:

@@ -32,7 +32,13 @@ from serving.http_guard import OPEN_PATHS, RequestGuard
 from serving.openai_choices import Choice, collect_response, sse_stream
 from serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from serving.openai_responses import ModelCard, ModelList, error_body, error_type
-from serving.openai_tokenizer_routes import add_tokenizer_routes, apply_chat_template, check_model, tokenize_text
+from serving.openai_tokenizer_routes import (
+    add_tokenizer_routes,
+    apply_chat_template,
+    bad_words_token_ids,
+    check_model,
+    tokenize_text,
+)
 from serving.router_client import GenerationError
 
 logger = logging.getLogger("specserve")
@@ -176,6 +182,8 @@ async def _serve(client: Client, body: CompletionRequest | ChatCompletionRequest
     try:
         for p, ids in enumerate(prompts):
             params = body.sampling_params(_max_tokens(client, max_tokens, len(ids), chat), client.generation_defaults)
+            if body.bad_words:
+                params["bad_words_token_ids"] = bad_words_token_ids(client.tokenizer, body.bad_words)
             for i in range(body.n):
                 index = p * body.n + i
                 seed = params["seed"]

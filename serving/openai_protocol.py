@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from serving.router_client import GenerationError
 
 # Request fields whose defaults may come from the model's generation_config.json (serving.generation_config).
-SUPPORTED_DEFAULTS = frozenset({"temperature", "top_p", "top_k", "max_tokens"})
+SUPPORTED_DEFAULTS = frozenset({"temperature", "top_p", "top_k", "max_tokens", "min_p", "repetition_penalty"})
 MAX_LOGPROBS = 20  # OpenAI's limit for logprobs (completions) and top_logprobs (chat); vLLM's default too
 
 
@@ -68,15 +68,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "vllm_xargs": (_off, "no extension arguments are supported"),
     "prompt_embeds": (_off, "prompt embeddings are not supported"),
     "mm_processor_kwargs": (_off, "multimodal inputs are not supported"),
-    "allowed_token_ids": (_off, "not implemented yet"),
-    "bad_words": (_off, "not implemented yet"),
-    "presence_penalty": (_unset_or(0.0, 0), "penalties are not implemented yet"),
-    "frequency_penalty": (_unset_or(0.0, 0), "penalties are not implemented yet"),
-    "repetition_penalty": (_unset_or(1.0, 1), "penalties are not implemented yet"),
-    "logit_bias": (lambda v: not v, "logit_bias is not implemented yet"),
-    "min_tokens": (_unset_or(0), "not implemented yet"),
-    "min_p": (_unset_or(0.0, 0), "not implemented yet"),
-    "include_stop_str_in_output": (_off, "not implemented yet"),
 }
 
 
@@ -101,21 +92,22 @@ class _SamplingRequest(BaseModel):
     request_id: str | None = None  # extension (vLLM): the response id is built from it
     cache_salt: str | None = None  # extension (vLLM): no prefix cache is shared between requests, so always met
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # extension: keep the prompt's last k tokens
-    # Refused unless unset or at their neutral value (REFUSED):
+    # Logits processing (engine/sample/logits_params.py), lossless under speculation:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int | None = None
-    min_p: float | None = None
-    include_stop_str_in_output: bool | None = None
+    repetition_penalty: float | None = None  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI) -> bias in [-100, 100]
+    min_tokens: int | None = None  # extension (vLLM)
+    min_p: float | None = None  # extension (vLLM)
+    allowed_token_ids: list[int] | None = None  # extension (vLLM)
+    bad_words: list[str] | None = None  # extension (vLLM): tokenized by the front end (bad_words_token_ids)
+    include_stop_str_in_output: bool = False  # extension (vLLM)
+    # Refused unless unset or at their neutral value (REFUSED):
     best_of: int | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     echo: bool | None = None
     response_format: ResponseFormat | None = None
@@ -157,9 +149,20 @@ class _SamplingRequest(BaseModel):
             return value if value is not None else defaults.get(name, fallback)
 
         top_k = pick("top_k", 0)
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(token): value for token, value in self.logit_bias.items()}
+            except ValueError as e:
+                raise GenerationError("logit_bias keys must be token ids (integers, as strings)", 400,
+                                      "logit_bias") from e
         return {"max_tokens": max_tokens, "temperature": pick("temperature", 1.0), "top_p": pick("top_p", 1.0),
                 "top_k": 0 if top_k == -1 else top_k, "seed": self.seed, "stop": self.stop,
-                "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos}
+                "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+                "presence_penalty": pick("presence_penalty", 0.0), "frequency_penalty": pick("frequency_penalty", 0.0),
+                "repetition_penalty": pick("repetition_penalty", 1.0), "min_p": pick("min_p", 0.0),
+                "min_tokens": self.min_tokens or 0, "logit_bias": bias, "allowed_token_ids": self.allowed_token_ids,
+                "include_stop_str_in_output": self.include_stop_str_in_output}
 
     @property
     def include_usage_chunk(self) -> bool:

@@ -52,6 +52,20 @@ def apply_chat_template(client: Any, body: ChatCompletionRequest | TokenizeChatR
         raise GenerationError(f"the messages cannot be tokenized: {type(e).__name__}: {e}", 400, "messages") from e
 
 
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each bad word as token ids, as it would be tokenized at the start of the text and after a space (vLLM bans
+    both); words that tokenize to nothing are refused."""
+    out: list[list[int]] = []
+    for i, word in enumerate(words):
+        variants = [tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False) for prefix in ("", " ")]
+        if not variants[0]:
+            raise GenerationError(f"bad_words.{i}: {word!r} has no tokens", 400, "bad_words")
+        for ids in variants:
+            if ids and ids not in out:
+                out.append(list(ids))
+    return out
+
+
 def server_version() -> str:
     try:
         return version("specserve")

@@ -68,11 +68,15 @@ def check_api_params(params: dict[str, Any]) -> dict[str, Any]:
 
 # Engine validation messages start with the parameter's name ("max_tokens must be ..."): report it as
 # the error's `param`, as OpenAI does.
-_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "prompt", "logprobs")
+_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "prompt", "logprobs",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
+           "allowed_token_ids", "bad_words")
+_ENGINE_NAMES = {"bad_words_token_ids": "bad_words"}  # the engine's name -> the API field it comes from
 
 
 def _param_of(message: str) -> str | None:
     first = message.split(" ", 1)[0]
+    first = _ENGINE_NAMES.get(first, first)
     return first if first in _PARAMS else None
 
 

@@ -40,7 +40,7 @@ def test_sampling_defaults(tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps({
         "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 100, "repetition_penalty": 1.0,
         "min_p": 0.05, "eos_token_id": [1, 2], "do_sample": True}))
-    # min_p is not applied by this server: left out (with a warning) rather than pretended; a neutral
-    # repetition_penalty needs no support.
+    # A field outside `supported` (here min_p) is left out with a warning rather than pretended; a neutral value
+    # (repetition_penalty 1.0) needs no support.
     assert load_generation_defaults(tmp_path, frozenset({"temperature", "top_p", "top_k", "max_tokens"})) == {
         "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 100, "repetition_penalty": 1.0}

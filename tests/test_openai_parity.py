@@ -71,9 +71,7 @@ REFUSED = [
         ("echo", True), ("prompt_logprobs", 1), ("return_tokens_as_token_ids", True), ("return_token_ids", True),
         ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("priority", 1),
         ("logits_processors", ["x"]), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}),
-        ("mm_processor_kwargs", {"a": 1}), ("allowed_token_ids", [5]), ("bad_words", ["x"]),
-        ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("repetition_penalty", 1.2),
-        ("logit_bias", {"5": 1.0}), ("min_tokens", 2), ("min_p", 0.1), ("include_stop_str_in_output", True)]],
+        ("mm_processor_kwargs", {"a": 1})]],
     (CMPL, "suffix", "end"), (CMPL, "prompt_embeds", "AAAA"),
 ]
 
@@ -89,7 +87,7 @@ def test_refused_fields_name_themselves(client: httpx.Client, body: dict, field:
 
 @pytest.mark.parametrize("body, field, value", [
     (CMPL, "response_format", {"type": "text"}), (CHAT, "tool_choice", "none"), (CMPL, "best_of", 1),
-    (CMPL, "presence_penalty", 0.0), (CHAT, "repetition_penalty", 1.0), (CMPL, "user", "u1"),
+    (CMPL, "user", "u1"),
     (CHAT, "parallel_tool_calls", True), (CMPL, "cache_salt", "s"), (CMPL, "priority", 0),
     (CHAT, "include_reasoning", False), (CMPL, "skip_special_tokens", True), (CMPL, "length_penalty", 1.0),
 ], ids=lambda x: x if isinstance(x, str) else None)
@@ -313,3 +311,47 @@ def test_grpc_logprobs(server: Server, llm: LLM) -> None:
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(pb.GenerateRequest(prompt="hello", logprobs=21), timeout=60))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# --- logits processing and stop options, served -------------------------------------------------------------------
+@pytest.mark.parametrize("fields", [
+    dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.3),
+    dict(logit_bias={"104": 5.0, "111": 3.0}, min_p=0.2),
+    dict(allowed_token_ids=list(range(97 + 3, 123 + 3)), min_tokens=3),
+], ids=["penalties", "bias-minp", "allowed-min-tokens"])
+def test_processing_fields_match_offline(client: httpx.Client, llm: LLM, fields: dict) -> None:
+    req = {"model": MODEL, "prompt": "hello", "max_tokens": 10, "temperature": 0.9, "seed": 8, "top_k": 0, **fields}
+    body = client.post("/v1/completions", json=req)
+    assert body.status_code == 200, body.text
+    offline = dict(fields, logit_bias={int(k): v for k, v in fields["logit_bias"].items()}) \
+        if "logit_bias" in fields else fields
+    assert body.json()["choices"][0]["text"] == _offline(llm, "hello", max_tokens=10, temperature=0.9, seed=8,
+                                                         top_k=0, **offline)
+
+
+def test_bad_words_and_stop_string_options(client: httpx.Client, llm: LLM) -> None:
+    greedy = {"model": MODEL, "prompt": "hello", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    text = client.post("/v1/completions", json=greedy).json()["choices"][0]["text"]
+    word = next(ch for ch in text if ch.strip())
+    banned = client.post("/v1/completions", json={**greedy, "bad_words": [word]}).json()["choices"][0]["text"]
+    assert word not in banned
+    # The word is banned as it tokenizes at the start and after a space (vLLM's two variants).
+    variants = [client.post("/tokenize", json={"prompt": p + word, "add_special_tokens": False}).json()["tokens"]
+                for p in ("", " ")]
+    assert banned == _offline(llm, "hello", max_tokens=10, temperature=0.0, ignore_eos=True,
+                              bad_words_token_ids=variants)
+    stop = text[3:5]
+    cut = client.post("/v1/completions", json={**greedy, "stop": stop}).json()["choices"][0]
+    kept = client.post("/v1/completions", json={**greedy, "stop": stop, "include_stop_str_in_output": True}).json()
+    assert kept["choices"][0]["text"] == cut["text"] + stop and cut["finish_reason"] == "stop"
+    assert kept["choices"][0]["stop_reason"] == stop
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("repetition_penalty", 0), ("min_p", 1.5),
+                                          ("min_tokens", 50), ("logit_bias", {"x": 1.0}),
+                                          ("logit_bias", {"100000": 1.0}), ("logit_bias", {"5": 500}),
+                                          ("allowed_token_ids", []), ("allowed_token_ids", [10**6]),
+                                          ("bad_words", [""])])
+def test_bad_processing_values(client: httpx.Client, field: str, value: object) -> None:
+    err = assert_error(client.post("/v1/completions", json={**CMPL, field: value}), 400)
+    assert err["param"] == field, err
