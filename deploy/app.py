@@ -59,7 +59,7 @@ def build_app_from_config(cfg: ServeConfig) -> serve.Application:
                              router_options=cfg.router_actor_options, max_queued_requests=cfg.max_queued_requests,
                              continue_without_draft=cfg.continue_without_draft, api_key=cfg.api_key,
                              max_request_body_bytes=cfg.max_request_body_bytes,
-                             auth_health_metrics=cfg.auth_health_metrics)
+                             auth_health_metrics=cfg.auth_health_metrics, generation_config=cfg.generation_config)
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

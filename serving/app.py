@@ -35,9 +35,10 @@ DEPLOYMENT_NAME = "SpecServe"
 @serve.ingress()  # the FastAPI app is built per replica by __serve_build_asgi_app__, around its RouterClient
 class SpecServe:
     async def __init__(self, model: str, served_model_name: str | None = None,
-                       security: dict[str, Any] | None = None) -> None:
+                       security: dict[str, Any] | None = None, generation_config: str = "auto") -> None:
         """security: `api_key` (None: the SPECSERVE_API_KEY environment variable, else no key),
-        `max_request_body_bytes`, `auth_health_metrics` (see deploy.config.ServeConfig)."""
+        `max_request_body_bytes`, `auth_health_metrics` (see deploy.config.ServeConfig). generation_config: "auto"
+        (the model's generation_config.json gives sampling defaults) or "vllm" (OpenAI's defaults)."""
         from engine.llm import load_tokenizer
         from engine.models.source import resolve_model
 
@@ -52,7 +53,8 @@ class SpecServe:
         info = await router.info.remote()
         self.client = RouterClient(lambda: serve.get_deployment_actor(ROUTER_ACTOR), served_model_name or model,
                                    tokenizer, info["max_model_len"],
-                                   load_generation_defaults(model_dir, SUPPORTED_DEFAULTS))
+                                   load_generation_defaults(model_dir, SUPPORTED_DEFAULTS)
+                                   if generation_config == "auto" else {})
         security = dict(security or {})
         # A key from the environment (a Kubernetes Secret) stays out of Serve's stored config.
         self.api_key: str | None = security.get("api_key") or os.environ.get("SPECSERVE_API_KEY") or None
@@ -99,7 +101,7 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
                       router_options: dict[str, Any] | None = None, max_queued_requests: int | None = None,
                       continue_without_draft: bool = False, api_key: str | None = None,
                       max_request_body_bytes: int | None = None,
-                      auth_health_metrics: bool = False) -> serve.Application:
+                      auth_health_metrics: bool = False, generation_config: str = "auto") -> serve.Application:
     """The bound application. `engine_args` are LLM's keyword arguments (model, draft_model, ...); the rest are
     deploy.config.ServeConfig's fields of the same names."""
     model = engine_args["model"]
@@ -125,7 +127,7 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
         options["max_queued_requests"] = max_queued_requests + (max_ongoing_requests or 100)
     security = {"api_key": api_key, "max_request_body_bytes": max_request_body_bytes,
                 "auth_health_metrics": auth_health_metrics}
-    return SpecServe.options(**options).bind(model, served_model_name, security)
+    return SpecServe.options(**options).bind(model, served_model_name, security, generation_config)
 
 
 def router_actors() -> list[Any]:

@@ -44,3 +44,14 @@ def test_sampling_defaults(tmp_path: Path) -> None:
     # (repetition_penalty 1.0) needs no support.
     assert load_generation_defaults(tmp_path, frozenset({"temperature", "top_p", "top_k", "max_tokens"})) == {
         "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 100, "repetition_penalty": 1.0}
+
+
+def test_serve_config_generation_config_modes() -> None:
+    import pytest
+
+    from deploy.config import ServeConfig
+
+    ServeConfig(generation_config="vllm").validate()
+    ServeConfig.from_dict({"generation_config": "auto"}).validate()
+    with pytest.raises(ValueError, match="generation_config"):
+        ServeConfig(generation_config="hf").validate()
