@@ -138,10 +138,15 @@ def create_openai_app(client: Client, api_key: str | None = None, max_body_bytes
     async def completions(body: CompletionRequest) -> Response:
         check_model(client, body.model)
         body.check_supported()
+        texts = body.prompts()
         prompts = [_truncate(tokenize_text(client, p, body.add_special_tokens), body.truncate_prompt_tokens)
-                   for p in body.prompts()]
+                   for p in texts]
+        echoes = None
+        if body.echo:  # the prompt as given, or as the model saw it when it was token ids or truncated
+            echoes = [t if isinstance(t, str) and body.truncate_prompt_tokens is None else
+                      client.tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
         return await _serve(client, body, f"cmpl-{body.request_id or uuid.uuid4().hex}", prompts,
-                            body.max_tokens, chat=False)
+                            body.max_tokens, chat=False, echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Response:
@@ -174,7 +179,8 @@ def _max_tokens(client: Client, requested: int | None, num_prompt_tokens: int, c
 
 
 async def _serve(client: Client, body: CompletionRequest | ChatCompletionRequest, request_id: str,
-                 prompts: list[list[int]], max_tokens: int | None, chat: bool) -> Response:
+                 prompts: list[list[int]], max_tokens: int | None, chat: bool,
+                 echoes: list[str] | None = None) -> Response:
     if len(prompts) * body.n > MAX_CHOICES:
         raise GenerationError(f"{len(prompts)} prompts x n={body.n} choices is over this server's limit of "
                               f"{MAX_CHOICES} choices per request", 400, "n")
@@ -190,7 +196,7 @@ async def _serve(client: Client, body: CompletionRequest | ChatCompletionRequest
                 child = dict(params, seed=seed + i if seed is not None else None)
                 stream = client.generate(f"{request_id}-{index}" if len(prompts) * body.n > 1 else request_id, ids,
                                          child)
-                choices.append(Choice(index, p, stream))
+                choices.append(Choice(index, p, stream, ids, echoes[p] if echoes else ""))
         # The first delta comes after prefill, or is the router's validation error: awaiting every choice's
         # first one here lets a bad request get a 400 even when it asked for a stream.
         await asyncio.gather(*(c.start() for c in choices))

@@ -24,6 +24,8 @@ class Choice:
     index: int  # the choice's index in the response: prompt_index * n + i
     prompt_index: int
     stream: AsyncIterator[dict[str, Any]]
+    prompt_token_ids: list[int]
+    echo: str = ""  # the prompt's text, before the output (completions' echo)
     first: dict[str, Any] | None = None
 
     async def start(self) -> None:
@@ -48,10 +50,11 @@ def _token_str(tokenizer: Any, token_id: int, as_ids: bool = False) -> str:
 class LogprobsBuilder:
     """Accumulates one choice's logprobs in the endpoint's shape (completions' legacy lists or chat's content)."""
 
-    def __init__(self, tokenizer: Any, chat: bool, num_top: int) -> None:
+    def __init__(self, tokenizer: Any, chat: bool, num_top: int, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
         self.chat = chat
         self.num_top = num_top
+        self.as_ids = as_ids  # return_tokens_as_token_ids: "token_id:N" instead of the token's text
         self.offset = 0
 
     def render(self, token_ids: list[int], logprobs: list[Any]) -> dict[str, Any]:
@@ -59,13 +62,13 @@ class LogprobsBuilder:
         if self.chat:
             content = []
             for tok, (lp, top) in zip(token_ids, logprobs):
-                s = _token_str(self.tokenizer, tok)
+                s = _token_str(self.tokenizer, tok, self.as_ids)
                 content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
                                 "top_logprobs": [self._chat_top(t, v) for t, v in top[:self.num_top]]})
             return {"content": content}
         out: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
         for tok, (lp, top) in zip(token_ids, logprobs):
-            s = _token_str(self.tokenizer, tok)
+            s = _token_str(self.tokenizer, tok, self.as_ids)
             out["text_offset"].append(self.offset)
             self.offset += len(s)
             out["tokens"].append(s)
@@ -73,19 +76,20 @@ class LogprobsBuilder:
             # The emitted token is always listed, then the most likely ones (vLLM: up to logprobs + 1 entries).
             top_dict = {s: lp}
             for t, v in top[:self.num_top]:
-                top_dict.setdefault(_token_str(self.tokenizer, t), v)
+                top_dict.setdefault(_token_str(self.tokenizer, t, self.as_ids), v)
             out["top_logprobs"].append(top_dict)
         return out
 
     def _chat_top(self, token_id: int, logprob: float) -> dict[str, Any]:
-        s = _token_str(self.tokenizer, token_id)
+        s = _token_str(self.tokenizer, token_id, self.as_ids)
         return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
 
 
 def logprobs_builder(body: Any, tokenizer: Any, chat: bool) -> LogprobsBuilder | None:
+    as_ids = body.return_tokens_as_token_ids
     if chat:
-        return LogprobsBuilder(tokenizer, True, body.top_logprobs or 0) if body.logprobs else None
-    return LogprobsBuilder(tokenizer, False, body.logprobs) if body.logprobs is not None else None
+        return LogprobsBuilder(tokenizer, True, body.top_logprobs or 0, as_ids) if body.logprobs else None
+    return LogprobsBuilder(tokenizer, False, body.logprobs, as_ids) if body.logprobs is not None else None
 
 
 # --- usage and speculation over choices ---------------------------------------------------------------------
@@ -135,7 +139,9 @@ async def collect_response(choices: list[Choice], body: Any, request_id: str, cl
         if chat:
             entry["message"] = {"role": "assistant", "content": text}
         else:
-            entry["text"] = text
+            entry["text"] = c.echo + text
+        if body.return_token_ids:
+            entry["prompt_token_ids"], entry["token_ids"] = c.prompt_token_ids, ids
         out_choices.append(entry)
     lasts = [(c, r[3]) for c, r in zip(choices, results)]
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -201,7 +207,11 @@ async def sse_stream(choices: list[Choice], body: Any, request_id: str, client: 
                 else:
                     entry["delta"] = {"content": delta["text"]} if delta["text"] or not finish else {}
             else:
-                entry["text"] = delta["text"]
+                entry["text"] = (choice.echo if choice.index not in started else "") + delta["text"]
+            if body.return_token_ids:
+                if choice.index not in started:
+                    entry["prompt_token_ids"] = choice.prompt_token_ids
+                entry["token_ids"] = delta["token_ids"]
             started.add(choice.index)
             builder = builders[choice.index]
             entry["logprobs"] = (builder.render(delta["token_ids"], delta.get("logprobs") or [])

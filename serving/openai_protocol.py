@@ -56,10 +56,7 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "length_penalty": (_unset_or(1.0, 1), "it only applies to beam search, which is not implemented"),
     "best_of": (_unset_or(1), "as in vLLM's V1 engine, best_of > 1 is not supported: use n"),
     "suffix": (_off, "suffix (insertion) is not supported, as in vLLM"),
-    "echo": (_off, "echoing the prompt is not implemented"),
     "prompt_logprobs": (_off, "prompt logprobs are not implemented"),
-    "return_tokens_as_token_ids": (_off, "not implemented"),
-    "return_token_ids": (_off, "not implemented"),
     "skip_special_tokens": (_unset_or(True), "special tokens are always skipped in the output text"),
     "spaces_between_special_tokens": (_unset_or(True), "special tokens are always skipped in the output text"),
     "priority": (_unset_or(0), "requests are scheduled first come, first served (no priorities)"),
@@ -109,7 +106,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
-    echo: bool | None = None
+    echo: bool = False  # completions: the prompt's text before the output; chat: refused
     response_format: ResponseFormat | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -121,8 +118,8 @@ class _SamplingRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     priority: int | None = None
     logits_processors: list[Any] | None = None
-    return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs name tokens "token_id:N"
+    return_token_ids: bool = False  # extension (vLLM): choices carry prompt_token_ids and token_ids
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
 
@@ -179,6 +176,12 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True  # extension (vLLM): the tokenizer's BOS etc. around a text prompt
     suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo and self.logprobs is not None:
+            raise GenerationError("echo with logprobs needs the prompt's logprobs, which are not implemented: "
+                                  "drop one of them", 400, "echo")
 
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         return {**super().sampling_params(max_tokens, defaults), "logprobs": self.logprobs}
@@ -274,6 +277,8 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.continue_final_message and self.add_generation_prompt:
             raise GenerationError("continue_final_message and add_generation_prompt cannot both be true", 400,
                                   "continue_final_message")
+        if self.echo:
+            raise GenerationError("echo is not supported for chat (it is for /v1/completions)", 400, "echo")
         if self.top_logprobs and not self.logprobs:
             raise GenerationError("top_logprobs needs logprobs=true", 400, "top_logprobs")
 

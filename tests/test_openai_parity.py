@@ -62,13 +62,13 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 # (endpoint body, field, value): each must be refused with a 400 whose param names the field.
 REFUSED = [
     *[(CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]), (CHAT, "tool_choice", "auto"),
-      (CHAT, "reasoning_effort", "low")],
+      (CHAT, "reasoning_effort", "low"), (CHAT, "echo", True), (CMPL | {"logprobs": 1}, "echo", True)],
     *[(body, field, value) for body in (CMPL, CHAT) for field, value in [
         ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
         ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structural_tag", "{}"),
         ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " "),
         ("structured_outputs", {"json": {}}), ("use_beam_search", True), ("length_penalty", 0.5), ("best_of", 2),
-        ("echo", True), ("prompt_logprobs", 1), ("return_tokens_as_token_ids", True), ("return_token_ids", True),
+        ("prompt_logprobs", 1),
         ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("priority", 1),
         ("logits_processors", ["x"]), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}),
         ("mm_processor_kwargs", {"a": 1})]],
@@ -355,3 +355,18 @@ def test_bad_words_and_stop_string_options(client: httpx.Client, llm: LLM) -> No
 def test_bad_processing_values(client: httpx.Client, field: str, value: object) -> None:
     err = assert_error(client.post("/v1/completions", json={**CMPL, field: value}), 400)
     assert err["param"] == field, err
+
+
+def test_echo_and_token_id_options(client: httpx.Client) -> None:
+    req = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    plain = client.post("/v1/completions", json=req).json()["choices"][0]
+    echoed = client.post("/v1/completions", json={**req, "echo": True}).json()["choices"][0]
+    assert echoed["text"] == "hello" + plain["text"]
+    chunks = [json.loads(e) for e in sse_events(client.post("/v1/completions", json={**req, "echo": True,
+                                                                                       "stream": True}))[:-1]]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == echoed["text"]
+    with_ids = client.post("/v1/completions", json={**req, "return_token_ids": True}).json()["choices"][0]
+    prompt_ids = client.post("/tokenize", json={"prompt": "hello"}).json()["tokens"]
+    assert with_ids["prompt_token_ids"] == prompt_ids and len(with_ids["token_ids"]) == 5
+    lp = client.post("/v1/completions", json={**req, "logprobs": 1, "return_tokens_as_token_ids": True}).json()
+    assert lp["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in with_ids["token_ids"]]

@@ -73,7 +73,7 @@ BAD_HTTP = [
     ("n_too_many", C, _with(OK, n=65), 400, "n", "64"),
     ("n_0", C, _with(OK, n=0), 400, "n", None),
     ("best_of", C, _with(OK, best_of=3), 400, "best_of", None),
-    ("echo", C, _with(OK, echo=True), 400, "echo", None),
+    ("echo_with_logprobs", C, _with(OK, echo=True, logprobs=1), 400, "echo", None),
     ("logprobs_above_20", C, _with(OK, logprobs=21), 400, "logprobs", None),
     ("suffix", C, _with(OK, suffix="!"), 400, "suffix", None),
     ("presence_penalty_above_2", C, _with(OK, presence_penalty=2.5), 400, "presence_penalty", None),
