@@ -196,3 +196,26 @@ def test_speculative_sampling_with_processing_is_exact(tmp_path, mode, extra) ->
     plain = _exact_processed_joint(target, prompt, SamplingParams(max_tokens=3, **extra))
     support = plain > 0
     assert chi_square_p_value(counts[support], plain[support] / plain[support].sum()) < 1e-6
+
+
+def test_draft_proposes_from_the_processed_distribution(tiny_models, near_drafts) -> None:
+    """The draft applies the target's masks to its own proposals (only acceptance depends on it): with a narrow
+    allowed_token_ids no draft token falls outside it, so none is rejected for being masked."""
+    llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
+              rejection_sampling="probabilistic", **ENGINE_KW)
+    proposer = llm.executor.proposer
+    proposed: list[int] = []
+    propose = proposer.propose
+
+    def recording(plan):
+        proposal = propose(plan)
+        for row, r in zip(proposal.draft_token_ids.tolist(), plan.requests):
+            proposed.extend(row[:r.num_draft_tokens])
+        return proposal
+
+    proposer.propose = recording
+    allowed = list(range(20, 30))
+    outs = llm.generate(random_prompts([5, 7], seed=4), SamplingParams(max_tokens=12, temperature=0.8, seed=2,
+                                                                       allowed_token_ids=allowed, ignore_eos=True))
+    assert proposed and set(proposed) <= set(allowed)
+    assert all(set(o.token_ids) <= set(allowed) for o in outs)

@@ -39,23 +39,26 @@ def needs_draft_history(reqs: list[PlannedRequest]) -> bool:
 def process_target_logits(logits: Tensor,  # [R, P, V] raw target logits; row i position j follows drafts[i][:j]
                           reqs: list[PlannedRequest],  # [R]
                           drafts: list[list[int]] | None,  # [R][k_i] each row's drafts (None: no drafts read)
+                          start: int = 0,  # position p of the P axis follows start + p drafts (the draft: its step)
                           ) -> Tensor:
-    """New [R, P, V] float32 logits: rows with LogitsParams processed at their 1 + k_i positions, others as given."""
+    """New [R, P, V] float32 logits: rows with LogitsParams processed at their positions start .. k_i (at most P),
+    others as given."""
     out = logits.float().clone()
     for i, r in enumerate(reqs):
         lp = r.logits_params
         if lp is None:
             continue
         k = len(drafts[i]) if drafts is not None else 0
-        num_pos = min(1 + k, logits.shape[1])
+        num_pos = min(1 + k - start, logits.shape[1])
         output = list(r.output_token_ids or [])
         row_drafts = drafts[i] if drafts is not None else []
-        histories = [output + row_drafts[:j] for j in range(num_pos)] if lp.needs_output_history else None
-        out[i, :num_pos] = _process_row(out[i, :num_pos], lp, r, histories)
+        histories = [output + row_drafts[:start + j] for j in range(num_pos)] if lp.needs_output_history else None
+        out[i, :num_pos] = _process_row(out[i, :num_pos], lp, r, histories, start)
     return out
 
 
-def _process_row(logits: Tensor, lp: LogitsParams, r: PlannedRequest, histories: list[list[int]] | None) -> Tensor:
+def _process_row(logits: Tensor, lp: LogitsParams, r: PlannedRequest, histories: list[list[int]] | None,
+                 start: int) -> Tensor:
     """logits: [P, V] of one request; histories: [P] output history per position (None when not needed)."""
     num_pos, vocab = logits.shape
     logits = apply_allowed_token_ids(logits, lp.allowed_token_ids)
@@ -63,8 +66,8 @@ def _process_row(logits: Tensor, lp: LogitsParams, r: PlannedRequest, histories:
         hist = histories if histories is not None else [[] for _ in range(num_pos)]
         logits = apply_bans(logits, bad_word_bans(lp.bad_words_token_ids, hist))
     if lp.min_tokens:
-        logits = apply_bans(logits, min_tokens_bans(lp.min_tokens, lp.min_tokens_stop_ids, r.num_output_tokens,
-                                                    num_pos))
+        logits = apply_bans(logits, min_tokens_bans(lp.min_tokens, lp.min_tokens_stop_ids,
+                                                    r.num_output_tokens + start, num_pos))
     logits = apply_logit_bias(logits, lp.logit_bias)
     if lp.presence_penalty or lp.frequency_penalty or lp.repetition_penalty != 1.0:
         assert histories is not None
