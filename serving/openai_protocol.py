@@ -176,6 +176,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True  # extension (vLLM): the tokenizer's BOS etc. around a text prompt
     suffix: str | None = None
+    prompt_embeds: str | list[str] | None = None  # extension (vLLM): refused (REFUSED)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -269,6 +270,7 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, str]] | None = None  # extension (vLLM): for templates that take them (RAG)
     chat_template: str | None = None  # extension (vLLM): a Jinja template instead of the model's
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM)
+    mm_processor_kwargs: dict[str, Any] | None = None  # extension (vLLM): refused (REFUSED)
 
     def check_supported(self) -> None:
         super().check_supported()
