@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from serving.openai_responses import error_body, error_type
+from serving.openai_responses import ChatCompletionResponse, CompletionResponse, error_body, error_type
 from serving.router_client import GenerationError, spec_decode_summary
 
 
@@ -144,9 +144,10 @@ async def collect_response(choices: list[Choice], body: Any, request_id: str, cl
             entry["prompt_token_ids"], entry["token_ids"] = c.prompt_token_ids, ids
         out_choices.append(entry)
     lasts = [(c, r[3]) for c, r in zip(choices, results)]
-    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": client.model_name, "choices": out_choices, "usage": total_usage(lasts),
-            "spec_decode": merged_spec([d["spec"] for _, d in lasts])}
+    model = ChatCompletionResponse if chat else CompletionResponse
+    return model.model_validate({"id": request_id, "model": client.model_name, "choices": out_choices,
+                                 "usage": total_usage(lasts), "spec_decode": merged_spec([d["spec"] for _, d in lasts])
+                                 }).model_dump()
 
 
 # --- server-sent events ---------------------------------------------------------------------------------------

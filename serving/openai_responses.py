@@ -1,11 +1,14 @@
-"""OpenAI-compatible response bodies (pydantic) and OpenAI's error shape."""
+"""OpenAI-compatible response bodies (pydantic) and OpenAI's error shape.
+
+Whole responses go through these models (serving/openai_choices.py validates what it built); streamed chunks are
+plain dicts of the same fields, built per token where validating each would cost more than the token."""
 
 from __future__ import annotations
 
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Usage(BaseModel):
@@ -50,11 +53,14 @@ class ChatLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a key the server builds but the model lacks is a bug, not dropped
     index: int = 0
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
     stop_reason: str | int | None = None  # extension (vLLM): the stop string or token id that ended it
+    prompt_token_ids: list[int] | None = None  # extension (vLLM): with return_token_ids
+    token_ids: list[int] | None = None  # extension (vLLM): with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -73,11 +79,14 @@ class ChatMessageOut(BaseModel):
 
 
 class ChatChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     index: int = 0
     message: ChatMessageOut
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
     stop_reason: str | int | None = None  # extension (vLLM)
+    prompt_token_ids: list[int] | None = None  # extension (vLLM): with return_token_ids
+    token_ids: list[int] | None = None  # extension (vLLM): with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -87,28 +96,6 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    spec_decode: SpecDecodeStats | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
     spec_decode: SpecDecodeStats | None = None
 
 
