@@ -31,13 +31,12 @@ def emitted_logprobs(logits: torch.Tensor,  # [num_logit_rows, V] raw target log
     logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [num emitted, V] float32
     chosen = logprobs.gather(1, flat_tokens[:, None]).squeeze(1)  # [num emitted]
     k = min(max(num_top), logprobs.shape[-1])
-    # SYNC: the values go to the host with the tokens; only for steps where a request asked for logprobs.
+    values, ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)  # [num emitted, k], queued before the sync
+    # SYNC: the values go to the host with the tokens; only for steps where a request asked for logprobs (the first
+    # copy waits for the kernels above, the others find them done).
     chosen_host = chosen.tolist()
-    top_values: list[list[float]] = []
-    top_ids: list[list[int]] = []
-    if k > 0:
-        values, ids = logprobs.topk(k, dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
+    top_values: list[list[float]] = values.tolist() if values is not None else []
+    top_ids: list[list[int]] = ids.tolist() if ids is not None else []
     out: list[list[TokenLogprobs]] = []
     n = 0
     for req_rows, want in zip(rows, num_top):
