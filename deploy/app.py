@@ -62,7 +62,7 @@ def build_app_from_config(cfg: ServeConfig) -> serve.Application:
                              max_request_body_bytes=cfg.max_request_body_bytes,
                              auth_health_metrics=cfg.auth_health_metrics, ingress_replicas=cfg.ingress_replicas,
                              request_router=cfg.request_router, request_router_kwargs=cfg.request_router_kwargs,
-                             drain_timeout_s=cfg.drain_timeout_s)
+                             drain_timeout_s=cfg.drain_timeout_s, generation_config=cfg.generation_config)
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

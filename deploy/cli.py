@@ -105,6 +105,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV of prompt prefixes (full blocks) computed before, in the target's and the "
                         "draft's caches (default on)")
     p.add_argument("--served-model-name", default=s, help="model name clients send (default: --model)")
+    p.add_argument("--generation-config", choices=["auto", "vllm"], default=s,
+                   help="auto: the model's generation_config.json gives defaults of unset sampling fields (default);"
+                        " vllm: OpenAI's defaults")
     p.add_argument("--host", default=s, help="HTTP bind address (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=s, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, default=s, help="gRPC port (default 9000)")

@@ -52,6 +52,9 @@ class ServeConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineConfig extras (max_num_seqs, ...)
     engine_builder: str | None = None  # "module:function" building the EngineCore; None = the default
     served_model_name: str | None = None  # the name clients send as `model`; default: `model`
+    # "auto": the model's generation_config.json gives the defaults of unset sampling fields (vLLM's default);
+    # "vllm": OpenAI's defaults only. Its extra EOS ids apply either way (the engine reads them).
+    generation_config: str = "auto"
     # --- endpoints (the CLI's serve.start; `serve run`/KubeRay set these in their own config) --------
     host: str = "0.0.0.0"
     port: int = 8000
@@ -97,6 +100,8 @@ class ServeConfig:
                              f"got {self.max_request_body_bytes}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0 (or none: no bound), got {self.max_queued_requests}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.num_replicas is not None and self.num_replicas < 1 and not self.autoscaling_config:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,10 +71,23 @@ class ModelConfig:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        """The config's EOS ids, then generation_config.json's extra ones (chat models often end a turn with a
+        token the config does not name: vLLM stops on those too)."""
+        ids = _as_ids(getattr(self.hf_config, "eos_token_id", None))
+        gen = Path(self.path) / "generation_config.json"
+        if gen.is_file():
+            try:
+                extra = _as_ids(json.loads(gen.read_text()).get("eos_token_id"))
+            except (OSError, ValueError, AttributeError):
+                extra = []  # an unreadable file adds nothing; the config's ids still stop
+            ids += [t for t in extra if t not in ids]
+        return ids
+
+
+def _as_ids(eos: object) -> list[int]:
+    if eos is None:
+        return []
+    return [int(t) for t in eos] if isinstance(eos, (list, tuple)) else [int(eos)]  # type: ignore[arg-type]
 
 
 def _layer_sliding_windows(hf: PretrainedConfig) -> list[int | None]:

@@ -52,7 +52,8 @@ class OutputProcessor:
                 self._finish(request, RequestStatus.FINISHED_STOPPED, tok)
             elif tok in self.eos_token_ids and not params.ignore_eos:
                 self._finish(request, RequestStatus.FINISHED_STOPPED, None)
-            elif params.stop and new_text and self._hit_stop_string(request, len(new_text)):
+            elif (params.stop and new_text and request.num_output_tokens >= params.min_tokens
+                  and self._hit_stop_string(request, len(new_text))):
                 pass  # _hit_stop_string finished it
             elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 self._finish(request, RequestStatus.FINISHED_LENGTH, None)
@@ -78,7 +79,8 @@ class OutputProcessor:
         hits = [(idx, s) for s in request.params.stop if (idx := text.find(s, start)) != -1]
         if hits:
             idx, stop = min(hits)  # the earliest stop string in the text wins
-            request.output_text = text[:idx]  # the stop string itself is not returned (OpenAI)
+            # The stop string itself is not returned (OpenAI), unless include_stop_str_in_output (vLLM).
+            request.output_text = text[:idx + (len(stop) if request.params.include_stop_str_in_output else 0)]
             self._finish(request, RequestStatus.FINISHED_STOPPED, stop)
             return True
         return False

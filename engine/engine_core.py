@@ -27,6 +27,7 @@ from engine.detokenizer import OutputProcessor
 from engine.executor import Executor
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.sample.logits_params import logits_params_of
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.step_plan import PlannedRequest, StepPlan, StepResult
 
@@ -86,6 +87,7 @@ class EngineCore:
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
+        request.logits_params = logits_params_of(request, self.output.eos_token_ids)
         self.scheduler.add_request(request)
 
     def validate_request(self, request: Request) -> None:
@@ -100,6 +102,10 @@ class EngineCore:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        for name, ids in request.params.token_ids_used().items():
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} names token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if request.request_id in self.scheduler.requests or request.request_id in self._deferred_free:
             raise ValueError(f"request id {request.request_id!r} is already in use")
 
@@ -358,7 +364,11 @@ class EngineCore:
                 block_tables=[list(self.target_kv.block_table(r.request_id, g))
                               for g in range(self.target_kv.num_groups)],
                 temperature=r.params.temperature, top_p=r.params.top_p, top_k=r.params.top_k, seed=r.params.seed,
-                num_output_tokens=r.num_output_tokens, draft_start_pos=s.draft_start)
+                num_output_tokens=r.num_output_tokens, draft_start_pos=s.draft_start, logprobs=r.params.logprobs,
+                logits_params=r.logits_params,
+                # The history a logits processor reads; an open entry's sides append what its step in flight added.
+                output_token_ids=list(r.output_token_ids)
+                if r.logits_params is not None and r.logits_params.needs_output_history else None)
             if s.draft_runs:  # else the draft sits this step out (speculation off at this load) and lags
                 p.draft_runs = True
                 if not s.open_input:
@@ -373,7 +383,7 @@ class EngineCore:
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
         touched = []
-        for s, tokens, accepted in zip(scheduled, result.sampled, result.num_accepted):
+        for n, (s, tokens, accepted) in enumerate(zip(scheduled, result.sampled, result.num_accepted)):
             r = s.request
             if r.status.finished:  # ended while this step was in flight: its tokens come after the end
                 continue
@@ -392,7 +402,9 @@ class EngineCore:
                 r.num_draft_computed_tokens = frontier + min(accepted, max(k - 1, 0))
             if k:
                 r.spec.record(k, accepted)
-            self.output.append(r, tokens)
+            kept = self.output.append(r, tokens)
+            if result.logprobs is not None and result.logprobs[n] is not None:
+                r.output_logprobs.extend(result.logprobs[n][:kept])  # none for tokens past a stop
             self.scheduler.cache_committed_blocks(r)  # before a finish frees the blocks
             touched.append(r)
             if r.status.finished:

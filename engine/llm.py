@@ -128,5 +128,8 @@ def _to_output(prompt: str | None, req: Request) -> RequestOutput:
                          token_ids=list(req.output_token_ids), text=req.output_text,
                          finish_reason=req.finish_reason if req.status != RequestStatus.FINISHED_ABORTED
                          else "abort", spec=req.spec, stop_reason=req.stop_reason,
-                         num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens or 0)
+                         num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens or 0,
+                         logprobs=[{tok: lp, **dict(top)} for tok, (lp, top) in zip(req.output_token_ids,
+                                                                                    req.output_logprobs)]
+                         if req.params.logprobs is not None else None)
 

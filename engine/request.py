@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.sample.logits_params import LogitsParams
+
 
 @dataclass
 class SamplingParams:
@@ -23,10 +25,27 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # None: no logprobs. k >= 0: each output token's logprob and the k most likely tokens at its position, from the
+    # target's raw logits (before temperature, top-k, top-p: vLLM's default "raw_logprobs"), with or without a draft.
+    logprobs: int | None = None
+    # Logits processing (vLLM's semantics; applied to the target's logits at every position, with the drafts before
+    # the position in the history, so speculation stays lossless): see engine/sample/logits_params.py.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    min_tokens: int = 0
+    min_p: float = 0.0
+    include_stop_str_in_output: bool = False
     # False: the output carries token ids only (vLLM's `detokenize`). Incremental decoding costs two tokenizer
     # calls per token per request, which is most of a step's host time when thousands of requests generate
     # data nobody reads as text (distillation); stop strings need the text, so they need it on.
     detokenize: bool = True
+    # Mixed into the prefix cache's block hashes (engine/kv_cache/block_hash.py): only requests with the same salt
+    # share cached KV, so a tenant's prompts cannot be probed by another's time to first token (vLLM's cache_salt).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,12 +70,52 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0 (the most likely tokens to list), "
+                             f"got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2 (0 = off), got {v!r}")
+        rp = self.repetition_penalty
+        if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0.0 < rp <= 100.0:
+            raise ValueError(f"repetition_penalty must be in (0, 100] (1 = off), got {rp!r}")
+        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer between 0 and max_tokens, got {self.min_tokens!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be between -100 and 100, got {bias!r}")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if any(not w or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in w)
+               for w in self.bad_words_token_ids or []):
+            raise ValueError("bad_words_token_ids must be non-empty lists of token ids")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are matched against the output text: they need detokenize=True")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def token_ids_used(self) -> dict[str, list[int]]:
+        """The token ids each logits processing field names (to check against the vocabulary)."""
+        return {"logit_bias": list(self.logit_bias or {}), "allowed_token_ids": list(self.allowed_token_ids or []),
+                "bad_words_token_ids": [t for w in self.bad_words_token_ids or [] for t in w]}
+
+    @property
+    def processes_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
+                    or self.min_tokens or self.min_p)
 
 
 class RequestStatus(enum.Enum):
@@ -125,6 +184,8 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        # With params.logprobs: per output token, (logprob, [(token id, logprob), ...] of the most likely tokens).
+        self.output_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.params = params
         self.status = RequestStatus.WAITING
         self.arrival_index = arrival_index
@@ -142,6 +203,7 @@ class Request:
         self.output_text = ""
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.logits_params: LogitsParams | None = None  # set by the engine for requests that process logits
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -183,3 +245,6 @@ class RequestOutput:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    # With SamplingParams.logprobs (vLLM's shape): per output token, {token id: logprob} of the token itself, then
+    # the most likely tokens at its position.
+    logprobs: list[dict[int, float]] | None = None

@@ -90,6 +90,12 @@ class RequestTable:
         frontier = t.num_tokens
         entry = dataclasses.replace(p, token_ids=t.tokens_from(t.num_computed), start_pos=t.num_computed,
                                     num_output_tokens=t.num_output_tokens)
+        if p.output_token_ids is not None:
+            # The history a logits processor reads (penalties): the scheduler's, which lacks what the step in
+            # flight produced; those are this side's newest tokens.
+            missing = t.num_output_tokens - len(p.output_token_ids)
+            if missing > 0:
+                entry.output_token_ids = p.output_token_ids + t.token_ids[len(t.token_ids) - missing:]
         if p.draft_runs:
             entry.draft_token_ids = t.token_ids[t.num_draft_computed - t.base:frontier - t.base]
             entry.draft_start_pos = t.num_draft_computed

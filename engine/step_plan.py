@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.sample.logits_params import LogitsParams
+
 
 @dataclass
 class PlannedRequest:
@@ -36,6 +38,12 @@ class PlannedRequest:
     top_k: int = 0
     seed: int | None = None
     num_output_tokens: int = 0
+    # Logprobs: None (the default) computes none; k >= 0 returns each emitted token's logprob and the k most likely.
+    logprobs: int | None = None
+    # Logits processing (penalties, logit_bias, masks, min_p): only for requests that use it; None costs nothing.
+    logits_params: LogitsParams | None = None
+    # The request's output so far, only where logits_params needs the history (penalties, multi-token bad words).
+    output_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -60,3 +68,6 @@ class StepResult:
     num_accepted: list[int]
     step_id: int = -1  # the plan's: a side that records results matches them to the plans it ran
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    # Per planned request, one (logprob, [(token id, logprob), ...]) per sampled token, where the request asked for
+    # logprobs (engine.sample.logprobs); None when no request of the step did.
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None

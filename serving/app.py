@@ -20,7 +20,9 @@ from ray.serve.config import RequestRouterConfig
 from serving import grpc_service
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, LOCAL_ENGINE_BUILDER
 from serving.engine_deployment import ENGINE_DEPLOYMENT, EngineReplica
+from serving.generation_config import load_generation_defaults
 from serving.openai_api import create_openai_app
+from serving.openai_protocol import SUPPORTED_DEFAULTS
 from serving.router_client import RouterClient
 
 logger = logging.getLogger("specserve")
@@ -37,9 +39,10 @@ ROUTING_STATS_PERIOD_S = 2.0
 @serve.ingress()  # the FastAPI app is built per replica by __serve_build_asgi_app__, around its RouterClient
 class SpecServe:
     async def __init__(self, engine: Any, model: str, served_model_name: str | None = None,
-                       security: dict[str, Any] | None = None) -> None:
+                       security: dict[str, Any] | None = None, generation_config: str = "auto") -> None:
         """security: `api_key` (None: the SPECSERVE_API_KEY environment variable, else no key),
-        `max_request_body_bytes`, `auth_health_metrics` (see deploy.config.ServeConfig)."""
+        `max_request_body_bytes`, `auth_health_metrics` (see deploy.config.ServeConfig). generation_config: "auto"
+        (the model's generation_config.json gives sampling defaults) or "vllm" (OpenAI's defaults)."""
         from engine.llm import load_tokenizer
         from engine.models.source import resolve_model
 
@@ -48,10 +51,13 @@ class SpecServe:
         # under the source's file lock. Only the tokenizer is read here: a directory of random weights (load_format
         # "dummy") holds none.
         info = await engine.info.remote()
-        tokenizer = load_tokenizer(str(resolve_model(model, require_weights=False).path))
+        model_dir = str(resolve_model(model, require_weights=False).path)
+        tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:
             raise ValueError(f"model {model} has no tokenizer: the HTTP and gRPC APIs need one for text")
-        self.client = RouterClient(engine, served_model_name or model, tokenizer, info["max_model_len"])
+        self.client = RouterClient(engine, served_model_name or model, tokenizer, info["max_model_len"],
+                                   load_generation_defaults(model_dir, SUPPORTED_DEFAULTS)
+                                   if generation_config == "auto" else {})
         security = dict(security or {})
         # A key from the environment (a Kubernetes Secret) stays out of Serve's stored config.
         self.api_key: str | None = security.get("api_key") or os.environ.get("SPECSERVE_API_KEY") or None
@@ -88,7 +94,7 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
                       max_request_body_bytes: int | None = None, auth_health_metrics: bool = False,
                       ingress_replicas: int = 1, request_router: str = "power_of_two",
                       request_router_kwargs: dict[str, Any] | None = None,
-                      drain_timeout_s: float = 30.0) -> serve.Application:
+                      drain_timeout_s: float = 30.0, generation_config: str = "auto") -> serve.Application:
     """The bound application. `engine_args` are LLM's keyword arguments (model, draft_model, ...); the rest are
     deploy.config.ServeConfig's fields of the same names (router_options: its router_actor_options)."""
     if request_router not in REQUEST_ROUTERS:
@@ -132,7 +138,7 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
         ingress_options["max_queued_requests"] = max_queued_requests + per_engine * max_engines
     security = {"api_key": api_key, "max_request_body_bytes": max_request_body_bytes,
                 "auth_health_metrics": auth_health_metrics}
-    return SpecServe.options(**ingress_options).bind(engine, model, served_model_name, security)
+    return SpecServe.options(**ingress_options).bind(engine, model, served_model_name, security, generation_config)
 
 
 def drain(timeout_s: float = 30.0, app_name: str = "specserve") -> list[dict[str, Any]]:

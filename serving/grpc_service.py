@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from serving.openai_protocol import MAX_LOGPROBS
 from serving.proto import specserve_pb2 as pb
 from serving.router_client import GenerationError, spec_decode_summary
 
@@ -48,10 +49,13 @@ def request_to_params(request: pb.GenerateRequest) -> dict[str, Any]:
     if request.max_tokens < 0:
         raise GenerationError(f"max_tokens must be an integer >= 1 (0 = default), got {request.max_tokens}",
                               400, "max_tokens")
+    logprobs = request.logprobs if request.HasField("logprobs") else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise GenerationError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", 400, "logprobs")
     return {"max_tokens": request.max_tokens or DEFAULT_MAX_TOKENS, "temperature": _float(request.temperature),
             "top_p": _float(request.top_p) if request.top_p else 1.0, "top_k": request.top_k,
             "seed": request.seed if request.HasField("seed") else None, "stop": list(request.stop),
-            "stop_token_ids": list(request.stop_token_ids), "ignore_eos": request.ignore_eos}
+            "stop_token_ids": list(request.stop_token_ids), "ignore_eos": request.ignore_eos, "logprobs": logprobs}
 
 
 def request_to_ids(client: Any, request: pb.GenerateRequest) -> list[int]:
@@ -77,6 +81,9 @@ def request_to_ids(client: Any, request: pb.GenerateRequest) -> list[int]:
 def delta_to_response(delta: dict[str, Any]) -> pb.GenerateResponse:
     resp = pb.GenerateResponse(text=delta["text"], token_ids=delta["token_ids"],
                                finish_reason=delta["finish_reason"] or "")
+    for token_id, (logprob, top) in zip(delta["token_ids"], delta.get("logprobs") or []):
+        resp.logprobs.append(pb.TokenLogprob(token_id=token_id, logprob=logprob, top_logprobs=[
+            pb.TopLogprob(token_id=t, logprob=v) for t, v in top]))
     if delta["finish_reason"]:
         p, c = delta["num_prompt_tokens"], delta["num_completion_tokens"]
         resp.usage.CopyFrom(pb.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c))

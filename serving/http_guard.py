@@ -14,7 +14,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from serving.openai_protocol import error_body, error_type
+from serving.openai_responses import error_body, error_type
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -1,21 +1,23 @@
 """The OpenAI-compatible HTTP API as a FastAPI app over a RouterClient.
 
 `create_openai_app(client)` builds the routes: /v1/completions, /v1/chat/completions (both with SSE
-streaming), /v1/models, /health, /metrics. The Serve deployment passes itself its RouterClient at replica
-start; anything else with the same methods (a fake in a unit test) works as well.
+streaming), /v1/models, /v1/models/{id}, /tokenize, /detokenize, /version, /health, /metrics. The Serve
+deployment passes itself its RouterClient at replica start.
 
 Errors always have OpenAI's shape. Client faults are 4xx: FastAPI's 422 for a body that does not parse or
-validate becomes 400 (what OpenAI and vLLM return), engine ValueErrors arrive as GenerationError(400), a full
-queue is 429 and an engine that is down or draining 503, both with Retry-After. The API key and the body size
-limit are checked before any route (serving/http_guard.py).
+validate becomes 400 (what OpenAI and vLLM return) naming the field, an unknown field included; engine
+ValueErrors arrive as GenerationError(400), a full queue is 429 and an engine that is down or draining 503,
+both with Retry-After. The API key and the body size limit are checked before any route (serving/http_guard.py).
+
+Each choice of a request (n > 1, or several prompts) is a request of its own in the router, so the choices are
+independent samples; with a seed, choice i uses seed + i (as vLLM does), so each is reproducible.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -27,35 +29,29 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.http_guard import OPEN_PATHS, RequestGuard
-from serving.openai_protocol import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatMessageOut,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
-    ModelCard,
-    ModelList,
-    PromptTokensDetails,
-    Usage,
-    error_body,
-    error_type,
+from serving.openai_choices import Choice, collect_response, sse_stream
+from serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from serving.openai_responses import ModelCard, ModelList, error_body, error_type
+from serving.openai_tokenizer_routes import (
+    add_tokenizer_routes,
+    apply_chat_template,
+    bad_words_token_ids,
+    check_model,
+    tokenize_text,
 )
-from serving.router_client import GenerationError, spec_decode_summary
+from serving.router_client import GenerationError
 
 logger = logging.getLogger("specserve")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 64  # n times the number of prompts: each choice holds a router stream and its KV blocks
 
 
 class Client(Protocol):
     model_name: str
     tokenizer: Any
     max_model_len: int
+    generation_defaults: dict[str, Any]  # the model's generation_config.json settings (serving.generation_config)
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  params: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
@@ -85,8 +81,12 @@ def install_error_handlers(app: FastAPI) -> None:
         parts, param = [], None
         for err in errors:
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-            param = param or (".".join(loc) or None)
-            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+            name = ".".join(loc) or None
+            param = param or name
+            if err.get("type") == "extra_forbidden":
+                parts.append(f"{name}: unknown field (this server refuses fields it does not implement)")
+            else:
+                parts.append(f"{name or 'body'}: {err.get('msg')}")
         return _error_response(400, "invalid request: " + "; ".join(parts), param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -115,11 +115,9 @@ def create_openai_app(client: Client, api_key: str | None = None, max_body_bytes
             report = await client.check_health()
         except GenerationError as e:
             return _error_response(503, e.message, retry_after_s=e.retry_after_s)
-        # Serving, perhaps degraded: speculation off while a new draft group starts (still lossless), or some
-        # engine replicas not serving (recovering, draining) while others do.
+        # Serving, perhaps degraded: speculation off while a new draft group starts (still lossless).
         return JSONResponse({"status": "ok", "speculation": report.get("speculation", True),
-                             "degraded": report.get("degraded"), "engine_replicas": report.get("num_replicas"),
-                             "engine_replicas_serving": report.get("num_serving")})
+                             "degraded": report.get("degraded")})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -129,135 +127,85 @@ def create_openai_app(client: Client, api_key: str | None = None, max_body_bytes
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=client.model_name, max_model_len=client.max_model_len)])
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        check_model(client, model_id)
+        return ModelCard(id=client.model_name, max_model_len=client.max_model_len)
+
+    add_tokenizer_routes(app, client)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
-        _check_request(client, body)
-        prompt = body.single_prompt()
-        ids = _tokenize(client, prompt)
-        max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        return await _serve(client, body, f"cmpl-{uuid.uuid4().hex}", ids, max_tokens, chat=False)
+        check_model(client, body.model)
+        body.check_supported()
+        texts = body.prompts()
+        prompts = [_truncate(tokenize_text(client, p, body.add_special_tokens), body.truncate_prompt_tokens)
+                   for p in texts]
+        echoes = None
+        if body.echo:  # the prompt as given, or as the model saw it when it was token ids or truncated
+            echoes = [t if isinstance(t, str) and body.truncate_prompt_tokens is None else
+                      client.tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
+        return await _serve(client, body, f"cmpl-{body.request_id or uuid.uuid4().hex}", prompts,
+                            body.max_tokens, chat=False, echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Response:
-        _check_request(client, body)
-        ids = _apply_chat_template(client, body)
+        check_model(client, body.model)
+        body.check_supported()
+        ids = _truncate(apply_chat_template(client, body), body.truncate_prompt_tokens)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if max_tokens is None:  # OpenAI: up to the context length
-            max_tokens = max(1, client.max_model_len - len(ids))
-        return await _serve(client, body, f"chatcmpl-{uuid.uuid4().hex}", ids, max_tokens, chat=True)
+        return await _serve(client, body, f"chatcmpl-{body.request_id or uuid.uuid4().hex}", [ids], max_tokens,
+                            chat=True)
 
     return app
 
 
-def _check_request(client: Client, body: CompletionRequest | ChatCompletionRequest) -> None:
-    if body.model is not None and body.model != client.model_name:
-        raise GenerationError(f"The model `{body.model}` does not exist; this server serves "
-                              f"`{client.model_name}`", 404, "model")
-    body.check_supported()
+def _truncate(ids: list[int], keep: int | None) -> list[int]:
+    """truncate_prompt_tokens (vLLM): keep the prompt's last `keep` tokens."""
+    return ids[-keep:] if keep is not None else ids
 
 
-def _tokenize(client: Client, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, list):
-        return prompt
-    if not prompt:
-        raise GenerationError("prompt is empty: give at least one character", 400, "prompt")
-    try:
-        return list(client.tokenizer(prompt)["input_ids"])
-    except Exception as e:  # noqa: BLE001 - e.g. text the tokenizer cannot encode (lone surrogates)
-        raise GenerationError(f"the prompt cannot be tokenized: {type(e).__name__}: {e}", 400, "prompt") from e
-
-
-def _apply_chat_template(client: Client, body: ChatCompletionRequest) -> list[int]:
-    tok = client.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise GenerationError(f"model {client.model_name} has no chat template: use /v1/completions", 400)
-    messages = [m.template_dict() for m in body.messages]
-    try:
-        ids = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
-    except Exception as e:  # noqa: BLE001 - jinja raises TemplateError for messages the template rejects
-        raise GenerationError(f"the chat template rejected the messages: {e}", 400, "messages") from e
-    if not isinstance(ids, list):
-        ids = ids["input_ids"]
-    return list(ids)
+def _max_tokens(client: Client, requested: int | None, num_prompt_tokens: int, chat: bool) -> int:
+    """The request's max_tokens, else OpenAI's default (16 for completions, the rest of the context for chat);
+    capped by generation_config.json's max_new_tokens, as vLLM caps it."""
+    cap = client.generation_defaults.get("max_tokens")
+    if requested is None:
+        requested = max(1, client.max_model_len - num_prompt_tokens) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+        if cap is not None:
+            requested = min(requested, cap)
+    elif cap is not None and requested >= 1:  # a bad value is reported as the client wrote it
+        requested = min(requested, cap)
+    return requested
 
 
 async def _serve(client: Client, body: CompletionRequest | ChatCompletionRequest, request_id: str,
-                 ids: list[int], max_tokens: int, chat: bool) -> Response:
-    stream = client.generate(request_id, ids, body.sampling_params(max_tokens))
+                 prompts: list[list[int]], max_tokens: int | None, chat: bool,
+                 echoes: list[str] | None = None) -> Response:
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise GenerationError(f"{len(prompts)} prompts x n={body.n} choices is over this server's limit of "
+                              f"{MAX_CHOICES} choices per request", 400, "n")
+    choices: list[Choice] = []
     try:
-        # The first delta comes after prefill, or is the router's validation error: awaiting it here lets a
-        # bad request get a 400 even when it asked for a stream.
-        first = await anext(stream)
+        for p, ids in enumerate(prompts):
+            params = body.sampling_params(_max_tokens(client, max_tokens, len(ids), chat), client.generation_defaults)
+            if body.bad_words:
+                params["bad_words_token_ids"] = bad_words_token_ids(client.tokenizer, body.bad_words)
+            for i in range(body.n):
+                index = p * body.n + i
+                seed = params["seed"]
+                child = dict(params, seed=seed + i if seed is not None else None)
+                stream = client.generate(f"{request_id}-{index}" if len(prompts) * body.n > 1 else request_id, ids,
+                                         child)
+                choices.append(Choice(index, p, stream, ids, echoes[p] if echoes else ""))
+        # The first delta comes after prefill, or is the router's validation error: awaiting every choice's
+        # first one here lets a bad request get a 400 even when it asked for a stream.
+        await asyncio.gather(*(c.start() for c in choices))
     except BaseException:
-        await stream.aclose()
+        await asyncio.gather(*(c.close() for c in choices), return_exceptions=True)
         raise
     if body.stream:
-        return StreamingResponse(_sse(stream, first, request_id, client.model_name, chat, body.include_usage_chunk),
-                                 media_type="text/event-stream")
-    async with contextlib.aclosing(stream):
-        text, last = first["text"], first
-        async for delta in stream:
-            text += delta["text"]
-            last = delta
-    usage = _usage(last)
-    spec = spec_decode_summary(last["spec"])
-    if chat:
-        resp: ChatCompletionResponse | CompletionResponse = ChatCompletionResponse(
-            id=request_id, model=client.model_name, usage=usage, spec_decode=spec,
-            choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=last["finish_reason"])])
-    else:
-        resp = CompletionResponse(id=request_id, model=client.model_name, usage=usage, spec_decode=spec,
-                                  choices=[CompletionChoice(text=text, finish_reason=last["finish_reason"])])
-    return JSONResponse(resp.model_dump())
-
-
-def _usage(delta: dict[str, Any]) -> Usage:
-    p, c = delta["num_prompt_tokens"], delta["num_completion_tokens"]
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=delta.get("num_cached_tokens", 0)))
-
-
-def _sse_event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-async def _sse(stream: AsyncIterator[dict[str, Any]], first: dict[str, Any], request_id: str, model: str,
-               chat: bool, usage_chunk: bool) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per delta; usage and spec_decode ride on the last chunk (on a separate
-    choices-less chunk with `stream_options.include_usage`, as OpenAI sends it); then `data: [DONE]`."""
-    created = int(time.time())
-
-    def chunk(delta: dict[str, Any], first_chunk: bool) -> dict[str, Any]:
-        finish = delta["finish_reason"]
-        if chat:
-            msg = DeltaMessage(role="assistant", content=delta["text"]) if first_chunk else \
-                DeltaMessage(content=delta["text"] if delta["text"] or not finish else None)
-            out: dict[str, Any] = ChatCompletionChunk(
-                id=request_id, created=created, model=model,
-                choices=[ChatChunkChoice(delta=msg, finish_reason=finish)]).model_dump(exclude={"usage", "spec_decode"})
-            out["choices"][0]["delta"] = msg.model_dump(exclude_none=True)
-        else:
-            out = CompletionResponse(id=request_id, created=created, model=model,
-                                     choices=[CompletionChoice(text=delta["text"], finish_reason=finish)]
-                                     ).model_dump(exclude={"usage", "spec_decode"})
-        if finish and not usage_chunk:
-            out["usage"] = _usage(delta).model_dump()
-            out["spec_decode"] = spec_decode_summary(delta["spec"])
-        return out
-
-    try:
-        delta = first
-        yield _sse_event(chunk(first, True))
-        if first["finish_reason"] is None:
-            async for delta in stream:
-                yield _sse_event(chunk(delta, False))
-        if usage_chunk:
-            yield _sse_event({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                              "created": created, "model": model, "choices": [],
-                              "usage": _usage(delta).model_dump(), "spec_decode": spec_decode_summary(delta["spec"])})
-    except GenerationError as e:
-        # Headers are already sent: report the failure in-band, as vLLM does, and still end the stream.
-        yield _sse_event(error_body(e.message, error_type(e.status), e.param))
-    finally:
-        await stream.aclose()  # a client disconnect cancels us here: closing aborts the request in the router
-    yield "data: [DONE]\n\n"
+        return StreamingResponse(sse_stream(choices, body, request_id, client, chat), media_type="text/event-stream")
+    async with contextlib.AsyncExitStack() as stack:
+        for c in choices:
+            stack.push_async_callback(c.close)
+        return JSONResponse(await collect_response(choices, body, request_id, client, chat))

@@ -1,26 +1,77 @@
-"""OpenAI-compatible request and response bodies (pydantic), and their mapping to engine sampling settings.
+"""OpenAI-compatible request bodies (pydantic), and their mapping to engine sampling settings.
 
-Requests accept OpenAI's fields plus vLLM's extensions that the engine implements (top_k, stop_token_ids,
-ignore_eos). Fields the engine cannot honour are rejected with a 400 rather than silently ignored, except
-for harmless ones (`user`, `stream_options` without usage). Unknown fields are ignored, as vLLM does.
+The request models list every field of vLLM's CompletionRequest and ChatCompletionRequest. Each one is either
+honoured or refused with a 400 that names it: `REFUSED` says, per field, which values this server cannot honour
+and why (tools and structured outputs wait for their own implementation; beam search is not built; ...). A
+field that no model lists is an error too (`extra="forbid"`): a typo or a newer OpenAI field must not be
+accepted and then silently dropped. Response bodies are in serving/openai_responses.py.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serving.router_client import GenerationError
 
+# Request fields whose defaults may come from the model's generation_config.json (serving.generation_config).
+SUPPORTED_DEFAULTS = frozenset({"temperature", "top_p", "top_k", "max_tokens", "min_p", "repetition_penalty"})
+MAX_LOGPROBS = 20  # OpenAI's limit for logprobs (completions) and top_logprobs (chat); vLLM's default too
+
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+    # vLLM's default: asking for stream_options at all asks for the usage chunk unless it says otherwise.
+    include_usage: bool = True
+    continuous_usage_stats: bool = False  # extension (vLLM): usage on every chunk
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")  # json_schema etc.: refused by REFUSED unless type is "text"
+    type: str
+
+
+def _off(value: Any) -> bool:
+    return value is None or value is False
+
+
+def _unset_or(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or any(value == a and type(value) is type(a) for a in allowed)
+
+
+# Field -> (accepts(value), why other values are refused). Checked in order; the first refused field is named.
+_STRUCTURED = "structured outputs and tools are not implemented yet: send free-text requests"
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (lambda v: not v, _STRUCTURED),
+    "tool_choice": (_unset_or("none"), _STRUCTURED),
+    "response_format": (lambda v: v is None or v.type == "text", _STRUCTURED + " ({'type': 'text'} is accepted)"),
+    "guided_json": (_off, _STRUCTURED), "guided_regex": (_off, _STRUCTURED),
+    "guided_choice": (_off, _STRUCTURED), "guided_grammar": (_off, _STRUCTURED),
+    "structural_tag": (_off, _STRUCTURED), "guided_decoding_backend": (_off, _STRUCTURED),
+    "guided_whitespace_pattern": (_off, _STRUCTURED), "structured_outputs": (_off, _STRUCTURED),
+    "reasoning_effort": (_off, "this server has no reasoning parser"),
+    "use_beam_search": (_off, "beam search is not implemented"),
+    "length_penalty": (_unset_or(1.0, 1), "it only applies to beam search, which is not implemented"),
+    "best_of": (_unset_or(1), "as in vLLM's V1 engine, best_of > 1 is not supported: use n"),
+    "suffix": (_off, "suffix (insertion) is not supported, as in vLLM"),
+    "prompt_logprobs": (_off, "prompt logprobs are not implemented"),
+    "skip_special_tokens": (_unset_or(True), "special tokens are always skipped in the output text"),
+    "spaces_between_special_tokens": (_unset_or(True), "special tokens are always skipped in the output text"),
+    "priority": (_unset_or(0), "requests are scheduled first come, first served (no priorities)"),
+    "logits_processors": (_off, "custom logits processors are not supported"),
+    "kv_transfer_params": (_off, "disaggregated prefill is not supported"),
+    "vllm_xargs": (_off, "no extension arguments are supported"),
+    "prompt_embeds": (_off, "prompt embeddings are not supported"),
+    "mm_processor_kwargs": (_off, "multimodal inputs are not supported"),
+}
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """The fields both endpoints share (vLLM's names, types and defaults, where vLLM has them)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -31,209 +82,262 @@ class _SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
-    n: int = 1
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the caller's own records: nothing to act on here
+    request_id: str | None = None  # extension (vLLM): the response id is built from it
+    cache_salt: str | None = None  # extension (vLLM): only requests with the same salt share prefix-cached KV
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # extension: keep the prompt's last k tokens
+    # Logits processing (engine/sample/logits_params.py), lossless under speculation:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    repetition_penalty: float | None = None  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI) -> bias in [-100, 100]
+    min_tokens: int | None = None  # extension (vLLM)
+    min_p: float | None = None  # extension (vLLM)
+    allowed_token_ids: list[int] | None = None  # extension (vLLM)
+    bad_words: list[str] | None = None  # extension (vLLM): tokenized by the front end (bad_words_token_ids)
+    include_stop_str_in_output: bool = False  # extension (vLLM)
+    # Refused unless unset or at their neutral value (REFUSED):
+    best_of: int | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False  # completions: the prompt's text before the output; chat: refused
+    response_format: ResponseFormat | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    priority: int | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs name tokens "token_id:N"
+    return_token_ids: bool = False  # extension (vLLM): choices carry prompt_token_ids and token_ids
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise GenerationError(f"n={self.n} is not supported: specserve returns one choice per request (n=1)",
-                                  400, "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise GenerationError(f"{name} is not supported (only 0)", 400, name)
-        if self.logit_bias:
-            raise GenerationError("logit_bias is not supported", 400, "logit_bias")
+        """Raise GenerationError(400) naming the first field whose value this server cannot honour."""
+        for name, (accepts, why) in REFUSED.items():
+            if name in type(self).model_fields and not accepts(getattr(self, name)):
+                raise GenerationError(f"{name}={getattr(self, name)!r} is not supported: {why}", 400, name)
 
-    def sampling_params(self, max_tokens: int) -> dict[str, Any]:
-        """Keyword arguments of engine.SamplingParams; the router validates them (ValueError -> 400)."""
-        top_k = self.top_k if self.top_k is not None else 0
-        return {"max_tokens": max_tokens,
-                "temperature": 1.0 if self.temperature is None else self.temperature,  # OpenAI's default
-                "top_p": 1.0 if self.top_p is None else self.top_p,
-                "top_k": 0 if top_k == -1 else top_k,
-                "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
-                "ignore_eos": self.ignore_eos}
+    def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Keyword arguments of engine.SamplingParams; the router validates them (ValueError -> 400).
+        defaults: the model's generation_config.json settings, for what the request leaves unset (as vLLM's
+        `--generation-config auto`); OpenAI's defaults otherwise."""
+        defaults = defaults or {}
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        top_k = pick("top_k", 0)
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(token): value for token, value in self.logit_bias.items()}
+            except ValueError as e:
+                raise GenerationError("logit_bias keys must be token ids (integers, as strings)", 400,
+                                      "logit_bias") from e
+        return {"max_tokens": max_tokens, "temperature": pick("temperature", 1.0), "top_p": pick("top_p", 1.0),
+                "top_k": 0 if top_k == -1 else top_k, "seed": self.seed, "stop": self.stop,
+                "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+                "presence_penalty": pick("presence_penalty", 0.0), "frequency_penalty": pick("frequency_penalty", 0.0),
+                "repetition_penalty": pick("repetition_penalty", 1.0), "min_p": pick("min_p", 0.0),
+                "min_tokens": self.min_tokens or 0, "logit_bias": bias, "allowed_token_ids": self.allowed_token_ids,
+                "include_stop_str_in_output": self.include_stop_str_in_output, "cache_salt": self.cache_salt}
 
     @property
     def include_usage_chunk(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool = True  # extension (vLLM): the tokenizer's BOS etc. around a text prompt
     suffix: str | None = None
-    logprobs: int | None = None
-    best_of: int | None = None
+    prompt_embeds: str | list[str] | None = None  # extension (vLLM): refused (REFUSED)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise GenerationError("echo is not supported", 400, "echo")
-        if self.suffix:
-            raise GenerationError("suffix is not supported", 400, "suffix")
-        if self.logprobs is not None:
-            raise GenerationError("logprobs are not supported", 400, "logprobs")
-        if self.best_of not in (None, 1):
-            raise GenerationError("best_of is not supported (only 1)", 400, "best_of")
+        if self.echo and self.logprobs is not None:
+            raise GenerationError("echo with logprobs needs the prompt's logprobs, which are not implemented: "
+                                  "drop one of them", 400, "echo")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request: OpenAI also allows a batch, which n=1 serving does not."""
+    def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {**super().sampling_params(max_tokens, defaults), "logprobs": self.logprobs}
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one text or token list, or a batch of them (each gets n choices)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise GenerationError(f"{len(p)} prompts in one request are not supported: send one per request",
-                                      400, "prompt")
-            p = p[0]
-        if isinstance(p, list) and not p:
-            raise GenerationError("prompt is empty: give at least one token", 400, "prompt")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        for i, one in enumerate(batch):
+            if not one:
+                where = "prompt" if len(batch) == 1 else f"prompt.{i}"
+                raise GenerationError(f"{where} is empty: give at least one token or character", 400, "prompt")
+        return batch
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(BaseModel):
+    # Other part types (image_url, input_audio, ...) carry their own fields: they parse, then check() refuses them
+    # by their type.
+    model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
 
+# Message fields each role may carry besides role and content (OpenAI's message types; vLLM's names).
+_ROLE_FIELDS = {"system": {"name"}, "developer": {"name"}, "user": {"name"},
+                "assistant": {"name", "tool_calls", "refusal", "reasoning_content"}, "tool": {"tool_call_id"}}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... go to the chat template as they are
-    role: str
-    content: str | list[ContentPart] | None = None
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    reasoning_content: str | None = None
+
+    def check(self, where: str) -> None:
+        """Raise GenerationError(400) naming `where`.field for a message OpenAI's API would refuse."""
+        for name in ("name", "tool_calls", "tool_call_id", "refusal", "reasoning_content"):
+            if getattr(self, name) is not None and name not in _ROLE_FIELDS[self.role]:
+                raise GenerationError(f"{where}.{name}: a {self.role} message has no field {name}", 400,
+                                      f"{where}.{name}")
+        if isinstance(self.content, list):
+            for j, part in enumerate(self.content):
+                if part.type != "text":
+                    raise GenerationError(f"{where}.content.{j}.type: only text content parts are supported, "
+                                          f"got {part.type!r}", 400, f"{where}.content.{j}.type")
+                if part.model_extra:
+                    name = sorted(part.model_extra)[0]
+                    raise GenerationError(f"{where}.content.{j}.{name}: unknown field of a text part", 400,
+                                          f"{where}.content.{j}.{name}")
+                if part.text is None:
+                    raise GenerationError(f"{where}.content.{j}.text: a text part needs its text", 400,
+                                          f"{where}.content.{j}.text")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise GenerationError(f"{where}.tool_call_id: a tool message needs the id of the call it answers",
+                                  400, f"{where}.tool_call_id")
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal)):
+            raise GenerationError(f"{where}.content: a {self.role} message needs content", 400, f"{where}.content")
 
     def template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise GenerationError("only text content parts are supported", 400, "messages")
             content = "".join(part.text or "" for part in content)
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        extra = {k: v for k in ("name", "tool_calls", "tool_call_id", "reasoning_content")
+                 if (v := getattr(self, k)) is not None}
+        return {"role": self.role, "content": content if content is not None else "", **extra}
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # without tools there is no call to parallelise
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True  # no reasoning parser: there is never reasoning content to include or drop
     add_generation_prompt: bool = True  # extension (vLLM)
+    continue_final_message: bool = False  # extension (vLLM)
+    add_special_tokens: bool = False  # extension (vLLM): special tokens on top of the chat template's
+    documents: list[dict[str, str]] | None = None  # extension (vLLM): for templates that take them (RAG)
+    chat_template: str | None = None  # extension (vLLM): a Jinja template instead of the model's
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM)
+    mm_processor_kwargs: dict[str, Any] | None = None  # extension (vLLM): refused (REFUSED)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise GenerationError("logprobs are not supported", 400, "logprobs")
+        for i, message in enumerate(self.messages):
+            message.check(f"messages.{i}")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise GenerationError("continue_final_message and add_generation_prompt cannot both be true", 400,
+                                  "continue_final_message")
+        if self.echo:
+            raise GenerationError("echo is not supported for chat (it is for /v1/completions)", 400, "echo")
+        if self.top_logprobs and not self.logprobs:
+            raise GenerationError("top_logprobs needs logprobs=true", 400, "top_logprobs")
+
+    def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {**super().sampling_params(max_tokens, defaults),
+                "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of tokenizer.apply_chat_template besides the messages."""
+        kwargs: dict[str, Any] = {**(self.chat_template_kwargs or {}),
+                                  "add_generation_prompt": self.add_generation_prompt,
+                                  "continue_final_message": self.continue_final_message}
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        return kwargs
 
 
-# --- responses -------------------------------------------------------------------------------------------
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache instead of being computed
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a text prompt (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with chat messages, through the chat template (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check_supported(self) -> None:
+        if self.tools:
+            raise GenerationError(f"tools are not supported: {_STRUCTURED}", 400, "tools")
+        for i, message in enumerate(self.messages):
+            message.check(f"messages.{i}")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise GenerationError("continue_final_message and add_generation_prompt cannot both be true", 400,
+                                  "continue_final_message")
+
+    template_kwargs = ChatCompletionRequest.template_kwargs
 
 
-class SpecDecodeStats(BaseModel):
-    """Per-request speculation statistics (docs/ARCHITECTURE.md: rate = accepted / drafted, length = 1 + accepted /
-    verify steps)."""
-
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_position: list[int]
-    acceptance_rate: float
-    acceptance_length: float
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    spec_decode: SpecDecodeStats | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    spec_decode: SpecDecodeStats | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    spec_decode: SpecDecodeStats | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "specserve"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def error_type(status: int) -> str:
-    if status == 503:
-        return "service_unavailable"
-    if status == 429:
-        return "rate_limit_exceeded"
-    return "invalid_request_error" if 400 <= status < 500 else "internal_server_error"
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

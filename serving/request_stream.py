@@ -34,6 +34,7 @@ class StepDelta:
     stop_reason: str | int | None
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens the prefix cache supplied (0 until the request is admitted)
+    logprobs: list[Any] | None = None  # per new token (logprob, top tokens), when the request asked for them
 
 
 @dataclass
@@ -45,6 +46,7 @@ class RequestStream:
     holdback: int  # chars of text withheld while running: a stop string may still cut them off
     event: asyncio.Event = field(default_factory=asyncio.Event)
     pending_tokens: list[int] = field(default_factory=list)
+    pending_logprobs: list[Any] = field(default_factory=list)  # one per pending token, when asked for
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -60,13 +62,15 @@ class RequestStream:
 
     def snapshot(self, req: Any) -> StepDelta:
         """Copy what a step gave `req` (an engine Request). Runs on the step thread, between two steps."""
-        new = req.output_token_ids[self.num_snapshotted:]
+        start = self.num_snapshotted
+        new = req.output_token_ids[start:]
         self.num_snapshotted += len(new)
         sp = req.spec
         finish = (req.finish_reason or req.status.value) if req.status.finished else None
+        logprobs = req.output_logprobs[start:start + len(new)] if req.params.logprobs is not None else None
         return StepDelta(list(new), req.output_text, (sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens,
                                                       list(sp.accepted_per_position)),
-                         finish, req.stop_reason, req.num_prompt_tokens, req.num_cached_tokens or 0)
+                         finish, req.stop_reason, req.num_prompt_tokens, req.num_cached_tokens or 0, logprobs)
 
     def publish(self, delta: StepDelta, now: float, metrics: Any) -> None:
         """Take a step's delta: new tokens, text, speculation counts, the finish; count them in `metrics`
@@ -74,6 +78,8 @@ class RequestStream:
         new = delta.new_token_ids
         self.num_published += len(new)
         self.pending_tokens.extend(new)
+        if delta.logprobs is not None:
+            self.pending_logprobs.extend(delta.logprobs)
         self.text = delta.text
         self.num_cached_tokens = delta.num_cached_tokens
         if new:
@@ -108,7 +114,9 @@ class RequestStream:
         text = self.text[self.sent_text:end]
         self.sent_text = max(self.sent_text, end)
         tokens, self.pending_tokens = self.pending_tokens, []
+        logprobs, self.pending_logprobs = self.pending_logprobs, []
         return {"request_id": self.request.request_id, "token_ids": tokens, "text": text,
+                "logprobs": logprobs if self.request.params.logprobs is not None else None,
                 "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
                 "num_prompt_tokens": self.request.num_prompt_tokens, "num_completion_tokens": self.num_published,
                 "num_cached_tokens": self.num_cached_tokens,

@@ -75,11 +75,15 @@ def check_api_params(params: dict[str, Any]) -> dict[str, Any]:
 
 # Engine validation messages start with the parameter's name ("max_tokens must be ..."): report it as
 # the error's `param`, as OpenAI does.
-_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "prompt")
+_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "prompt", "logprobs",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
+           "allowed_token_ids", "bad_words", "cache_salt")
+_ENGINE_NAMES = {"bad_words_token_ids": "bad_words"}  # the engine's name -> the API field it comes from
 
 
 def _param_of(message: str) -> str | None:
     first = message.split(" ", 1)[0]
+    first = _ENGINE_NAMES.get(first, first)
     return first if first in _PARAMS else None
 
 
@@ -88,12 +92,15 @@ class RouterClient:
     (serving/engine_deployment.py). Serve's request router picks a replica per request; health and metrics ask
     every replica (`broadcast`)."""
 
-    def __init__(self, engine: Any, model_name: str, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, engine: Any, model_name: str, tokenizer: Any, max_model_len: int,
+                 generation_defaults: dict[str, Any] | None = None) -> None:
+        """generation_defaults: request field -> the model's default (serving.generation_config)."""
         self._engine = engine
         self._stream = engine.options(stream=True)
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.generation_defaults = dict(generation_defaults or {})
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:

@@ -264,3 +264,20 @@ def test_request_table_resolves_like_the_scheduler_commits():
     table.resolve(StepPlan(3, [], finished_ids=["a"]))
     assert len(table) == 0
 
+
+@pytest.mark.parametrize("draft", [None, "near"])
+def test_async_penalties_read_the_tokens_of_the_step_in_flight(tiny_models, near_drafts, draft):
+    """Penalties read the output so far; an open entry's history is the scheduler's (one step behind) completed by
+    the side's own newest tokens. Greedy with strong penalties is deterministic, so a stale history would show as
+    different tokens than synchronous scheduling gives."""
+    path = tiny_models["llama"].path
+    kw = dict(draft_model=near_drafts["llama"].path, num_speculative_tokens=3) if draft else {}
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, repetition_penalty=1.8,
+                            frequency_penalty=0.7, presence_penalty=0.4)
+    outs = {}
+    for flag in (False, True):
+        llm = LLM(path, **kw, **dict(ENGINE_KW, async_scheduling=flag))
+        outs[flag] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert outs[True] == outs[False]
+    plain = [o.token_ids for o in LLM(path, **ENGINE_KW).generate(PROMPTS, GREEDY)]
+    assert outs[True] != plain  # the penalties changed the output, so the history mattered

@@ -149,11 +149,16 @@ GOOD = {
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "ignore_eos": st.booleans(),
     "n": st.just(1),
+    "tokens": st.lists(st.integers(3, 258), max_size=12),
 }
 
 
 # --- checks ----------------------------------------------------------------------------------------------
-def check_response(r: httpx.Response, streamed: bool) -> None:
+# What a success must hold, per route: generation routes their choices, the tokenizer routes their answer.
+SUCCESS_KEY = {"/tokenize": "tokens", "/detokenize": "prompt"}
+
+
+def check_response(r: httpx.Response, streamed: bool, path: str = "/v1/completions") -> None:
     assert r.status_code < 500, (r.status_code, r.text[:500])
     if r.status_code >= 400:
         err = r.json()["error"]
@@ -164,6 +169,8 @@ def check_response(r: httpx.Response, streamed: bool) -> None:
         for event in r.text.split("\n\n")[:-2]:
             payload = json.loads(event[len("data: "):])
             assert "error" not in payload, payload  # an in-band error would be the server failing mid-stream
+    elif path in SUCCESS_KEY:
+        assert SUCCESS_KEY[path] in r.json(), r.text[:500]
     else:
         assert r.json()["choices"], r.text[:500]
 
@@ -177,7 +184,7 @@ def test_schema_fuzz_no_5xx(client: httpx.Client, routes: dict[str, st.SearchStr
     r = client.post(path, content=raw, headers={"content-type": "application/json"})
     streamed = isinstance(body, dict) and body.get("stream") is True
     event(f"{path} {r.status_code}")  # `pytest --hypothesis-show-statistics` shows how many reached the engine
-    check_response(r, streamed)
+    check_response(r, streamed, path)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)

@@ -1,9 +1,10 @@
 """Content addresses of full KV blocks: a hash chain over a request's tokens.
 
 Block i's hash covers its parent's hash (so it stands for the whole prefix, not just its own tokens), its
-block_size token ids, and extra keys: anything else that changes the KV those tokens produce. Nothing else does
-today (one model per KV manager, no adapters, no multimodal inputs), so the extra keys are empty; a feature
-that makes KV depend on more than the tokens (a LoRA adapter, an image) must add its key in `extra_keys`.
+block_size token ids, and extra keys: anything else that decides who may reuse the KV those tokens produce. Today
+that is the request's `cache_salt` (in the first block: the chain carries it to every later one), so requests
+share cached blocks only with requests of the same salt; a feature that makes KV depend on more than the tokens
+(a LoRA adapter, an image) must add its key in `extra_keys` too.
 
 SHA-256 rather than Python's `hash`: a collision would silently reuse another prefix's KV, so the address must
 be collision-resistant, and it costs microseconds per block.
@@ -27,8 +28,11 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: bytes
 
 
 def extra_keys(request: Request, block_index: int) -> bytes:
-    """What besides the tokens makes this block's KV: nothing yet (see the module docstring)."""
-    return b""
+    """What besides the tokens keys this block: the cache salt, in block 0 (see the module docstring)."""
+    salt = request.params.cache_salt
+    if block_index or salt is None:
+        return b""
+    return b"salt:" + salt.encode()
 
 
 def update_block_hashes(request: Request, block_size: int) -> list[bytes]:

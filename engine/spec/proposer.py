@@ -17,6 +17,7 @@ from engine.host_copy import to_device
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.sample.from_plan import DRAFT_STREAM, request_generator, sampling_metadata
+from engine.sample.logits_processors import needs_processing, process_target_logits
 from engine.sample.sampler import Sampler
 from engine.spec.draft_loop import DraftLoop
 from engine.step_plan import StepPlan
@@ -78,6 +79,8 @@ class DraftProposer:
         rows = [i for i, k in enumerate(ks) if k > 0]
         md = sampling_metadata(reqs, DRAFT_STREAM, self.generator, dev)
         last: list[int] = []
+        process = needs_processing(reqs)
+        so_far: list[list[int]] = [[] for _ in reqs]  # each request's drafts of this step (the processors' history)
         for j in range(max_k):
             if j > 0:
                 rows = [i for i in rows if ks[i] > j]
@@ -85,6 +88,12 @@ class DraftProposer:
                                 reqs[i].draft_block_tables) for i in rows]
             # Metadata for every draft KV-cache group is rebuilt from this step's positions.
             logits = self.runner.forward_chunks([c for c in chunks if c.token_ids])
+            if process:
+                # The target's penalties, biases and masks on the draft's proposal too: not needed for exactness
+                # (rejection sampling corrects any q), but a draft that proposes banned or penalised tokens is
+                # rejected where it need not be. q stays the distribution the drafts are sampled from.
+                logits = process_target_logits(logits[:, None], [reqs[i] for i in rows], [so_far[i] for i in rows],
+                                               start=j)[:, 0]
             tok, p = self.sampler.sample_with_probs(logits, md.select(rows))
             row_idx = to_device(rows, torch.int64, dev)
             ids[row_idx, j] = tok
@@ -92,6 +101,8 @@ class DraftProposer:
                 probs[row_idx, j] = p
             # SYNC: the next draft step's input ids are built on the host.
             last = ids[:, j].tolist()
+            for i in rows:
+                so_far[i].append(last[i])
         if max_k == 0 and any(c.token_ids for c in chunks):
             # Only catch-up work (prefill chunks, k = 0 decodes): keep the draft's KV in step.
             self.runner.forward_chunks([c for c in chunks if c.token_ids])

@@ -24,10 +24,12 @@ from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, DeviceTokens, PreparedForward
 from engine.sample.from_plan import TARGET_STREAM, sampling_metadata
+from engine.sample.logits_processors import needs_draft_history, needs_processing, process_target_logits
+from engine.sample.logprobs import emitted_logprobs
 from engine.sample.sampler import Sampler
 from engine.spec.proposer import DraftProposal
 from engine.spec.rejection_sampler import rejection_sample
-from engine.step_plan import StepPlan, StepResult
+from engine.step_plan import PlannedRequest, StepPlan, StepResult
 
 logger = logging.getLogger("specserve")
 
@@ -236,10 +238,13 @@ class Verifier:
         if plan.rejection_sampling is None or draft_ids is None or not any(counts[i] for i in rows):
             # No drafts this step (no draft model, or a load-adaptive k of 0): plain sampling, so that
             # speculation switched off costs what no speculation costs.
+            scores = logits
+            if needs_processing([reqs[i] for i in rows]):  # penalties, logit_bias, masks: those requests only
+                scores = process_target_logits(logits[:, None], [reqs[i] for i in rows], None)[:, 0]
             # SYNC: new tokens go to the host to be appended, detokenized and checked for stops.
-            for i, t in zip(rows, self.sampler(logits, md).tolist()):
+            for i, t in zip(rows, self.sampler(scores, md).tolist()):
                 sampled[i] = [t]
-            return StepResult(sampled, accepted)
+            return self._with_logprobs(StepResult(sampled, accepted), reqs, counts, logits)
         widths = [1 + counts[i] for i in rows]
         max_k = max(widths) - 1
         all_rows = len(rows) == len(reqs)
@@ -258,6 +263,16 @@ class Verifier:
         q = None
         if proposal is not None and proposal.draft_probs is not None and max_k:
             q = (proposal.draft_probs if all_rows else proposal.draft_probs.index_select(0, row_index))[:, :max_k]
+        row_reqs = [reqs[i] for i in rows]
+        if needs_processing(row_reqs):
+            # The target's p at position j follows the history output + drafts[:j] (engine/sample/logits_processors.py).
+            drafts = None
+            if needs_draft_history(row_reqs):
+                # SYNC: the drafts go to the host for the penalties' histories; only in steps with such requests.
+                drafts = [row[:w - 1] for row, w in zip(row_ids.tolist(), widths)]
+            else:
+                drafts = [[0] * (w - 1) for w in widths]  # only the number of positions is read
+            target_logits = process_target_logits(target_logits, row_reqs, drafts)
         num_drafts = to_device([w - 1 for w in widths], torch.int64, dev)
         out = rejection_sample(row_ids, num_drafts, q, target_logits, md, plan.rejection_sampling,
                                plan.synthetic_acceptance_rate)
@@ -266,7 +281,28 @@ class Verifier:
         for row, i in zip(packed, rows):
             sampled[i] = row[1:row[0] + 2]
             accepted[i] = row[0]
-        return StepResult(sampled, accepted)
+        return self._with_logprobs(StepResult(sampled, accepted), reqs, counts, logits)
+
+    @staticmethod
+    def _with_logprobs(result: StepResult, reqs: list[PlannedRequest], counts: list[int],
+                       logits: torch.Tensor) -> StepResult:
+        """Add the logprobs of the emitted tokens for the requests that asked (nothing to do, and no cost, for a
+        step where none did). logits: [sum of num_logits, V], 1 + k rows per sampling request."""
+        want = [i for i, r in enumerate(reqs) if r.logprobs is not None and result.sampled[i] is not None]
+        if not want:
+            return result
+        starts, offset = {}, 0
+        for i, r in enumerate(reqs):
+            if r.sample:
+                starts[i] = offset
+                offset += 1 + counts[i]
+        tokens = [result.sampled[i] or [] for i in want]
+        rows = [[starts[i] + j for j in range(len(t))] for i, t in zip(want, tokens)]
+        per_req = emitted_logprobs(logits, rows, tokens, [reqs[i].logprobs or 0 for i in want])
+        result.logprobs = [None] * len(reqs)
+        for i, lp in zip(want, per_req):
+            result.logprobs[i] = lp
+        return result
 
 
 def _draft_positions(plan: StepPlan, counts: list[int]) -> list[int]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dserving/proto/specserve.proto\x12\x0cspecserve.v1\"\xe6\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x0c\n\x04\x63hat\x18\n \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\x05\x42\x07\n\x05_seed\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xaf\x01\n\x0fSpecDecodeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x06 \x01(\x01\"\xa2\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x32\n\x0bspec_decode\x18\x05 \x01(\x0b\x32\x1d.specserve.v1.SpecDecodeStats2Y\n\nGeneration\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dserving/proto/specserve.proto\x12\x0cspecserve.v1\"\x8a\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x0c\n\x04\x63hat\x18\n \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\x05\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.specserve.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xaf\x01\n\x0fSpecDecodeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x06 \x01(\x01\"\xd0\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x32\n\x0bspec_decode\x18\x05 \x01(\x0b\x32\x1d.specserve.v1.SpecDecodeStats\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob2Y\n\nGeneration\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.proto.specserve_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=48
-  _globals['_GENERATEREQUEST']._serialized_end=278
-  _globals['_USAGE']._serialized_start=280
-  _globals['_USAGE']._serialized_end=359
-  _globals['_SPECDECODESTATS']._serialized_start=362
-  _globals['_SPECDECODESTATS']._serialized_end=537
-  _globals['_GENERATERESPONSE']._serialized_start=540
-  _globals['_GENERATERESPONSE']._serialized_end=702
-  _globals['_GENERATION']._serialized_start=704
-  _globals['_GENERATION']._serialized_end=793
+  _globals['_GENERATEREQUEST']._serialized_end=314
+  _globals['_TOPLOGPROB']._serialized_start=316
+  _globals['_TOPLOGPROB']._serialized_end=363
+  _globals['_TOKENLOGPROB']._serialized_start=365
+  _globals['_TOKENLOGPROB']._serialized_end=462
+  _globals['_USAGE']._serialized_start=464
+  _globals['_USAGE']._serialized_end=543
+  _globals['_SPECDECODESTATS']._serialized_start=546
+  _globals['_SPECDECODESTATS']._serialized_end=721
+  _globals['_GENERATERESPONSE']._serialized_start=724
+  _globals['_GENERATERESPONSE']._serialized_end=932
+  _globals['_GENERATION']._serialized_start=934
+  _globals['_GENERATION']._serialized_end=1023
 # @@protoc_insertion_point(module_scope)

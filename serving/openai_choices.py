@@ -1,0 +1,250 @@
+"""The choices of one OpenAI request (n per prompt), each a router stream of deltas, into a response body or SSE.
+
+A delta is what serving.router_client streams: new token ids and text, finish_reason on the last one, token
+counts and speculation counters, and with logprobs asked for, one `[logprob, [[token_id, logprob], ...]]` per new
+token (the emitted token's log-probability and the most likely tokens at its position).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from serving.openai_responses import ChatCompletionResponse, CompletionResponse, error_body, error_type
+from serving.router_client import GenerationError, spec_decode_summary
+
+
+@dataclass
+class Choice:
+    index: int  # the choice's index in the response: prompt_index * n + i
+    prompt_index: int
+    stream: AsyncIterator[dict[str, Any]]
+    prompt_token_ids: list[int]
+    echo: str = ""  # the prompt's text, before the output (completions' echo)
+    first: dict[str, Any] | None = None
+
+    async def start(self) -> None:
+        self.first = await anext(self.stream)
+
+    async def close(self) -> None:
+        await self.stream.aclose()  # an unfinished stream aborts its request in the router
+
+    async def deltas(self) -> AsyncIterator[dict[str, Any]]:
+        assert self.first is not None, "start() first"
+        yield self.first
+        if self.first["finish_reason"] is None:
+            async for delta in self.stream:
+                yield delta
+
+
+# --- logprobs ------------------------------------------------------------------------------------------------
+def _token_str(tokenizer: Any, token_id: int, as_ids: bool = False) -> str:
+    return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id])
+
+
+class LogprobsBuilder:
+    """Accumulates one choice's logprobs in the endpoint's shape (completions' legacy lists or chat's content)."""
+
+    def __init__(self, tokenizer: Any, chat: bool, num_top: int, as_ids: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.num_top = num_top
+        self.as_ids = as_ids  # return_tokens_as_token_ids: "token_id:N" instead of the token's text
+        self.offset = 0
+
+    def render(self, token_ids: list[int], logprobs: list[Any]) -> dict[str, Any]:
+        """The logprobs object for these tokens (one delta's, or a whole choice's)."""
+        if self.chat:
+            content = []
+            for tok, (lp, top) in zip(token_ids, logprobs):
+                s = _token_str(self.tokenizer, tok, self.as_ids)
+                content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                                "top_logprobs": [self._chat_top(t, v) for t, v in top[:self.num_top]]})
+            return {"content": content}
+        out: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        for tok, (lp, top) in zip(token_ids, logprobs):
+            s = _token_str(self.tokenizer, tok, self.as_ids)
+            out["text_offset"].append(self.offset)
+            self.offset += len(s)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lp)
+            # The emitted token is always listed, then the most likely ones (vLLM: up to logprobs + 1 entries).
+            top_dict = {s: lp}
+            for t, v in top[:self.num_top]:
+                top_dict.setdefault(_token_str(self.tokenizer, t, self.as_ids), v)
+            out["top_logprobs"].append(top_dict)
+        return out
+
+    def _chat_top(self, token_id: int, logprob: float) -> dict[str, Any]:
+        s = _token_str(self.tokenizer, token_id, self.as_ids)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+
+
+def logprobs_builder(body: Any, tokenizer: Any, chat: bool) -> LogprobsBuilder | None:
+    as_ids = body.return_tokens_as_token_ids
+    if chat:
+        return LogprobsBuilder(tokenizer, True, body.top_logprobs or 0, as_ids) if body.logprobs else None
+    return LogprobsBuilder(tokenizer, False, body.logprobs, as_ids) if body.logprobs is not None else None
+
+
+# --- usage and speculation over choices ---------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens whose KV came from the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def total_usage(lasts: list[tuple[Choice, dict[str, Any]]]) -> dict[str, Any]:
+    """Prompt tokens once per prompt (as vLLM counts them with n > 1), completion tokens of every choice; a
+    prompt's cached tokens as its choice that found the most in the cache."""
+    prompts = {c.prompt_index: d["num_prompt_tokens"] for c, d in lasts}
+    cached: dict[int, int] = {}
+    for c, d in lasts:
+        cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), d.get("num_cached_tokens", 0))
+    return usage(sum(prompts.values()), sum(d["num_completion_tokens"] for _, d in lasts), sum(cached.values()))
+
+
+def merged_spec(specs: list[dict[str, Any]]) -> dict[str, Any]:
+    total = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}
+    for s in specs:
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            total[key] += s[key]
+        pos = total["accepted_per_position"]
+        pos.extend([0] * (len(s["accepted_per_position"]) - len(pos)))
+        for i, a in enumerate(s["accepted_per_position"]):
+            pos[i] += a
+    return spec_decode_summary(total)
+
+
+# --- whole responses ------------------------------------------------------------------------------------------
+async def _collect(choice: Choice) -> tuple[str, list[int], list[Any], dict[str, Any]]:
+    text, ids, lps, last = "", [], [], {}
+    async for delta in choice.deltas():
+        text += delta["text"]
+        ids += delta["token_ids"]
+        lps += delta.get("logprobs") or []
+        last = delta
+    return text, ids, lps, last
+
+
+async def collect_response(choices: list[Choice], body: Any, request_id: str, client: Any,
+                           chat: bool) -> dict[str, Any]:
+    results = await asyncio.gather(*(_collect(c) for c in choices))
+    out_choices = []
+    for c, (text, ids, lps, last) in zip(choices, results):
+        builder = logprobs_builder(body, client.tokenizer, chat)
+        logprobs = builder.render(ids, lps) if builder is not None else None
+        entry: dict[str, Any] = {"index": c.index, "finish_reason": last["finish_reason"], "logprobs": logprobs,
+                                 "stop_reason": last["stop_reason"]}
+        if chat:
+            entry["message"] = {"role": "assistant", "content": text}
+        else:
+            entry["text"] = c.echo + text
+        if body.return_token_ids:
+            entry["prompt_token_ids"], entry["token_ids"] = c.prompt_token_ids, ids
+        out_choices.append(entry)
+    lasts = [(c, r[3]) for c, r in zip(choices, results)]
+    model = ChatCompletionResponse if chat else CompletionResponse
+    return model.model_validate({"id": request_id, "model": client.model_name, "choices": out_choices,
+                                 "usage": total_usage(lasts), "spec_decode": merged_spec([d["spec"] for _, d in lasts])
+                                 }).model_dump()
+
+
+# --- server-sent events ---------------------------------------------------------------------------------------
+def _sse_event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, dict[str, Any]]]:
+    """Every choice's deltas as they come, interleaved (one task per choice)."""
+    if len(choices) == 1:
+        async for delta in choices[0].deltas():
+            yield choices[0], delta
+        return
+    queue: asyncio.Queue[tuple[Choice, dict[str, Any] | BaseException | None]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for delta in choice.deltas():
+                await queue.put((choice, delta))
+            await queue.put((choice, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((choice, e))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        running = len(tasks)
+        while running:
+            choice, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield choice, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def sse_stream(choices: list[Choice], body: Any, request_id: str, client: Any,
+                     chat: bool) -> AsyncIterator[str]:
+    """One chunk per delta and choice; spec_decode rides on each choice's last chunk. Usage as vLLM sends it:
+    only with `stream_options.include_usage`, on a final choices-less chunk (and on every chunk with
+    `continuous_usage_stats`); then `data: [DONE]`."""
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    builders = {c.index: logprobs_builder(body, client.tokenizer, chat) for c in choices}
+    started: set[int] = set()
+    lasts: dict[int, tuple[Choice, dict[str, Any]]] = {}
+    try:
+        async for choice, delta in _merged(choices):
+            finish = delta["finish_reason"]
+            entry: dict[str, Any] = {"index": choice.index}
+            if chat:
+                if choice.index not in started:
+                    entry["delta"] = {"role": "assistant", "content": delta["text"]}
+                else:
+                    entry["delta"] = {"content": delta["text"]} if delta["text"] or not finish else {}
+            else:
+                entry["text"] = (choice.echo if choice.index not in started else "") + delta["text"]
+            if body.return_token_ids:
+                if choice.index not in started:
+                    entry["prompt_token_ids"] = choice.prompt_token_ids
+                entry["token_ids"] = delta["token_ids"]
+            started.add(choice.index)
+            builder = builders[choice.index]
+            entry["logprobs"] = (builder.render(delta["token_ids"], delta.get("logprobs") or [])
+                                 if builder is not None else None)
+            entry["finish_reason"] = finish
+            if not chat or finish:
+                entry["stop_reason"] = delta["stop_reason"]
+            out: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": client.model_name,
+                                   "choices": [entry]}
+            if body.continuous_usage:
+                out["usage"] = usage(delta["num_prompt_tokens"], delta["num_completion_tokens"],
+                                     delta.get("num_cached_tokens", 0))
+            if finish:
+                out["spec_decode"] = spec_decode_summary(delta["spec"])
+                lasts[choice.index] = (choice, delta)
+            yield _sse_event(out)
+        if body.include_usage_chunk:
+            done = list(lasts.values())
+            yield _sse_event({"id": request_id, "object": obj, "created": created, "model": client.model_name,
+                              "choices": [], "usage": total_usage(done),
+                              "spec_decode": merged_spec([d["spec"] for _, d in done])})
+    except GenerationError as e:
+        # Headers are already sent: report the failure in-band, as vLLM does, and still end the stream.
+        yield _sse_event(error_body(e.message, error_type(e.status), e.param))
+    finally:
+        for c in choices:  # a client disconnect cancels us here: closing aborts the requests in the router
+            with contextlib.suppress(Exception):
+                await c.close()
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,398 @@
+"""OpenAI API parity with vLLM, served for real: a local Ray, Serve's HTTP proxy on 127.0.0.1, the tiny byte-level
+models (target + noisy draft, probabilistic rejection sampling, so speculation really runs).
+
+Every field is honoured or refused with a 400 naming it (a table over the refused ones); unknown fields and bad
+chat messages are 400s naming the field; the tokenizer routes, /version and /v1/models/{id}; usage in streams as
+vLLM sends it; generation_config.json defaults; n > 1 and prompt batches (independent, reproducible choices).
+The oracle for outputs is the offline engine (engine.LLM) with the same models and settings.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from serve_support import Server, assert_error, make_byte_models, running_server, serve_config, sse_events
+
+from engine import LLM, SamplingParams
+
+MODEL = "tiny"
+# generation_config.json of the served target: its defaults apply to what a request leaves unset.
+GEN_DEFAULTS = {"top_k": 7, "max_new_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    target, draft = make_byte_models(tmp_path_factory.mktemp("byte"))
+    gen = Path(target) / "generation_config.json"
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), **GEN_DEFAULTS}))
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def server(models: tuple[str, str]) -> Iterator[Server]:
+    target, draft = models
+    with running_server(serve_config(target, draft, rejection_sampling="probabilistic"), num_cpus=4) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[httpx.Client]:
+    with server.http(timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def llm(models: tuple[str, str]) -> LLM:
+    target, draft = models
+    return LLM(model=target, draft_model=draft, num_speculative_tokens=3, max_model_len=128, device="cpu",
+               block_size=4, num_kv_blocks=256)
+
+
+def _offline(llm: LLM, prompt: str, **params) -> str:
+    return llm.generate([prompt], SamplingParams(**params))[0].text
+
+
+CMPL = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+# (endpoint body, field, value): each must be refused with a 400 whose param names the field.
+REFUSED = [
+    *[(CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]), (CHAT, "tool_choice", "auto"),
+      (CHAT, "reasoning_effort", "low"), (CHAT, "echo", True), (CMPL | {"logprobs": 1}, "echo", True)],
+    *[(body, field, value) for body in (CMPL, CHAT) for field, value in [
+        ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
+        ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structural_tag", "{}"),
+        ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " "),
+        ("structured_outputs", {"json": {}}), ("use_beam_search", True), ("length_penalty", 0.5), ("best_of", 2),
+        ("prompt_logprobs", 1), ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
+        ("priority", 1), ("logits_processors", ["x"]), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1})]],
+    (CMPL, "suffix", "end"), (CMPL, "prompt_embeds", "AAAA"), (CHAT, "mm_processor_kwargs", {"a": 1}),
+]
+
+
+# The fields each endpoint honours (tested below and in test_serving.py); with REFUSED, every field the request
+# models declare. A new field must be added to one of the two: accepted and dropped is not an option.
+HONOURED_BOTH = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                 "ignore_eos", "n", "stream", "stream_options", "user", "request_id", "cache_salt",
+                 "truncate_prompt_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "logit_bias", "min_tokens", "min_p", "allowed_token_ids", "bad_words", "include_stop_str_in_output",
+                 "return_tokens_as_token_ids", "return_token_ids", "logprobs", "add_special_tokens"}
+HONOURED = {"completions": HONOURED_BOTH | {"prompt", "echo"},
+            "chat": HONOURED_BOTH | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls",
+                                     "include_reasoning", "add_generation_prompt", "continue_final_message",
+                                     "documents", "chat_template", "chat_template_kwargs"}}
+REFUSED_BY_ENDPOINT = {"completions": set(), "chat": {"echo"}}  # refused by the endpoint's own check
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_every_field_is_honoured_or_refused(endpoint: str) -> None:
+    from serving.openai_protocol import REFUSED as REFUSED_FIELDS
+    from serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+    model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
+    declared = set(model.model_fields)
+    refused = declared & set(REFUSED_FIELDS) | REFUSED_BY_ENDPOINT[endpoint]
+    assert declared == HONOURED[endpoint] | refused, declared ^ (HONOURED[endpoint] | refused)
+    body = CMPL if endpoint == "completions" else CHAT
+    tested = {f for b, f, _ in REFUSED if b is body or ("messages" in b) == (endpoint == "chat")}
+    assert refused <= tested, refused - tested  # the table below sends every refused field
+
+
+@pytest.mark.parametrize("body, field, value", REFUSED,
+                         ids=[f"{'chat' if 'messages' in b else 'cmpl'}-{f}" for b, f, _ in REFUSED])
+def test_refused_fields_name_themselves(client: httpx.Client, body: dict, field: str, value: object) -> None:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    err = assert_error(client.post(path, json={**body, field: value}), 400)
+    assert err["param"] == field, err
+    assert field in err["message"] and "unknown field" not in err["message"]  # a known field, refused
+
+
+@pytest.mark.parametrize("body, field, value", [
+    (CMPL, "response_format", {"type": "text"}), (CHAT, "tool_choice", "none"), (CMPL, "best_of", 1),
+    (CMPL, "user", "u1"),
+    (CHAT, "parallel_tool_calls", True), (CMPL, "cache_salt", "s"), (CMPL, "priority", 0),
+    (CHAT, "include_reasoning", False), (CMPL, "skip_special_tokens", True), (CMPL, "length_penalty", 1.0),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_neutral_values_are_accepted(client: httpx.Client, body: dict, field: str, value: object) -> None:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = client.post(path, json={**body, field: value, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", CMPL), ("/v1/chat/completions", CHAT)])
+def test_unknown_fields_are_refused(client: httpx.Client, path: str, body: dict) -> None:
+    err = assert_error(client.post(path, json={**body, "temprature": 0.5}), 400)
+    assert err["param"] == "temprature" and "unknown field" in err["message"]
+    err = assert_error(client.post(path, json={**body, "stream_options": {"include_usage": True, "x": 1}}), 400)
+    assert err["param"] == "stream_options.x"
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "wizard", "content": "hi"}, "messages.0.role"),
+    ({"role": "user"}, "messages.0.content"),
+    ({"role": "user", "content": None}, "messages.0.content"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages.0.content.0.type"),
+    ({"role": "user", "content": [{"type": "text"}]}, "messages.0.content.0.text"),
+    ({"role": "tool", "content": "42"}, "messages.0.tool_call_id"),
+    ({"role": "user", "content": "hi", "tool_call_id": "c1"}, "messages.0.tool_call_id"),
+    ({"role": "user", "content": "hi", "colour": "red"}, "messages.0.colour"),
+])
+def test_bad_chat_messages(client: httpx.Client, message: dict, param: str) -> None:
+    err = assert_error(client.post("/v1/chat/completions", json={**CHAT, "messages": [message]}), 400)
+    assert err["param"] == param, err
+
+
+def test_good_chat_messages(client: httpx.Client) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "developer", "content": "really"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                       "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}, {"role": "user", "content": "go"}]
+    r = client.post("/v1/chat/completions", json={**CHAT, "messages": messages, "temperature": 0})
+    assert r.status_code == 200, r.text
+    # The same conversation through /tokenize counts the prompt the chat request prefilled.
+    tok = client.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert tok["count"] == r.json()["usage"]["prompt_tokens"] == len(tok["tokens"])
+
+
+def test_tokenize_detokenize_version_models(client: httpx.Client) -> None:
+    tok = client.post("/tokenize", json={"model": MODEL, "prompt": "héllo", "return_token_strs": True}).json()
+    # The byte tokenizer: BOS is not added by default for this tokenizer; one token per UTF-8 byte.
+    assert tok["count"] == len(tok["tokens"]) == len("héllo".encode()) and tok["max_model_len"] == 128
+    assert len(tok["token_strs"]) == tok["count"]
+    assert client.post("/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}).json() == {"prompt": "héllo"}
+    assert assert_error(client.post("/detokenize", json={"tokens": [10**6]}), 400)["param"] == "tokens"
+    assert assert_error(client.post("/tokenize", json={"model": "other", "prompt": "x"}), 404)["param"] == "model"
+    assert_error(client.post("/tokenize", json={"prompt": "x", "bogus": 1}), 400)
+    assert isinstance(client.get("/version").json()["version"], str)
+    card = client.get(f"/v1/models/{MODEL}").json()
+    assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] == 128
+    assert assert_error(client.get("/v1/models/other"), 404)["code"] == "model_not_found"
+
+
+def test_stream_usage_as_vllm(client: httpx.Client) -> None:
+    req = {**CMPL, "temperature": 0, "stream": True}
+    plain = [json.loads(e) for e in sse_events(client.post("/v1/completions", json=req))[:-1]]
+    assert all("usage" not in ch for ch in plain)  # no stream_options: no usage (vLLM)
+    assert "spec_decode" in plain[-1] and plain[-1]["choices"][0]["finish_reason"]
+    # stream_options given: include_usage defaults to true (vLLM's default), on a final choices-less chunk.
+    with_options = client.post("/v1/completions", json={**req, "stream_options": {}})
+    chunks = [json.loads(e) for e in sse_events(with_options)[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all("usage" not in ch for ch in chunks[:-1])
+    cont = [json.loads(e) for e in sse_events(client.post("/v1/completions", json={
+        **req, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))[:-1]]
+    assert all("usage" in ch for ch in cont)
+    assert [ch["usage"]["completion_tokens"] for ch in cont[:-1]] == sorted(ch["usage"]["completion_tokens"]
+                                                                            for ch in cont[:-1])
+    # stream_options without stream is refused, as vLLM does.
+    assert_error(client.post("/v1/completions", json={**CMPL, "stream_options": {"include_usage": True}}), 400)
+
+
+def test_generation_config_defaults(client: httpx.Client, llm: LLM) -> None:
+    """The target's generation_config.json sets top_k=7 and max_new_tokens=12: a request that leaves them unset
+    samples with top_k 7 and stops at 12 tokens; one that sets them keeps its own (up to the cap)."""
+    seeded = {"model": MODEL, "prompt": "hello", "temperature": 1.0, "seed": 5, "ignore_eos": True}
+    r = client.post("/v1/completions", json={**seeded, "max_tokens": 100}).json()
+    assert r["usage"]["completion_tokens"] == 12  # capped by max_new_tokens, as vLLM caps it
+    assert r["choices"][0]["text"] == _offline(llm, "hello", max_tokens=12, temperature=1.0, top_k=7, seed=5,
+                                               ignore_eos=True)
+    r = client.post("/v1/completions", json={**seeded, "top_k": 0, "max_tokens": 6}).json()
+    assert r["choices"][0]["text"] == _offline(llm, "hello", max_tokens=6, temperature=1.0, top_k=0, seed=5,
+                                               ignore_eos=True)
+
+
+# --- n > 1 and prompt batches ---------------------------------------------------------------------------------
+SAMPLED = {"temperature": 1.0, "top_k": 0, "max_tokens": 8, "ignore_eos": True}
+
+
+def test_n_choices_are_independent_seeded_samples(client: httpx.Client, llm: LLM) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "n": 3, "seed": 11, **SAMPLED})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    texts = [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    # Choice i is the request with seed + i (as vLLM seeds its n children): reproducible, and not a copy.
+    assert texts == [_offline(llm, "hello", seed=11 + i, **SAMPLED) for i in range(3)]
+    assert len(set(texts)) > 1
+    assert body["usage"]["completion_tokens"] == 3 * 8 and body["usage"]["prompt_tokens"] == len("hello")
+
+
+def test_prompt_batch_with_n(client: httpx.Client, llm: LLM) -> None:
+    prompts = ["hello", "the cat"]
+    body = client.post("/v1/completions", json={"model": MODEL, "prompt": prompts, "n": 2, "seed": 3,
+                                                **SAMPLED}).json()
+    by_index = {c["index"]: c["text"] for c in body["choices"]}
+    assert by_index == {p * 2 + i: _offline(llm, prompts[p], seed=3 + i, **SAMPLED) for p in range(2) for i in range(2)}
+    assert body["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)  # once per prompt, not per choice
+
+
+def test_n_streamed_and_chat(client: httpx.Client) -> None:
+    req = {"model": MODEL, "prompt": "hello", "n": 2, "seed": 4, **SAMPLED}
+    whole = client.post("/v1/completions", json=req).json()
+    chunks = [json.loads(e) for e in sse_events(client.post("/v1/completions", json={
+        **req, "stream": True, "stream_options": {"include_usage": True}}))[:-1]]
+    streamed = {0: "", 1: ""}
+    for ch in chunks[:-1]:
+        (choice,) = ch["choices"]
+        streamed[choice["index"]] += choice["text"]
+    assert streamed == {c["index"]: c["text"] for c in whole["choices"]}
+    assert chunks[-1]["usage"] == whole["usage"]
+    chat = client.post("/v1/chat/completions", json={**CHAT, "n": 2, "seed": 4, "temperature": 1.0}).json()
+    assert sorted(c["index"] for c in chat["choices"]) == [0, 1]
+    assert all(c["message"]["role"] == "assistant" for c in chat["choices"])
+
+
+def test_openai_client_reads_choices(server: Server) -> None:
+    import openai
+
+    oc = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x")
+    resp = oc.completions.create(model=MODEL, prompt="hello", n=3, max_tokens=4, seed=1, temperature=1.0)
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2] and all(c.text is not None for c in resp.choices)
+    chat = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                      max_tokens=4, seed=1)
+    assert len(chat.choices) == 2
+    with pytest.raises(openai.BadRequestError):
+        oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                   response_format={"type": "json_object"})
+
+
+# --- logprobs ---------------------------------------------------------------------------------------------------
+def _offline_logprobs(llm: LLM, prompt: str | list[int], k: int, **params) -> tuple[list[int], list[dict]]:
+    out = llm.generate([prompt], SamplingParams(logprobs=k, **params))[0]
+    return out.token_ids, out.logprobs
+
+
+def test_completion_logprobs(client: httpx.Client, llm: LLM) -> None:
+    """Served logprobs (with the draft speculating) are the offline engine's, which equal HF's (test_logprobs.py)."""
+    ids, ref = _offline_logprobs(llm, "hello", 3, max_tokens=8, temperature=0.0, ignore_eos=True)
+    req = {"model": MODEL, "prompt": "hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    body = client.post("/v1/completions", json=req).json()
+    lp = body["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == pytest.approx([r[t] for t, r in zip(ids, ref)], abs=1e-4)
+    assert len(lp["tokens"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 8
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    # Each position lists the emitted token and the 3 most likely (fewer keys where byte tokens decode alike).
+    for top, r in zip(lp["top_logprobs"], ref):
+        assert 1 <= len(top) <= 4 and max(top.values()) == pytest.approx(max(r.values()), abs=1e-4)
+    chunks = [json.loads(e) for e in sse_events(client.post("/v1/completions", json={**req, "stream": True}))[:-1]]
+    streamed = [v for ch in chunks for v in ch["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-6)
+    assert client.post("/v1/completions", json={**req, "logprobs": None}).json()["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs(client: httpx.Client, llm: LLM) -> None:
+    req = {**CHAT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    body = client.post("/v1/chat/completions", json=req).json()
+    prompt = client.post("/tokenize", json={"model": MODEL, "messages": CHAT["messages"]}).json()["tokens"]
+    ids, ref = _offline_logprobs(llm, prompt, 2, max_tokens=6, temperature=0.0, ignore_eos=True)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == pytest.approx([r[t] for t, r in zip(ids, ref)], abs=1e-4)
+    assert all(len(c["top_logprobs"]) == 2 and c["bytes"] == list(c["token"].encode()) for c in content)
+    assert [c["top_logprobs"][0]["logprob"] for c in content] == pytest.approx([max(r.values()) for r in ref],
+                                                                              abs=1e-4)
+    only = client.post("/v1/chat/completions", json={**req, "top_logprobs": None}).json()
+    assert all(c["top_logprobs"] == [] for c in only["choices"][0]["logprobs"]["content"])
+
+
+def test_openai_client_reads_logprobs(server: Server) -> None:
+    import openai
+
+    oc = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x")
+    resp = oc.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0, logprobs=2)
+    lp = resp.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs) and len(lp.top_logprobs) == 4
+    chat = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                      temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    stream = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                        temperature=0, logprobs=True, stream=True)
+    streamed = [c.logprob for ch in stream if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content]
+    assert streamed == pytest.approx([c.logprob for c in content], abs=1e-6)
+
+
+def test_grpc_logprobs(server: Server, llm: LLM) -> None:
+    import grpc
+
+    from serving.proto import specserve_pb2 as pb
+    from serving.proto import specserve_pb2_grpc as pb_grpc
+
+    ids, ref = _offline_logprobs(llm, "hello", 2, max_tokens=6, temperature=0.0, ignore_eos=True)
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        responses = list(stub.Generate(pb.GenerateRequest(prompt="hello", max_tokens=6, ignore_eos=True, logprobs=2),
+                                       timeout=120))
+        entries = [e for r in responses for e in r.logprobs]
+        assert [e.token_id for e in entries] == [t for r in responses for t in r.token_ids] == ids
+        assert [e.logprob for e in entries] == pytest.approx([r[t] for t, r in zip(ids, ref)], abs=1e-4)
+        assert all(len(e.top_logprobs) == 2 for e in entries)
+        plain = list(stub.Generate(pb.GenerateRequest(prompt="hello", max_tokens=3), timeout=120))
+        assert not any(r.logprobs for r in plain)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(prompt="hello", logprobs=21), timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# --- logits processing and stop options, served -------------------------------------------------------------------
+@pytest.mark.parametrize("fields", [
+    dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.3),
+    dict(logit_bias={"104": 5.0, "111": 3.0}, min_p=0.2),
+    dict(allowed_token_ids=list(range(97 + 3, 123 + 3)), min_tokens=3),
+], ids=["penalties", "bias-minp", "allowed-min-tokens"])
+def test_processing_fields_match_offline(client: httpx.Client, llm: LLM, fields: dict) -> None:
+    req = {"model": MODEL, "prompt": "hello", "max_tokens": 10, "temperature": 0.9, "seed": 8, "top_k": 0, **fields}
+    body = client.post("/v1/completions", json=req)
+    assert body.status_code == 200, body.text
+    offline = dict(fields, logit_bias={int(k): v for k, v in fields["logit_bias"].items()}) \
+        if "logit_bias" in fields else fields
+    assert body.json()["choices"][0]["text"] == _offline(llm, "hello", max_tokens=10, temperature=0.9, seed=8,
+                                                         top_k=0, **offline)
+
+
+def test_bad_words_and_stop_string_options(client: httpx.Client, llm: LLM) -> None:
+    greedy = {"model": MODEL, "prompt": "hello", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    text = client.post("/v1/completions", json=greedy).json()["choices"][0]["text"]
+    word = next(ch for ch in text if ch.strip())
+    banned = client.post("/v1/completions", json={**greedy, "bad_words": [word]}).json()["choices"][0]["text"]
+    assert word not in banned
+    # The word is banned as it tokenizes at the start and after a space (vLLM's two variants).
+    variants = [client.post("/tokenize", json={"prompt": p + word, "add_special_tokens": False}).json()["tokens"]
+                for p in ("", " ")]
+    assert banned == _offline(llm, "hello", max_tokens=10, temperature=0.0, ignore_eos=True,
+                              bad_words_token_ids=variants)
+    stop = text[3:5]
+    cut = client.post("/v1/completions", json={**greedy, "stop": stop}).json()["choices"][0]
+    kept = client.post("/v1/completions", json={**greedy, "stop": stop, "include_stop_str_in_output": True}).json()
+    assert kept["choices"][0]["text"] == cut["text"] + stop and cut["finish_reason"] == "stop"
+    assert kept["choices"][0]["stop_reason"] == stop
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("repetition_penalty", 0), ("min_p", 1.5),
+                                          ("min_tokens", 50), ("logit_bias", {"x": 1.0}),
+                                          ("logit_bias", {"100000": 1.0}), ("logit_bias", {"5": 500}),
+                                          ("allowed_token_ids", []), ("allowed_token_ids", [10**6]),
+                                          ("bad_words", [""])])
+def test_bad_processing_values(client: httpx.Client, field: str, value: object) -> None:
+    err = assert_error(client.post("/v1/completions", json={**CMPL, field: value}), 400)
+    assert err["param"] == field, err
+
+
+def test_echo_and_token_id_options(client: httpx.Client) -> None:
+    req = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    plain = client.post("/v1/completions", json=req).json()["choices"][0]
+    echoed = client.post("/v1/completions", json={**req, "echo": True}).json()["choices"][0]
+    assert echoed["text"] == "hello" + plain["text"]
+    chunks = [json.loads(e) for e in sse_events(client.post("/v1/completions", json={**req, "echo": True,
+                                                                                       "stream": True}))[:-1]]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == echoed["text"]
+    with_ids = client.post("/v1/completions", json={**req, "return_token_ids": True}).json()["choices"][0]
+    prompt_ids = client.post("/tokenize", json={"prompt": "hello"}).json()["tokens"]
+    assert with_ids["prompt_token_ids"] == prompt_ids and len(with_ids["token_ids"]) == 5
+    lp = client.post("/v1/completions", json={**req, "logprobs": 1, "return_tokens_as_token_ids": True}).json()
+    assert lp["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in with_ids["token_ids"]]
