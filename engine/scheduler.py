@@ -306,6 +306,10 @@ class Scheduler:
                 if hit is not None and hit.num_tokens:
                     req.num_computed_tokens = req.num_draft_computed_tokens = hit.num_tokens
                 num_new, k = self._num_new(req, budget)
+                if hit is not None and hit.num_tokens:
+                    # The rest runs as the prefill it replaces would, without drafts even when one token is left:
+                    # a seeded request then samples the same tokens whether or not its prefix was cached.
+                    num_new, k = min(req.num_tokens - req.num_computed_tokens, budget), 0
                 if not self._try_allocate(req, num_new, k, hit=hit):
                     req.num_computed_tokens = req.num_draft_computed_tokens = 0
                     break

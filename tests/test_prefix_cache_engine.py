@@ -40,8 +40,9 @@ def _hf(model, prompt: list[int]) -> list[int]:
     return _hf_cache[key]
 
 
-def _chat(llm: LLM) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """(prompts, outputs, cached tokens per request) of the workload."""
+def _chat(llm: LLM, spec: list | None = None) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """(prompts, outputs, cached tokens per request) of the workload; `spec` gets each request's (verify steps,
+    accepted tokens)."""
     prompts, outs = [], []
     for p in TURNS:  # one after another: each may reuse what the earlier ones left cached
         outs += llm.generate([p], GREEDY)
@@ -51,6 +52,8 @@ def _chat(llm: LLM) -> tuple[list[list[int]], list[list[int]], list[int]]:
     prompts.append(second_turn)
     outs += llm.generate(TURNS, GREEDY)  # a batch: hits on earlier requests' blocks, shared by several at once
     prompts += TURNS
+    if spec is not None:
+        spec += [(o.spec.num_drafts, o.spec.num_accepted_tokens) for o in outs]
     return prompts, [o.token_ids for o in outs], [o.num_cached_tokens for o in outs]
 
 
@@ -86,14 +89,25 @@ def test_cached_greedy_equals_uncached_and_hf(tiny_models, family):
     _assert_released(off)
 
 
-# A hybrid Gemma 3 target (sliding + full groups) with the hybrid 2-layer Gemma 3 draft, and a single-group pair.
-@pytest.mark.parametrize("target,draft,k", [("gemma3", "gemma3-2l", 3), ("llama", "gemma3-2l", 2),
-                                            ("mistral", "llama-1l", 4)])
-def test_speculation_with_caching_is_lossless(tiny_models, tiny_drafts, target, draft, k):
+# Hybrid Gemma 3 targets (sliding + full groups) with hybrid drafts (the near copy adds a sliding layer; the 2-layer
+# Gemma 3), a single-group target with a hybrid draft, and a sliding-window-only target with a single-group draft.
+@pytest.mark.parametrize("target,draft,k", [("gemma3", "near", 3), ("gemma3", "gemma3-2l", 3),
+                                            ("llama", "gemma3-2l", 2), ("mistral", "llama-1l", 4)])
+def test_speculation_with_caching_is_lossless(tiny_models, tiny_drafts, near_drafts, target, draft, k):
     m = tiny_models[target]
-    llm = LLM(m.path, draft_model=tiny_drafts[draft].path, num_speculative_tokens=k, **KW)
-    prompts, got, cached = _chat(llm)
+    d = near_drafts[target] if draft == "near" else tiny_drafts[draft]
+    llm = LLM(m.path, draft_model=d.path, num_speculative_tokens=k, **KW)
+    spec_on: list = []
+    prompts, got, cached = _chat(llm, spec_on)
     assert got == [_hf(m, p) for p in prompts]
+    # The draft's cached KV must be right too, which equal outputs cannot show (the target corrects any draft):
+    # requests run one at a time verify the same drafts with and without caching, so the draft proposes the same
+    # tokens and the same ones are accepted. (The final batch is admitted differently, so it is left out.)
+    spec_off: list = []
+    _chat(LLM(m.path, draft_model=d.path, num_speculative_tokens=k, enable_prefix_caching=False, **KW), spec_off)
+    assert spec_on[:5] == spec_off[:5]
+    if draft == "near":
+        assert sum(a for _, a in spec_on) > 0
     assert all(c >= 12 for c in cached[1:]), cached
     stats = llm.engine.prefix_cache_stats()
     # Both models cache; the request's hit is what both can supply, so each model's own hits cover it.
@@ -131,15 +145,25 @@ def _poison_allocations(llm: LLM) -> None:
 
 # num_kv_blocks 17: one 64-token request fits (16 blocks), two long ones do not, so cached blocks are evicted and
 # running requests preempted while other requests share their blocks.
-@pytest.mark.parametrize("draft", [None, "gemma3-2l"])
-def test_no_stale_or_foreign_block_is_read_under_eviction_and_preemption(tiny_models, tiny_drafts, draft):
+# The draft's reads are checked too, which equal outputs cannot show (the target corrects any draft): the poisoned
+# run must propose and accept exactly what the same run without poison does (everything else is deterministic).
+@pytest.mark.parametrize("draft", [None, "gemma3-2l", "near"])
+def test_no_stale_or_foreign_block_is_read_under_eviction_and_preemption(tiny_models, tiny_drafts, near_drafts,
+                                                                         draft):
     m = tiny_models["gemma3"]
     kw = dict(KW, num_kv_blocks=17)
     if draft:
-        kw.update(draft_model=tiny_drafts[draft].path, num_speculative_tokens=3)
+        d = near_drafts["gemma3"] if draft == "near" else tiny_drafts[draft]
+        kw.update(draft_model=d.path, num_speculative_tokens=3)
     llm = LLM(m.path, **kw)
     _poison_allocations(llm)
-    prompts, got, cached = _chat(llm)
+    spec_on: list = []
+    prompts, got, cached = _chat(llm, spec_on)
+    if draft:
+        spec_clean: list = []
+        _chat(LLM(m.path, **kw), spec_clean)
+        assert spec_on == spec_clean
+        assert llm.engine.prefix_cache_stats()["draft"][1] > 0  # the draft did read cached blocks
     long_prompts = [SYSTEM + s for s in random_prompts([20, 22, 17], seed=23)]
     outs = llm.generate(long_prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     assert got == [_hf(m, p) for p in prompts]
@@ -221,3 +245,25 @@ def test_draft_sitting_out_catches_up_from_the_hit(tiny_models, near_drafts):
     assert drafted > 0
     assert [r.output_token_ids for r in reqs[:2]] == [hf_greedy(m.hf, p, 16) for p in TURNS[:2]]
     _assert_released(llm)
+
+
+@pytest.mark.parametrize("mode", ["strict", "probabilistic"])
+def test_seeded_sampling_does_not_depend_on_the_cache(tiny_models, tiny_drafts, mode):
+    """A seed fixes a request's samples whatever else ran before it: a request starting from a hit (one that leaves
+    a single prompt token, too) samples what it samples when it computes its whole prompt."""
+    m, d = tiny_models["llama"], tiny_drafts["llama-1l"]
+    # 17, 21, 25 tokens and so on: every prompt but its last token fills whole blocks, all of them cached
+    prompts = [SYSTEM + s for s in random_prompts([3, 7, 11, 15, 3, 7], seed=24)]
+    params = [SamplingParams(max_tokens=8, temperature=0.9, seed=s, ignore_eos=True) for s in range(len(prompts))]
+    # A seeded request draws each step's samples from a generator keyed by its output position at the step's start,
+    # so its samples follow its step boundaries; a token budget too small for every decode's drafts moves those
+    # (a decode without drafts), cache or no cache. The default budget keeps them to what the request itself sets.
+    kw = dict(KW, max_num_batched_tokens=2048)
+    cold = LLM(m.path, draft_model=d.path, num_speculative_tokens=4, rejection_sampling=mode,
+               enable_prefix_caching=False, **kw)
+    warm = LLM(m.path, draft_model=d.path, num_speculative_tokens=4, rejection_sampling=mode, **kw)
+    warm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # caches every prompt's full blocks
+    got = warm.generate(prompts, params)
+    assert [o.num_cached_tokens for o in got] == [len(p) - 1 for p in prompts]
+    assert [o.token_ids for o in got] == [o.token_ids for o in cold.generate(prompts, params)]
+    _assert_released(warm)

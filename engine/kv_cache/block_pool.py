@@ -5,7 +5,8 @@ block may still be *cached*: a full block whose KV belongs to a known token pref
 later request with the same prefix can take it instead of recomputing it. Free blocks wait in one queue that
 is also the eviction order: blocks that cache nothing sit at the front and are handed out first; cached blocks
 join the back when their last reference goes, so the least recently used cached block is the first one
-evicted, and only when no block without content is left (vLLM v1's free queue works the same way).
+evicted, and only when no block without content is left. (vLLM v1's free queue also evicts on demand in LRU
+order; putting blocks without content first is this pool's own choice: they cost nothing to hand out.)
 """
 
 from __future__ import annotations
