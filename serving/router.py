@@ -253,8 +253,8 @@ class Router:
                 now = time.perf_counter()
                 deltas = [(s, s.snapshot(req)) for req in touched
                           if (s := self._streams.get(req.request_id)) is not None]
-                sched, stats = engine.scheduler, engine.last_step
-                step = (stats.phase_seconds, len(sched.running), len(sched.waiting), stats.num_preempted,
+                stats = engine.last_step
+                step = (stats.phase_seconds, engine.num_running(), engine.num_waiting(), stats.num_preempted,
                         engine.kv_usage(), stats.draft_length)
                 pending = (deltas, step, now)
                 if self._lock_waiters or not engine.has_unfinished():
