@@ -2,6 +2,12 @@
 
     python benchmarks/prefix_cache.py [--device cpu|cuda] [--draft-model smollm2-135m-draft] [--sessions 4]
                                       [--turns 3] [--new-tokens 16] [--save-json out.json]
+    python benchmarks/prefix_cache.py --device cuda --shape qwen3-8b [--draft-shape qwen3-0.6b]   # random weights
+
+`--shape` runs a Qwen3 shape with random weights made on the device (load_format "dummy", no checkpoint to copy).
+Its word-level tokenizer has no chat template, so there a conversation is kept as token ids: each turn's prompt is
+the last prompt, the model's answer and the new user message (words hashed into the vocabulary), which keeps the
+property the chat template gives, that a turn's prompt extends the one before.
 
 Workload: `--sessions` users chat at once, each conversation opening with the same long system prompt; every round
 sends one request per session (concurrently, as one batch), whose prompt is the system prompt plus the session's
@@ -23,7 +29,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,6 +76,13 @@ def _round(llm: LLM, prompts: list[list[int]], params: SamplingParams,
     return reqs, [ttft[r.request_id][0] for r in reqs], [ttft[r.request_id][1] for r in reqs]
 
 
+def _word_ids(text: str, llm: LLM) -> list[int]:
+    """Token ids of a text for a model without a usable tokenizer vocabulary: each word hashed to an id (3 and up:
+    no special tokens)."""
+    vocab = llm.engine.vocab_size
+    return [3 + zlib.crc32(w.encode()) % (vocab - 3) for w in text.split()]
+
+
 def run_workload(llm: LLM, system: str, sessions: int, turns: int, params: SamplingParams) -> dict:
     tok = llm.tokenizer
     histories = [[{"role": "system", "content": system}] for _ in range(sessions)]
@@ -79,14 +94,22 @@ def run_workload(llm: LLM, system: str, sessions: int, turns: int, params: Sampl
     n_out = n_prompt = n_cached = 0
     stats0 = llm.engine.prefix_cache_stats()
     t0, c0 = time.perf_counter(), time.process_time()
+    templated = getattr(tok, "chat_template", None) is not None
+    id_histories = [_word_ids(f"system: {system}", llm) for _ in range(sessions)]  # without a chat template
     for turn in range(turns):
         prompts = []
         for s, h in enumerate(histories):
             q = QUESTIONS[s % len(QUESTIONS)] if turn == 0 else FOLLOW_UPS[(turn - 1 + s) % len(FOLLOW_UPS)]
             h.append({"role": "user", "content": q})
-            prompts.append(list(tok.apply_chat_template(h, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=True)["input_ids"]))
+            if templated:
+                prompts.append(list(tok.apply_chat_template(h, add_generation_prompt=True, tokenize=True,
+                                                            return_dict=True)["input_ids"]))
+            else:
+                id_histories[s] = id_histories[s] + _word_ids(f"user: {q} assistant:", llm)
+                prompts.append(id_histories[s])
         reqs, t, cpu_t = _round(llm, prompts, params, ids)
+        if not templated:
+            id_histories = [p + r.output_token_ids for p, r in zip(prompts, reqs)]
         ttfts += t
         cpu_ttfts += cpu_t
         ttft_by_turn.append(statistics.median(t))
@@ -121,7 +144,24 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="workload runs per mode, alternating; medians reported")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--save-json", default=None)
+    ap.add_argument("--shape", choices=["qwen3-8b", "qwen3-0.6b"], default=None,
+                    help="a Qwen3 shape with random weights instead of --model")
+    ap.add_argument("--draft-shape", choices=["qwen3-0.6b"], default=None, help="likewise for the draft")
     args = ap.parse_args()
+    extra: dict = {}
+    if args.shape:
+        from sweep_models import QWEN3_0_6B, QWEN3_8B, shape_only
+        from transformers import Qwen3Config
+
+        shapes = {"qwen3-8b": QWEN3_8B, "qwen3-0.6b": QWEN3_0_6B}
+        work = Path(tempfile.gettempdir()) / "specserve-prefix-shapes"
+        def make(name: str) -> str:
+            return shape_only(work / name, Qwen3Config(**shapes[name], architectures=["Qwen3ForCausalLM"]))
+
+        args.model = make(args.shape)
+        if args.draft_shape:
+            args.draft_model = make(args.draft_shape)
+        extra = {"load_format": "dummy"}
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -130,7 +170,7 @@ def main() -> None:
     engines = {}
     for caching in (False, True):
         llm = LLM(model=args.model, draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
-                  device=args.device, max_model_len=2048, enable_prefix_caching=caching)
+                  device=args.device, max_model_len=2048, enable_prefix_caching=caching, **extra)
         run_workload(llm, WARMUP_SYSTEM, args.sessions, 1, params)
         engines["on" if caching else "off"] = llm
     # Alternate the modes, so a neighbour's load on a shared machine hits both alike. Each repeat starts from a
