@@ -181,3 +181,13 @@ def near_drafts(tiny_models, tmp_path_factory) -> dict[str, TinyModel]:
         model.save_pretrained(root / family)
         drafts[family] = TinyModel(f"{family}-near", str(root / family), model, cfg)
     return drafts
+
+
+def hf_greedy_cuda(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """HF transformers' greedy continuation of `prompt` on the GPU (the model moves there and back)."""
+    model = model.to("cuda")
+    x = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    model.to("cpu")
+    return out[0, len(prompt):].tolist()

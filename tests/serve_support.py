@@ -14,7 +14,7 @@ import json
 import random
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,3 +301,22 @@ def sse_events(resp: httpx.Response) -> list[str]:
     events = body.split("\n\n")[:-1]
     assert all(e.startswith("data: ") for e in events), events
     return [e[len("data: "):] for e in events]
+
+
+def stream_text(lines: Iterator[str], on_text: Callable[[], None] | None = None
+                ) -> tuple[str, str | None, list[dict]]:
+    """Concatenated text, the finish reason and any in-band error events of an SSE stream of completions;
+    on_text: called after each event that carried text."""
+    text, finish, errors = "", None, []
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[len("data: "):])
+        if "error" in event:
+            errors.append(event["error"])
+            continue
+        text += event["choices"][0]["text"]
+        finish = event["choices"][0]["finish_reason"] or finish
+        if on_text is not None:
+            on_text()
+    return text, finish, errors

@@ -9,7 +9,6 @@ read from /metrics, where every series carries its `replica` label.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from serve_support import (
     running_server,
     scrape,
     serve_config,
+    stream_text,
     worker_handles,
 )
 
@@ -143,21 +143,10 @@ def test_worker_death_fails_only_its_replicas_requests(server: Server, oracle) -
     results: dict[int, tuple[str, str | None, list]] = {}
 
     def stream(i: int) -> None:
-        text, finish, errors = "", None, []
         with server.http() as c, c.stream("POST", "/v1/completions", json=_body(prompts[i], n_tokens, True)) as r:
             assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: "):])
-                if "error" in event:
-                    errors.append(event["error"])
-                    continue
-                text += event["choices"][0]["text"]
-                finish = event["choices"][0]["finish_reason"] or finish
-                first[i].set()
+            results[i] = stream_text(r.iter_lines(), on_text=first[i].set)
         first[i].set()
-        results[i] = (text, finish, errors)
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
     for t in threads:

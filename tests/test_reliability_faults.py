@@ -31,6 +31,7 @@ from serve_support import (
     scrape,
     serve_config,
     sse_payloads,
+    stream_text,
     wait_idle,
     worker_handles,
 )
@@ -88,21 +89,6 @@ def oracle(models: tuple[str, str]):
 def _body(prompt: str, max_tokens: int, stream: bool = False) -> dict:
     return {"model": "tiny", "prompt": ids(prompt), "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": stream}
-
-
-def _stream_text(lines: Iterator[str]) -> tuple[str, str | None, list[dict]]:
-    """Concatenated text, the finish reason and any in-band error events of an SSE stream."""
-    text, finish, errors = "", None, []
-    for line in lines:
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        event = json.loads(line[len("data: "):])
-        if "error" in event:
-            errors.append(event["error"])
-            continue
-        text += event["choices"][0]["text"]
-        finish = event["choices"][0]["finish_reason"] or finish
-    return text, finish, errors
 
 
 # --- client disconnect -------------------------------------------------------------------------------------
@@ -178,7 +164,7 @@ def test_overload_gets_429_with_retry_after(server: Server, oracle) -> None:
             assert err["code"] == "rate_limit_exceeded" and "max_queued_requests" in err["message"]
             assert int(headers["retry-after"]) >= 1
         else:
-            got, finish, errors = _stream_text(sse_payloads_lines(text))
+            got, finish, errors = stream_text(sse_payloads_lines(text))
             assert not errors and finish == "length"
             assert got == oracle(PROMPTS[i % len(PROMPTS)], 120)[1]
     assert max_waiting[0] <= MAX_QUEUED
@@ -275,7 +261,7 @@ def _stream_and_kill(server: Server, prompt: str, max_tokens: int, role: str) ->
             assert head[0].startswith("data: ")
             killed = kill_worker(role)
             t0 = time.monotonic()
-            text, finish, errors = _stream_text(iter(head + list(lines)))
+            text, finish, errors = stream_text(iter(head + list(lines)))
             return text, finish, errors, killed, time.monotonic() - t0
 
 
@@ -342,7 +328,7 @@ def test_drain_finishes_in_flight_and_refuses_new(server: Server, oracle) -> Non
     def stream(i: int) -> None:
         with server.http() as c:
             with c.stream("POST", "/v1/completions", json=_body(PROMPTS[i], 150, stream=True)) as r:
-                results[i] = _stream_text(r.iter_lines())
+                results[i] = stream_text(r.iter_lines())
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
     for t in threads:

@@ -5,22 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import hf_greedy_cuda, random_prompts
 
 from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 # Few graph buckets: capture time, not coverage (test_fast_path_cuda.py covers padded buckets).
 KW = dict(max_model_len=256, block_size=16, num_kv_blocks=256, max_num_seqs=8, cuda_graph_batch_sizes=(1, 4, 8))
-
-
-def _hf_greedy_cuda(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    model = model.to("cuda")
-    x = torch.tensor([prompt], device="cuda")
-    with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    model.to("cpu")
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
@@ -30,7 +21,7 @@ def test_fp32_greedy_matches_hf_on_cuda(tiny_models, family):
     llm = LLM(model=m.path, device="cuda", dtype="float32", **KW)
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     for p, o in zip(prompts, outs):
-        assert o.token_ids == _hf_greedy_cuda(m.hf, p, 24)
+        assert o.token_ids == hf_greedy_cuda(m.hf, p, 24)
 
 
 @pytest.mark.parametrize("k", [1, 4])

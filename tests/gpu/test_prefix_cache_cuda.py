@@ -4,23 +4,13 @@ uncached engine, for a hybrid Gemma 3 target with a hybrid draft, with shared bl
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import random_prompts
+from conftest import hf_greedy_cuda, random_prompts
 
 from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 KW = dict(max_model_len=256, block_size=16, num_kv_blocks=64, max_num_seqs=8, cuda_graph_batch_sizes=(1, 4, 8),
           device="cuda", dtype="float32")
-
-
-def _hf_greedy_cuda(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    model = model.to("cuda")
-    x = torch.tensor([prompt], device="cuda")
-    with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    model.to("cpu")
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("draft", [None, "gemma3-2l"])
@@ -40,4 +30,4 @@ def test_fp32_prefix_cache_matches_hf_and_uncached_on_cuda(tiny_models, tiny_dra
             assert all(o.num_cached_tokens >= 48 for o in got[1:])
         for _, kv in llm.engine.kv_managers():
             assert kv.num_used_blocks() == [0] * kv.num_groups
-    assert outs[True] == outs[False] == [_hf_greedy_cuda(target.hf, p, 24) for p in prompts * 2]
+    assert outs[True] == outs[False] == [hf_greedy_cuda(target.hf, p, 24) for p in prompts * 2]
