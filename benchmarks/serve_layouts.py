@@ -146,15 +146,10 @@ def phase_means_ms(before: dict[str, float] | None, after: dict[str, float] | No
     if not before or not after:
         return {}
     totals: dict[str, list[float]] = {}
-
-    def summed(samples: dict[str, float], name: str, phase: str) -> float:
-        # Summed over every engine replica: the served /metrics labels each series with its `replica`.
-        return sum(v for k, v in samples.items() if k.startswith(name + "{") and f'phase="{phase}"' in k)
-
     for phase in PHASES:
-        count, total = (f"specserve_step_duration_seconds_{s}" for s in ("count", "sum"))
-        totals[phase] = [summed(after, total, phase) - summed(before, total, phase),
-                         summed(after, count, phase) - summed(before, count, phase)]
+        # The bench client's parser sums each series over the engine replicas under its unlabelled name.
+        count, total = (f'specserve_step_duration_seconds_{s}{{phase="{phase}"}}' for s in ("count", "sum"))
+        totals[phase] = [after.get(total, 0.0) - before.get(total, 0.0), after.get(count, 0.0) - before.get(count, 0.0)]
     return phase_summary(totals)
 
 

@@ -115,9 +115,11 @@ def create_openai_app(client: Client, api_key: str | None = None, max_body_bytes
             report = await client.check_health()
         except GenerationError as e:
             return _error_response(503, e.message, retry_after_s=e.retry_after_s)
-        # Serving, perhaps degraded: speculation off while a new draft group starts (still lossless).
+        # Serving, perhaps degraded: speculation off while a new draft group starts (still lossless), or some
+        # engine replicas not serving (recovering, draining) while others do.
         return JSONResponse({"status": "ok", "speculation": report.get("speculation", True),
-                             "degraded": report.get("degraded")})
+                             "degraded": report.get("degraded"), "engine_replicas": report.get("num_replicas"),
+                             "engine_replicas_serving": report.get("num_serving")})
 
     @app.get("/metrics")
     async def metrics() -> Response:

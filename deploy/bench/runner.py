@@ -8,6 +8,7 @@ import asyncio
 import logging
 import math
 import random
+import re
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -85,17 +86,31 @@ async def fetch_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, f
     return parse_prometheus(resp.text)
 
 
+_REPLICA_LABEL = re.compile(r'(?:,)?replica="[^"]*"(?:,)?')
+
+
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {"name{labels}": value} (labels as written by the server)."""
-    out = {}
+    """Prometheus text exposition -> {"name{labels}": value} (labels as written by the server). A server of several
+    engine replicas (specserve's /metrics labels each series with its `replica`) also gets each series summed over
+    its replicas, under the name without that label, so totals read the same from one engine or many."""
+    out: dict[str, float] = {}
+    summed: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         key, _, value = line.rpartition(" ")
         try:
-            out[key.strip()] = float(value)
+            v = float(value)
         except ValueError:
             continue
+        key = key.strip()
+        out[key] = v
+        if 'replica="' in key:
+            bare = _REPLICA_LABEL.sub(lambda m: "," if m.group(0).startswith(",") and m.group(0).endswith(",")
+                                      else "", key).replace("{}", "")
+            summed[bare] = summed.get(bare, 0.0) + v
+    for key, v in summed.items():
+        out.setdefault(key, v)
     return out
 
 
