@@ -365,6 +365,8 @@ class EngineCore:
                               for g in range(self.target_kv.num_groups)],
                 temperature=r.params.temperature, top_p=r.params.top_p, top_k=r.params.top_k, seed=r.params.seed,
                 num_output_tokens=r.num_output_tokens, draft_start_pos=s.draft_start, logprobs=r.params.logprobs,
+                token_limit=min(r.num_prompt_tokens + r.params.max_tokens, self.config.max_model_len)
+                if s.open_input else 0,
                 logits_params=r.logits_params,
                 # The history a logits processor reads; an open entry's sides append what its step in flight added.
                 output_token_ids=list(r.output_token_ids)
@@ -387,7 +389,8 @@ class EngineCore:
             r = s.request
             if r.status.finished:  # ended while this step was in flight: its tokens come after the end
                 continue
-            k = s.num_draft_tokens
+            # The k the step verified: an open entry's was shrunk by the sides, from their exact counts.
+            k = result.num_draft_tokens[n] if result.num_draft_tokens is not None else s.num_draft_tokens
             # An open input began where the step before it ended: the committed frontier now.
             frontier = r.num_tokens if s.open_input else s.frontier
             if tokens is None:  # a prefill chunk that did not reach the end of the prompt

@@ -90,6 +90,8 @@ class RequestTable:
         frontier = t.num_tokens
         entry = dataclasses.replace(p, token_ids=t.tokens_from(t.num_computed), start_pos=t.num_computed,
                                     num_output_tokens=t.num_output_tokens)
+        if p.token_limit:
+            entry.num_draft_tokens = max(0, min(p.num_draft_tokens, p.token_limit - frontier - 1))
         if p.output_token_ids is not None:
             # The history a logits processor reads (penalties): the scheduler's, which lacks what the step in
             # flight produced; those are this side's newest tokens.

@@ -14,9 +14,9 @@ step that speculates.
 Asynchronous scheduling (EngineCore): step n+1 is scheduled while step n is in flight, so a request's committed
 state lags by that step. `schedule(optimistic=True)` plans from the committed state advanced by the step in flight
 (`Request.inflight`): a prefill chunk short of the prompt's end is exact (the next chunk follows it); a step that
-samples may add up to k + 1 tokens, so the next step's KV is allocated for all of them, its k is shrunk so that
-even then it cannot overrun max_tokens or max_model_len, and a request that may already be done sits the step
-out. Such a step never preempts (blocks freed under a step in flight could be written by it): when one would
+samples may add up to k + 1 tokens, so the next step's KV is allocated for all of them; its k goes out unshrunk
+and the sides shrink it from their exact counts (near max_tokens and max_model_len) as a synchronous schedule
+would; a request that may already be done sits the step out. Such a step never preempts (blocks freed under a step in flight could be written by it): when one would
 be needed, the output says `blocked` and the engine lets the step in flight land first.
 
 Prefix caching (engine/kv_cache): a waiting request is admitted from the longest prefix of full blocks that every
@@ -254,10 +254,13 @@ class Scheduler:
         num_output_max = req.num_output_tokens + s.num_draft_tokens + 1
         if num_tokens_max >= self.max_model_len or num_output_max >= req.params.max_tokens:
             return None
-        k = self.draft_length(req, num_tokens_max, num_output_max)
+        # The step's k, unshrunk: the sides shrink it from their exact counts (StepPlan's token_limit), so that it
+        # is the k a synchronous schedule would draft here. KV covers the unshrunk k, up to max_model_len.
+        k = self.step_draft_length
         if 1 + k > budget:
             return None
-        if not self._try_allocate(req, 1 + k, k, start=num_tokens_max - 1):
+        k_kv = max(0, min(k, self.max_model_len - num_tokens_max))
+        if not self._try_allocate(req, 1 + k_kv, k_kv, start=num_tokens_max - 1):
             return False
         return ScheduledRequest(req, 1 + k, k, self._draft_runs, start=num_tokens_max - 1, open_input=True)
 

@@ -32,6 +32,10 @@ class PlannedRequest:
     draft_start_pos: int = 0
     draft_block_tables: list[list[int]] = field(default_factory=list)  # [num_draft_groups][num_blocks]
     draft_runs: bool = False  # the draft processes this request this step (catch-up, prefill, proposals)
+    # An open entry's k is the step's; the sides shrink it, from their exact counts, so that the step ends before
+    # this many tokens (the prompt plus max_tokens, or max_model_len), as the scheduler shrinks it for explicit
+    # entries: both schedules then draft the same k at every position. 0: no limit.
+    token_limit: int = 0
     # Sampling: settings, and the output position that seeds a seeded request's generators.
     temperature: float = 0.0
     top_p: float = 1.0
@@ -67,6 +71,7 @@ class StepResult:
     sampled: list[list[int] | None]  # None where the request did not sample (mid-prefill)
     num_accepted: list[int]
     step_id: int = -1  # the plan's: a side that records results matches them to the plans it ran
+    num_draft_tokens: list[int] | None = None  # per planned request, the k it verified (an open entry's is shrunk)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     # Per planned request, one (logprob, [(token id, logprob), ...]) per sampled token, where the request asked for
     # logprobs (engine.sample.logprobs); None when no request of the step did.

@@ -119,9 +119,10 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
     from serving.replica_router import check_router_kwargs
 
     kwargs = check_router_kwargs({**(request_router_kwargs or {}), "prefix_affinity": REQUEST_ROUTERS[request_router]})
-    engine_options["request_router_config"] = RequestRouterConfig(
-        request_router_class=REQUEST_ROUTER_CLASS, request_router_kwargs=kwargs,
-        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+    if REQUEST_ROUTERS[request_router]:
+        engine_options["request_router_config"] = RequestRouterConfig(
+            request_router_class=REQUEST_ROUTER_CLASS, request_router_kwargs=kwargs,
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
     engine = EngineReplica.options(**engine_options).bind(
         engine_args, engine_builder, served_model_name or model, max_queued_requests, continue_without_draft)
 

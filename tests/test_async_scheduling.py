@@ -201,8 +201,8 @@ def test_async_abort_with_a_step_in_flight(tiny_models, near_drafts, target_gree
 def test_async_seeded_sampling_is_batch_independent(tiny_models, tiny_drafts, mode):
     # SamplingParams' contract under asynchronous scheduling too: seeded requests draw from generators seeded by
     # their output position, which open entries take from the side's table, so a seeded request's tokens do not
-    # depend on what else runs. (They may differ from a synchronous run's: near max_tokens the k of a step comes
-    # from bounds, and rejection sampling draws per draft position.)
+    # depend on what else runs; and the sides shrink an open entry's k exactly as the scheduler would, so they
+    # equal a synchronous run's (a server's seeded output equals the offline engine's).
     llm = LLM(tiny_models["llama"].path, draft_model=tiny_drafts["llama-1l"].path, num_speculative_tokens=4,
               rejection_sampling=mode, block_size=4, max_model_len=64, async_scheduling=True)
     prompts = random_prompts([5] * 8, seed=9)
@@ -211,6 +211,9 @@ def test_async_seeded_sampling_is_batch_independent(tiny_models, tiny_drafts, mo
     batched = llm.generate(prompts + [PROMPTS[2]], seeded + [SamplingParams(max_tokens=40, ignore_eos=True)])
     assert [o.token_ids for o in batched[:8]] == alone
     assert len(set(map(tuple, alone))) > 4  # really sampled
+    sync = LLM(tiny_models["llama"].path, draft_model=tiny_drafts["llama-1l"].path, num_speculative_tokens=4,
+               rejection_sampling=mode, block_size=4, max_model_len=64)
+    assert [o.token_ids for o in sync.generate(prompts, seeded)] == alone
 
 
 @pytest.mark.parametrize("mode", ["probabilistic", "strict"])

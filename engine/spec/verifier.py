@@ -175,6 +175,7 @@ class Verifier:
         prepare = (0.0 if prepared_ahead else inp.seconds) + t0 - t_in
         result.phase_seconds = {"prepare": prepare, "verify": verify, "sample": max(0.0, t2 - t0 - verify)}
         result.step_id = inp.plan.step_id
+        result.num_draft_tokens = list(inp.counts)
         return result
 
     def _launch(self, positions: list[int], num_reqs: int, max_k: int, forward: PreparedForward) -> LaunchedForward:
