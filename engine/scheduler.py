@@ -16,8 +16,9 @@ state lags by that step. `schedule(optimistic=True)` plans from the committed st
 (`Request.inflight`): a prefill chunk short of the prompt's end is exact (the next chunk follows it); a step that
 samples may add up to k + 1 tokens, so the next step's KV is allocated for all of them; its k goes out unshrunk
 and the sides shrink it from their exact counts (near max_tokens and max_model_len) as a synchronous schedule
-would; a request that may already be done sits the step out. Such a step never preempts (blocks freed under a step in flight could be written by it): when one would
-be needed, the output says `blocked` and the engine lets the step in flight land first.
+would; a request that may already be done sits the step out. Such a step never preempts (blocks freed under a
+step in flight could be written by it): when one would be needed, the output says `blocked` and the engine lets
+the step in flight land first.
 
 Prefix caching (engine/kv_cache): a waiting request is admitted from the longest prefix of full blocks that every
 KV-cache group of every model can supply from its cache (`_prefix_hit`); both models' progress starts there and
