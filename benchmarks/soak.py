@@ -47,9 +47,9 @@ WORDS = ["the", "sea", "a", "river", "of", "light", "def", "fibonacci", "(n):", 
 # (weight, kind): the traffic mix
 MIX = [(30, "complete"), (20, "stream"), (12, "chat"), (10, "cancel"), (10, "grpc"), (6, "grpc_cancel"),
        (12, "invalid")]
-INVALID = [({"max_tokens": 0}, 400), ({"temperature": 5}, 400), ({"top_p": 0}, 400), ({"n": 3}, 400),
+INVALID = [({"max_tokens": 0}, 400), ({"temperature": 5}, 400), ({"top_p": 0}, 400), ({"n": 0}, 400),
            ({"model": "no-such-model"}, 404), ({"prompt": ""}, 400), ({"prompt": [10**9]}, 400),
-           ({"logprobs": 3}, 400)]
+           ({"logprobs": 50}, 400), ({"best_of": 2}, 400)]
 
 
 @dataclass

@@ -71,7 +71,7 @@ class EngineReplica(Router):
 
     async def replica_metrics(self) -> tuple[str, str]:
         """(replica label, this engine's exposition): the ingress merges every replica's into one /metrics."""
-        return self.replica, self.metrics.exposition()
+        return self.replica, await self.metrics_text()  # Router.metrics_text: prefix-cache counters brought up
 
     def __del__(self) -> None:
         """Serve calls this on scale-down or shutdown, once the requests in flight have finished (or its
