@@ -26,18 +26,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import ray
 from ray.actor import ActorHandle
-from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.step_plan import StepPlan, StepResult
 from serving.placement import actor_options, bundle_task_options, create_group_placement, make_bundle
 from serving.worker import ModelWorker, WorkerInfo, node_ip_and_free_port
+from serving.worker_group import (  # noqa: F401 - check_tensor_parallel and launch_verify_ahead_for are public here too
+    WorkerGroup,
+    check_tensor_parallel,
+    launch_verify_ahead_for,
+    release_group,
+)
 
 logger = logging.getLogger("specserve")
 
@@ -49,46 +53,6 @@ class WorkerDiedError(RuntimeError):
     def __init__(self, message: str, role: str | None = None) -> None:
         super().__init__(message)
         self.role = role
-
-
-@dataclass
-class WorkerGroup:
-    """The ranks of one model."""
-
-    role: str  # "target" | "draft"
-    model_path: str
-    size: int  # tensor-parallel ranks
-    placement: PlacementGroup | None
-    workers: list[ActorHandle] = field(default_factory=list)  # [size], by rank
-    info: WorkerInfo | None = None
-
-
-def check_tensor_parallel(cfg: ModelConfig, size: int, role: str) -> None:
-    """Fail on the router, with the numbers, before any worker starts, for a model that cannot be split."""
-    if size < 1:
-        raise ValueError(f"{role} tensor-parallel size must be >= 1, got {size}")
-    hf = cfg.hf_config
-    checks = [("attention heads", cfg.num_heads), ("MLP intermediate size", getattr(hf, "intermediate_size", 0))]
-    for what, n in checks:
-        if n % size:
-            raise ValueError(f"{role} model: {what} ({n}) is not divisible by tensor_parallel_size={size}")
-    kv = cfg.num_kv_heads
-    if kv % size and size % kv:
-        # Fewer KV heads than ranks is fine (each is replicated), but the split must be even either way.
-        raise ValueError(f"{role} model: {kv} KV heads cannot be split over tensor_parallel_size={size}; "
-                         "use a size that divides the KV head count or is a multiple of it")
-
-
-def launch_verify_ahead_for(requested: bool | None, device_type: str, bundles: list[dict[str, float]],
-                            use_compiled_graph: bool) -> bool:
-    """Whether the target's ranks launch each verify forward before the draft's ids come. `requested` wins when
-    set. By default: with a draft, through the compiled graph (which runs `target_prepare` ahead), on CUDA, and
-    only where every rank of both models has whole GPUs (bundles: the target's, then the draft's): the gate's
-    waiting kernel would take a draft's time slices on a GPU the two share."""
-    if requested is not None:
-        return requested
-    return (device_type == "cuda" and len(bundles) == 2 and use_compiled_graph
-            and all(b.get("GPU", 0) >= 1 for b in bundles))
 
 
 class RayExecutor:
@@ -334,7 +298,7 @@ class RayExecutor:
         self._teardown_graph()
         for group in (self.target, self.draft, self._pending_draft):
             if group is not None:
-                _release_group(group)
+                release_group(group)
         self._broken = self._broken or "the executor was shut down"
 
     def _teardown_graph(self) -> None:
@@ -351,7 +315,7 @@ class RayExecutor:
         Raises WorkerDiedError if a target rank is dead too."""
         self._teardown_graph()
         if self.draft is not None:
-            _release_group(self.draft)
+            release_group(self.draft)
         self.draft, self.draft_kv_groups, self.draft_num_blocks = None, None, 0
         self._broken = self._broken_role = None
         self.check_health()
@@ -365,7 +329,7 @@ class RayExecutor:
         if path is None:
             raise RuntimeError("this executor was built without a draft model")
         if self._pending_draft is not None:
-            _release_group(self._pending_draft)
+            release_group(self._pending_draft)
         bundle = make_bundle(self.engine_config.device.type, resources)
         pg = create_group_placement(f"specserve-draft-{id(self):x}-{time.monotonic_ns():x}", size, bundle,
                                     placement_timeout_s)
@@ -399,19 +363,3 @@ class RayExecutor:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _release_group(group: WorkerGroup) -> None:
-    """Kill a group's workers and free its placement group (a dead worker's kill is a no-op)."""
-    for w in group.workers:
-        try:
-            ray.kill(w)
-        except Exception as e:
-            logger.warning("killing a %s worker: %s", group.role, e)
-    group.workers = []
-    if group.placement is not None:
-        try:
-            remove_placement_group(group.placement)
-        except Exception as e:
-            logger.warning("removing the %s placement group: %s", group.role, e)
-        group.placement = None

@@ -1,0 +1,72 @@
+"""One model's tensor-parallel ranks as the Ray executor holds them, and the checks and policies that decide how a
+group is built: whether a model splits over its ranks, and whether the target's ranks launch the verify ahead."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import ray
+from ray.actor import ActorHandle
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from engine.config import ModelConfig
+from serving.worker import WorkerInfo
+
+logger = logging.getLogger("specserve")
+
+
+@dataclass
+class WorkerGroup:
+    """The ranks of one model."""
+
+    role: str  # "target" | "draft"
+    model_path: str
+    size: int  # tensor-parallel ranks
+    placement: PlacementGroup | None
+    workers: list[ActorHandle] = field(default_factory=list)  # [size], by rank
+    info: WorkerInfo | None = None
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int, role: str) -> None:
+    """Fail on the router, with the numbers, before any worker starts, for a model that cannot be split."""
+    if size < 1:
+        raise ValueError(f"{role} tensor-parallel size must be >= 1, got {size}")
+    hf = cfg.hf_config
+    checks = [("attention heads", cfg.num_heads), ("MLP intermediate size", getattr(hf, "intermediate_size", 0))]
+    for what, n in checks:
+        if n % size:
+            raise ValueError(f"{role} model: {what} ({n}) is not divisible by tensor_parallel_size={size}")
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:
+        # Fewer KV heads than ranks is fine (each is replicated), but the split must be even either way.
+        raise ValueError(f"{role} model: {kv} KV heads cannot be split over tensor_parallel_size={size}; "
+                         "use a size that divides the KV head count or is a multiple of it")
+
+
+def launch_verify_ahead_for(requested: bool | None, device_type: str, bundles: list[dict[str, float]],
+                            use_compiled_graph: bool) -> bool:
+    """Whether the target's ranks launch each verify forward before the draft's ids come. `requested` wins when
+    set. By default: with a draft, through the compiled graph (which runs `target_prepare` ahead), on CUDA, and
+    only where every rank of both models has whole GPUs (bundles: the target's, then the draft's): the gate's
+    waiting kernel would take a draft's time slices on a GPU the two share."""
+    if requested is not None:
+        return requested
+    return (device_type == "cuda" and len(bundles) == 2 and use_compiled_graph
+            and all(b.get("GPU", 0) >= 1 for b in bundles))
+
+
+def release_group(group: WorkerGroup) -> None:
+    """Kill a group's workers and free its placement group (a dead worker's kill is a no-op)."""
+    for w in group.workers:
+        try:
+            ray.kill(w)
+        except Exception as e:
+            logger.warning("killing a %s worker: %s", group.role, e)
+    group.workers = []
+    if group.placement is not None:
+        try:
+            remove_placement_group(group.placement)
+        except Exception as e:
+            logger.warning("removing the %s placement group: %s", group.role, e)
+        group.placement = None
