@@ -13,9 +13,9 @@ the draft and the target stop sharing one, so the model composes a step from tho
   served, asynchronous      propose + handoff + verify + sample + absorb        (the router's work overlaps; absorb,
                                                                                   the result's trip to the draft,
                                                                                   costs what the handoff costs)
-  + speculation ahead, hit  handoff + max(verify + sample, propose)             (the next window was drafted while
-                                                                                  the target verified)
-  + speculation ahead, miss the asynchronous step
+  + speculation ahead       2 x handoff + max(verify + sample, ahead) + (1 - hit rate) x propose
+                            (the draft drafts the next window, k + 1 forwards: `ahead`, while the target verifies;
+                            a hit proposes it at once, a miss drafts the real window after it)
 
 and decode tokens/s = concurrency x acceptance length / step, to be compared with the measured
 concurrency x 1000 / median TPOT (the measured output tokens/s also holds prefill and the gaps between requests).
@@ -45,19 +45,21 @@ def phases_of(layouts: dict[str, Any], name: str, c: int) -> tuple[dict[str, flo
     return None
 
 
-def predict(ph: dict[str, float], accept_len: float, c: int, hit_rate: float, tp_speedup: float) -> dict[str, float]:
-    """Tokens/s per schedule from one-GPU phase means (ms)."""
+def predict(ph: dict[str, float], accept_len: float, c: int, hit_rate: float, tp_speedup: float,
+            k: int = 4) -> dict[str, float]:
+    """Tokens/s per schedule from one-GPU phase means (ms). The window ahead costs the measured `propose_ahead`
+    phase where the run has one (offline+d/predraft), else (k + 1) / k of a proposal."""
     g = ph.get
     target = (g("verify", 0.0) + g("sample", 0.0)) / tp_speedup
     propose, handoff = g("propose", 0.0), g("handoff", 0.0)
+    ahead = g("propose_ahead") or propose * (k + 1) / k
     router = g("schedule", 0.0) + g("dispatch", 0.0) + g("commit", 0.0)
     steps = {
         "serial": propose + g("prepare", 0.0) + target + g("schedule", 0.0) + g("commit", 0.0),
         "sync": propose + handoff + target + router,
         "async": propose + 2 * handoff + target,
     }
-    hit = handoff + max(target, propose)
-    steps["async+ahead"] = hit_rate * hit + (1 - hit_rate) * steps["async"]
+    steps["async+ahead"] = 2 * handoff + max(target, ahead) + (1 - hit_rate) * propose
     return {k: c * accept_len / (v / 1e3) for k, v in steps.items() if v > 0}
 
 
@@ -70,6 +72,9 @@ def main() -> int:
     ap.add_argument("--hit-rate", type=float, nargs="+", default=None,
                     help="speculation-ahead hit rates; default: 0.8^4 x {0.5, 0.9}, i.e. 0.20 and 0.37")
     ap.add_argument("--target-tp-speedup", type=float, default=1.0)
+    ap.add_argument("--ahead-layout", default="offline+d/predraft",
+                    help="layout whose measured propose_ahead phase is the window ahead's cost, where the run has it")
+    ap.add_argument("--k", type=int, default=4, help="draft length (the window ahead's cost without a measurement)")
     args = ap.parse_args()
     doc = json.loads(Path(args.results).read_text())
     run = doc[args.run] if args.run else next(iter(doc.values()))
@@ -85,11 +90,14 @@ def main() -> int:
         if got is None:
             continue
         ph, acc = got
+        measured_ahead = phases_of(layouts, args.ahead_layout, c)
+        if measured_ahead is not None and measured_ahead[0].get("propose_ahead"):
+            ph = {**ph, "propose_ahead": measured_ahead[0]["propose_ahead"]}
         measured = {n: next((c * 1e3 / x["median_tpot_ms"] for x in (layouts.get(n) or {}).get("runs", [])
                              if x["concurrency"] == c and x.get("median_tpot_ms")), None)
                     for n in ("offline+d", "offline")}
-        base = predict(ph, acc, c, 0.0, args.target_tp_speedup)
-        ahead = [predict(ph, acc, c, h, args.target_tp_speedup)["async+ahead"] for h in hits]
+        base = predict(ph, acc, c, 0.0, args.target_tp_speedup, args.k)
+        ahead = [predict(ph, acc, c, h, args.target_tp_speedup, args.k)["async+ahead"] for h in hits]
         fmt = [f"{v:.1f}" if v else "-" for v in (measured["offline+d"], measured["offline"])]
         print(f"| {c} | " + " | ".join(fmt + [f"{base[k]:.1f}" for k in ("serial", "sync", "async")]
                                        + [f"{v:.1f}" for v in ahead]) + " |")

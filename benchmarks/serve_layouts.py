@@ -14,8 +14,15 @@ target's GPUs: target ranks take 0.75 of a GPU each, draft ranks 0.25; otherwise
 the target's first), `nccl` (the draft's proposal tensors go GPU to GPU through NCCL), `ahead` / `noahead` (the
 target's verify forward launched before the draft's ids come, behind the ids gate, forced on / off; by default
 it is on where no GPU is shared), `sync` (synchronous scheduling: the router waits for each step's tokens before it
-plans the next; by default it plans step n+1 while step n runs). `offline` and `offline+d`
-are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for serving's cost.
+plans the next; by default it plans step n+1 while step n runs), `predraft` / `nopredraft` (speculation ahead: the
+draft drafts the next window while the target verifies, forced on / off; by default on where no GPU is shared).
+`offline` and `offline+d` are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for
+serving's cost; `offline+d/predraft` drafts ahead in process (after each verify, not beside it).
+
+--bonus-agreement R (synthetic pairs only, a benchmark-only setting): random weights never agree on a bonus token,
+so a window drafted ahead would never hit; with it, a lookup whose drafts were all accepted counts the bonus as the
+draft's guess at rate R (measure R on a real pair: benchmarks/speculation_ahead.py). The hit rates and unused
+draft tokens of each run come from /metrics (spec_ahead_*).
 
 Per layout, on a fresh Ray runtime that sees only the GPUs the layout needs:
   check  greedy completions of --check-prompts prompts, one at a time, compared with the first layout of the run
@@ -56,7 +63,7 @@ from deploy.bench.report import summarize  # noqa: E402
 from deploy.bench.runner import run_benchmark  # noqa: E402
 
 logger = logging.getLogger("specserve")
-PHASES = ("schedule", "propose", "handoff", "prepare", "verify", "sample", "dispatch", "commit")
+PHASES = ("schedule", "propose", "handoff", "prepare", "verify", "sample", "propose_ahead", "dispatch", "commit")
 # The router's share of a step: its bookkeeping and the transport (handoff: the draft's proposal to the target).
 ROUTER_PHASES = ("schedule", "dispatch", "handoff", "commit")
 
@@ -72,17 +79,21 @@ class Layout:
     nccl: bool = False
     ahead: bool | None = None  # launch_verify_ahead forced on / off; None: the executor's default
     sync: bool = False  # async_scheduling off
+    predraft: bool | None = None  # speculation_ahead forced on / off; None: the executor's default
 
     @staticmethod
     def parse(text: str) -> Layout:
         head, *opts = text.split("/")
-        unknown = set(opts) - {"plain", "shared", "nccl", "ahead", "noahead", "sync"}
+        unknown = set(opts) - {"plain", "shared", "nccl", "ahead", "noahead", "sync", "predraft", "nopredraft"}
         if unknown:
             raise ValueError(f"layout {text!r}: unknown options {sorted(unknown)}")
+        if "predraft" in opts and "nopredraft" in opts:
+            raise ValueError(f"layout {text!r}: predraft or nopredraft, not both")
+        predraft = True if "predraft" in opts else False if "nopredraft" in opts else None
         if head in ("offline", "offline+d"):
-            if opts:
-                raise ValueError(f"layout {text!r}: the offline engine takes no options")
-            return Layout(text, True, 1, int(head.endswith("+d")))
+            if set(opts) - ({"predraft"} if head == "offline+d" else set()):
+                raise ValueError(f"layout {text!r}: the offline engine takes no options but predraft (with a draft)")
+            return Layout(text, True, 1, int(head.endswith("+d")), predraft=predraft)
         parts = head.split("+")
         try:
             if not parts[0].startswith("t") or (len(parts) == 2 and not parts[1].startswith("d")) or len(parts) > 2:
@@ -93,12 +104,13 @@ class Layout:
                              ) from None
         if t < 1 or (len(parts) == 2 and d < 1):
             raise ValueError(f"layout {text!r}: sizes must be >= 1")
-        if set(opts) & {"shared", "nccl", "ahead", "noahead"} and not d:
-            raise ValueError(f"layout {text!r}: shared, nccl, ahead and noahead need a draft")
+        if set(opts) & {"shared", "nccl", "ahead", "noahead", "predraft", "nopredraft"} and not d:
+            raise ValueError(f"layout {text!r}: shared, nccl, ahead, noahead, predraft and nopredraft need a draft")
         if "ahead" in opts and "noahead" in opts:
             raise ValueError(f"layout {text!r}: ahead or noahead, not both")
         ahead = True if "ahead" in opts else False if "noahead" in opts else None
-        return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "nccl" in opts, ahead, "sync" in opts)
+        return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "nccl" in opts, ahead, "sync" in opts,
+                      predraft)
 
     @property
     def num_gpus(self) -> int:
@@ -113,7 +125,7 @@ class Layout:
     def is_reference(self) -> bool:
         # `shared` only places the ranks, so a one-GPU run can take t1+d1/shared as its reference.
         return not self.offline and self.target_tp == 1 and self.draft_tp <= 1 and self.ahead is None and not (
-            self.plain or self.nccl)
+            self.plain or self.nccl) and not self.predraft
 
 
 def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
@@ -132,6 +144,10 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
         engine_kwargs["launch_verify_ahead"] = layout.ahead
     if layout.sync:
         engine_kwargs["async_scheduling"] = False
+    if layout.predraft is not None:
+        engine_kwargs["speculation_ahead"] = layout.predraft
+    if args.bonus_agreement is not None and layout.draft_tp and pair.synthetic_acceptance_rate is not None:
+        engine_kwargs["synthetic_bonus_agreement"] = args.bonus_agreement
     return {"model": pair.target, "draft_model": pair.draft if layout.draft_tp else None,
             "num_speculative_tokens": args.k, "rejection_sampling": pair.rejection_sampling,
             "synthetic_acceptance_rate": pair.synthetic_acceptance_rate if layout.draft_tp else None,
@@ -198,17 +214,42 @@ async def http_layout(pair: Pair, layout: Layout, args: argparse.Namespace, base
         out["runs"] = []
         for c, requests, cfg in bench_workloads(pair, args, base_url):
             run = await run_benchmark(requests, cfg, warmup=warmup_count(args, c))
-            out["runs"].append(run_summary(run, c, phase_means_ms(run.metrics_before, run.metrics_after)))
+            out["runs"].append(run_summary(run, c, phase_means_ms(run.metrics_before, run.metrics_after),
+                                           ahead_summary(ahead_from_metrics(run.metrics_before),
+                                                         ahead_from_metrics(run.metrics_after))))
     return out
 
 
-def run_summary(run: Any, c: int, phases: dict[str, float]) -> dict[str, Any]:
+AHEAD_COUNTERS = ("lookups", "hits", "drafted_tokens", "unused_tokens")
+
+
+def ahead_from_metrics(metrics: dict[str, float] | None) -> tuple[float, ...] | None:
+    """The spec_ahead_* counters of a /metrics scrape, in StepResult.ahead's order."""
+    if not metrics:
+        return None
+    return tuple(metrics.get(f"specserve_spec_ahead_{name}_total", 0.0) for name in AHEAD_COUNTERS)
+
+
+def ahead_summary(before: tuple[float, ...] | None, after: tuple[float, ...] | None) -> dict[str, float] | None:
+    """Speculation ahead over a run: hit rate (hits / lookups) and the share of tokens drafted ahead that were
+    never proposed; None where nothing was drafted ahead."""
+    if before is None or after is None:
+        return None
+    lookups, hits, drafted, unused = (a - b for a, b in zip(after, before))
+    if not drafted:
+        return None
+    return {"hit_rate": hits / max(lookups, 1), "unused_share": unused / drafted, "lookups": lookups}
+
+
+def run_summary(run: Any, c: int, phases: dict[str, float],
+                ahead: dict[str, float] | None = None) -> dict[str, Any]:
     s = summarize(run, f"c={c}")
     if s["failed"]:
         raise RuntimeError(f"{s['failed']} requests failed at concurrency {c}: {s['per_request']['errors'][0]}")
     spec = s.get("spec_decode") or {}
     return {"concurrency": c, "output_tok_s": s["output_throughput"], "median_tpot_ms": s["median_tpot_ms"],
-            "completed": s["completed"], "acceptance_length": spec.get("acceptance_length"), "phases_ms": phases}
+            "completed": s["completed"], "acceptance_length": spec.get("acceptance_length"), "phases_ms": phases,
+            "ahead": ahead}
 
 
 def run_serve_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
@@ -256,13 +297,20 @@ def run_offline_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> 
         if not args.check_only:
             for c, requests, bench_cfg in bench_workloads(pair, args, "in-process"):
                 totals: dict[str, list[float]] = {}
+                before = llm.engine.speculation_ahead_stats()
                 run = run_in_process(llm.engine, requests, bench_cfg, llm.tokenizer, warmup_count(args, c), totals)
-                out["runs"].append(run_summary(run, c, phase_summary(totals)))
+                # (the warm-up's lookups are counted too: the engine keeps running totals only)
+                out["runs"].append(run_summary(run, c, phase_summary(totals),
+                                               ahead_summary(before, llm.engine.speculation_ahead_stats())))
         return out
 
 
-def compare(results: dict[str, Any], layouts: list[Layout], lossless: bool) -> None:
-    """Mark each layout's greedy texts against its reference: `matches`, and the share of equal texts."""
+def compare(results: dict[str, Any], layouts: list[Layout], lossless: bool, bonus_agreement: bool = False) -> None:
+    """Mark each layout's greedy texts against its reference: `matches`, and the share of equal texts.
+    bonus_agreement: a synthetic pair's layouts that may draft ahead are not compared (the setting feeds the draft
+    its guess where the target had another bonus token, which changes which drafts synthetic acceptance keeps)."""
+    if bonus_agreement and not lossless:
+        layouts = [lay for lay in layouts if not (lay.draft_tp and lay.predraft is not False)]
     refs: dict[bool, str] = {}
     for lay in layouts:
         r = results.get(lay.name) or {}
@@ -281,9 +329,10 @@ def compare(results: dict[str, Any], layouts: list[Layout], lossless: bool) -> N
 
 
 def table(results: dict[str, Any], layouts: list[Layout], args: argparse.Namespace) -> str:
-    per_c = " | ".join(f"c={c} tok/s | c={c} TPOT ms | c={c} router ms/step" for c in args.concurrency)
+    per_c = " | ".join(f"c={c} tok/s | c={c} TPOT ms | c={c} router ms/step | c={c} ahead hit rate"
+                       for c in args.concurrency)
     lines = [f"| layout | GPUs | greedy equal to | {per_c} | phases at c={args.concurrency[0]} (ms/step) |",
-             "|---|---|---|" + "---|---|---|" * len(args.concurrency) + "---|"]
+             "|---|---|---|" + "---|---|---|---|" * len(args.concurrency) + "---|"]
     for lay in layouts:
         r = results.get(lay.name) or {}
         if "error" in r:
@@ -295,9 +344,11 @@ def table(results: dict[str, Any], layouts: list[Layout], args: argparse.Namespa
         for c in args.concurrency:
             x = runs.get(c)
             router = (x or {}).get("phases_ms", {}).get("router")
+            ahead = (x or {}).get("ahead")
             cells += [f"{x['output_tok_s']:.1f}" if x else "-",
                       f"{x['median_tpot_ms']:.2f}" if x and x["median_tpot_ms"] else "-",
-                      f"{router:.2f}" if router is not None else "-"]
+                      f"{router:.2f}" if router is not None else "-",
+                      f"{ahead['hit_rate']:.2f} ({ahead['unused_share']:.0%} unused)" if ahead else "-"]
         ph = (runs.get(args.concurrency[0]) or {}).get("phases_ms", {})
         cells.append(", ".join(f"{p} {ph[p]:.2f}" for p in PHASES if p in ph) or "-")
         lines.append("| " + " | ".join(cells) + " |")
@@ -311,6 +362,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--acceptance", type=float, default=0.8, help="synthetic acceptance rate (qwen3 shapes)")
+    ap.add_argument("--bonus-agreement", type=float, default=None,
+                    help="benchmark-only: rate at which a synthetic pair's bonus token counts as the draft's guess")
     ap.add_argument("--dtype", default=None, help="float32 for the exactness checks; default bf16 on GPU")
     ap.add_argument("--check-only", action="store_true", help="greedy comparison only, no bench")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs: a faster start for --check-only runs")
@@ -365,7 +418,7 @@ def main() -> int:
             traceback.print_exc()
             results[lay.name] = {"error": f"{type(e).__name__}: {e}"}
         print(f"[{lay.name}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        compare(results, layouts, lossless)
+        compare(results, layouts, lossless, args.bonus_agreement is not None)
         if out_path:
             out_path.parent.mkdir(parents=True, exist_ok=True)
             out_path.write_text(json.dumps(doc, indent=1))

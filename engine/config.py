@@ -175,6 +175,13 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # Reuse the KV of full blocks whose token prefix was computed before (engine/kv_cache): both models' caches.
     enable_prefix_caching: bool = True
+    # Speculation ahead (engine/spec/speculation_ahead.py): the draft drafts the next window while the target
+    # verifies this one. None: on where the draft has GPUs of its own (its forwards then overlap the verify),
+    # off where it shares a device with the target, where the extra forwards would only queue behind it.
+    speculation_ahead: bool | None = None
+    # Benchmarks only, with synthetic rejection: the rate at which a lookup whose drafts were all accepted takes
+    # the bonus token for the draft's guess (random weights never agree on one).
+    synthetic_bonus_agreement: float | None = None
 
     def validate(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -185,6 +192,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.speculation_ahead not in (None, True, False):
+            raise ValueError(f"speculation_ahead must be true, false or null, got {self.speculation_ahead!r}")
+        rate = self.synthetic_bonus_agreement
+        if rate is not None and not (isinstance(rate, (int, float)) and 0.0 <= rate <= 1.0):
+            raise ValueError(f"synthetic_bonus_agreement must be in [0, 1], got {rate!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.tensor_parallel_size != 1:

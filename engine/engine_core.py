@@ -83,6 +83,12 @@ class EngineCore:
         self._deferred_free: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._sync_next = False  # let the steps in flight land before scheduling (a preemption is due)
+        self.scheduler.speculation_ahead = self.spec_config is not None and bool(
+            getattr(executor, "speculation_ahead", False))
+        if engine_config.synthetic_bonus_agreement is not None and (
+                self.spec_config is None or self.spec_config.rejection_sampling != "synthetic"):
+            raise ValueError("synthetic_bonus_agreement is a benchmark setting for rejection_sampling='synthetic'")
+        self._ahead_totals: tuple[int, int, int, int] = (0, 0, 0, 0)  # the draft's, as its last result said
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -239,6 +245,11 @@ class EngineCore:
         """Blocks in use per "model/group"."""
         return {f"{model}/{g}": n for model, kv in self.kv_managers() for g, n in enumerate(kv.num_used_blocks())}
 
+    def speculation_ahead_stats(self) -> tuple[int, int, int, int]:
+        """The draft's speculation-ahead running totals: (lookups, hits, tokens drafted ahead, of those proposed);
+        they restart from 0 when a new draft group is attached."""
+        return self._ahead_totals
+
     def prefix_cache_stats(self) -> dict[str, tuple[int, int]]:
         """Per model, (tokens looked up, tokens found) in its prefix cache since the model's KV manager began."""
         return {model: (kv.prefix_queries, kv.prefix_hits) for model, kv in self.kv_managers()}
@@ -365,8 +376,8 @@ class EngineCore:
                               for g in range(self.target_kv.num_groups)],
                 temperature=r.params.temperature, top_p=r.params.top_p, top_k=r.params.top_k, seed=r.params.seed,
                 num_output_tokens=r.num_output_tokens, draft_start_pos=s.draft_start, logprobs=r.params.logprobs,
-                token_limit=min(r.num_prompt_tokens + r.params.max_tokens, self.config.max_model_len)
-                if s.open_input else 0,
+                # Where the request must end: the sides shrink an open entry's k by it, and draft ahead no further.
+                token_limit=min(r.num_prompt_tokens + r.params.max_tokens, self.config.max_model_len),
                 logits_params=r.logits_params,
                 # The history a logits processor reads; an open entry's sides append what its step in flight added.
                 output_token_ids=list(r.output_token_ids)
@@ -384,6 +395,8 @@ class EngineCore:
                         spec.synthetic_acceptance_rate if spec else None, finished_ids=finished)
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
+        if result.ahead is not None:
+            self._ahead_totals = result.ahead
         touched = []
         for n, (s, tokens, accepted) in enumerate(zip(scheduled, result.sampled, result.num_accepted)):
             r = s.request

@@ -13,6 +13,7 @@ from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.request_table import RequestTable
 from engine.runner.model_runner import ModelRunner
 from engine.spec.proposer import DraftProposer
+from engine.spec.speculation_ahead import AheadProposer
 from engine.spec.verifier import Verifier
 from engine.step_plan import StepPlan, StepResult
 
@@ -26,6 +27,9 @@ class Executor(Protocol):
     # Whether the engine may submit a step before collecting the one before (EngineCore's asynchronous
     # scheduling): the executor's sides then keep request state (engine/request_table.py) and resolve open plans.
     async_scheduling: bool
+    # Whether the draft drafts the next window while the target verifies (engine/spec/speculation_ahead.py): the
+    # scheduler then gives the draft KV for that window too.
+    speculation_ahead: bool
 
     def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
         """Run the plan; call on_dispatched (if given) once it is on its way and before waiting for its result."""
@@ -48,7 +52,14 @@ class LocalExecutor:
         self.target = target
         self.draft = draft
         self.verifier = Verifier(target, seed)
-        self.proposer = DraftProposer(draft, keep_draft_probs, seed) if draft is not None else None
+        cfg = target.config
+        # Off unless asked for: in process the window drafted ahead runs after the verify, not beside it, so it
+        # only pays where its hits save more forwards than its misses cost (tests exercise it here).
+        self.speculation_ahead = bool(cfg.speculation_ahead) and draft is not None
+        self.proposer = (DraftProposer(draft, keep_draft_probs, seed, ahead=self.speculation_ahead)
+                         if draft is not None else None)
+        self.ahead = (AheadProposer(self.proposer, cfg.synthetic_bonus_agreement, seed)
+                      if self.proposer is not None and self.speculation_ahead else None)
         self.target_kv_groups = target.kv_groups
         self.target_num_blocks = target.num_blocks
         self.draft_kv_groups = draft.kv_groups if draft is not None else None
@@ -80,18 +91,25 @@ class LocalExecutor:
         # bookkeeping, so such a step costs what a step of a target-only engine costs.
         draft_idle = not plan.max_draft_tokens and not any(r.draft_token_ids for r in plan.requests)
         if self.proposer is None or draft_idle:
+            if self.ahead is not None:
+                self.ahead.drop_all()  # windows drafted ahead are for the next step that speculates only
             result = self.verifier.verify(plan, None)
             result.phase_seconds["propose"] = 0.0
             return result
         # Same process, same device: the proposal stays on the device and the verify forward is queued behind
         # the draft's kernels, so the host never waits for the draft. CUDA events time the draft's GPU work.
         events = _start_events(self.draft)
-        proposal = self.proposer.propose(plan)
+        proposal = self.ahead.propose(plan) if self.ahead is not None else self.proposer.propose(plan)
         if events is not None:
             events[1].record()
         t1 = time.perf_counter()
         result = self.verifier.verify(plan, proposal)
         phases = result.phase_seconds
+        if self.ahead is not None:
+            t_ahead = time.perf_counter()
+            self.ahead.predraft(plan, proposal)
+            phases["propose_ahead"] = time.perf_counter() - t_ahead
+            result.ahead = self.ahead.stats.as_tuple()
         if events is not None and events[1].query():
             # The verifier's sample phase waited for the draft too: book that wait as propose.
             draft_gpu = events[0].elapsed_time(events[1]) / 1e3

@@ -112,6 +112,8 @@ class Scheduler:
         # batch size -> the step's k; None: num_speculative_tokens at every batch size.
         self.draft_length_fn = draft_length_fn
         self.step_draft_length = num_speculative_tokens  # k of the step being scheduled
+        # The draft drafts each window ahead (engine/spec/speculation_ahead.py): its KV must reach that far.
+        self.speculation_ahead = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -180,8 +182,11 @@ class Scheduler:
         # (manager, computed, end, prefix) for each model that takes blocks this step
         plans = [(self.kv_managers[0], request.num_computed_tokens, start + num_new, hit.blocks[0] if hit else None)]
         if len(self.kv_managers) > 1 and (self._draft_runs or hit is not None):
-            # The draft holds KV up to the target's frontier plus k - 1 drafts after the step.
+            # The draft holds KV up to the target's frontier plus k - 1 drafts after the step; drafting ahead, also
+            # for the next window (the last draft, a guessed bonus token and k - 1 more drafts).
             end = start + num_new - k + max(0, k - 1) if self._draft_runs else request.num_draft_computed_tokens
+            if self._draft_runs and k and self.speculation_ahead:
+                end = min(end + self.step_draft_length + 1, self.max_model_len)
             plans.append((self.kv_managers[1], request.num_draft_computed_tokens, end, hit.blocks[1] if hit else None))
         if not all(kv.can_allocate(rid, computed, end, prefix) for kv, computed, end, prefix in plans):
             return False

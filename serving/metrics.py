@@ -60,6 +60,14 @@ class EngineMetrics:
         self.prefix_hits = Counter(p + "prefix_cache_hits", "Tokens of those lookups the model's prefix cache held",
                                    ["model"], registry=r)
         self._prefix_seen: dict[str, tuple[int, int]] = {}  # model -> the engine's totals at the last sync
+        # Speculation ahead: hits / lookups is the share of proposals served from windows drafted ahead.
+        self.ahead_lookups = Counter(p + "spec_ahead_lookups", "Proposals looked up among the windows drafted ahead",
+                                     registry=r)
+        self.ahead_hits = Counter(p + "spec_ahead_hits", "Proposals served from a window drafted ahead", registry=r)
+        self.ahead_drafted = Counter(p + "spec_ahead_drafted_tokens", "Draft tokens drafted ahead", registry=r)
+        self.ahead_unused = Counter(p + "spec_ahead_unused_tokens",
+                                    "Draft tokens drafted ahead and dropped without being proposed", registry=r)
+        self._ahead_seen = (0, 0, 0, 0)  # the engine's totals at the last sync
         # --- latencies ---------------------------------------------------------------------------
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival at the router to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -115,6 +123,18 @@ class EngineMetrics:
             if hits > h0:
                 self.prefix_hits.labels(model=model).inc(hits - h0)
             self._prefix_seen[model] = (queries, hits)
+
+    def on_speculation_ahead(self, totals: tuple[int, int, int, int]) -> None:
+        """Bring the counters up to the engine's running totals (lookups, hits, drafted, unused); totals below the
+        last ones mean a new draft group counts anew."""
+        seen = self._ahead_seen
+        if any(t < s for t, s in zip(totals, seen)):
+            seen = (0, 0, 0, 0)
+        for counter, t, s in zip((self.ahead_lookups, self.ahead_hits, self.ahead_drafted, self.ahead_unused),
+                                 totals, seen):
+            if t > s:
+                counter.inc(t - s)
+        self._ahead_seen = tuple(totals)  # type: ignore[assignment]
 
     def set_queue(self, num_running: int, num_waiting: int) -> None:
         self.running.set(num_running)

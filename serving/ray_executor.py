@@ -41,6 +41,7 @@ from serving.worker_group import (  # noqa: F401 - check_tensor_parallel and lau
     check_tensor_parallel,
     launch_verify_ahead_for,
     release_group,
+    speculation_ahead_for,
 )
 
 logger = logging.getLogger("specserve")
@@ -69,6 +70,9 @@ class RayExecutor:
         {"GPU": 1, "CPU": 1} on CUDA), e.g. {"CPU": 2} or a custom resource naming a node pool.
         draft_tensor_transport: None keeps the proposal in the default shared-memory channel; "nccl" (or
         "accelerator") sends its tensors GPU to GPU, see `_build_graph`.
+        Speculation ahead (EngineConfig.speculation_ahead; None: on where every rank of both models has whole GPUs,
+        i.e. the draft's forwards can run beside the target's): each draft rank drafts the next window while the
+        target verifies (`draft_predraft`, a node between `draft_step` and `draft_absorb`).
         launch_verify_ahead: the target's ranks queue each verify forward on the GPU while the draft proposes,
         behind a kernel that waits for the draft's ids (engine/kernels/ids_gate.py), so the forward starts the
         moment they land. None (the default): on CUDA where every rank of both models has whole GPUs; a waiting
@@ -82,6 +86,7 @@ class RayExecutor:
                                  else bool(engine_config.async_scheduling))
         self.draft_tensor_transport = draft_tensor_transport
         self.launch_verify_ahead = launch_verify_ahead
+        self.speculation_ahead = False  # resolved in _start, once the bundles are known
         self.step_timeout_s = step_timeout_s
         self.target: WorkerGroup | None = None
         self.draft: WorkerGroup | None = None
@@ -131,6 +136,8 @@ class RayExecutor:
             else:
                 self.draft = group
         ahead = launch_verify_ahead_for(self.launch_verify_ahead, dev, [b for *_, b in specs], self.use_compiled_graph)
+        self.speculation_ahead = draft_model_path is not None and speculation_ahead_for(
+            self.engine_config.speculation_ahead, dev, [b for *_, b in specs])
         # Rank 0's node and a free port there, for each group's rendezvous (both looked up at once).
         lookup = ray.remote(node_ip_and_free_port)
         addr_refs = [lookup.options(**bundle_task_options(g.placement, 0)).remote() if g.size > 1 else None
@@ -145,7 +152,8 @@ class RayExecutor:
                 group.workers.append(actor_cls.options(**opts).remote(
                     group.role, group.model_path, self.engine_config, rank, group.size, addr, port,
                     rejection_sampling if group.role == "draft" else None, int(bundle.get("CPU", 1)),
-                    launch_verify_ahead=ahead and group.role == "target"))
+                    launch_verify_ahead=ahead and group.role == "target",
+                    speculation_ahead=self.speculation_ahead and group.role == "draft"))
         for group, _ in groups:
             group.info = self._gather_info(group, init_timeout_s)
 
@@ -193,8 +201,13 @@ class RayExecutor:
                 prepared = [w.target_prepare.bind(plan) for w in targets]
                 outs = [w.target_step.bind(prepared[rank], proposal, *(drafts[1:] if rank == 0 else []))
                         for rank, w in enumerate(targets)]
+                # Each draft rank drafts the next window after its proposal has gone out, while the target verifies.
+                after = ([[w.draft_predraft.bind(drafts[rank])] for rank, w in enumerate(self.draft.workers)]
+                         if self.speculation_ahead else [[] for _ in self.draft.workers])
                 if self.async_scheduling:
-                    outs += [w.draft_absorb.bind(outs[0]) for w in self.draft.workers]
+                    outs += [w.draft_absorb.bind(outs[0], *after[rank]) for rank, w in enumerate(self.draft.workers)]
+                else:
+                    outs += [a for rank_after in after for a in rank_after]
             dag = MultiOutputNode(outs)
         # Two executions in flight at most (EngineCore submits one before it collects the one before).
         return dag.experimental_compile(_submit_timeout=self.step_timeout_s, _max_inflight_executions=4)
@@ -243,10 +256,13 @@ class RayExecutor:
         assert self.target is not None
         drafts = [w.draft_step.remote(plan) for w in self.draft.workers] if self.draft is not None else []
         targets = [w.target_step.remote(plan, *drafts[:1]) for w in self.target.workers]
+        # Each actor runs its calls in order: the window ahead is drafted after the proposal, during the verify.
+        ahead = ([w.draft_predraft.remote() for w in self.draft.workers]
+                 if self.draft is not None and self.speculation_ahead else [])
         absorbs = ([w.draft_absorb.remote(targets[0]) for w in self.draft.workers]
                    if self.draft is not None and self.async_scheduling else [])
         # Waiting for the draft ranks too surfaces their errors.
-        return targets + drafts[1:] + absorbs
+        return targets + drafts[1:] + ahead + absorbs
 
     def _raise_step_error(self, error: Exception) -> NoReturn:
         """Turn a failed step into a clear error: a dead/hung worker poisons the executor for good; an error
@@ -344,7 +360,7 @@ class RayExecutor:
         for rank in range(size):
             group.workers.append(actor_cls.options(**actor_options(pg, rank, bundle)).remote(
                 "draft", path, self.engine_config, rank, size, addr, port, rejection_sampling,
-                int(bundle.get("CPU", 1))))
+                int(bundle.get("CPU", 1)), speculation_ahead=self.speculation_ahead))
         group.info = self._gather_info(group, init_timeout_s)
 
     def attach_draft(self) -> None:

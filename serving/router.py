@@ -164,9 +164,10 @@ class Router:
         return {"drained": not self._streams, "num_in_flight": len(self._streams)}
 
     async def metrics_text(self) -> str:
-        # Prefix-cache counters are pulled at scrape time: the engine keeps running totals per model, so the
-        # step loop carries nothing for them.
+        # Prefix-cache and speculation-ahead counters are pulled at scrape time: the engine keeps running totals,
+        # so the step loop carries nothing for them.
         self.metrics.on_prefix_cache(self.engine.prefix_cache_stats())
+        self.metrics.on_speculation_ahead(self.engine.speculation_ahead_stats())
         return self.metrics.exposition()
 
     async def info(self) -> dict[str, Any]:

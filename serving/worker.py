@@ -31,6 +31,7 @@ from engine.parallel import TensorParallelGroup, set_tp_group
 from engine.request_table import RequestTable
 from engine.runner.model_runner import ModelRunner
 from engine.spec.proposer import DraftProposal, DraftProposer
+from engine.spec.speculation_ahead import AheadProposer
 from engine.spec.verifier import Verifier, VerifyInput
 from engine.step_plan import StepPlan, StepResult
 from serving.thread_switch import set_gil_switch_interval
@@ -67,6 +68,7 @@ class DraftOutput:
     seconds: float
     sent_at: float
     host: str
+    ahead: tuple[int, int, int, int] | None = None  # the rank's speculation-ahead counters (StepResult.ahead)
 
 
 def engine_config_from(config: EngineConfig | dict[str, Any]) -> EngineConfig:
@@ -99,7 +101,7 @@ class ModelWorker:
     def __init__(self, role: str, model_path: str, engine_config: EngineConfig | dict[str, Any], rank: int = 0,
                  world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0,
                  rejection_sampling: str | None = None, cpu_threads: int = 1,
-                 launch_verify_ahead: bool = False) -> None:
+                 launch_verify_ahead: bool = False, speculation_ahead: bool = False) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if not 0 <= rank < world_size:
@@ -127,8 +129,14 @@ class ModelWorker:
         self.table = RequestTable()
         self.num_prepared_ahead = 0  # verify steps whose input was built while the draft proposed
         self.num_launched_ahead = 0  # ... and whose forward was queued on the GPU before the ids came
+        # Speculation ahead (draft ranks): the last proposal's resolved plan and the proposal, for `draft_predraft`.
+        self.ahead: AheadProposer | None = None
+        self._last_proposal: tuple[StepPlan, DraftProposal] | None = None
         if role == "draft":
-            self.proposer = DraftProposer(self.runner, rejection_sampling == "probabilistic", config.seed)
+            self.proposer = DraftProposer(self.runner, rejection_sampling == "probabilistic", config.seed,
+                                          ahead=speculation_ahead)
+            if speculation_ahead:
+                self.ahead = AheadProposer(self.proposer, config.synthetic_bonus_agreement, config.seed)
         else:
             self.verifier = Verifier(self.runner, config.seed)
         # Queue each verify forward before the draft's ids come (Verifier.enable_launch_ahead): only where graphs
@@ -160,7 +168,23 @@ class ModelWorker:
     def propose(self, plan: StepPlan) -> DraftProposal:
         if self.proposer is None:
             raise RuntimeError(f"propose() called on a {self.role} worker")
-        return self.proposer.propose(self.table.resolve(plan))
+        return self._propose(self.table.resolve(plan))
+
+    def _propose(self, plan: StepPlan) -> DraftProposal:
+        """The proposal of a resolved plan: from the speculation cache where it hits (and kept for the window
+        drafted ahead after it), else drafted now."""
+        if self.ahead is None:
+            return self.proposer.propose(plan)  # type: ignore[union-attr]
+        proposal = self.ahead.propose(plan)
+        self._last_proposal = (plan, proposal)
+        return proposal
+
+    def draft_predraft(self, _proposed: DraftOutput | None = None) -> None:
+        """Draft the next window of the proposal this rank just sent (speculation ahead), while the target verifies
+        it. A graph node bound after `draft_step` (its argument only orders the two) and before `draft_absorb`."""
+        last, self._last_proposal = self._last_proposal, None
+        if self.ahead is not None and last is not None:
+            self.ahead.predraft(*last)
 
     def verify(self, plan: StepPlan, proposal: DraftProposal | None) -> StepResult:
         if self.verifier is None:
@@ -175,17 +199,18 @@ class ModelWorker:
         if self.proposer is None:
             raise RuntimeError(f"draft_step() called on a {self.role} worker")
         plan = self.table.resolve(plan)
-        proposal = self.proposer.propose(plan)
+        proposal = self._propose(plan)
         if self.rank != 0:
             return None
         proposal = proposal.to_host([r.num_draft_tokens for r in plan.requests])
         now = time.perf_counter()
-        return DraftOutput(proposal, now - t0, now, _HOST)
+        return DraftOutput(proposal, now - t0, now, _HOST, self.ahead.stats.as_tuple() if self.ahead else None)
 
-    def draft_absorb(self, result: StepResult | None) -> None:
+    def draft_absorb(self, result: StepResult | None, *_after: None) -> None:
         """The target's result of the step this rank just proposed for (asynchronous scheduling): recorded
         here, so the next step's open entries resolve without the scheduler. It comes straight from target
-        rank 0, while the router is still on its way to the result."""
+        rank 0, while the router is still on its way to the result. `_after`: the rank's `draft_predraft`, bound
+        here only to order the two."""
         if result is None:
             raise RuntimeError("draft_absorb() needs target rank 0's result")
         self.table.record(result)
@@ -215,6 +240,7 @@ class ModelWorker:
             return None
         if draft is not None:
             result.phase_seconds["propose"] = draft.seconds
+            result.ahead = draft.ahead
             if draft.host == _HOST:
                 # The proposal's trip from the draft's worker to this one (serialization and channel); only
                 # where both clocks are this host's. The executor's dispatch is then the router's two hops.

@@ -56,6 +56,15 @@ def launch_verify_ahead_for(requested: bool | None, device_type: str, bundles: l
             and all(b.get("GPU", 0) >= 1 for b in bundles))
 
 
+def speculation_ahead_for(requested: bool | None, device_type: str, bundles: list[dict[str, float]]) -> bool:
+    """Whether the draft's ranks draft the next window while the target verifies. `requested` wins when set. By
+    default only where every rank of both models (bundles: the target's, then the draft's) has whole GPUs: there
+    the window ahead runs beside the verify, where a shared device would queue it behind it."""
+    if requested is not None:
+        return requested
+    return device_type == "cuda" and len(bundles) == 2 and all(b.get("GPU", 0) >= 1 for b in bundles)
+
+
 def release_group(group: WorkerGroup) -> None:
     """Kill a group's workers and free its placement group (a dead worker's kill is a no-op)."""
     for w in group.workers:

@@ -31,6 +31,7 @@ from serving.engine_factory import build_ray_engine
 from serving.ray_executor import RayExecutor, WorkerDiedError, check_tensor_parallel, launch_verify_ahead_for
 from serving.thread_switch import DEFAULT_GIL_SWITCH_INTERVAL_S
 from serving.worker import ModelWorker
+from serving.worker_group import speculation_ahead_for
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = random_prompts([3, 9, 17], seed=5)
@@ -224,20 +225,22 @@ def test_gemma3_hybrid_tp2_with_replicated_kv_draft(tiny_models: dict[str, TinyM
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-def test_async_scheduling_tp2_both_sides_hybrid_draft(tiny_models: dict[str, TinyModel],
-                                                      tiny_drafts: dict[str, TinyModel], compiled: bool) -> None:
-    """Asynchronous scheduling across processes: Gemma 3 target (two KV-cache groups) at TP=2 with the Gemma 3
-    hybrid draft (two KV-cache groups) at TP=2, through the compiled graph and through plain actor calls. Greedy
-    equals the in-process target alone; steps really go out before their predecessors' tokens came back, their
-    decodes open (resolved by the workers' tables, the draft's fed by target rank 0's result); every rank's
-    table forgets the requests once they end; sampled outputs are the same on both paths."""
-    target, draft = tiny_models["gemma3"].path, tiny_drafts["gemma3-2l"].path
+def test_async_scheduling_and_speculation_ahead_tp2_both_sides_hybrid_draft(
+        tiny_models: dict[str, TinyModel], near_drafts: dict[str, TinyModel], compiled: bool) -> None:
+    """Asynchronous scheduling and speculation ahead across processes: Gemma 3 target (two KV-cache groups) at TP=2
+    with a Gemma 3 hybrid draft (its own sliding and full groups) at TP=2, through the compiled graph and through
+    plain actor calls. Greedy equals the in-process target alone; steps really go out before their predecessors'
+    tokens came back, their decodes open (resolved by the workers' tables, the draft's fed by target rank 0's
+    result); windows drafted ahead are proposed (hits, on both draft ranks alike); every rank's table forgets the
+    requests once they end; sampled outputs are the same on both paths."""
+    target, draft = tiny_models["gemma3"].path, near_drafts["gemma3"].path
     engine = build_ray_engine(target, draft, num_speculative_tokens=3, rejection_sampling="probabilistic",
                               tensor_parallel_size=2, draft_tensor_parallel_size=2, use_compiled_graph=compiled,
-                              seed=5, **ENGINE_KW)
+                              seed=5, speculation_ahead=True, **ENGINE_KW)
     executor = engine.executor
     try:
-        assert engine.async_scheduling and executor.async_scheduling
+        assert engine.async_scheduling and executor.async_scheduling and executor.speculation_ahead
+        assert engine.scheduler.speculation_ahead
         plans: list[StepPlan] = []
         submit = executor.submit
         executor.submit = lambda plan: plans.append(plan) or submit(plan)  # type: ignore[method-assign]
@@ -251,6 +254,10 @@ def test_async_scheduling_tp2_both_sides_hybrid_draft(tiny_models: dict[str, Tin
                          executor.workers()])
         assert known == [[last.request_id]] * 4
         result = [r.output_token_ids for r in reqs]
+        ahead = ray.get([w.__ray_call__.remote(lambda self: self.ahead.stats.as_tuple())
+                         for role, _, w in executor.workers() if role == "draft"])
+        assert ahead[0] == ahead[1] and ahead[0][1] > 0, ahead  # the ranks agree, and windows hit
+        assert engine.speculation_ahead_stats()[1] > 0
     finally:
         executor.shutdown()
     assert all(len(t) == NEW_TOKENS for t in result)
@@ -260,6 +267,30 @@ def test_async_scheduling_tp2_both_sides_hybrid_draft(tiny_models: dict[str, Tin
 
 
 _SAMPLED: dict[str, list[list[int]]] = {}
+
+
+def test_speculation_ahead_with_synchronous_scheduling(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
+    """Without asynchronous scheduling the window ahead is keyed by the next plan's explicit entries: greedy still
+    equals the target alone, windows hit, and the engine reports the draft's counters."""
+    target = tiny_models["llama"].path
+    engine = build_ray_engine(target, near_llama, num_speculative_tokens=3, seed=5, async_scheduling=False,
+                              speculation_ahead=True, **ENGINE_KW)
+    try:
+        assert not engine.async_scheduling and engine.executor.speculation_ahead
+        assert greedy_tokens(engine) == llm_greedy(target)
+        lookups, hits, drafted, unused = engine.speculation_ahead_stats()
+        assert 0 < hits <= lookups and 0 < drafted and unused <= drafted
+    finally:
+        engine.executor.shutdown()
+
+
+def test_speculation_ahead_only_where_the_draft_has_gpus_of_its_own() -> None:
+    whole = {"GPU": 1, "CPU": 1}
+    assert speculation_ahead_for(None, "cuda", [whole, whole])
+    assert not speculation_ahead_for(None, "cuda", [{"GPU": 0.75}, {"GPU": 0.25}])
+    assert not speculation_ahead_for(None, "cpu", [{"CPU": 1}, {"CPU": 1}])
+    assert speculation_ahead_for(True, "cpu", [{"CPU": 1}, {"CPU": 1}])
+    assert not speculation_ahead_for(False, "cuda", [whole, whole])
 
 
 def test_verify_launched_ahead_only_where_no_gpu_is_shared() -> None:

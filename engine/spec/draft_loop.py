@@ -129,8 +129,10 @@ class DraftLoop:
     # ---- one proposal -------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, chunks: list[Chunk], ks: list[int], md: SamplingMetadata, seeded_gens: dict[int, torch.Generator],
-            default_gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+            default_gen: torch.Generator, guess_first: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """chunks: one per request with unseen draft tokens (each num_logits 1); ks: its draft count.
+        guess_first: column 0 is each row's argmax (noise 1 makes the race an argmax) and a seeded row's own
+        draws start at column 1, so its later columns get the numbers a proposal from that generator would.
         Returns ids [num_reqs, max(ks)] int64 (-1 beyond a row's count) and q [num_reqs, max(ks), V] (a view
         of the static buffer, valid until the next proposal) or None when every row is greedy."""
         n = len(chunks)
@@ -156,9 +158,12 @@ class DraftLoop:
             self.top_k[n:b] = 0
             noise = self.noise[:n, :max_k]
             noise.exponential_(generator=default_gen)
+            first = 1 if guess_first else 0
             for row, gen in seeded_gens.items():
-                noise[row, :ks[row]].exponential_(generator=gen)
+                noise[row, first:ks[row]].exponential_(generator=gen)
             noise.clamp_(min=torch.finfo(torch.float32).tiny)
+            if guess_first:
+                noise[:, 0] = 1.0
         self.step_idx.zero_()
         if first_graph:
             self.buffers.load(chunks, num_reqs=b, num_tokens=b * FIRST_QUERY_LEN, max_query_len=FIRST_QUERY_LEN,

@@ -49,7 +49,9 @@ class DraftProposal:
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner, keep_probs: bool, seed: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, keep_probs: bool, seed: int = 0, ahead: bool = False) -> None:
+        """ahead: the proposer also drafts windows ahead (a guessed token, then k drafts): its loop is sized for
+        k + 1 steps."""
         self.runner = runner
         self.sampler = Sampler()
         self.keep_probs = keep_probs  # only probabilistic rejection reads q
@@ -58,13 +60,16 @@ class DraftProposer:
         # Kernel path: the k steps run from static buffers, as CUDA graphs where captured.
         self.loop: DraftLoop | None = None
         if runner.buffers is not None:
-            self.loop = DraftLoop(runner, runner.config.num_speculative_tokens, keep_probs)
+            self.loop = DraftLoop(runner, runner.config.num_speculative_tokens + (1 if ahead else 0), keep_probs)
             self.loop.capture()
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan) -> DraftProposal:
+    def propose(self, plan: StepPlan, guess_first: bool = False) -> DraftProposal:
+        """guess_first: the first token of each request is the draft's argmax (a guessed bonus token, for
+        speculation ahead: engine/spec/speculation_ahead.py), drawing no random numbers; the rest are sampled as
+        a proposal's, a seeded request's from the generator of its plan's output position."""
         if self.loop is not None:
-            return self._propose_loop(plan)
+            return self._propose_loop(plan, guess_first)
         dev = self.runner.device
         reqs = plan.requests
         ks = [r.num_draft_tokens for r in reqs]
@@ -94,10 +99,13 @@ class DraftProposer:
                 # rejected where it need not be. q stays the distribution the drafts are sampled from.
                 logits = process_target_logits(logits[:, None], [reqs[i] for i in rows], [so_far[i] for i in rows],
                                                start=j)[:, 0]
-            tok, p = self.sampler.sample_with_probs(logits, md.select(rows))
+            if guess_first and j == 0:
+                tok, p = logits.argmax(dim=-1), None
+            else:
+                tok, p = self.sampler.sample_with_probs(logits, md.select(rows))
             row_idx = to_device(rows, torch.int64, dev)
             ids[row_idx, j] = tok
-            if probs is not None:
+            if probs is not None and p is not None:
                 probs[row_idx, j] = p
             # SYNC: the next draft step's input ids are built on the host.
             last = ids[:, j].tolist()
@@ -108,7 +116,7 @@ class DraftProposer:
             self.runner.forward_chunks([c for c in chunks if c.token_ids])
         return DraftProposal(ids, probs)
 
-    def _propose_loop(self, plan: StepPlan) -> DraftProposal:
+    def _propose_loop(self, plan: StepPlan, guess_first: bool = False) -> DraftProposal:
         """The same proposal from the draft loop's buffers and graphs. Its random numbers are drawn up front
         (the eager torch path draws them step by step), so sampled drafts differ between the two paths;
         both draw from the same distributions, and greedy drafts are identical."""
@@ -128,7 +136,8 @@ class DraftProposer:
             md = sampling_metadata(sub, DRAFT_STREAM, self.generator, dev)
             gens = {n: request_generator(r.seed, r.num_output_tokens, DRAFT_STREAM, dev)
                     for n, r in enumerate(sub) if r.seed is not None and r.temperature > 0}
-            loop_ids, loop_probs = self.loop.run(chunks, [ks[i] for i in rows], md, gens, self.generator)
+            loop_ids, loop_probs = self.loop.run(chunks, [ks[i] for i in rows], md, gens, self.generator,
+                                                 guess_first=guess_first)
             if max_k and len(rows) == len(reqs):
                 ids = loop_ids  # every request drafts (the usual case): no scatter
                 if loop_probs is not None and self.keep_probs:
