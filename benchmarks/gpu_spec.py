@@ -54,12 +54,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="engine seed: the synthetic acceptance draws follow it")
+    ap.add_argument("--small-m-rows", type=int, default=None,
+                    help="EngineConfig.small_m_rows (0: cuBLAS products and separate norm/activation kernels)")
     ap.add_argument("--out")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     common = dict(seed=args.seed, load_format="dummy", device="cuda",
                   max_model_len=args.context + args.new_tokens + 16, max_num_seqs=max(batches),
-                  kv_cache_memory_bytes=8 << 30, cuda_graph_batch_sizes=tuple(batches))
+                  kv_cache_memory_bytes=8 << 30, cuda_graph_batch_sizes=tuple(batches),
+                  **({} if args.small_m_rows is None else {"small_m_rows": args.small_m_rows}))
     target = shape_dir(args.target)
     t0 = time.perf_counter()
     llm = LLM(target, **common)

@@ -175,6 +175,11 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # Reuse the KV of full blocks whose token prefix was computed before (engine/kv_cache): both models' caches.
     enable_prefix_caching: bool = True
+    # Forwards of at most this many tokens (a batch-1 decode or draft step, a small verify) run each decoder
+    # layer's products through engine/kernels/small_m_linear.py, norms, activation and residual adds folded in:
+    # fewer launches where a step is launch-bound. 0: never (cuBLAS products and separate elementwise kernels).
+    # Only on the kernel devices (CUDA, or Triton's interpreter) and without tensor parallelism.
+    small_m_rows: int = 4
 
     def validate(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -185,6 +190,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0 <= self.small_m_rows <= 16:
+            raise ValueError(f"small_m_rows must be in [0, 16], got {self.small_m_rows}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.tensor_parallel_size != 1:
