@@ -207,15 +207,17 @@ def main() -> None:
     ap.add_argument("--skip-count", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
+    counts = [] if args.skip_count else [
+        count_kernels(s, setting, 1, draft) for s, draft in (("qwen3-0.6b", True), ("qwen3-8b", False))
+        for setting in (0, 4)]
+    for c in counts:
+        print(c, flush=True)
     bw = copy_bandwidth()
     rows, best = [], []
     for shape in args.shapes.split(","):
         r, b = bench_shape(shape, [int(x) for x in args.rows.split(",")], bw, args.sweep)
         rows += r
         best += b
-    counts = [] if args.skip_count else [
-        count_kernels(s, setting, 1, draft) for s, draft in (("qwen3-0.6b", True), ("qwen3-8b", False))
-        for setting in (0, 4)]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     print(markdown_table(rows, ["shape", "rows", "floor_us", "old_layer_us", "new_layer_us", "old_vs_floor",
                                 "new_vs_floor"]))
