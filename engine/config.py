@@ -175,11 +175,12 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # Reuse the KV of full blocks whose token prefix was computed before (engine/kv_cache): both models' caches.
     enable_prefix_caching: bool = True
-    # Forwards of at most this many tokens (a batch-1 decode or draft step, a small verify) run each decoder
-    # layer's products through engine/kernels/small_m_linear.py, norms, activation and residual adds folded in:
-    # fewer launches where a step is launch-bound. 0: never (cuBLAS products and separate elementwise kernels).
-    # Only on the kernel devices (CUDA, or Triton's interpreter) and without tensor parallelism.
-    small_m_rows: int = 4
+    # Forwards of at most this many tokens run each decoder layer's products through engine/kernels/small_m_linear.py,
+    # norms, activation and residual adds folded in: fewer launches where a step is launch-bound (a batch-1 decode
+    # or draft step). 1 by default: with more rows the kernels were slower than cuBLAS on an H100
+    # (benchmarks/RESULTS.md). 0: never. Only on the kernel devices (CUDA, or Triton's interpreter) and without
+    # tensor parallelism.
+    small_m_rows: int = 1
 
     def validate(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -25,15 +25,27 @@ Only the order of the float32 sums differs from a BLAS library's.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from engine.kernels.activation import ACTIVATIONS, act_and_mul_ref
 from engine.kernels.rms_norm import rms_norm_ref, use_fused_kernels
-from engine.kernels.triton_compat import require_triton, tl, triton
+from engine.kernels.triton_compat import HAS_TRITON, interpreting, require_triton, tl, triton
+
+try:  # grid dependency control (programmatic dependent launch): Hopper and later, recent Triton
+    from triton.language.extra import cuda as tl_cuda
+except ImportError:
+    tl_cuda = None
 
 __all__ = ["FMA_MAX_ROWS", "MAX_ROWS", "takes_rows", "norm_linear", "norm_linear_ref", "act_linear", "act_linear_ref",
            "linear_add", "linear_add_ref"]
+
+logger = logging.getLogger("specserve")
+_PDL_FAILED: set[bool] = set()  # non-empty once a dependent launch failed in this process
 
 MAX_ROWS = 16  # rows the kernel takes; larger batches are matrix-bound enough for cuBLAS
 FMA_MAX_ROWS = 4  # up to this many rows the FMA form; above it tl.dot on a 16-row tile
@@ -75,8 +87,14 @@ def _small_m_linear_kernel(
         M, N, K, stride_x, stride_r, stride_ro, stride_w, stride_a, stride_o, eps, offset,
         PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
+    if USE_PDL:
+        # Launched as a programmatic dependent of the kernel before it: let the next kernel launch as soon as every
+        # program here has started, and wait for the previous one's writes before the first read of its output
+        # (and before any store, whose memory the previous kernel may still be reading).
+        tl_cuda.gdc_launch_dependents()
+        tl_cuda.gdc_wait()
     rows = tl.arange(0, BLOCK_M)
     m_mask = rows < M
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,6 +154,22 @@ def takes_rows(x: torch.Tensor, limit: int) -> bool:
     return 0 < x.shape[0] <= min(limit, MAX_ROWS) and use_fused_kernels(x)
 
 
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    """Programmatic dependent launch: the next kernel in the stream (or CUDA graph) is launched while this one's last
+    programs run, hiding a launch gap per kernel; needs compute capability 9.0 and a Triton that exposes it."""
+    if tl_cuda is None or not hasattr(tl_cuda, "gdc_wait") or torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+
+
+def use_pdl(device: torch.device) -> bool:
+    return (HAS_TRITON and device.type == "cuda" and not interpreting() and not _PDL_FAILED
+            and _pdl_supported(device.index or 0))
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -143,16 +177,19 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _config(m: int, n: int, k: int, device: torch.device) -> dict:
-    """Tile sizes: enough programs for two per SM where N allows, and an FMA accumulator of at most 4096 fp32
-    (32 registers a thread at 4 warps)."""
-    want = 2 * _num_sms(device)
+    """Tile sizes. FMA form: a weight tile of 8192 elements (16 KB of bf16; the fp32 accumulator is 64 registers a
+    thread at 4 warps), 2048 wide when K allows, narrowed (more programs) until the grid holds two programs per
+    SM. The fastest of a sweep at one row on an H100 for every projection of the Qwen3-0.6B and 8B shapes, within
+    3% (benchmarks/gpu_small_m.py --sweep). Rows 2-16 are slower than cuBLAS with these tiles (measured there too),
+    which is why the engine's default setting sends only single rows here."""
     if m <= FMA_MAX_ROWS:
         block_m = triton.next_power_of_2(m)
-        block_n = 16
-        while block_n > 2 and triton.cdiv(n, block_n) < want:
+        block_k = min(triton.next_power_of_2(k), 2048 if k >= 4096 else 1024)
+        block_n = max(1, 8192 // (block_k * block_m))
+        while block_n > 2 and triton.cdiv(n, block_n) < 2 * _num_sms(device):
             block_n //= 2
-        block_k = min(triton.next_power_of_2(k), max(32, 4096 // (block_m * block_n)))
         return dict(USE_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    want = 2 * _num_sms(device)
     block_n = 32 if triton.cdiv(n, 32) >= want else 16
     return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=min(256, max(16, triton.next_power_of_2(k))),
                 num_warps=4)
@@ -179,18 +216,30 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else None
     if m:
-        cfg = dict(_config(m, n, k, x.device), **(config or {}))
+        pdl = use_pdl(x.device)
+        cfg = {**_config(m, n, k, x.device), "USE_PDL": pdl, "launch_pdl": pdl, **(config or {})}
         grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
-        _small_m_linear_kernel[grid](
-            x, residual if residual is not None else x, res_out if res_out is not None else out,
-            norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
-            add if add is not None else out, out,
-            m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
-            res_out.stride(0) if res_out is not None else 0, weight.stride(0), add.stride(0) if add is not None else 0,
-            out.stride(0), eps, offset,
-            PROLOGUE=prologue, HAS_RES=residual is not None, HAS_OFFSET=bool(offset),
-            GELU_TANH=act == "gelu_pytorch_tanh", HAS_BIAS=bias is not None, HAS_ADD=add is not None,
-            DOT_IEEE=x.dtype == torch.float32, **cfg)
+        args = (x, residual if residual is not None else x, res_out if res_out is not None else out,
+                norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
+                add if add is not None else out, out,
+                m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
+                res_out.stride(0) if res_out is not None else 0, weight.stride(0),
+                add.stride(0) if add is not None else 0, out.stride(0), eps, offset)
+        flags = dict(PROLOGUE=prologue, HAS_RES=residual is not None, HAS_OFFSET=bool(offset),
+                     GELU_TANH=act == "gelu_pytorch_tanh", HAS_BIAS=bias is not None, HAS_ADD=add is not None,
+                     DOT_IEEE=x.dtype == torch.float32)
+        try:
+            _small_m_linear_kernel[grid](*args, **flags, **cfg)
+        except Exception:
+            # A Triton or driver that rejects the dependent launch fails here on the first (eager) call, before
+            # anything was launched or captured: fall back to ordinary launches for the rest of the process.
+            if not cfg["USE_PDL"] or _PDL_FAILED:
+                raise
+            logger.warning("small_m_linear: programmatic dependent launch failed; launching without it",
+                           exc_info=True)
+            _PDL_FAILED.add(True)
+            cfg.update(USE_PDL=False, launch_pdl=False)
+            _small_m_linear_kernel[grid](*args, **flags, **cfg)
     return out, res_out
 
 
