@@ -16,6 +16,7 @@ from common import environment, markdown_table, save_json
 from gpu_shapes import copy_bandwidth, hf_config, shape_dir, weight_bytes
 
 from engine import LLM, SamplingParams
+from engine.kernels.triton_compat import set_pdl
 from engine.runner.step_input import Chunk
 
 
@@ -65,8 +66,11 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--small-m-rows", type=int, default=None,
                     help="EngineConfig.small_m_rows (0: cuBLAS products and separate norm/activation kernels)")
+    ap.add_argument("--no-pdl", action="store_true", help="launch every kernel the ordinary way (no programmatic "
+                    "dependent launch), as before it existed")
     ap.add_argument("--out")
     args = ap.parse_args()
+    set_pdl(not args.no_pdl)
     batches = [int(b) for b in args.batch.split(",")]
     bw = copy_bandwidth()
     rows = []

@@ -16,6 +16,7 @@ from gpu_decode import cuda_median_ms, hf_decode_ms
 from gpu_shapes import shape_dir
 
 from engine.config import EngineConfig, ModelConfig
+from engine.kernels.triton_compat import set_pdl
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.sample.metadata import SamplingMetadata
@@ -57,8 +58,11 @@ def main() -> None:
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True, help="also time eager loops")
     ap.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True, help="also time sampling")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="also time HF eager")
+    ap.add_argument("--no-pdl", action="store_true", help="launch every kernel the ordinary way (no programmatic "
+                    "dependent launch), as before it existed")
     ap.add_argument("--out")
     args = ap.parse_args()
+    set_pdl(not args.no_pdl)
     rows = []
     t0 = time.perf_counter()
     for name in args.shapes.split(","):

@@ -28,9 +28,9 @@ from torch.profiler import ProfilerActivity, profile
 from engine.kernels import small_m_linear as sml
 from engine.kernels.activation import act_and_mul
 from engine.kernels.rms_norm import add_rms_norm
+from engine.kernels.triton_compat import set_pdl
 
 L2_BYTES = 200 << 20  # rotate weights over at least this much memory
-NO_PDL = {"USE_PDL": False, "launch_pdl": False}  # the new kernels launched the ordinary way
 
 
 def graph_us(fn, calls: int, replays: int = 30) -> float:
@@ -111,7 +111,7 @@ def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float,
     calls = 4 * len(ws)
     row = {"shape": shape, "rows": m, "floor_us": layer_bytes / bw * 1e6,
            "old_layer_us": graph_us(old, calls), "new_layer_us": graph_us(new, calls),
-           "new_no_pdl_layer_us": graph_us(lambda i: new(i, NO_PDL), calls)}
+           "new_no_pdl_layer_us": no_pdl_us(new, calls)}
     row["old_vs_floor"] = row["old_layer_us"] / row["floor_us"]
     row["new_vs_floor"] = row["new_layer_us"] / row["floor_us"]
 
@@ -135,6 +135,15 @@ def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float,
         if sweep and m == 1:
             best.append(sweep_one(shape, m, name, fn, calls, floor, row[f"{name}_new_us"]))
     return row, best
+
+
+def no_pdl_us(fn, calls: int) -> float:
+    """graph_us with every kernel launched the ordinary way."""
+    set_pdl(False)
+    try:
+        return graph_us(fn, calls)
+    finally:
+        set_pdl(True)
 
 
 def max_rel_err(x: torch.Tensor, res: torch.Tensor, a: torch.Tensor, gu: torch.Tensor,

@@ -25,27 +25,15 @@ Only the order of the float32 sums differs from a BLAS library's.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import logging
-
 import torch
 import torch.nn.functional as F
 
 from engine.kernels.activation import ACTIVATIONS, act_and_mul_ref
 from engine.kernels.rms_norm import rms_norm_ref, use_fused_kernels
-from engine.kernels.triton_compat import HAS_TRITON, interpreting, require_triton, tl, triton
-
-try:  # grid dependency control (programmatic dependent launch): Hopper and later, recent Triton
-    from triton.language.extra import cuda as tl_cuda
-except ImportError:
-    tl_cuda = None
+from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["FMA_MAX_ROWS", "MAX_ROWS", "takes_rows", "norm_linear", "norm_linear_ref", "act_linear", "act_linear_ref",
            "linear_add", "linear_add_ref"]
-
-logger = logging.getLogger("specserve")
-_PDL_FAILED: set[bool] = set()  # non-empty once a dependent launch failed in this process
 
 MAX_ROWS = 16  # rows the kernel takes; larger batches are matrix-bound enough for cuBLAS
 FMA_MAX_ROWS = 4  # up to this many rows the FMA form; above it tl.dot on a 16-row tile
@@ -88,13 +76,8 @@ def _small_m_linear_kernel(
         PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
         USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     pid = tl.program_id(0)
-    if USE_PDL:
-        # Launched as a programmatic dependent of the kernel before it: let the next kernel launch as soon as every
-        # program here has started, and wait for the previous one's writes before the first read of its output
-        # (and before any store, whose memory the previous kernel may still be reading).
-        tl_cuda.gdc_launch_dependents()
-        tl_cuda.gdc_wait()
     rows = tl.arange(0, BLOCK_M)
     m_mask = rows < M
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -154,22 +137,6 @@ def takes_rows(x: torch.Tensor, limit: int) -> bool:
     return 0 < x.shape[0] <= min(limit, MAX_ROWS) and use_fused_kernels(x)
 
 
-@functools.cache
-def _pdl_supported(device_index: int) -> bool:
-    """Programmatic dependent launch: the next kernel in the stream (or CUDA graph) is launched while this one's last
-    programs run, hiding a launch gap per kernel; needs compute capability 9.0 and a Triton that exposes it."""
-    if tl_cuda is None or not hasattr(tl_cuda, "gdc_wait") or torch.cuda.get_device_capability(device_index)[0] < 9:
-        return False
-    from triton.backends.nvidia.compiler import CUDAOptions
-
-    return "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
-
-
-def use_pdl(device: torch.device) -> bool:
-    return (HAS_TRITON and device.type == "cuda" and not interpreting() and not _PDL_FAILED
-            and _pdl_supported(device.index or 0))
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -216,30 +183,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else None
     if m:
-        pdl = use_pdl(x.device)
-        cfg = {**_config(m, n, k, x.device), "USE_PDL": pdl, "launch_pdl": pdl, **(config or {})}
+        cfg = {**_config(m, n, k, x.device), **(config or {})}
         grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
-        args = (x, residual if residual is not None else x, res_out if res_out is not None else out,
-                norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
-                add if add is not None else out, out,
-                m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
-                res_out.stride(0) if res_out is not None else 0, weight.stride(0),
-                add.stride(0) if add is not None else 0, out.stride(0), eps, offset)
-        flags = dict(PROLOGUE=prologue, HAS_RES=residual is not None, HAS_OFFSET=bool(offset),
-                     GELU_TANH=act == "gelu_pytorch_tanh", HAS_BIAS=bias is not None, HAS_ADD=add is not None,
-                     DOT_IEEE=x.dtype == torch.float32)
-        try:
-            _small_m_linear_kernel[grid](*args, **flags, **cfg)
-        except Exception:
-            # A Triton or driver that rejects the dependent launch fails here on the first (eager) call, before
-            # anything was launched or captured: fall back to ordinary launches for the rest of the process.
-            if not cfg["USE_PDL"] or _PDL_FAILED:
-                raise
-            logger.warning("small_m_linear: programmatic dependent launch failed; launching without it",
-                           exc_info=True)
-            _PDL_FAILED.add(True)
-            cfg.update(USE_PDL=False, launch_pdl=False)
-            _small_m_linear_kernel[grid](*args, **flags, **cfg)
+        launch(_small_m_linear_kernel, grid, x.device,
+               x, residual if residual is not None else x, res_out if res_out is not None else out,
+               norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
+               add if add is not None else out, out,
+               m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
+               res_out.stride(0) if res_out is not None else 0, weight.stride(0),
+               add.stride(0) if add is not None else 0, out.stride(0), eps, offset,
+               PROLOGUE=prologue, HAS_RES=residual is not None, HAS_OFFSET=bool(offset),
+               GELU_TANH=act == "gelu_pytorch_tanh", HAS_BIAS=bias is not None, HAS_ADD=add is not None,
+               DOT_IEEE=x.dtype == torch.float32, **cfg)
     return out, res_out
 
 
