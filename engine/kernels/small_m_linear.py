@@ -146,8 +146,9 @@ def _num_sms(device: torch.device) -> int:
 def _config(m: int, n: int, k: int, device: torch.device) -> dict:
     """Tile sizes. FMA form: a weight tile of 8192 elements (16 KB of bf16; the fp32 accumulator is 64 registers a
     thread at 4 warps), 2048 wide when K allows, narrowed (more programs) until the grid holds two programs per
-    SM. The fastest of a sweep at one row on an H100 for every projection of the Qwen3-0.6B and 8B shapes, within
-    3% (benchmarks/gpu_small_m.py --sweep). Rows 2-16 are slower than cuBLAS with these tiles (measured there too),
+    SM. At one row on an H100 this is the fastest tiling of a sweep, or within 3.3% of it, for seven of the eight
+    projections of the Qwen3-0.6B and 8B shapes (benchmarks/gpu_small_m.py --sweep; the 0.6B o_proj is the
+    exception, about 7% off). Rows 2-16 are slower than cuBLAS with these tiles (measured there too),
     which is why the engine's default setting sends only single rows here."""
     if m <= FMA_MAX_ROWS:
         block_m = triton.next_power_of_2(m)
