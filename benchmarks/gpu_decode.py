@@ -16,6 +16,7 @@ from common import environment, markdown_table, save_json
 from gpu_shapes import copy_bandwidth, hf_config, shape_dir, weight_bytes
 
 from engine import LLM, SamplingParams
+from engine.kernels.triton_compat import set_pdl
 from engine.runner.step_input import Chunk
 
 
@@ -63,15 +64,21 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--small-m-rows", type=int, default=None,
+                    help="EngineConfig.small_m_rows (0: cuBLAS products and separate norm/activation kernels)")
+    ap.add_argument("--no-pdl", action="store_true", help="launch every kernel the ordinary way (no programmatic "
+                    "dependent launch), as before it existed")
     ap.add_argument("--out")
     args = ap.parse_args()
+    set_pdl(not args.no_pdl)
     batches = [int(b) for b in args.batch.split(",")]
     bw = copy_bandwidth()
     rows = []
     hf = {} if args.skip_hf else {b: hf_decode_ms(args.shape, b, args.context, args.steps) for b in batches}
     max_len = args.context + args.steps + 64
     llm = LLM(shape_dir(args.shape), load_format="dummy", device="cuda", max_model_len=max_len,
-              max_num_seqs=max(batches), kv_cache_memory_bytes=8 << 30, cuda_graph_batch_sizes=tuple(batches))
+              max_num_seqs=max(batches), kv_cache_memory_bytes=8 << 30, cuda_graph_batch_sizes=tuple(batches),
+              **({} if args.small_m_rows is None else {"small_m_rows": args.small_m_rows}))
     runner = llm.executor.target
     floor_ms = weight_bytes(runner.model) / bw * 1e3
     per_req = -(-max_len // llm.engine_config.block_size)
@@ -116,6 +123,7 @@ def main() -> None:
     cols = ["batch", "graph_ms", "replay_ms", "load_ms", "eager_ms", "engine_step_ms", "floor_ms", "graph_vs_floor",
             "hf_eager_ms", "speedup_vs_hf"]
     table = markdown_table(rows, cols)
+    print(f"small_m_rows {llm.engine_config.small_m_rows}")
     print(f"{args.shape}: weights {weight_bytes(runner.model) / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s, "
           f"context {args.context}")
     print(table)

@@ -16,17 +16,19 @@ from gpu_decode import cuda_median_ms, hf_decode_ms
 from gpu_shapes import shape_dir
 
 from engine.config import EngineConfig, ModelConfig
+from engine.kernels.triton_compat import set_pdl
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.sample.metadata import SamplingMetadata
 from engine.spec.draft_loop import DraftLoop
 
 
-def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: bool, steps: int) -> float:
+def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: bool, steps: int,
+            small_m_rows: int = EngineConfig.small_m_rows) -> float:
     max_len = context + 64
     cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=max_len, max_num_seqs=batch,
                        kv_cache_memory_bytes=2 << 30, enforce_eager=not graphs, num_speculative_tokens=k,
-                       load_format="dummy", cuda_graph_batch_sizes=(batch,))
+                       load_format="dummy", cuda_graph_batch_sizes=(batch,), small_m_rows=small_m_rows)
     mc = ModelConfig.from_path(shape_dir(name))
     mc.max_model_len = max_len
     runner = ModelRunner(mc, cfg, "draft")
@@ -51,26 +53,39 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--small-m-rows", type=int, default=EngineConfig.small_m_rows,
+                    help="EngineConfig.small_m_rows (0: cuBLAS products and separate norm/activation kernels)")
+    ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True, help="also time eager loops")
+    ap.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True, help="also time sampling")
+    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="also time HF eager")
+    ap.add_argument("--no-pdl", action="store_true", help="launch every kernel the ordinary way (no programmatic "
+                    "dependent launch), as before it existed")
     ap.add_argument("--out")
     args = ap.parse_args()
+    set_pdl(not args.no_pdl)
     rows = []
     t0 = time.perf_counter()
     for name in args.shapes.split(","):
         for b in (int(x) for x in args.batch.split(",")):
-            row = {"shape": name, "batch": b, "k": args.k}
-            for greedy in (True, False):
+            row = {"shape": name, "batch": b, "k": args.k, "small_m_rows": args.small_m_rows}
+            for greedy in (True, False) if args.sampled else (True,):
                 tag = "greedy" if greedy else "sampled"
-                row[f"graph_{tag}_ms"] = loop_ms(name, b, args.k, args.context, True, greedy, args.steps)
-                row[f"eager_{tag}_ms"] = loop_ms(name, b, args.k, args.context, False, greedy, args.steps)
+                row[f"graph_{tag}_ms"] = loop_ms(name, b, args.k, args.context, True, greedy, args.steps,
+                                                 args.small_m_rows)
+                if args.eager:
+                    row[f"eager_{tag}_ms"] = loop_ms(name, b, args.k, args.context, False, greedy, args.steps,
+                                                     args.small_m_rows)
                 torch.cuda.empty_cache()
-            row["graph_speedup"] = row["eager_greedy_ms"] / row["graph_greedy_ms"]
-            row["hf_eager_ms"] = hf_decode_ms(name, b, args.context, args.steps)
+            if args.eager:
+                row["graph_speedup"] = row["eager_greedy_ms"] / row["graph_greedy_ms"]
+            if args.hf:
+                row["hf_eager_ms"] = hf_decode_ms(name, b, args.context, args.steps)
             rows.append(row)
-    cols = ["shape", "batch", "k", "graph_greedy_ms", "eager_greedy_ms", "graph_speedup", "graph_sampled_ms",
-            "eager_sampled_ms", "hf_eager_ms"]
+    cols = ["shape", "batch", "k", "small_m_rows", "graph_greedy_ms", "eager_greedy_ms", "graph_speedup",
+            "graph_sampled_ms", "eager_sampled_ms", "hf_eager_ms"]
     print(f"draft step time (ms per draft token, loop of k={args.k} from a {args.context}-token context); "
           f"{time.perf_counter() - t0:.0f} s")
-    print(markdown_table(rows, cols))
+    print(markdown_table(rows, [c for c in cols if c in rows[0]]))
     save_json(args.out, {"env": environment(), "args": vars(args), "rows": rows})
 
 

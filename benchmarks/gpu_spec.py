@@ -17,6 +17,7 @@ from common import environment, markdown_table, save_json
 from gpu_shapes import shape_dir
 
 from engine import LLM, SamplingParams
+from engine.kernels.triton_compat import set_pdl
 
 
 def tokens_per_s(llm: LLM, batch: int, context: int, new_tokens: int, repeats: int) -> tuple[float, float, float]:
@@ -54,12 +55,18 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="engine seed: the synthetic acceptance draws follow it")
+    ap.add_argument("--small-m-rows", type=int, default=None,
+                    help="EngineConfig.small_m_rows (0: cuBLAS products and separate norm/activation kernels)")
+    ap.add_argument("--no-pdl", action="store_true", help="launch every kernel the ordinary way (no programmatic "
+                    "dependent launch), as before it existed")
     ap.add_argument("--out")
     args = ap.parse_args()
+    set_pdl(not args.no_pdl)
     batches = [int(b) for b in args.batch.split(",")]
     common = dict(seed=args.seed, load_format="dummy", device="cuda",
                   max_model_len=args.context + args.new_tokens + 16, max_num_seqs=max(batches),
-                  kv_cache_memory_bytes=8 << 30, cuda_graph_batch_sizes=tuple(batches))
+                  kv_cache_memory_bytes=8 << 30, cuda_graph_batch_sizes=tuple(batches),
+                  **({} if args.small_m_rows is None else {"small_m_rows": args.small_m_rows}))
     target = shape_dir(args.target)
     t0 = time.perf_counter()
     llm = LLM(target, **common)

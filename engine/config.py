@@ -182,6 +182,12 @@ class EngineConfig:
     # Benchmarks only, with synthetic rejection: the rate at which a lookup whose drafts were all accepted takes
     # the bonus token for the draft's guess (random weights never agree on one).
     synthetic_bonus_agreement: float | None = None
+    # Forwards of at most this many tokens run each decoder layer's products through engine/kernels/small_m_linear.py,
+    # norms, activation and residual adds folded in: fewer launches where a step is launch-bound (a batch-1 decode
+    # or draft step). 1 by default: with more rows the kernels were slower than cuBLAS on an H100
+    # (benchmarks/RESULTS.md). 0: never. Only on the kernel devices (CUDA, or Triton's interpreter) and without
+    # tensor parallelism.
+    small_m_rows: int = 1
 
     def validate(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -197,6 +203,8 @@ class EngineConfig:
         rate = self.synthetic_bonus_agreement
         if rate is not None and not (isinstance(rate, (int, float)) and 0.0 <= rate <= 1.0):
             raise ValueError(f"synthetic_bonus_agreement must be in [0, 1], got {rate!r}")
+        if not 0 <= self.small_m_rows <= 16:
+            raise ValueError(f"small_m_rows must be in [0, 16], got {self.small_m_rows}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.tensor_parallel_size != 1:

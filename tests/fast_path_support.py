@@ -17,10 +17,11 @@ BLOCKS_PER_REQ = 16
 
 
 def draft_runner(model: TinyModel, device: str, k: int, block_size: int, graphs: bool,
-                 dtype: torch.dtype = torch.float32) -> ModelRunner:
+                 dtype: torch.dtype = torch.float32, small_m_rows: int = EngineConfig.small_m_rows) -> ModelRunner:
     cfg = EngineConfig(device=torch.device(device), dtype=dtype, max_model_len=BLOCKS_PER_REQ * block_size,
                        block_size=block_size, num_kv_blocks=1 + 8 * BLOCKS_PER_REQ, max_num_seqs=8,
-                       attention_backend="triton", enforce_eager=not graphs, num_speculative_tokens=k)
+                       attention_backend="triton", enforce_eager=not graphs, num_speculative_tokens=k,
+                       small_m_rows=small_m_rows)
     mc = ModelConfig.from_path(model.path)
     mc.max_model_len = cfg.max_model_len
     return ModelRunner(mc, cfg, "draft")

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from engine.kernels.triton_compat import HAS_TRITON, require_triton, tl, triton
+from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["HAS_TRITON", "paged_attention", "paged_attention_ref"]
 
@@ -47,7 +47,8 @@ def _paged_attention_kernel(
         stride_bt,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEADS_PER_KV: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     m_block = tl.program_id(0)
     req = tl.program_id(1)
     kv_head = tl.program_id(2) // NUM_SPLITS
@@ -139,7 +140,8 @@ def _paged_attention_kernel(
 def _combine_splits_kernel(
         o_ptr, partial_ptr, partial_ml_ptr, query_start_loc_ptr, num_reqs, num_heads,
         stride_ot, stride_oh, stride_od,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     token = tl.program_id(0)
     head = tl.program_id(1)
     # Tokens past the last request's are graph padding: their workspace rows were never written.
@@ -205,7 +207,8 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
         partial = torch.empty(num_tokens, num_heads, splits, head_dim_p, dtype=torch.float32, device=out.device)
         partial_ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=out.device)
     grid = (m_blocks, num_reqs, num_kv_heads * splits)
-    _paged_attention_kernel[grid](
+    launch(
+        _paged_attention_kernel, grid, query.device,
         query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, partial, partial_ml, num_heads,
         scale * math.log2(math.e), sliding_window or 0,
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0),
@@ -215,7 +218,8 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
         DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32", NUM_SPLITS=splits,
         num_warps=4 if block_m * head_dim_p <= 64 * 128 else 8)
     if splits > 1:
-        _combine_splits_kernel[(query.shape[0], num_heads)](
+        launch(
+            _combine_splits_kernel, (query.shape[0], num_heads), query.device,
             out, partial, partial_ml, query_start_loc, num_reqs, num_heads, *out.stride(),
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits, num_warps=1 if head_dim_p <= 128 else 2)
 

@@ -20,7 +20,7 @@ import torch
 from engine.kernels.kv_store import store_kv_ref
 from engine.kernels.rms_norm import rms_norm_ref
 from engine.kernels.rotary import rotary_embedding_ref
-from engine.kernels.triton_compat import require_triton, tl, triton
+from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["qk_norm_rope_store", "qk_norm_rope_store_ref"]
 
@@ -48,7 +48,8 @@ def _qk_norm_rope_store_kernel(
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
         eps, offset,
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_OFFSET: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_OFFSET: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then k heads, then v heads: the projection's column order
     d = tl.arange(0, HALF_P)
@@ -106,7 +107,8 @@ def qk_norm_rope_store(qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_k
     if n:
         has_norm = q_norm_weight is not None
         half = head_dim // 2
-        _qk_norm_rope_store_kernel[(n, num_heads + 2 * num_kv_heads)](
+        launch(
+            _qk_norm_rope_store_kernel, (n, num_heads + 2 * num_kv_heads), qkv.device,
             qkv, positions, cos, sin, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
             slot_mapping, q_out, key_cache, value_cache,
             qkv.stride(0), q_out.stride(0), q_out.stride(1), cos.stride(0),

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.triton_compat import HAS_TRITON, interpreting, require_triton, tl, triton
+from engine.kernels.triton_compat import (
+    HAS_TRITON,
+    interpreting,
+    launch,
+    require_triton,
+    tl,
+    triton,
+    wait_for_previous_kernel,
+)
 
 __all__ = ["rms_norm", "rms_norm_ref", "add_rms_norm", "add_rms_norm_ref", "use_fused_kernels"]
 
@@ -23,7 +31,9 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_r, stride_o, stride_ro,
-                     eps, offset, HAS_RESIDUAL: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+                     eps, offset, HAS_RESIDUAL: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -60,7 +70,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         res_out = torch.empty_like(out)
     if x2.shape[0]:
         block = triton.next_power_of_2(n_cols)
-        _rms_norm_kernel[(x2.shape[0],)](
+        launch(
+            _rms_norm_kernel, (x2.shape[0],), x.device,
             x2, res2 if res2 is not None else x2, weight, out, res_out if res_out is not None else out, n_cols,
             x2.stride(0), res2.stride(0) if res2 is not None else 0, out.stride(0),
             res_out.stride(0) if res_out is not None else 0, eps, offset,

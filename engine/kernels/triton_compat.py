@@ -11,6 +11,10 @@ tensors; `interpreting()` says whether it is active.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -25,6 +29,14 @@ except ImportError:  # CPU-only installs: only the torch references are usable
     triton = SimpleNamespace(jit=lambda fn=None, **_: fn if fn is not None else (lambda f: f),
                              cdiv=lambda a, b: -(-a // b), next_power_of_2=lambda n: 1 << max(0, n - 1).bit_length())
     tl = SimpleNamespace(constexpr=object)
+
+try:  # grid dependency control, for programmatic dependent launch (Hopper and later; recent Triton)
+    from triton.language.extra import cuda as _tl_cuda
+except ImportError:
+    _tl_cuda = None
+
+logger = logging.getLogger("specserve")
+_PDL = {"enabled": True}  # switched off by set_pdl(False) or by a launch that failed with it
 
 
 def interpreting() -> bool:
@@ -49,3 +61,56 @@ def require_triton(name: str, *tensors: torch.Tensor) -> None:
         raise ValueError(f"{name}: tensors are on {device}; the Triton kernel needs CUDA tensors (or Triton's "
                          f"interpreter: set TRITON_INTERPRET=1 before triton is imported). Use {name}_ref on CPU.")
 
+
+
+# ---- programmatic dependent launch --------------------------------------------------------------------------------
+# A decode step at batch 1 is a chain of short kernels; launched as programmatic dependents (Hopper), each kernel is
+# launched while the one before it finishes, instead of after, which hides most of a launch gap per kernel. Every
+# kernel launched so calls wait_for_previous_kernel first: nothing it reads or writes is touched before the previous
+# kernel has completed and its writes are visible (a kernel two back completed before the previous one could pass
+# its own wait). Kernels launched the ordinary way (cuBLAS, torch) still wait for everything before them.
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        _tl_cuda.gdc_launch_dependents()  # the next kernel may launch once every program here has started
+        _tl_cuda.gdc_wait()  # the previous kernel has completed; its writes are visible
+
+
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    if _tl_cuda is None or not hasattr(_tl_cuda, "gdc_wait") or torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+
+
+def set_pdl(enabled: bool) -> None:
+    """Launch the kernels that support it as programmatic dependents where the device allows (the default)."""
+    _PDL["enabled"] = enabled
+
+
+def pdl_options(device: torch.device) -> dict:
+    """The launch options of a kernel that takes USE_PDL: dependent launch on CUDA devices of compute capability
+    9.0 and later whose Triton supports it, unless switched off."""
+    on = (HAS_TRITON and _PDL["enabled"] and device.type == "cuda" and not interpreting()
+          and _pdl_supported(device.index if device.index is not None else torch.cuda.current_device()))
+    return {"USE_PDL": on, "launch_pdl": on}
+
+
+def launch(kernel: Callable, grid: tuple, device: torch.device, *args: object, **kwargs: object) -> None:
+    """kernel[grid](*args, **kwargs) with the dependent-launch options of `device` (the kernel takes USE_PDL)."""
+    opts = pdl_options(device)
+    if not opts["USE_PDL"]:
+        kernel[grid](*args, **kwargs, **opts)
+        return
+    try:
+        kernel[grid](*args, **kwargs, **opts)
+    except Exception:
+        # A Triton or driver that rejects the dependent launch fails on a kernel's first call, which the engine makes
+        # eagerly before any graph capture: from then on every kernel launches the ordinary way.
+        logger.warning("programmatic dependent launch failed; launching kernels without it", exc_info=True)
+        set_pdl(False)
+        kernel[grid](*args, **kwargs, USE_PDL=False, launch_pdl=False)

@@ -11,6 +11,7 @@ from torch import nn
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.config import ModelConfig
+from engine.kernels.small_m_linear import norm_linear, takes_rows
 from engine.models.layers import (
     ParallelLMHead,
     QKVParallelLinear,
@@ -55,10 +56,13 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
+        self.small_m_rows = 0  # as GatedMLP.small_m_rows, for the whole layer
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer.forward: returns (post-feed-forward-normed MLP output, residual stream)."""
+        if takes_rows(x, self.small_m_rows):
+            return self._forward_small_m(positions, x, residual, md)
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -66,6 +70,20 @@ class Gemma3DecoderLayer(nn.Module):
         attn = self.post_attention_layernorm(self.self_attn(positions, h, md))
         h, residual = self.pre_feedforward_layernorm.forward_with_residual(attn, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+    def _forward_small_m(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                         md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward for a few rows: the input norm runs in the qkv product, the pre-feed-forward add+norm in the
+        gate_up product and the activation in the down product (engine/kernels/small_m_linear.py). The
+        post-attention norm stays a kernel of its own: it sits between the o_proj product and the residual add."""
+        attn, mlp = self.self_attn, self.mlp
+        n_in, n_ff = self.input_layernorm, self.pre_feedforward_layernorm
+        qkv, residual = norm_linear(x, residual, n_in.weight, n_in.eps, n_in.offset, attn.qkv_proj.weight,
+                                    attn.qkv_proj.bias)
+        o = attn.o_proj(attn.attn.forward_qkv(qkv, positions, md, attn.rotary, attn.q_norm, attn.k_norm))
+        gate_up, residual = norm_linear(self.post_attention_layernorm(o), residual, n_ff.weight, n_ff.eps,
+                                        n_ff.offset, mlp.gate_up_proj.weight)
+        return self.post_feedforward_layernorm(mlp.forward_gate_up(gate_up)), residual
 
 
 class Gemma3Model(nn.Module):

@@ -11,6 +11,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kernels.activation import ACTIVATIONS, act_and_mul
 from engine.kernels.rms_norm import use_fused_kernels
+from engine.kernels.small_m_linear import act_linear, linear_add, norm_linear, takes_rows
 from engine.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -57,9 +58,17 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.act = ACT2FN[act]
         self.act_name = act
+        # Rows up to which the activation runs as the down projection's prologue (engine/kernels/small_m_linear.py);
+        # 0: never. The runner sets it (0 under tensor parallelism, whose down projection is all-reduced).
+        self.small_m_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.forward_gate_up(self.gate_up_proj(x))
+
+    def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down(act(gate) * up) from the gate_up projection's output."""
+        if self.act_name in ACTIVATIONS and takes_rows(gate_up, self.small_m_rows):
+            return act_linear(gate_up, self.act_name, self.down_proj.weight)
         if self.act_name in ACTIVATIONS and use_fused_kernels(gate_up):
             return self.down_proj(act_and_mul(gate_up, self.act_name))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -74,17 +83,33 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
+        self.small_m_rows = 0  # as GatedMLP.small_m_rows, for the whole layer
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this layer's input before the residual add (the previous layer's MLP output, or the embeddings
         with residual None). Returns (MLP output, residual stream): the add lands in the next norm's kernel."""
+        if takes_rows(x, self.small_m_rows):
+            return self._forward_small_m(positions, x, residual, md)
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.forward_with_residual(x, residual)
         h, residual = self.post_attention_layernorm.forward_with_residual(self.self_attn(positions, h, md), residual)
         return self.mlp(h), residual
+
+    def _forward_small_m(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                         md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward for a few rows, norms and adds folded into the products: norm+qkv, attention's prologue,
+        attention, o_proj+residual, norm+gate_up, act+down (six launches, seven with split-KV attention)."""
+        attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = norm_linear(x, residual, n1.weight, n1.eps, n1.offset, attn.qkv_proj.weight,
+                                    attn.qkv_proj.bias)
+        norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
+        o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, *norms)
+        residual = linear_add(o, attn.o_proj.weight, attn.o_proj.bias, residual)
+        gate_up, _ = norm_linear(residual, None, n2.weight, n2.eps, n2.offset, mlp.gate_up_proj.weight)
+        return mlp.forward_gate_up(gate_up), residual
 
 
 class LlamaModel(nn.Module):

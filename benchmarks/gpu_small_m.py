@@ -1,0 +1,261 @@
+"""A decoder layer's products at 1-16 rows on one GPU: the few-row kernels with norms, activation and residual adds
+folded in (engine/kernels/small_m_linear.py) against cuBLAS with the separate elementwise kernels, plus the number
+of kernels one step launches either way.
+
+    python benchmarks/gpu_small_m.py --shapes qwen3-0.6b,qwen3-8b --rows 1,2,5,8,16 [--sweep] --out small_m.json
+
+Per shape and row count, `layer`: one layer's product work in a CUDA graph, old chain (add+norm, qkv, o_proj,
+add+norm, gate_up, act*mul, down: 7 kernels) against the new one (norm+qkv, o_proj+add, norm+gate_up, act+down: 4
+kernels); per projection the new kernel alone and cuBLAS alone. `new_no_pdl`: the new chain launched without
+programmatic dependent launch. Weights rotate over enough copies that they do not sit in L2 (50 MB on an H100)
+between calls, as in a real step. Floor: the weight bytes over the copy bandwidth measured in the same run. --sweep
+also times other tile sizes at 1 row and prints the fastest per projection. `kernels`: CUDA kernels of one eager
+forward under torch.profiler (a draft step for the draft shape: forward, argmax and the draft loop's input rebuild).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from common import environment, markdown_table, save_json
+from gpu_linear import projections
+from gpu_shapes import copy_bandwidth, shape_dir
+from torch.profiler import ProfilerActivity, profile
+
+from engine.kernels import small_m_linear as sml
+from engine.kernels.activation import act_and_mul
+from engine.kernels.rms_norm import add_rms_norm
+from engine.kernels.triton_compat import set_pdl
+
+L2_BYTES = 200 << 20  # rotate weights over at least this much memory
+
+
+def graph_us(fn, calls: int, replays: int = 30) -> float:
+    """Median GPU time of one fn() call, from CUDA-graph replays of `calls` calls."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def layer_weights(shape: str) -> list[dict[str, torch.Tensor]]:
+    p = projections(shape)
+    h = p["qkv_proj"][0]
+    one = sum(n * k for k, n in (p[x] for x in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))) * 2
+    copies = max(2, -(-L2_BYTES // one))
+
+    def w(name: str) -> torch.Tensor:
+        k, n = p[name]
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+
+    return [dict(qkv=w("qkv_proj"), o=w("o_proj"), gate_up=w("gate_up_proj"), down=w("down_proj"),
+                 n1=torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5,
+                 n2=torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5) for _ in range(copies)]
+
+
+def bench_shape(shape: str, rows: list[int], bw: float, sweep: bool) -> tuple[list[dict], list[dict]]:
+    ws = layer_weights(shape)
+    out, best = [], []
+    for m in rows:
+        row, b = bench_rows(shape, m, ws, bw, sweep)
+        out.append(row)
+        best += b
+        print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    ws.clear()
+    torch.cuda.empty_cache()
+    return out, best
+
+
+def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float, sweep: bool
+               ) -> tuple[dict, list[dict]]:
+    p = projections(shape)
+    h, attn_width, inter = p["qkv_proj"][0], p["o_proj"][0], p["down_proj"][0]
+    layer_bytes = sum(t.numel() * 2 for name, t in ws[0].items() if name not in ("n1", "n2"))
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(m, attn_width, device="cuda", dtype=torch.bfloat16)
+    gu = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
+
+    def old(i: int) -> None:
+        w = ws[i % len(ws)]
+        hh, s = add_rms_norm(x, res, w["n1"], 1e-6)
+        F.linear(hh, w["qkv"])
+        o = F.linear(a, w["o"])
+        hh, s = add_rms_norm(o, s, w["n2"], 1e-6)
+        F.linear(hh, w["gate_up"])
+        F.linear(act_and_mul(gu, "silu"), w["down"])
+
+    def new(i: int, cfg: dict | None = None) -> None:
+        w = ws[i % len(ws)]
+        _, s = sml.norm_linear(x, res, w["n1"], 1e-6, 0.0, w["qkv"], config=cfg)
+        s = sml.linear_add(a, w["o"], None, s, config=cfg)
+        sml.norm_linear(s, None, w["n2"], 1e-6, 0.0, w["gate_up"], config=cfg)
+        sml.act_linear(gu, "silu", w["down"], config=cfg)
+
+    calls = 4 * len(ws)
+    row = {"shape": shape, "rows": m, "floor_us": layer_bytes / bw * 1e6,
+           "old_layer_us": graph_us(old, calls), "new_layer_us": graph_us(new, calls),
+           "new_no_pdl_layer_us": no_pdl_us(new, calls)}
+    row["old_vs_floor"] = row["old_layer_us"] / row["floor_us"]
+    row["new_vs_floor"] = row["new_layer_us"] / row["floor_us"]
+
+    def w(i: int, name: str) -> torch.Tensor:
+        return ws[i % len(ws)][name]
+
+    kernels = {
+        "qkv": (lambda i, cfg=None: sml.norm_linear(x, None, w(i, "n1"), 1e-6, 0.0, w(i, "qkv"), config=cfg), x),
+        "o": (lambda i, cfg=None: sml.linear_add(a, w(i, "o"), None, res, config=cfg), a),
+        "gate_up": (lambda i, cfg=None: sml.norm_linear(x, None, w(i, "n2"), 1e-6, 0.0, w(i, "gate_up"),
+                                                       config=cfg), x),
+        "down": (lambda i, cfg=None: sml.act_linear(gu, "silu", w(i, "down"), config=cfg), act_and_mul(gu, "silu")),
+    }
+    row["max_rel_err"] = max_rel_err(x, res, a, gu, ws[0])
+    best = []
+    for name, (fn, inp) in kernels.items():
+        floor = ws[0][name].numel() * 2 / bw * 1e6
+        row[f"{name}_new_us"] = graph_us(fn, calls)
+        row[f"{name}_cublas_us"] = graph_us(lambda i, inp=inp, name=name: F.linear(inp, w(i, name)), calls)
+        row[f"{name}_floor_us"] = floor
+        if sweep and m == 1:
+            best.append(sweep_one(shape, m, name, fn, calls, floor, row[f"{name}_new_us"]))
+    return row, best
+
+
+def no_pdl_us(fn, calls: int) -> float:
+    """graph_us with every kernel launched the ordinary way."""
+    set_pdl(False)
+    try:
+        return graph_us(fn, calls)
+    finally:
+        set_pdl(True)
+
+
+def max_rel_err(x: torch.Tensor, res: torch.Tensor, a: torch.Tensor, gu: torch.Tensor,
+                w: dict[str, torch.Tensor]) -> float:
+    """The largest relative error (norm of the difference over the norm of the reference) of the four kernels
+    against their torch references on these inputs: bf16 outputs land near 1e-3."""
+    pairs = [(sml.norm_linear(x, res, w["n1"], 1e-6, 0.0, w["qkv"])[0],
+              sml.norm_linear_ref(x, res, w["n1"], 1e-6, 0.0, w["qkv"])[0]),
+             (sml.linear_add(a, w["o"], None, res), sml.linear_add_ref(a, w["o"], None, res)),
+             (sml.norm_linear(x, None, w["n2"], 1e-6, 1.0, w["gate_up"])[0],
+              sml.norm_linear_ref(x, None, w["n2"], 1e-6, 1.0, w["gate_up"])[0]),
+             (sml.act_linear(gu, "gelu_pytorch_tanh", w["down"]),
+              sml.act_linear_ref(gu, "gelu_pytorch_tanh", w["down"]))]
+    return max(float((got.float() - ref.float()).norm() / ref.float().norm()) for got, ref in pairs)
+
+
+def sweep_one(shape: str, m: int, name: str, fn, calls: int, floor: float, default_us: float) -> dict:
+    results = []
+    for bn in (2, 4, 8, 16):
+        for bk in (256, 512, 1024, 2048):
+            for warps in (4, 8):
+                if m * bn * bk > 64 * 32 * warps or bn * bk < 32 * warps:  # registers / idle threads
+                    continue
+                for stages in (3,):
+                    cfg = dict(USE_DOT=False, BLOCK_M=triton_pow2(m), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                               num_stages=stages)
+                    try:
+                        us = graph_us(lambda i, cfg=cfg: fn(i, cfg), calls, replays=10)
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                        print("skip", cfg, type(e).__name__, flush=True)
+                        continue
+                    results.append((us, cfg))
+    results.sort(key=lambda r: r[0])
+    us, cfg = results[0]
+    top = [(round(u, 2), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]) for u, c in results[:5]]
+    print(f"sweep {shape} rows={m} {name}: default {default_us:.2f} us, best {us:.2f} us {cfg} "
+          f"(floor {floor:.2f}); top5 {top}", flush=True)
+    return {"shape": shape, "rows": m, "proj": name, "default_us": default_us, "best_us": us, "floor_us": floor,
+            "best": cfg, "top5": top}
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def count_kernels(shape: str, rows_setting: int, batch: int, draft: bool) -> dict:
+    """CUDA kernels of one eager forward at `batch` decode rows (a draft step with draft=True)."""
+    from engine.config import EngineConfig, ModelConfig
+    from engine.runner.model_runner import ModelRunner
+    from engine.runner.step_input import Chunk
+    from engine.spec.draft_loop import DraftLoop
+
+    cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=640, max_num_seqs=batch,
+                       kv_cache_memory_bytes=1 << 30, enforce_eager=True, num_speculative_tokens=4,
+                       load_format="dummy", small_m_rows=rows_setting)
+    mc = ModelConfig.from_path(shape_dir(shape))
+    mc.max_model_len = 640
+    runner = ModelRunner(mc, cfg, "draft" if draft else "target")
+    chunks = [Chunk([7], 100, 1, [list(range(1 + 40 * i, 41 + 40 * i)) for _ in runner.kv_groups])
+              for i in range(batch)]
+    if draft:
+        loop = DraftLoop(runner, 4, keep_probs=False)
+        runner.buffers.load(chunks, num_reqs=batch, num_logits_padded=batch)
+
+        def step() -> None:
+            loop._next_step(batch, True)
+    else:
+        def step() -> None:
+            runner.execute(runner.buffers.load(chunks))
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [n for n in names if not n.startswith(("Memcpy", "Memset"))]
+    layers = mc.num_layers
+    return {"shape": shape, "step": "draft step" if draft else "decode", "batch": batch, "small_m_rows": rows_setting,
+            "kernels": len(kernels), "per_layer": len(kernels) / layers, "copies": len(names) - len(kernels)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")
+    ap.add_argument("--rows", default="1,2,5,8,16")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--skip-count", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    counts = [] if args.skip_count else [
+        count_kernels(s, setting, 1, draft) for s, draft in (("qwen3-0.6b", True), ("qwen3-8b", False))
+        for setting in (0, 1)]
+    for c in counts:
+        print(c, flush=True)
+    bw = copy_bandwidth()
+    rows, best = [], []
+    for shape in args.shapes.split(","):
+        r, b = bench_shape(shape, [int(x) for x in args.rows.split(",")], bw, args.sweep)
+        rows += r
+        best += b
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(markdown_table(rows, ["shape", "rows", "floor_us", "old_layer_us", "new_layer_us", "new_no_pdl_layer_us",
+                                "old_vs_floor", "new_vs_floor", "max_rel_err"]))
+    print(markdown_table(rows, ["shape", "rows"] + [f"{p}_{w}_us" for p in ("qkv", "o", "gate_up", "down")
+                                                     for w in ("new", "cublas", "floor")]))
+    if best:
+        print(markdown_table(best, ["shape", "rows", "proj", "default_us", "best_us", "floor_us", "best"]))
+    if counts:
+        print(markdown_table(counts, ["shape", "step", "batch", "small_m_rows", "kernels", "per_layer", "copies"]))
+    save_json(args.out, {"env": environment(), "args": vars(args), "bandwidth_Bps": bw, "rows": rows, "sweep": best,
+                         "counts": counts})
+
+
+if __name__ == "__main__":
+    main()

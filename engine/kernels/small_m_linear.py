@@ -1,0 +1,248 @@
+"""Matrix products of a few rows (1-16: a batch-1 decode, a draft step, a small verify) with the layer's elementwise
+work folded in: an RMSNorm (and the residual add before it) as the prologue, act(gate) * up as the prologue, or a
+residual add as the epilogue (Triton kernel + typed wrappers + torch references).
+
+At batch 1 a decoder layer of a 0.6B model reads about 15 MB of weights, 5 us at the copy bandwidth, yet an unfused
+layer is about ten launches: norm, qkv, attention's prologue, attention, o_proj, add+norm, gate_up, act*mul, down.
+Each launch and its tail cost a few microseconds of their own, so the draft step is launch-bound (3.4x its floor).
+Here a norm needs no kernel of its own: each program of the following product recomputes the row statistics of
+its (tiny) input, which it reads from L2 anyway, and the activation is applied to the gate/up row as the down
+projection reads it. A layer becomes norm+qkv, attention's prologue, attention, o_proj+residual, norm+gate_up and
+act+down.
+
+Layout: a program owns BLOCK_N output features of every row and walks K in BLOCK_K steps. With few rows (FMA
+form) the products are plain fp32 multiply-adds into a [rows, BLOCK_N, BLOCK_K] accumulator summed once at the
+end, so BLOCK_N can be as small as 2 and even a 1024-wide projection spreads over enough programs to fill the
+GPU without split-K; with more rows (DOT form) tl.dot on 16-row tiles keeps the arithmetic off the CUDA cores.
+
+Rounding is that of the unfused layers: the residual sum is rounded to the activation dtype; the norm's
+statistics are float32 and its output is rounded to the dtype (Llama form: the normalised row is rounded before
+the weight multiplies it; Gemma's offset form multiplies by (offset + w) in float32); act(gate) is rounded before
+it multiplies up, the product rounded again; the product accumulates in float32 (fp32 operands: IEEE, never
+TF32), the bias is added in float32, the result is rounded, and the epilogue's residual add rounds once more.
+Only the order of the float32 sums differs from a BLAS library's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.activation import ACTIVATIONS, act_and_mul_ref
+from engine.kernels.rms_norm import rms_norm_ref, use_fused_kernels
+from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
+
+__all__ = ["FMA_MAX_ROWS", "MAX_ROWS", "takes_rows", "norm_linear", "norm_linear_ref", "act_linear", "act_linear_ref",
+           "linear_add", "linear_add_ref"]
+
+MAX_ROWS = 16  # rows the kernel takes; larger batches are matrix-bound enough for cuBLAS
+FMA_MAX_ROWS = 4  # up to this many rows the FMA form; above it tl.dot on a 16-row tile
+_NONE, _NORM, _ACT = 0, 1, 2  # prologues
+
+
+@triton.jit
+def _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, m_mask, k_mask, stride_x, stride_r, inter, rstd, offset,
+                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr):
+    """The product's input at rows x columns kk, in the activation dtype (see the module docstring)."""
+    mask = m_mask[:, None] & k_mask[None, :]
+    ptrs = x_ptr + rows[:, None] * stride_x + kk[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    dt = x.dtype
+    if PROLOGUE == 1:
+        if HAS_RES:
+            x = (x + tl.load(res_ptr + rows[:, None] * stride_r + kk[None, :], mask=mask, other=0.0)).to(dt)
+        nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        xf = x.to(tl.float32) * rstd[:, None]
+        if HAS_OFFSET:
+            x = (xf * (offset + nw[None, :])).to(dt)
+        else:
+            x = (xf.to(dt).to(tl.float32) * nw[None, :]).to(dt)
+    elif PROLOGUE == 2:
+        gate = x.to(tl.float32)
+        up = tl.load(ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+        if GELU_TANH:
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            act = 0.5 * gate * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))  # tanh(z) = 2 sigmoid(2z) - 1
+        else:
+            act = gate / (1.0 + tl.exp(-gate))
+        x = (act.to(dt).to(tl.float32) * up).to(dt)
+    return x
+
+
+@triton.jit
+def _small_m_linear_kernel(
+        x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, out_ptr,
+        M, N, K, stride_x, stride_r, stride_ro, stride_w, stride_a, stride_o, eps, offset,
+        PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
+        USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    m_mask = rows < M
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 1:
+        # Row statistics of the norm's input: every program computes them (the rows are a few KB, in L2); the
+        # first also writes the residual sum out.
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        k_written = tl.where(pid == 0, K, 0)  # columns the residual sum is stored for: all in program 0 only
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_mask = kk < K
+            mask = m_mask[:, None] & k_mask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0)
+            if HAS_RES:
+                x = (x + tl.load(res_ptr + rows[:, None] * stride_r + kk[None, :], mask=mask, other=0.0)).to(x.dtype)
+                out_mask = mask & (kk < k_written)[None, :]
+                tl.store(res_out_ptr + rows[:, None] * stride_ro + kk[None, :], x, mask=out_mask)
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        a = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, m_mask, k_mask, stride_x, stride_r, K, rstd, offset,
+                        PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH)
+        if USE_DOT:
+            if DOT_IEEE:
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a.to(w.dtype), tl.trans(w))
+        else:
+            acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc3, axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    y = acc.to(out_ptr.dtype.element_ty)
+    if HAS_ADD:
+        add = tl.load(add_ptr + rows[:, None] * stride_a + cols[None, :], mask=out_mask, other=0.0)
+        y = (y.to(tl.float32) + add.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y, mask=out_mask)
+
+
+def takes_rows(x: torch.Tensor, limit: int) -> bool:
+    """Whether a layer should run x ([rows, ...]) through these kernels: at most `limit` rows (the engine's
+    setting, capped at MAX_ROWS) on a device the kernels run on."""
+    return 0 < x.shape[0] <= min(limit, MAX_ROWS) and use_fused_kernels(x)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: small blocks, so CPU tests cover several programs and the masks
+
+
+def _config(m: int, n: int, k: int, device: torch.device) -> dict:
+    """Tile sizes. FMA form: a weight tile of 8192 elements (16 KB of bf16; the fp32 accumulator is 64 registers a
+    thread at 4 warps), 2048 wide when K allows, narrowed (more programs) until the grid holds two programs per
+    SM. At one row on an H100 this is the fastest tiling of a sweep, or within 3.3% of it, for seven of the eight
+    projections of the Qwen3-0.6B and 8B shapes (benchmarks/gpu_small_m.py --sweep; the 0.6B o_proj is the
+    exception, about 7% off). Rows 2-16 are slower than cuBLAS with these tiles (measured there too),
+    which is why the engine's default setting sends only single rows here."""
+    if m <= FMA_MAX_ROWS:
+        block_m = triton.next_power_of_2(m)
+        block_k = min(triton.next_power_of_2(k), 2048 if k >= 4096 else 1024)
+        block_n = max(1, 8192 // (block_k * block_m))
+        while block_n > 2 and triton.cdiv(n, block_n) < 2 * _num_sms(device):
+            block_n //= 2
+        return dict(USE_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    want = 2 * _num_sms(device)
+    block_n = 32 if triton.cdiv(n, 32) >= want else 16
+    return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=min(256, max(16, triton.next_power_of_2(k))),
+                num_warps=4)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int, k: int,
+            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+            offset: float = 0.0, act: str = "silu", add: torch.Tensor | None = None,
+            config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    tensors = [t for t in (x, weight, bias, residual, norm_weight, add) if t is not None]
+    require_triton("small_m_linear", *tensors)
+    m, n = x.shape[0], weight.shape[0]
+    if x.dim() != 2 or x.stride(-1) != 1 or weight.dim() != 2 or weight.stride(-1) != 1 or weight.shape[1] != k:
+        raise ValueError(f"x [rows, {k}] and weight [out, {k}] must be contiguous in their last dimension, got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if m > MAX_ROWS:
+        raise ValueError(f"small_m_linear takes at most {MAX_ROWS} rows, got {m}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x and weight dtypes differ: {x.dtype} and {weight.dtype}")
+    for t, shape in ((residual, (m, k)), (add, (m, n)), (bias, (n,)), (norm_weight, (k,))):
+        if t is not None and (tuple(t.shape) != shape or t.stride(-1) != 1):
+            raise ValueError(f"expected a tensor of shape {shape}, contiguous in its last dimension, got "
+                             f"{tuple(t.shape)}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else None
+    if m:
+        cfg = {**_config(m, n, k, x.device), **(config or {})}
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
+        launch(_small_m_linear_kernel, grid, x.device,
+               x, residual if residual is not None else x, res_out if res_out is not None else out,
+               norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
+               add if add is not None else out, out,
+               m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
+               res_out.stride(0) if res_out is not None else 0, weight.stride(0),
+               add.stride(0) if add is not None else 0, out.stride(0), eps, offset,
+               PROLOGUE=prologue, HAS_RES=residual is not None, HAS_OFFSET=bool(offset),
+               GELU_TANH=act == "gelu_pytorch_tanh", HAS_BIAS=bias is not None, HAS_ADD=add is not None,
+               DOT_IEEE=x.dtype == torch.float32, **cfg)
+    return out, res_out
+
+
+def norm_linear(x: torch.Tensor,  # [rows, K], rows <= MAX_ROWS
+                residual: torch.Tensor | None,  # [rows, K] or None
+                norm_weight: torch.Tensor,  # [K]
+                eps: float, offset: float,
+                weight: torch.Tensor,  # [N, K]
+                bias: torch.Tensor | None = None,  # [N]
+                config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ weight.T + bias, x + residual), x itself as the second when residual is None."""
+    out, res = _launch(x, weight, bias, _NORM, x.shape[-1], residual, norm_weight, eps, offset, config=config)
+    return out, (res if res is not None else x)
+
+
+def act_linear(gate_up: torch.Tensor,  # [rows, 2 * I]: gate then up
+               act: str,
+               weight: torch.Tensor,  # [N, I]
+               config: dict | None = None) -> torch.Tensor:
+    """act_and_mul(gate_up) @ weight.T: a gated MLP's down projection with its activation."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act_linear supports {ACTIVATIONS}, got {act!r}")
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [rows, 2 * I], got {tuple(gate_up.shape)}")
+    return _launch(gate_up, weight, None, _ACT, gate_up.shape[1] // 2, act=act, config=config)[0]
+
+
+def linear_add(x: torch.Tensor,  # [rows, K]
+               weight: torch.Tensor,  # [N, K]
+               bias: torch.Tensor | None,  # [N]
+               add: torch.Tensor,  # [rows, N]
+               config: dict | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, rounded, + add: a projection and the residual add after it."""
+    return _launch(x, weight, bias, _NONE, x.shape[-1], add=add, config=config)[0]
+
+
+def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    offset: float, weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x + residual if residual is not None else x
+    return F.linear(rms_norm_ref(s, norm_weight, eps, offset), weight, bias), s
+
+
+def act_linear_ref(gate_up: torch.Tensor, act: str, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(act_and_mul_ref(gate_up, act), weight)
+
+
+def linear_add_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   add: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight, bias) + add

@@ -1,0 +1,109 @@
+"""The few-row products with folded norms, activation and residual adds (engine/kernels/small_m_linear.py) against
+their torch references, and greedy decoding through them (target decode and verify, and the draft loop) against
+HF for the families the other kernel-path tests leave out, on CPU under Triton's interpreter (in a child process,
+as in test_fused_kernels.py). CUDA runs the kernel checks in tests/gpu/test_small_m_linear_cuda.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import small_m_linear as sml
+from engine.kernels.triton_compat import HAS_TRITON, interpreting
+
+if not HAS_TRITON:
+    pytest.skip("triton is not installed (the `test` extra installs it on Linux)", allow_module_level=True)
+
+interpreted = pytest.mark.skipif(not interpreting(), reason="runs in the TRITON_INTERPRET=1 child process")
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.skipif(interpreting(), reason="already under the interpreter")
+def test_small_m_linear_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-x",
+                           "-p", "no:cacheprovider", "--noconftest"],
+                          cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+
+
+def check_small_m_linear(device: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 3, 5),
+                         shapes: tuple[tuple[int, int], ...] = ((96, 200),)) -> None:
+    """Every prologue and epilogue against its reference, at FMA (<= 4 rows) and tl.dot row counts, with a K that
+    is not a multiple of the K tile and an N that is not a multiple of the N tile; shared with the CUDA test."""
+    g = torch.Generator().manual_seed(0)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    for k, n in shapes:
+        w, bias = rand(n, k, scale=k ** -0.5), rand(n)
+        for m in rows:
+            x, res = rand(m, k, scale=2.0), rand(m, k)
+            # (norm offset, residual, bias): Llama form alone, Llama form with everything, Gemma form
+            for offset, r, b in ((0.0, None, None), (0.0, res, bias), (1.0, res, None)):
+                nw = rand(k, scale=0.1) + (0.0 if offset else 1.0)
+                out, s = sml.norm_linear(x, r, nw, 1e-6, offset, w, b)
+                ref, ref_s = sml.norm_linear_ref(x, r, nw, 1e-6, offset, w, b)
+                torch.testing.assert_close(out, ref, **tol)
+                assert torch.equal(s, ref_s)  # the residual sum is rounded once, as torch rounds it
+            gate_up = rand(m, 2 * k, scale=2.0)
+            for act in ("silu", "gelu_pytorch_tanh"):
+                torch.testing.assert_close(sml.act_linear(gate_up, act, w), sml.act_linear_ref(gate_up, act, w),
+                                           **tol)
+            add = rand(m, n)
+            torch.testing.assert_close(sml.linear_add(x, w, bias, add), sml.linear_add_ref(x, w, bias, add), **tol)
+    x = rand(2, 96)
+    with pytest.raises(ValueError, match="at most"):
+        sml.linear_add(rand(sml.MAX_ROWS + 1, 96), rand(8, 96), None, rand(sml.MAX_ROWS + 1, 8))
+    with pytest.raises(ValueError, match="weight"):
+        sml.linear_add(x, rand(8, 95), None, rand(2, 8))
+    with pytest.raises(ValueError, match="act_linear supports"):
+        sml.act_linear(x, "relu", rand(8, 48))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_small_m_linear_matches_references(dtype):
+    check_small_m_linear("cpu", dtype)
+
+
+@interpreted
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_greedy_through_small_m_kernels_equals_hf(tmp_path, family):
+    """Decode (1-4 rows, FMA form) and verify of 3 drafts (up to 16 rows, tl.dot form) through the new kernels,
+    float32: token for token HF's greedy output; and the draft loop alone (3 rows) from a 1-layer Qwen3 draft."""
+    from conftest import TINY_CONFIGS, hf_greedy, make_tiny_model, random_prompts
+    from fast_path_support import draft_runner, hf_draft_tokens, run_draft_loop
+
+    from engine import LLM, SamplingParams
+    from engine.spec.draft_loop import DraftLoop
+
+    torch.set_num_threads(1)
+    target = make_tiny_model(tmp_path, family, TINY_CONFIGS[family])
+    draft = make_tiny_model(tmp_path, family + "-draft", TINY_CONFIGS[family], scale=5.9)
+    prompts = random_prompts([5, 9, 14, 3], seed=4)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    llm = LLM(target.path, draft_model=draft.path, num_speculative_tokens=3, attention_backend="triton",
+              device="cpu", block_size=4, num_kv_blocks=200, max_num_seqs=4, small_m_rows=16)
+    layer = llm.executor.target.model.model.layers[0]
+    assert layer.small_m_rows == 16 and layer.mlp.small_m_rows == 16
+    outs = llm.generate(prompts, params)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(target.hf, p, 10), f"{family}: prompt of {len(p)} tokens diverged"
+    assert llm.spec_stats(outs).acceptance_rate > 0.3
+    if family == "qwen3":
+        runner = draft_runner(draft, "cpu", 5, 4, graphs=False, small_m_rows=4)
+        assert runner.model.model.layers[0].small_m_rows == 4
+        loop = DraftLoop(runner, 5, keep_probs=False)
+        lp, ks = random_prompts([6, 7, 10], seed=5), [5, 3, 5]
+        ids, _ = run_draft_loop(runner, loop, lp, ks)
+        assert [row[:k] for row, k in zip(ids.tolist(), ks)] == hf_draft_tokens(draft, lp, ks)
