@@ -61,13 +61,9 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 # (endpoint body, field, value): each must be refused with a 400 whose param names the field.
 REFUSED = [
-    *[(CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]), (CHAT, "tool_choice", "auto"),
-      (CHAT, "reasoning_effort", "low"), (CHAT, "echo", True), (CMPL | {"logprobs": 1}, "echo", True)],
+    *[(CHAT, "reasoning_effort", "low"), (CHAT, "echo", True), (CMPL | {"logprobs": 1}, "echo", True)],
     *[(body, field, value) for body in (CMPL, CHAT) for field, value in [
-        ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
-        ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structural_tag", "{}"),
-        ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " "),
-        ("structured_outputs", {"json": {}}), ("use_beam_search", True), ("length_penalty", 0.5), ("best_of", 2),
+        ("structural_tag", "{}"), ("guided_whitespace_pattern", " "), ("use_beam_search", True), ("length_penalty", 0.5), ("best_of", 2),
         ("prompt_logprobs", 1), ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
         ("priority", 1), ("logits_processors", ["x"]), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1})]],
     (CMPL, "suffix", "end"), (CMPL, "prompt_embeds", "AAAA"), (CHAT, "mm_processor_kwargs", {"a": 1}),
@@ -80,9 +76,13 @@ HONOURED_BOTH = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
                  "ignore_eos", "n", "stream", "stream_options", "user", "request_id", "cache_salt",
                  "truncate_prompt_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
                  "logit_bias", "min_tokens", "min_p", "allowed_token_ids", "bad_words", "include_stop_str_in_output",
-                 "return_tokens_as_token_ids", "return_token_ids", "logprobs", "add_special_tokens"}
+                 "return_tokens_as_token_ids", "return_token_ids", "logprobs", "add_special_tokens",
+                 # Structured outputs (tests/test_structured_outputs.py):
+                 "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "guided_decoding_backend", "structured_outputs"}
 HONOURED = {"completions": HONOURED_BOTH | {"prompt", "echo"},
             "chat": HONOURED_BOTH | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls",
+                                     "tools", "tool_choice",
                                      "include_reasoning", "add_generation_prompt", "continue_final_message",
                                      "documents", "chat_template", "chat_template_kwargs"}}
 REFUSED_BY_ENDPOINT = {"completions": set(), "chat": {"echo"}}  # refused by the endpoint's own check
