@@ -67,7 +67,7 @@ def tool_spec(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, A
                                   f"tools.{i}.function.name")
         if name in functions:
             raise GenerationError(f"tools.{i}.function.name: {name!r} is given twice", 400, f"tools.{i}.function.name")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
+        params = fn.get("parameters", {"type": "object", "properties": {}, "additionalProperties": False})
         if not isinstance(params, dict):
             raise GenerationError(f"tools.{i}.function.parameters must be a JSON schema object", 400,
                                   f"tools.{i}.function.parameters")
@@ -98,6 +98,7 @@ def tool_grammar(spec: ToolSpec) -> str | None:
         schema = {"anyOf": [_call_schema(n, fn) for n, fn in spec.functions.items()]}
     else:
         return None
+    schema["x-guidance"] = {"whitespace_flexible": False}  # as structured_output.JSON_OPTIONS, for %json
     calls = 'call ("\\n" call)*' if spec.choice == "required" and spec.parallel else "call"
     return (f"start: {calls}\n"
             f'call: "{OPEN}\\n" body "\\n{CLOSE}"\n'
