@@ -92,7 +92,7 @@ class ToolCall(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: not calls)  # only with calls
 
 
 class ChatChoice(BaseModel):
