@@ -74,8 +74,9 @@ def tool_spec(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, A
         functions[name] = {**fn, "parameters": params}
     choice, named = tool_choice if tool_choice is not None else "auto", None
     if isinstance(choice, dict):
-        named = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if named not in functions:
+        fn = choice.get("function")
+        named = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
+        if not isinstance(named, str) or named not in functions:
             raise GenerationError(f"tool_choice names {named!r}, which is not one of the tools", 400, "tool_choice")
         choice = "named"
     elif choice not in ("none", "auto", "required"):
