@@ -28,6 +28,7 @@ from engine.executor import Executor
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sample.logits_params import logits_params_of
+from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.step_plan import PlannedRequest, StepPlan, StepResult
 
@@ -93,7 +94,7 @@ class EngineCore:
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
-        request.logits_params = logits_params_of(request, self.output.eos_token_ids)
+        request.logits_params = logits_params_of(request, self.output.eos_token_ids, self._grammar(request))
         self.scheduler.add_request(request)
 
     def validate_request(self, request: Request) -> None:
@@ -114,6 +115,11 @@ class EngineCore:
                 raise ValueError(f"{name} names token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if request.request_id in self.scheduler.requests or request.request_id in self._deferred_free:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._grammar(request)  # a grammar the backend cannot compile is refused here (compiled once, cached)
+
+    def _grammar(self, request: Request) -> Any:
+        return grammar_spec_of(request.params.structured_outputs, self.output.tokenizer,
+                               sorted(self.output.eos_token_ids), self.vocab_size)
 
     def abort_request(self, request_id: str) -> Request | None:
         req = self.scheduler.requests.get(request_id)

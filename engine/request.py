@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sample.logits_params import LogitsParams
+from engine.sample.structured_output import StructuredOutputsParams
 
 
 @dataclass
@@ -46,12 +47,17 @@ class SamplingParams:
     # Mixed into the prefix cache's block hashes (engine/kv_cache/block_hash.py): only requests with the same salt
     # share cached KV, so a tenant's prompts cannot be probed by another's time to first token (vLLM's cache_salt).
     cache_salt: str | None = None
+    # Structured outputs (a JSON schema, JSON object, regex, choice or grammar): the output is sampled from the
+    # target's distribution restricted to what the grammar allows, at every position, with or without a draft.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):  # as a front end sends it (its fields as a dict)
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -99,6 +105,8 @@ class SamplingParams:
             raise ValueError("bad_words_token_ids must be non-empty lists of token ids")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are matched against the output text: they need detokenize=True")
 

@@ -17,6 +17,7 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
+from engine.sample import grammar_matchers
 from engine.step_plan import PlannedRequest, StepPlan, StepResult
 
 
@@ -66,6 +67,7 @@ class RequestTable:
         explicit entries; raises RuntimeError for an open entry of a request this side does not know."""
         for rid in plan.finished_ids:
             self.requests.pop(rid, None)
+        grammar_matchers.forget(plan.finished_ids)  # this side's structured-output matchers of ended requests
         entries = [self._resolve_one(p) for p in plan.requests]
         resolved = dataclasses.replace(plan, requests=entries)
         self._unrecorded.append(resolved)

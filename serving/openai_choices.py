@@ -17,6 +17,13 @@ from typing import Any
 
 from serving.openai_responses import ChatCompletionResponse, CompletionResponse, error_body, error_type
 from serving.router_client import GenerationError, spec_decode_summary
+from serving.tool_calls import ToolCallStream, parse_tool_calls
+
+
+def _tools(body: Any, chat: bool) -> Any:
+    """The request's ToolSpec when its output is parsed for tool calls, else None."""
+    spec = body.tool_spec() if chat else None
+    return spec if spec is not None and spec.parses_calls else None
 
 
 @dataclass
@@ -144,6 +151,12 @@ async def collect_response(choices: list[Choice], body: Any, request_id: str, cl
                                  "stop_reason": last["stop_reason"]}
         if chat:
             entry["message"] = {"role": "assistant", "content": text}
+            tools = _tools(body, chat)
+            if tools is not None:
+                content, calls = parse_tool_calls(text, tools)
+                entry["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                if calls and entry["finish_reason"] == "stop":
+                    entry["finish_reason"] = "tool_calls"
         else:
             entry["text"] = c.echo + text
         if body.return_token_ids:
@@ -157,6 +170,18 @@ async def collect_response(choices: list[Choice], body: Any, request_id: str, cl
 
 
 # --- server-sent events ---------------------------------------------------------------------------------------
+def _call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's streamed shape: per call, its index, id, type and name with empty arguments, then the arguments
+    as a fragment of the same index (clients concatenate the fragments)."""
+    out = []
+    for c in calls:
+        fn = c["function"]
+        out.append({"index": c["index"], "id": c["id"], "type": "function",
+                    "function": {"name": fn["name"], "arguments": ""}})
+        out.append({"index": c["index"], "function": {"arguments": fn["arguments"]}})
+    return out
+
+
 def _sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -202,6 +227,8 @@ async def sse_stream(choices: list[Choice], body: Any, request_id: str, client: 
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     builders = {c.index: logprobs_builder(body, client.tokenizer, chat) for c in choices}
+    tools = _tools(body, chat)
+    splitters = {c.index: ToolCallStream(tools) for c in choices} if tools is not None else {}
     started: set[int] = set()
     lasts: dict[int, tuple[Choice, dict[str, Any]]] = {}
     try:
@@ -209,10 +236,18 @@ async def sse_stream(choices: list[Choice], body: Any, request_id: str, client: 
             finish = delta["finish_reason"]
             entry: dict[str, Any] = {"index": choice.index}
             if chat:
+                text, calls = delta["text"], []
+                if splitters:
+                    splitter = splitters[choice.index]
+                    text, calls = splitter.feed(text, final=finish is not None)
+                    if splitter.num_calls and finish == "stop":
+                        finish = "tool_calls"
                 if choice.index not in started:
-                    entry["delta"] = {"role": "assistant", "content": delta["text"]}
+                    entry["delta"] = {"role": "assistant", "content": text}
                 else:
-                    entry["delta"] = {"content": delta["text"]} if delta["text"] or not finish else {}
+                    entry["delta"] = {"content": text} if text or not finish else {}
+                if calls:
+                    entry["delta"]["tool_calls"] = _call_deltas(calls)
             else:
                 entry["text"] = (choice.echo if choice.index not in started else "") + delta["text"]
             if body.return_token_ids:

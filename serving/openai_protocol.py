@@ -2,7 +2,8 @@
 
 The request models list every field of vLLM's CompletionRequest and ChatCompletionRequest. Each one is either
 honoured or refused with a 400 that names it: `REFUSED` says, per field, which values this server cannot honour
-and why (tools and structured outputs wait for their own implementation; beam search is not built; ...). A
+and why (beam search is not built; ...); structured outputs and tools are mapped in serving/structured_request.py
+and serving/tool_calls.py. A
 field that no model lists is an error too (`extra="forbid"`): a typo or a newer OpenAI field must not be
 accepted and then silently dropped. Response bodies are in serving/openai_responses.py.
 """
@@ -12,9 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from serving.router_client import GenerationError
+from serving.structured_request import structured_outputs
+from serving.tool_calls import ToolSpec, tool_spec
 
 # Request fields whose defaults may come from the model's generation_config.json (serving.generation_config).
 SUPPORTED_DEFAULTS = frozenset({"temperature", "top_p", "top_k", "max_tokens", "min_p", "repetition_penalty"})
@@ -29,7 +32,7 @@ class StreamOptions(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")  # json_schema etc.: refused by REFUSED unless type is "text"
+    model_config = ConfigDict(extra="allow")  # json_schema: read by serving/structured_request.py
     type: str
 
 
@@ -42,15 +45,10 @@ def _unset_or(*allowed: Any) -> Callable[[Any], bool]:
 
 
 # Field -> (accepts(value), why other values are refused). Checked in order; the first refused field is named.
-_STRUCTURED = "structured outputs and tools are not implemented yet: send free-text requests"
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (lambda v: not v, _STRUCTURED),
-    "tool_choice": (_unset_or("none"), _STRUCTURED),
-    "response_format": (lambda v: v is None or v.type == "text", _STRUCTURED + " ({'type': 'text'} is accepted)"),
-    "guided_json": (_off, _STRUCTURED), "guided_regex": (_off, _STRUCTURED),
-    "guided_choice": (_off, _STRUCTURED), "guided_grammar": (_off, _STRUCTURED),
-    "structural_tag": (_off, _STRUCTURED), "guided_decoding_backend": (_off, _STRUCTURED),
-    "guided_whitespace_pattern": (_off, _STRUCTURED), "structured_outputs": (_off, _STRUCTURED),
+    "structural_tag": (_off, "structural tags are not supported: use response_format, guided_* or tools"),
+    "guided_whitespace_pattern": (_off, "JSON outputs are generated without free whitespace; a pattern for it is "
+                                        "not supported"),
     "reasoning_effort": (_off, "this server has no reasoning parser"),
     "use_beam_search": (_off, "beam search is not implemented"),
     "length_penalty": (_unset_or(1.0, 1), "it only applies to beam search, which is not implemented"),
@@ -129,11 +127,17 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stream_options can only be set when stream is true")
         return self
 
+    _structured: dict[str, Any] | None = PrivateAttr(default=None)  # StructuredOutputsParams fields, checked
+
     def check_supported(self) -> None:
         """Raise GenerationError(400) naming the first field whose value this server cannot honour."""
         for name, (accepts, why) in REFUSED.items():
             if name in type(self).model_fields and not accepts(getattr(self, name)):
                 raise GenerationError(f"{name}={getattr(self, name)!r} is not supported: {why}", 400, name)
+        self._structured = structured_outputs(self, self.tool_spec())
+
+    def tool_spec(self) -> ToolSpec | None:
+        return None
 
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         """Keyword arguments of engine.SamplingParams; the router validates them (ValueError -> 400).
@@ -159,7 +163,8 @@ class _SamplingRequest(BaseModel):
                 "presence_penalty": pick("presence_penalty", 0.0), "frequency_penalty": pick("frequency_penalty", 0.0),
                 "repetition_penalty": pick("repetition_penalty", 1.0), "min_p": pick("min_p", 0.0),
                 "min_tokens": self.min_tokens or 0, "logit_bias": bias, "allowed_token_ids": self.allowed_token_ids,
-                "include_stop_str_in_output": self.include_stop_str_in_output, "cache_salt": self.cache_salt}
+                "include_stop_str_in_output": self.include_stop_str_in_output, "cache_salt": self.cache_salt,
+                "structured_outputs": self._structured}
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -272,6 +277,16 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM)
     mm_processor_kwargs: dict[str, Any] | None = None  # extension (vLLM): refused (REFUSED)
 
+    _tools: ToolSpec | None = PrivateAttr(default=None)
+
+    def tool_spec(self) -> ToolSpec | None:
+        """The request's tools and tool_choice, checked (GenerationError 400); None without tools."""
+        if self._tools is None and self.tools:
+            self._tools = tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+        elif not self.tools:
+            tool_spec(None, self.tool_choice, self.parallel_tool_calls)
+        return self._tools
+
     def check_supported(self) -> None:
         super().check_supported()
         for i, message in enumerate(self.messages):
@@ -327,7 +342,7 @@ class TokenizeChatRequest(BaseModel):
 
     def check_supported(self) -> None:
         if self.tools:
-            raise GenerationError(f"tools are not supported: {_STRUCTURED}", 400, "tools")
+            tool_spec(self.tools, None, None)
         for i, message in enumerate(self.messages):
             message.check(f"messages.{i}")
         if self.continue_final_message and self.add_generation_prompt:
@@ -335,6 +350,9 @@ class TokenizeChatRequest(BaseModel):
                                   "continue_final_message")
 
     template_kwargs = ChatCompletionRequest.template_kwargs
+
+    def tool_spec(self) -> ToolSpec | None:
+        return tool_spec(self.tools, None, None) if self.tools else None
 
 
 class DetokenizeRequest(BaseModel):

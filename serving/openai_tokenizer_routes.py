@@ -20,6 +20,7 @@ from serving.openai_protocol import (
 )
 from serving.openai_responses import DetokenizeResponse, TokenizeResponse
 from serving.router_client import GenerationError
+from serving.tool_calls import render_messages
 
 
 def tokenize_text(client: Any, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
@@ -40,8 +41,15 @@ def apply_chat_template(client: Any, body: ChatCompletionRequest | TokenizeChatR
         raise GenerationError(f"model {client.model_name} has no chat template: use /v1/completions or give "
                               "chat_template", 400, "messages")
     messages = [m.template_dict() for m in body.messages]
+    tools = body.tool_spec()
     try:
         text = tok.apply_chat_template(messages, tokenize=False, **body.template_kwargs())
+        if tools is not None and tools.choice != "none":
+            with_tools = tok.apply_chat_template(messages, tokenize=False, tools=tools.tools,
+                                                 **body.template_kwargs())
+            # A template that renders the same text with and without tools ignores them: Hermes-style prompt.
+            text = with_tools if with_tools != text else tok.apply_chat_template(
+                render_messages(messages, tools, True), tokenize=False, **body.template_kwargs())
     except Exception as e:  # noqa: BLE001 - jinja raises TemplateError for messages the template rejects
         raise GenerationError(f"the chat template rejected the messages: {e}", 400, "messages") from e
     if not isinstance(text, str) or not text:

@@ -21,7 +21,8 @@ from engine import LLM, SamplingParams
 
 MODEL = "tiny"
 # generation_config.json of the served target: its defaults apply to what a request leaves unset.
-GEN_DEFAULTS = {"top_k": 7, "max_new_tokens": 12}
+# max_new_tokens leaves room for a tool call (tests of structured outputs below).
+GEN_DEFAULTS = {"top_k": 7, "max_new_tokens": 96}
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +62,10 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 # (endpoint body, field, value): each must be refused with a 400 whose param names the field.
 REFUSED = [
-    *[(CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]), (CHAT, "tool_choice", "auto"),
-      (CHAT, "reasoning_effort", "low"), (CHAT, "echo", True), (CMPL | {"logprobs": 1}, "echo", True)],
+    *[(CHAT, "reasoning_effort", "low"), (CHAT, "echo", True), (CMPL | {"logprobs": 1}, "echo", True)],
     *[(body, field, value) for body in (CMPL, CHAT) for field, value in [
-        ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
-        ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structural_tag", "{}"),
-        ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " "),
-        ("structured_outputs", {"json": {}}), ("use_beam_search", True), ("length_penalty", 0.5), ("best_of", 2),
+        ("structural_tag", "{}"), ("guided_whitespace_pattern", " "), ("use_beam_search", True),
+        ("length_penalty", 0.5), ("best_of", 2),
         ("prompt_logprobs", 1), ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
         ("priority", 1), ("logits_processors", ["x"]), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1})]],
     (CMPL, "suffix", "end"), (CMPL, "prompt_embeds", "AAAA"), (CHAT, "mm_processor_kwargs", {"a": 1}),
@@ -80,9 +78,13 @@ HONOURED_BOTH = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
                  "ignore_eos", "n", "stream", "stream_options", "user", "request_id", "cache_salt",
                  "truncate_prompt_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
                  "logit_bias", "min_tokens", "min_p", "allowed_token_ids", "bad_words", "include_stop_str_in_output",
-                 "return_tokens_as_token_ids", "return_token_ids", "logprobs", "add_special_tokens"}
+                 "return_tokens_as_token_ids", "return_token_ids", "logprobs", "add_special_tokens",
+                 # Structured outputs (tests/test_structured_outputs.py):
+                 "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "guided_decoding_backend", "structured_outputs"}
 HONOURED = {"completions": HONOURED_BOTH | {"prompt", "echo"},
             "chat": HONOURED_BOTH | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls",
+                                     "tools", "tool_choice",
                                      "include_reasoning", "add_generation_prompt", "continue_final_message",
                                      "documents", "chat_template", "chat_template_kwargs"}}
 REFUSED_BY_ENDPOINT = {"completions": set(), "chat": {"echo"}}  # refused by the endpoint's own check
@@ -194,12 +196,12 @@ def test_stream_usage_as_vllm(client: httpx.Client) -> None:
 
 
 def test_generation_config_defaults(client: httpx.Client, llm: LLM) -> None:
-    """The target's generation_config.json sets top_k=7 and max_new_tokens=12: a request that leaves them unset
-    samples with top_k 7 and stops at 12 tokens; one that sets them keeps its own (up to the cap)."""
+    """The target's generation_config.json sets top_k=7 and max_new_tokens=96: a request that leaves them unset
+    samples with top_k 7 and stops at 96 tokens; one that sets them keeps its own (up to the cap)."""
     seeded = {"model": MODEL, "prompt": "hello", "temperature": 1.0, "seed": 5, "ignore_eos": True}
     r = client.post("/v1/completions", json={**seeded, "max_tokens": 100}).json()
-    assert r["usage"]["completion_tokens"] == 12  # capped by max_new_tokens, as vLLM caps it
-    assert r["choices"][0]["text"] == _offline(llm, "hello", max_tokens=12, temperature=1.0, top_k=7, seed=5,
+    assert r["usage"]["completion_tokens"] == 96  # capped by max_new_tokens, as vLLM caps it
+    assert r["choices"][0]["text"] == _offline(llm, "hello", max_tokens=96, temperature=1.0, top_k=7, seed=5,
                                                ignore_eos=True)
     r = client.post("/v1/completions", json={**seeded, "top_k": 0, "max_tokens": 6}).json()
     assert r["choices"][0]["text"] == _offline(llm, "hello", max_tokens=6, temperature=1.0, top_k=0, seed=5,
@@ -256,9 +258,6 @@ def test_openai_client_reads_choices(server: Server) -> None:
     chat = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
                                       max_tokens=4, seed=1)
     assert len(chat.choices) == 2
-    with pytest.raises(openai.BadRequestError):
-        oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                   response_format={"type": "json_object"})
 
 
 # --- logprobs ---------------------------------------------------------------------------------------------------
@@ -396,3 +395,99 @@ def test_echo_and_token_id_options(client: httpx.Client) -> None:
     assert with_ids["prompt_token_ids"] == prompt_ids and len(with_ids["token_ids"]) == 5
     lp = client.post("/v1/completions", json={**req, "logprobs": 1, "return_tokens_as_token_ids": True}).json()
     assert lp["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in with_ids["token_ids"]]
+
+
+# --- structured outputs and tools (engine-side exactness: tests/test_structured_outputs.py) ----------------------
+PICK = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "size": {"type": "integer",
+        "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}}, "required": ["color", "size", "ok"],
+        "additionalProperties": False}
+ARGS = {"type": "object", "properties": {"c": {"enum": ["r", "g"]}, "n": {"type": "integer", "minimum": 0,
+        "maximum": 9}}, "required": ["c", "n"], "additionalProperties": False}  # short: the context is 128 bytes
+TOOLS = [{"type": "function", "function": {"name": "paint", "parameters": ARGS}},
+         {"type": "function", "function": {"name": "stop", "parameters": {"type": "object", "properties": {},
+                                                                  "additionalProperties": False}}}]
+# The tiny model's context is 128 bytes: a template that shows it has tools, not the Hermes system prompt.
+TOOL_TEMPLATE = ("{% if tools %}[tools]{% endif %}{% for m in messages %}<{{ m['role'] }}>"
+                                            "{{ m['content'] }}\n{% endfor %}<assistant>")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_outputs_validate(client: httpx.Client, temperature: float) -> None:
+    import jsonschema
+
+    fields = [{"response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": PICK,
+                                                                          "strict": True}}},
+              {"guided_json": PICK}, {"structured_outputs": {"json": PICK}}]
+    for extra in fields:
+        r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 60, "temperature": temperature,
+                                                      "seed": 2, **extra})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), PICK)
+    r = client.post("/v1/completions", json={**CMPL, "max_tokens": 8, "guided_choice": ["yes", "no"],
+                                             "temperature": temperature, "stream": True})
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in sse_events(r)[:-1])
+    assert text in ("yes", "no")
+
+
+def test_openai_client_parse_helper(server: Server) -> None:
+    from typing import Literal
+
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Pick(BaseModel):
+        color: Literal["red", "green"]
+        size: int = Field(ge=0, le=9)
+        ok: bool
+
+    oc = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x")
+    out = oc.beta.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=60,
+                                         response_format=Pick, seed=1)
+    assert isinstance(out.choices[0].message.parsed, Pick)
+
+
+def _tool_request(**extra: object) -> dict:
+    return {**CHAT, "max_tokens": 96, "tools": TOOLS, "chat_template": TOOL_TEMPLATE, "seed": 5, **extra}
+
+
+def test_tool_choice_required_and_streamed_deltas_reassemble(client: httpx.Client) -> None:
+    import jsonschema
+
+    for choice in ("required", {"type": "function", "function": {"name": "paint"}}):
+        body = _tool_request(tool_choice=choice, parallel_tool_calls=False, temperature=1.0)
+        out = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert out["finish_reason"] == "tool_calls", out
+        (call,) = out["message"]["tool_calls"]
+        assert call["id"].startswith("call_") and call["type"] == "function"
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call["function"]["name"])
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+        # The same request streamed: the deltas' fragments reassemble into the same call.
+        calls: dict[int, dict] = {}
+        finish = None
+        for event in sse_events(client.post("/v1/chat/completions", json={**body, "stream": True}))[:-1]:
+            c = json.loads(event)["choices"][0]
+            finish = c["finish_reason"] or finish
+            for d in c["delta"].get("tool_calls", []):
+                entry = calls.setdefault(d["index"], {"id": None, "name": "", "arguments": ""})
+                entry["id"] = d.get("id") or entry["id"]
+                entry["name"] += d.get("function", {}).get("name") or ""
+                entry["arguments"] += d.get("function", {}).get("arguments") or ""
+        assert finish == "tool_calls" and list(calls) == [0]
+        assert calls[0]["name"] == call["function"]["name"] and calls[0]["id"].startswith("call_")
+        assert json.loads(calls[0]["arguments"]) == json.loads(call["function"]["arguments"])
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     "response_format"),
+    ({"guided_regex": "[a-"}, "guided_regex"), ({"guided_json": PICK, "guided_regex": "a"}, "guided_regex"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"tools": [{"type": "retrieval"}]}, "tools.0"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+])
+def test_structured_outputs_refusals(client: httpx.Client, extra: dict, param: str) -> None:
+    err = assert_error(client.post("/v1/chat/completions", json={**CHAT, **extra}), 400)
+    assert err["param"] == param, err

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from engine.sample.grammar_matchers import apply_bitmask, grammar_bitmask, new_bitmask
 from engine.sample.logits_params import LogitsParams
 from engine.sample.penalties import apply_penalties
 from engine.sample.token_masks import (
@@ -44,6 +45,8 @@ def process_target_logits(logits: Tensor,  # [R, P, V] raw target logits; row i 
     """New [R, P, V] float32 logits: rows with LogitsParams processed at their positions start .. k_i (at most P),
     others as given."""
     out = logits.float().clone()
+    if any(r.logits_params is not None and r.logits_params.grammar is not None for r in reqs):
+        out = _apply_grammars(out, reqs, drafts, start)
     for i, r in enumerate(reqs):
         lp = r.logits_params
         if lp is None:
@@ -55,6 +58,24 @@ def process_target_logits(logits: Tensor,  # [R, P, V] raw target logits; row i 
         histories = [output + row_drafts[:start + j] for j in range(num_pos)] if lp.needs_output_history else None
         out[i, :num_pos] = _process_row(out[i, :num_pos], lp, r, histories, start)
     return out
+
+
+def _apply_grammars(logits: Tensor,  # [R, P, V] float32
+                    reqs: list[PlannedRequest], drafts: list[list[int]] | None, start: int) -> Tensor:
+    """Structured outputs: each grammar row's masks at its positions, built on the host from its matcher (one
+    bitmask for the batch, [R, P, ceil(V / 32)] int32), copied once and applied on the logits' device. First of
+    all processing, as vLLM applies the grammar's bitmask before its sampler's processors."""
+    num_reqs, num_pos, vocab = logits.shape
+    bitmask = new_bitmask(num_reqs * num_pos, vocab, logits.device).view(num_reqs, num_pos, -1)
+    for i, r in enumerate(reqs):
+        lp = r.logits_params
+        if lp is None or lp.grammar is None:
+            continue
+        row_drafts = drafts[i] if drafts is not None else []
+        n = min(1 + len(row_drafts) - start, num_pos)
+        grammar_bitmask(lp.grammar, r.request_id, list(r.output_token_ids or []), row_drafts, start, n, bitmask[i])
+    return apply_bitmask(logits.view(num_reqs * num_pos, vocab), bitmask.view(num_reqs * num_pos, -1)
+                         ).view(num_reqs, num_pos, vocab)
 
 
 def _process_row(logits: Tensor, lp: LogitsParams, r: PlannedRequest, histories: list[list[int]] | None,

@@ -1,0 +1,76 @@
+"""A request's structured-output fields (OpenAI's response_format, vLLM's guided_* and structured_outputs, and the
+grammar a tool_choice implies) into the engine's StructuredOutputsParams, as a dict the router passes on.
+
+At most one of them may be set (a 400 names the second). Every schema, regex and grammar is compiled here, before
+the request is queued, so one the backend (llguidance) cannot compile is a 400 that names its field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.sample.structured_output import StructuredOutputsParams, check_grammar
+from serving.router_client import GenerationError
+from serving.tool_calls import ToolSpec, tool_grammar
+
+BACKENDS = (None, "auto", "guidance", "llguidance")  # guided_decoding_backend values served (all: llguidance)
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _response_format(rf: Any) -> dict[str, Any] | None:
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return {"json_object": True}
+    if rf.type == "json_schema":
+        js = (rf.model_extra or {}).get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+            raise GenerationError("response_format.json_schema needs an object with a name (and a schema)", 400,
+                                  "response_format.json_schema")
+        schema = js.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise GenerationError("response_format.json_schema.schema must be a JSON schema object", 400,
+                                  "response_format.json_schema.schema")
+        # strict true or false: the schema is enforced either way (strict only allows more than OpenAI's default).
+        return {"json": schema}
+    raise GenerationError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {rf.type!r}",
+                          400, "response_format.type")
+
+
+def structured_outputs(body: Any, tools: ToolSpec | None = None) -> dict[str, Any] | None:
+    """The request's StructuredOutputsParams fields (a dict), or None; GenerationError(400) naming the field."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    rf = _response_format(body.response_format)
+    if rf is not None:
+        found.append(("response_format", rf))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        value = getattr(body, name)
+        if value is not None:
+            found.append((name, {key: value}))
+    if body.structured_outputs is not None:
+        so = {k: v for k, v in body.structured_outputs.items() if v not in (None, False)}
+        for key in so:
+            if key not in _STRUCTURED_KEYS:
+                raise GenerationError(f"structured_outputs.{key} is not supported (this server takes "
+                                      f"{', '.join(_STRUCTURED_KEYS)})", 400, f"structured_outputs.{key}")
+        if so:
+            found.append(("structured_outputs", so))
+    if tools is not None and (grammar := tool_grammar(tools)) is not None:
+        found.append(("tool_choice", {"grammar": grammar}))
+    if body.guided_decoding_backend not in BACKENDS:
+        raise GenerationError(f"guided_decoding_backend {body.guided_decoding_backend!r} is not available: this "
+                              "server's structured outputs use llguidance ('guidance')", 400,
+                              "guided_decoding_backend")
+    if not found:
+        return None
+    if len(found) > 1:
+        raise GenerationError(f"{found[1][0]} cannot be combined with {found[0][0]}: give one structured output",
+                              400, found[1][0])
+    name, fields = found[0]
+    try:
+        params = StructuredOutputsParams(**fields)
+        check_grammar(params)
+    except (TypeError, ValueError) as e:
+        raise GenerationError(f"{name}: {e}", 400, name) from e
+    return fields
