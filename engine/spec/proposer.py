@@ -68,7 +68,7 @@ class DraftProposer:
         """guess_first: the first token of each request is the draft's argmax (a guessed bonus token, for
         speculation ahead: engine/spec/speculation_ahead.py), drawing no random numbers; the rest are sampled as
         a proposal's, a seeded request's from the generator of its plan's output position."""
-        if self.loop is not None:
+        if self.loop is not None and not _has_grammar(plan):
             return self._propose_loop(plan, guess_first)
         dev = self.runner.device
         reqs = plan.requests
@@ -149,3 +149,10 @@ class DraftProposer:
                     probs = torch.zeros(len(reqs), max_k, loop_probs.shape[-1], device=dev)
                     probs[row_idx] = loop_probs
         return DraftProposal(ids, probs)
+
+
+def _has_grammar(plan: StepPlan) -> bool:
+    """Whether a request of the plan constrains its output with a grammar. Such a step drafts on the eager path,
+    whose steps mask each draft position under the grammar (the draft loop's graphs do not mask): still exact
+    either way, rejection sampling reads the q the drafts came from, but an unconstrained draft is mostly rejected."""
+    return any(r.logits_params is not None and r.logits_params.grammar is not None for r in plan.requests)
