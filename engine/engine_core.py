@@ -26,11 +26,12 @@ from engine.config import EngineConfig, SpeculativeConfig
 from engine.detokenizer import OutputProcessor
 from engine.executor import Executor
 from engine.kv_cache.manager import KVCacheManager
+from engine.plan_builder import build_plan
 from engine.request import Request, RequestStatus
 from engine.sample.logits_params import logits_params_of
 from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
-from engine.step_plan import PlannedRequest, StepPlan, StepResult
+from engine.step_plan import StepPlan, StepResult
 
 
 @dataclass
@@ -370,35 +371,10 @@ class EngineCore:
         self._deferred_free.clear()
 
     def make_plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
-        planned = []
-        for s in scheduled:
-            r = s.request
-            frontier = s.frontier
-            tokens = r.all_token_ids if not s.open_input else []
-            p = PlannedRequest(
-                request_id=r.request_id, token_ids=None if s.open_input else tokens[s.start:frontier],
-                start_pos=s.start, num_draft_tokens=s.num_draft_tokens, sample=s.samples,
-                block_tables=[list(self.target_kv.block_table(r.request_id, g))
-                              for g in range(self.target_kv.num_groups)],
-                temperature=r.params.temperature, top_p=r.params.top_p, top_k=r.params.top_k, seed=r.params.seed,
-                num_output_tokens=r.num_output_tokens, draft_start_pos=s.draft_start, logprobs=r.params.logprobs,
-                # Where the request must end: the sides shrink an open entry's k by it, and draft ahead no further.
-                token_limit=min(r.num_prompt_tokens + r.params.max_tokens, self.config.max_model_len),
-                logits_params=r.logits_params,
-                # The history a logits processor reads; an open entry's sides append what its step in flight added.
-                output_token_ids=list(r.output_token_ids)
-                if r.logits_params is not None and r.logits_params.needs_output_history else None)
-            if s.draft_runs:  # else the draft sits this step out (speculation off at this load) and lags
-                p.draft_runs = True
-                if not s.open_input:
-                    p.draft_token_ids = tokens[s.draft_start:frontier]
-                p.draft_block_tables = [list(self.draft_kv.block_table(r.request_id, g))
-                                        for g in range(self.draft_kv.num_groups)]
-            planned.append(p)
-        spec = self.spec_config
+        """The plan of a scheduled step (engine/plan_builder.py); it carries the ids the sides may forget."""
         finished, self._finished_ids = self._finished_ids, []
-        return StepPlan(next(self._step_ids), planned, spec.rejection_sampling if spec else None,
-                        spec.synthetic_acceptance_rate if spec else None, finished_ids=finished)
+        return build_plan(next(self._step_ids), scheduled, self.target_kv, self.draft_kv, self.config.max_model_len,
+                          self.spec_config, finished)
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
         if result.ahead is not None:
