@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import random_prompts
 from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS, assert_kv_released, chi_square_p_value
+from test_async_scheduling import _draft
 from test_spec_distribution import (
     DIST_PROMPT,
     DIST_SAMPLES,
@@ -27,10 +28,6 @@ from engine.spec.speculation_ahead import AheadProposer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 AHEAD = dict(ENGINE_KW, speculation_ahead=True)
-
-
-def _draft(tiny_drafts, near_drafts, target: str, draft: str) -> str:
-    return near_drafts[target].path if draft == "near" else tiny_drafts[draft].path
 
 
 def _ahead(llm: LLM) -> AheadProposer:
@@ -83,32 +80,37 @@ def test_ahead_identical_draft_hits_every_window(tiny_models, target_greedy):
     assert unused <= 3 * len(PROMPTS)
 
 
-def test_ahead_seeded_sampling_equals_plain_speculation(tiny_models):
+SEEDED_PROMPTS = random_prompts([5] * 6, seed=9)
+SEEDED = [SamplingParams(max_tokens=24, temperature=0.5, seed=s, ignore_eos=True) for s in range(6)]
+
+
+@pytest.fixture(scope="module")
+def seeded_plain(tiny_models) -> list[list[int]]:
+    """Seeded sampled outputs of plain speculation with the target as its own draft (k=3): at this temperature its
+    guess of the bonus token is often right, so most windows drafted ahead hit."""
+    path = tiny_models["llama"].path
+    outs = LLM(path, draft_model=path, num_speculative_tokens=3, **ENGINE_KW).generate(SEEDED_PROMPTS, SEEDED)
+    ref = [o.token_ids for o in outs]
+    assert len(set(map(tuple, ref))) > 3  # really sampled
+    return ref
+
+
+def test_ahead_seeded_sampling_equals_plain_speculation(tiny_models, seeded_plain):
     # A hit's drafts were drawn with the noise the next proposal would have drawn (a seeded request's generator
     # is seeded by output position) from the same distribution, and verified with their own q: seeded outputs
-    # equal a run that drafts nothing ahead, token for token. The draft is the target itself, at a temperature
-    # where its guess of the bonus token is often right, so most windows hit.
-    path = draft = tiny_models["llama"].path
-    prompts = random_prompts([5] * 6, seed=9)
-    seeded = [SamplingParams(max_tokens=24, temperature=0.5, seed=s, ignore_eos=True) for s in range(6)]
-    plain = LLM(path, draft_model=draft, num_speculative_tokens=3, **ENGINE_KW)
-    ref = [o.token_ids for o in plain.generate(prompts, seeded)]
-    assert len(set(map(tuple, ref))) > 3  # really sampled
-    llm = LLM(path, draft_model=draft, num_speculative_tokens=3, **AHEAD)
-    assert [o.token_ids for o in llm.generate(prompts, seeded)] == ref
+    # equal a run that drafts nothing ahead, token for token.
+    path = tiny_models["llama"].path
+    llm = LLM(path, draft_model=path, num_speculative_tokens=3, **AHEAD)
+    assert [o.token_ids for o in llm.generate(SEEDED_PROMPTS, SEEDED)] == seeded_plain
     assert _ahead(llm).stats.hits > 5
 
 
-def test_ahead_stale_probabilities_are_caught(tiny_models):
+def test_ahead_stale_probabilities_are_caught(tiny_models, seeded_plain):
     # Negative control of the test above: a cache that hands the verify a q that is not its tokens' own (here
     # each window's q is the one drafted for the position before, as a static buffer overwritten by the next
     # proposal would give) changes probabilistic acceptance, and the seeded outputs no longer match.
-    path = draft = tiny_models["llama"].path
-    prompts = random_prompts([5] * 6, seed=9)
-    seeded = [SamplingParams(max_tokens=24, temperature=0.5, seed=s, ignore_eos=True) for s in range(6)]
-    plain = LLM(path, draft_model=draft, num_speculative_tokens=3, **ENGINE_KW)
-    ref = [o.token_ids for o in plain.generate(prompts, seeded)]
-    llm = LLM(path, draft_model=draft, num_speculative_tokens=3, **AHEAD)
+    path = tiny_models["llama"].path
+    llm = LLM(path, draft_model=path, num_speculative_tokens=3, **AHEAD)
     ahead = _ahead(llm)
     predraft = ahead.predraft
 
@@ -120,9 +122,9 @@ def test_ahead_stale_probabilities_are_caught(tiny_models):
         return n
 
     ahead.predraft = stale_predraft
-    outs = [o.token_ids for o in llm.generate(prompts, seeded)]
+    outs = [o.token_ids for o in llm.generate(SEEDED_PROMPTS, SEEDED)]
     assert ahead.stats.hits > 5
-    assert outs != ref
+    assert outs != seeded_plain
 
 
 @pytest.mark.parametrize("mode,async_", [("probabilistic", False), ("strict", True), ("probabilistic", True)])
