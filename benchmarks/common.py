@@ -53,3 +53,24 @@ def _fmt(v: object) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(_fmt(x) for x in v) + "]"
     return "" if v is None else str(v)
+
+
+def graph_us(fn: Callable[[int], object], calls: int, replays: int = 30) -> float:
+    """Median GPU time of one fn() call, from CUDA-graph replays of `calls` calls."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)

@@ -11,11 +11,10 @@ step runs them), medians of 30 replays after warm-up.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
-from common import environment, markdown_table, save_json
+from common import environment, graph_us, markdown_table, save_json
 from gpu_shapes import SHAPES, copy_bandwidth
 
 CALLS = 20
@@ -31,23 +30,7 @@ def projections(name: str) -> dict[str, tuple[int, int]]:
 
 
 def time_linear_us(x: torch.Tensor, w: torch.Tensor, replays: int = 30) -> float:
-    out = F.linear(x, w)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            out = F.linear(x, w)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    del out
-    return statistics.median(times)
+    return graph_us(lambda _: F.linear(x, w), CALLS, replays)
 
 
 def main() -> None:

@@ -16,11 +16,10 @@ forward under torch.profiler (a draft step for the draft shape: forward, argmax 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
-from common import environment, markdown_table, save_json
+from common import environment, graph_us, markdown_table, save_json
 from gpu_linear import projections
 from gpu_shapes import copy_bandwidth, shape_dir
 from torch.profiler import ProfilerActivity, profile
@@ -31,27 +30,6 @@ from engine.kernels.rms_norm import add_rms_norm
 from engine.kernels.triton_compat import set_pdl
 
 L2_BYTES = 200 << 20  # rotate weights over at least this much memory
-
-
-def graph_us(fn, calls: int, replays: int = 30) -> float:
-    """Median GPU time of one fn() call, from CUDA-graph replays of `calls` calls."""
-    fn(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def layer_weights(shape: str) -> list[dict[str, torch.Tensor]]:
