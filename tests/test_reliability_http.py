@@ -110,8 +110,11 @@ BAD_HTTP = [
     ("chat_n_0", CHAT, _with(OK_CHAT, n=0), 400, "n", None),
     ("chat_unknown_role", CHAT, _with(OK_CHAT, messages=[{"role": "wizard", "content": "hi"}]), 400,
      "messages.0.role", None),
-    ("chat_tools", CHAT, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
-     None),
+    # Tools are honoured; a tool the API cannot use is a 400 naming it, and so is a choice of a tool not given.
+    ("chat_tools", CHAT, _with(OK_CHAT, tools=[{"type": "retrieval"}]), 400, "tools.0", None),
+    ("chat_tool_choice_unknown", CHAT, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}],
+                                             tool_choice={"type": "function", "function": {"name": "g"}}), 400,
+     "tool_choice", None),
     ("unknown_field", C, _with(OK, temprature=1), 400, "temprature", "unknown field"),
     ("chat_max_completion_tokens_0", CHAT, _with(OK_CHAT, max_completion_tokens=0), 400, "max_tokens", None),
     ("chat_temperature_3", CHAT, _with(OK_CHAT, temperature=3), 400, "temperature", None),
