@@ -17,7 +17,9 @@ it is on where no GPU is shared), `sync` (synchronous scheduling: the router wai
 plans the next; by default it plans step n+1 while step n runs), `predraft` / `nopredraft` (speculation ahead: the
 draft drafts the next window while the target verifies, forced on / off; by default on where no GPU is shared).
 `offline` and `offline+d` are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for
-serving's cost; `offline+d/predraft` drafts ahead in process (after each verify, not beside it).
+serving's cost; `offline+d/predraft` drafts ahead in process (after each verify, not beside it); `offline/sync` runs
+each step to its end before the next (in process a target alone otherwise queues each step before it reads the
+last one's tokens: engine/decode_pipeline.py).
 
 --bonus-agreement R (synthetic pairs only, a benchmark-only setting): random weights never agree on a bonus token,
 so a window drafted ahead would never hit; with it, a lookup whose drafts were all accepted counts the bonus as the
@@ -91,9 +93,10 @@ class Layout:
             raise ValueError(f"layout {text!r}: predraft or nopredraft, not both")
         predraft = True if "predraft" in opts else False if "nopredraft" in opts else None
         if head in ("offline", "offline+d"):
-            if set(opts) - ({"predraft"} if head == "offline+d" else set()):
-                raise ValueError(f"layout {text!r}: the offline engine takes no options but predraft (with a draft)")
-            return Layout(text, True, 1, int(head.endswith("+d")), predraft=predraft)
+            if set(opts) - ({"predraft", "sync"} if head == "offline+d" else {"sync"}):
+                raise ValueError(f"layout {text!r}: the offline engine takes no options but sync and predraft "
+                                 "(with a draft)")
+            return Layout(text, True, 1, int(head.endswith("+d")), sync="sync" in opts, predraft=predraft)
         parts = head.split("+")
         try:
             if not parts[0].startswith("t") or (len(parts) == 2 and not parts[1].startswith("d")) or len(parts) > 2:

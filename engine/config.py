@@ -170,8 +170,10 @@ class EngineConfig:
     # "auto": the checkpoint's weights; "dummy": random weights (benchmarks of a shape from its config.json).
     load_format: str = "auto"
     # Schedule step n+1 while step n runs (its tokens arrive one step later): the scheduler's hops and
-    # bookkeeping leave the models' critical path. None: on where the models run in other processes (the Ray
-    # executor's compiled graph), off in process, where it would only add a step of latency.
+    # bookkeeping leave the models' critical path, and a target without a draft queues step n+1 on the GPU before
+    # it reads step n's tokens (engine/decode_pipeline.py). None: on where the models run in other processes (the
+    # Ray executor) and for a target alone on a GPU in process; off for in-process speculation and on CPU, where
+    # it would only add a step of latency.
     async_scheduling: bool | None = None
     # Reuse the KV of full blocks whose token prefix was computed before (engine/kv_cache): both models' caches.
     enable_prefix_caching: bool = True

@@ -318,10 +318,12 @@ class EngineCore:
             self._sync_next = sched.blocked
             if sched.scheduled:
                 plan = self.make_plan(sched.scheduled)
+                # Timed before the submit: a pipelined executor's submit also waits for the step before it.
+                scheduled_in = time.perf_counter() - t0
                 handle = self.executor.submit(plan)
                 for s in sched.scheduled:
                     s.request.inflight = s
-                self._inflight.append(_InFlight(sched.scheduled, handle, self.last_step, time.perf_counter() - t0))
+                self._inflight.append(_InFlight(sched.scheduled, handle, self.last_step, scheduled_in))
                 submitted = True
         if on_dispatched is not None:
             on_dispatched()

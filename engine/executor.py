@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.decode_pipeline import DecodePipeline
 from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.request_table import RequestTable
 from engine.runner.model_runner import ModelRunner
@@ -66,18 +67,42 @@ class LocalExecutor:
         self.draft_num_blocks = draft.num_blocks if draft is not None else 0
         self.vocab_size = target.vocab_size
         self.table = RequestTable()
-        # Off unless asked for: in process a step runs where it is submitted, so submitting the next one early
-        # saves nothing and only delays each step's tokens by one step (tests exercise it here).
-        self.async_scheduling = bool(target.config.async_scheduling)
+        # A target alone on a GPU queues each step before it reads the last one's tokens (engine/decode_pipeline.py):
+        # that needs the next plan before those tokens, i.e. asynchronous scheduling, which is then on by default.
+        # With a draft, and on CPU (where a queued step runs at once), submitting early saves nothing and only
+        # delays each step's tokens by one step, so it is off unless asked for (tests exercise it here).
+        asked = target.config.async_scheduling
+        self.async_scheduling = (draft is None and target.device.type == "cuda") if asked is None else bool(asked)
+        self.pipeline = DecodePipeline(self.verifier, self.table) if draft is None and self.async_scheduling else None
+        self._done: dict[int, StepResult] = {}  # pipelined results not collected yet, by step id
 
-    def submit(self, plan: StepPlan) -> StepResult:
-        """Runs the step now: the handle is its result."""
-        return self.execute(plan)
+    def submit(self, plan: StepPlan) -> StepResult | int:
+        """Runs the step now: the handle is its result. Pipelined: queues it; the handle is its step id."""
+        if self.pipeline is None:
+            return self.execute(plan)
+        done = self.pipeline.step(plan)
+        if done is not None:
+            self._done[done.step_id] = done
+        return plan.step_id
 
-    def collect(self, handle: StepResult) -> StepResult:
-        return handle
+    def collect(self, handle: StepResult | int) -> StepResult:
+        if isinstance(handle, StepResult):
+            return handle
+        while handle not in self._done:
+            done = self.pipeline.step(None) if self.pipeline is not None else None
+            if done is None:
+                raise RuntimeError(f"step {handle} is not in flight")
+            self._done[done.step_id] = done
+        for stale in [s for s in self._done if s < handle]:
+            del self._done[stale]  # steps the engine dropped (a failed step): never collected
+        return self._done.pop(handle)
 
     def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
+        if self.pipeline is not None:
+            handle = self.submit(plan)
+            if on_dispatched is not None:
+                on_dispatched()
+            return self.collect(handle)
         if on_dispatched is not None:
             on_dispatched()  # this process runs the step itself: there is no wait to overlap
         plan = self.table.resolve(plan)

@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from engine.sample import grammar_matchers
 from engine.step_plan import PlannedRequest, StepPlan, StepResult
 
+# A token sampled by a step still on the device (engine/decode_pipeline.py queues the next step before it reads
+# the tokens back): recorded in its place, and filled in when the tokens arrive. Never a real token id.
+PENDING_TOKEN = -1
+
 
 @dataclass
 class TrackedRequest:
@@ -135,3 +139,11 @@ class RequestTable:
             if keep_from - t.base > 256:
                 del t.token_ids[:keep_from - t.base]
                 t.base = keep_from
+
+    def fill_pending(self, request_id: str, position: int, token: int) -> None:
+        """The token at `position`, recorded as PENDING_TOKEN while its step was on the device, is `token`."""
+        t = self.requests.get(request_id)
+        if t is None or not t.base <= position < t.num_tokens:
+            return  # ended meanwhile, or that far back is dropped: nothing reads it again
+        if t.token_ids[position - t.base] == PENDING_TOKEN:
+            t.token_ids[position - t.base] = token

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -91,6 +92,11 @@ class RayExecutor:
         self.target: WorkerGroup | None = None
         self.draft: WorkerGroup | None = None
         self._graph: Any = None  # ray.dag.CompiledDAG
+        # Pipelined (a target alone, asynchronous scheduling: engine/decode_pipeline.py): each execution returns the
+        # result of the step submitted before it, so the outputs not read yet and the results read but not yet
+        # collected are kept here.
+        self._executions: deque[Any] = deque()
+        self._done: dict[int, StepResult] = {}
         self._last_collected = 0.0  # when the last step's result came back (perf_counter)
         self._broken: str | None = None
         self._broken_role: str | None = None  # the group of the dead worker that broke the executor
@@ -182,7 +188,9 @@ class RayExecutor:
         assert self.target is not None
         targets = self.target.workers
         with InputNode() as plan:
-            if self.draft is None:
+            if self.pipelined:
+                outs = [w.target_decode.bind(plan) for w in targets]
+            elif self.draft is None:
                 outs = [w.target_step.bind(plan) for w in targets]
             else:
                 drafts = [w.draft_step.bind(plan) for w in self.draft.workers]
@@ -213,6 +221,12 @@ class RayExecutor:
         return dag.experimental_compile(_submit_timeout=self.step_timeout_s, _max_inflight_executions=4)
 
     # --- steps ---------------------------------------------------------------------------------------
+    @property
+    def pipelined(self) -> bool:
+        """A target alone under asynchronous scheduling: its ranks queue each step before reading the last one's
+        tokens (engine/decode_pipeline.py), and an execution returns the step before's result."""
+        return self.draft is None and self.async_scheduling
+
     def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
         """Run the plan on the workers; on_dispatched runs once the plan is sent, while the workers work."""
         handle = self.submit(plan)
@@ -226,19 +240,21 @@ class RayExecutor:
             raise WorkerDiedError(self._broken, self._broken_role)
         t0 = time.perf_counter()
         try:
-            return (self._graph.execute(plan) if self._graph is not None else self._submit_plain(plan)), t0
+            ref = self._graph.execute(plan) if self._graph is not None else self._submit_plain(plan)
         except Exception as e:
             self._raise_step_error(e)
+        if not self.pipelined:
+            return ref, t0
+        self._executions.append(ref)
+        return plan.step_id, t0
 
     def collect(self, handle: tuple[Any, float]) -> StepResult:
         """Wait for a submitted step's result (target rank 0's)."""
         ref, t0 = handle
-        try:
-            # SYNC: the router needs the step's tokens to commit them (one step late with asynchronous scheduling).
-            outputs = ray.get(ref, timeout=self.step_timeout_s)
-        except Exception as e:
-            self._raise_step_error(e)
-        result: StepResult = outputs[0]
+        if isinstance(ref, int):
+            result = self._collect_pipelined(ref)
+        else:
+            result = self._get(ref)[0]
         now = time.perf_counter()
         # What the step cost beyond the workers' own timed work (propose, handoff, prepare, verify, sample):
         # serialization and channels or RPCs, the plan out and the result back (and the proposal across where
@@ -249,11 +265,43 @@ class RayExecutor:
         result.phase_seconds["dispatch"] = max(0.0, wall - sum(result.phase_seconds.values()))
         return result
 
-    def _submit_plain(self, plan: StepPlan) -> list[Any]:
+    def _get(self, ref: Any) -> list[Any]:
+        try:
+            # SYNC: the router needs the step's tokens to commit them (one step late with asynchronous scheduling).
+            return ray.get(ref, timeout=self.step_timeout_s)
+        except Exception as e:
+            self._executions.clear()
+            self._done.clear()
+            self._raise_step_error(e)
+
+    def _collect_pipelined(self, step_id: int) -> StepResult:
+        """Step `step_id`'s result: the output of the execution submitted after it, or of an empty one (a plan of
+        None: the ranks queue nothing and return what they held) when none was."""
+        while step_id not in self._done:
+            flush = not self._executions
+            if not flush:
+                ref = self._executions.popleft()
+            else:
+                try:
+                    ref = self._graph.execute(None) if self._graph is not None else self._submit_plain(None)
+                except Exception as e:
+                    self._raise_step_error(e)
+            result = self._get(ref)[0]
+            if result is None and flush:
+                raise RuntimeError(f"step {step_id} is not in flight on the target's workers")
+            if result is not None:
+                self._done[result.step_id] = result
+        for stale in [s for s in self._done if s < step_id]:
+            del self._done[stale]  # steps the engine dropped (a failed step): never collected
+        return self._done.pop(step_id)
+
+    def _submit_plain(self, plan: StepPlan | None) -> list[Any]:
         """The same methods as the graph, with plain actor calls (each actor runs its calls in order). The proposal
         travels as an ObjectRef from draft rank 0 to the target ranks, and target rank 0's result to the draft
         ranks; the router waits once, for all of them."""
         assert self.target is not None
+        if self.pipelined:
+            return [w.target_decode.remote(plan) for w in self.target.workers]
         drafts = [w.draft_step.remote(plan) for w in self.draft.workers] if self.draft is not None else []
         targets = [w.target_step.remote(plan, *drafts[:1]) for w in self.target.workers]
         # Each actor runs its calls in order: the window ahead is drafted after the proposal, during the verify.

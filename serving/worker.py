@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig, resolve_dtype
+from engine.decode_pipeline import DecodePipeline
 from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.parallel import TensorParallelGroup, set_tp_group
 from engine.request_table import RequestTable
@@ -139,6 +140,8 @@ class ModelWorker:
                 self.ahead = AheadProposer(self.proposer, config.synthetic_bonus_agreement, config.seed)
         else:
             self.verifier = Verifier(self.runner, config.seed)
+        # A target without a draft queues each step before reading the last one's tokens (`target_decode`).
+        self.pipeline: DecodePipeline | None = None
         # Queue each verify forward before the draft's ids come (Verifier.enable_launch_ahead): only where graphs
         # replay on CUDA, so it stays off on CPU and under enforce_eager whatever was asked.
         self.launch_verify_ahead = bool(launch_verify_ahead and self.verifier is not None
@@ -192,6 +195,17 @@ class ModelWorker:
         result = self.verifier.verify(self.table.resolve(plan), proposal)
         self.table.record(result)
         return result
+
+    def target_decode(self, plan: StepPlan | None) -> StepResult | None:
+        """A draft-less step, pipelined (engine/decode_pipeline.py): queue `plan`, then return the result of the
+        step queued before it (None: there was none). `plan` None queues nothing: the executor's way to collect
+        the last step. The graph node of an engine without a draft under asynchronous scheduling."""
+        if self.verifier is None:
+            raise RuntimeError(f"target_decode() called on a {self.role} worker")
+        if self.pipeline is None:
+            self.pipeline = DecodePipeline(self.verifier, self.table)
+        result = self.pipeline.step(plan)
+        return result if self.rank == 0 else None
 
     # --- one step (graph nodes: the timing travels with the proposal; ranks > 0 return None) ---------
     def draft_step(self, plan: StepPlan) -> DraftOutput | None:

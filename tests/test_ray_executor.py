@@ -155,6 +155,32 @@ def test_target_tp2_matches_tp1_and_dies_loudly(tiny_models: dict[str, TinyModel
         executor.execute(engine.make_plan([]))
 
 
+def test_target_alone_pipelined_tp2_compiled_plain_and_in_process_agree(tiny_models: dict[str, TinyModel]) -> None:
+    """A target alone under asynchronous scheduling queues each step before the last one's tokens are read
+    (engine/decode_pipeline.py); each execution returns the step before's result, and the last is collected by an
+    empty one. At TP=2, through the compiled graph and through plain calls, every output (greedy, seeded and
+    unseeded sampling) equals the in-process pipelined engine's, and greedy equals the target step by step."""
+    path = tiny_models["gemma3"].path
+    sampled = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=s, ignore_eos=True) for s in (1, None)]
+    prompts = PROMPTS + PROMPTS[:2]
+    params = [GREEDY] * len(PROMPTS) + sampled
+    local = LLM(path, seed=7, async_scheduling=True, **ENGINE_KW)
+    expected = [o.token_ids for o in local.generate(prompts, params)]
+    assert local.engine.executor.pipeline.num_queued_ahead > 0
+    assert expected[:len(PROMPTS)] == llm_greedy(path)
+    for compiled in (True, False):
+        engine = build_ray_engine(path, tensor_parallel_size=2, use_compiled_graph=compiled, seed=7, **ENGINE_KW)
+        try:
+            assert engine.executor.pipelined
+            reqs = run(engine, prompts, params)
+            queued = ray.get([w.__ray_call__.remote(lambda self: self.pipeline.num_queued_ahead)
+                              for w in engine.executor.target.workers])
+        finally:
+            engine.executor.shutdown()
+        assert [r.output_token_ids for r in reqs] == expected, compiled
+        assert queued[0] == queued[1] > len(reqs), queued  # both ranks queued alike, most steps ahead
+
+
 def test_random_weights_are_the_same_model_at_every_tensor_parallel_size(tiny_models: dict[str, TinyModel]) -> None:
     """load_format "dummy" (how the GPU benchmarks run 8B shapes) draws each checkpoint tensor whole and shards
     it like real weights: TP=2 workers hold the same model as the in-process engine, not a different random one.

@@ -28,6 +28,9 @@ class SamplingMetadata:
     no_top_k: bool  # every row has top_k == 0
     generators: dict[int, torch.Generator]  # row -> generator of a seeded request
     default_generator: torch.Generator | None = None
+    # The temperatures on the host where the metadata was built from host lists: the sampler reads which seeded
+    # rows are random from here rather than from the device (a sync that would wait for the step's forward).
+    host_temperature: list[float] | None = None  # [num_reqs]
 
     @property
     def num_reqs(self) -> int:
@@ -49,6 +52,7 @@ class SamplingMetadata:
             no_top_k=all(x == 0 for x in top_k),
             generators=dict(generators or {}),
             default_generator=default_generator,
+            host_temperature=list(temperature),
         )
 
     def select(self, rows: list[int]) -> SamplingMetadata:
@@ -56,5 +60,6 @@ class SamplingMetadata:
         those of the superset, which is safe: a subset of an all-greedy batch is all greedy, etc."""
         idx = to_device(rows, torch.int64, self.temperature.device)
         gens = {n: self.generators[i] for n, i in enumerate(rows) if i in self.generators}
+        host = [self.host_temperature[i] for i in rows] if self.host_temperature is not None else None
         return SamplingMetadata(self.temperature[idx], self.top_p[idx], self.top_k[idx], self.all_greedy,
-                                self.all_random, self.no_top_p, self.no_top_k, gens, self.default_generator)
+                                self.all_random, self.no_top_p, self.no_top_k, gens, self.default_generator, host)

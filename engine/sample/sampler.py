@@ -44,8 +44,11 @@ def random_exponential(md: SamplingMetadata, shape_per_row: Sequence[int],
     if md.generators:
         # A seeded greedy row never reads its noise (one-hot p wins the race with any E > 0), so it does
         # not draw any: its generator's stream then does not depend on whether other rows are random.
-        # SYNC: one read of the temperatures, only when the batch has seeded rows.
-        temps = md.temperature.tolist()
+        temps = md.host_temperature
+        if temps is None:
+            # SYNC: one read of the temperatures, only when the batch has seeded rows and the metadata was not
+            # built from host lists (from_lists keeps them, so the step path never waits here).
+            temps = md.temperature.tolist()
         for row, gen in md.generators.items():
             if temps[row] > 0:
                 out[row].exponential_(generator=gen)

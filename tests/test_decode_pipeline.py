@@ -1,0 +1,156 @@
+"""A target alone with its steps queued one ahead (engine/decode_pipeline.py), in process: each step goes on the
+device, its open inputs filled there from the step before, before that step's tokens are read back.
+
+The pipeline must not change a single token: greedy outputs equal the target alone run step by step (which equals
+HF's, through the target_greedy fixture), and sampled outputs are identical token for token, seeded or not, since
+every step samples with the same settings from the same generators in the same order. Requests that need their
+tokens on the host within the step (logprobs, penalties) run beside queued ones in the same batches.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import random_prompts
+from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS
+
+from engine import LLM, SamplingParams
+from engine.decode_pipeline import DecodePipeline, _pending_slots
+from engine.request import Request
+from engine.request_table import PENDING_TOKEN
+from engine.step_plan import PlannedRequest, StepPlan
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PIPELINED = dict(ENGINE_KW, async_scheduling=True)
+
+
+def _pipeline(llm: LLM) -> DecodePipeline:
+    pipeline = llm.engine.executor.pipeline
+    assert isinstance(pipeline, DecodePipeline)
+    return pipeline
+
+
+def assert_kv_released(llm: LLM) -> None:
+    assert llm.engine.draft_kv is None
+    used = llm.engine.target_kv.num_used_blocks()
+    assert all(n == 0 for n in used), f"blocks still held after generate: {used}"
+
+
+def _count_steps(llm: LLM) -> list[int]:
+    """Count the plans the executor is handed (a list, appended to)."""
+    submitted: list[int] = []
+    ex = llm.engine.executor
+    submit = ex.submit
+
+    def counting(plan: StepPlan):
+        submitted.append(plan.step_id)
+        return submit(plan)
+
+    ex.submit = counting
+    return submitted
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_pipelined_greedy_equals_the_target_step_by_step(tiny_models, target_greedy, family):
+    llm = LLM(tiny_models[family].path, **PIPELINED)
+    steps = _count_steps(llm)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == target_greedy(family)
+    # Really pipelined: most steps were queued while the step before had not been read back.
+    assert _pipeline(llm).num_queued_ahead > len(steps) // 2, (_pipeline(llm).num_queued_ahead, len(steps))
+    assert _pipeline(llm).pending is None  # the last step was collected
+    assert_kv_released(llm)
+    assert not llm.engine.executor.table.requests.keys() - set(llm.engine._finished_ids)
+
+
+def test_pipelined_sampling_logprobs_penalties_and_stops_equal_step_by_step(tiny_models):
+    """Batches mixing what may stay queued (greedy, sampled, seeded, stop tokens, max_tokens) with what runs to the
+    end at once (logprobs, penalties: their steps run whole), then queued steps once those ended: every output,
+    logprob and finish reason equals the step-by-step run's. The sampled requests are seeded: an unseeded row's
+    numbers depend on the batch (how many rows drew before it), and asynchronous scheduling plans a request that
+    stops on a token one step longer than a step-by-step run does (its extra token is dropped)."""
+    path = tiny_models["llama"].path
+    prompts = random_prompts([3, 9, 17, 5, 6, 4], seed=21)
+
+    def params(stop: int | None = None) -> list[SamplingParams]:
+        return [
+            SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=3, ignore_eos=True),
+            SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),
+            SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                           stop_token_ids=[stop] if stop is not None else None),
+            SamplingParams(max_tokens=7, temperature=0.7, top_k=20, seed=4, ignore_eos=True),
+            # These two end early, so the steps after them stay queued.
+            SamplingParams(max_tokens=6, temperature=0.9, logprobs=3, seed=6, ignore_eos=True),
+            SamplingParams(max_tokens=9, temperature=0.0, repetition_penalty=1.8, frequency_penalty=0.7,
+                           ignore_eos=True),
+        ]
+
+    greedy = LLM(path, seed=7, **ENGINE_KW).generate([prompts[2]], params()[2])[0].token_ids
+    stop = next(t for j, t in enumerate(greedy) if j >= 3 and t not in greedy[:j])
+    runs = {}
+    for name, kw in (("step by step", ENGINE_KW), ("pipelined", PIPELINED)):
+        llm = LLM(path, seed=7, **kw)
+        outs = llm.generate(prompts, params(stop))
+        runs[name] = [(o.token_ids, o.finish_reason, o.logprobs) for o in outs]
+        if name == "pipelined":
+            assert _pipeline(llm).num_queued_ahead > 0
+            assert_kv_released(llm)
+    assert runs["pipelined"] == runs["step by step"]
+    tokens = [r[0] for r in runs["pipelined"]]
+    assert tokens[2][-1] == stop and runs["pipelined"][2][1] == "stop"
+    assert len(tokens[3]) == 7 and runs["pipelined"][4][2] is not None
+    assert len(set(map(tuple, tokens))) == len(tokens)  # really sampled, not one repeated stream
+
+
+def test_pipelined_seeded_sampling_is_batch_independent(tiny_models):
+    path = tiny_models["qwen3"].path
+    llm = LLM(path, **PIPELINED)
+    prompts = random_prompts([5] * 6, seed=9)
+    seeded = [SamplingParams(max_tokens=10, temperature=0.9, seed=s, ignore_eos=True) for s in range(6)]
+    alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, seeded, strict=True)]
+    batched = llm.generate(prompts + [PROMPTS[2]], seeded + [SamplingParams(max_tokens=30, ignore_eos=True)])
+    assert [o.token_ids for o in batched[:6]] == alone
+    assert len(set(map(tuple, alone))) > 3
+
+
+def test_pipelined_preemption_and_abort(tiny_models, target_greedy):
+    path = tiny_models["llama"].path
+    # 16 blocks of 4 tokens for three requests of up to 41 tokens: preemptions, their requests resumed.
+    llm = LLM(path, block_size=4, max_model_len=48, num_kv_blocks=16, async_scheduling=True)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert any(o.num_preemptions > 0 for o in outs)
+    assert [o.token_ids for o in outs] == target_greedy("llama")
+    assert_kv_released(llm)
+
+    llm = LLM(path, **PIPELINED)
+    engine = llm.engine
+    reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        engine.add_request(r)
+    for _ in range(4):
+        engine.step()
+    assert reqs[1].inflight is not None and _pipeline(llm).pending is not None
+    engine.abort_request("r1")
+    n_out = reqs[1].num_output_tokens
+    while engine.has_unfinished():
+        engine.step()
+    assert reqs[1].num_output_tokens == n_out  # the queued step's token was dropped
+    ref = target_greedy("llama")
+    assert reqs[0].output_token_ids == ref[0] and reqs[2].output_token_ids == ref[2]
+    assert_kv_released(llm)
+    assert _pipeline(llm).pending is None
+
+
+def test_a_placeholder_no_queued_step_fills_is_refused():
+    """Never feed PENDING_TOKEN to a model: an input holding one that no queued step will overwrite is an error."""
+    entry = PlannedRequest("x", [4, PENDING_TOKEN], 0, 0, True, [[0]])
+    with pytest.raises(RuntimeError, match="request x's input holds a token no queued step will give"):
+        _pending_slots(StepPlan(0, [entry]), None)
+    assert _pending_slots(StepPlan(0, [PlannedRequest("y", [4, 5], 0, 0, True, [[0]])]), None) == ([], [])
+
+
+def test_pipelining_is_off_with_a_draft_and_by_default_on_cpu(tiny_models):
+    path = tiny_models["llama"].path
+    assert LLM(path, **ENGINE_KW).engine.executor.pipeline is None  # CPU: a queued step runs at once
+    assert LLM(path, draft_model=path, num_speculative_tokens=2, **PIPELINED).engine.executor.pipeline is None
+    assert _pipeline(LLM(path, **PIPELINED)) is not None
