@@ -27,6 +27,7 @@ from engine.detokenizer import OutputProcessor
 from engine.executor import Executor
 from engine.kv_cache.manager import KVCacheManager
 from engine.plan_builder import build_plan
+from engine.plan_deltas import SentState
 from engine.request import Request, RequestStatus
 from engine.sample.logits_params import logits_params_of
 from engine.sample.structured_output import grammar_spec_of
@@ -85,6 +86,7 @@ class EngineCore:
         self._deferred_free: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._sync_next = False  # let the steps in flight land before scheduling (a preemption is due)
+        self.sent = SentState()  # what the model sides know of each request: plans carry the rest
         self.scheduler.speculation_ahead = self.spec_config is not None and bool(
             getattr(executor, "speculation_ahead", False))
         if engine_config.synthetic_bonus_agreement is not None and (
@@ -227,6 +229,7 @@ class EngineCore:
     def _restart_draft_progress(self) -> None:
         for req in self.scheduler.requests.values():
             req.num_draft_computed_tokens = 0
+        self.sent.reset()  # new draft ranks know no request: the next plan sends every entry whole
 
     # --- KV caches -----------------------------------------------------------------------------------
     def kv_managers(self) -> list[tuple[str, KVCacheManager]]:
@@ -276,10 +279,14 @@ class EngineCore:
             return []
         plan = self.make_plan(sched.scheduled)
         t1 = time.perf_counter()
-        if on_dispatched is None:
-            result = self.executor.execute(plan)
-        else:
-            result = self.executor.execute(plan, on_dispatched=on_dispatched)
+        try:
+            if on_dispatched is None:
+                result = self.executor.execute(plan)
+            else:
+                result = self.executor.execute(plan, on_dispatched=on_dispatched)
+        except BaseException:
+            self._drop_inflight()
+            raise
         t2 = time.perf_counter()
         touched = self.commit(sched.scheduled, result)
         self.last_step.phase_seconds = {**result.phase_seconds, "schedule": t1 - t0,
@@ -320,7 +327,11 @@ class EngineCore:
                 plan = self.make_plan(sched.scheduled)
                 # Timed before the submit: a pipelined executor's submit also waits for the step before it.
                 scheduled_in = time.perf_counter() - t0
-                handle = self.executor.submit(plan)
+                try:
+                    handle = self.executor.submit(plan)
+                except BaseException:
+                    self.sent.reset()  # the plan may have reached some ranks only
+                    raise
                 for s in sched.scheduled:
                     s.request.inflight = s
                 self._inflight.append(_InFlight(sched.scheduled, handle, self.last_step, scheduled_in))
@@ -363,7 +374,9 @@ class EngineCore:
 
     def _drop_inflight(self) -> None:
         """A step failed: forget every step in flight (none of them is committed; the sides drop what they
-        resolved, and requests still running are planned with explicit input next)."""
+        resolved, and requests still running are planned with explicit input next) and what the sides were sent
+        (a plan may have reached some ranks only): the next plan sends every entry whole."""
+        self.sent.reset()
         for step in self._inflight:
             for s in step.scheduled:
                 s.request.inflight = None
@@ -376,7 +389,7 @@ class EngineCore:
         """The plan of a scheduled step (engine/plan_builder.py); it carries the ids the sides may forget."""
         finished, self._finished_ids = self._finished_ids, []
         return build_plan(next(self._step_ids), scheduled, self.target_kv, self.draft_kv, self.config.max_model_len,
-                          self.spec_config, finished)
+                          self.spec_config, finished, self.sent)
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
         if result.ahead is not None:

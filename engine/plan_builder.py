@@ -1,41 +1,62 @@
 """A scheduled step as the plan the model sides run (engine/step_plan.py): per request the tokens to feed (or none,
-for an open input the sides fill in), its block tables per KV-cache group of each model, and its sampling settings."""
+for an open input the sides fill in), its block tables per KV-cache group of each model, and its sampling settings:
+those two as far as the sides do not know them yet (engine/plan_deltas.py)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 from engine.config import SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
+from engine.plan_deltas import SentState
+from engine.request import Request
 from engine.scheduler import ScheduledRequest
-from engine.step_plan import PlannedRequest, StepPlan
+from engine.step_plan import PlannedRequest, SamplingSettings, StepPlan
 
 
 def build_plan(step_id: int, scheduled: list[ScheduledRequest], target_kv: KVCacheManager,
                draft_kv: KVCacheManager | None, max_model_len: int, spec: SpeculativeConfig | None,
-               finished_ids: list[str]) -> StepPlan:
-    """finished_ids: requests that ended (or were preempted) since the last plan: the sides forget them."""
+               finished_ids: list[str], sent: SentState | None = None) -> StepPlan:
+    """finished_ids: requests that ended (or were preempted) since the last plan: the sides forget them.
+    sent: what the sides were sent before; entries then carry settings once and block tables as tails, and `sent`
+    learns what this plan sends. None: every entry whole."""
+    if sent is not None:
+        sent.forget(finished_ids)  # the sides drop them before they read this plan's entries
     planned = []
     for s in scheduled:
         r = s.request
         frontier = s.frontier
         tokens = r.all_token_ids if not s.open_input else []
+        rid = r.request_id
         p = PlannedRequest(
-            request_id=r.request_id, token_ids=None if s.open_input else tokens[s.start:frontier],
-            start_pos=s.start, num_draft_tokens=s.num_draft_tokens, sample=s.samples,
-            block_tables=[list(target_kv.block_table(r.request_id, g)) for g in range(target_kv.num_groups)],
-            temperature=r.params.temperature, top_p=r.params.top_p, top_k=r.params.top_k, seed=r.params.seed,
-            num_output_tokens=r.num_output_tokens, draft_start_pos=s.draft_start, logprobs=r.params.logprobs,
+            request_id=rid, token_ids=None if s.open_input else tokens[s.start:frontier],
+            start_pos=s.start, num_draft_tokens=s.num_draft_tokens, sample=s.samples, block_tables=[],
+            num_output_tokens=r.num_output_tokens, draft_start_pos=s.draft_start,
             # Where the request must end: the sides shrink an open entry's k by it, and draft ahead no further.
             token_limit=min(r.num_prompt_tokens + r.params.max_tokens, max_model_len),
-            logits_params=r.logits_params,
             # The history a logits processor reads; an open entry's sides append what its step in flight added.
             output_token_ids=list(r.output_token_ids)
             if r.logits_params is not None and r.logits_params.needs_output_history else None)
+        tables = [target_kv.block_table(rid, g) for g in range(target_kv.num_groups)]
+        draft_tables = None
         if s.draft_runs:  # else the draft sits this step out (speculation off at this load) and lags
             assert draft_kv is not None
             p.draft_runs = True
             if not s.open_input:
                 p.draft_token_ids = tokens[s.draft_start:frontier]
-            p.draft_block_tables = [list(draft_kv.block_table(r.request_id, g)) for g in range(draft_kv.num_groups)]
+            draft_tables = [draft_kv.block_table(rid, g) for g in range(draft_kv.num_groups)]
+        if sent is not None:
+            sent.encode(p, partial(sampling_settings, r), tables, draft_tables)
+        else:
+            p.sampling = sampling_settings(r)
+            p.block_tables = [list(t) for t in tables]
+            if draft_tables is not None:
+                p.draft_block_tables = [list(t) for t in draft_tables]
         planned.append(p)
     return StepPlan(step_id, planned, spec.rejection_sampling if spec else None,
                     spec.synthetic_acceptance_rate if spec else None, finished_ids=finished_ids)
+
+
+def sampling_settings(r: Request) -> SamplingSettings:
+    return SamplingSettings(temperature=r.params.temperature, top_p=r.params.top_p, top_k=r.params.top_k,
+                            seed=r.params.seed, logprobs=r.params.logprobs, logits_params=r.logits_params)

@@ -9,6 +9,9 @@ result exactly as the scheduler's commit does. An entry with `token_ids=None` is
 with explicit tokens (a prefill chunk, a resumed request, any request under synchronous scheduling) is
 authoritative and reseeds the state. Target and draft workers keep the same table: the target's ranks record
 their own results, the draft's ranks receive the target's result right after the verify (`record` again).
+
+Every side also keeps what plans send only once or in parts (engine/plan_deltas.py): a request's sampling
+settings and its whole block tables, which it puts back into each entry it resolves.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
+from engine.plan_deltas import fill_settings, splice_tables
 from engine.sample import grammar_matchers
-from engine.step_plan import PlannedRequest, StepPlan, StepResult
+from engine.step_plan import PlannedRequest, SamplingSettings, StepPlan, StepResult
 
 # A token sampled by a step still on the device (engine/decode_pipeline.py queues the next step before it reads
 # the tokens back): recorded in its place, and filled in when the tokens arrive. Never a real token id.
@@ -34,6 +38,10 @@ class TrackedRequest:
     num_computed: int  # positions with target KV
     num_draft_computed: int  # positions with draft KV
     num_output_tokens: int
+    # What plans send once or as tails (engine/plan_deltas.py); None until an entry sent them whole.
+    sampling: SamplingSettings | None = None
+    block_tables: list[list[int]] | None = None  # [num_target_groups][num_blocks]
+    draft_block_tables: list[list[int]] | None = None  # [num_draft_groups][num_blocks]
 
     @property
     def num_tokens(self) -> int:
@@ -90,9 +98,10 @@ class RequestTable:
                 t.splice(p.start_pos, p.token_ids)
             t.num_computed, t.num_draft_computed = p.start_pos, p.draft_start_pos
             t.num_output_tokens = p.num_output_tokens
-            return p
+            return self._fill_unsent(p, t)
         if t is None:
             raise RuntimeError(f"the plan leaves request {p.request_id}'s input to this side, which does not know it")
+        p = self._fill_unsent(p, t)
         frontier = t.num_tokens
         entry = dataclasses.replace(p, token_ids=t.tokens_from(t.num_computed), start_pos=t.num_computed,
                                     num_output_tokens=t.num_output_tokens)
@@ -107,6 +116,23 @@ class RequestTable:
         if p.draft_runs:
             entry.draft_token_ids = t.token_ids[t.num_draft_computed - t.base:frontier - t.base]
             entry.draft_start_pos = t.num_draft_computed
+        return entry
+
+    def _fill_unsent(self, p: PlannedRequest, t: TrackedRequest) -> PlannedRequest:
+        """The entry with the settings and whole block tables that plans send once or as tails, kept in `t`."""
+        rid = p.request_id
+        t.sampling = fill_settings(rid, t.sampling, p.sampling)
+        t.block_tables = splice_tables(rid, "target", t.block_tables, p.block_table_starts, p.block_tables)
+        if p.draft_runs:  # else the draft sits this step out: it was sent no tables
+            t.draft_block_tables = splice_tables(rid, "draft", t.draft_block_tables, p.draft_block_table_starts,
+                                                 p.draft_block_tables)
+        if p.sampling is not None and p.block_table_starts is None and p.draft_block_table_starts is None:
+            return p
+        entry = object.__new__(PlannedRequest)  # a copy (without __init__'s checks): the plan's entry stays as sent
+        entry.__dict__.update(p.__dict__)
+        entry.sampling, entry.block_tables, entry.block_table_starts = t.sampling, t.block_tables, None
+        if p.draft_runs:
+            entry.draft_block_tables, entry.draft_block_table_starts = t.draft_block_tables, None
         return entry
 
     def record(self, result: StepResult) -> None:

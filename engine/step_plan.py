@@ -3,6 +3,11 @@
 Small and picklable: token deltas, positions, block ids per KV-cache group and sampling settings; no
 tensors. The same plan drives the in-process executor and the Ray workers, so both run the same code.
 
+A plan carries only what the sides do not know yet (engine/plan_deltas.py): a request's sampling settings go with
+its first entry only (`sampling=None`: "as before"), and its block tables as the tail from where they differ from
+the ones sent before (`block_table_starts`). Every side keeps what it was sent in its request table, which turns
+each entry back into a whole one before anything runs it.
+
 With asynchronous scheduling the scheduler sends step n+1's plan before step n's tokens reach it, so a decoding
 request's entry may leave its input to the side that runs it: `token_ids=None` means "the tokens you accepted
 last step, from where your KV ends" (engine/request_table.py resolves such entries from the state every side keeps).
@@ -10,9 +15,30 @@ last step, from where your KV ends" (engine/request_table.py resolves such entri
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import InitVar, dataclass, field
+from typing import Any
 
 from engine.sample.logits_params import LogitsParams
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """A request's sampling settings: fixed for its life, so the sides are sent them once and keep them."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    # Logprobs: None (the default) computes none; k >= 0 returns each emitted token's logprob and the k most likely.
+    logprobs: int | None = None
+    # Logits processing (penalties, logit_bias, masks, min_p): only for requests that use it; None costs nothing.
+    logits_params: LogitsParams | None = None
+
+
+GREEDY = SamplingSettings()
+SETTING_NAMES = tuple(f.name for f in dataclasses.fields(SamplingSettings))
+_KEEP: Any = object()  # a setting not overridden at construction
 
 
 @dataclass
@@ -26,28 +52,60 @@ class PlannedRequest:
     start_pos: int
     num_draft_tokens: int  # k this step (0: no speculation for this request)
     sample: bool  # the chunk reaches the end of the sequence, so a token is sampled
-    block_tables: list[list[int]]  # [num_target_groups][num_blocks]
+    block_tables: list[list[int]]  # [num_target_groups][num_blocks]: whole, or tails (block_table_starts)
     # Draft: tokens it has not seen yet, from draft_start_pos on, and its own block tables.
     draft_token_ids: list[int] = field(default_factory=list)
     draft_start_pos: int = 0
-    draft_block_tables: list[list[int]] = field(default_factory=list)  # [num_draft_groups][num_blocks]
+    draft_block_tables: list[list[int]] = field(default_factory=list)  # [num_draft_groups][num_blocks] (as above)
     draft_runs: bool = False  # the draft processes this request this step (catch-up, prefill, proposals)
     # An open entry's k is the step's; the sides shrink it, from their exact counts, so that the step ends before
     # this many tokens (the prompt plus max_tokens, or max_model_len), as the scheduler shrinks it for explicit
     # entries: both schedules then draft the same k at every position. 0: no limit.
     token_limit: int = 0
-    # Sampling: settings, and the output position that seeds a seeded request's generators.
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    # The output position that seeds a seeded request's generators.
     num_output_tokens: int = 0
-    # Logprobs: None (the default) computes none; k >= 0 returns each emitted token's logprob and the k most likely.
-    logprobs: int | None = None
-    # Logits processing (penalties, logit_bias, masks, min_p): only for requests that use it; None costs nothing.
-    logits_params: LogitsParams | None = None
     # The request's output so far, only where logits_params needs the history (penalties, multi-token bad words).
     output_token_ids: list[int] | None = None
+    # The sampling settings; None: "as sent before" (the sides fill them in). The entry reads them as attributes
+    # (entry.temperature, entry.logprobs, ...), which raise on an entry not resolved yet.
+    sampling: SamplingSettings | None = GREEDY
+    # None: block_tables (draft_block_tables) are whole. Else per group the index from which the list in
+    # block_tables is the table's tail: the sides keep the blocks before it from the tables sent before.
+    block_table_starts: list[int] | None = None  # [num_target_groups]
+    draft_block_table_starts: list[int] | None = None  # [num_draft_groups]
+    # Single settings given at construction (PlannedRequest(..., temperature=0.7), dataclasses.replace(entry,
+    # logprobs=None)) replace those of `sampling`; they are not stored on their own.
+    temperature: InitVar[float] = _KEEP
+    top_p: InitVar[float] = _KEEP
+    top_k: InitVar[int] = _KEEP
+    seed: InitVar[int | None] = _KEEP
+    logprobs: InitVar[int | None] = _KEEP
+    logits_params: InitVar[LogitsParams | None] = _KEEP
+
+    def __post_init__(self, *settings: Any) -> None:
+        given = {name: v for name, v in zip(SETTING_NAMES, settings) if v is not _KEEP}
+        if not given:
+            return
+        if self.sampling is None:
+            raise ValueError(f"request {self.request_id}: single sampling settings on an entry without settings")
+        changed = {n: v for n, v in given.items() if v is not getattr(self.sampling, n)
+                   and v != getattr(self.sampling, n)}
+        if changed:
+            self.sampling = dataclasses.replace(self.sampling, **changed)
+
+
+def _setting(name: str) -> property:
+    def get(self: PlannedRequest) -> Any:
+        if self.sampling is None:
+            raise RuntimeError(f"request {self.request_id}'s entry carries no sampling settings ({name}): it was "
+                               "read before a request table resolved it")
+        return getattr(self.sampling, name)
+
+    return property(get, doc=f"The request's {name} (SamplingSettings.{name}).")
+
+
+for _name in SETTING_NAMES:
+    setattr(PlannedRequest, _name, _setting(_name))
 
 
 @dataclass
