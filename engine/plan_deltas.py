@@ -23,7 +23,7 @@ entries are then whole. A side sent a tail it cannot splice raises rather than r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from engine.step_plan import PlannedRequest, SamplingSettings
@@ -46,8 +46,8 @@ class SentState:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._requests
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._requests)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """The sides drop these requests (finished, aborted, preempted): their next entries are whole."""
