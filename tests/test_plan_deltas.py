@@ -109,6 +109,7 @@ def test_tails_round_trip_any_change_of_the_tables() -> None:
     finished: list[str] = []
     next_block = 100
     num_tails = 0
+    last: dict[str, list[list[int]]] = {}  # the target tables each request was last sent
     for step in range(300):
         entries, expect = [], []
         for rid in settings:
@@ -128,11 +129,14 @@ def test_tails_round_trip_any_change_of_the_tables() -> None:
             sent.encode(p, lambda rid=rid: settings[rid], tables[rid], drafts[rid] if draft_runs else None)
             if rid in known:
                 assert p.sampling is None and p.block_table_starts is not None
-                for start, tail, now in zip(p.block_table_starts, p.block_tables, tables[rid]):
+                for start, tail, now, before in zip(p.block_table_starts, p.block_tables, tables[rid], last[rid]):
                     assert tail == now[start:]
+                    assert now[:start] == before[:start] and (start == min(len(now), len(before))
+                                                              or now[start] != before[start])
                 num_tails += 1
             else:
                 assert p.sampling == settings[rid] and p.block_table_starts is None
+            last[rid] = [list(g) for g in tables[rid]]
             known.add(rid)
             entries.append(p)
             expect.append((settings[rid], tables[rid], drafts[rid] if draft_runs else []))
@@ -170,10 +174,16 @@ def test_a_side_refuses_what_it_cannot_splice() -> None:
                                                   draft_block_tables=[[9]], draft_block_table_starts=[2])]))
     r = ok.requests[0]
     assert (r.block_tables, r.draft_block_tables, r.temperature, r.logprobs) == ([[7, 9]], [[3, 4, 9]], 0.0, None)
+    # A whole entry replaces what the side kept (a plan whose finished ids were lost, an id used again).
+    again = side.resolve(StepPlan(6, [PlannedRequest("a", [1], 0, 0, True, [[5]], temperature=0.3)])).requests[0]
+    assert (again.block_tables, again.temperature) == ([[5]], 0.3)
+    later = side.resolve(StepPlan(7, [PlannedRequest("a", [2], 1, 0, True, [[6]], sampling=None,
+                                                     block_table_starts=[1])])).requests[0]
+    assert (later.block_tables, later.temperature) == ([[5, 6]], 0.3)
     # A finished id drops what the side kept: the request's next entry must be whole again.
-    side.resolve(StepPlan(6, [], finished_ids=["a"]))
+    side.resolve(StepPlan(8, [], finished_ids=["a"]))
     with pytest.raises(RuntimeError, match="request a's sampling settings"):
-        side.resolve(StepPlan(7, [PlannedRequest("a", [6], 5, 0, True, [[9]], sampling=None)]))
+        side.resolve(StepPlan(9, [PlannedRequest("a", [6], 5, 0, True, [[9]], sampling=None)]))
 
 
 def test_an_entry_reads_its_settings_only_once_resolved() -> None:
