@@ -7,7 +7,9 @@ by a stub executor that pickles each plan as a transport would, unpickles it, re
 The shapes: a Gemma 3-like target (KV-cache groups: full attention and a 1024-token sliding window) and a Gemma 3
 1B-like draft (full attention and a 512-token window), vocabulary 262144, k = 4, the default block size (16),
 prompts of ~2000 tokens, sampled requests (temperature, top_p, top_k, seed). Figures are medians over the decode
-steps after a warm-up (the prefill steps and the first few decodes).
+steps after a warm-up (the prefill steps and the first few decodes). "loads" is what every receiving rank pays;
+"resolve" is one side's RequestTable.resolve of the received plan (where a delta plan is made whole again);
+"plan build" is EngineCore.make_plan on the scheduler's side.
 
     python benchmarks/plan_size.py [--steps 60] [--warmup 8] [--concurrency 1 16]
 """
@@ -62,18 +64,20 @@ class PicklingExecutor:
         self.speculation_ahead = False
         self.table = RequestTable()
         self.rng = random.Random(seed)
-        # Per executed step: (plan entries, all decodes, pickled bytes, dumps + loads seconds, resolve seconds).
-        self.records: list[tuple[int, bool, int, float, float]] = []
+        # Per executed step: (plan entries, all decodes, pickled bytes, dumps + loads seconds, loads seconds,
+        # resolve seconds).
+        self.records: list[tuple[int, bool, int, float, float, float]] = []
 
     def execute(self, plan: StepPlan, on_dispatched: object = None) -> StepResult:
         t0 = time.perf_counter()
         blob = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        t_dumped = time.perf_counter()
         received = pickle.loads(blob)
         t1 = time.perf_counter()
         resolved = self.table.resolve(received)
         t2 = time.perf_counter()
         decodes = all(p.token_ids is not None and len(p.token_ids) == 1 for p in resolved.requests)
-        self.records.append((len(plan.requests), decodes, len(blob), t1 - t0, t2 - t1))
+        self.records.append((len(plan.requests), decodes, len(blob), t1 - t0, t1 - t_dumped, t2 - t1))
         sampled: list[list[int] | None] = []
         accepted: list[int] = []
         for p in resolved.requests:
@@ -96,6 +100,16 @@ def measure(concurrency: int, steps: int, warmup: int, seed: int = 0) -> dict[st
     executor = PicklingExecutor(config.block_size, seed)
     spec = SpeculativeConfig(draft_model="stub", num_speculative_tokens=K)
     engine = EngineCore(executor, config, None, [2], spec)  # type: ignore[arg-type]
+    build_seconds: list[float] = []  # per step: EngineCore.make_plan (build_plan), aligned with executor.records
+    make_plan = engine.make_plan
+
+    def timed_make_plan(scheduled: list) -> StepPlan:
+        t0 = time.perf_counter()
+        plan = make_plan(scheduled)
+        build_seconds.append(time.perf_counter() - t0)
+        return plan
+
+    engine.make_plan = timed_make_plan  # type: ignore[method-assign]
     rng = random.Random(seed)
     for i in range(concurrency):
         prompt = [rng.randrange(3, VOCAB) for _ in range(PROMPT_TOKENS + i)]
@@ -108,12 +122,15 @@ def measure(concurrency: int, steps: int, warmup: int, seed: int = 0) -> dict[st
         n, decodes, *_ = executor.records[-1]
         if decodes and n == concurrency:
             decoding += 1
-    rows = [r for r in executor.records if r[1] and r[0] == concurrency][warmup:warmup + steps]
+    rows = [r + (b,) for r, b in zip(executor.records, build_seconds, strict=True)
+            if r[1] and r[0] == concurrency][warmup:warmup + steps]
     return {"concurrency": concurrency, "steps": len(rows),
             "bytes_median": statistics.median(r[2] for r in rows),
             "bytes_mean": statistics.fmean(r[2] for r in rows),
             "pickle_us_median": statistics.median(r[3] for r in rows) * 1e6,
-            "resolve_us_median": statistics.median(r[4] for r in rows) * 1e6}
+            "loads_us_median": statistics.median(r[4] for r in rows) * 1e6,
+            "resolve_us_median": statistics.median(r[5] for r in rows) * 1e6,
+            "build_us_median": statistics.median(r[6] for r in rows) * 1e6}
 
 
 def main() -> None:
@@ -123,12 +140,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     args = ap.parse_args()
     print("| concurrent requests | plan bytes (median) | plan bytes (mean) | dumps + loads us (median) "
-          "| side's resolve us (median) |")
-    print("|---|---|---|---|---|")
+          "| of which loads us | side's resolve us (median) | plan build us (median) |")
+    print("|---|---|---|---|---|---|---|")
     for c in args.concurrency:
         m = measure(c, args.steps, args.warmup)
         print(f"| {c} | {m['bytes_median']:.0f} | {m['bytes_mean']:.0f} | {m['pickle_us_median']:.0f} "
-              f"| {m['resolve_us_median']:.0f} |")
+              f"| {m['loads_us_median']:.0f} | {m['resolve_us_median']:.0f} | {m['build_us_median']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,6 @@ those two as far as the sides do not know them yet (engine/plan_deltas.py)."""
 
 from __future__ import annotations
 
-from functools import partial
-
 from engine.config import SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.plan_deltas import SentState
@@ -26,10 +24,9 @@ def build_plan(step_id: int, scheduled: list[ScheduledRequest], target_kv: KVCac
     for s in scheduled:
         r = s.request
         frontier = s.frontier
-        tokens = r.all_token_ids if not s.open_input else []
         rid = r.request_id
         p = PlannedRequest(
-            request_id=rid, token_ids=None if s.open_input else tokens[s.start:frontier],
+            request_id=rid, token_ids=None if s.open_input else _tokens(r, s.start, frontier),
             start_pos=s.start, num_draft_tokens=s.num_draft_tokens, sample=s.samples, block_tables=[],
             num_output_tokens=r.num_output_tokens, draft_start_pos=s.draft_start,
             # Where the request must end: the sides shrink an open entry's k by it, and draft ahead no further.
@@ -43,15 +40,15 @@ def build_plan(step_id: int, scheduled: list[ScheduledRequest], target_kv: KVCac
             assert draft_kv is not None
             p.draft_runs = True
             if not s.open_input:
-                p.draft_token_ids = tokens[s.draft_start:frontier]
+                p.draft_token_ids = _tokens(r, s.draft_start, frontier)
             draft_tables = [draft_kv.block_table(rid, g) for g in range(draft_kv.num_groups)]
-        if sent is not None:
-            sent.encode(p, partial(sampling_settings, r), tables, draft_tables)
-        else:
+        if sent is None:
             p.sampling = sampling_settings(r)
             p.block_tables = [list(t) for t in tables]
             if draft_tables is not None:
                 p.draft_block_tables = [list(t) for t in draft_tables]
+        elif sent.encode(p, tables, draft_tables):
+            p.sampling = sampling_settings(r)
         planned.append(p)
     return StepPlan(step_id, planned, spec.rejection_sampling if spec else None,
                     spec.synthetic_acceptance_rate if spec else None, finished_ids=finished_ids)
@@ -60,3 +57,11 @@ def build_plan(step_id: int, scheduled: list[ScheduledRequest], target_kv: KVCac
 def sampling_settings(r: Request) -> SamplingSettings:
     return SamplingSettings(temperature=r.params.temperature, top_p=r.params.top_p, top_k=r.params.top_k,
                             seed=r.params.seed, logprobs=r.params.logprobs, logits_params=r.logits_params)
+
+
+def _tokens(r: Request, start: int, end: int) -> list[int]:
+    """r.all_token_ids[start:end], without joining prompt and output first (a decode feeds one token)."""
+    n = r.num_prompt_tokens
+    if start >= n:
+        return r.output_token_ids[start - n:end - n]
+    return r.prompt_token_ids[start:end] + r.output_token_ids[:max(0, end - n)]

@@ -23,7 +23,7 @@ entries are then whole. A side sent a tail it cannot splice raises rather than r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from engine.step_plan import PlannedRequest, SamplingSettings
@@ -58,40 +58,45 @@ class SentState:
         """The sides may know less than was sent (a failed step, a new draft group): every next entry is whole."""
         self._requests.clear()
 
-    def encode(self, entry: PlannedRequest, settings: Callable[[], SamplingSettings],
-               tables: list[list[int]], draft_tables: list[list[int]] | None) -> None:
-        """Set `entry`'s settings and block tables to what the sides lack, and remember what they now have.
-        tables / draft_tables: the request's current tables per group (not kept; None: the draft sits out)."""
+    def encode(self, entry: PlannedRequest, tables: list[list[int]], draft_tables: list[list[int]] | None) -> bool:
+        """Set `entry`'s block tables to what the sides lack, and remember what they now have; returns whether the
+        sides know nothing of the request, so that the entry must carry its settings (else `entry.sampling` is set
+        to None). tables / draft_tables: the request's current tables per group (not kept; None: the draft sits
+        this step out)."""
         sent = self._requests.get(entry.request_id)
+        first = sent is None
         if sent is None:
             sent = self._requests[entry.request_id] = _Sent()
-            entry.sampling = settings()
         else:
             entry.sampling = None
         entry.block_tables, entry.block_table_starts, sent.tables = _delta(sent.tables, tables)
         if draft_tables is not None:
             entry.draft_block_tables, entry.draft_block_table_starts, sent.draft_tables = _delta(
                 sent.draft_tables, draft_tables)
+        return first
 
 
 def _delta(sent: list[list[int]] | None, now: list[list[int]]
            ) -> tuple[list[list[int]], list[int] | None, list[list[int]]]:
     """(what to send per group, start index per group or None for whole tables, the tables as now sent)."""
-    kept = [list(t) for t in now]
-    if sent is None or len(sent) != len(now):
+    kept = [t[:] for t in now]
+    if sent is None or len(sent) != len(kept):
         return kept, None, kept  # shared: neither the entry's nor the kept lists are ever changed in place
-    starts = [_common_prefix(old, cur) for old, cur in zip(sent, kept)]
-    return [cur[n:] for n, cur in zip(starts, kept)], starts, kept
+    starts, tails = [], []
+    for old, cur in zip(sent, kept):
+        n = len(old)
+        if n > len(cur) or cur[:n] != old:  # not only appended to: a block released or replaced (sliding window)
+            n = _common_prefix(old, cur)
+        starts.append(n)
+        tails.append(cur[n:])
+    return tails, starts, kept
 
 
 def _common_prefix(old: list[int], cur: list[int]) -> int:
-    n = min(len(old), len(cur))
-    if old[:n] == cur[:n]:  # the usual case, blocks appended: compared at C speed
-        return n
-    i = 0
-    while old[i] == cur[i]:  # a block released or replaced before the end (sliding window)
-        i += 1
-    return i
+    for i, (a, b) in enumerate(zip(old, cur)):
+        if a != b:
+            return i
+    return min(len(old), len(cur))
 
 
 # --- the sides' half -------------------------------------------------------------------------------------

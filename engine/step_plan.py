@@ -39,6 +39,7 @@ class SamplingSettings:
 GREEDY = SamplingSettings()
 SETTING_NAMES = tuple(f.name for f in dataclasses.fields(SamplingSettings))
 _KEEP: Any = object()  # a setting not overridden at construction
+_ALL_KEPT = (_KEEP,) * len(SETTING_NAMES)
 
 
 @dataclass
@@ -83,9 +84,9 @@ class PlannedRequest:
     logits_params: InitVar[LogitsParams | None] = _KEEP
 
     def __post_init__(self, *settings: Any) -> None:
-        given = {name: v for name, v in zip(SETTING_NAMES, settings) if v is not _KEEP}
-        if not given:
+        if settings == _ALL_KEPT:  # the usual case, compared by identity first
             return
+        given = {name: v for name, v in zip(SETTING_NAMES, settings) if v is not _KEEP}
         if self.sampling is None:
             raise ValueError(f"request {self.request_id}: single sampling settings on an entry without settings")
         changed = {n: v for n, v in given.items() if v is not getattr(self.sampling, n)

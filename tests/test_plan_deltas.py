@@ -126,7 +126,8 @@ def test_tails_round_trip_any_change_of_the_tables() -> None:
                         next_block += 1
             draft_runs = rng.random() < 0.7
             p = PlannedRequest(rid, [1], 5, 2, True, [], draft_runs=draft_runs)
-            sent.encode(p, lambda rid=rid: settings[rid], tables[rid], drafts[rid] if draft_runs else None)
+            if sent.encode(p, tables[rid], drafts[rid] if draft_runs else None):
+                p.sampling = settings[rid]
             if rid in known:
                 assert p.sampling is None and p.block_table_starts is not None
                 for start, tail, now, before in zip(p.block_table_starts, p.block_tables, tables[rid], last[rid]):
