@@ -384,9 +384,10 @@ class AheadProposer:
 
     def _max_rows(self, num_requests: int) -> int:
         """Rows of one run drafting ahead: the largest batch the draft loop runs as a graph (a run beyond it would
-        run eagerly), never fewer than one per request (fan-out 1 as before), at most what its buffers hold."""
+        run eagerly), never fewer than one per request (fan-out 1 as before), at most what its buffers hold. The
+        eager torch path (no loop) has no buffers to outgrow: there the scratch reserve alone bounds the rows."""
         loop = self.proposer.loop
         if loop is None:
-            return max(num_requests, self.runner.config.max_num_seqs)
+            return num_requests * self.num_branches
         cap = max(loop.batch_sizes, default=loop.buffers.max_num_reqs)
         return min(max(cap, num_requests), loop.buffers.max_num_reqs)
