@@ -41,6 +41,9 @@ def test_kernel_path_greedy_equals_torch_path(results, family):
     assert res["torch+spec"] == ref
     # Both paths see the same drafts, so they accept the same share of them; and speculation did happen.
     assert res["triton+spec:acceptance"] == res["torch+spec:acceptance"] > 0.3
+    # Speculation ahead with four windows per request, through the draft loop: both kinds of window hit.
+    assert res["triton+ahead4"] == ref
+    assert min(res["triton+ahead4:hits"]) > 0, res["triton+ahead4:hits"]
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
