@@ -361,9 +361,10 @@ class AheadProposer:
                 start = frontier + branch.start_offset(k)
                 if branch.kind == ACCEPT:
                     catch_up, guess, width = [host[i][k - 1]], branch.index, 1 + k_next
-                else:
-                    assert host_alt is not None
+                elif host_alt is not None:
                     catch_up, guess, width = [host_alt[i][branch.index]], 0, k_next
+                else:  # a proposal without runner-ups (none recorded): no guess for the target's token
+                    continue
                 if len(windows) >= max_rows:
                     self.stats.skipped_branches += 1
                     continue
