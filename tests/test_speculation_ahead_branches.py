@@ -313,3 +313,15 @@ def test_branches_config_is_validated(tiny_models, tiny_drafts):
     assert _ahead(one).num_branches == 1 and _ahead(one).scratch.capacity == 0  # fan-out 1 reserves nothing
     assert one.engine.draft_kv.pools[0].num_blocks == llm.engine.draft_kv.pools[0].num_blocks + _ahead(
         llm).scratch.capacity
+
+
+def test_synthetic_agreement_counts_rejection_windows(tiny_models, tiny_drafts):
+    # Benchmark setting: under synthetic rejection a rejection window's guess counts as right at the agreement rate
+    # too, so at rate 1 rejection windows hit wherever one was drafted for the outcome.
+    path, draft = tiny_models["llama"].path, tiny_drafts["llama-1l"].path
+    llm = LLM(path, draft_model=draft, num_speculative_tokens=3, rejection_sampling="synthetic",
+              synthetic_acceptance_rate=0.5, synthetic_bonus_agreement=1.0, speculation_ahead_branches=5, **AHEAD)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    stats = _ahead(llm).stats
+    # Every outcome has a window (B = k + 2): every lookup after a request's first proposal hits.
+    assert stats.hits_reject > 0 and stats.hits_accept > 0 and stats.hits >= stats.lookups - 2 * len(PROMPTS), stats
