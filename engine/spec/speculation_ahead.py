@@ -185,7 +185,6 @@ class AheadProposer:
             # The window's KV into the request's own blocks, before anything reads them (the rest's proposal
             # below, the next windows ahead): they then hold what drafting it now would have written.
             copy_blocks(self.runner.kv_caches, src, dst)
-        self._pending.clear()
         # Every entry was for this step: what did not hit is stale from now on.
         self.drop_all(used)
         if not hits:
@@ -264,20 +263,20 @@ class AheadProposer:
         return DraftProposal(ids, probs, alt)
 
     def drop_all(self, used: int = 0) -> None:
-        """Empty the cache (and so the scratch blocks); `used` of its tokens were proposed, the rest count as
-        unused."""
+        """Empty the cache (and so the scratch blocks, and the guesses kept to score); `used` of its tokens were
+        proposed, the rest count as unused."""
         self.stats.unused_tokens += sum(e.token_ids.shape[0] for v in self.cache.entries.values() for e in v) - used
         self.cache.clear()
         self.scratch.reset()
+        self._pending.clear()  # the guesses were for this step's verify outcomes too
 
     # ---- drafting ahead -------------------------------------------------------------------------------
     def predraft(self, plan: StepPlan, proposal: DraftProposal) -> int:
         """Draft the next windows of every speculating request of `plan` (resolved) whose proposal is `proposal`:
         for the likeliest outcomes of its verify (one: every draft accepted and the bonus token the draft's argmax).
         Returns the number of windows drafted."""
-        if self.cache.entries:
-            self.drop_all()  # windows of a pre-draft no proposal came after: the scratch blocks are reused now
-        self._pending.clear()
+        # Windows of a pre-draft no proposal came after (none, in the executors' order): the scratch is reused now.
+        self.drop_all()
         rows = [i for i, p in enumerate(plan.requests)
                 if p.draft_runs and p.num_draft_tokens and p.sample and p.logits_params is None]
         if not rows:
