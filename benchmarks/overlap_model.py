@@ -2,6 +2,7 @@
 
     python benchmarks/overlap_model.py layouts.json                  # the serve_layouts.py JSON of a one-GPU run
     python benchmarks/overlap_model.py layouts.json --hit-rate 0.3 --target-tp-speedup 1.8
+    python benchmarks/overlap_model.py layouts.json --hit-rate 0.16 0.35 --branches 1 4 --window-growth 0.1
 
 The one-GPU run (`serve_layouts.py --layouts offline offline+d t1 t1/sync t1+d1/shared t1+d1/shared/sync`) gives
 each phase's mean milliseconds per step: propose (the draft's k steps), verify and sample (the target), prepare,
@@ -20,11 +21,17 @@ the draft and the target stop sharing one, so the model composes a step from tho
 and decode tokens/s = concurrency x acceptance length / step, to be compared with the measured
 concurrency x 1000 / median TPOT (the measured output tokens/s also holds prefill and the gaps between requests).
 The hit rate of speculation ahead (the next window pre-drafted
-for the outcome that happens) is at most P(all k drafts accepted) x P(the bonus token among the pre-drafted guesses):
-with synthetic acceptance a per draft that is a^k x b. `--target-tp-speedup` divides verify and sample (a target at
-TP 2). A model, not a measurement: it assumes the phases keep their one-GPU times when the GPU is no longer shared
-(they get faster, so the predictions are conservative there) and ignores contention between the two processes'
-host threads.
+for the outcome that happens) is at most P(all k drafts accepted) x P(the bonus token among the pre-drafted guesses)
+with one window per request: with synthetic acceptance a per draft that is a^k x b. With a branch budget B
+(`speculation_ahead_branches`) windows for rejection points add their hits: give one hit rate per budget
+(`--hit-rate h1 h2 --branches 1 4`, e.g. as benchmarks/speculation_ahead.py measures them). The B windows of a step
+are one draft-loop run of rows x B (the same k + 1 forwards, B times the rows), so its cost grows with B by however
+much a forward's time grows with its rows: on a GPU at small batch, little. `--window-growth g` models it as
+ahead x (1 + g x (B - 1)); g is an assumption of the model until a run measures propose_ahead at B > 1 (0: a
+latency-bound draft whose forwards cost the same at B x the rows). `--target-tp-speedup` divides verify and sample
+(a target at TP 2). A model, not a measurement: it assumes the phases keep their one-GPU times when the GPU is no
+longer shared (they get faster, so the predictions are conservative there) and ignores contention between the two
+processes' host threads, and the copy of a scratch window's blocks on a hit.
 """
 
 from __future__ import annotations
@@ -46,13 +53,14 @@ def phases_of(layouts: dict[str, Any], name: str, c: int) -> tuple[dict[str, flo
 
 
 def predict(ph: dict[str, float], accept_len: float, c: int, hit_rate: float, tp_speedup: float,
-            k: int = 4) -> dict[str, float]:
+            k: int = 4, branches: int = 1, window_growth: float = 0.0) -> dict[str, float]:
     """Tokens/s per schedule from one-GPU phase means (ms). The window ahead costs the measured `propose_ahead`
-    phase where the run has one (offline+d/predraft), else (k + 1) / k of a proposal."""
+    phase where the run has one (offline+d/predraft, one window per request), else (k + 1) / k of a proposal;
+    with a branch budget, that times 1 + window_growth x (branches - 1) (see the module docstring)."""
     g = ph.get
     target = (g("verify", 0.0) + g("sample", 0.0)) / tp_speedup
     propose, handoff = g("propose", 0.0), g("handoff", 0.0)
-    ahead = g("propose_ahead") or propose * (k + 1) / k
+    ahead = (g("propose_ahead") or propose * (k + 1) / k) * (1 + window_growth * (branches - 1))
     router = g("schedule", 0.0) + g("dispatch", 0.0) + g("commit", 0.0)
     steps = {
         "serial": propose + g("prepare", 0.0) + target + g("schedule", 0.0) + g("commit", 0.0),
@@ -71,6 +79,11 @@ def main() -> int:
                     help="layout whose phases feed the model (a synchronous served run has every phase)")
     ap.add_argument("--hit-rate", type=float, nargs="+", default=None,
                     help="speculation-ahead hit rates; default: 0.8^4 x {0.5, 0.9}, i.e. 0.20 and 0.37")
+    ap.add_argument("--branches", type=int, nargs="+", default=None,
+                    help="the branch budget of each --hit-rate (default: 1 for every one)")
+    ap.add_argument("--window-growth", type=float, default=0.0,
+                    help="the window's cost growth per extra branch, a fraction of its one-branch cost (a model "
+                         "assumption; 0: forwards of B x the rows cost what one row's does)")
     ap.add_argument("--target-tp-speedup", type=float, default=1.0)
     ap.add_argument("--ahead-layout", default="offline+d/predraft",
                     help="layout whose measured propose_ahead phase is the window ahead's cost, where the run has it")
@@ -80,10 +93,13 @@ def main() -> int:
     run = doc[args.run] if args.run else next(iter(doc.values()))
     layouts = run["layouts"]
     hits = args.hit_rate or [round(0.8 ** 4 * b, 2) for b in (0.5, 0.9)]
+    budgets = args.branches or [1] * len(hits)
+    if len(budgets) != len(hits):
+        ap.error("--branches needs one budget per --hit-rate")
     print(f"### Predicted tokens/s, draft on a GPU of its own (phases of {args.from_layout}; "
-          f"target TP speed-up {args.target_tp_speedup})\n")
+          f"target TP speed-up {args.target_tp_speedup}; window growth {args.window_growth} per extra branch)\n")
     print("| c | measured offline+d (c x 1000/TPOT) | measured offline, no draft | serial | served sync | "
-          "served async | " + " | ".join(f"async + ahead, hit {h}" for h in hits) + " |")
+          "served async | " + " | ".join(f"async + ahead, B={b} hit {h}" for b, h in zip(budgets, hits)) + " |")
     print("|---|---|---|---|---|---|" + "---|" * len(hits))
     for c in sorted({x["concurrency"] for r in layouts.values() for x in r.get("runs", [])}):
         got = phases_of(layouts, args.from_layout, c)
@@ -97,7 +113,8 @@ def main() -> int:
                              if x["concurrency"] == c and x.get("median_tpot_ms")), None)
                     for n in ("offline+d", "offline")}
         base = predict(ph, acc, c, 0.0, args.target_tp_speedup, args.k)
-        ahead = [predict(ph, acc, c, h, args.target_tp_speedup, args.k)["async+ahead"] for h in hits]
+        ahead = [predict(ph, acc, c, h, args.target_tp_speedup, args.k, b, args.window_growth)["async+ahead"]
+                 for b, h in zip(budgets, hits)]
         fmt = [f"{v:.1f}" if v else "-" for v in (measured["offline+d"], measured["offline"])]
         print(f"| {c} | " + " | ".join(fmt + [f"{base[k]:.1f}" for k in ("serial", "sync", "async")]
                                        + [f"{v:.1f}" for v in ahead]) + " |")

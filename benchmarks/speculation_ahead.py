@@ -1,14 +1,18 @@
-"""Speculation ahead on a real pair: how often the window drafted ahead is the next proposal (its hit rate), how
-many of the tokens drafted ahead go unused, and why windows miss, on the eval split at T=0 and T=0.7.
+"""Speculation ahead on a real pair: how often a window drafted ahead is the next proposal (its hit rate), how
+many of the tokens drafted ahead go unused, and why windows miss, on the eval split at T=0 and T=0.7, for each
+branch budget B (EngineConfig.speculation_ahead_branches: windows drafted ahead per request).
 
     python benchmarks/speculation_ahead.py [--target smollm2-135m-instruct] [--draft smollm2-135m-draft] [--k 4]
-        [--num-prompts 60] [--max-tokens 128] [--json FILE]
+        [--num-prompts 60] [--max-tokens 128] [--branches 1 2 4 6] [--json FILE]
 
 In process (engine.LLM with speculation_ahead=True; the hit rate does not depend on where the draft runs), every
 eval prompt with the chat template, batched, probabilistic rejection. A window drafted ahead hits when every draft
 of the step before was accepted AND the target's bonus token equals the draft's guess (its argmax there), so
 hit rate = P(all accepted) x P(bonus agrees | all accepted); both factors are printed. The second one is the rate
-to give `serve_layouts.py --bonus-agreement` for a synthetic pair of random weights.
+to give `serve_layouts.py --bonus-agreement` for a synthetic pair of random weights. With B > 1 the hits split into
+all-accepted windows and rejection windows (the target's token at a rejection guessed as the draft's runner-up);
+`drafted/lookup` is the tokens drafted ahead per lookup (the window's cost grows with it: one draft-loop run of
+rows x B), `skipped` the windows chosen but not drafted (scratch reserve or row cap full).
 """
 
 from __future__ import annotations
@@ -37,17 +41,36 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--branches", type=int, nargs="+", default=[1],
+                    help="speculation_ahead_branches values to measure, each with an engine of its own")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    rows = []
+    for branches in args.branches:
+        rows += measure(args, branches)
+    env = environment()
+    print(f"speculation ahead, draft {args.draft} for {args.target}, k={args.k}, eval split: {args.prompts_used} "
+          f"prompts x {args.max_tokens} tokens, in process")
+    print(f"{env['date']}, {env['device']}, {env['threads']} threads, torch {env['torch']}")
+    print(markdown_table(rows, ["B", "T", "accept_len", "lookups", "hit_rate", "hit_rate_accept", "hit_rate_reject",
+                                "p_all_accepted", "bonus_agreement", "drafted_ahead", "drafted_per_lookup",
+                                "unused_share", "skipped"]))
+    save_json(args.json, {"environment": env, "args": vars(args), "results": rows})
+
+
+def measure(args: argparse.Namespace, branches: int) -> list[dict]:
+    """One engine with this branch budget; a row per temperature."""
     llm = LLM(model=args.target, draft_model=args.draft, num_speculative_tokens=args.k, device=args.device,
-              speculation_ahead=True)
+              speculation_ahead=True, speculation_ahead_branches=branches)
     prompts = [encode_prompt(p, llm.tokenizer, llm.model_config.vocab_size)
                for p in load_prompts("eval", args.num_prompts)]
+    args.prompts_used = len(prompts)
     steps: list[tuple[int, int]] = []  # (k, accepted) of every verify that drafted
     execute = llm.engine.executor.execute
+    ahead = llm.engine.executor.ahead
 
     def recording_execute(plan, on_dispatched=None):  # noqa: ANN001, ANN202 - wraps Executor.execute
         result = execute(plan, on_dispatched)
@@ -60,24 +83,22 @@ def main() -> None:
     for t in TEMPERATURES:
         steps.clear()
         before = llm.engine.speculation_ahead_stats()
+        kinds = (ahead.stats.hits_accept, ahead.stats.hits_reject, ahead.stats.skipped_branches)
         outs = llm.generate(prompts, [SamplingParams(max_tokens=args.max_tokens, temperature=t, seed=i)
                                       for i in range(len(prompts))])
         lookups, hits, drafted, unused = (a - b for a, b in zip(llm.engine.speculation_ahead_stats(), before))
+        h_acc, h_rej, skipped = (a - b for a, b in zip(
+            (ahead.stats.hits_accept, ahead.stats.hits_reject, ahead.stats.skipped_branches), kinds))
         all_accepted = sum(a == n for n, a in steps)
         spec = llm.spec_stats(outs)
-        rows.append({"T": t, "accept_len": spec.acceptance_length, "lookups": lookups, "hit_rate": hits / lookups,
+        rows.append({"B": branches, "T": t, "accept_len": spec.acceptance_length, "lookups": lookups,
+                     "hit_rate": hits / lookups, "hit_rate_accept": h_acc / lookups, "hit_rate_reject": h_rej / lookups,
                      "p_all_accepted": all_accepted / len(steps),
-                     "bonus_agreement": hits / max(all_accepted, 1),
-                     "drafted_ahead": drafted, "unused_share": unused / max(drafted, 1)})
-        print(f"T={t}: done", file=sys.stderr, flush=True)
-
-    env = environment()
-    print(f"speculation ahead, draft {args.draft} for {args.target}, k={args.k}, eval split: {len(prompts)} prompts x "
-          f"{args.max_tokens} tokens, in process")
-    print(f"{env['date']}, {env['device']}, {env['threads']} threads, torch {env['torch']}")
-    print(markdown_table(rows, ["T", "accept_len", "lookups", "hit_rate", "p_all_accepted", "bonus_agreement",
-                                "drafted_ahead", "unused_share"]))
-    save_json(args.json, {"environment": env, "args": vars(args), "results": rows})
+                     "bonus_agreement": h_acc / max(all_accepted, 1),
+                     "drafted_ahead": drafted, "drafted_per_lookup": drafted / lookups,
+                     "unused_share": unused / max(drafted, 1), "skipped": skipped})
+        print(f"B={branches} T={t}: done", file=sys.stderr, flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -181,8 +181,14 @@ class EngineConfig:
     # verifies this one. None: on where the draft has GPUs of its own (its forwards then overlap the verify),
     # off where it shares a device with the target, where the extra forwards would only queue behind it.
     speculation_ahead: bool | None = None
-    # Benchmarks only, with synthetic rejection: the rate at which a lookup whose drafts were all accepted takes
-    # the bonus token for the draft's guess (random weights never agree on one).
+    # Windows drafted ahead per speculating request (engine/spec/ahead_branches.py): 1 drafts only the all-accepted
+    # outcome with the draft's argmax as the bonus token; more add the next likeliest outcomes (a second bonus
+    # guess, a rejection after a accepted drafts with the draft's runner-up as the target's token), each in scratch
+    # KV blocks the draft reserves for them. At most num_speculative_tokens + 2: the distinct outcomes guessed.
+    speculation_ahead_branches: int = 1
+    # Benchmarks only, with synthetic rejection: the rate at which a lookup takes the target's token for the draft's
+    # guess where a window was drafted for its outcome (the bonus token after all drafts accepted, or the token
+    # at a rejection): random weights never agree on one.
     synthetic_bonus_agreement: float | None = None
     # Forwards of at most this many tokens run each decoder layer's products through engine/kernels/small_m_linear.py,
     # norms, activation and residual adds folded in: fewer launches where a step is launch-bound (a batch-1 decode
@@ -202,6 +208,11 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.speculation_ahead not in (None, True, False):
             raise ValueError(f"speculation_ahead must be true, false or null, got {self.speculation_ahead!r}")
+        branches = self.speculation_ahead_branches
+        if (not isinstance(branches, int) or isinstance(branches, bool)
+                or not 1 <= branches <= self.num_speculative_tokens + 2):
+            raise ValueError(f"speculation_ahead_branches must be an integer in [1, num_speculative_tokens + 2 = "
+                             f"{self.num_speculative_tokens + 2}], got {branches!r}")
         rate = self.synthetic_bonus_agreement
         if rate is not None and not (isinstance(rate, (int, float)) and 0.0 <= rate <= 1.0):
             raise ValueError(f"synthetic_bonus_agreement must be in [0, 1], got {rate!r}")

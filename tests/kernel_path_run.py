@@ -38,6 +38,13 @@ def main(root: str) -> dict:
                 res[key] = [o.token_ids for o in outs]
                 if d:
                     res[key + ":acceptance"] = llm.spec_stats(outs).acceptance_rate
+        # Speculation ahead with branches on the kernel path: the windows run through the draft loop (runner-up
+        # tokens from its step function, per-row guesses in column 0, scratch windows copied back on a hit).
+        llm = LLM(target.path, draft_model=draft.path, num_speculative_tokens=3, attention_backend="triton",
+                  speculation_ahead=True, speculation_ahead_branches=4, **kw)
+        res["triton+ahead4"] = [o.token_ids for o in llm.generate(prompts, params)]
+        st = llm.engine.executor.ahead.stats
+        res["triton+ahead4:hits"] = [st.hits_accept, st.hits_reject]
         out["generate"][fam] = res
         # The draft loop alone, k = 6 steps from positions that cross block (4) and window (5-7) boundaries.
         runner = draft_runner(draft, "cpu", 6, 4, graphs=False)

@@ -41,6 +41,12 @@ def test_kernel_path_greedy_equals_torch_path(results, family):
     assert res["torch+spec"] == ref
     # Both paths see the same drafts, so they accept the same share of them; and speculation did happen.
     assert res["triton+spec:acceptance"] == res["torch+spec:acceptance"] > 0.3
+    # Speculation ahead with four windows per request, through the draft loop: windows hit, rejection windows (in
+    # scratch blocks) too where the draft's runner-up guesses the target's token (the Mistral pair; the Gemma 3
+    # pair's rejections are too few here).
+    assert res["triton+ahead4"] == ref
+    hits_accept, hits_reject = res["triton+ahead4:hits"]
+    assert hits_accept > 0 and (hits_reject > 0 or family == "gemma3"), res["triton+ahead4:hits"]
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])

@@ -295,17 +295,26 @@ def test_async_scheduling_and_speculation_ahead_tp2_both_sides_hybrid_draft(
 _SAMPLED: dict[str, list[list[int]]] = {}
 
 
-def test_speculation_ahead_with_synchronous_scheduling(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
+@pytest.mark.parametrize("branches", [1, 3])
+def test_speculation_ahead_with_synchronous_scheduling(tiny_models: dict[str, TinyModel], near_llama: str,
+                                                       branches: int) -> None:
     """Without asynchronous scheduling the window ahead is keyed by the next plan's explicit entries: greedy still
-    equals the target alone, windows hit, and the engine reports the draft's counters."""
+    equals the target alone, windows hit, and the engine reports the draft's counters. With three windows per
+    request (engine_kwargs' speculation_ahead_branches) the draft worker keeps scratch blocks out of the ones it
+    reports, and rejection windows hit too."""
     target = tiny_models["llama"].path
     engine = build_ray_engine(target, near_llama, num_speculative_tokens=3, seed=5, async_scheduling=False,
-                              speculation_ahead=True, **ENGINE_KW)
+                              speculation_ahead=True, speculation_ahead_branches=branches, **ENGINE_KW)
     try:
         assert not engine.async_scheduling and engine.executor.speculation_ahead
         assert greedy_tokens(engine) == llm_greedy(target)
         lookups, hits, drafted, unused = engine.speculation_ahead_stats()
         assert 0 < hits <= lookups and 0 < drafted and unused <= drafted
+        worker = engine.executor.draft.workers[0]
+        scratch, num_blocks, hits_reject = ray.get(worker.__ray_call__.remote(
+            lambda self: (self.ahead.scratch.capacity, self.runner.num_blocks, self.ahead.stats.hits_reject)))
+        assert engine.executor.draft_num_blocks == num_blocks
+        assert (scratch > 0 and hits_reject > 0) if branches > 1 else scratch == hits_reject == 0
     finally:
         engine.executor.shutdown()
 

@@ -116,9 +116,10 @@ def test_ahead_stale_probabilities_are_caught(tiny_models, seeded_plain):
 
     def stale_predraft(plan, proposal):
         n = predraft(plan, proposal)
-        for e in ahead.cache.entries.values():
-            if e.probs is not None:
-                e.probs = torch.roll(e.probs, 1, dims=0)
+        for entries in ahead.cache.entries.values():
+            for e in entries:
+                if e.probs is not None:
+                    e.probs = torch.roll(e.probs, 1, dims=0)
         return n
 
     ahead.predraft = stale_predraft

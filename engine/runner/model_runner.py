@@ -90,6 +90,17 @@ class ModelRunner:
                 f"{cfg.max_model_len} needs {min_blocks}; raise kv_cache_memory_bytes or lower max_model_len")
         return int(n)
 
+    def reserve_kv_blocks(self, wanted: int) -> list[int]:
+        """Take up to `wanted` block ids out of the ones this runner reports (`num_blocks`, what the scheduler's pools
+        hand out), for the runner's side to use on its own (the scratch KV of speculation ahead's branches): the
+        highest ids, the same ids in every KV-cache group. Leaves at least what one request of max_model_len needs,
+        and takes at most a quarter of the blocks. Call it before anything reads num_blocks; the KV tensors keep
+        their size, so the reserved ids stay addressable."""
+        full = max(g.spec.max_blocks_per_request(self.config.max_model_len) for g in self.kv_groups)
+        n = max(0, min(wanted, self.num_blocks - (full + 1), self.num_blocks // 4))
+        self.num_blocks -= n
+        return list(range(self.num_blocks, self.num_blocks + n))
+
     def _bind_kv_caches(self, layers: list) -> None:
         self.kv_caches: list[list[torch.Tensor]] = []  # [num_groups][layers in group]
         for g in self.kv_groups:

@@ -11,6 +11,12 @@ The first step also catches the draft up (the last accepted token and the bonus 
 request; or a prefill chunk, which runs eagerly), so it is a separate graph of query length 2. Requests with
 fewer drafts than the batch's k, and padding rows, keep running but write nowhere (slot -1) and read only
 position 0: their extra tokens are dropped.
+
+Speculation ahead with branches (engine/spec/ahead_branches.py) asks two more things of a step, both in the step
+function so graphs and eager runs agree: each row's most likely token other than the one it drew (`alt`: where a
+rejection at that draft would leave the target's token, the guess of a rejection branch; a top-2 of the logits, no
+extra forward), and a per-row guess mode for column 0 (`guess`: 0 drawn as usual, 1 the argmax, 2 the runner-up:
+the guessed bonus tokens of all-accepted branches).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import bisect
 import torch
 
 from engine.config import graph_batch_sizes
+from engine.host_copy import to_device
 from engine.kernels.draft_advance import advance_draft_inputs, advance_draft_inputs_ref
 from engine.kernels.rms_norm import use_fused_kernels
 from engine.runner.cuda_graphs import GraphPool, no_gc_while_capturing
@@ -35,7 +42,9 @@ FIRST_QUERY_LEN = 2  # last accepted token + bonus token
 class DraftLoop:
     """Static buffers and graphs of the draft loop for batches of up to max_num_reqs requests."""
 
-    def __init__(self, runner: ModelRunner, max_k: int, keep_probs: bool) -> None:
+    def __init__(self, runner: ModelRunner, max_k: int, keep_probs: bool, alternatives: bool = False) -> None:
+        """alternatives: each step also records every row's most likely token other than its draw, and column 0
+        may be a row's runner-up (speculation ahead's branches)."""
         if runner.buffers is None:
             raise ValueError("the draft loop needs the kernel path (attention_backend='triton')")
         self.runner = runner
@@ -54,6 +63,11 @@ class DraftLoop:
         self.top_p = torch.ones(r, dtype=torch.float32, device=dev)  # [max_num_reqs] float32
         self.top_k = torch.zeros(r, dtype=torch.int64, device=dev)  # [max_num_reqs] int64
         self.step_idx = torch.zeros(1, dtype=torch.int64, device=dev)  # [1] int64; column the step writes
+        self.alternatives = alternatives
+        # [max_num_reqs, max_k] int64: per row and step, the most likely token other than the one drawn there.
+        self.alt = torch.zeros(r, self.max_k, dtype=torch.int64, device=dev) if alternatives else None
+        # [max_num_reqs] int64: column 0 is drawn as usual (0), the argmax (1, via noise 1) or the runner-up (2).
+        self.guess = torch.zeros(r, dtype=torch.int64, device=dev)
         sizes = {g.spec.block_size for g in runner.buffers.groups}
         if len(sizes) != 1:  # the engine gives every KV-cache group its block_size
             raise ValueError(f"the draft loop needs one block size for all KV-cache groups, got {sorted(sizes)}")
@@ -78,6 +92,12 @@ class DraftLoop:
             tok = exponential_race(probs, self.noise[:b].index_select(1, j).squeeze(1))
             if self.probs is not None:
                 self.probs[:b].index_copy_(1, j, probs.unsqueeze(1))
+        if self.alt is not None:
+            top2 = logits.topk(2, dim=-1).indices  # [b, 2] int64
+            alt = torch.where(top2[:, 0] == tok, top2[:, 1], top2[:, 0])
+            self.alt[:b].index_copy_(1, j, alt.unsqueeze(1))
+            # A runner-up guess (column 0 only): the argmax drawn there becomes the most likely other token.
+            tok = torch.where((self.guess[:b] == 2) & (j == 0), alt, tok)
         bufs = self.buffers
         args = (tok, self.ids, self.step_idx, self.num_draft, bufs.input_ids, bufs.positions, bufs.seq_lens,
                 bufs.query_start_loc, bufs.logits_indices, bufs.block_tables, bufs.slot_mappings, self.block_size)
@@ -129,14 +149,21 @@ class DraftLoop:
     # ---- one proposal -------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, chunks: list[Chunk], ks: list[int], md: SamplingMetadata, seeded_gens: dict[int, torch.Generator],
-            default_gen: torch.Generator, guess_first: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            default_gen: torch.Generator, guess_first: bool = False,
+            guesses: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """chunks: one per request with unseen draft tokens (each num_logits 1); ks: its draft count.
         guess_first: column 0 is each row's argmax (noise 1 makes the race an argmax) and a seeded row's own
         draws start at column 1, so its later columns get the numbers a proposal from that generator would.
+        guesses: per row instead, 0 (column 0 drawn as usual), 1 (the argmax, as guess_first) or 2 (the runner-up;
+        needs alternatives). After the run `alt` holds each row's runner-up tokens (when alternatives).
         Returns ids [num_reqs, max(ks)] int64 (-1 beyond a row's count) and q [num_reqs, max(ks), V] (a view
         of the static buffer, valid until the next proposal) or None when every row is greedy."""
         n = len(chunks)
         max_k = max(ks)
+        guesses = guesses if guesses is not None else [1 if guess_first else 0] * n
+        if any(g == 2 for g in guesses) and self.alt is None:
+            raise ValueError("a runner-up guess needs a draft loop built with alternatives=True")
+        guess_rows = [i for i, g in enumerate(guesses) if g]
         if max_k > self.max_k:
             raise ValueError(f"draft length {max_k} exceeds the draft loop's {self.max_k}")
         greedy = md.all_greedy
@@ -149,6 +176,9 @@ class DraftLoop:
         k_t = torch.zeros(b, dtype=torch.int64)
         k_t[:n] = torch.tensor(ks, dtype=torch.int64)
         self.num_draft[:b].copy_(k_t, non_blocking=True)
+        g_t = torch.zeros(b, dtype=torch.int64)
+        g_t[:n] = torch.tensor(guesses, dtype=torch.int64)
+        self.guess[:b].copy_(g_t, non_blocking=True)
         if not greedy:
             self.temperature[:n].copy_(md.temperature)
             self.top_p[:n].copy_(md.top_p)
@@ -158,12 +188,14 @@ class DraftLoop:
             self.top_k[n:b] = 0
             noise = self.noise[:n, :max_k]
             noise.exponential_(generator=default_gen)
-            first = 1 if guess_first else 0
             for row, gen in seeded_gens.items():
+                first = 1 if guesses[row] else 0
                 noise[row, first:ks[row]].exponential_(generator=gen)
             noise.clamp_(min=torch.finfo(torch.float32).tiny)
-            if guess_first:
+            if len(guess_rows) == n:
                 noise[:, 0] = 1.0
+            elif guess_rows:
+                noise[to_device(guess_rows, torch.int64, dev), 0] = 1.0
         self.step_idx.zero_()
         if first_graph:
             self.buffers.load(chunks, num_reqs=b, num_tokens=b * FIRST_QUERY_LEN, max_query_len=FIRST_QUERY_LEN,

@@ -33,6 +33,10 @@ class DraftProposal:
     # k ids as a host list
     draft_token_ids: torch.Tensor | list[list[int]]
     draft_probs: torch.Tensor | None  # [num_reqs, max_k, vocab] float32; q after temperature/top-k/top-p
+    # [num_reqs, max_k] int64 on the draft's device: per draft, the draft's most likely token other than it there
+    # (where a rejection at that draft would most likely leave the target's token); only where speculation ahead
+    # drafts branches (engine/spec/ahead_branches.py), None otherwise. Stays on the draft's side (`to_host` drops it).
+    alt_token_ids: torch.Tensor | None = None
 
     def host_rows(self, counts: list[int]) -> list[list[int]]:
         """Each request's draft ids on the host; counts: the plan's k per request."""
@@ -41,6 +45,13 @@ class DraftProposal:
         # SYNC: waits for the draft's kernels; only where the ids must leave the draft's device (a draft
         # worker's proposal), or for a caller that asks for them on the host.
         return [row[:k] for row, k in zip(self.draft_token_ids.tolist(), counts)]
+
+    def alt_rows(self, counts: list[int]) -> list[list[int]] | None:
+        """Each request's runner-up tokens on the host (None without them)."""
+        if self.alt_token_ids is None:
+            return None
+        # SYNC: speculation ahead builds its rejection branches on the host, after the proposal has gone out.
+        return [row[:k] for row, k in zip(self.alt_token_ids.tolist(), counts)]
 
     def to_host(self, counts: list[int]) -> DraftProposal:
         """What a draft worker sends to the target's workers: ids as host lists, probabilities where they are.
@@ -51,25 +62,32 @@ class DraftProposal:
 class DraftProposer:
     def __init__(self, runner: ModelRunner, keep_probs: bool, seed: int = 0, ahead: bool = False) -> None:
         """ahead: the proposer also drafts windows ahead (a guessed token, then k drafts): its loop is sized for
-        k + 1 steps."""
+        k + 1 steps. With more than one branch (EngineConfig.speculation_ahead_branches) every proposal also records
+        each draft's runner-up token (`DraftProposal.alt_token_ids`), the guesses of the rejection branches."""
         self.runner = runner
         self.sampler = Sampler()
         self.keep_probs = keep_probs  # only probabilistic rejection reads q
+        self.alternatives = ahead and runner.config.speculation_ahead_branches > 1
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed(seed + 1)
         # Kernel path: the k steps run from static buffers, as CUDA graphs where captured.
         self.loop: DraftLoop | None = None
         if runner.buffers is not None:
-            self.loop = DraftLoop(runner, runner.config.num_speculative_tokens + (1 if ahead else 0), keep_probs)
+            self.loop = DraftLoop(runner, runner.config.num_speculative_tokens + (1 if ahead else 0), keep_probs,
+                                  alternatives=self.alternatives)
             self.loop.capture()
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, guess_first: bool = False) -> DraftProposal:
+    def propose(self, plan: StepPlan, guess_first: bool = False, guesses: list[int] | None = None) -> DraftProposal:
         """guess_first: the first token of each request is the draft's argmax (a guessed bonus token, for
         speculation ahead: engine/spec/speculation_ahead.py), drawing no random numbers; the rest are sampled as
-        a proposal's, a seeded request's from the generator of its plan's output position."""
+        a proposal's, a seeded request's from the generator of its plan's output position. guesses: per request
+        instead, 0 (the first token drawn as usual), 1 (the argmax) or 2 (the most likely token but the argmax)."""
+        guesses = guesses if guesses is not None else [1 if guess_first else 0] * len(plan.requests)
+        if any(g == 2 for g in guesses) and not self.alternatives:
+            raise ValueError("a runner-up guess needs a proposer that records alternatives")
         if self.loop is not None and not _has_grammar(plan):
-            return self._propose_loop(plan, guess_first)
+            return self._propose_loop(plan, guesses)
         dev = self.runner.device
         reqs = plan.requests
         ks = [r.num_draft_tokens for r in reqs]
@@ -78,6 +96,7 @@ class DraftProposer:
         probs = None
         if self.keep_probs and max_k:
             probs = torch.zeros(len(reqs), max_k, self.runner.vocab_size, dtype=torch.float32, device=dev)
+        alt = torch.zeros(len(reqs), max_k, dtype=torch.int64, device=dev) if self.alternatives else None
         # Step 0: catch-up (and prefill chunks), logits only where a first draft token is sampled.
         chunks = [Chunk(r.draft_token_ids, r.draft_start_pos, 1 if r.num_draft_tokens else 0, r.draft_block_tables)
                   for r in reqs]
@@ -99,11 +118,28 @@ class DraftProposer:
                 # rejected where it need not be. q stays the distribution the drafts are sampled from.
                 logits = process_target_logits(logits[:, None], [reqs[i] for i in rows], [so_far[i] for i in rows],
                                                start=j)[:, 0]
-            if guess_first and j == 0:
+            row_idx = to_device(rows, torch.int64, dev)
+            guessed = [n for n, i in enumerate(rows) if guesses[i]] if j == 0 else []
+            if len(guessed) == len(rows):  # every row guesses (no random numbers drawn)
                 tok, p = logits.argmax(dim=-1), None
+            elif guessed:  # some rows guess, the others draw (only theirs: a guess draws no random numbers)
+                drawn = [n for n in range(len(rows)) if not guesses[rows[n]]]
+                tok = logits.argmax(dim=-1)
+                d_idx = to_device(drawn, torch.int64, dev)
+                d_tok, d_p = self.sampler.sample_with_probs(logits[d_idx], md.select([rows[n] for n in drawn]))
+                tok[d_idx] = d_tok
+                p = None
+                if probs is not None:
+                    probs[row_idx[d_idx], j] = d_p
             else:
                 tok, p = self.sampler.sample_with_probs(logits, md.select(rows))
-            row_idx = to_device(rows, torch.int64, dev)
+            if alt is not None:
+                top2 = logits.topk(2, dim=-1).indices  # [rows, 2] int64
+                other = torch.where(top2[:, 0] == tok, top2[:, 1], top2[:, 0])
+                alt[row_idx, j] = other
+                if j == 0:  # a runner-up guess takes the most likely token but the argmax
+                    second = to_device([guesses[i] == 2 for i in rows], torch.bool, dev)
+                    tok = torch.where(second, other, tok)
             ids[row_idx, j] = tok
             if probs is not None and p is not None:
                 probs[row_idx, j] = p
@@ -114,9 +150,9 @@ class DraftProposer:
         if max_k == 0 and any(c.token_ids for c in chunks):
             # Only catch-up work (prefill chunks, k = 0 decodes): keep the draft's KV in step.
             self.runner.forward_chunks([c for c in chunks if c.token_ids])
-        return DraftProposal(ids, probs)
+        return DraftProposal(ids, probs, alt)
 
-    def _propose_loop(self, plan: StepPlan, guess_first: bool = False) -> DraftProposal:
+    def _propose_loop(self, plan: StepPlan, guesses: list[int]) -> DraftProposal:
         """The same proposal from the draft loop's buffers and graphs. Its random numbers are drawn up front
         (the eager torch path draws them step by step), so sampled drafts differ between the two paths;
         both draw from the same distributions, and greedy drafts are identical."""
@@ -129,6 +165,7 @@ class DraftProposer:
             raise RuntimeError("a speculating request has no unseen token for the draft")
         ids = torch.full((len(reqs), max_k), -1, dtype=torch.int64, device=dev)
         probs = None
+        alt = None
         if rows:
             chunks = [Chunk(reqs[i].draft_token_ids, reqs[i].draft_start_pos, 1, reqs[i].draft_block_tables)
                       for i in rows]
@@ -137,18 +174,24 @@ class DraftProposer:
             gens = {n: request_generator(r.seed, r.num_output_tokens, DRAFT_STREAM, dev)
                     for n, r in enumerate(sub) if r.seed is not None and r.temperature > 0}
             loop_ids, loop_probs = self.loop.run(chunks, [ks[i] for i in rows], md, gens, self.generator,
-                                                 guess_first=guess_first)
+                                                 guesses=[guesses[i] for i in rows])
+            # Cloned: the next run overwrites the loop's buffer.
+            loop_alt = self.loop.alt[:len(rows), :max_k].clone() if self.loop.alt is not None and max_k else None
             if max_k and len(rows) == len(reqs):
                 ids = loop_ids  # every request drafts (the usual case): no scatter
+                alt = loop_alt
                 if loop_probs is not None and self.keep_probs:
                     probs = loop_probs
             elif max_k:
                 row_idx = to_device(rows, torch.int64, dev)
                 ids[row_idx] = loop_ids
+                if loop_alt is not None:
+                    alt = torch.zeros(len(reqs), max_k, dtype=torch.int64, device=dev)
+                    alt[row_idx] = loop_alt
                 if loop_probs is not None and self.keep_probs:
                     probs = torch.zeros(len(reqs), max_k, loop_probs.shape[-1], device=dev)
                     probs[row_idx] = loop_probs
-        return DraftProposal(ids, probs)
+        return DraftProposal(ids, probs, alt)
 
 
 def _has_grammar(plan: StepPlan) -> bool:

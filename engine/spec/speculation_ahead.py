@@ -19,8 +19,16 @@ produced them (cloned out of the draft loop's static buffers, which the next pro
 sampling then keeps the target's distribution whatever the draft proposed. Greedy drafts are identical to what
 the next step would draft, so greedy outputs do not change at all.
 
-The chain's fan-out is 1 (one guessed bonus token per request, no pre-drafted rejection points): another branch
-would need KV positions of its own for the same tokens, i.e. copies of the request's KV blocks per branch.
+Fan-out (EngineConfig.speculation_ahead_branches = B > 1): the draft drafts up to B windows per request, for the
+likeliest outcomes of its verify (engine/spec/ahead_branches.py: a second bonus guess, rejections after a accepted
+drafts with the draft's runner-up there as the target's token). Each window is exactly what the next proposal would
+draft after its outcome: its own catch-up and start position (a rejection's is the single token t at the frontier
+plus a), its own k' (shrunk from its own token count), a seeded request's generator at its own output position
+(num_output_tokens + a + 1), the same settings; its key is that catch-up, and a hit needs an exact match. Every
+window but the argmax bonus one runs in scratch KV blocks (engine/kv_cache/scratch_blocks.py), forked copy-on-write
+from the request's blocks and copied back over them on a hit, before anything reads them. All windows of all
+requests are one draft-loop run (a row per window, capped at the largest batch the loop runs as a graph); windows
+past that cap or past the scratch reserve are skipped and counted.
 
 Requests with logits processing (penalties, biases, masks) are not drafted ahead: their processors read a token
 history that the chain would have to extend with guessed tokens. Their proposals are drafted as usual.
@@ -34,18 +42,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kv_cache.scratch_blocks import ScratchBlocks, ScratchFork, copy_blocks, scratch_blocks_wanted
+from engine.spec.ahead_branches import ACCEPT, Branch, BranchEstimates
 from engine.spec.proposer import DraftProposal, DraftProposer
 from engine.step_plan import PlannedRequest, StepPlan
 
 
 @dataclass
 class AheadEntry:
-    """One request's pre-drafted window."""
+    """One pre-drafted window of a request (one branch)."""
 
-    position: int  # where the next step's draft input must start: the position of d_k
-    tokens: tuple[int, int]  # (d_k, g): the input the next step must feed the draft for this window to hold
+    position: int  # where the next step's draft input must start: the position of d_k, or of the rejected draft
+    tokens: tuple[int, ...]  # that input: (d_k, g) after all accepted, (t,) after a rejection
     token_ids: torch.Tensor  # [k'] int64 on the draft's device: e_1..e_k'
     probs: torch.Tensor | None  # [k', V] float32 q of each e_j (None: drafted greedily, q is one-hot)
+    alt: torch.Tensor | None = None  # [k'] int64: each e_j's runner-up (None without branches)
+    kind: str = ACCEPT  # the branch's kind (engine/spec/ahead_branches.py)
+    fork: ScratchFork | None = None  # its KV's scratch blocks; None: written in the request's own blocks
 
 
 @dataclass
@@ -56,6 +69,11 @@ class AheadStats:
     hits: int = 0  # ... and served from it
     drafted_tokens: int = 0  # tokens drafted ahead (e_1..e_k' of every entry; the guesses not counted)
     unused_tokens: int = 0  # of those, dropped unproposed (a miss, or beyond the k of a hit)
+    # Not in the tuple the engine reports (in process only): hits by branch kind, and branches chosen but not
+    # drafted (the draft loop's row cap or the scratch reserve was full, or the request's tables too short).
+    hits_accept: int = 0
+    hits_reject: int = 0
+    skipped_branches: int = 0
 
     def as_tuple(self) -> tuple[int, int, int, int]:
         return self.lookups, self.hits, self.drafted_tokens, self.unused_tokens
@@ -63,16 +81,40 @@ class AheadStats:
 
 @dataclass
 class SpeculationCache:
-    """The windows of the last pre-draft, by request id. Only the last pre-draft's entries are kept: a window is
-    for the step right after the one it was drafted in, and the next proposal consumes or drops every entry."""
+    """The windows of the last pre-draft, by request id, likeliest first. Only the last pre-draft's entries are kept:
+    a window is for the step right after the one it was drafted in, and the next proposal consumes or drops every
+    entry."""
 
-    entries: dict[str, AheadEntry] = field(default_factory=dict)
+    entries: dict[str, list[AheadEntry]] = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return sum(len(v) for v in self.entries.values())
 
     def clear(self) -> None:
         self.entries.clear()
+
+
+@dataclass
+class _Verify:
+    """What a request's pending verify was guessed to end with, to score the guesses once its outcome shows."""
+
+    frontier: int  # the position of d_1
+    k: int
+    last_draft: int  # d_k
+    reject_guesses: list[int] | None  # [k] the runner-up at each draft (None without branches)
+    bonus_guesses: list[int | None]  # [2] argmax and runner-up after d_k, where a window learnt them
+
+
+@dataclass
+class _Window:
+    """A branch chosen for drafting: its row of the draft-loop run."""
+
+    row: int  # the request's index in the plan
+    branch: Branch
+    entry: PlannedRequest  # the next step's draft input for this outcome, as the proposal would get it
+    guess: int  # the row's column 0: 0 drawn, 1 argmax, 2 runner-up
+    k_next: int
+    fork: ScratchFork | None
 
 
 class AheadProposer:
@@ -80,9 +122,10 @@ class AheadProposer:
     `predraft` (after the proposal has gone to the target) drafts the next windows into the cache.
 
     bonus_agreement (benchmarks only): under synthetic rejection the target's tokens are unrelated to the draft's,
-    so a bonus token would never match a guess; with this rate, a lookup whose drafts were all accepted counts the
-    bonus as guessed right (the draft's KV then holds its guess where the target has the bonus: harmless for a
-    synthetic benchmark, whose outputs mean nothing, and refused everywhere else)."""
+    so a guess would never be right; with this rate, a lookup whose outcome has a window (every draft accepted: the
+    argmax bonus window; a rejection after a accepted: that rejection's window) counts its guess as right (the
+    draft's KV then holds the guess where the target has another token: harmless for a synthetic benchmark, whose
+    outputs mean nothing, and refused everywhere else)."""
 
     def __init__(self, proposer: DraftProposer, bonus_agreement: float | None = None, seed: int = 0) -> None:
         self.proposer = proposer
@@ -91,6 +134,17 @@ class AheadProposer:
         self.bonus_agreement = bonus_agreement
         # Every rank of a tensor-parallel draft draws the same numbers, so they agree on hits.
         self._agreement_rng = random.Random(seed)
+        cfg = proposer.runner.config
+        self.num_branches = cfg.speculation_ahead_branches
+        if self.num_branches > 1 and not proposer.alternatives:
+            raise ValueError("speculation ahead with branches needs a proposer built with ahead=True")
+        self.estimates = BranchEstimates()
+        self._pending: dict[str, _Verify] = {}
+        groups = proposer.runner.kv_groups
+        ids = (proposer.runner.reserve_kv_blocks(scratch_blocks_wanted(
+            self.num_branches, cfg.max_num_seqs, cfg.num_speculative_tokens + 1, cfg.block_size))
+            if self.num_branches > 1 else [])
+        self.scratch = ScratchBlocks([list(ids) for _ in groups])  # [num_groups][n], the same ids in each group
 
     @property
     def runner(self):  # noqa: ANN201 - the proposer's ModelRunner
@@ -101,15 +155,36 @@ class AheadProposer:
         """The step's proposal (plan resolved): cached windows for hits, the draft's forwards for the rest."""
         hits: dict[int, AheadEntry] = {}
         used = 0
+        groups = range(len(self.runner.kv_groups))
+        src: list[list[int]] = [[] for _ in groups]  # [num_groups][n] scratch blocks of hit windows ...
+        dst: list[list[int]] = [[] for _ in groups]  # ... and the request's own blocks they stand for
         for i, p in enumerate(plan.requests):
             if not (p.draft_runs and p.num_draft_tokens):
                 continue
             self.stats.lookups += 1
-            entry = self.cache.entries.get(p.request_id)
-            if entry is not None and p.request_id not in plan.finished_ids and self._matches(entry, p, plan):
-                hits[i] = entry
-                self.stats.hits += 1
-                used += p.num_draft_tokens
+            self._observe(p)
+            entries = self.cache.entries.get(p.request_id)
+            entry = self._lookup(entries, p, plan) if entries and p.request_id not in plan.finished_ids else None
+            if entry is None:
+                continue
+            hits[i] = entry
+            self.stats.hits += 1
+            if entry.kind == ACCEPT:
+                self.stats.hits_accept += 1
+            else:
+                self.stats.hits_reject += 1
+            used += p.num_draft_tokens
+            if entry.fork is not None:
+                first = entry.fork.first_block
+                for g in groups:
+                    own = p.draft_block_tables[g]
+                    n = min(len(entry.fork.blocks[g]), len(own) - first)
+                    src[g] += entry.fork.blocks[g][:n]
+                    dst[g] += own[first:first + n]
+        if any(src):
+            # The window's KV into the request's own blocks, before anything reads them (the rest's proposal
+            # below, the next windows ahead): they then hold what drafting it now would have written.
+            copy_blocks(self.runner.kv_caches, src, dst)
         # Every entry was for this step: what did not hit is stale from now on.
         self.drop_all(used)
         if not hits:
@@ -119,17 +194,32 @@ class AheadProposer:
                    if rest else None)
         return self._merge(plan, hits, rest, drafted)
 
-    def _matches(self, entry: AheadEntry, p: PlannedRequest, plan: StepPlan) -> bool:
-        if p.draft_start_pos != entry.position or len(p.draft_token_ids) != 2:
-            return False  # not "every draft accepted": the catch-up is the bonus alone, or from elsewhere
-        if p.num_draft_tokens > entry.token_ids.shape[0]:
-            return False  # this step drafts more than was drafted ahead
-        if p.draft_token_ids[0] != entry.tokens[0]:
-            return False
-        if p.draft_token_ids[1] == entry.tokens[1]:
-            return True
-        rate = self.bonus_agreement if plan.synthetic_acceptance_rate is not None else None
-        return rate is not None and self._agreement_rng.random() < rate
+    def _lookup(self, entries: list[AheadEntry], p: PlannedRequest, plan: StepPlan) -> AheadEntry | None:
+        """The window drafted for exactly this draft input (position and catch-up tokens), if its k suffices."""
+        tokens = tuple(p.draft_token_ids)
+        fits = [e for e in entries if e.position == p.draft_start_pos and p.num_draft_tokens <= e.token_ids.shape[0]]
+        for e in fits:
+            if e.tokens == tokens:
+                return e
+        if plan.synthetic_acceptance_rate is None or self.bonus_agreement is None:
+            return None
+        # Benchmarks: the outcome is the window's (same position, same tokens but the guessed one); its guess counts
+        # as right at the agreement rate.
+        same = next((e for e in fits if len(e.tokens) == len(tokens) and e.tokens[:-1] == tokens[:-1]), None)
+        return same if same is not None and self._agreement_rng.random() < self.bonus_agreement else None
+
+    def _observe(self, p: PlannedRequest) -> None:
+        """Score the guesses made for this request's last verify, from the outcome its draft input shows."""
+        v = self._pending.get(p.request_id)
+        if v is None:
+            return
+        toks, start = p.draft_token_ids, p.draft_start_pos
+        if start == v.frontier + v.k - 1 and len(toks) == 2 and toks[0] == v.last_draft:
+            self.estimates.observe(v.k, v.k, (v.bonus_guesses[0], v.bonus_guesses[1]), None, toks[1])
+        elif len(toks) == 1 and v.frontier <= start < v.frontier + v.k:
+            a = start - v.frontier
+            guess = v.reject_guesses[a] if v.reject_guesses is not None else None
+            self.estimates.observe(v.k, a, (None, None), guess, toks[0])
 
     def _merge(self, plan: StepPlan, hits: dict[int, AheadEntry], rest: list[int],
                drafted: DraftProposal | None) -> DraftProposal:
@@ -142,9 +232,12 @@ class AheadProposer:
             or (drafted is not None and drafted.draft_probs is not None))
         probs = (torch.zeros(len(reqs), max_k, self.runner.vocab_size, dtype=torch.float32, device=dev)
                  if want_probs else None)
+        alt = torch.zeros(len(reqs), max_k, dtype=torch.int64, device=dev) if self.proposer.alternatives else None
         for i, e in hits.items():
             k = reqs[i].num_draft_tokens
             ids[i, :k] = e.token_ids[:k]
+            if alt is not None and e.alt is not None:
+                alt[i, :k] = e.alt[:k]
             if probs is not None:
                 if e.probs is not None:
                     probs[i, :k] = e.probs[:k]
@@ -158,6 +251,8 @@ class AheadProposer:
             width = sub_ids.shape[1]
             if width:
                 ids[row, :width] = sub_ids
+                if alt is not None and drafted.alt_token_ids is not None:
+                    alt[row, :width] = drafted.alt_token_ids
             if probs is not None and width:
                 if drafted.draft_probs is not None:
                     probs[row, :width] = drafted.draft_probs
@@ -165,57 +260,134 @@ class AheadProposer:
                     for n, i in enumerate(rest):
                         k = reqs[i].num_draft_tokens
                         probs[i, torch.arange(k, device=dev), sub_ids[n, :k]] = 1.0
-        return DraftProposal(ids, probs)
+        return DraftProposal(ids, probs, alt)
 
     def drop_all(self, used: int = 0) -> None:
-        """Empty the cache; `used` of its tokens were proposed, the rest count as unused."""
-        self.stats.unused_tokens += sum(e.token_ids.shape[0] for e in self.cache.entries.values()) - used
+        """Empty the cache (and so the scratch blocks, and the guesses kept to score); `used` of its tokens were
+        proposed, the rest count as unused."""
+        self.stats.unused_tokens += sum(e.token_ids.shape[0] for v in self.cache.entries.values() for e in v) - used
         self.cache.clear()
+        self.scratch.reset()
+        self._pending.clear()  # the guesses were for this step's verify outcomes too
 
     # ---- drafting ahead -------------------------------------------------------------------------------
     def predraft(self, plan: StepPlan, proposal: DraftProposal) -> int:
-        """Draft the next window of every speculating request of `plan` (resolved) whose proposal is `proposal`,
-        assuming all its drafts are accepted and the bonus token is the draft's guess. Returns the number of
-        requests drafted ahead."""
+        """Draft the next windows of every speculating request of `plan` (resolved) whose proposal is `proposal`:
+        for the likeliest outcomes of its verify (one: every draft accepted and the bonus token the draft's argmax).
+        Returns the number of windows drafted."""
+        # Windows of a pre-draft no proposal came after (none, in the executors' order): the scratch is reused now.
+        self.drop_all()
         rows = [i for i, p in enumerate(plan.requests)
                 if p.draft_runs and p.num_draft_tokens and p.sample and p.logits_params is None]
         if not rows:
             return 0
-        k_step = plan.max_draft_tokens
         counts = [p.num_draft_tokens for p in plan.requests]
-        # SYNC: the last draft of each request, on the host, to build the chain's input; the target is verifying
-        # meanwhile (a draft worker) or has finished (in process), so nothing on the critical path waits.
+        # SYNC: the drafts (and their runner-ups) of each request, on the host, to build the windows' inputs; the
+        # target is verifying meanwhile (a draft worker) or has finished (in process): nothing critical waits.
         host = proposal.host_rows(counts)
-        entries: list[PlannedRequest] = []
+        host_alt = proposal.alt_rows(counts) if self.num_branches > 1 else None
+        ranked = {i: self.estimates.ranked(counts[i], self.num_branches) for i in rows}
         for i in rows:
             p = plan.requests[i]
             assert p.token_ids is not None
-            k = p.num_draft_tokens
-            frontier = p.start_pos + len(p.token_ids)
-            num_tokens_next = frontier + k + 1  # after every draft and the bonus token
-            # The k the next step drafts, shrunk as the scheduler would (max_tokens, max_model_len).
-            k_next = min(k_step, p.token_limit - num_tokens_next - 1) if p.token_limit else k_step
-            if k_next <= 0:
-                continue
-            entries.append(dataclasses.replace(
-                p, token_ids=[], num_draft_tokens=1 + k_next, draft_token_ids=[host[i][k - 1]],
-                draft_start_pos=frontier + k - 1, num_output_tokens=p.num_output_tokens + k + 1, logprobs=None,
-                output_token_ids=None))
-        if not entries:
+            self._pending[p.request_id] = _Verify(p.start_pos + len(p.token_ids), counts[i], host[i][-1],
+                                                  host_alt[i] if host_alt is not None else None, [None, None])
+        windows = self._choose(plan, rows, ranked, host, host_alt)
+        if not windows:
             return 0
-        chain_plan = dataclasses.replace(plan, requests=entries, finished_ids=[])
-        chain = self.proposer.propose(chain_plan, guess_first=True)
+        groups = range(len(self.runner.kv_groups))
+        # Forks: each scratch window's first block starts as a copy of the request's own block it stands for.
+        fork_src = [[plan.requests[w.row].draft_block_tables[g][w.fork.first_block] for w in windows if w.fork]
+                    for g in groups]
+        fork_dst = [[w.fork.blocks[g][0] for w in windows if w.fork] for g in groups]
+        if any(fork_src):
+            copy_blocks(self.runner.kv_caches, fork_src, fork_dst)
+        chain_plan = dataclasses.replace(plan, requests=[w.entry for w in windows], finished_ids=[])
+        chain = self.proposer.propose(chain_plan, guesses=[w.guess for w in windows])
         chain_ids = chain.draft_token_ids
         assert isinstance(chain_ids, torch.Tensor)
-        # SYNC: the guesses key the cache (host-side lookups next step).
-        guesses = chain_ids[:, 0].tolist()
-        for n, e in enumerate(entries):
-            k_next = e.num_draft_tokens - 1
-            probs = chain.draft_probs
-            self.cache.entries[e.request_id] = AheadEntry(
-                position=e.draft_start_pos, tokens=(e.draft_token_ids[0], guesses[n]),
-                # Clones: the draft loop's buffers are overwritten by the next proposal (stale q otherwise).
-                token_ids=chain_ids[n, 1:1 + k_next].clone(),
-                probs=probs[n, 1:1 + k_next].clone() if probs is not None and e.temperature > 0 else None)
-            self.stats.drafted_tokens += k_next
-        return len(entries)
+        # Clones (one each): the draft loop's buffers are overwritten by the next proposal (stale q otherwise).
+        chain_ids = chain_ids.clone()
+        chain_probs = chain.draft_probs.clone() if chain.draft_probs is not None else None
+        chain_alt = chain.alt_token_ids.clone() if chain.alt_token_ids is not None else None
+        # SYNC: the guessed bonus tokens (and the draft's runner-up there) key the cache (host-side lookups).
+        first = (torch.stack([chain_ids[:, 0], chain_alt[:, 0]]) if chain_alt is not None
+                 else chain_ids[:, :1].T).tolist()
+        for n, w in enumerate(windows):
+            p = plan.requests[w.row]
+            accept = w.branch.kind == ACCEPT
+            off = 1 if accept else 0  # an all-accepted window's column 0 is its guessed bonus token
+            cols = slice(off, off + w.k_next)
+            if accept:
+                tokens: tuple[int, ...] = (w.entry.draft_token_ids[0], first[0][n])
+                bonus = self._pending[p.request_id].bonus_guesses
+                bonus[w.branch.index - 1] = first[0][n]
+                if w.branch.index == 1 and chain_alt is not None:
+                    bonus[1] = first[1][n]
+            else:
+                tokens = (w.entry.draft_token_ids[0],)
+            self.cache.entries.setdefault(p.request_id, []).append(AheadEntry(
+                position=w.entry.draft_start_pos, tokens=tokens, token_ids=chain_ids[n, cols],
+                probs=chain_probs[n, cols] if chain_probs is not None and p.temperature > 0 else None,
+                alt=chain_alt[n, cols] if chain_alt is not None else None, kind=w.branch.kind, fork=w.fork))
+            self.stats.drafted_tokens += w.k_next
+        return len(windows)
+
+    def _choose(self, plan: StepPlan, rows: list[int], ranked: dict[int, list[Branch]], host: list[list[int]],
+                host_alt: list[list[int]] | None) -> list[_Window]:
+        """The windows to draft, in rank order across requests (every request's likeliest, then its second, ...),
+        as long as the draft loop's rows and the scratch reserve last."""
+        max_rows = self._max_rows(len(rows))
+        bs = self.runner.config.block_size
+        k_step = plan.max_draft_tokens
+        windows: list[_Window] = []
+        for rank in range(max(len(b) for b in ranked.values())):
+            for i in rows:
+                if rank >= len(ranked[i]):
+                    continue
+                branch = ranked[i][rank]
+                p = plan.requests[i]
+                assert p.token_ids is not None
+                k = p.num_draft_tokens
+                frontier = p.start_pos + len(p.token_ids)
+                accepted = branch.accepted(k)
+                num_tokens_next = frontier + accepted + 1  # after the accepted drafts and the target's token
+                # The k the next step drafts after this outcome, shrunk as the scheduler would (max_tokens,
+                # max_model_len).
+                k_next = min(k_step, p.token_limit - num_tokens_next - 1) if p.token_limit else k_step
+                if k_next <= 0:
+                    continue
+                start = frontier + branch.start_offset(k)
+                if branch.kind == ACCEPT:
+                    catch_up, guess, width = [host[i][k - 1]], branch.index, 1 + k_next
+                elif host_alt is not None:
+                    catch_up, guess, width = [host_alt[i][branch.index]], 0, k_next
+                else:  # a proposal without runner-ups (none recorded): no guess for the target's token
+                    continue
+                if len(windows) >= max_rows:
+                    self.stats.skipped_branches += 1
+                    continue
+                tables, fork = p.draft_block_tables, None
+                if not branch.own_blocks:
+                    # It writes positions start .. start + width - 1 (the catch-up, then all but its last token).
+                    forked = self.scratch.fork(tables, start, start + width - 1, bs)
+                    if forked is None:
+                        self.stats.skipped_branches += 1
+                        continue
+                    fork, tables = forked
+                entry = dataclasses.replace(
+                    p, token_ids=[], num_draft_tokens=width, draft_token_ids=catch_up, draft_start_pos=start,
+                    draft_block_tables=tables, num_output_tokens=p.num_output_tokens + accepted + 1, logprobs=None,
+                    output_token_ids=None)
+                windows.append(_Window(i, branch, entry, guess, k_next, fork))
+        return windows
+
+    def _max_rows(self, num_requests: int) -> int:
+        """Rows of one run drafting ahead: the largest batch the draft loop runs as a graph (a run beyond it would
+        run eagerly), never fewer than one per request (fan-out 1 as before), at most what its buffers hold. The
+        eager torch path (no loop) has no buffers to outgrow: there the scratch reserve alone bounds the rows."""
+        loop = self.proposer.loop
+        if loop is None:
+            return num_requests * self.num_branches
+        cap = max(loop.batch_sizes, default=loop.buffers.max_num_reqs)
+        return min(max(cap, num_requests), loop.buffers.max_num_reqs)
