@@ -330,7 +330,9 @@ class EngineCore:
                 try:
                     handle = self.executor.submit(plan)
                 except BaseException:
-                    self.sent.reset()  # the plan may have reached some ranks only
+                    # The plan may have reached some ranks only, and a pipelined executor loses the step queued
+                    # before it too: forget every step in flight (and what the sides know), plan explicit input next.
+                    self._drop_inflight()
                     raise
                 for s in sched.scheduled:
                     s.request.inflight = s

@@ -154,3 +154,16 @@ def test_pipelining_is_off_with_a_draft_and_by_default_on_cpu(tiny_models):
     assert LLM(path, **ENGINE_KW).engine.executor.pipeline is None  # CPU: a queued step runs at once
     assert LLM(path, draft_model=path, num_speculative_tokens=2, **PIPELINED).engine.executor.pipeline is None
     assert _pipeline(LLM(path, **PIPELINED)) is not None
+
+
+@pytest.mark.parametrize("fail_at", [2, 3, 5])
+def test_a_failed_step_loses_the_queued_one_and_the_engine_recovers(tiny_models, target_greedy, fail_at):
+    """A plan lost on its way fails its submit, and the pipeline loses the step queued before it too (its tokens
+    were never read back): the engine forgets every step in flight and plans explicit input, which replaces the
+    placeholders in the side's table. Without that the next open input would find a placeholder no step fills."""
+    from test_plan_deltas import _drive
+
+    llm = LLM(tiny_models["llama"].path, **PIPELINED)
+    assert _drive(llm, PROMPTS, fail_at=fail_at) == target_greedy("llama")
+    assert _pipeline(llm).pending is None
+    assert_kv_released(llm)
