@@ -26,6 +26,7 @@ The in-process executor and each target worker rank of a draft-less engine use t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,12 +79,12 @@ class DecodePipeline:
             if any(r.num_draft_tokens for r in resolved.requests):
                 raise ValueError("a draft-less step was planned with drafts")
             done = None
-            queued_behind = prev is not None and prev.result is None and _stays_queued(resolved)
-            if prev is not None and not queued_behind:
+            stays = _stays_queued(resolved)
+            if prev is not None and not (stays and prev.result is None):
                 done = self._finish(prev)
                 self._fill(resolved, prev, done)
                 prev = None
-            if _stays_queued(resolved):
+            if stays:
                 self.pending = self._queue(resolved, prev)
                 if prev is not None:
                     self.num_queued_ahead += 1
@@ -176,6 +177,33 @@ class DecodePipeline:
         for r in plan.requests:
             if r.token_ids is not None and PENDING_TOKEN in r.token_ids:
                 r.token_ids = [tokens[r.request_id][0] if t == PENDING_TOKEN else t for t in r.token_ids]
+
+
+class LaggedResults:
+    """An executor's side of the lag: a submit hands back the result of the step submitted before it, so a step's
+    result may arrive before its collect, or only through an empty submit. Kept by step id until collected."""
+
+    def __init__(self) -> None:
+        self._done: dict[int, StepResult] = {}
+
+    def add(self, result: StepResult | None) -> None:
+        if result is not None:
+            self._done[result.step_id] = result
+
+    def clear(self) -> None:
+        self._done.clear()
+
+    def take(self, step_id: int, fetch: Callable[[], StepResult | None]) -> StepResult:
+        """Step `step_id`'s result; `fetch` gives the next result in order (from an output not read yet, or an
+        empty submit), None when no step is left to give one."""
+        while step_id not in self._done:
+            result = fetch()
+            if result is None:
+                raise RuntimeError(f"step {step_id} is not in flight")
+            self.add(result)
+        for stale in [s for s in self._done if s < step_id]:
+            del self._done[stale]  # steps the engine dropped (a failed step): never collected
+        return self._done.pop(step_id)
 
 
 def _stays_queued(plan: StepPlan) -> bool:

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.decode_pipeline import DecodePipeline
+from engine.decode_pipeline import DecodePipeline, LaggedResults
 from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.request_table import RequestTable
 from engine.runner.model_runner import ModelRunner
@@ -74,28 +74,20 @@ class LocalExecutor:
         asked = target.config.async_scheduling
         self.async_scheduling = (draft is None and target.device.type == "cuda") if asked is None else bool(asked)
         self.pipeline = DecodePipeline(self.verifier, self.table) if draft is None and self.async_scheduling else None
-        self._done: dict[int, StepResult] = {}  # pipelined results not collected yet, by step id
+        self._done = LaggedResults()
 
     def submit(self, plan: StepPlan) -> StepResult | int:
         """Runs the step now: the handle is its result. Pipelined: queues it; the handle is its step id."""
         if self.pipeline is None:
             return self.execute(plan)
-        done = self.pipeline.step(plan)
-        if done is not None:
-            self._done[done.step_id] = done
+        self._done.add(self.pipeline.step(plan))
         return plan.step_id
 
     def collect(self, handle: StepResult | int) -> StepResult:
         if isinstance(handle, StepResult):
             return handle
-        while handle not in self._done:
-            done = self.pipeline.step(None) if self.pipeline is not None else None
-            if done is None:
-                raise RuntimeError(f"step {handle} is not in flight")
-            self._done[done.step_id] = done
-        for stale in [s for s in self._done if s < handle]:
-            del self._done[stale]  # steps the engine dropped (a failed step): never collected
-        return self._done.pop(handle)
+        pipeline = self.pipeline
+        return self._done.take(handle, lambda: pipeline.step(None) if pipeline is not None else None)
 
     def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
         if self.pipeline is not None:

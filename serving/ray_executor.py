@@ -33,6 +33,7 @@ import ray
 from ray.actor import ActorHandle
 
 from engine.config import EngineConfig, ModelConfig
+from engine.decode_pipeline import LaggedResults
 from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.step_plan import StepPlan, StepResult
 from serving.placement import actor_options, bundle_task_options, create_group_placement, make_bundle
@@ -96,7 +97,7 @@ class RayExecutor:
         # result of the step submitted before it, so the outputs not read yet and the results read but not yet
         # collected are kept here.
         self._executions: deque[Any] = deque()
-        self._done: dict[int, StepResult] = {}
+        self._done = LaggedResults()
         self._last_collected = 0.0  # when the last step's result came back (perf_counter)
         self._broken: str | None = None
         self._broken_role: str | None = None  # the group of the dead worker that broke the executor
@@ -277,7 +278,12 @@ class RayExecutor:
     def _collect_pipelined(self, step_id: int) -> StepResult:
         """Step `step_id`'s result: the output of the execution submitted after it, or of an empty one (a plan of
         None: the ranks queue nothing and return what they held) when none was."""
-        while step_id not in self._done:
+        return self._done.take(step_id, self._next_pipelined_result)
+
+    def _next_pipelined_result(self) -> StepResult | None:
+        """The next result target rank 0 hands back (the first execution's output is None: no step before it);
+        None once an empty execution found nothing held."""
+        while True:
             flush = not self._executions
             if not flush:
                 ref = self._executions.popleft()
@@ -287,13 +293,8 @@ class RayExecutor:
                 except Exception as e:
                     self._raise_step_error(e)
             result = self._get(ref)[0]
-            if result is None and flush:
-                raise RuntimeError(f"step {step_id} is not in flight on the target's workers")
-            if result is not None:
-                self._done[result.step_id] = result
-        for stale in [s for s in self._done if s < step_id]:
-            del self._done[stale]  # steps the engine dropped (a failed step): never collected
-        return self._done.pop(step_id)
+            if result is not None or flush:
+                return result
 
     def _submit_plain(self, plan: StepPlan | None) -> list[Any]:
         """The same methods as the graph, with plain actor calls (each actor runs its calls in order). The proposal
