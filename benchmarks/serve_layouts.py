@@ -251,8 +251,9 @@ def run_summary(run: Any, c: int, phases: dict[str, float],
         raise RuntimeError(f"{s['failed']} requests failed at concurrency {c}: {s['per_request']['errors'][0]}")
     spec = s.get("spec_decode") or {}
     return {"concurrency": c, "output_tok_s": s["output_throughput"], "median_tpot_ms": s["median_tpot_ms"],
-            "completed": s["completed"], "acceptance_length": spec.get("acceptance_length"), "phases_ms": phases,
-            "ahead": ahead}
+            "median_ttft_ms": s["median_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"], "median_itl_ms": s["median_itl_ms"],
+            "duration_s": s["duration_s"], "completed": s["completed"],
+            "acceptance_length": spec.get("acceptance_length"), "phases_ms": phases, "ahead": ahead}
 
 
 def run_serve_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
@@ -354,6 +355,19 @@ def table(results: dict[str, Any], layouts: list[Layout], args: argparse.Namespa
                       f"{ahead['hit_rate']:.2f} ({ahead['unused_share']:.0%} unused)" if ahead else "-"]
         ph = (runs.get(args.concurrency[0]) or {}).get("phases_ms", {})
         cells.append(", ".join(f"{p} {ph[p]:.2f}" for p in PHASES if p in ph) or "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    # Where tokens/s and TPOT disagree, the time to first token (which tokens/s includes) says why.
+    lines += ["", "| layout | " + " | ".join(f"c={c} TTFT median / p99 ms | c={c} ITL median ms | c={c} duration s"
+                                             for c in args.concurrency) + " |",
+              "|---|" + "---|---|---|" * len(args.concurrency)]
+    for lay in layouts:
+        runs = {x["concurrency"]: x for x in (results.get(lay.name) or {}).get("runs", [])}
+        cells = [lay.name]
+        for c in args.concurrency:
+            x = runs.get(c) or {}
+            cells += [f"{x['median_ttft_ms']:.1f} / {x['p99_ttft_ms']:.1f}" if x.get("median_ttft_ms") else "-",
+                      f"{x['median_itl_ms']:.2f}" if x.get("median_itl_ms") else "-",
+                      f"{x['duration_s']:.2f}" if x.get("duration_s") else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -16,7 +16,7 @@ so tiles may span several cache blocks.
 The grid depends only on host ints (number of requests, max_query_len, KV heads, and the splits chosen from
 them): inside a CUDA graph the per-request lengths change between replays, so every loop bound is read from
 device memory. Small decode / verify batches would leave most SMs idle (batch 1 of an 8-KV-head model: 8
-programs), so their keys are split over NUM_SPLITS programs (flash-decoding) whose partial results a small
+programs), so their keys are split over several programs (flash-decoding) whose partial results a small
 second kernel combines; measured on an H100 (bf16, 32q/8kv heads, d128, 1024 keys, in a CUDA graph): batch 1
 22.4 -> 6.2 us, batch 8 25.4 -> 12.8 us (1.13x the KV-read floor), batch 32 51 us unsplit (1.12x).
 """
@@ -30,14 +30,17 @@ import torch
 
 from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton, wait_for_previous_kernel
 
-__all__ = ["HAS_TRITON", "paged_attention", "paged_attention_ref"]
+__all__ = ["HAS_TRITON", "compiled_variant", "kernel_variant", "paged_attention", "paged_attention_ref"]
 
 
-@triton.jit
+# A value that changes from step to step must not pick a compiled variant (Triton specializes an int argument on
+# being 1 or a multiple of 16): a new variant compiles inside a serving step, for a second or more.
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-        partial_ptr, partial_ml_ptr,  # split-KV workspace (read only when NUM_SPLITS > 1)
+        partial_ptr, partial_ml_ptr,  # split-KV workspace (read only when SPLIT)
         num_heads,
+        num_splits,  # programs sharing one request's keys (1 unless SPLIT)
         scale_log2,  # softmax scale * log2(e): the kernel uses exp2
         window,  # sliding window W (read only when HAS_WINDOW)
         stride_qt, stride_qh, stride_qd,
@@ -47,12 +50,12 @@ def _paged_attention_kernel(
         stride_bt,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEADS_PER_KV: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+        HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     m_block = tl.program_id(0)
     req = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
 
     q_start = tl.load(query_start_loc_ptr + req).to(tl.int32)
     q_len = tl.load(query_start_loc_ptr + req + 1).to(tl.int32) - q_start
@@ -84,9 +87,9 @@ def _paged_attention_kernel(
             kv_start = tl.maximum(context_len + first_row // HEADS_PER_KV - window + 1, 0)
         tile_lo = kv_start // TILE_N
         tile_hi = tl.cdiv(kv_end, TILE_N)
-        if NUM_SPLITS > 1:
+        if SPLIT:
             # Flash-decoding: this program takes one contiguous share of the tiles (possibly none).
-            per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+            per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
             tile_lo = tile_lo + split * per_split
             tile_hi = tl.minimum(tile_hi, tile_lo + per_split)
 
@@ -123,36 +126,39 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
-        if NUM_SPLITS == 1:
+        if not SPLIT:
             # Rows past q_len saw no key (l_i = 0); they are not stored, the guard only avoids 0 / 0.
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dim[None, :] * stride_od,
                      acc.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
         else:
             # Unnormalised partial results; a split that saw no key writes m = floor, l = 0, acc = 0.
-            slot = (q_rows * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M] workspace row
+            slot = (q_rows * num_heads + head) * num_splits + split  # [BLOCK_M] workspace row
             tl.store(partial_ptr + slot[:, None] * HEAD_DIM_P + dim[None, :], acc, mask=row_valid[:, None])
             tl.store(partial_ml_ptr + slot * 2, m_i, mask=row_valid)
             tl.store(partial_ml_ptr + slot * 2 + 1, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _combine_splits_kernel(
-        o_ptr, partial_ptr, partial_ml_ptr, query_start_loc_ptr, num_reqs, num_heads,
+        o_ptr, partial_ptr, partial_ml_ptr, query_start_loc_ptr, num_reqs, num_heads, num_splits,
         stride_ot, stride_oh, stride_od,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     token = tl.program_id(0)
     head = tl.program_id(1)
     # Tokens past the last request's are graph padding: their workspace rows were never written.
     if token < tl.load(query_start_loc_ptr + num_reqs):
-        splits = tl.arange(0, NUM_SPLITS)  # [NUM_SPLITS]
+        splits = tl.arange(0, SPLITS_P)  # [SPLITS_P]
+        live = splits < num_splits
         dim = tl.arange(0, HEAD_DIM_P)  # [HEAD_DIM_P]
-        slot = (token.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits  # [NUM_SPLITS]
-        m = tl.load(partial_ml_ptr + slot * 2)  # [NUM_SPLITS] log2-domain maxima
-        weight = tl.exp2(m - tl.max(m, 0))  # [NUM_SPLITS]
-        denom = tl.sum(weight * tl.load(partial_ml_ptr + slot * 2 + 1), 0)
-        acc = tl.load(partial_ptr + slot[:, None] * HEAD_DIM_P + dim[None, :])  # [NUM_SPLITS, HEAD_DIM_P]
+        slot = (token.to(tl.int64) * num_heads + head) * num_splits + splits  # [SPLITS_P]
+        # Lanes past num_splits weigh exp2(floor - max) = 0 and add nothing.
+        m = tl.load(partial_ml_ptr + slot * 2, mask=live, other=-1.0e30)  # [SPLITS_P] log2-domain maxima
+        weight = tl.exp2(m - tl.max(m, 0))  # [SPLITS_P]
+        denom = tl.sum(weight * tl.load(partial_ml_ptr + slot * 2 + 1, mask=live, other=0.0), 0)
+        acc = tl.load(partial_ptr + slot[:, None] * HEAD_DIM_P + dim[None, :], mask=live[:, None],
+                      other=0.0)  # [SPLITS_P, HEAD_DIM_P]
         out = tl.sum(acc * weight[:, None], 0) / denom  # [HEAD_DIM_P]
         tl.store(o_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dim * stride_od,
                  out.to(o_ptr.dtype.element_ty), mask=dim < HEAD_DIM)
@@ -187,20 +193,15 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or max_query_len == 0 or query.shape[0] == 0:
         return
-    heads_per_kv = num_heads // num_kv_heads
-    rows = max_query_len * heads_per_kv  # upper bound of one request's (token, head) rows per KV head
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    head_dim_p = triton.next_power_of_2(head_dim)
-    tile_n = 64 if head_dim_p <= 128 else 32
     if num_reqs > 65535:
         raise ValueError(f"paged_attention: at most 65535 requests per launch (grid axis 1), got {num_reqs}")
-    m_blocks = triton.cdiv(rows, block_m)
-    max_tiles = triton.cdiv(block_table.shape[1] * block_size, tile_n)  # host-side bound of any request's tiles
-    splits = num_kv_splits
-    if splits is None:
-        splits = _auto_splits(m_blocks * num_reqs * num_kv_heads, max_tiles, query.device)
-    elif splits < 1 or splits & (splits - 1):
-        raise ValueError(f"num_kv_splits must be a power of two >= 1, got {splits}")
+    if num_kv_splits is not None and (num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1)):
+        raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
+    heads_per_kv = num_heads // num_kv_heads
+    head_dim_p = triton.next_power_of_2(head_dim)
+    block_m, m_blocks, splits = kernel_variant(num_reqs, max_query_len, heads_per_kv, num_kv_heads, head_dim,
+                                               block_table.shape[1] * block_size, query.device, num_kv_splits)
+    tile_n = _tile_n(head_dim)
     partial = partial_ml = out  # never read with one split
     if splits > 1:
         num_tokens = query.shape[0]
@@ -210,27 +211,58 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
     launch(
         _paged_attention_kernel, grid, query.device,
         query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, partial, partial_ml, num_heads,
-        scale * math.log2(math.e), sliding_window or 0,
+        splits, scale * math.log2(math.e), sliding_window or 0,
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, HEADS_PER_KV=heads_per_kv, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, TILE_N=tile_n, HAS_WINDOW=sliding_window is not None,
         # fp32 caches: full-precision products (tl.dot would use TF32 on tensor cores otherwise).
-        DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32", NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
         num_warps=4 if block_m * head_dim_p <= 64 * 128 else 8)
     if splits > 1:
         launch(
             _combine_splits_kernel, (query.shape[0], num_heads), query.device,
-            out, partial, partial_ml, query_start_loc, num_reqs, num_heads, *out.stride(),
-            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits, num_warps=1 if head_dim_p <= 128 else 2)
+            out, partial, partial_ml, query_start_loc, num_reqs, num_heads, splits, *out.stride(),
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=max(MAX_AUTO_SPLITS, splits),
+            num_warps=1 if head_dim_p <= 128 else 2)
+
+
+def kernel_variant(num_reqs: int, max_query_len: int, heads_per_kv: int, num_kv_heads: int, head_dim: int,
+                   max_keys: int, device: torch.device, num_kv_splits: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK_M, M blocks, splits) of a launch, from host ints only. Compiled variants differ by BLOCK_M and by
+    whether the keys are split (the split count itself is a runtime argument), so `compiled_variant` of every
+    shape a runner may see is a small set that a warm-up can compile before the first request."""
+    rows = max_query_len * heads_per_kv  # upper bound of one request's (token, head) rows per KV head
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    m_blocks = triton.cdiv(rows, block_m)
+    max_tiles = triton.cdiv(max_keys, _tile_n(head_dim))  # host-side bound of any request's tiles
+    splits = num_kv_splits
+    if splits is None:
+        splits = _auto_splits(m_blocks * num_reqs * num_kv_heads, max_tiles, device)
+    return block_m, m_blocks, splits
+
+
+def compiled_variant(num_reqs: int, max_query_len: int, heads_per_kv: int, num_kv_heads: int, head_dim: int,
+                     max_keys: int, device: torch.device) -> tuple[int, bool]:
+    """What selects a compiled kernel for this launch shape: (BLOCK_M, keys split)."""
+    block_m, _, splits = kernel_variant(num_reqs, max_query_len, heads_per_kv, num_kv_heads, head_dim, max_keys,
+                                        device)
+    return block_m, splits > 1
+
+
+def _tile_n(head_dim: int) -> int:
+    return 64 if triton.next_power_of_2(head_dim) <= 128 else 32
+
+
+MAX_AUTO_SPLITS = 16
 
 
 def _auto_splits(programs: int, max_tiles: int, device: torch.device) -> int:
     """Split keys while the grid fits in two waves of the GPU's SMs (decided from host-side shapes only, so
-    a captured graph keeps its grid); at most 16 splits, and no more than there can be tiles."""
+    a captured graph keeps its grid); at most MAX_AUTO_SPLITS, and no more than there can be tiles."""
     if device.type != "cuda":
         return 1
     splits = 1
-    while splits < 16 and programs * splits * 2 <= 2 * _num_sms(device) and splits * 2 <= max_tiles:
+    while splits < MAX_AUTO_SPLITS and programs * splits * 2 <= 2 * _num_sms(device) and splits * 2 <= max_tiles:
         splits *= 2
     return splits
 

@@ -41,7 +41,9 @@ def _race_winner(best_val, best_idx):
     return tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
 
 
-@triton.jit
+# max_k (and the row strides sized by it) follow the load-adaptive draft length step by step: they must not pick a
+# compiled variant (see paged_attention).
+@triton.jit(do_not_specialize=["max_k", "stride_dr", "stride_qr", "stride_pr", "stride_ur", "stride_er", "stride_or"])
 def _rejection_kernel(
         draft_ptr, num_draft_ptr, q_ptr, p_ptr, u_ptr, e_ptr, rate_ptr,
         out_ptr, num_accepted_ptr, num_output_ptr,

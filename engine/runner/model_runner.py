@@ -50,9 +50,34 @@ class ModelRunner:
             per_req = engine_config.num_speculative_tokens + 2
             max_tokens = engine_config.max_num_batched_tokens + max_reqs * per_req
             self.buffers = InputBuffers(self.kv_groups, max_reqs, max_tokens, engine_config.max_model_len, self.device)
+            self.warm_up_attention()
         logger.info("%s: %d KV-cache group(s) %s, %d blocks of %d tokens", name, len(self.kv_groups),
                     [(len(g.layer_ids), g.spec.sliding_window) for g in self.kv_groups], self.num_blocks,
                     engine_config.block_size)
+
+    def warm_up_attention(self) -> list[tuple[int, int]]:
+        """Compile every paged-attention variant this runner's steps can select, before the first request: one
+        eager forward of a padding-only step per variant (it reads the null block and writes no KV). Without it a
+        variant first met mid-serving (a prefill chunk of a new length, a batch of a new size) compiles inside that
+        step, for a second or more, in every worker process. Returns the (requests, tokens per request) run."""
+        if self.buffers is None or self.device.type != "cuda":
+            return []
+        from engine.kernels.paged_attention import compiled_variant
+
+        b = self.buffers
+        max_keys = b.max_blocks * self.config.block_size
+        heads = {(a.num_heads // a.num_kv_heads, a.num_kv_heads, a.head_dim) for a in self.model.attention_layers()}
+        shapes: dict[tuple, tuple[int, int]] = {}
+        for num_reqs in range(1, b.max_num_reqs + 1):
+            for query_len in range(1, b.max_num_tokens // num_reqs + 1):
+                for h in heads:
+                    key = (h, compiled_variant(num_reqs, query_len, *h, max_keys, self.device))
+                    shapes.setdefault(key, (num_reqs, query_len))
+        runs = sorted(set(shapes.values()))
+        for num_reqs, query_len in runs:
+            self.execute(b.load_dummy(num_reqs, query_len))
+        torch.cuda.synchronize(self.device)  # SYNC: start-up only
+        return runs
 
     def _set_small_m_rows(self, rows: int) -> None:
         """Tell the layers up to how many rows a forward folds its norms and adds into the products
