@@ -5,17 +5,14 @@ speculation step per engine step (docs/ARCHITECTURE.md, "One speculation step"),
 prefill chunks. The models run behind an Executor: in this process, or on Ray worker actors.
 
 Asynchronous scheduling (EngineConfig.async_scheduling): `step()` submits step n+1 before it collects step n, so
-the models never wait for the scheduler. The executor's sides own what the scheduler cannot know yet (a decode's
-input after a step in flight: engine/request_table.py); the scheduler plans from bounds (engine/scheduler.py) and
-commits exactly as before, one step late. A request that ends while a later step of it is in flight keeps its KV
-blocks until that step has landed (its tokens are dropped), and the sides forget it with the next plan.
+the models never wait for the scheduler; the steps in flight, and the KV blocks that wait for them, are kept by
+engine/inflight_steps.py.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.detokenizer import OutputProcessor
 from engine.executor import Executor
+from engine.inflight_steps import InFlightSteps
 from engine.kv_cache.manager import KVCacheManager
 from engine.plan_builder import build_plan
 from engine.plan_deltas import SentState
@@ -49,16 +47,6 @@ class StepStats:
     phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
-class _InFlight:
-    """A submitted step whose result the engine has not collected yet."""
-
-    scheduled: list[ScheduledRequest]
-    handle: Any  # the executor's
-    stats: StepStats
-    schedule_seconds: float
-
-
 class EngineCore:
     def __init__(self, executor: Executor, engine_config: EngineConfig, tokenizer: PreTrainedTokenizerBase | None,
                  eos_token_ids: list[int], spec_config: SpeculativeConfig | None = None) -> None:
@@ -81,11 +69,8 @@ class EngineCore:
         self.last_step = StepStats()
         self._step_ids = itertools.count()
         self.async_scheduling = bool(getattr(executor, "async_scheduling", False))
-        self._inflight: deque[_InFlight] = deque()
-        # Ended requests whose KV blocks wait for their step in flight, and ids the sides may forget.
-        self._deferred_free: dict[str, Request] = {}
-        self._finished_ids: list[str] = []
-        self._sync_next = False  # let the steps in flight land before scheduling (a preemption is due)
+        self.in_flight = InFlightSteps(self)  # steps submitted and not collected yet (asynchronous scheduling)
+        self._finished_ids: list[str] = []  # ids the sides may forget
         self.sent = SentState()  # what the model sides know of each request: plans carry the rest
         self.scheduler.speculation_ahead = self.spec_config is not None and bool(
             getattr(executor, "speculation_ahead", False))
@@ -116,7 +101,7 @@ class EngineCore:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name} names token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        if request.request_id in self.scheduler.requests or request.request_id in self._deferred_free:
+        if request.request_id in self.scheduler.requests or self.in_flight.holds(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._grammar(request)  # a grammar the backend cannot compile is refused here (compiled once, cached)
 
@@ -136,13 +121,13 @@ class EngineCore:
         keep_kv = req.inflight is not None
         self.scheduler.finish_request(req, status, free_kv=not keep_kv)
         if keep_kv:
-            self._deferred_free[req.request_id] = req
+            self.in_flight.defer_free(req)
         self._finished_ids.append(req.request_id)
         self.output.release(req.request_id)
 
     def has_unfinished(self) -> bool:
         """Requests to run, or steps in flight to collect (whose blocks may still be held)."""
-        return self.scheduler.has_unfinished() or bool(self._inflight)
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     # --- what a server reads between steps ------------------------------------------------------------
     # A server (serving/router.py) drives this engine from another thread and must not read the scheduler's
@@ -285,7 +270,7 @@ class EngineCore:
             else:
                 result = self.executor.execute(plan, on_dispatched=on_dispatched)
         except BaseException:
-            self._drop_inflight()
+            self.in_flight.drop()  # forget what the sides were sent: a plan may have reached some ranks only
             raise
         t2 = time.perf_counter()
         touched = self.commit(sched.scheduled, result)
@@ -313,79 +298,31 @@ class EngineCore:
 
     def _step_async(self, on_dispatched: Callable[[], None] | None) -> list[Request]:
         """Submit the next step (scheduled from bounds while one is in flight), then collect the oldest."""
+        in_flight = self.in_flight
         touched: list[Request] = []
-        if self._sync_next:
-            while self._inflight:
-                touched += self._collect()
-            self._sync_next = False
+        if in_flight.sync_next:
+            touched += in_flight.flush()
+            in_flight.sync_next = False
         t0 = time.perf_counter()
-        sched = self._schedule(optimistic=bool(self._inflight))
+        sched = self._schedule(optimistic=bool(in_flight))
         submitted = False
         if sched is not None:
-            self._sync_next = sched.blocked
+            in_flight.sync_next = sched.blocked
             if sched.scheduled:
                 plan = self.make_plan(sched.scheduled)
                 # Timed before the submit: a pipelined executor's submit also waits for the step before it.
-                scheduled_in = time.perf_counter() - t0
-                try:
-                    handle = self.executor.submit(plan)
-                except BaseException:
-                    # The plan may have reached some ranks only, and a pipelined executor loses the step queued
-                    # before it too: forget every step in flight (and what the sides know), plan explicit input next.
-                    self._drop_inflight()
-                    raise
-                for s in sched.scheduled:
-                    s.request.inflight = s
-                self._inflight.append(_InFlight(sched.scheduled, handle, self.last_step, scheduled_in))
+                in_flight.submit(plan, sched.scheduled, self.last_step, time.perf_counter() - t0)
                 submitted = True
         if on_dispatched is not None:
             on_dispatched()
-        if len(self._inflight) > 1 or (self._inflight and not submitted):
-            touched += self._collect()
-        return touched
-
-    def _collect(self) -> list[Request]:
-        """Wait for the oldest step in flight and commit it."""
-        step = self._inflight[0]
-        try:
-            result = self.executor.collect(step.handle)
-        except BaseException:
-            self._drop_inflight()
-            raise
-        self._inflight.popleft()
-        t = time.perf_counter()
-        touched = self.commit(step.scheduled, result)
-        for s in step.scheduled:
-            if s.request.inflight is s:
-                s.request.inflight = None
-                done = self._deferred_free.pop(s.request.request_id, None)
-                if done is not None:
-                    self.scheduler.free_kv(done)
-        step.stats.phase_seconds = {**result.phase_seconds, "schedule": step.schedule_seconds,
-                                    "commit": time.perf_counter() - t}
-        self.last_step = step.stats
+        if len(in_flight) > 1 or (in_flight and not submitted):
+            touched += in_flight.collect()
         return touched
 
     def flush(self) -> list[Request]:
         """Collect every step in flight (before the executor's workers change: a draft group attached or
         detached); returns the requests they gave tokens or finished."""
-        touched: list[Request] = []
-        while self._inflight:
-            touched += self._collect()
-        return touched
-
-    def _drop_inflight(self) -> None:
-        """A step failed: forget every step in flight (none of them is committed; the sides drop what they
-        resolved, and requests still running are planned with explicit input next) and what the sides were sent
-        (a plan may have reached some ranks only): the next plan sends every entry whole."""
-        self.sent.reset()
-        for step in self._inflight:
-            for s in step.scheduled:
-                s.request.inflight = None
-        self._inflight.clear()
-        for req in self._deferred_free.values():
-            self.scheduler.free_kv(req)
-        self._deferred_free.clear()
+        return self.in_flight.flush()
 
     def make_plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
         """The plan of a scheduled step (engine/plan_builder.py); it carries the ids the sides may forget."""

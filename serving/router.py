@@ -12,11 +12,11 @@ end of its step and hand the lock over (asyncio.Lock serves waiters first, so st
 step thread copies each step's token deltas before the next step runs and the event loop publishes the copies,
 so a stream never reads a request that a running step is writing.
 
-Reliability (see serving/engine_recovery.py for the worker side): the waiting queue is bounded (past
-`max_queued_requests` a request is refused with 429 and a retry hint instead of growing memory); a dead model
-worker fails the requests in flight with a 503 that says so, and the router rebuilds its worker groups in
-place (or, with `continue_without_draft`, drops a dead draft group and serves on the target alone until a new
-draft group is attached); `drain()` refuses new requests and waits for those in flight, for shutdown.
+Reliability: the waiting queue is bounded (past `max_queued_requests` a request is refused with 429 and a retry
+hint instead of growing memory); a dead model worker fails the requests in flight with a 503 that says so, and the
+router rebuilds its worker groups in place (or, with `continue_without_draft`, drops a dead draft group and serves
+on the target alone until a new draft group is attached): serving/engine_recovery.py, whose `EngineRecovery` the
+Router inherits; `drain()` refuses new requests and waits for those in flight, for shutdown.
 
 Engine imports stay inside functions: a process that only names the class (the ingress, Serve's controller)
 must not import torch for it.
@@ -36,6 +36,7 @@ import ray
 
 # build_local_engine stays importable from here for configs that name serving.router:build_local_engine.
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, build_local_engine, import_builder  # noqa: F401
+from serving.engine_recovery import EngineRecovery
 
 if TYPE_CHECKING:
     from serving.request_stream import RequestStream
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("specserve")
 
 
-class Router:
+class Router(EngineRecovery):
     """Owns one EngineCore. `engine_args` go to the builder (LLM's arguments for the local engine)."""
 
     def __init__(self, engine_args: dict[str, Any], engine_builder: str = DEFAULT_ENGINE_BUILDER,
@@ -290,113 +291,6 @@ class Router:
         finally:
             if not acquired:  # cancelled while waiting: no longer a waiter
                 self._lock_waiters -= 1
-
-    def _on_step_error(self, error: Exception) -> None:
-        """Fail the requests the error belongs to; if it cannot be pinned on some, fail them all. A dead draft
-        worker with `continue_without_draft` fails none: the engine goes on without speculation."""
-        dead = isinstance(error, ray.exceptions.RayActorError) or type(error).__name__ == "WorkerDiedError"
-        if dead and self._serve_without_draft(error):
-            return
-        # The engine's own culprits: requests it ended (aborted) in the failed step, which no step published.
-        culprits = [s for s in self._streams.values()
-                    if s.finish_reason is None and not self.engine.has_request(s.request.request_id)]
-        if culprits and not dead:
-            logger.warning("engine step failed for %d request(s): %s", len(culprits), error)
-        else:
-            logger.error("engine step failed; failing every request in flight", exc_info=error)
-            culprits = [s for s in self._streams.values() if s.finish_reason is None]
-            for s in culprits:
-                try:
-                    self.engine.abort_request(s.request.request_id)
-                except Exception:  # noqa: BLE001 - the state is suspect; the streams still get their error
-                    logger.exception("aborting %s after a failed step", s.request.request_id)
-        for s in culprits:
-            what = "a model worker died" if dead else "the engine failed"
-            s.error = (f"{what}: {error}; the request was aborted" + (", retry shortly" if dead else ""),
-                       503 if dead else 500)
-            s.finish_reason = "abort"
-            self.metrics.on_finished("abort", 0.0)
-            s.event.set()
-        self._update_queue_and_kv()
-        if dead:
-            self._declare_dead(error)
-
-    def _declare_dead(self, error: Exception) -> None:
-        """A model worker died (serving.ray_executor.WorkerDiedError): this engine cannot step again. Say so
-        (/health 503, new requests 503), then rebuild the worker groups in the background; should that fail,
-        end this actor so that Serve's controller creates a new router, which builds new workers."""
-        if self._serve_without_draft(error):
-            return
-        if self._unhealthy is None:
-            self._unhealthy = f"a model worker died: {error}"
-            self._recovery = asyncio.get_running_loop().create_task(self._rebuild_engine())
-
-    def _serve_without_draft(self, error: Exception) -> bool:
-        """With `continue_without_draft`, a dead draft rank only switches speculation off: the target's state is
-        intact (the failed step committed nothing), so the requests in flight go on, token for token as they
-        would have (speculation is lossless). A new draft group is attached in the background."""
-        if not (self.continue_without_draft and getattr(error, "role", None) == "draft"
-                and self.engine.spec_config is not None and self._unhealthy is None):
-            return False
-        from serving.engine_recovery import detach_draft
-
-        try:
-            spec = detach_draft(self.engine)
-        except Exception as e:  # noqa: BLE001 - e.g. a target rank died too: the whole engine is rebuilt
-            logger.error("could not go on without the draft (%s); rebuilding the engine", e)
-            return False
-        self._degraded = f"speculation is off: {error}"
-        logger.warning("the draft group died; serving on the target alone while a new one starts: %s", error)
-        self._update_queue_and_kv()
-        self._recovery = asyncio.get_running_loop().create_task(self._reattach_draft(self.engine, spec))
-        return True
-
-    async def _rebuild_engine(self) -> None:
-        old = self.engine
-        try:
-            await asyncio.to_thread(old.shutdown)  # frees the dead group's placement (its GPUs)
-            logger.warning("router: rebuilding the engine's worker groups after: %s", self._unhealthy)
-            engine = await asyncio.to_thread(import_builder(self.engine_builder), **self.engine_args)
-        except Exception:  # noqa: BLE001 - e.g. no resources: let Serve replace the whole router
-            logger.exception("router: rebuilding the engine failed")
-            await self._exit_soon(0.0)
-            return
-        async with self._between_steps():
-            self.engine = engine
-            self._unhealthy = None
-            self._degraded = None
-            self._update_queue_and_kv()
-        logger.warning("router: the engine is serving again with new worker groups")
-
-    async def _reattach_draft(self, engine: Any, spec: Any) -> None:
-        """Start a new draft group next to the running target and attach it between steps; retry with backoff."""
-        from serving.engine_recovery import attach_draft
-
-        delay = 1.0
-        while self.engine is engine and self._unhealthy is None:
-            try:
-                await asyncio.to_thread(engine.start_draft_group)  # loads the draft; steps go on
-                async with self._between_steps():
-                    if self.engine is not engine or self._unhealthy is not None:
-                        # The whole engine died meanwhile: release what was just started with the rest of it.
-                        await asyncio.to_thread(engine.shutdown)
-                        return
-                    # The graph is rebuilt around the new draft: let the steps in flight land first.
-                    self._publish_now(engine.flush())
-                    attach_draft(engine, spec)
-                    self._degraded = None
-                    self._update_queue_and_kv()
-                logger.warning("router: a new draft group is attached; speculation is back on")
-                return
-            except Exception:  # noqa: BLE001 - keep serving without speculation, and try again later
-                logger.exception("router: attaching a new draft group failed; retrying in %.0f s", delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 60.0)
-
-    async def _exit_soon(self, delay_s: float = 1.0) -> None:
-        await asyncio.sleep(delay_s)
-        logger.error("router exiting so that Serve replaces it: %s", self._unhealthy)
-        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # --- gauges ---------------------------------------------------------------------------------------
     def _update_kv_gauges(self) -> None:

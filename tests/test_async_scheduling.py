@@ -69,7 +69,7 @@ def _watch(llm: LLM) -> dict[str, list]:
 def _assert_released(llm: LLM) -> None:
     assert not llm.engine.has_unfinished()
     assert llm.engine.executor.table.requests.keys() <= set(llm.engine._finished_ids)
-    assert not llm.engine._deferred_free
+    assert not llm.engine.in_flight.deferred_free
 
 
 @pytest.mark.parametrize("target,draft,k,mode", [
@@ -184,7 +184,7 @@ def test_async_abort_with_a_step_in_flight(tiny_models, near_drafts, target_gree
     engine.abort_request("r1")
     assert victim.finish_reason == "abort"
     # Its blocks wait for the step in flight; the id stays taken until then.
-    assert engine.target_kv.has("r1") and "r1" in engine._deferred_free
+    assert engine.target_kv.has("r1") and "r1" in engine.in_flight.deferred_free
     with pytest.raises(ValueError, match="already in use"):
         engine.validate_request(Request("r1", [5, 6], GREEDY))
     n_out = victim.num_output_tokens

@@ -1,6 +1,6 @@
 """generation_config.json, as vLLM reads it: its extra EOS ids stop generation (engine), and its sampling keys are
 the defaults of the request fields they name (serving). The served side is tested end to end in
-tests/test_openai_parity.py."""
+tests/openai_parity/test_fields.py."""
 
 from __future__ import annotations
 
