@@ -111,7 +111,9 @@ def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float,
         row[f"{name}_cublas_us"] = graph_us(lambda i, inp=inp, name=name: F.linear(inp, w(i, name)), calls)
         row[f"{name}_floor_us"] = floor
         if sweep and m == 1:
-            best.append(sweep_one(shape, m, name, fn, calls, floor, row[f"{name}_new_us"]))
+            n, k = ws[0][name].shape
+            rule = sml._config(m, n, k, ws[0][name].device)
+            best.append(sweep_one(shape, m, name, fn, calls, floor, row[f"{name}_new_us"], rule))
     return row, best
 
 
@@ -138,7 +140,9 @@ def max_rel_err(x: torch.Tensor, res: torch.Tensor, a: torch.Tensor, gu: torch.T
     return max(float((got.float() - ref.float()).norm() / ref.float().norm()) for got, ref in pairs)
 
 
-def sweep_one(shape: str, m: int, name: str, fn, calls: int, floor: float, default_us: float) -> dict:
+def sweep_one(shape: str, m: int, name: str, fn, calls: int, floor: float, default_us: float, rule: dict) -> dict:
+    """Time the tilings of the grid below; `rule`: what _config picks, whose rank among them (1: the fastest) and
+    time over the best are recorded, which is what a change of the rule needs."""
     results = []
     for bn in (2, 4, 8, 16):
         for bk in (256, 512, 1024, 2048):
@@ -157,10 +161,14 @@ def sweep_one(shape: str, m: int, name: str, fn, calls: int, floor: float, defau
     results.sort(key=lambda r: r[0])
     us, cfg = results[0]
     top = [(round(u, 2), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]) for u, c in results[:5]]
+    key = ("BLOCK_N", "BLOCK_K", "num_warps")
+    rank = next((i + 1 for i, (_, c) in enumerate(results) if all(c[x] == rule[x] for x in key)), None)
+    rule_us = results[rank - 1][0] if rank else None
     print(f"sweep {shape} rows={m} {name}: default {default_us:.2f} us, best {us:.2f} us {cfg} "
-          f"(floor {floor:.2f}); top5 {top}", flush=True)
+          f"(floor {floor:.2f}); rule {[rule[x] for x in key]} rank {rank} of {len(results)}; top5 {top}", flush=True)
     return {"shape": shape, "rows": m, "proj": name, "default_us": default_us, "best_us": us, "floor_us": floor,
-            "best": cfg, "top5": top}
+            "best": cfg, "top5": top, "rule": {x: rule[x] for x in key}, "rule_rank": rank,
+            "rule_vs_best": rule_us / us if rule_us else None}
 
 
 def triton_pow2(n: int) -> int:
@@ -228,7 +236,8 @@ def main() -> None:
     print(markdown_table(rows, ["shape", "rows"] + [f"{p}_{w}_us" for p in ("qkv", "o", "gate_up", "down")
                                                      for w in ("new", "cublas", "floor")]))
     if best:
-        print(markdown_table(best, ["shape", "rows", "proj", "default_us", "best_us", "floor_us", "best"]))
+        print(markdown_table(best, ["shape", "rows", "proj", "default_us", "best_us", "floor_us", "best", "rule_rank",
+                                    "rule_vs_best"]))
     if counts:
         print(markdown_table(counts, ["shape", "step", "batch", "small_m_rows", "kernels", "per_layer", "copies"]))
     save_json(args.out, {"env": environment(), "args": vars(args), "bandwidth_Bps": bw, "rows": rows, "sweep": best,
