@@ -2,12 +2,18 @@
 engine's CUDA-graph step and its eager step, against the memory-bandwidth floor (weight bytes over the copy
 bandwidth measured in the same run) and HF transformers eager decoding in the same run.
 
+Columns: graph_ms = input build + graph replay through the runner; replay_ms = the graph alone; load_ms = the input
+build alone; eager_ms = the runner's eager forward; engine_step_ms = the whole engine step per decoded token
+(schedule, input build, replay, sampling, commit), timed on engine.step() itself after a warm-up
+(`engine_step_ms`); engine_phases_ms (JSON only) = the median of each phase the engine records.
+
     python benchmarks/gpu_decode.py --out results/gpu_decode.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -17,6 +23,7 @@ from gpu_shapes import copy_bandwidth, hf_config, shape_dir, weight_bytes
 
 from engine import LLM, SamplingParams
 from engine.kernels.triton_compat import set_pdl
+from engine.request import Request
 from engine.runner.step_input import Chunk
 
 
@@ -57,15 +64,67 @@ def hf_decode_ms(name: str, batch: int, context: int, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+ENGINE_WARM_TOKENS = 4  # decode steps every request takes before the engine step is timed
+_REQUEST_IDS = itertools.count()
+
+
+def engine_tokens(steps: int, repeats: int) -> int:
+    """Output tokens per request of engine_step_ms's timed requests: warm-up, the timed runs, a margin for the
+    step in flight (none may finish before the last timed step)."""
+    return ENGINE_WARM_TOKENS + steps * repeats + 8
+
+
+def engine_step_ms(llm: LLM, batch: int, context: int, steps: int, repeats: int) -> tuple[float, dict[str, float]]:
+    """The whole engine step per decoded token at `batch` running requests (schedule, input build, graph replay,
+    sampling, commit), timed directly on engine.step() once every request is decoding.
+
+    Warm-up first: two generate() calls of the same prompt length and batch (prefill, decode at this batch and
+    sampling compile and settle there). Then `batch` requests long enough to stay running: steps until each has
+    ENGINE_WARM_TOKENS tokens (the prefills are done), then `repeats` runs of `steps` step() calls, each run
+    between two synchronizes; the median of the runs' means. With asynchronous scheduling a step() submits one
+    step and collects the one before, so a run of n calls still covers n steps of GPU work. Also returns the
+    median of each phase the engine records per step (engine.last_step.phase_seconds), in ms."""
+    engine = llm.engine
+    vocab = llm.executor.target.vocab_size
+    for _ in range(2):
+        prompts = [torch.randint(0, vocab, (context,)).tolist() for _ in range(batch)]
+        llm.generate(prompts, SamplingParams(max_tokens=ENGINE_WARM_TOKENS + 4, ignore_eos=True))
+    params = SamplingParams(max_tokens=engine_tokens(steps, repeats), ignore_eos=True)
+    reqs = [Request(f"engine-step-{next(_REQUEST_IDS)}", torch.randint(0, vocab, (context,)).tolist(), params)
+            for _ in range(batch)]
+    for r in reqs:
+        engine.add_request(r)
+    while min(len(r.output_token_ids) for r in reqs) < ENGINE_WARM_TOKENS:
+        engine.step()
+    means, phases = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+            phases.append(dict(engine.last_step.phase_seconds))
+        torch.cuda.synchronize()
+        means.append((time.perf_counter() - t0) / steps)
+    if any(r.finish_reason is not None for r in reqs):
+        raise RuntimeError("a timed request finished before the last timed step: raise engine_tokens")
+    while engine.has_unfinished():
+        engine.step()
+    names = sorted({k for p in phases for k in p})
+    return statistics.median(means) * 1e3, {k: statistics.median(p.get(k, 0.0) for p in phases) * 1e3 for k in names}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=40, help="timed decode steps per measurement (per engine-step run)")
+    ap.add_argument("--repeats", type=int, default=5, help="engine_step_ms: runs of --steps engine steps; the median")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--small-m-rows", type=int, default=None,
                     help="EngineConfig.small_m_rows (0: cuBLAS products and separate norm/activation kernels)")
+    ap.add_argument("--fused-qkv-prologue", action="store_true", help="EngineConfig.fused_qkv_prologue: the input "
+                    "norm, qkv product and attention's prologue in one kernel at one row")
     ap.add_argument("--no-pdl", action="store_true", help="launch every kernel the ordinary way (no programmatic "
                     "dependent launch), as before it existed")
     ap.add_argument("--out")
@@ -75,9 +134,10 @@ def main() -> None:
     bw = copy_bandwidth()
     rows = []
     hf = {} if args.skip_hf else {b: hf_decode_ms(args.shape, b, args.context, args.steps) for b in batches}
-    max_len = args.context + args.steps + 64
+    max_len = args.context + engine_tokens(args.steps, args.repeats) + 64
     llm = LLM(shape_dir(args.shape), load_format="dummy", device="cuda", max_model_len=max_len,
               max_num_seqs=max(batches), kv_cache_memory_bytes=8 << 30, cuda_graph_batch_sizes=tuple(batches),
+              fused_qkv_prologue=args.fused_qkv_prologue,
               **({} if args.small_m_rows is None else {"small_m_rows": args.small_m_rows}))
     runner = llm.executor.target
     floor_ms = weight_bytes(runner.model) / bw * 1e3
@@ -106,27 +166,21 @@ def main() -> None:
         load_ms = cuda_median_ms(lambda b=b, chunks=chunks: runner.buffers.load(chunks, num_reqs=b, num_tokens=b,
                                                                                 max_query_len=1), args.steps)
         eager_ms = cuda_median_ms(lambda: step(False), args.steps)
-        # The whole engine step (scheduler, sampling, detokenizer-free output) from generate().
-        params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
-        prompts = [torch.randint(0, runner.vocab_size, (args.context,)).tolist() for _ in range(b)]
-        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
-        t0 = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
-        t_prefill = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        llm.generate(prompts, params)
-        engine_ms = (time.perf_counter() - t0 - t_prefill) / args.steps * 1e3
+        engine_ms, phases = engine_step_ms(llm, b, args.context, args.steps, args.repeats)
         rows.append({"batch": b, "graph_ms": graph_ms, "replay_ms": replay_ms, "load_ms": load_ms, "eager_ms": eager_ms,
-                     "engine_step_ms": engine_ms,
+                     "engine_step_ms": engine_ms, "engine_vs_floor": engine_ms / floor_ms, "engine_phases_ms": phases,
                      "floor_ms": floor_ms, "graph_vs_floor": graph_ms / floor_ms, "hf_eager_ms": hf.get(b),
                      "speedup_vs_hf": hf[b] / graph_ms if b in hf else None})
     cols = ["batch", "graph_ms", "replay_ms", "load_ms", "eager_ms", "engine_step_ms", "floor_ms", "graph_vs_floor",
-            "hf_eager_ms", "speedup_vs_hf"]
+            "engine_vs_floor", "hf_eager_ms", "speedup_vs_hf"]
     table = markdown_table(rows, cols)
-    print(f"small_m_rows {llm.engine_config.small_m_rows}")
+    print(f"small_m_rows {llm.engine_config.small_m_rows}, fused_qkv_prologue {llm.engine_config.fused_qkv_prologue}")
     print(f"{args.shape}: weights {weight_bytes(runner.model) / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s, "
           f"context {args.context}")
     print(table)
+    for r in rows:
+        print(f"batch {r['batch']}: engine step phases, median ms: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in r["engine_phases_ms"].items()))
     save_json(args.out, {"env": environment(), "args": vars(args), "bandwidth_Bps": bw, "rows": rows})
 
 

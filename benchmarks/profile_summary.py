@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--min-share", type=float, default=0.02, help="skip processes with fewer samples than this")
-    ap.add_argument("--within", default=None, help="only stacks with a frame containing this text, e.g. EngineCore.step")
+    ap.add_argument("--within", default=None, help="only stacks with a frame containing this, e.g. EngineCore.step")
     args = ap.parse_args()
     for path in args.paths:
         print(f"# {path}")
