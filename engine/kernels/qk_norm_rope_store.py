@@ -4,8 +4,7 @@ new keys and values into the paged KV cache (Triton kernel + typed wrapper + tor
 Between the fused qkv projection and paged attention a layer otherwise runs a q norm, a k norm (Qwen3, Gemma 3),
 the rotary kernel and the KV store: four launches of about two microseconds each at batch 1, which is 10% of an
 8B model's step at the weight-bandwidth floor (36 layers x 4), and more of a launch-bound draft's. Here one
-program takes one head of one token straight from the projection's output. At 1-4 rows the same work can run in
-the qkv product's epilogue instead (engine/kernels/norm_qkv_rope_store.py, EngineConfig.fused_qkv_prologue).
+program takes one head of one token straight from the projection's output.
 
 The arithmetic is that of the unfused layers, rounding included: the norm's statistics in float32, its output
 rounded to the activation dtype (Llama form: the normalised row is rounded before the weight multiplies it;

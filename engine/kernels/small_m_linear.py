@@ -8,8 +8,7 @@ Each launch and its tail cost a few microseconds of their own, so the draft step
 Here a norm needs no kernel of its own: each program of the following product recomputes the row statistics of
 its (tiny) input, which it reads from L2 anyway, and the activation is applied to the gate/up row as the down
 projection reads it. A layer becomes norm+qkv, attention's prologue, attention, o_proj+residual, norm+gate_up and
-act+down. engine/kernels/norm_qkv_rope_store.py goes one launch further (EngineConfig.fused_qkv_prologue): its
-qkv product, built on this kernel's input tile, does attention's prologue in its epilogue.
+act+down.
 
 Layout: a program owns BLOCK_N output features of every row and walks K in BLOCK_K steps. With few rows (FMA
 form) the products are plain fp32 multiply-adds into a [rows, BLOCK_N, BLOCK_K] accumulator summed once at the
