@@ -123,8 +123,6 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--small-m-rows", type=int, default=None,
                     help="EngineConfig.small_m_rows (0: cuBLAS products and separate norm/activation kernels)")
-    ap.add_argument("--fused-qkv-prologue", action="store_true", help="EngineConfig.fused_qkv_prologue: the input "
-                    "norm, qkv product and attention's prologue in one kernel at one row")
     ap.add_argument("--no-pdl", action="store_true", help="launch every kernel the ordinary way (no programmatic "
                     "dependent launch), as before it existed")
     ap.add_argument("--out")
@@ -137,7 +135,6 @@ def main() -> None:
     max_len = args.context + engine_tokens(args.steps, args.repeats) + 64
     llm = LLM(shape_dir(args.shape), load_format="dummy", device="cuda", max_model_len=max_len,
               max_num_seqs=max(batches), kv_cache_memory_bytes=8 << 30, cuda_graph_batch_sizes=tuple(batches),
-              fused_qkv_prologue=args.fused_qkv_prologue,
               **({} if args.small_m_rows is None else {"small_m_rows": args.small_m_rows}))
     runner = llm.executor.target
     floor_ms = weight_bytes(runner.model) / bw * 1e3
@@ -174,7 +171,7 @@ def main() -> None:
     cols = ["batch", "graph_ms", "replay_ms", "load_ms", "eager_ms", "engine_step_ms", "floor_ms", "graph_vs_floor",
             "engine_vs_floor", "hf_eager_ms", "speedup_vs_hf"]
     table = markdown_table(rows, cols)
-    print(f"small_m_rows {llm.engine_config.small_m_rows}, fused_qkv_prologue {llm.engine_config.fused_qkv_prologue}")
+    print(f"small_m_rows {llm.engine_config.small_m_rows}")
     print(f"{args.shape}: weights {weight_bytes(runner.model) / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s, "
           f"context {args.context}")
     print(table)

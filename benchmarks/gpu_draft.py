@@ -24,13 +24,11 @@ from engine.spec.draft_loop import DraftLoop
 
 
 def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: bool, steps: int,
-            small_m_rows: int = EngineConfig.small_m_rows,
-            fused_qkv_prologue: bool = EngineConfig.fused_qkv_prologue) -> float:
+            small_m_rows: int = EngineConfig.small_m_rows) -> float:
     max_len = context + 64
     cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=max_len, max_num_seqs=batch,
                        kv_cache_memory_bytes=2 << 30, enforce_eager=not graphs, num_speculative_tokens=k,
-                       load_format="dummy", cuda_graph_batch_sizes=(batch,), small_m_rows=small_m_rows,
-                       fused_qkv_prologue=fused_qkv_prologue)
+                       load_format="dummy", cuda_graph_batch_sizes=(batch,), small_m_rows=small_m_rows)
     mc = ModelConfig.from_path(shape_dir(name))
     mc.max_model_len = max_len
     runner = ModelRunner(mc, cfg, "draft")
@@ -57,9 +55,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--small-m-rows", type=int, default=EngineConfig.small_m_rows,
                     help="EngineConfig.small_m_rows (0: cuBLAS products and separate norm/activation kernels)")
-    ap.add_argument("--fused-qkv-prologue", action=argparse.BooleanOptionalAction,
-                    default=EngineConfig.fused_qkv_prologue, help="EngineConfig.fused_qkv_prologue: the input norm, "
-                    "qkv product and attention's prologue in one kernel at one row")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True, help="also time eager loops")
     ap.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True, help="also time sampling")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="also time HF eager")
@@ -72,23 +67,22 @@ def main() -> None:
     t0 = time.perf_counter()
     for name in args.shapes.split(","):
         for b in (int(x) for x in args.batch.split(",")):
-            row = {"shape": name, "batch": b, "k": args.k, "small_m_rows": args.small_m_rows,
-                   "fused_qkv_prologue": args.fused_qkv_prologue}
+            row = {"shape": name, "batch": b, "k": args.k, "small_m_rows": args.small_m_rows}
             for greedy in (True, False) if args.sampled else (True,):
                 tag = "greedy" if greedy else "sampled"
                 row[f"graph_{tag}_ms"] = loop_ms(name, b, args.k, args.context, True, greedy, args.steps,
-                                                 args.small_m_rows, args.fused_qkv_prologue)
+                                                 args.small_m_rows)
                 if args.eager:
                     row[f"eager_{tag}_ms"] = loop_ms(name, b, args.k, args.context, False, greedy, args.steps,
-                                                     args.small_m_rows, args.fused_qkv_prologue)
+                                                     args.small_m_rows)
                 torch.cuda.empty_cache()
             if args.eager:
                 row["graph_speedup"] = row["eager_greedy_ms"] / row["graph_greedy_ms"]
             if args.hf:
                 row["hf_eager_ms"] = hf_decode_ms(name, b, args.context, args.steps)
             rows.append(row)
-    cols = ["shape", "batch", "k", "small_m_rows", "fused_qkv_prologue", "graph_greedy_ms", "eager_greedy_ms",
-            "graph_speedup", "graph_sampled_ms", "eager_sampled_ms", "hf_eager_ms"]
+    cols = ["shape", "batch", "k", "small_m_rows", "graph_greedy_ms", "eager_greedy_ms", "graph_speedup",
+            "graph_sampled_ms", "eager_sampled_ms", "hf_eager_ms"]
     print(f"draft step time (ms per draft token, loop of k={args.k} from a {args.context}-token context); "
           f"{time.perf_counter() - t0:.0f} s")
     print(markdown_table(rows, [c for c in cols if c in rows[0]]))

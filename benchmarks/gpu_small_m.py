@@ -11,13 +11,6 @@ programmatic dependent launch. Weights rotate over enough copies that they do no
 between calls, as in a real step. Floor: the weight bytes over the copy bandwidth measured in the same run. --sweep
 also times other tile sizes at 1 row and prints the fastest per projection. `kernels`: CUDA kernels of one eager
 forward under torch.profiler (a draft step for the draft shape: forward, argmax and the draft loop's input rebuild).
-
---fused-qkv adds the input norm + qkv product + attention's prologue in one kernel
-(engine/kernels/norm_qkv_rope_store.py) at up to 4 rows: against the pair it replaces (norm+qkv, then
-qk_norm_rope_store), alone and in the layer's chain (with o_proj+add, norm+gate_up, act+down), its split of K
-swept at one row (SPLIT_K x BLOCK_K x warps), and the kernel counts with EngineConfig.fused_qkv_prologue on:
-
-    python benchmarks/gpu_small_m.py --shapes qwen3-0.6b,qwen3-8b --rows 1,2,4 --fused-qkv --out fused_qkv.json
 """
 
 from __future__ import annotations
@@ -28,13 +21,11 @@ import torch
 import torch.nn.functional as F
 from common import environment, graph_us, markdown_table, save_json
 from gpu_linear import projections
-from gpu_shapes import SHAPES, copy_bandwidth, shape_dir
+from gpu_shapes import copy_bandwidth, shape_dir
 from torch.profiler import ProfilerActivity, profile
 
-from engine.kernels import norm_qkv_rope_store as nq
 from engine.kernels import small_m_linear as sml
 from engine.kernels.activation import act_and_mul
-from engine.kernels.qk_norm_rope_store import qk_norm_rope_store
 from engine.kernels.rms_norm import add_rms_norm
 from engine.kernels.triton_compat import set_pdl
 
@@ -56,101 +47,17 @@ def layer_weights(shape: str) -> list[dict[str, torch.Tensor]]:
                  n2=torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5) for _ in range(copies)]
 
 
-def bench_shape(shape: str, rows: list[int], bw: float, sweep: bool, fused_qkv: bool = False
-                ) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+def bench_shape(shape: str, rows: list[int], bw: float, sweep: bool) -> tuple[list[dict], list[dict]]:
     ws = layer_weights(shape)
-    out, best, fused, fused_sweep = [], [], [], []
+    out, best = [], []
     for m in rows:
         row, b = bench_rows(shape, m, ws, bw, sweep)
         out.append(row)
         best += b
         print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-        if fused_qkv and m <= nq.MAX_ROWS:
-            row, b = bench_fused_qkv(shape, m, ws, bw)
-            fused.append(row)
-            fused_sweep += b
-            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     ws.clear()
     torch.cuda.empty_cache()
-    return out, best, fused, fused_sweep
-
-
-def bench_fused_qkv(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float) -> tuple[dict, list[dict]]:
-    """The input norm, qkv and attention's prologue: the pair of kernels (norm+qkv, qk_norm_rope_store) against
-    the one (norm_qkv_rope_store), alone and followed by the rest of the layer's products; at one row, the fused
-    kernel's configs swept."""
-    c = SHAPES[shape]()
-    hq, hk, h = c.num_attention_heads, c.num_key_value_heads, c.hidden_size
-    d = getattr(c, "head_dim", None) or h // hq
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    x, res = torch.randn(m, h, **bf16), torch.randn(m, h, **bf16)
-    a = torch.randn(m, hq * d, **bf16)
-    gu = torch.randn(m, 2 * c.intermediate_size, **bf16)
-    qw, kw = torch.rand(d, **bf16) + 0.5, torch.rand(d, **bf16) + 0.5
-    freqs = torch.outer(torch.arange(4096, dtype=torch.float32, device="cuda"),
-                        1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float32, device="cuda") / d)))
-    cos, sin = freqs.cos(), freqs.sin()
-    cache = torch.zeros(2, 64, 16, hk, d, **bf16)
-    positions = torch.arange(m, device="cuda") + 1000
-    slots = torch.arange(m, device="cuda") + 100
-
-    prologue = (hq, hk, positions, cos, sin, cache[0], cache[1], slots, qw, kw, 1e-6, 0.0)
-
-    def pair(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = ws[i % len(ws)]
-        qkv, s = sml.norm_linear(x, res, w["n1"], 1e-6, 0.0, w["qkv"])
-        return qk_norm_rope_store(qkv, *prologue), s
-
-    def fused(i: int, cfg: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        w = ws[i % len(ws)]
-        return nq.norm_qkv_rope_store(x, res, w["n1"], 1e-6, 0.0, w["qkv"], None, *prologue, config=cfg)
-
-    def rest(i: int, s: torch.Tensor) -> None:
-        w = ws[i % len(ws)]
-        s = sml.linear_add(a, w["o"], None, s)
-        sml.norm_linear(s, None, w["n2"], 1e-6, 0.0, w["gate_up"])
-        sml.act_linear(gu, "silu", w["down"])
-
-    calls = 4 * len(ws)
-    heads = hq + 2 * hk
-    cfg = nq._config(m, heads, d // 2, h, x.device)
-    row = {"shape": shape, "rows": m, "floor_us": ws[0]["qkv"].numel() * 2 / bw * 1e6, "pair_us": graph_us(pair, calls),
-           "fused_us": graph_us(fused, calls), "fused_no_pdl_us": no_pdl_us(fused, calls),
-           "chain_us": graph_us(lambda i: rest(i, pair(i)[1]), calls),
-           "fused_chain_us": graph_us(lambda i: rest(i, fused(i)[1]), calls),
-           "config": {k: cfg[k] for k in ("SPLIT_K", "BLOCK_K", "num_warps")}, "programs": heads * cfg["SPLIT_K"]}
-    row["fused_vs_pair"] = row["fused_us"] / row["pair_us"]
-    # Against the reference (which stores into the cache too: slots are the same, so it overwrites them).
-    w = ws[0]
-    got, ref = fused(0)[0], nq.norm_qkv_rope_store_ref(x, res, w["n1"], 1e-6, 0.0, w["qkv"], None, *prologue)[0]
-    row["max_rel_err"] = float((got.float() - ref.float()).norm() / ref.float().norm())
-    sweep = []
-    if m == 1:
-        results, seen = [], set()
-        for split in (1, 2, 3, 4, 6, 8, 12, 16):
-            for bk in (32, 64, 128):
-                for warps in (4, 8):
-                    c2 = dict(SPLIT_K=nq.split_k(h, split, bk)[0], BLOCK_K=bk, num_warps=warps)
-                    if tuple(c2.values()) in seen:  # a split the launch would make smaller, already timed
-                        continue
-                    seen.add(tuple(c2.values()))
-                    try:
-                        us = graph_us(lambda i, c2=c2: fused(i, c2), calls, replays=10)
-                    except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-                        print("skip", c2, type(e).__name__, flush=True)
-                        continue
-                    results.append((us, c2))
-        results.sort(key=lambda r: r[0])
-        rank = next((i + 1 for i, (_, c2) in enumerate(results)
-                     if all(c2[k] == row["config"][k] for k in c2)), None)
-        top = [(round(u, 2), c2["SPLIT_K"], c2["BLOCK_K"], c2["num_warps"]) for u, c2 in results[:5]]
-        print(f"fused qkv sweep {shape} rows={m}: default {row['config']} {row['fused_us']:.2f} us (rank {rank} of "
-              f"{len(results)}), best {results[0][0]:.2f} us {results[0][1]}, pair {row['pair_us']:.2f} us; top5 {top}",
-              flush=True)
-        sweep.append({"shape": shape, "rows": m, "default": row["config"], "default_us": row["fused_us"],
-                      "default_rank": rank, "best_us": results[0][0], "best": results[0][1], "top5": top,
-                      "pair_us": row["pair_us"]})
-    return row, sweep
+    return out, best
 
 
 def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float, sweep: bool
@@ -268,9 +175,8 @@ def triton_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def count_kernels(shape: str, rows_setting: int, batch: int, draft: bool, fused_qkv: bool = False) -> dict:
-    """CUDA kernels of one eager forward at `batch` decode rows (a draft step with draft=True); fused_qkv:
-    EngineConfig.fused_qkv_prologue."""
+def count_kernels(shape: str, rows_setting: int, batch: int, draft: bool) -> dict:
+    """CUDA kernels of one eager forward at `batch` decode rows (a draft step with draft=True)."""
     from engine.config import EngineConfig, ModelConfig
     from engine.runner.model_runner import ModelRunner
     from engine.runner.step_input import Chunk
@@ -278,7 +184,7 @@ def count_kernels(shape: str, rows_setting: int, batch: int, draft: bool, fused_
 
     cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=640, max_num_seqs=batch,
                        kv_cache_memory_bytes=1 << 30, enforce_eager=True, num_speculative_tokens=4,
-                       load_format="dummy", small_m_rows=rows_setting, fused_qkv_prologue=fused_qkv)
+                       load_format="dummy", small_m_rows=rows_setting)
     mc = ModelConfig.from_path(shape_dir(shape))
     mc.max_model_len = 640
     runner = ModelRunner(mc, cfg, "draft" if draft else "target")
@@ -302,8 +208,7 @@ def count_kernels(shape: str, rows_setting: int, batch: int, draft: bool, fused_
     kernels = [n for n in names if not n.startswith(("Memcpy", "Memset"))]
     layers = mc.num_layers
     return {"shape": shape, "step": "draft step" if draft else "decode", "batch": batch, "small_m_rows": rows_setting,
-            "fused_qkv_prologue": fused_qkv, "kernels": len(kernels), "per_layer": len(kernels) / layers,
-            "copies": len(names) - len(kernels)}
+            "kernels": len(kernels), "per_layer": len(kernels) / layers, "copies": len(names) - len(kernels)}
 
 
 def main() -> None:
@@ -312,25 +217,19 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,5,8,16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--skip-count", action="store_true")
-    ap.add_argument("--fused-qkv", action="store_true", help="also time the input norm + qkv + attention's prologue "
-                    "in one kernel against the pair it replaces (rows <= 4; a config sweep at one row), and count "
-                    "kernels with EngineConfig.fused_qkv_prologue on")
     ap.add_argument("--out")
     args = ap.parse_args()
-    settings = [(0, False), (1, False)] + ([(1, True)] if args.fused_qkv else [])
     counts = [] if args.skip_count else [
-        count_kernels(s, setting, 1, draft, fused) for s, draft in (("qwen3-0.6b", True), ("qwen3-8b", False))
-        for setting, fused in settings]
+        count_kernels(s, setting, 1, draft) for s, draft in (("qwen3-0.6b", True), ("qwen3-8b", False))
+        for setting in (0, 1)]
     for c in counts:
         print(c, flush=True)
     bw = copy_bandwidth()
-    rows, best, fused, fused_sweep = [], [], [], []
+    rows, best = [], []
     for shape in args.shapes.split(","):
-        r, b, f, fs = bench_shape(shape, [int(x) for x in args.rows.split(",")], bw, args.sweep, args.fused_qkv)
+        r, b = bench_shape(shape, [int(x) for x in args.rows.split(",")], bw, args.sweep)
         rows += r
         best += b
-        fused += f
-        fused_sweep += fs
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     print(markdown_table(rows, ["shape", "rows", "floor_us", "old_layer_us", "new_layer_us", "new_no_pdl_layer_us",
                                 "old_vs_floor", "new_vs_floor", "max_rel_err"]))
@@ -339,18 +238,10 @@ def main() -> None:
     if best:
         print(markdown_table(best, ["shape", "rows", "proj", "default_us", "best_us", "floor_us", "best", "rule_rank",
                                     "rule_vs_best"]))
-    if fused:
-        print(markdown_table(fused, ["shape", "rows", "floor_us", "pair_us", "fused_us", "fused_no_pdl_us",
-                                     "fused_vs_pair", "chain_us", "fused_chain_us", "config", "programs",
-                                     "max_rel_err"]))
-    if fused_sweep:
-        print(markdown_table(fused_sweep, ["shape", "rows", "pair_us", "default", "default_us", "default_rank",
-                                           "best_us", "best"]))
     if counts:
-        print(markdown_table(counts, ["shape", "step", "batch", "small_m_rows", "fused_qkv_prologue", "kernels",
-                                      "per_layer", "copies"]))
+        print(markdown_table(counts, ["shape", "step", "batch", "small_m_rows", "kernels", "per_layer", "copies"]))
     save_json(args.out, {"env": environment(), "args": vars(args), "bandwidth_Bps": bw, "rows": rows, "sweep": best,
-                         "fused_qkv": fused, "fused_qkv_sweep": fused_sweep, "counts": counts})
+                         "counts": counts})
 
 
 if __name__ == "__main__":
