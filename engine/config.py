@@ -196,11 +196,6 @@ class EngineConfig:
     # (benchmarks/RESULTS.md). 0: never. Only on the kernel devices (CUDA, or Triton's interpreter) and without
     # tensor parallelism.
     small_m_rows: int = 1
-    # On that small-M path (at most 4 rows of it), the input norm, the qkv product and attention's prologue (q/k
-    # norms, rotary, KV-cache store) in one kernel (engine/kernels/norm_qkv_rope_store.py): one launch fewer per
-    # layer. Off by default until it is measured on a GPU against the two kernels it replaces
-    # (benchmarks/gpu_small_m.py --fused-qkv).
-    fused_qkv_prologue: bool = False
 
     def validate(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -223,8 +218,6 @@ class EngineConfig:
             raise ValueError(f"synthetic_bonus_agreement must be in [0, 1], got {rate!r}")
         if not 0 <= self.small_m_rows <= 16:
             raise ValueError(f"small_m_rows must be in [0, 16], got {self.small_m_rows}")
-        if not isinstance(self.fused_qkv_prologue, bool):
-            raise ValueError(f"fused_qkv_prologue must be true or false, got {self.fused_qkv_prologue!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.tensor_parallel_size != 1:

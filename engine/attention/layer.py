@@ -56,25 +56,6 @@ class Attention(nn.Module):
         q, k = rotary(positions, q, k)
         return self(q.reshape(n, -1), k.reshape(n, -1), v, md)
 
-    def forward_norm_qkv(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, qkv_weight: torch.Tensor,
-                         qkv_bias: torch.Tensor | None, positions: torch.Tensor, md: AttentionMetadata,
-                         rotary: RotaryEmbedding, q_norm: RMSNorm | None = None,
-                         k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole layer from its input, for a few rows on the kernel path: `norm` (the layer's input norm, of
-        x + residual), the qkv product and forward_qkv's prologue in one kernel
-        (engine/kernels/norm_qkv_rope_store.py), then attention. Returns (the attention output
-        [num_tokens, num_heads * head_dim], x + residual: the residual stream, x itself when residual is None)."""
-        from engine.kernels.norm_qkv_rope_store import norm_qkv_rope_store
-
-        kv = self._bound_cache()
-        eps, offset = (q_norm.eps, q_norm.offset) if q_norm is not None else (0.0, 0.0)
-        q, residual = norm_qkv_rope_store(x, residual, norm.weight, norm.eps, norm.offset, qkv_weight, qkv_bias,
-                                          self.num_heads, self.num_kv_heads, positions, rotary.cos, rotary.sin,
-                                          kv[0], kv[1], md.groups[self.kv_group_id].slot_mapping,
-                                          q_norm.weight if q_norm is not None else None,
-                                          k_norm.weight if k_norm is not None else None, eps, offset)
-        return self._attend_triton(q, md).reshape(x.shape[0], self.num_heads * self.head_dim), residual
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim]: store k/v, attend."""
         kv_cache = self._bound_cache()

@@ -11,7 +11,6 @@ from torch import nn
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.config import ModelConfig
-from engine.kernels.norm_qkv_rope_store import takes_rows as takes_fused_rows
 from engine.kernels.small_m_linear import norm_linear, takes_rows
 from engine.models.layers import (
     ParallelLMHead,
@@ -58,7 +57,6 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
         self.small_m_rows = 0  # as GatedMLP.small_m_rows, for the whole layer
-        self.fused_qkv_prologue = False  # as LlamaDecoderLayer.fused_qkv_prologue
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,19 +75,12 @@ class Gemma3DecoderLayer(nn.Module):
                          md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """forward for a few rows: the input norm runs in the qkv product, the pre-feed-forward add+norm in the
         gate_up product and the activation in the down product (engine/kernels/small_m_linear.py). The
-        post-attention norm stays a kernel of its own: it sits between the o_proj product and the residual add.
-        With fused_qkv_prologue the qkv product also does attention's prologue (q/k norms, rotary, KV store into
-        this layer's KV-cache group)."""
+        post-attention norm stays a kernel of its own: it sits between the o_proj product and the residual add."""
         attn, mlp = self.self_attn, self.mlp
         n_in, n_ff = self.input_layernorm, self.pre_feedforward_layernorm
-        if self.fused_qkv_prologue and md.backend == "triton" and takes_fused_rows(x, self.small_m_rows):
-            o, residual = attn.attn.forward_norm_qkv(x, residual, n_in, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                                     positions, md, attn.rotary, attn.q_norm, attn.k_norm)
-        else:
-            qkv, residual = norm_linear(x, residual, n_in.weight, n_in.eps, n_in.offset, attn.qkv_proj.weight,
-                                        attn.qkv_proj.bias)
-            o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, attn.q_norm, attn.k_norm)
-        o = attn.o_proj(o)
+        qkv, residual = norm_linear(x, residual, n_in.weight, n_in.eps, n_in.offset, attn.qkv_proj.weight,
+                                    attn.qkv_proj.bias)
+        o = attn.o_proj(attn.attn.forward_qkv(qkv, positions, md, attn.rotary, attn.q_norm, attn.k_norm))
         gate_up, residual = norm_linear(self.post_attention_layernorm(o), residual, n_ff.weight, n_ff.eps,
                                         n_ff.offset, mlp.gate_up_proj.weight)
         return self.post_feedforward_layernorm(mlp.forward_gate_up(gate_up)), residual

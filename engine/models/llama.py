@@ -10,7 +10,6 @@ from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kernels.activation import ACTIVATIONS, act_and_mul
-from engine.kernels.norm_qkv_rope_store import takes_rows as takes_fused_rows
 from engine.kernels.rms_norm import use_fused_kernels
 from engine.kernels.small_m_linear import act_linear, linear_add, norm_linear, takes_rows
 from engine.models.layers import (
@@ -85,9 +84,6 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.small_m_rows = 0  # as GatedMLP.small_m_rows, for the whole layer
-        # On the small-M path, the input norm, qkv and attention's prologue in one kernel (EngineConfig's
-        # fused_qkv_prologue; the runner sets it).
-        self.fused_qkv_prologue = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,17 +101,12 @@ class LlamaDecoderLayer(nn.Module):
     def _forward_small_m(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                          md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """forward for a few rows, norms and adds folded into the products: norm+qkv, attention's prologue,
-        attention, o_proj+residual, norm+gate_up, act+down (six launches, seven with split-KV attention); five
-        (six) with fused_qkv_prologue, where norm+qkv and attention's prologue are one kernel."""
+        attention, o_proj+residual, norm+gate_up, act+down (six launches, seven with split-KV attention)."""
         attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = norm_linear(x, residual, n1.weight, n1.eps, n1.offset, attn.qkv_proj.weight,
+                                    attn.qkv_proj.bias)
         norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
-        if self.fused_qkv_prologue and md.backend == "triton" and takes_fused_rows(x, self.small_m_rows):
-            o, residual = attn.attn.forward_norm_qkv(x, residual, n1, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                                     positions, md, attn.rotary, *norms)
-        else:
-            qkv, residual = norm_linear(x, residual, n1.weight, n1.eps, n1.offset, attn.qkv_proj.weight,
-                                        attn.qkv_proj.bias)
-            o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, *norms)
+        o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, *norms)
         residual = linear_add(o, attn.o_proj.weight, attn.o_proj.bias, residual)
         gate_up, _ = norm_linear(residual, None, n2.weight, n2.eps, n2.offset, mlp.gate_up_proj.weight)
         return mlp.forward_gate_up(gate_up), residual

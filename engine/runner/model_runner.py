@@ -31,7 +31,7 @@ class ModelRunner:
         self.device = engine_config.device
         self.dtype = engine_config.dtype
         self.model = build_model(model_config, self.device, self.dtype, load_format=engine_config.load_format)
-        self._set_small_m_rows(engine_config.small_m_rows, engine_config.fused_qkv_prologue)
+        self._set_small_m_rows(engine_config.small_m_rows)
         layers = self.model.attention_layers()
         specs = [AttentionSpec(a.num_kv_heads, a.head_dim, self.dtype, engine_config.block_size, a.sliding_window)
                  for a in layers]
@@ -79,17 +79,14 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)  # SYNC: start-up only
         return runs
 
-    def _set_small_m_rows(self, rows: int, fused_qkv_prologue: bool = False) -> None:
+    def _set_small_m_rows(self, rows: int) -> None:
         """Tell the layers up to how many rows a forward folds its norms and adds into the products
-        (engine/kernels/small_m_linear.py), and whether such a forward also folds attention's prologue into the
-        qkv product (engine/kernels/norm_qkv_rope_store.py). Not under tensor parallelism: a row-parallel
-        product's partial sums must be all-reduced before the residual add that the kernel would fold into it."""
+        (engine/kernels/small_m_linear.py). Not under tensor parallelism: a row-parallel product's partial sums
+        must be all-reduced before the residual add that the kernel would fold into it."""
         rows = rows if get_tp_group().size == 1 else 0
         for module in self.model.modules():
             if hasattr(module, "small_m_rows"):
                 module.small_m_rows = rows
-            if hasattr(module, "fused_qkv_prologue"):
-                module.fused_qkv_prologue = fused_qkv_prologue and rows > 0
 
     def _num_blocks(self) -> int:
         cfg = self.config
