@@ -68,10 +68,14 @@ ENGINE_WARM_TOKENS = 4  # decode steps every request takes before the engine ste
 _REQUEST_IDS = itertools.count()
 
 
+ENGINE_PREFILL_MARGIN = 64  # tokens the first requests may decode while the last ones' prompts are still prefilled
+
+
 def engine_tokens(steps: int, repeats: int) -> int:
     """Output tokens per request of engine_step_ms's timed requests: warm-up, the timed runs, a margin for the
-    step in flight (none may finish before the last timed step)."""
-    return ENGINE_WARM_TOKENS + steps * repeats + 8
+    step in flight and for the decode steps that early requests take while later prompts are still prefilled
+    in chunks (none may finish before the last timed step)."""
+    return ENGINE_WARM_TOKENS + steps * repeats + 8 + ENGINE_PREFILL_MARGIN
 
 
 def engine_step_ms(llm: LLM, batch: int, context: int, steps: int, repeats: int) -> tuple[float, dict[str, float]]:
@@ -96,6 +100,10 @@ def engine_step_ms(llm: LLM, batch: int, context: int, steps: int, repeats: int)
         engine.add_request(r)
     while min(len(r.output_token_ids) for r in reqs) < ENGINE_WARM_TOKENS:
         engine.step()
+    ahead = max(len(r.output_token_ids) for r in reqs) - ENGINE_WARM_TOKENS
+    if ahead > ENGINE_PREFILL_MARGIN:
+        raise RuntimeError(f"the first requests decoded {ahead} tokens while the last were prefilled: raise "
+                           "ENGINE_PREFILL_MARGIN")
     means, phases = [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
