@@ -165,6 +165,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # Batch sizes to capture graphs for; None: 1, 2, 4, 8, then steps of 8 up to min(max_num_seqs, 64).
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # Token counts to capture mixed-batch graphs for (a prefill chunk beside decodes, engine/runner/cuda_graphs.py);
+    # None: powers of two from 32 up to 2048 (within the step's token budget); (): none, such steps run eagerly.
+    cuda_graph_mixed_token_sizes: tuple[int, ...] | None = None
     # Draft tokens per step the runners size their buffers and graphs for (set from SpeculativeConfig).
     num_speculative_tokens: int = 0
     # "auto": the checkpoint's weights; "dummy": random weights (benchmarks of a shape from its config.json).
@@ -243,6 +246,14 @@ def graph_batch_sizes(cfg: EngineConfig) -> list[int]:
     if cap not in sizes:
         sizes.append(cap)
     return sorted(set(sizes))
+
+
+def mixed_graph_token_sizes(cfg: EngineConfig) -> list[int]:
+    """Token-count buckets for mixed-batch CUDA graphs, ascending (the runner drops those its buffers cannot hold)."""
+    if cfg.cuda_graph_mixed_token_sizes is not None:
+        return sorted({t for t in cfg.cuda_graph_mixed_token_sizes if t >= 1})
+    return [t for t in (32, 64, 128, 256, 512, 1024, 2048)
+            if t <= max(32, cfg.max_num_batched_tokens + cfg.max_num_seqs)]
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -81,3 +81,41 @@ def test_a_token_in_a_released_block_is_refused():
     bad = Chunk([1], 9, 1, [[1, 2, 3], [NULL_BLOCK, NULL_BLOCK, NULL_BLOCK]])
     with pytest.raises(RuntimeError, match="released or unallocated block in group 1"):
         buffers.load([bad])
+
+
+def test_padding_step_of_a_mixed_graph_reads_nothing_and_writes_nothing():
+    """What mixed-batch graphs are captured with: one request holding every token, the rest empty, no slot written,
+    every logits row on token 0; a real step loaded after it shows its own contents."""
+    buffers = InputBuffers(GROUPS, max_num_reqs=4, max_num_tokens=32, max_model_len=64, device=torch.device("cpu"))
+    step = buffers.load_padding(4, 16, 8)
+    common = step.attn.common
+    assert common.query_start_loc.tolist() == [0, 16, 16, 16, 16]
+    assert common.seq_lens.tolist() == [16, 0, 0, 0]
+    assert common.max_query_len == 16 and step.input_ids.shape == (16,)
+    assert step.logits_indices.tolist() == [0] * 8
+    for g in step.attn.groups:
+        assert (g.slot_mapping == -1).all() and (g.block_table == NULL_BLOCK).all()
+    check(buffers, STEPS[0], 4, 16)
+
+
+def test_mixed_graph_bucket_choice():
+    """Uniform graphs first; a step with a prefill chunk takes the smallest mixed token bucket that holds it, and
+    runs eagerly past the largest, past the batch bucket, or with more logits rows per request than captured."""
+    from engine.runner.cuda_graphs import ForwardGraphs
+
+    buffers = InputBuffers(GROUPS, max_num_reqs=8, max_num_tokens=256, max_model_len=64, device=torch.device("cpu"))
+    graphs = ForwardGraphs(buffers, lambda s: s.input_ids, [1, 4, 8], [1, 4], pool=None,  # type: ignore[arg-type]
+                           gathered=lambda s: s.input_ids, mixed_token_sizes=[32, 128, 512])
+    assert graphs.mixed_token_sizes == [32, 128]  # 512 does not fit the buffers
+    graphs.graphs = {"captured": None}  # bucket() only asks whether any graph was captured
+    decode = [chunk([1], 5, 1, 1)] * 3
+    prefill = chunk(list(range(40)), 0, 1, 1)
+    assert graphs.bucket(decode) == (4, 1)
+    assert graphs.bucket([prefill] + decode) == (8, 128, 128)
+    assert graphs.bucket([chunk(list(range(20)), 0, 0, 1)] + decode) == (8, 32, 32)
+    assert graphs.bucket([chunk(list(range(200)), 0, 1, 1)]) is None  # past the largest bucket
+    assert graphs.bucket([prefill] * 9) is None  # past the batch bucket
+    assert graphs.bucket([chunk(list(range(10)), 0, 5, 1)]) is None  # 5 logits rows > the 4 captured per request
+    step = graphs.load([prefill] + decode, (8, 128, 128))
+    assert step.input_ids.shape == (128,) and step.logits_indices.shape == (32,)
+    assert step.logits_indices[:4].tolist() == [39, 40, 41, 42]

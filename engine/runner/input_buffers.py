@@ -164,6 +164,28 @@ class InputBuffers:
         step.num_logits_per_req = [c.num_logits for c in chunks]
         return step
 
+    def load_padding(self, num_reqs: int, num_tokens: int, num_logits: int) -> StepInput:
+        """A padding-only step shaped like a mixed batch (prefill chunks beside decodes or verifies): num_reqs
+        requests (the first holds every token, the rest none), num_tokens tokens, up to num_tokens per request, and
+        num_logits logits rows; it reads the null block and writes nothing. What mixed-batch graphs are captured
+        with: their kernels size every grid from these host ints, so any real batch that fits them replays alike."""
+        self._wait_for_upload()
+        h = self._host
+        r, t = num_reqs, num_tokens
+        h["query_start_loc"][0] = 0
+        h["query_start_loc"][1:r + 1] = t
+        h["seq_lens"][:r] = 0
+        h["seq_lens"][0] = t
+        h["input_ids"][:t] = 0
+        h["positions"][:t] = torch.arange(t)
+        h["block_tables"][:, :r] = NULL_BLOCK
+        h["slot_mappings"][:, :t] = -1
+        h["logits_indices"][:num_logits] = 0
+        self._upload(r, t, num_logits)
+        step = self.view(r, t, t, t, num_logits)
+        step.num_logits_per_req = [num_logits] + [0] * (r - 1)
+        return step
+
     def _wait_for_upload(self) -> None:
         # SYNC: only until the previous step's copies have run. A step that samples nothing (mid-prefill) does
         # not wait for its GPU work, so without this the next step could rewrite the pinned staging memory

@@ -6,7 +6,13 @@ import logging
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig, graph_batch_sizes, resolve_attention_backend
+from engine.config import (
+    EngineConfig,
+    ModelConfig,
+    graph_batch_sizes,
+    mixed_graph_token_sizes,
+    resolve_attention_backend,
+)
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
 from engine.models.loader import build_model
 from engine.parallel import get_tp_group
@@ -161,7 +167,8 @@ class ModelRunner:
             return PreparedForward(build_step_input(chunks, self.kv_groups, self.device), None, num_tokens)
         key = self.graphs.bucket(chunks) if self.graphs is not None else None
         if key is not None:
-            return PreparedForward(self.graphs.load(chunks, key), key, num_tokens)
+            # A graph's output rows: the step's logits rows (every token's, for a uniform graph), then padding.
+            return PreparedForward(self.graphs.load(chunks, key), key, sum(c.num_logits for c in chunks))
         return PreparedForward(self.buffers.load(chunks), None, num_tokens)
 
     def run_forward(self, prepared: PreparedForward, device_tokens: DeviceTokens | None = None) -> torch.Tensor:
@@ -180,7 +187,8 @@ class ModelRunner:
         if self.graph_pool is None:
             self.graph_pool = GraphPool()
         self.graphs = ForwardGraphs(self.buffers, torch.inference_mode()(self.forward_all),
-                                    graph_batch_sizes(self.config), query_lens, self.graph_pool)
+                                    graph_batch_sizes(self.config), query_lens, self.graph_pool,
+                                    gathered=self.execute, mixed_token_sizes=mixed_graph_token_sizes(self.config))
         self.graphs.capture()
 
     @property

@@ -55,8 +55,8 @@ class PreparedForward:
     for the draft's proposal, so the input is built while the draft works instead of after it."""
 
     step: StepInput  # on the kernel path, views of the runner's input buffers
-    graph_key: tuple[int, int] | None  # (batch, query len) of the CUDA graph to replay; None: run eagerly
-    num_tokens: int  # real tokens; a graph's output has padding rows after them
+    graph_key: tuple[int, ...] | None  # the CUDA graph to replay (engine/runner/cuda_graphs.py); None: run eagerly
+    num_tokens: int  # real rows of the output: tokens eagerly, logits rows on a graph (padding rows after them)
 
 
 def build_step_input(chunks: list[Chunk], groups: list[KVCacheGroupSpec], device: torch.device) -> StepInput:
