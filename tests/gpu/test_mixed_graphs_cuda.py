@@ -47,7 +47,7 @@ def run(family_path: str, mixed: bool, draft: str | None = None, sampled: bool =
 def test_mixed_graphs_equal_eager_mixed_steps(tiny_models, family):
     eager, n_eager, _ = run(tiny_models[family].path, mixed=False)
     graphs, n_mixed, _ = run(tiny_models[family].path, mixed=True)
-    assert n_eager == 0 and n_mixed >= 10, n_mixed
+    assert n_eager == 0 and n_mixed >= 5, (n_eager, n_mixed)
     assert graphs == eager
 
 
@@ -55,7 +55,7 @@ def test_mixed_graphs_with_a_hybrid_draft_and_seeded_sampling(tiny_models, tiny_
     target, draft = tiny_models["gemma3"].path, tiny_drafts["gemma3-2l"].path
     eager, _, _ = run(target, mixed=False, draft=draft, sampled=True)
     graphs, n_mixed, _ = run(target, mixed=True, draft=draft, sampled=True)
-    assert n_mixed >= 5, n_mixed
+    assert n_mixed >= 3, n_mixed
     assert graphs == eager
     # Greedy with the draft equals the target alone through mixed graphs too.
     alone, _, _ = run(target, mixed=True)
