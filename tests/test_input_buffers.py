@@ -84,18 +84,21 @@ def test_a_token_in_a_released_block_is_refused():
 
 
 def test_padding_step_of_a_mixed_graph_reads_nothing_and_writes_nothing():
-    """What mixed-batch graphs are captured with: one request holding every token, the rest empty, no slot written,
-    every logits row on token 0; a real step loaded after it shows its own contents."""
-    buffers = InputBuffers(GROUPS, max_num_reqs=4, max_num_tokens=32, max_model_len=64, device=torch.device("cpu"))
-    step = buffers.load_padding(4, 16, 8)
+    """What mixed-batch graphs are captured with (and the kernel warm-up runs): requests holding no token, so no
+    block table entry is read even where the longest query exceeds max_model_len, no slot written, every logits row
+    on token 0; a real step loaded after it shows its own contents."""
+    buffers = InputBuffers(GROUPS, max_num_reqs=4, max_num_tokens=128, max_model_len=16, device=torch.device("cpu"))
+    step = buffers.load_padding(4, 100, 100, 8)
     common = step.attn.common
-    assert common.query_start_loc.tolist() == [0, 16, 16, 16, 16]
-    assert common.seq_lens.tolist() == [16, 0, 0, 0]
-    assert common.max_query_len == 16 and step.input_ids.shape == (16,)
+    assert common.query_start_loc.tolist() == [0, 0, 0, 0, 0]
+    assert common.seq_lens.tolist() == [0, 0, 0, 0]
+    assert common.max_query_len == 100 and step.input_ids.shape == (100,)
     assert step.logits_indices.tolist() == [0] * 8
     for g in step.attn.groups:
         assert (g.slot_mapping == -1).all() and (g.block_table == NULL_BLOCK).all()
-    check(buffers, STEPS[0], 4, 16)
+    small = InputBuffers(GROUPS, max_num_reqs=4, max_num_tokens=32, max_model_len=64, device=torch.device("cpu"))
+    small.load_padding(4, 16, 16, 8)
+    check(small, STEPS[0], 4, 16)
 
 
 def test_mixed_graph_bucket_choice():

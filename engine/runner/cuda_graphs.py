@@ -108,7 +108,7 @@ class ForwardGraphs:
         r, per_req = self.mixed_num_reqs, self.mixed_logits_per_req
         with no_gc_while_capturing():
             for t in reversed(self.mixed_token_sizes):  # the largest first: the others reuse its memory
-                step = self.buffers.load_padding(r, t, r * per_req)
+                step = self.buffers.load_padding(r, t, t, r * per_req)
                 self.graphs[(r, t, t)] = self.pool.capture(lambda step=step: self.gathered(step))  # type: ignore[misc]
             for q in reversed(self.query_lens):
                 for b in reversed(self.batch_sizes):

@@ -164,25 +164,24 @@ class InputBuffers:
         step.num_logits_per_req = [c.num_logits for c in chunks]
         return step
 
-    def load_padding(self, num_reqs: int, num_tokens: int, num_logits: int) -> StepInput:
-        """A padding-only step shaped like a mixed batch (prefill chunks beside decodes or verifies): num_reqs
-        requests (the first holds every token, the rest none), num_tokens tokens, up to num_tokens per request, and
-        num_logits logits rows; it reads the null block and writes nothing. What mixed-batch graphs are captured
-        with: their kernels size every grid from these host ints, so any real batch that fits them replays alike."""
+    def load_padding(self, num_reqs: int, num_tokens: int, max_query_len: int, num_logits: int) -> StepInput:
+        """A padding-only step of this launch shape: num_reqs requests that all hold no token (every attention
+        program exits at once, no block table entry is read), num_tokens padding tokens (slot -1: no KV written),
+        num_logits logits rows on token 0. The kernels size their grids from these host ints alone, so a step
+        built like this compiles the same kernel variants, and captures the same graph, as any real batch of the
+        shape; with real lengths it could read past a block table row (max_query_len may exceed max_model_len)."""
         self._wait_for_upload()
         h = self._host
         r, t = num_reqs, num_tokens
-        h["query_start_loc"][0] = 0
-        h["query_start_loc"][1:r + 1] = t
+        h["query_start_loc"][:r + 1] = 0
         h["seq_lens"][:r] = 0
-        h["seq_lens"][0] = t
         h["input_ids"][:t] = 0
-        h["positions"][:t] = torch.arange(t)
+        h["positions"][:t] = 0
         h["block_tables"][:, :r] = NULL_BLOCK
         h["slot_mappings"][:, :t] = -1
         h["logits_indices"][:num_logits] = 0
         self._upload(r, t, num_logits)
-        step = self.view(r, t, t, t, num_logits)
+        step = self.view(r, t, max_query_len, 1, num_logits)
         step.num_logits_per_req = [num_logits] + [0] * (r - 1)
         return step
 

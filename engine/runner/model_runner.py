@@ -63,9 +63,10 @@ class ModelRunner:
 
     def warm_up_attention(self) -> list[tuple[int, int]]:
         """Compile every paged-attention variant this runner's steps can select, before the first request: one
-        eager forward of a padding-only step per variant (it reads the null block and writes no KV). Without it a
-        variant first met mid-serving (a prefill chunk of a new length, a batch of a new size) compiles inside that
-        step, for a second or more, in every worker process. Returns the (requests, tokens per request) run."""
+        eager forward of a padding-only step per variant (its requests hold no token: nothing is read or written).
+        Without it a variant first met mid-serving (a prefill chunk of a new length, a batch of a new size)
+        compiles inside that step, for a second or more, in every worker process. Returns the (requests, longest
+        query) shapes run."""
         if self.buffers is None or self.device.type != "cuda":
             return []
         from engine.kernels.paged_attention import compiled_variant
@@ -75,13 +76,13 @@ class ModelRunner:
         heads = {(a.num_heads // a.num_kv_heads, a.num_kv_heads, a.head_dim) for a in self.model.attention_layers()}
         shapes: dict[tuple, tuple[int, int]] = {}
         for num_reqs in range(1, b.max_num_reqs + 1):
-            for query_len in range(1, b.max_num_tokens // num_reqs + 1):
+            for query_len in range(1, min(b.max_num_tokens // num_reqs, self.config.max_model_len) + 1):
                 for h in heads:
                     key = (h, compiled_variant(num_reqs, query_len, *h, max_keys, self.device))
                     shapes.setdefault(key, (num_reqs, query_len))
         runs = sorted(set(shapes.values()))
         for num_reqs, query_len in runs:
-            self.execute(b.load_dummy(num_reqs, query_len))
+            self.execute(b.load_padding(num_reqs, num_reqs * query_len, query_len, num_reqs))
         torch.cuda.synchronize(self.device)  # SYNC: start-up only
         return runs
 
