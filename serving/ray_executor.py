@@ -5,11 +5,9 @@ One engine step is one round trip from the router. With a Ray Compiled Graph (th
 into a shared-memory channel that every draft rank and every target rank reads; draft rank 0's proposal
 goes straight to the target ranks through their own channels (never back through the router), and the
 router reads target rank 0's StepResult. The target ranks build their verify input from the plan while the
-draft proposes (`target_prepare`, a node of its own), so the proposal's ids are all that is left to write:
-
-    plan ──> draft[0..D-1].draft_step(plan) ──(draft[0]'s proposal)──> target[0..T-1].target_step ──> router
-         └──> target[0..T-1].target_prepare(plan) ──(the same rank's verify input)──┘      │
-                                   draft[0..D-1].draft_absorb <──(target[0]'s result)──────┘  (async only)
+draft proposes (`target_prepare`, a node of its own), so the proposal's ids are all that is left to write. The
+step's nodes are described once, for the graph and for plain calls alike, in serving/step_topology.py; each is a
+thin wrapper over its rank's side of the step (serving/worker.py, engine/spec/spec_step.py).
 
 Asynchronous scheduling (the default here): the router submits step n+1 before it reads step n's result, and
 every rank keeps its requests' state (engine/request_table.py). Target rank 0's result goes straight to the draft
@@ -35,8 +33,11 @@ from ray.actor import ActorHandle
 from engine.config import EngineConfig, ModelConfig
 from engine.decode_pipeline import LaggedResults
 from engine.kv_cache.spec import KVCacheGroupSpec
+from engine.step_phases import book_dispatch
 from engine.step_plan import StepPlan, StepResult
+from serving.draft_group import DraftGroupReplacement
 from serving.placement import actor_options, bundle_task_options, create_group_placement, make_bundle
+from serving.step_topology import GraphCalls, PlainCalls, step_nodes
 from serving.worker import ModelWorker, WorkerInfo, node_ip_and_free_port
 from serving.worker_group import (  # noqa: F401 - check_tensor_parallel and launch_verify_ahead_for are public here too
     WorkerGroup,
@@ -58,7 +59,7 @@ class WorkerDiedError(RuntimeError):
         self.role = role
 
 
-class RayExecutor:
+class RayExecutor(DraftGroupReplacement):
     """Executor protocol (engine/executor.py) over Ray actors: `execute(plan) -> StepResult`."""
 
     def __init__(self, model_path: str, engine_config: EngineConfig, draft_model_path: str | None = None, *,
@@ -71,7 +72,7 @@ class RayExecutor:
         """target_resources / draft_resources: merged into each rank's bundle (default {"CPU": 1} on CPU,
         {"GPU": 1, "CPU": 1} on CUDA), e.g. {"CPU": 2} or a custom resource naming a node pool.
         draft_tensor_transport: None keeps the proposal in the default shared-memory channel; "nccl" (or
-        "accelerator") sends its tensors GPU to GPU, see `_build_graph`.
+        "accelerator") sends its tensors GPU to GPU (serving/step_topology.py, `GraphCalls`).
         Speculation ahead (EngineConfig.speculation_ahead; None: on where every rank of both models has whole GPUs,
         i.e. the draft's forwards can run beside the target's): each draft rank drafts the next window while the
         target verifies (`draft_predraft`, a node between `draft_step` and `draft_absorb`).
@@ -186,40 +187,17 @@ class RayExecutor:
     def _build_graph(self) -> Any:
         from ray.dag import InputNode, MultiOutputNode
 
-        assert self.target is not None
-        targets = self.target.workers
         with InputNode() as plan:
-            if self.pipelined:
-                outs = [w.target_decode.bind(plan) for w in targets]
-            elif self.draft is None:
-                outs = [w.target_step.bind(plan) for w in targets]
-            else:
-                drafts = [w.draft_step.bind(plan) for w in self.draft.workers]
-                proposal = drafts[0]
-                if self.draft_tensor_transport is not None:
-                    # GPU to GPU: the proposal's tensors (draft ids and the [num_reqs, k, vocab] float32 draft
-                    # probabilities, 12.6 MB for 16 requests x k=4 x 49152) go over NCCL from draft rank 0 to
-                    # each target rank, and only the small rest through shared memory. Without it (the default,
-                    # and the only choice on CPU) Ray serializes them through shared memory, copying GPU ->
-                    # host -> GPU. Both ends need a GPU; `benchmarks/router_overhead.py` measures the step.
-                    proposal = proposal.with_tensor_transport(transport=self.draft_tensor_transport)
-                # Each target rank builds its verify input while the draft proposes: a node bound to the plan
-                # alone, whose output stays in the rank's process. Target rank 0 also takes the other draft
-                # ranks' outputs (None): a compiled graph may have no leaf nodes, and this way an error on any
-                # draft rank reaches the router.
-                prepared = [w.target_prepare.bind(plan) for w in targets]
-                outs = [w.target_step.bind(prepared[rank], proposal, *(drafts[1:] if rank == 0 else []))
-                        for rank, w in enumerate(targets)]
-                # Each draft rank drafts the next window after its proposal has gone out, while the target verifies.
-                after = ([[w.draft_predraft.bind(drafts[rank])] for rank, w in enumerate(self.draft.workers)]
-                         if self.speculation_ahead else [[] for _ in self.draft.workers])
-                if self.async_scheduling:
-                    outs += [w.draft_absorb.bind(outs[0], *after[rank]) for rank, w in enumerate(self.draft.workers)]
-                else:
-                    outs += [a for rank_after in after for a in rank_after]
-            dag = MultiOutputNode(outs)
+            dag = MultiOutputNode(self._step_nodes(GraphCalls(self.draft_tensor_transport), plan))
         # Two executions in flight at most (EngineCore submits one before it collects the one before).
         return dag.experimental_compile(_submit_timeout=self.step_timeout_s, _max_inflight_executions=4)
+
+    def _step_nodes(self, calls: GraphCalls | PlainCalls, plan: Any) -> list[Any]:
+        """The step's calls (serving/step_topology.py) on this executor's ranks."""
+        assert self.target is not None
+        return step_nodes(calls, plan, self.target.workers, self.draft.workers if self.draft is not None else [],
+                          pipelined=self.pipelined, speculation_ahead=self.speculation_ahead,
+                          async_scheduling=self.async_scheduling)
 
     # --- steps ---------------------------------------------------------------------------------------
     @property
@@ -257,13 +235,10 @@ class RayExecutor:
         else:
             result = self._get(ref)[0]
         now = time.perf_counter()
-        # What the step cost beyond the workers' own timed work (propose, handoff, prepare, verify, sample):
-        # serialization and channels or RPCs, the plan out and the result back (and the proposal across where
-        # draft and target are on different hosts, which cannot time the handoff). A step submitted while the one
-        # before was still running is timed from that one's result: what its transport added to the step period.
-        wall = now - max(t0, self._last_collected)
+        # A step submitted while the one before was still running is timed from that one's result: what its
+        # transport added to the step period (engine/step_phases.py).
+        book_dispatch(result.phase_seconds, now - max(t0, self._last_collected))
         self._last_collected = now
-        result.phase_seconds["dispatch"] = max(0.0, wall - sum(result.phase_seconds.values()))
         return result
 
     def _get(self, ref: Any) -> list[Any]:
@@ -297,21 +272,10 @@ class RayExecutor:
                 return result
 
     def _submit_plain(self, plan: StepPlan | None) -> list[Any]:
-        """The same methods as the graph, with plain actor calls (each actor runs its calls in order). The proposal
-        travels as an ObjectRef from draft rank 0 to the target ranks, and target rank 0's result to the draft
-        ranks; the router waits once, for all of them."""
-        assert self.target is not None
-        if self.pipelined:
-            return [w.target_decode.remote(plan) for w in self.target.workers]
-        drafts = [w.draft_step.remote(plan) for w in self.draft.workers] if self.draft is not None else []
-        targets = [w.target_step.remote(plan, *drafts[:1]) for w in self.target.workers]
-        # Each actor runs its calls in order: the window ahead is drafted after the proposal, during the verify.
-        ahead = ([w.draft_predraft.remote() for w in self.draft.workers]
-                 if self.draft is not None and self.speculation_ahead else [])
-        absorbs = ([w.draft_absorb.remote(targets[0]) for w in self.draft.workers]
-                   if self.draft is not None and self.async_scheduling else [])
-        # Waiting for the draft ranks too surfaces their errors.
-        return targets + drafts[1:] + ahead + absorbs
+        """The graph's calls as plain actor calls (each actor runs its calls in order). The proposal travels as an
+        ObjectRef from draft rank 0 to the target ranks, and target rank 0's result to the draft ranks; the router
+        waits once, for all of them."""
+        return self._step_nodes(PlainCalls(), plan)
 
     def _raise_step_error(self, error: Exception) -> NoReturn:
         """Turn a failed step into a clear error: a dead/hung worker poisons the executor for good; an error
@@ -373,55 +337,6 @@ class RayExecutor:
             except Exception as e:  # a dead actor makes teardown complain; the kill below still runs
                 logger.warning("compiled graph teardown: %s", e)
             self._graph = None
-
-    # --- replacing the draft group (serving/engine_recovery.py) --------------------------------------
-    def detach_draft(self) -> None:
-        """Run on the target alone: drop the draft ranks (dead or alive) and rebuild the graph without them.
-        Raises WorkerDiedError if a target rank is dead too."""
-        self._teardown_graph()
-        if self.draft is not None:
-            release_group(self.draft)
-        self.draft, self.draft_kv_groups, self.draft_num_blocks = None, None, 0
-        self._broken = self._broken_role = None
-        self.check_health()
-        if self.use_compiled_graph:
-            self._graph = self._build_graph()
-
-    def start_draft_group(self) -> None:
-        """Start and load a new draft group beside the running target (blocking; steps may run meanwhile).
-        `attach_draft` then puts it into the step."""
-        path, size, resources, rejection_sampling, placement_timeout_s, init_timeout_s = self._draft_args
-        if path is None:
-            raise RuntimeError("this executor was built without a draft model")
-        if self._pending_draft is not None:
-            release_group(self._pending_draft)
-        bundle = make_bundle(self.engine_config.device.type, resources)
-        pg = create_group_placement(f"specserve-draft-{id(self):x}-{time.monotonic_ns():x}", size, bundle,
-                                    placement_timeout_s)
-        group = WorkerGroup("draft", path, size, pg)
-        self._pending_draft = group
-        addr, port = "127.0.0.1", 0
-        if size > 1:
-            lookup = ray.remote(node_ip_and_free_port)
-            # SYNC: off the step path (recovery).
-            addr, port = ray.get(lookup.options(**bundle_task_options(pg, 0)).remote(), timeout=placement_timeout_s)
-        actor_cls = ray.remote(ModelWorker)
-        for rank in range(size):
-            group.workers.append(actor_cls.options(**actor_options(pg, rank, bundle)).remote(
-                "draft", path, self.engine_config, rank, size, addr, port, rejection_sampling,
-                int(bundle.get("CPU", 1)), speculation_ahead=self.speculation_ahead))
-        group.info = self._gather_info(group, init_timeout_s)
-
-    def attach_draft(self) -> None:
-        """Put the group `start_draft_group` built into the step: the graph is rebuilt with it (between steps)."""
-        group, self._pending_draft = self._pending_draft, None
-        if group is None or group.info is None:
-            raise RuntimeError("no started draft group to attach: call start_draft_group() first")
-        self._teardown_graph()
-        self.draft = group
-        self.draft_kv_groups, self.draft_num_blocks = group.info.kv_groups, group.info.num_blocks
-        if self.use_compiled_graph:
-            self._graph = self._build_graph()
 
     def __enter__(self) -> RayExecutor:
         return self
