@@ -20,6 +20,7 @@ class DraftGroupReplacement:
     `_gather_info` and `check_health`."""
 
     engine_config: EngineConfig
+    colocated: bool
     use_compiled_graph: bool
     speculation_ahead: bool
     draft: WorkerGroup | None
@@ -35,7 +36,9 @@ class DraftGroupReplacement:
 
     def detach_draft(self) -> None:
         """Run on the target alone: drop the draft ranks (dead or alive) and rebuild the graph without them.
-        Raises WorkerDiedError if a target rank is dead too."""
+        Raises WorkerDiedError if a target rank is dead too, RuntimeError for a draft colocated in the target's
+        ranks (its recovery rebuilds the whole engine)."""
+        self._refuse_colocated("detach")
         self._teardown_graph()
         if self.draft is not None:
             release_group(self.draft)
@@ -48,6 +51,7 @@ class DraftGroupReplacement:
     def start_draft_group(self) -> None:
         """Start and load a new draft group beside the running target (blocking; steps may run meanwhile).
         `attach_draft` then puts it into the step."""
+        self._refuse_colocated("start a new draft group for")
         path, size, resources, rejection_sampling, placement_timeout_s, init_timeout_s = self._draft_args
         if path is None:
             raise RuntimeError("this executor was built without a draft model")
@@ -72,6 +76,7 @@ class DraftGroupReplacement:
 
     def attach_draft(self) -> None:
         """Put the group `start_draft_group` built into the step: the graph is rebuilt with it (between steps)."""
+        self._refuse_colocated("attach")
         group, self._pending_draft = self._pending_draft, None
         if group is None or group.info is None:
             raise RuntimeError("no started draft group to attach: call start_draft_group() first")
@@ -81,3 +86,8 @@ class DraftGroupReplacement:
         if self.use_compiled_graph:
             self._graph = self._build_graph()
 
+    def _refuse_colocated(self, what: str) -> None:
+        if self.colocated:
+            raise RuntimeError(f"cannot {what} a draft colocated in the target's worker processes "
+                               "(draft_placement 'colocated'): it lives and dies with the target's ranks, so the "
+                               "engine is rebuilt whole instead")

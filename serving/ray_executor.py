@@ -7,7 +7,9 @@ goes straight to the target ranks through their own channels (never back through
 router reads target rank 0's StepResult. The target ranks build their verify input from the plan while the
 draft proposes (`target_prepare`, a node of its own), so the proposal's ids are all that is left to write. The
 step's nodes are described once, for the graph and for plain calls alike, in serving/step_topology.py; each is a
-thin wrapper over its rank's side of the step (serving/worker.py, engine/spec/spec_step.py).
+thin wrapper over its rank's side of the step (serving/worker.py, engine/spec/spec_step.py). A draft may also run
+inside the target's ranks (`draft_placement="colocated"`): the graph is then one `spec_step` node per rank, the
+whole step in one process, as in the in-process engine.
 
 Asynchronous scheduling (the default here): the router submits step n+1 before it reads step n's result, and
 every rank keeps its requests' state (engine/request_table.py). Target rank 0's result goes straight to the draft
@@ -41,6 +43,7 @@ from serving.step_topology import GraphCalls, PlainCalls, step_nodes
 from serving.worker import ModelWorker, WorkerInfo, node_ip_and_free_port
 from serving.worker_group import (  # noqa: F401 - check_tensor_parallel and launch_verify_ahead_for are public here too
     WorkerGroup,
+    check_draft_placement,
     check_tensor_parallel,
     launch_verify_ahead_for,
     release_group,
@@ -67,8 +70,9 @@ class RayExecutor(DraftGroupReplacement):
                  draft_tensor_parallel_size: int = 1, use_compiled_graph: bool = True,
                  target_resources: dict[str, float] | None = None,
                  draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
-                 launch_verify_ahead: bool | None = None, placement_timeout_s: float = 120.0,
-                 init_timeout_s: float = 900.0, step_timeout_s: float = 300.0) -> None:
+                 launch_verify_ahead: bool | None = None, draft_placement: str = "separate",
+                 placement_timeout_s: float = 120.0, init_timeout_s: float = 900.0,
+                 step_timeout_s: float = 300.0) -> None:
         """target_resources / draft_resources: merged into each rank's bundle (default {"CPU": 1} on CPU,
         {"GPU": 1, "CPU": 1} on CUDA), e.g. {"CPU": 2} or a custom resource naming a node pool.
         draft_tensor_transport: None keeps the proposal in the default shared-memory channel; "nccl" (or
@@ -79,7 +83,13 @@ class RayExecutor(DraftGroupReplacement):
         launch_verify_ahead: the target's ranks queue each verify forward on the GPU while the draft proposes,
         behind a kernel that waits for the draft's ids (engine/kernels/ids_gate.py), so the forward starts the
         moment they land. None (the default): on CUDA where every rank of both models has whole GPUs; a waiting
-        kernel would take a draft's time slices on a GPU the two share."""
+        kernel would take a draft's time slices on a GPU the two share.
+        draft_placement: "separate" (the default) runs the draft's ranks as actors of their own; "colocated" builds
+        the draft inside each target rank's process, on its device and tensor-parallel group (the draft's size must
+        equal the target's), and runs each step there whole, as the in-process engine does: no proposal or result
+        crosses processes (serving/worker_group.py, `check_draft_placement`). draft_resources, the draft's
+        transport and launching the verify ahead then do not apply, speculation ahead runs after the verify as in
+        process (off unless EngineConfig.speculation_ahead asks), and the draft cannot be replaced alone."""
         if not ray.is_initialized():
             raise RuntimeError("RayExecutor needs a Ray runtime: call ray.init() (or run inside Ray Serve) first")
         self.engine_config = engine_config
@@ -106,6 +116,9 @@ class RayExecutor(DraftGroupReplacement):
         self._draft_args = (draft_model_path, draft_tensor_parallel_size, draft_resources, rejection_sampling,
                             placement_timeout_s, init_timeout_s)
         self._pending_draft: WorkerGroup | None = None
+        check_draft_placement(draft_placement, tensor_parallel_size, draft_tensor_parallel_size)
+        # A draft in the target's processes: one group of workers, each running the whole step.
+        self.colocated = draft_model_path is not None and draft_placement == "colocated"
         check_tensor_parallel(ModelConfig.from_path(model_path), tensor_parallel_size, "target")
         if draft_model_path is not None:
             check_tensor_parallel(ModelConfig.from_path(draft_model_path), draft_tensor_parallel_size, "draft")
@@ -122,9 +135,13 @@ class RayExecutor(DraftGroupReplacement):
         self.target_kv_groups: list[KVCacheGroupSpec] = self.target.info.kv_groups
         self.target_num_blocks: int = self.target.info.num_blocks
         self.vocab_size: int = self.target.info.vocab_size
-        dinfo = self.draft.info if self.draft is not None else None
-        self.draft_kv_groups: list[KVCacheGroupSpec] | None = dinfo.kv_groups if dinfo is not None else None
-        self.draft_num_blocks: int = dinfo.num_blocks if dinfo is not None else 0
+        self.draft_kv_groups: list[KVCacheGroupSpec] | None = None
+        self.draft_num_blocks: int = 0
+        if self.colocated:  # the target's ranks report their draft's KV caches too
+            self.draft_kv_groups = self.target.info.draft_kv_groups
+            self.draft_num_blocks = self.target.info.draft_num_blocks
+        elif self.draft is not None and self.draft.info is not None:
+            self.draft_kv_groups, self.draft_num_blocks = self.draft.info.kv_groups, self.draft.info.num_blocks
 
     # --- construction --------------------------------------------------------------------------------
     def _start(self, model_path: str, draft_model_path: str | None, rejection_sampling: str | None,
@@ -132,7 +149,8 @@ class RayExecutor(DraftGroupReplacement):
                draft_resources: dict[str, float] | None, placement_timeout_s: float, init_timeout_s: float) -> None:
         dev = self.engine_config.device.type
         specs = [("target", model_path, tp, make_bundle(dev, target_resources))]
-        if draft_model_path is not None:
+        colocated_draft = draft_model_path if self.colocated else None
+        if draft_model_path is not None and not self.colocated:
             specs.append(("draft", draft_model_path, draft_tp, make_bundle(dev, draft_resources)))
         groups = []
         for role, path, size, bundle in specs:
@@ -144,8 +162,10 @@ class RayExecutor(DraftGroupReplacement):
             else:
                 self.draft = group
         ahead = launch_verify_ahead_for(self.launch_verify_ahead, dev, [b for *_, b in specs], self.use_compiled_graph)
-        self.speculation_ahead = draft_model_path is not None and speculation_ahead_for(
-            self.engine_config.speculation_ahead, dev, [b for *_, b in specs])
+        # A colocated draft drafts ahead after the verify, as in process: only where asked.
+        self.speculation_ahead = draft_model_path is not None and (
+            bool(self.engine_config.speculation_ahead) if self.colocated
+            else speculation_ahead_for(self.engine_config.speculation_ahead, dev, [b for *_, b in specs]))
         # Rank 0's node and a free port there, for each group's rendezvous (both looked up at once).
         lookup = ray.remote(node_ip_and_free_port)
         addr_refs = [lookup.options(**bundle_task_options(g.placement, 0)).remote() if g.size > 1 else None
@@ -159,9 +179,10 @@ class RayExecutor(DraftGroupReplacement):
                 opts = actor_options(group.placement, rank, bundle)
                 group.workers.append(actor_cls.options(**opts).remote(
                     group.role, group.model_path, self.engine_config, rank, group.size, addr, port,
-                    rejection_sampling if group.role == "draft" else None, int(bundle.get("CPU", 1)),
-                    launch_verify_ahead=ahead and group.role == "target",
-                    speculation_ahead=self.speculation_ahead and group.role == "draft"))
+                    rejection_sampling if group.role == "draft" or self.colocated else None,
+                    int(bundle.get("CPU", 1)), launch_verify_ahead=ahead and group.role == "target",
+                    speculation_ahead=self.speculation_ahead and (group.role == "draft" or self.colocated),
+                    draft_model_path=colocated_draft if group.role == "target" else None))
         for group, _ in groups:
             group.info = self._gather_info(group, init_timeout_s)
 
@@ -176,10 +197,10 @@ class RayExecutor(DraftGroupReplacement):
             raise RuntimeError(f"a {group.role} worker failed while loading {group.model_path}: {e}") from e
         first = infos[0]
         for rank, info in enumerate(infos[1:], start=1):
-            if (info.num_blocks, info.kv_groups, info.vocab_size) != (first.num_blocks, first.kv_groups,
-                                                                      first.vocab_size):
+            if _kv_shape(info) != _kv_shape(first):
                 raise RuntimeError(f"{group.role} rank {rank} disagrees with rank 0 on its KV cache: "
-                                   f"{info.num_blocks} vs {first.num_blocks} blocks")
+                                   f"{info.num_blocks} vs {first.num_blocks} blocks (a colocated draft's: "
+                                   f"{info.draft_num_blocks} vs {first.draft_num_blocks})")
         logger.info("%s: %d rank(s) on %s, %d KV blocks, %d KV-cache group(s)", group.role, group.size,
                     sorted({i.node_ip for i in infos}), first.num_blocks, len(first.kv_groups))
         return first
@@ -197,14 +218,14 @@ class RayExecutor(DraftGroupReplacement):
         assert self.target is not None
         return step_nodes(calls, plan, self.target.workers, self.draft.workers if self.draft is not None else [],
                           pipelined=self.pipelined, speculation_ahead=self.speculation_ahead,
-                          async_scheduling=self.async_scheduling)
+                          async_scheduling=self.async_scheduling, colocated=self.colocated)
 
     # --- steps ---------------------------------------------------------------------------------------
     @property
     def pipelined(self) -> bool:
         """A target alone under asynchronous scheduling: its ranks queue each step before reading the last one's
         tokens (engine/decode_pipeline.py), and an execution returns the step before's result."""
-        return self.draft is None and self.async_scheduling
+        return self.draft is None and not self.colocated and self.async_scheduling
 
     def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
         """Run the plan on the workers; on_dispatched runs once the plan is sent, while the workers work."""
@@ -343,3 +364,8 @@ class RayExecutor(DraftGroupReplacement):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _kv_shape(info: WorkerInfo) -> tuple:
+    """What every rank of a group must agree on: its models' KV caches and vocabulary."""
+    return info.num_blocks, info.kv_groups, info.vocab_size, info.draft_num_blocks, info.draft_kv_groups

@@ -7,7 +7,8 @@ same calls with `.remote()`, each actor running its calls in the order they were
                   draft[0..D-1].draft_predraft (speculation ahead: after the rank's draft_step)
                                    draft[0..D-1].draft_absorb <──(target[0]'s result)──────┘  (async only)
 
-A target alone: target[i].target_step(plan), or under asynchronous scheduling target[i].target_decode(plan).
+A target alone: target[i].target_step(plan), or under asynchronous scheduling target[i].target_decode(plan). A
+draft colocated in the target's ranks: target[i].spec_step(plan), the whole step in each rank's process.
 
 The two ways differ only where their mechanics do:
 - an argument that only orders two calls (`after`) is bound in the graph, which has no other order and may have no
@@ -73,9 +74,12 @@ class PlainCalls:
 
 
 def step_nodes(calls: GraphCalls | PlainCalls, plan: Any, targets: list[ActorHandle], drafts: list[ActorHandle],
-               *, pipelined: bool, speculation_ahead: bool, async_scheduling: bool) -> list[Any]:
+               *, pipelined: bool, speculation_ahead: bool, async_scheduling: bool,
+               colocated: bool = False) -> list[Any]:
     """One step's calls; returns what the router reads, target rank 0's result first. `plan` is the graph's input
-    node or the plan itself; `drafts` empty: the target alone."""
+    node or the plan itself; `drafts` empty: the target alone, or (colocated) a draft inside each target rank."""
+    if colocated:
+        return calls.outputs([calls(w, "spec_step", plan) for w in targets])
     if pipelined:
         return calls.outputs([calls(w, "target_decode", plan) for w in targets])
     if not drafts:

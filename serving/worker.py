@@ -7,7 +7,8 @@ built (the parallel layers read the group at construction to size their shards),
 ModelRunner and its side of the speculation step (engine/spec/spec_step.py): a DraftSide (role "draft") or a
 TargetSide (role "target"). The step methods below are thin wrappers over the side, adding what crosses
 processes: the proposal as host lists with its timing (`DraftOutput`), and the target's result for the draft's
-table.
+table. A target rank may also hold the draft (RayExecutor's draft_placement "colocated"): it then builds the
+draft's runner after its own, on the same device and tensor-parallel group, and runs whole steps (`spec_step`).
 
 Every rank runs the same plan with the same sampling: generators are seeded alike, and the logits are
 all-gathered (all-reduce and all-gather hand every rank the same bits), so every rank draws the same
@@ -35,7 +36,7 @@ from engine.parallel import TensorParallelGroup, set_tp_group
 from engine.request_table import RequestTable
 from engine.runner.model_runner import ModelRunner
 from engine.spec.proposer import DraftProposal
-from engine.spec.spec_step import DraftSide, TargetSide
+from engine.spec.spec_step import DraftSide, SpeculativeStep, TargetSide
 from engine.spec.speculation_ahead import AheadProposer
 from engine.spec.verifier import VerifyInput
 from engine.step_phases import HOST, book_remote_proposal
@@ -60,6 +61,9 @@ class WorkerInfo:
     device: str
     node_ip: str
     pid: int
+    # A draft colocated in the target's ranks (RayExecutor's draft_placement "colocated"): its KV caches.
+    draft_kv_groups: list[KVCacheGroupSpec] | None = None
+    draft_num_blocks: int = 0
 
 
 @dataclass
@@ -86,6 +90,12 @@ def engine_config_from(config: EngineConfig | dict[str, Any]) -> EngineConfig:
     return EngineConfig(device=device, dtype=dtype, **fields)
 
 
+def _load_runner(model_path: str, config: EngineConfig, name: str) -> ModelRunner:
+    model_config = ModelConfig.from_path(model_path)
+    model_config.max_model_len = config.max_model_len
+    return ModelRunner(model_config, config, name)
+
+
 def node_ip_and_free_port() -> tuple[str, int]:
     """This node's IP and a TCP port free right now, for rank 0's rendezvous.
 
@@ -107,9 +117,14 @@ class ModelWorker:
     def __init__(self, role: str, model_path: str, engine_config: EngineConfig | dict[str, Any], rank: int = 0,
                  world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0,
                  rejection_sampling: str | None = None, cpu_threads: int = 1,
-                 launch_verify_ahead: bool = False, speculation_ahead: bool = False) -> None:
+                 launch_verify_ahead: bool = False, speculation_ahead: bool = False,
+                 draft_model_path: str | None = None) -> None:
+        """draft_model_path (role "target" only): a draft colocated in this rank's process, on its device and
+        tensor-parallel group; the rank then runs whole steps (`spec_step`), as the in-process engine does."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if draft_model_path is not None and role != "target":
+            raise ValueError("only a target worker takes a colocated draft")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the group of {world_size}")
         self.role, self.rank, self.world_size = role, rank, world_size
@@ -125,16 +140,23 @@ class ModelWorker:
             torch.set_num_threads(max(1, cpu_threads))
         self.config = config
         set_tp_group(self._init_distributed(master_addr, master_port))
-        model_config = ModelConfig.from_path(model_path)
-        model_config.max_model_len = config.max_model_len
-        self.runner = ModelRunner(model_config, config, f"{role}[{rank}/{world_size}]")
+        self.runner = _load_runner(model_path, config, f"{role}[{rank}/{world_size}]")
+        # A colocated draft is built right after the target, as the in-process engine builds them: each sizes its
+        # KV cache from the device memory the one before left. Both use the tensor-parallel group set above.
+        self.draft_runner = (_load_runner(draft_model_path, config, f"draft[{rank}/{world_size}]")
+                             if draft_model_path is not None else None)
+        keep_probs = rejection_sampling == "probabilistic"
         # Each side keeps what this rank knows of its requests between steps in its request table: open plan
         # entries (asynchronous scheduling) are resolved from it. Every rank of both models keeps the same table.
         self.draft_side: DraftSide | None = None
         self.target_side: TargetSide | None = None
+        self.spec: SpeculativeStep | None = None  # both sides in this process (a colocated draft), one table
         if role == "draft":
-            self.draft_side = DraftSide(self.runner, rejection_sampling == "probabilistic", config.seed,
-                                        speculation_ahead)
+            self.draft_side = DraftSide(self.runner, keep_probs, config.seed, speculation_ahead)
+        elif self.draft_runner is not None:
+            self.spec = SpeculativeStep.build(self.runner, self.draft_runner, keep_probs, config.seed,
+                                              speculation_ahead)
+            self.target_side, self.draft_side = self.spec.target, self.spec.draft
         else:
             # Queue each verify forward before the draft's ids come (Verifier.enable_launch_ahead): only where
             # graphs replay on CUDA, so it stays off on CPU and under enforce_eager whatever was asked.
@@ -154,7 +176,7 @@ class ModelWorker:
     # --- what tests and the executor read -------------------------------------------------------------
     @property
     def table(self) -> RequestTable:
-        side = self.draft_side if self.draft_side is not None else self.target_side
+        side = self.target_side if self.target_side is not None else self.draft_side
         assert side is not None
         return side.table
 
@@ -191,9 +213,10 @@ class ModelWorker:
     def info(self) -> WorkerInfo:
         import ray
 
-        r = self.runner
+        r, d = self.runner, self.draft_runner
         return WorkerInfo(self.role, r.kv_groups, r.num_blocks, r.vocab_size, self.world_size, str(r.device),
-                          ray.util.get_node_ip_address(), os.getpid())
+                          ray.util.get_node_ip_address(), os.getpid(), d.kv_groups if d is not None else None,
+                          d.num_blocks if d is not None else 0)
 
     # --- one step: graph nodes, or ordered actor calls (ranks > 0 return None) -------------------------
     def draft_step(self, plan: StepPlan) -> DraftOutput | None:
@@ -242,6 +265,14 @@ class ModelWorker:
             book_remote_proposal(result.phase_seconds, draft.seconds, draft.sent_at, draft.host, received)
             result.ahead = draft.ahead
         return result
+
+    def spec_step(self, plan: StepPlan) -> StepResult | None:
+        """A whole speculation step in this rank's process (a colocated draft): the graph's one node per rank. No
+        proposal leaves the process, and the result is recorded once, for both models."""
+        if self.spec is None:
+            raise RuntimeError(f"spec_step() called on a {self.role} worker without a colocated draft")
+        result = self.spec.run(plan)
+        return result if self.rank == 0 else None
 
     def target_decode(self, plan: StepPlan | None) -> StepResult | None:
         """A draft-less step, pipelined (engine/decode_pipeline.py): queue `plan`, then return the result of the
