@@ -134,8 +134,10 @@ class SpeculativeStep:
               speculation_ahead: bool = False) -> SpeculativeStep:
         """Both sides over two runners of one process (draft None: the target alone)."""
         table = RequestTable()
-        draft_side = (DraftSide(draft, keep_probs, seed, speculation_ahead, table) if draft is not None else None)
-        return SpeculativeStep(TargetSide(target, seed, table), draft_side)
+        # The target's side first: its verifier captures the target's CUDA graphs before the draft loop's.
+        target_side = TargetSide(target, seed, table)
+        draft_side = DraftSide(draft, keep_probs, seed, speculation_ahead, table) if draft is not None else None
+        return SpeculativeStep(target_side, draft_side)
 
     @property
     def table(self) -> RequestTable:
