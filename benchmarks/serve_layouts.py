@@ -2,7 +2,7 @@
 per layout.
 
     python benchmarks/serve_layouts.py --pair qwen3-8b-0.6b \\
-        --layouts offline offline+d t1+d1 t1+d1/plain t2 t2+d2 t2+d1 t2+d1/shared --out layouts.json
+        --layouts offline offline+d t1+d1 t1+d1/plain t2 t2+d2 t2+d1 t2+d1/shared t1+d1/colocated --out layouts.json
     python benchmarks/serve_layouts.py --pair qwen3-8b-0.6b --dtype float32 --check-only --eager \\
         --layouts t1 t2 t1+d1 t2+d2 t2+d1
     python benchmarks/serve_layouts.py --pair smollm2 --layouts t1 t1+d1 t3+d1 t1+d1/nccl
@@ -11,11 +11,13 @@ per layout.
 A layout is `t<T>` (the target alone at tensor-parallel size T) or `t<T>+d<D>` (and the draft at size D), with
 options after slashes: `plain` (plain Ray actor calls instead of a compiled graph), `shared` (the draft on the
 target's GPUs: target ranks take 0.75 of a GPU each, draft ranks 0.25; otherwise every rank has a GPU of its own,
-the target's first), `nccl` (the draft's proposal tensors go GPU to GPU through NCCL), `ahead` / `noahead` (the
-target's verify forward launched before the draft's ids come, behind the ids gate, forced on / off; by default
-it is on where no GPU is shared), `sync` (synchronous scheduling: the router waits for each step's tokens before it
-plans the next; by default it plans step n+1 while step n runs), `predraft` / `nopredraft` (speculation ahead: the
-draft drafts the next window while the target verifies, forced on / off; by default on where no GPU is shared).
+the target's first), `colocated` (the draft inside each target rank's process, on its GPU: draft_placement
+"colocated", which needs D = T; no proposal or result crosses processes), `nccl` (the draft's proposal tensors go
+GPU to GPU through NCCL), `ahead` / `noahead` (the target's verify forward launched before the draft's ids come,
+behind the ids gate, forced on / off; by default it is on where no GPU is shared), `sync` (synchronous scheduling:
+the router waits for each step's tokens before it plans the next; by default it plans step n+1 while step n runs),
+`predraft` / `nopredraft` (speculation ahead: the draft drafts the next window while the target verifies, forced on
+/ off; by default on where no GPU is shared).
 `offline` and `offline+d` are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for
 serving's cost; `offline+d/predraft` drafts ahead in process (after each verify, not beside it); `offline/sync` runs
 each step to its end before the next (in process a target alone otherwise queues each step before it reads the
@@ -78,6 +80,7 @@ class Layout:
     draft_tp: int  # 0: no draft
     plain: bool = False
     shared: bool = False
+    colocated: bool = False  # the draft in the target's worker processes (draft_placement "colocated")
     nccl: bool = False
     ahead: bool | None = None  # launch_verify_ahead forced on / off; None: the executor's default
     sync: bool = False  # async_scheduling off
@@ -86,7 +89,8 @@ class Layout:
     @staticmethod
     def parse(text: str) -> Layout:
         head, *opts = text.split("/")
-        unknown = set(opts) - {"plain", "shared", "nccl", "ahead", "noahead", "sync", "predraft", "nopredraft"}
+        unknown = set(opts) - {"plain", "shared", "colocated", "nccl", "ahead", "noahead", "sync", "predraft",
+                               "nopredraft"}
         if unknown:
             raise ValueError(f"layout {text!r}: unknown options {sorted(unknown)}")
         if "predraft" in opts and "nopredraft" in opts:
@@ -103,21 +107,25 @@ class Layout:
                 raise ValueError
             t, d = int(parts[0][1:]), int(parts[1][1:]) if len(parts) == 2 else 0
         except ValueError:
-            raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared][/nccl][/ahead|/noahead][/sync]"
-                             ) from None
+            raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared|/colocated][/nccl]"
+                             "[/ahead|/noahead][/sync]") from None
         if t < 1 or (len(parts) == 2 and d < 1):
             raise ValueError(f"layout {text!r}: sizes must be >= 1")
-        if set(opts) & {"shared", "nccl", "ahead", "noahead", "predraft", "nopredraft"} and not d:
-            raise ValueError(f"layout {text!r}: shared, nccl, ahead, noahead, predraft and nopredraft need a draft")
+        if set(opts) & {"shared", "colocated", "nccl", "ahead", "noahead", "predraft", "nopredraft"} and not d:
+            raise ValueError(f"layout {text!r}: shared, colocated, nccl, ahead, noahead, predraft and nopredraft "
+                             "need a draft")
+        if "colocated" in opts and (d != t or set(opts) & {"shared", "nccl", "ahead", "noahead"}):
+            raise ValueError(f"layout {text!r}: colocated needs the target's size for the draft, and takes neither "
+                             "shared, nccl, ahead nor noahead (no proposal leaves the target's process)")
         if "ahead" in opts and "noahead" in opts:
             raise ValueError(f"layout {text!r}: ahead or noahead, not both")
         ahead = True if "ahead" in opts else False if "noahead" in opts else None
-        return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "nccl" in opts, ahead, "sync" in opts,
-                      predraft)
+        return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "colocated" in opts, "nccl" in opts,
+                      ahead, "sync" in opts, predraft)
 
     @property
     def num_gpus(self) -> int:
-        return self.target_tp if (self.offline or self.shared) else self.target_tp + self.draft_tp
+        return self.target_tp if (self.offline or self.shared or self.colocated) else self.target_tp + self.draft_tp
 
     def reference_key(self, lossless: bool) -> bool:
         """Layouts with equal keys must give equal greedy outputs: all of them when rejection is lossless, else
@@ -126,7 +134,7 @@ class Layout:
 
     @property
     def is_reference(self) -> bool:
-        # `shared` only places the ranks, so a one-GPU run can take t1+d1/shared as its reference.
+        # `shared` and `colocated` only place the draft, so a one-GPU run can take either as its reference.
         return not self.offline and self.target_tp == 1 and self.draft_tp <= 1 and self.ahead is None and not (
             self.plain or self.nccl) and not self.predraft
 
@@ -137,6 +145,8 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
         engine_kwargs.update(num_kv_blocks=512, max_num_batched_tokens=512)
     if args.device == "cuda" and layout.shared:
         engine_kwargs.update(target_resources={"GPU": 0.75}, draft_resources={"GPU": 0.25})
+    if layout.colocated:
+        engine_kwargs["draft_placement"] = "colocated"
     if layout.plain:
         engine_kwargs["use_compiled_graph"] = False
     if args.eager:

@@ -36,6 +36,7 @@ from engine.request_table import PENDING_TOKEN, RequestTable
 from engine.runner.step_input import DeviceTokens
 from engine.sample.from_plan import TARGET_STREAM, sampling_metadata
 from engine.spec.verifier import Verifier
+from engine.step_phases import GpuMarks, queued_forward_phases
 from engine.step_plan import StepPlan, StepResult
 
 
@@ -48,8 +49,8 @@ class QueuedStep:
     sampled: torch.Tensor | None  # [num_sampled] int64 on the device; None when nothing samples
     host: torch.Tensor | None  # [num_sampled] int64 (pinned on CUDA): where the ids are copied to
     copied: torch.cuda.Event | None  # recorded after that copy; None off CUDA (the copy was synchronous)
-    # (forward start, forward end, sampling end) on CUDA: the step's GPU time, read when it has ended
-    events: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | None
+    # forward start, forward end, sampling end on CUDA: the step's GPU time, read when it has ended
+    marks: GpuMarks | None
     prepare_seconds: float  # host time to build and queue the step
     result: StepResult | None = None  # a step run to the end at once (logprobs, logits processing)
 
@@ -117,11 +118,11 @@ class DecodePipeline:
             device_tokens = DeviceTokens(to_device(flat, torch.int64, dev),
                                          prev.sampled.index_select(0, to_device(src, torch.int64, dev)))
         inp = verifier.prepare(plan, with_drafts=False)
-        logits, events = verifier._forward(inp.forward, device_tokens)  # [num sampled rows, V]
+        logits, marks = verifier._forward(inp.forward, device_tokens)  # [num sampled rows, V]
         reqs = plan.requests
         rows = [i for i, r in enumerate(reqs) if r.sample]
         sampled = host = copied = None
-        timing = None
+        timing = None  # the step's marks, where they reach the sampling's end
         if rows:
             md = sampling_metadata([reqs[i] for i in rows], TARGET_STREAM, verifier.generator, dev)
             sampled = verifier.sampler(logits, md)
@@ -132,9 +133,9 @@ class DecodePipeline:
                 host.copy_(sampled, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record()
-                if events is not None:
-                    timing = (events[0], events[1], torch.cuda.Event(enable_timing=True))
-                    timing[2].record()
+                if marks is not None:
+                    marks.mark()  # the sampling's end
+                    timing = marks
             else:
                 host = sampled
         step = QueuedStep(plan, rows, sampled, host, copied, timing, time.perf_counter() - t0)
@@ -161,13 +162,7 @@ class DecodePipeline:
             sampled[i] = [tok]
             self.table.fill_pending(r.request_id, r.start_pos + len(r.token_ids), tok)
         result = StepResult(sampled, [0] * len(reqs), step_id=step.plan.step_id, num_draft_tokens=[0] * len(reqs))
-        wait = time.perf_counter() - t0
-        phases = {"prepare": step.prepare_seconds, "verify": 0.0, "sample": wait}
-        if step.events is not None:
-            start, forward_end, sample_end = step.events
-            phases["verify"] = start.elapsed_time(forward_end) / 1e3
-            phases["sample"] = forward_end.elapsed_time(sample_end) / 1e3
-        result.phase_seconds = phases
+        result.phase_seconds = queued_forward_phases(step.prepare_seconds, time.perf_counter() - t0, step.marks)
         return result
 
     @staticmethod

@@ -30,6 +30,7 @@ from engine.request import Request, RequestStatus
 from engine.sample.logits_params import logits_params_of
 from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
+from engine.step_phases import COMMIT, SCHEDULE
 from engine.step_plan import StepPlan, StepResult
 
 
@@ -274,8 +275,8 @@ class EngineCore:
             raise
         t2 = time.perf_counter()
         touched = self.commit(sched.scheduled, result)
-        self.last_step.phase_seconds = {**result.phase_seconds, "schedule": t1 - t0,
-                                        "commit": time.perf_counter() - t2}
+        self.last_step.phase_seconds = {**result.phase_seconds, SCHEDULE: t1 - t0,
+                                        COMMIT: time.perf_counter() - t2}
         return touched
 
     def _schedule(self, optimistic: bool) -> Any:

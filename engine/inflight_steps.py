@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
+from engine.step_phases import COMMIT, SCHEDULE
 from engine.step_plan import StepPlan
 
 if TYPE_CHECKING:
@@ -87,8 +88,8 @@ class InFlightSteps:
                 done = self.deferred_free.pop(s.request.request_id, None)
                 if done is not None:
                     engine.scheduler.free_kv(done)
-        step.stats.phase_seconds = {**result.phase_seconds, "schedule": step.schedule_seconds,
-                                    "commit": time.perf_counter() - t}
+        step.stats.phase_seconds = {**result.phase_seconds, SCHEDULE: step.schedule_seconds,
+                                    COMMIT: time.perf_counter() - t}
         engine.last_step = step.stats
         return touched
 

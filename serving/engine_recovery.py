@@ -19,6 +19,9 @@ attach_draft); the sequence is:
     attach_draft(engine, s)   between steps: the graph gets the new draft ranks, a fresh draft KV manager,
                               and every request's draft progress restarts at 0, so the draft catches up on
                               the tokens it has not seen (one chunk) at the request's next speculative step
+
+A draft colocated in the target's ranks (draft_placement "colocated") has no group of its own: its ranks are the
+target's, whose death rebuilds the whole engine, and `detach_draft` refuses it (speculation stays on).
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ One engine step is one round trip from the router. With a Ray Compiled Graph (th
 into a shared-memory channel that every draft rank and every target rank reads; draft rank 0's proposal
 goes straight to the target ranks through their own channels (never back through the router), and the
 router reads target rank 0's StepResult. The target ranks build their verify input from the plan while the
-draft proposes (`target_prepare`, a node of its own), so the proposal's ids are all that is left to write:
-
-    plan ──> draft[0..D-1].draft_step(plan) ──(draft[0]'s proposal)──> target[0..T-1].target_step ──> router
-         └──> target[0..T-1].target_prepare(plan) ──(the same rank's verify input)──┘      │
-                                   draft[0..D-1].draft_absorb <──(target[0]'s result)──────┘  (async only)
+draft proposes (`target_prepare`, a node of its own), so the proposal's ids are all that is left to write. The
+step's nodes are described once, for the graph and for plain calls alike, in serving/step_topology.py; each is a
+thin wrapper over its rank's side of the step (serving/worker.py, engine/spec/spec_step.py). A draft may also run
+inside the target's ranks (`draft_placement="colocated"`): the graph is then one `spec_step` node per rank, the
+whole step in one process, as in the in-process engine.
 
 Asynchronous scheduling (the default here): the router submits step n+1 before it reads step n's result, and
 every rank keeps its requests' state (engine/request_table.py). Target rank 0's result goes straight to the draft
@@ -35,11 +35,15 @@ from ray.actor import ActorHandle
 from engine.config import EngineConfig, ModelConfig
 from engine.decode_pipeline import LaggedResults
 from engine.kv_cache.spec import KVCacheGroupSpec
+from engine.step_phases import book_dispatch
 from engine.step_plan import StepPlan, StepResult
+from serving.draft_group import DraftGroupReplacement
 from serving.placement import actor_options, bundle_task_options, create_group_placement, make_bundle
+from serving.step_topology import GraphCalls, PlainCalls, step_nodes
 from serving.worker import ModelWorker, WorkerInfo, node_ip_and_free_port
 from serving.worker_group import (  # noqa: F401 - check_tensor_parallel and launch_verify_ahead_for are public here too
     WorkerGroup,
+    check_draft_placement,
     check_tensor_parallel,
     launch_verify_ahead_for,
     release_group,
@@ -58,7 +62,7 @@ class WorkerDiedError(RuntimeError):
         self.role = role
 
 
-class RayExecutor:
+class RayExecutor(DraftGroupReplacement):
     """Executor protocol (engine/executor.py) over Ray actors: `execute(plan) -> StepResult`."""
 
     def __init__(self, model_path: str, engine_config: EngineConfig, draft_model_path: str | None = None, *,
@@ -66,19 +70,26 @@ class RayExecutor:
                  draft_tensor_parallel_size: int = 1, use_compiled_graph: bool = True,
                  target_resources: dict[str, float] | None = None,
                  draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
-                 launch_verify_ahead: bool | None = None, placement_timeout_s: float = 120.0,
-                 init_timeout_s: float = 900.0, step_timeout_s: float = 300.0) -> None:
+                 launch_verify_ahead: bool | None = None, draft_placement: str = "separate",
+                 placement_timeout_s: float = 120.0, init_timeout_s: float = 900.0,
+                 step_timeout_s: float = 300.0) -> None:
         """target_resources / draft_resources: merged into each rank's bundle (default {"CPU": 1} on CPU,
         {"GPU": 1, "CPU": 1} on CUDA), e.g. {"CPU": 2} or a custom resource naming a node pool.
         draft_tensor_transport: None keeps the proposal in the default shared-memory channel; "nccl" (or
-        "accelerator") sends its tensors GPU to GPU, see `_build_graph`.
+        "accelerator") sends its tensors GPU to GPU (serving/step_topology.py, `GraphCalls`).
         Speculation ahead (EngineConfig.speculation_ahead; None: on where every rank of both models has whole GPUs,
         i.e. the draft's forwards can run beside the target's): each draft rank drafts the next window while the
         target verifies (`draft_predraft`, a node between `draft_step` and `draft_absorb`).
         launch_verify_ahead: the target's ranks queue each verify forward on the GPU while the draft proposes,
         behind a kernel that waits for the draft's ids (engine/kernels/ids_gate.py), so the forward starts the
         moment they land. None (the default): on CUDA where every rank of both models has whole GPUs; a waiting
-        kernel would take a draft's time slices on a GPU the two share."""
+        kernel would take a draft's time slices on a GPU the two share.
+        draft_placement: "separate" (the default) runs the draft's ranks as actors of their own; "colocated" builds
+        the draft inside each target rank's process, on its device and tensor-parallel group (the draft's size must
+        equal the target's), and runs each step there whole, as the in-process engine does: no proposal or result
+        crosses processes (serving/worker_group.py, `check_draft_placement`). draft_resources, the draft's
+        transport and launching the verify ahead then do not apply, speculation ahead runs after the verify as in
+        process (off unless EngineConfig.speculation_ahead asks), and the draft cannot be replaced alone."""
         if not ray.is_initialized():
             raise RuntimeError("RayExecutor needs a Ray runtime: call ray.init() (or run inside Ray Serve) first")
         self.engine_config = engine_config
@@ -105,6 +116,9 @@ class RayExecutor:
         self._draft_args = (draft_model_path, draft_tensor_parallel_size, draft_resources, rejection_sampling,
                             placement_timeout_s, init_timeout_s)
         self._pending_draft: WorkerGroup | None = None
+        check_draft_placement(draft_placement, tensor_parallel_size, draft_tensor_parallel_size)
+        # A draft in the target's processes: one group of workers, each running the whole step.
+        self.colocated = draft_model_path is not None and draft_placement == "colocated"
         check_tensor_parallel(ModelConfig.from_path(model_path), tensor_parallel_size, "target")
         if draft_model_path is not None:
             check_tensor_parallel(ModelConfig.from_path(draft_model_path), draft_tensor_parallel_size, "draft")
@@ -121,9 +135,13 @@ class RayExecutor:
         self.target_kv_groups: list[KVCacheGroupSpec] = self.target.info.kv_groups
         self.target_num_blocks: int = self.target.info.num_blocks
         self.vocab_size: int = self.target.info.vocab_size
-        dinfo = self.draft.info if self.draft is not None else None
-        self.draft_kv_groups: list[KVCacheGroupSpec] | None = dinfo.kv_groups if dinfo is not None else None
-        self.draft_num_blocks: int = dinfo.num_blocks if dinfo is not None else 0
+        self.draft_kv_groups: list[KVCacheGroupSpec] | None = None
+        self.draft_num_blocks: int = 0
+        if self.colocated:  # the target's ranks report their draft's KV caches too
+            self.draft_kv_groups = self.target.info.draft_kv_groups
+            self.draft_num_blocks = self.target.info.draft_num_blocks
+        elif self.draft is not None and self.draft.info is not None:
+            self.draft_kv_groups, self.draft_num_blocks = self.draft.info.kv_groups, self.draft.info.num_blocks
 
     # --- construction --------------------------------------------------------------------------------
     def _start(self, model_path: str, draft_model_path: str | None, rejection_sampling: str | None,
@@ -131,7 +149,8 @@ class RayExecutor:
                draft_resources: dict[str, float] | None, placement_timeout_s: float, init_timeout_s: float) -> None:
         dev = self.engine_config.device.type
         specs = [("target", model_path, tp, make_bundle(dev, target_resources))]
-        if draft_model_path is not None:
+        colocated_draft = draft_model_path if self.colocated else None
+        if draft_model_path is not None and not self.colocated:
             specs.append(("draft", draft_model_path, draft_tp, make_bundle(dev, draft_resources)))
         groups = []
         for role, path, size, bundle in specs:
@@ -143,8 +162,10 @@ class RayExecutor:
             else:
                 self.draft = group
         ahead = launch_verify_ahead_for(self.launch_verify_ahead, dev, [b for *_, b in specs], self.use_compiled_graph)
-        self.speculation_ahead = draft_model_path is not None and speculation_ahead_for(
-            self.engine_config.speculation_ahead, dev, [b for *_, b in specs])
+        # A colocated draft drafts ahead after the verify, as in process: only where asked.
+        self.speculation_ahead = draft_model_path is not None and (
+            bool(self.engine_config.speculation_ahead) if self.colocated
+            else speculation_ahead_for(self.engine_config.speculation_ahead, dev, [b for *_, b in specs]))
         # Rank 0's node and a free port there, for each group's rendezvous (both looked up at once).
         lookup = ray.remote(node_ip_and_free_port)
         addr_refs = [lookup.options(**bundle_task_options(g.placement, 0)).remote() if g.size > 1 else None
@@ -158,9 +179,10 @@ class RayExecutor:
                 opts = actor_options(group.placement, rank, bundle)
                 group.workers.append(actor_cls.options(**opts).remote(
                     group.role, group.model_path, self.engine_config, rank, group.size, addr, port,
-                    rejection_sampling if group.role == "draft" else None, int(bundle.get("CPU", 1)),
-                    launch_verify_ahead=ahead and group.role == "target",
-                    speculation_ahead=self.speculation_ahead and group.role == "draft"))
+                    rejection_sampling if group.role == "draft" or self.colocated else None,
+                    int(bundle.get("CPU", 1)), launch_verify_ahead=ahead and group.role == "target",
+                    speculation_ahead=self.speculation_ahead and (group.role == "draft" or self.colocated),
+                    draft_model_path=colocated_draft if group.role == "target" else None))
         for group, _ in groups:
             group.info = self._gather_info(group, init_timeout_s)
 
@@ -175,10 +197,10 @@ class RayExecutor:
             raise RuntimeError(f"a {group.role} worker failed while loading {group.model_path}: {e}") from e
         first = infos[0]
         for rank, info in enumerate(infos[1:], start=1):
-            if (info.num_blocks, info.kv_groups, info.vocab_size) != (first.num_blocks, first.kv_groups,
-                                                                      first.vocab_size):
+            if _kv_shape(info) != _kv_shape(first):
                 raise RuntimeError(f"{group.role} rank {rank} disagrees with rank 0 on its KV cache: "
-                                   f"{info.num_blocks} vs {first.num_blocks} blocks")
+                                   f"{info.num_blocks} vs {first.num_blocks} blocks (a colocated draft's: "
+                                   f"{info.draft_num_blocks} vs {first.draft_num_blocks})")
         logger.info("%s: %d rank(s) on %s, %d KV blocks, %d KV-cache group(s)", group.role, group.size,
                     sorted({i.node_ip for i in infos}), first.num_blocks, len(first.kv_groups))
         return first
@@ -186,47 +208,24 @@ class RayExecutor:
     def _build_graph(self) -> Any:
         from ray.dag import InputNode, MultiOutputNode
 
-        assert self.target is not None
-        targets = self.target.workers
         with InputNode() as plan:
-            if self.pipelined:
-                outs = [w.target_decode.bind(plan) for w in targets]
-            elif self.draft is None:
-                outs = [w.target_step.bind(plan) for w in targets]
-            else:
-                drafts = [w.draft_step.bind(plan) for w in self.draft.workers]
-                proposal = drafts[0]
-                if self.draft_tensor_transport is not None:
-                    # GPU to GPU: the proposal's tensors (draft ids and the [num_reqs, k, vocab] float32 draft
-                    # probabilities, 12.6 MB for 16 requests x k=4 x 49152) go over NCCL from draft rank 0 to
-                    # each target rank, and only the small rest through shared memory. Without it (the default,
-                    # and the only choice on CPU) Ray serializes them through shared memory, copying GPU ->
-                    # host -> GPU. Both ends need a GPU; `benchmarks/router_overhead.py` measures the step.
-                    proposal = proposal.with_tensor_transport(transport=self.draft_tensor_transport)
-                # Each target rank builds its verify input while the draft proposes: a node bound to the plan
-                # alone, whose output stays in the rank's process. Target rank 0 also takes the other draft
-                # ranks' outputs (None): a compiled graph may have no leaf nodes, and this way an error on any
-                # draft rank reaches the router.
-                prepared = [w.target_prepare.bind(plan) for w in targets]
-                outs = [w.target_step.bind(prepared[rank], proposal, *(drafts[1:] if rank == 0 else []))
-                        for rank, w in enumerate(targets)]
-                # Each draft rank drafts the next window after its proposal has gone out, while the target verifies.
-                after = ([[w.draft_predraft.bind(drafts[rank])] for rank, w in enumerate(self.draft.workers)]
-                         if self.speculation_ahead else [[] for _ in self.draft.workers])
-                if self.async_scheduling:
-                    outs += [w.draft_absorb.bind(outs[0], *after[rank]) for rank, w in enumerate(self.draft.workers)]
-                else:
-                    outs += [a for rank_after in after for a in rank_after]
-            dag = MultiOutputNode(outs)
+            dag = MultiOutputNode(self._step_nodes(GraphCalls(self.draft_tensor_transport), plan))
         # Two executions in flight at most (EngineCore submits one before it collects the one before).
         return dag.experimental_compile(_submit_timeout=self.step_timeout_s, _max_inflight_executions=4)
+
+    def _step_nodes(self, calls: GraphCalls | PlainCalls, plan: Any) -> list[Any]:
+        """The step's calls (serving/step_topology.py) on this executor's ranks."""
+        assert self.target is not None
+        return step_nodes(calls, plan, self.target.workers, self.draft.workers if self.draft is not None else [],
+                          pipelined=self.pipelined, speculation_ahead=self.speculation_ahead,
+                          async_scheduling=self.async_scheduling, colocated=self.colocated)
 
     # --- steps ---------------------------------------------------------------------------------------
     @property
     def pipelined(self) -> bool:
         """A target alone under asynchronous scheduling: its ranks queue each step before reading the last one's
         tokens (engine/decode_pipeline.py), and an execution returns the step before's result."""
-        return self.draft is None and self.async_scheduling
+        return self.draft is None and not self.colocated and self.async_scheduling
 
     def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
         """Run the plan on the workers; on_dispatched runs once the plan is sent, while the workers work."""
@@ -257,13 +256,10 @@ class RayExecutor:
         else:
             result = self._get(ref)[0]
         now = time.perf_counter()
-        # What the step cost beyond the workers' own timed work (propose, handoff, prepare, verify, sample):
-        # serialization and channels or RPCs, the plan out and the result back (and the proposal across where
-        # draft and target are on different hosts, which cannot time the handoff). A step submitted while the one
-        # before was still running is timed from that one's result: what its transport added to the step period.
-        wall = now - max(t0, self._last_collected)
+        # A step submitted while the one before was still running is timed from that one's result: what its
+        # transport added to the step period (engine/step_phases.py).
+        book_dispatch(result.phase_seconds, now - max(t0, self._last_collected))
         self._last_collected = now
-        result.phase_seconds["dispatch"] = max(0.0, wall - sum(result.phase_seconds.values()))
         return result
 
     def _get(self, ref: Any) -> list[Any]:
@@ -297,21 +293,10 @@ class RayExecutor:
                 return result
 
     def _submit_plain(self, plan: StepPlan | None) -> list[Any]:
-        """The same methods as the graph, with plain actor calls (each actor runs its calls in order). The proposal
-        travels as an ObjectRef from draft rank 0 to the target ranks, and target rank 0's result to the draft
-        ranks; the router waits once, for all of them."""
-        assert self.target is not None
-        if self.pipelined:
-            return [w.target_decode.remote(plan) for w in self.target.workers]
-        drafts = [w.draft_step.remote(plan) for w in self.draft.workers] if self.draft is not None else []
-        targets = [w.target_step.remote(plan, *drafts[:1]) for w in self.target.workers]
-        # Each actor runs its calls in order: the window ahead is drafted after the proposal, during the verify.
-        ahead = ([w.draft_predraft.remote() for w in self.draft.workers]
-                 if self.draft is not None and self.speculation_ahead else [])
-        absorbs = ([w.draft_absorb.remote(targets[0]) for w in self.draft.workers]
-                   if self.draft is not None and self.async_scheduling else [])
-        # Waiting for the draft ranks too surfaces their errors.
-        return targets + drafts[1:] + ahead + absorbs
+        """The graph's calls as plain actor calls (each actor runs its calls in order). The proposal travels as an
+        ObjectRef from draft rank 0 to the target ranks, and target rank 0's result to the draft ranks; the router
+        waits once, for all of them."""
+        return self._step_nodes(PlainCalls(), plan)
 
     def _raise_step_error(self, error: Exception) -> NoReturn:
         """Turn a failed step into a clear error: a dead/hung worker poisons the executor for good; an error
@@ -374,57 +359,13 @@ class RayExecutor:
                 logger.warning("compiled graph teardown: %s", e)
             self._graph = None
 
-    # --- replacing the draft group (serving/engine_recovery.py) --------------------------------------
-    def detach_draft(self) -> None:
-        """Run on the target alone: drop the draft ranks (dead or alive) and rebuild the graph without them.
-        Raises WorkerDiedError if a target rank is dead too."""
-        self._teardown_graph()
-        if self.draft is not None:
-            release_group(self.draft)
-        self.draft, self.draft_kv_groups, self.draft_num_blocks = None, None, 0
-        self._broken = self._broken_role = None
-        self.check_health()
-        if self.use_compiled_graph:
-            self._graph = self._build_graph()
-
-    def start_draft_group(self) -> None:
-        """Start and load a new draft group beside the running target (blocking; steps may run meanwhile).
-        `attach_draft` then puts it into the step."""
-        path, size, resources, rejection_sampling, placement_timeout_s, init_timeout_s = self._draft_args
-        if path is None:
-            raise RuntimeError("this executor was built without a draft model")
-        if self._pending_draft is not None:
-            release_group(self._pending_draft)
-        bundle = make_bundle(self.engine_config.device.type, resources)
-        pg = create_group_placement(f"specserve-draft-{id(self):x}-{time.monotonic_ns():x}", size, bundle,
-                                    placement_timeout_s)
-        group = WorkerGroup("draft", path, size, pg)
-        self._pending_draft = group
-        addr, port = "127.0.0.1", 0
-        if size > 1:
-            lookup = ray.remote(node_ip_and_free_port)
-            # SYNC: off the step path (recovery).
-            addr, port = ray.get(lookup.options(**bundle_task_options(pg, 0)).remote(), timeout=placement_timeout_s)
-        actor_cls = ray.remote(ModelWorker)
-        for rank in range(size):
-            group.workers.append(actor_cls.options(**actor_options(pg, rank, bundle)).remote(
-                "draft", path, self.engine_config, rank, size, addr, port, rejection_sampling,
-                int(bundle.get("CPU", 1)), speculation_ahead=self.speculation_ahead))
-        group.info = self._gather_info(group, init_timeout_s)
-
-    def attach_draft(self) -> None:
-        """Put the group `start_draft_group` built into the step: the graph is rebuilt with it (between steps)."""
-        group, self._pending_draft = self._pending_draft, None
-        if group is None or group.info is None:
-            raise RuntimeError("no started draft group to attach: call start_draft_group() first")
-        self._teardown_graph()
-        self.draft = group
-        self.draft_kv_groups, self.draft_num_blocks = group.info.kv_groups, group.info.num_blocks
-        if self.use_compiled_graph:
-            self._graph = self._build_graph()
-
     def __enter__(self) -> RayExecutor:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _kv_shape(info: WorkerInfo) -> tuple:
+    """What every rank of a group must agree on: its models' KV caches and vocabulary."""
+    return info.num_blocks, info.kv_groups, info.vocab_size, info.draft_num_blocks, info.draft_kv_groups

@@ -4,7 +4,11 @@
 placement it needs (serving/ray_executor.py does, tests may set other options). Each worker joins its
 model's torch.distributed group, installs it as the engine's tensor-parallel group BEFORE the model is
 built (the parallel layers read the group at construction to size their shards), then builds the
-ModelRunner and either a DraftProposer (role "draft") or a Verifier (role "target").
+ModelRunner and its side of the speculation step (engine/spec/spec_step.py): a DraftSide (role "draft") or a
+TargetSide (role "target"). The step methods below are thin wrappers over the side, adding what crosses
+processes: the proposal as host lists with its timing (`DraftOutput`), and the target's result for the draft's
+table. A target rank may also hold the draft (RayExecutor's draft_placement "colocated"): it then builds the
+draft's runner after its own, on the same device and tensor-parallel group, and runs whole steps (`spec_step`).
 
 Every rank runs the same plan with the same sampling: generators are seeded alike, and the logits are
 all-gathered (all-reduce and all-gather hand every rank the same bits), so every rank draws the same
@@ -31,14 +35,15 @@ from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.parallel import TensorParallelGroup, set_tp_group
 from engine.request_table import RequestTable
 from engine.runner.model_runner import ModelRunner
-from engine.spec.proposer import DraftProposal, DraftProposer
+from engine.spec.proposer import DraftProposal
+from engine.spec.spec_step import DraftSide, SpeculativeStep, TargetSide
 from engine.spec.speculation_ahead import AheadProposer
-from engine.spec.verifier import Verifier, VerifyInput
+from engine.spec.verifier import VerifyInput
+from engine.step_phases import HOST, book_remote_proposal
 from engine.step_plan import StepPlan, StepResult
 from serving.thread_switch import set_gil_switch_interval
 
 ROLES = ("target", "draft")
-_HOST = socket.gethostname()
 # Generous: rank 0 waits here for the other ranks' processes to start and import torch. It is also every
 # collective's timeout: a rank whose peer died mid-step errors out after it instead of hanging forever.
 _RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
@@ -56,6 +61,9 @@ class WorkerInfo:
     device: str
     node_ip: str
     pid: int
+    # A draft colocated in the target's ranks (RayExecutor's draft_placement "colocated"): its KV caches.
+    draft_kv_groups: list[KVCacheGroupSpec] | None = None
+    draft_num_blocks: int = 0
 
 
 @dataclass
@@ -82,6 +90,12 @@ def engine_config_from(config: EngineConfig | dict[str, Any]) -> EngineConfig:
     return EngineConfig(device=device, dtype=dtype, **fields)
 
 
+def _load_runner(model_path: str, config: EngineConfig, name: str) -> ModelRunner:
+    model_config = ModelConfig.from_path(model_path)
+    model_config.max_model_len = config.max_model_len
+    return ModelRunner(model_config, config, name)
+
+
 def node_ip_and_free_port() -> tuple[str, int]:
     """This node's IP and a TCP port free right now, for rank 0's rendezvous.
 
@@ -97,14 +111,20 @@ def node_ip_and_free_port() -> tuple[str, int]:
 
 
 class ModelWorker:
-    """One rank of the target or the draft model."""
+    """One rank of the target or the draft model: its side of the step (engine/spec/spec_step.py) behind the
+    compiled graph's nodes, which add only what crosses processes."""
 
     def __init__(self, role: str, model_path: str, engine_config: EngineConfig | dict[str, Any], rank: int = 0,
                  world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0,
                  rejection_sampling: str | None = None, cpu_threads: int = 1,
-                 launch_verify_ahead: bool = False, speculation_ahead: bool = False) -> None:
+                 launch_verify_ahead: bool = False, speculation_ahead: bool = False,
+                 draft_model_path: str | None = None) -> None:
+        """draft_model_path (role "target" only): a draft colocated in this rank's process, on its device and
+        tensor-parallel group; the rank then runs whole steps (`spec_step`), as the in-process engine does."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if draft_model_path is not None and role != "target":
+            raise ValueError("only a target worker takes a colocated draft")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the group of {world_size}")
         self.role, self.rank, self.world_size = role, rank, world_size
@@ -120,32 +140,29 @@ class ModelWorker:
             torch.set_num_threads(max(1, cpu_threads))
         self.config = config
         set_tp_group(self._init_distributed(master_addr, master_port))
-        model_config = ModelConfig.from_path(model_path)
-        model_config.max_model_len = config.max_model_len
-        self.runner = ModelRunner(model_config, config, f"{role}[{rank}/{world_size}]")
-        self.proposer: DraftProposer | None = None
-        self.verifier: Verifier | None = None
-        # What this rank knows of its requests between steps: open plan entries (asynchronous scheduling) are
-        # resolved from it. Every rank of both models keeps the same table (engine/request_table.py).
-        self.table = RequestTable()
-        self.num_prepared_ahead = 0  # verify steps whose input was built while the draft proposed
-        self.num_launched_ahead = 0  # ... and whose forward was queued on the GPU before the ids came
-        # Speculation ahead (draft ranks): the last proposal's resolved plan and the proposal, for `draft_predraft`.
-        self.ahead: AheadProposer | None = None
-        self._last_proposal: tuple[StepPlan, DraftProposal] | None = None
+        self.runner = _load_runner(model_path, config, f"{role}[{rank}/{world_size}]")
+        # A colocated draft is built right after the target, as the in-process engine builds them: each sizes its
+        # KV cache from the device memory the one before left. Both use the tensor-parallel group set above.
+        self.draft_runner = (_load_runner(draft_model_path, config, f"draft[{rank}/{world_size}]")
+                             if draft_model_path is not None else None)
+        keep_probs = rejection_sampling == "probabilistic"
+        # Each side keeps what this rank knows of its requests between steps in its request table: open plan
+        # entries (asynchronous scheduling) are resolved from it. Every rank of both models keeps the same table.
+        self.draft_side: DraftSide | None = None
+        self.target_side: TargetSide | None = None
+        self.spec: SpeculativeStep | None = None  # both sides in this process (a colocated draft), one table
         if role == "draft":
-            self.proposer = DraftProposer(self.runner, rejection_sampling == "probabilistic", config.seed,
-                                          ahead=speculation_ahead)
-            if speculation_ahead:
-                self.ahead = AheadProposer(self.proposer, config.synthetic_bonus_agreement, config.seed)
+            self.draft_side = DraftSide(self.runner, keep_probs, config.seed, speculation_ahead)
+        elif self.draft_runner is not None:
+            self.spec = SpeculativeStep.build(self.runner, self.draft_runner, keep_probs, config.seed,
+                                              speculation_ahead)
+            self.target_side, self.draft_side = self.spec.target, self.spec.draft
         else:
-            self.verifier = Verifier(self.runner, config.seed)
+            # Queue each verify forward before the draft's ids come (Verifier.enable_launch_ahead): only where
+            # graphs replay on CUDA, so it stays off on CPU and under enforce_eager whatever was asked.
+            self.target_side = TargetSide(self.runner, config.seed, launch_ahead=launch_verify_ahead)
         # A target without a draft queues each step before reading the last one's tokens (`target_decode`).
         self.pipeline: DecodePipeline | None = None
-        # Queue each verify forward before the draft's ids come (Verifier.enable_launch_ahead): only where graphs
-        # replay on CUDA, so it stays off on CPU and under enforce_eager whatever was asked.
-        self.launch_verify_ahead = bool(launch_verify_ahead and self.verifier is not None
-                                        and self.verifier.enable_launch_ahead())
 
     def _init_distributed(self, master_addr: str, master_port: int) -> TensorParallelGroup:
         if self.world_size == 1:
@@ -156,6 +173,39 @@ class ModelWorker:
         # One process per rank of one model: the world group is the tensor-parallel group.
         return TensorParallelGroup(self.rank, self.world_size, dist.group.WORLD)
 
+    # --- what tests and the executor read -------------------------------------------------------------
+    @property
+    def table(self) -> RequestTable:
+        side = self.target_side if self.target_side is not None else self.draft_side
+        assert side is not None
+        return side.table
+
+    @property
+    def ahead(self) -> AheadProposer | None:
+        return self.draft_side.ahead if self.draft_side is not None else None
+
+    @property
+    def launch_verify_ahead(self) -> bool:
+        return self.target_side is not None and self.target_side.launch_ahead
+
+    @property
+    def num_prepared_ahead(self) -> int:
+        return self.target_side.num_prepared_ahead if self.target_side is not None else 0
+
+    @property
+    def num_launched_ahead(self) -> int:
+        return self.target_side.num_launched_ahead if self.target_side is not None else 0
+
+    def _draft(self, method: str) -> DraftSide:
+        if self.draft_side is None:
+            raise RuntimeError(f"{method}() called on a {self.role} worker")
+        return self.draft_side
+
+    def _target(self, method: str) -> TargetSide:
+        if self.target_side is None:
+            raise RuntimeError(f"{method}() called on a {self.role} worker")
+        return self.target_side
+
     # --- control -------------------------------------------------------------------------------------
     def ping(self) -> tuple[str, int, int]:
         return self.role, self.rank, os.getpid()
@@ -163,62 +213,28 @@ class ModelWorker:
     def info(self) -> WorkerInfo:
         import ray
 
-        r = self.runner
+        r, d = self.runner, self.draft_runner
         return WorkerInfo(self.role, r.kv_groups, r.num_blocks, r.vocab_size, self.world_size, str(r.device),
-                          ray.util.get_node_ip_address(), os.getpid())
+                          ray.util.get_node_ip_address(), os.getpid(), d.kv_groups if d is not None else None,
+                          d.num_blocks if d is not None else 0)
 
-    # --- one step (plain calls) ----------------------------------------------------------------------
-    def propose(self, plan: StepPlan) -> DraftProposal:
-        if self.proposer is None:
-            raise RuntimeError(f"propose() called on a {self.role} worker")
-        return self._propose(self.table.resolve(plan))
-
-    def _propose(self, plan: StepPlan) -> DraftProposal:
-        """The proposal of a resolved plan: from the speculation cache where it hits (and kept for the window
-        drafted ahead after it), else drafted now."""
-        if self.ahead is None:
-            return self.proposer.propose(plan)  # type: ignore[union-attr]
-        proposal = self.ahead.propose(plan)
-        self._last_proposal = (plan, proposal)
-        return proposal
-
-    def draft_predraft(self, _proposed: DraftOutput | None = None) -> None:
-        """Draft the next window of the proposal this rank just sent (speculation ahead), while the target verifies
-        it. A graph node bound after `draft_step` (its argument only orders the two) and before `draft_absorb`."""
-        last, self._last_proposal = self._last_proposal, None
-        if self.ahead is not None and last is not None:
-            self.ahead.predraft(*last)
-
-    def verify(self, plan: StepPlan, proposal: DraftProposal | None) -> StepResult:
-        if self.verifier is None:
-            raise RuntimeError(f"verify() called on a {self.role} worker")
-        result = self.verifier.verify(self.table.resolve(plan), proposal)
-        self.table.record(result)
-        return result
-
-    def target_decode(self, plan: StepPlan | None) -> StepResult | None:
-        """A draft-less step, pipelined (engine/decode_pipeline.py): queue `plan`, then return the result of the
-        step queued before it (None: there was none). `plan` None queues nothing: the executor's way to collect
-        the last step. The graph node of an engine without a draft under asynchronous scheduling."""
-        if self.verifier is None:
-            raise RuntimeError(f"target_decode() called on a {self.role} worker")
-        if self.pipeline is None:
-            self.pipeline = DecodePipeline(self.verifier, self.table)
-        result = self.pipeline.step(plan)
-        return result if self.rank == 0 else None
-
-    # --- one step (graph nodes: the timing travels with the proposal; ranks > 0 return None) ---------
+    # --- one step: graph nodes, or ordered actor calls (ranks > 0 return None) -------------------------
     def draft_step(self, plan: StepPlan) -> DraftOutput | None:
+        """Draft rank's proposal for the plan; rank 0 hands it to the target's ranks as host lists, timed."""
         t0 = time.perf_counter()
-        if self.proposer is None:
-            raise RuntimeError(f"draft_step() called on a {self.role} worker")
-        plan = self.table.resolve(plan)
-        proposal = self._propose(plan)
+        side = self._draft("draft_step")
+        plan = side.resolve(plan)
+        proposal = side.propose(plan)
         if self.rank != 0:
             return None
         proposal = proposal.to_host([r.num_draft_tokens for r in plan.requests])
         now = time.perf_counter()
-        return DraftOutput(proposal, now - t0, now, _HOST, self.ahead.stats.as_tuple() if self.ahead else None)
+        return DraftOutput(proposal, now - t0, now, HOST, side.ahead_counters)
+
+    def draft_predraft(self, _proposed: DraftOutput | None = None) -> None:
+        """Draft the next window of the proposal this rank just sent (speculation ahead), while the target verifies
+        it. A graph node bound after `draft_step` (its argument only orders the two) and before `draft_absorb`."""
+        self._draft("draft_predraft").predraft()
 
     def draft_absorb(self, result: StepResult | None, *_after: None) -> None:
         """The target's result of the step this rank just proposed for (asynchronous scheduling): recorded
@@ -227,36 +243,43 @@ class ModelWorker:
         here only to order the two."""
         if result is None:
             raise RuntimeError("draft_absorb() needs target rank 0's result")
-        self.table.record(result)
+        self._draft("draft_absorb").absorb(result)
 
     def target_prepare(self, plan: StepPlan) -> VerifyInput:
         """The verify input of a step with a draft, built from the plan alone: a graph node bound to the plan, so
         it runs while the draft's workers propose and the proposal finds the input ready."""
-        if self.verifier is None:
-            raise RuntimeError(f"target_prepare() called on a {self.role} worker")
-        return self.verifier.prepare(self.table.resolve(plan), with_drafts=True, launch_ahead=self.launch_verify_ahead)
+        side = self._target("target_prepare")
+        return side.prepare(side.resolve(plan), with_drafts=True, launch_ahead=True)
 
     def target_step(self, step: StepPlan | VerifyInput, draft: DraftOutput | None = None,
                     *_ignored: None) -> StepResult | None:
         """`step` is the plan, or its verify input from `target_prepare`; `draft` is draft rank 0's output;
         `_ignored` are the other draft ranks' Nones, bound here only so the graph has no leaf nodes."""
         received = time.perf_counter()
-        if self.verifier is None:
-            raise RuntimeError(f"target_step() called on a {self.role} worker")
-        proposal = draft.proposal if draft is not None else None
-        ahead = isinstance(step, VerifyInput)
-        inp = step if ahead else self.verifier.prepare(self.table.resolve(step), with_drafts=proposal is not None)
-        result = self.verifier.run(inp, proposal, prepared_ahead=ahead)
-        self.table.record(result)
-        self.num_prepared_ahead += ahead
-        self.num_launched_ahead += inp.launched is not None
+        side = self._target("target_step")
+        result = side.verify(side.resolve(step) if isinstance(step, StepPlan) else step,
+                             draft.proposal if draft is not None else None)
         if self.rank != 0:
             return None
         if draft is not None:
-            result.phase_seconds["propose"] = draft.seconds
+            book_remote_proposal(result.phase_seconds, draft.seconds, draft.sent_at, draft.host, received)
             result.ahead = draft.ahead
-            if draft.host == _HOST:
-                # The proposal's trip from the draft's worker to this one (serialization and channel); only
-                # where both clocks are this host's. The executor's dispatch is then the router's two hops.
-                result.phase_seconds["handoff"] = max(0.0, received - draft.sent_at)
         return result
+
+    def spec_step(self, plan: StepPlan) -> StepResult | None:
+        """A whole speculation step in this rank's process (a colocated draft): the graph's one node per rank. No
+        proposal leaves the process, and the result is recorded once, for both models."""
+        if self.spec is None:
+            raise RuntimeError(f"spec_step() called on a {self.role} worker without a colocated draft")
+        result = self.spec.run(plan)
+        return result if self.rank == 0 else None
+
+    def target_decode(self, plan: StepPlan | None) -> StepResult | None:
+        """A draft-less step, pipelined (engine/decode_pipeline.py): queue `plan`, then return the result of the
+        step queued before it (None: there was none). `plan` None queues nothing: the executor's way to collect
+        the last step. The graph node of an engine without a draft under asynchronous scheduling."""
+        side = self._target("target_decode")
+        if self.pipeline is None:
+            self.pipeline = DecodePipeline(side.verifier, side.table)
+        result = self.pipeline.step(plan)
+        return result if self.rank == 0 else None

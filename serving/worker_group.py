@@ -44,6 +44,20 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, role: str) -> None:
                          "use a size that divides the KV head count or is a multiple of it")
 
 
+DRAFT_PLACEMENTS = ("separate", "colocated")
+
+
+def check_draft_placement(placement: str, tp: int, draft_tp: int) -> None:
+    """Fail on the router, before any worker starts, for a placement the executor cannot build. A colocated draft
+    runs in each target rank's process on the target's tensor-parallel group, so it needs the target's size."""
+    if placement not in DRAFT_PLACEMENTS:
+        raise ValueError(f"draft_placement must be one of {DRAFT_PLACEMENTS}, got {placement!r}")
+    if placement == "colocated" and draft_tp != tp:
+        raise ValueError(f"draft_placement 'colocated' runs the draft in the target's ranks, so its tensor-parallel "
+                         f"size must equal the target's: draft_tensor_parallel_size={draft_tp}, "
+                         f"tensor_parallel_size={tp}")
+
+
 def launch_verify_ahead_for(requested: bool | None, device_type: str, bundles: list[dict[str, float]],
                             use_compiled_graph: bool) -> bool:
     """Whether the target's ranks launch each verify forward before the draft's ids come. `requested` wins when

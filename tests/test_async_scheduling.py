@@ -47,7 +47,7 @@ def _watch(llm: LLM) -> dict[str, list]:
     """Record, per step the executor runs, its plan as sent (open entries included) and as resolved."""
     seen: dict[str, list] = {"sent": [], "resolved": [], "order": []}
     ex = llm.engine.executor
-    resolve, run, collect = ex.table.resolve, ex._run, ex.collect
+    resolve, run, collect = ex.table.resolve, ex.step.run_resolved, ex.collect
 
     def rec_resolve(plan):
         seen["sent"].append(plan)
@@ -62,7 +62,7 @@ def _watch(llm: LLM) -> dict[str, list]:
         seen["order"].append(("collect", handle.step_id))
         return collect(handle)
 
-    ex.table.resolve, ex._run, ex.collect = rec_resolve, rec_run, rec_collect
+    ex.table.resolve, ex.step.run_resolved, ex.collect = rec_resolve, rec_run, rec_collect
     return seen
 
 

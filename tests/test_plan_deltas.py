@@ -313,9 +313,9 @@ class DraftGroupExecutor:
 
     def execute(self, plan: StepPlan, on_dispatched: Any = None) -> StepResult:
         mine = self.draft_table.resolve(plan) if self.draft_table is not None else None
-        theirs = self.inner.table.resolve(plan)
-        result = self.inner._run(theirs)
-        self.inner.table.record(result)
+        step = self.inner.step
+        theirs = step.target.resolve(plan)
+        result = step.run_resolved(theirs)
         if mine is not None:
             assert [[getattr(r, f) for f in TABLE_FIELDS] for r in mine.requests] == \
                 [[getattr(r, f) for f in TABLE_FIELDS] for r in theirs.requests]
@@ -325,8 +325,8 @@ class DraftGroupExecutor:
 
     def detach_draft(self) -> None:
         ex = self.inner
-        self.detached = (ex.proposer, ex.draft_kv_groups, ex.draft_num_blocks)
-        ex.proposer, ex.draft_kv_groups, ex.draft_num_blocks = None, None, 0
+        self.detached = (ex.step.draft, ex.draft_kv_groups, ex.draft_num_blocks)
+        ex.step.draft, ex.draft_kv_groups, ex.draft_num_blocks = None, None, 0
         self.draft_table = None
 
     def start_draft_group(self) -> None:
@@ -334,7 +334,7 @@ class DraftGroupExecutor:
 
     def attach_draft(self) -> None:
         assert self.detached is not None
-        self.inner.proposer, self.inner.draft_kv_groups, self.inner.draft_num_blocks = self.detached
+        self.inner.step.draft, self.inner.draft_kv_groups, self.inner.draft_num_blocks = self.detached
         self.draft_table = RequestTable()
 
 

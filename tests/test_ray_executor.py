@@ -83,7 +83,8 @@ def llm_greedy(path: str) -> list[list[int]]:
 
 def test_worker_methods_replay_the_local_executor(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
     """In process, no Ray: a draft and a target ModelWorker (engine config as a plain dict) fed the plans that
-    LocalExecutor ran return its results exactly, step by step, sampled tokens included."""
+    LocalExecutor ran, through the methods the compiled graph binds (the verify input prepared from the plan alone,
+    the proposal handed over as host lists), return its results exactly, step by step, sampled tokens included."""
     llm = LLM(tiny_models["llama"].path, draft_model=near_llama, num_speculative_tokens=3, seed=3, **ENGINE_KW)
     executor = llm.engine.executor
     steps: list[tuple[StepPlan, StepResult]] = []
@@ -108,7 +109,7 @@ def test_worker_methods_replay_the_local_executor(tiny_models: dict[str, TinyMod
     assert target.info().num_blocks == executor.target_num_blocks
     assert draft.info().kv_groups == executor.draft_kv_groups
     for plan, expected in steps:
-        result = target.verify(plan, draft.propose(plan))
+        result = target.target_step(target.target_prepare(plan), draft.draft_step(plan))
         assert (result.sampled, result.num_accepted) == (expected.sampled, expected.num_accepted)
     assert any(any(r.num_accepted) for _, r in steps)  # accepted drafts were replayed too
 

@@ -29,6 +29,7 @@ from engine.sample.logprobs import emitted_logprobs
 from engine.sample.sampler import Sampler
 from engine.spec.proposer import DraftProposal
 from engine.spec.rejection_sampler import rejection_sample
+from engine.step_phases import GpuMarks, forward_phases
 from engine.step_plan import PlannedRequest, StepPlan, StepResult
 
 logger = logging.getLogger("specserve")
@@ -42,7 +43,7 @@ class LaunchedForward:
     draft_ids: torch.Tensor  # [num_reqs, max_k] int64 on the device, written by the gate (-1 padding)
     positions: list[int]  # [num_reqs * max_k] each draft's flat index in the forward's input, -1 for padding
     gate_done: torch.cuda.Event  # recorded after the gate's kernel
-    events: tuple[torch.cuda.Event, torch.cuda.Event]  # around the forward alone, for its GPU time
+    marks: GpuMarks  # around the forward alone, for its GPU time
 
 
 @dataclass
@@ -143,37 +144,29 @@ class Verifier:
             index = inp.draft_index
             device_tokens = DeviceTokens(index[0], draft_ids.reshape(-1).index_select(0, index[1]))
         t0 = time.perf_counter()
-        logits, events = self._forward(inp.forward, device_tokens)  # [sum of num_logits, V]
-        return self._finish(inp, proposal, draft_ids, logits, events, t_in, t0, prepared_ahead)
+        logits, marks = self._forward(inp.forward, device_tokens)  # [sum of num_logits, V]
+        return self._finish(inp, proposal, draft_ids, logits, marks, t_in, t0, prepared_ahead)
 
     def _forward(self, forward: PreparedForward, device_tokens: DeviceTokens | None
-                 ) -> tuple[torch.Tensor, tuple[torch.cuda.Event, torch.cuda.Event] | None]:
+                 ) -> tuple[torch.Tensor, GpuMarks | None]:
         """Queue the forward: logits [sum of num_logits, V], and CUDA events around it (None off CUDA)."""
-        events = None
-        if self.runner.device.type == "cuda":
-            # The forward only queues kernels; the host waits for them at the sampler's sync. CUDA events
-            # time the forward on the GPU without a sync of their own, so verify is not booked as sample.
-            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            events[0].record()
+        # The forward only queues kernels; the host waits for them at the sampler's sync. CUDA events time the
+        # forward on the GPU without a sync of their own, so verify is not booked as sample.
+        marks = GpuMarks.start(self.runner.device)
         logits = self.runner.run_forward(forward, device_tokens)
-        if events is not None:
-            events[1].record()
-        return logits, events
+        if marks is not None:
+            marks.mark()
+        return logits, marks
 
     def _finish(self, inp: VerifyInput, proposal: DraftProposal | None, draft_ids: torch.Tensor | None,
-                logits: torch.Tensor, events: tuple[torch.cuda.Event, torch.cuda.Event] | None, t_in: float,
-                t0: float, prepared_ahead: bool) -> StepResult:
+                logits: torch.Tensor, marks: GpuMarks | None, t_in: float, t0: float,
+                prepared_ahead: bool) -> StepResult:
         """Sample the queued forward's logits; t0: when the forward could start on the GPU."""
         t1 = time.perf_counter()
         result = self._sample(inp.plan, proposal, draft_ids, inp.counts, logits)
-        t2 = time.perf_counter()
-        # After the sampler's .tolist() both events have completed and elapsed_time does not wait; a step that
-        # sampled nothing (mid-prefill) did not sync, and keeps the host's figure rather than add a sync.
-        done = events is not None and events[1].query()
-        verify = events[0].elapsed_time(events[1]) / 1e3 if done else t1 - t0
         # prepare: the host's work before the forward on the step's path (the input, and the draft ids into it).
         prepare = (0.0 if prepared_ahead else inp.seconds) + t0 - t_in
-        result.phase_seconds = {"prepare": prepare, "verify": verify, "sample": max(0.0, t2 - t0 - verify)}
+        result.phase_seconds = forward_phases(prepare, t0, t1, time.perf_counter(), marks)
         result.step_id = inp.plan.step_id
         result.num_draft_tokens = list(inp.counts)
         return result
@@ -185,9 +178,9 @@ class Verifier:
         draft_ids = self.gate.arm(index, forward.step.input_ids).view(num_reqs, max_k)
         gate_done = torch.cuda.Event()
         gate_done.record()
-        logits, events = self._forward(forward, None)
-        assert events is not None
-        return LaunchedForward(logits, draft_ids, positions, gate_done, events)
+        logits, marks = self._forward(forward, None)
+        assert marks is not None
+        return LaunchedForward(logits, draft_ids, positions, gate_done, marks)
 
     def _run_launched(self, inp: VerifyInput, proposal: DraftProposal | None, t_in: float) -> StepResult:
         """Hand the waiting forward its ids (host stores into pinned memory), then sample as `run` does."""
@@ -212,7 +205,7 @@ class Verifier:
         # forward runs on meanwhile): a gate that gave up must not let its forward's logits be sampled.
         launched.gate_done.synchronize()
         if not self.gate.timed_out():
-            return self._finish(inp, proposal, launched.draft_ids, launched.logits, launched.events, t_in, t0,
+            return self._finish(inp, proposal, launched.draft_ids, launched.logits, launched.marks, t_in, t0,
                                 True)
         logger.warning("the verify forward's gate gave up before the draft's ids came; running it again")
         # The ordinary path on the same prepared input: the ids copied in, the forward replayed.

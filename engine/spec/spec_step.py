@@ -1,0 +1,177 @@
+"""One speculation step, written once: the draft's side, the target's side, and both composed in one process.
+
+A step is: the draft proposes k tokens per request (from its speculation cache where a window drafted ahead hits,
+else by drafting), the target verifies them in one forward and rejection-samples, and, with speculation ahead, the
+draft drafts the next window. Every side resolves the plan's open entries from its request table before running it
+and records the step's result in it (engine/request_table.py).
+
+- `DraftSide`: the draft's proposer (and AheadProposer) over its runner, with the side's table.
+- `TargetSide`: the target's verifier, with the side's table and the counters of inputs built ahead.
+- `SpeculativeStep`: both sides in one process, sharing one table (the result is recorded once, for both models):
+  the in-process executor runs it, and so does a target worker rank whose draft lives in its own process.
+
+Served with the draft in processes of its own, each worker rank runs one side and the graph's nodes are thin
+wrappers over it (serving/worker.py): what crosses processes (the proposal as host lists, its handoff's timing,
+the target's result back to the draft's table) is added there. Phases are booked through engine/step_phases.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.request_table import RequestTable
+from engine.runner.model_runner import ModelRunner
+from engine.spec.proposer import DraftProposal, DraftProposer
+from engine.spec.speculation_ahead import AheadProposer
+from engine.spec.verifier import Verifier, VerifyInput
+from engine.step_phases import (
+    GpuMarks,
+    book_local_proposal,
+    book_no_proposal,
+    book_propose_ahead,
+)
+from engine.step_plan import StepPlan, StepResult
+
+
+class DraftSide:
+    """The draft's half of a step. Plans given to its methods are resolved (`resolve`) by the caller: in one
+    process both sides share one table, which the step resolves once."""
+
+    def __init__(self, runner: ModelRunner, keep_probs: bool, seed: int, speculation_ahead: bool = False,
+                 table: RequestTable | None = None) -> None:
+        """keep_probs: keep q (probabilistic rejection reads it). speculation_ahead: draft the next window after each
+        proposal (`predraft`) and serve hits from it (engine/spec/speculation_ahead.py)."""
+        self.runner = runner
+        self.table = table if table is not None else RequestTable()
+        self.proposer = DraftProposer(runner, keep_probs, seed, ahead=speculation_ahead)
+        self.ahead = (AheadProposer(self.proposer, runner.config.synthetic_bonus_agreement, seed)
+                      if speculation_ahead else None)
+        # The last proposal and its plan, for `predraft`: the window ahead follows the proposal that went out.
+        self._proposed: tuple[StepPlan, DraftProposal] | None = None
+
+    def resolve(self, plan: StepPlan) -> StepPlan:
+        return self.table.resolve(plan)
+
+    def propose(self, plan: StepPlan) -> DraftProposal:
+        """The proposal of a resolved plan: from the speculation cache where it hits, else drafted now."""
+        if self.ahead is None:
+            return self.proposer.propose(plan)
+        proposal = self.ahead.propose(plan)
+        self._proposed = (plan, proposal)
+        return proposal
+
+    def sit_out(self) -> None:
+        """A step without drafts in which the draft does not run (in one process): windows drafted ahead are for
+        the next step that speculates, and none follows them now."""
+        if self.ahead is not None:
+            self.ahead.drop_all()
+
+    def predraft(self) -> None:
+        """Draft the next windows of the last proposal (speculation ahead; nothing otherwise)."""
+        last, self._proposed = self._proposed, None
+        if self.ahead is not None and last is not None:
+            self.ahead.predraft(*last)
+
+    def absorb(self, result: StepResult) -> None:
+        """The target's result of the step this side proposed for (a table of its own: served)."""
+        self.table.record(result)
+
+    @property
+    def ahead_counters(self) -> tuple[int, int, int, int] | None:
+        """Speculation ahead's running totals (StepResult.ahead); None without it."""
+        return self.ahead.stats.as_tuple() if self.ahead is not None else None
+
+
+class TargetSide:
+    """The target's half of a step: `prepare` builds the verify input from the plan alone, `verify` runs it with
+    the proposal and records the result. Plans are resolved by the caller, as for DraftSide."""
+
+    def __init__(self, runner: ModelRunner, seed: int, table: RequestTable | None = None,
+                 launch_ahead: bool = False) -> None:
+        """launch_ahead: inputs prepared ahead are also queued on the GPU before the ids come, where the verifier can
+        (Verifier.enable_launch_ahead: graphs on CUDA; for a remote draft only)."""
+        self.runner = runner
+        self.table = table if table is not None else RequestTable()
+        self.verifier = Verifier(runner, seed)
+        self.launch_ahead = bool(launch_ahead and self.verifier.enable_launch_ahead())
+        self.num_prepared_ahead = 0  # verify steps whose input was built while the draft proposed
+        self.num_launched_ahead = 0  # ... and whose forward was queued on the GPU before the ids came
+
+    def resolve(self, plan: StepPlan) -> StepPlan:
+        return self.table.resolve(plan)
+
+    def prepare(self, plan: StepPlan, with_drafts: bool, launch_ahead: bool = False) -> VerifyInput:
+        """The verify input of a resolved plan, placeholders where a proposal's drafts will go (with_drafts);
+        launch_ahead: queue its forward too (only where `launch_ahead` was enabled)."""
+        return self.verifier.prepare(plan, with_drafts, launch_ahead=launch_ahead and self.launch_ahead)
+
+    def verify(self, step: StepPlan | VerifyInput, proposal: DraftProposal | None) -> StepResult:
+        """Verify `proposal` (None: no drafts) for `step`, a resolved plan or its input prepared ahead (built while
+        the draft proposed: its time is not the step's); records the result in the table."""
+        if isinstance(step, VerifyInput):
+            result = self.verifier.run(step, proposal, prepared_ahead=True)
+            self.num_prepared_ahead += 1
+            self.num_launched_ahead += step.launched is not None
+        else:
+            result = self.verifier.verify(step, proposal)
+        self.table.record(result)
+        return result
+
+
+class SpeculativeStep:
+    """Both sides in one process, on one table: `run(plan)` resolves the plan once, proposes, verifies (the
+    proposal stays on the device, the verify queued behind the draft's kernels) and, with speculation ahead, drafts
+    the next window after the verify. `draft` None: target-only steps."""
+
+    def __init__(self, target: TargetSide, draft: DraftSide | None) -> None:
+        if draft is not None and draft.table is not target.table:
+            raise ValueError("the sides of one process share one request table")
+        self.target = target
+        self.draft = draft
+
+    @staticmethod
+    def build(target: ModelRunner, draft: ModelRunner | None, keep_probs: bool, seed: int,
+              speculation_ahead: bool = False) -> SpeculativeStep:
+        """Both sides over two runners of one process (draft None: the target alone)."""
+        table = RequestTable()
+        # The target's side first: its verifier captures the target's CUDA graphs before the draft loop's.
+        target_side = TargetSide(target, seed, table)
+        draft_side = DraftSide(draft, keep_probs, seed, speculation_ahead, table) if draft is not None else None
+        return SpeculativeStep(target_side, draft_side)
+
+    @property
+    def table(self) -> RequestTable:
+        return self.target.table
+
+    def run(self, plan: StepPlan) -> StepResult:
+        """Run a plan as sent (open entries resolved here); the result is recorded in the table."""
+        return self.run_resolved(self.target.resolve(plan))
+
+    def run_resolved(self, plan: StepPlan) -> StepResult:
+        """Run a plan the table has resolved (`target.resolve`); the result is recorded in the table."""
+        t0 = time.perf_counter()
+        draft = self.draft
+        # A step without speculation (load-adaptive k = 0) leaves the draft idle: skip even the proposer's
+        # bookkeeping, so such a step costs what a step of a target-only engine costs.
+        if draft is None or (not plan.max_draft_tokens and not any(r.draft_token_ids for r in plan.requests)):
+            if draft is not None:
+                draft.sit_out()
+            result = self.target.verify(plan, None)
+            book_no_proposal(result.phase_seconds)
+            return result
+        # Same process, same device: the proposal stays on the device and the verify forward is queued behind
+        # the draft's kernels, so the host never waits for the draft. CUDA events time the draft's GPU work.
+        marks = GpuMarks.start(draft.runner.device)
+        proposal = draft.propose(plan)
+        if marks is not None:
+            marks.mark()
+        t1 = time.perf_counter()
+        result = self.target.verify(plan, proposal)
+        phases = result.phase_seconds
+        if draft.ahead is not None:
+            t_ahead = time.perf_counter()
+            draft.predraft()
+            book_propose_ahead(phases, time.perf_counter() - t_ahead)
+            result.ahead = draft.ahead_counters
+        book_local_proposal(phases, marks, t1 - t0, time.perf_counter() - t0)
+        return result
