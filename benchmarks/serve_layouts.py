@@ -67,7 +67,8 @@ from deploy.bench.report import summarize  # noqa: E402
 from deploy.bench.runner import run_benchmark  # noqa: E402
 
 logger = logging.getLogger("specserve")
-PHASES = ("schedule", "propose", "handoff", "prepare", "verify", "sample", "propose_ahead", "dispatch", "commit")
+PHASES = ("schedule", "propose", "handoff", "prepare", "verify", "sample", "propose_ahead", "between", "dispatch",
+          "commit")
 # The router's share of a step: its bookkeeping and the transport (handoff: the draft's proposal to the target).
 ROUTER_PHASES = ("schedule", "dispatch", "handoff", "commit")
 

@@ -20,6 +20,9 @@ written here once:
   sample         sampling or rejection sampling and the tokens' copy to the host; in one process on CUDA also the
                  part of the step's wall time no other phase covers (a wait for the draft's GPU work).
   propose_ahead  in one process with speculation ahead: drafting the next window, after the verify.
+  between        a worker running whole steps (a colocated draft's `spec_step`): from its last result, or this
+                 plan's sending if later, to this step's start: the result's write and the plan's read through the
+                 graph's channels, the worker's share of dispatch. Only where router and worker share a host.
   dispatch       the Ray executor: what the step cost beyond the phases above (plan out, result back, channels or
                  RPCs); a step submitted while the one before ran is timed from that one's result.
   commit         EngineCore: committing the result (detokenizing, stops).
@@ -38,6 +41,7 @@ PREPARE = "prepare"
 VERIFY = "verify"
 SAMPLE = "sample"
 PROPOSE_AHEAD = "propose_ahead"
+BETWEEN = "between"
 DISPATCH = "dispatch"
 COMMIT = "commit"
 
@@ -123,3 +127,12 @@ def book_remote_proposal(phases: dict[str, float], seconds: float, sent_at: floa
 def book_dispatch(phases: dict[str, float], wall: float) -> None:
     """The executor's share of a step whose wall time (from its submit, or the step before's result) was `wall`."""
     phases[DISPATCH] = max(0.0, wall - sum(phases.values()))
+
+
+def book_between(phases: dict[str, float], started: float, last_returned: float, sent_at: float,
+                 sent_host: str) -> None:
+    """A worker's time between two whole steps. started: this step's start; last_returned: when its last step
+    returned (0.0: none yet); sent_at / sent_host: the plan's sending (StepPlan). Where the router waited before
+    sending, the wait is its own (dispatch), not the worker's."""
+    if sent_host == HOST and sent_at > 0.0:
+        phases[BETWEEN] = max(0.0, started - max(last_returned, sent_at))

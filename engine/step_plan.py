@@ -117,6 +117,10 @@ class StepPlan:
     synthetic_acceptance_rate: float | None = None
     # Requests that ended since the last plan: the sides drop their state before running this one.
     finished_ids: list[str] = field(default_factory=list)
+    # When and where an executor on other processes sent it (perf_counter, the host's monotonic clock): a worker on
+    # the same host times the plan's trip (engine/step_phases.py, `between`). 0.0 / "": not sent across processes.
+    sent_at: float = 0.0
+    sent_host: str = ""
 
     @property
     def max_draft_tokens(self) -> int:

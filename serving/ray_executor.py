@@ -35,7 +35,7 @@ from ray.actor import ActorHandle
 from engine.config import EngineConfig, ModelConfig
 from engine.decode_pipeline import LaggedResults
 from engine.kv_cache.spec import KVCacheGroupSpec
-from engine.step_phases import book_dispatch
+from engine.step_phases import HOST, book_dispatch
 from engine.step_plan import StepPlan, StepResult
 from serving.draft_group import DraftGroupReplacement
 from serving.placement import actor_options, bundle_task_options, create_group_placement, make_bundle
@@ -239,6 +239,7 @@ class RayExecutor(DraftGroupReplacement):
         if self._broken is not None:
             raise WorkerDiedError(self._broken, self._broken_role)
         t0 = time.perf_counter()
+        plan.sent_at, plan.sent_host = t0, HOST
         try:
             ref = self._graph.execute(plan) if self._graph is not None else self._submit_plain(plan)
         except Exception as e:

@@ -39,7 +39,7 @@ from engine.spec.proposer import DraftProposal
 from engine.spec.spec_step import DraftSide, SpeculativeStep, TargetSide
 from engine.spec.speculation_ahead import AheadProposer
 from engine.spec.verifier import VerifyInput
-from engine.step_phases import HOST, book_remote_proposal
+from engine.step_phases import HOST, book_between, book_remote_proposal
 from engine.step_plan import StepPlan, StepResult
 from serving.thread_switch import set_gil_switch_interval
 
@@ -163,6 +163,7 @@ class ModelWorker:
             self.target_side = TargetSide(self.runner, config.seed, launch_ahead=launch_verify_ahead)
         # A target without a draft queues each step before reading the last one's tokens (`target_decode`).
         self.pipeline: DecodePipeline | None = None
+        self._returned_at = 0.0  # when `spec_step` last returned a result (rank 0): the `between` phase
 
     def _init_distributed(self, master_addr: str, master_port: int) -> TensorParallelGroup:
         if self.world_size == 1:
@@ -271,8 +272,13 @@ class ModelWorker:
         proposal leaves the process, and the result is recorded once, for both models."""
         if self.spec is None:
             raise RuntimeError(f"spec_step() called on a {self.role} worker without a colocated draft")
+        started = time.perf_counter()
         result = self.spec.run(plan)
-        return result if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        book_between(result.phase_seconds, started, self._returned_at, plan.sent_at, plan.sent_host)
+        self._returned_at = time.perf_counter()
+        return result
 
     def target_decode(self, plan: StepPlan | None) -> StepResult | None:
         """A draft-less step, pipelined (engine/decode_pipeline.py): queue `plan`, then return the result of the
