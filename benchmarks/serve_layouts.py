@@ -51,7 +51,6 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,137 +59,22 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment  # noqa: E402
 from engine_driver import offline_llm, prompt_ids, run_in_process  # noqa: E402
+from layout_report import (  # noqa: E402
+    ahead_from_metrics,
+    ahead_summary,
+    compare,
+    phase_means_ms,
+    phase_summary,
+    run_summary,
+    table,
+)
+from layouts import Layout, serve_config  # noqa: E402
 from sweep_models import Pair, bench_workloads, materialize, model_pairs, warmup_count  # noqa: E402
 
 from deploy.bench.datasets import build_requests, load_tokenizer  # noqa: E402
-from deploy.bench.report import summarize  # noqa: E402
 from deploy.bench.runner import run_benchmark  # noqa: E402
 
 logger = logging.getLogger("specserve")
-PHASES = ("schedule", "propose", "handoff", "prepare", "verify", "sample", "propose_ahead", "between", "dispatch",
-          "commit")
-# The router's share of a step: its bookkeeping and the transport (handoff: the draft's proposal to the target).
-ROUTER_PHASES = ("schedule", "dispatch", "handoff", "commit")
-
-
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    offline: bool
-    target_tp: int
-    draft_tp: int  # 0: no draft
-    plain: bool = False
-    shared: bool = False
-    colocated: bool = False  # the draft in the target's worker processes (draft_placement "colocated")
-    nccl: bool = False
-    ahead: bool | None = None  # launch_verify_ahead forced on / off; None: the executor's default
-    sync: bool = False  # async_scheduling off
-    predraft: bool | None = None  # speculation_ahead forced on / off; None: the executor's default
-
-    @staticmethod
-    def parse(text: str) -> Layout:
-        head, *opts = text.split("/")
-        unknown = set(opts) - {"plain", "shared", "colocated", "nccl", "ahead", "noahead", "sync", "predraft",
-                               "nopredraft"}
-        if unknown:
-            raise ValueError(f"layout {text!r}: unknown options {sorted(unknown)}")
-        if "predraft" in opts and "nopredraft" in opts:
-            raise ValueError(f"layout {text!r}: predraft or nopredraft, not both")
-        predraft = True if "predraft" in opts else False if "nopredraft" in opts else None
-        if head in ("offline", "offline+d"):
-            if set(opts) - ({"predraft", "sync"} if head == "offline+d" else {"sync"}):
-                raise ValueError(f"layout {text!r}: the offline engine takes no options but sync and predraft "
-                                 "(with a draft)")
-            return Layout(text, True, 1, int(head.endswith("+d")), sync="sync" in opts, predraft=predraft)
-        parts = head.split("+")
-        try:
-            if not parts[0].startswith("t") or (len(parts) == 2 and not parts[1].startswith("d")) or len(parts) > 2:
-                raise ValueError
-            t, d = int(parts[0][1:]), int(parts[1][1:]) if len(parts) == 2 else 0
-        except ValueError:
-            raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared|/colocated][/nccl]"
-                             "[/ahead|/noahead][/sync]") from None
-        if t < 1 or (len(parts) == 2 and d < 1):
-            raise ValueError(f"layout {text!r}: sizes must be >= 1")
-        if set(opts) & {"shared", "colocated", "nccl", "ahead", "noahead", "predraft", "nopredraft"} and not d:
-            raise ValueError(f"layout {text!r}: shared, colocated, nccl, ahead, noahead, predraft and nopredraft "
-                             "need a draft")
-        if "colocated" in opts and (d != t or set(opts) & {"shared", "nccl", "ahead", "noahead"}):
-            raise ValueError(f"layout {text!r}: colocated needs the target's size for the draft, and takes neither "
-                             "shared, nccl, ahead nor noahead (no proposal leaves the target's process)")
-        if "ahead" in opts and "noahead" in opts:
-            raise ValueError(f"layout {text!r}: ahead or noahead, not both")
-        ahead = True if "ahead" in opts else False if "noahead" in opts else None
-        return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "colocated" in opts, "nccl" in opts,
-                      ahead, "sync" in opts, predraft)
-
-    @property
-    def num_gpus(self) -> int:
-        return self.target_tp if (self.offline or self.shared or self.colocated) else self.target_tp + self.draft_tp
-
-    def reference_key(self, lossless: bool) -> bool:
-        """Layouts with equal keys must give equal greedy outputs: all of them when rejection is lossless, else
-        those with a draft apart from those without (synthetic acceptance changes the tokens)."""
-        return not lossless and self.draft_tp > 0
-
-    @property
-    def is_reference(self) -> bool:
-        # `shared` and `colocated` only place the draft, so a one-GPU run can take either as its reference.
-        return not self.offline and self.target_tp == 1 and self.draft_tp <= 1 and self.ahead is None and not (
-            self.plain or self.nccl) and not self.predraft
-
-
-def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
-    engine_kwargs: dict[str, Any] = {"max_num_seqs": max(args.concurrency), **pair.engine_kwargs}
-    if args.smoke:
-        engine_kwargs.update(num_kv_blocks=512, max_num_batched_tokens=512)
-    if args.device == "cuda" and layout.shared:
-        engine_kwargs.update(target_resources={"GPU": 0.75}, draft_resources={"GPU": 0.25})
-    if layout.colocated:
-        engine_kwargs["draft_placement"] = "colocated"
-    if layout.plain:
-        engine_kwargs["use_compiled_graph"] = False
-    if args.eager:
-        engine_kwargs["enforce_eager"] = True
-    if layout.nccl:
-        engine_kwargs["draft_tensor_transport"] = "nccl"
-    if layout.ahead is not None:
-        engine_kwargs["launch_verify_ahead"] = layout.ahead
-    if layout.sync:
-        engine_kwargs["async_scheduling"] = False
-    if layout.predraft is not None:
-        engine_kwargs["speculation_ahead"] = layout.predraft
-    if args.bonus_agreement is not None and layout.draft_tp and pair.synthetic_acceptance_rate is not None:
-        engine_kwargs["synthetic_bonus_agreement"] = args.bonus_agreement
-    return {"model": pair.target, "draft_model": pair.draft if layout.draft_tp else None,
-            "num_speculative_tokens": args.k, "rejection_sampling": pair.rejection_sampling,
-            "synthetic_acceptance_rate": pair.synthetic_acceptance_rate if layout.draft_tp else None,
-            "tensor_parallel_size": layout.target_tp, "draft_tensor_parallel_size": max(1, layout.draft_tp),
-            "max_model_len": args.max_model_len, "device": args.device, "dtype": args.dtype,
-            "served_model_name": "bench", "engine_kwargs": engine_kwargs, "spec_disable_above_batch_size": None,
-            "max_queued_requests": None}
-
-
-def phase_means_ms(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
-    """`phase_summary` of the steps between two /metrics scrapes."""
-    if not before or not after:
-        return {}
-    totals: dict[str, list[float]] = {}
-    for phase in PHASES:
-        # The bench client's parser sums each series over the engine replicas under its unlabelled name.
-        count, total = (f'specserve_step_duration_seconds_{s}{{phase="{phase}"}}' for s in ("count", "sum"))
-        totals[phase] = [after.get(total, 0.0) - before.get(total, 0.0), after.get(count, 0.0) - before.get(count, 0.0)]
-    return phase_summary(totals)
-
-
-def phase_summary(totals: dict[str, list[float]]) -> dict[str, float]:
-    """Mean milliseconds per step of each phase from [seconds, steps] totals (steps: those that had the phase),
-    the router's share of a step and the step count."""
-    out = {p: 1e3 * totals[p][0] / totals[p][1] for p in PHASES if p in totals and totals[p][1] > 0}
-    if out:
-        out["router"] = sum(out.get(p, 0.0) for p in ROUTER_PHASES)
-        out["steps"] = max(totals[p][1] for p in PHASES if p in totals)
-    return out
 
 
 def check_prompts(pair: Pair, args: argparse.Namespace) -> tuple[list[Any], bool]:
@@ -232,39 +116,6 @@ async def http_layout(pair: Pair, layout: Layout, args: argparse.Namespace, base
                                            ahead_summary(ahead_from_metrics(run.metrics_before),
                                                          ahead_from_metrics(run.metrics_after))))
     return out
-
-
-AHEAD_COUNTERS = ("lookups", "hits", "drafted_tokens", "unused_tokens")
-
-
-def ahead_from_metrics(metrics: dict[str, float] | None) -> tuple[float, ...] | None:
-    """The spec_ahead_* counters of a /metrics scrape, in StepResult.ahead's order."""
-    if not metrics:
-        return None
-    return tuple(metrics.get(f"specserve_spec_ahead_{name}_total", 0.0) for name in AHEAD_COUNTERS)
-
-
-def ahead_summary(before: tuple[float, ...] | None, after: tuple[float, ...] | None) -> dict[str, float] | None:
-    """Speculation ahead over a run: hit rate (hits / lookups) and the share of tokens drafted ahead that were
-    never proposed; None where nothing was drafted ahead."""
-    if before is None or after is None:
-        return None
-    lookups, hits, drafted, unused = (a - b for a, b in zip(after, before))
-    if not drafted:
-        return None
-    return {"hit_rate": hits / max(lookups, 1), "unused_share": unused / drafted, "lookups": lookups}
-
-
-def run_summary(run: Any, c: int, phases: dict[str, float],
-                ahead: dict[str, float] | None = None) -> dict[str, Any]:
-    s = summarize(run, f"c={c}")
-    if s["failed"]:
-        raise RuntimeError(f"{s['failed']} requests failed at concurrency {c}: {s['per_request']['errors'][0]}")
-    spec = s.get("spec_decode") or {}
-    return {"concurrency": c, "output_tok_s": s["output_throughput"], "median_tpot_ms": s["median_tpot_ms"],
-            "median_ttft_ms": s["median_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"], "median_itl_ms": s["median_itl_ms"],
-            "duration_s": s["duration_s"], "completed": s["completed"],
-            "acceptance_length": spec.get("acceptance_length"), "phases_ms": phases, "ahead": ahead}
 
 
 def run_serve_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
@@ -318,69 +169,6 @@ def run_offline_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> 
                 out["runs"].append(run_summary(run, c, phase_summary(totals),
                                                ahead_summary(before, llm.engine.speculation_ahead_stats())))
         return out
-
-
-def compare(results: dict[str, Any], layouts: list[Layout], lossless: bool, bonus_agreement: bool = False) -> None:
-    """Mark each layout's greedy texts against its reference: `matches`, and the share of equal texts.
-    bonus_agreement: a synthetic pair's layouts that may draft ahead are not compared (the setting feeds the draft
-    its guess where the target had another bonus token, which changes which drafts synthetic acceptance keeps)."""
-    if bonus_agreement and not lossless:
-        layouts = [lay for lay in layouts if not (lay.draft_tp and lay.predraft is not False)]
-    refs: dict[bool, str] = {}
-    for lay in layouts:
-        r = results.get(lay.name) or {}
-        if lay.is_reference and "check" in r and lay.reference_key(lossless) not in refs:
-            refs[lay.reference_key(lossless)] = lay.name
-    for lay in layouts:
-        r = results.get(lay.name) or {}
-        ref = refs.get(lay.reference_key(lossless))
-        if "check" not in r or ref is None:
-            continue
-        mine, theirs = r["check"], results[ref]["check"]
-        r["check_reference"] = ref
-        r["check_equal"] = sum(a == b for a, b in zip(mine, theirs))
-        r["check_total"] = len(theirs)
-        r["matches"] = mine == theirs
-
-
-def table(results: dict[str, Any], layouts: list[Layout], args: argparse.Namespace) -> str:
-    per_c = " | ".join(f"c={c} tok/s | c={c} TPOT ms | c={c} router ms/step | c={c} ahead hit rate"
-                       for c in args.concurrency)
-    lines = [f"| layout | GPUs | greedy equal to | {per_c} | phases at c={args.concurrency[0]} (ms/step) |",
-             "|---|---|---|" + "---|---|---|---|" * len(args.concurrency) + "---|"]
-    for lay in layouts:
-        r = results.get(lay.name) or {}
-        if "error" in r:
-            lines.append(f"| {lay.name} | {lay.num_gpus} | failed: {r['error'][:80]} |")
-            continue
-        eq = (f"{r['check_reference']}: {r['check_equal']}/{r['check_total']}" if "check_reference" in r else "-")
-        cells = [lay.name, str(lay.num_gpus), eq]
-        runs = {x["concurrency"]: x for x in r.get("runs", [])}
-        for c in args.concurrency:
-            x = runs.get(c)
-            router = (x or {}).get("phases_ms", {}).get("router")
-            ahead = (x or {}).get("ahead")
-            cells += [f"{x['output_tok_s']:.1f}" if x else "-",
-                      f"{x['median_tpot_ms']:.2f}" if x and x["median_tpot_ms"] else "-",
-                      f"{router:.2f}" if router is not None else "-",
-                      f"{ahead['hit_rate']:.2f} ({ahead['unused_share']:.0%} unused)" if ahead else "-"]
-        ph = (runs.get(args.concurrency[0]) or {}).get("phases_ms", {})
-        cells.append(", ".join(f"{p} {ph[p]:.2f}" for p in PHASES if p in ph) or "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    # Where tokens/s and TPOT disagree, the time to first token (which tokens/s includes) says why.
-    lines += ["", "| layout | " + " | ".join(f"c={c} TTFT median / p99 ms | c={c} ITL median ms | c={c} duration s"
-                                             for c in args.concurrency) + " |",
-              "|---|" + "---|---|---|" * len(args.concurrency)]
-    for lay in layouts:
-        runs = {x["concurrency"]: x for x in (results.get(lay.name) or {}).get("runs", [])}
-        cells = [lay.name]
-        for c in args.concurrency:
-            x = runs.get(c) or {}
-            cells += [f"{x['median_ttft_ms']:.1f} / {x['p99_ttft_ms']:.1f}" if x.get("median_ttft_ms") else "-",
-                      f"{x['median_itl_ms']:.2f}" if x.get("median_itl_ms") else "-",
-                      f"{x['duration_s']:.2f}" if x.get("duration_s") else "-"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def main() -> int:

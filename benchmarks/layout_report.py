@@ -1,0 +1,136 @@
+"""The numbers and report of benchmarks/serve_layouts.py: per-step phase means and speculation-ahead rates from
+/metrics scrapes or in-process totals, one run's summary, the greedy check against each layout's reference, and
+the markdown tables."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from layouts import Layout
+
+from deploy.bench.report import summarize
+
+PHASES = ("schedule", "propose", "handoff", "prepare", "verify", "sample", "propose_ahead", "between", "dispatch",
+          "commit")
+# The router's share of a step: its bookkeeping and the transport (handoff: the draft's proposal to the target).
+ROUTER_PHASES = ("schedule", "dispatch", "handoff", "commit")
+AHEAD_COUNTERS = ("lookups", "hits", "drafted_tokens", "unused_tokens")
+
+
+def phase_means_ms(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """`phase_summary` of the steps between two /metrics scrapes."""
+    if not before or not after:
+        return {}
+    totals: dict[str, list[float]] = {}
+    for phase in PHASES:
+        # The bench client's parser sums each series over the engine replicas under its unlabelled name.
+        count, total = (f'specserve_step_duration_seconds_{s}{{phase="{phase}"}}' for s in ("count", "sum"))
+        totals[phase] = [after.get(total, 0.0) - before.get(total, 0.0), after.get(count, 0.0) - before.get(count, 0.0)]
+    return phase_summary(totals)
+
+
+def phase_summary(totals: dict[str, list[float]]) -> dict[str, float]:
+    """Mean milliseconds per step of each phase from [seconds, steps] totals (steps: those that had the phase),
+    the router's share of a step and the step count."""
+    out = {p: 1e3 * totals[p][0] / totals[p][1] for p in PHASES if p in totals and totals[p][1] > 0}
+    if out:
+        out["router"] = sum(out.get(p, 0.0) for p in ROUTER_PHASES)
+        out["steps"] = max(totals[p][1] for p in PHASES if p in totals)
+    return out
+
+
+def ahead_from_metrics(metrics: dict[str, float] | None) -> tuple[float, ...] | None:
+    """The spec_ahead_* counters of a /metrics scrape, in StepResult.ahead's order."""
+    if not metrics:
+        return None
+    return tuple(metrics.get(f"specserve_spec_ahead_{name}_total", 0.0) for name in AHEAD_COUNTERS)
+
+
+def ahead_summary(before: tuple[float, ...] | None, after: tuple[float, ...] | None) -> dict[str, float] | None:
+    """Speculation ahead over a run: hit rate (hits / lookups) and the share of tokens drafted ahead that were
+    never proposed; None where nothing was drafted ahead."""
+    if before is None or after is None:
+        return None
+    lookups, hits, drafted, unused = (a - b for a, b in zip(after, before))
+    if not drafted:
+        return None
+    return {"hit_rate": hits / max(lookups, 1), "unused_share": unused / drafted, "lookups": lookups}
+
+
+def run_summary(run: Any, c: int, phases: dict[str, float],
+                ahead: dict[str, float] | None = None) -> dict[str, Any]:
+    """One concurrency's row of a layout's JSON: throughput, latencies, acceptance, phases and speculation ahead."""
+    s = summarize(run, f"c={c}")
+    if s["failed"]:
+        raise RuntimeError(f"{s['failed']} requests failed at concurrency {c}: {s['per_request']['errors'][0]}")
+    spec = s.get("spec_decode") or {}
+    return {"concurrency": c, "output_tok_s": s["output_throughput"], "median_tpot_ms": s["median_tpot_ms"],
+            "median_ttft_ms": s["median_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"], "median_itl_ms": s["median_itl_ms"],
+            "duration_s": s["duration_s"], "completed": s["completed"],
+            "acceptance_length": spec.get("acceptance_length"), "phases_ms": phases, "ahead": ahead}
+
+
+def compare(results: dict[str, Any], layouts: list[Layout], lossless: bool, bonus_agreement: bool = False) -> None:
+    """Mark each layout's greedy texts against its reference: `matches`, and the share of equal texts.
+    bonus_agreement: a synthetic pair's layouts that may draft ahead are not compared (the setting feeds the draft
+    its guess where the target had another bonus token, which changes which drafts synthetic acceptance keeps)."""
+    if bonus_agreement and not lossless:
+        layouts = [lay for lay in layouts if not (lay.draft_tp and lay.predraft is not False)]
+    refs: dict[bool, str] = {}
+    for lay in layouts:
+        r = results.get(lay.name) or {}
+        if lay.is_reference and "check" in r and lay.reference_key(lossless) not in refs:
+            refs[lay.reference_key(lossless)] = lay.name
+    for lay in layouts:
+        r = results.get(lay.name) or {}
+        ref = refs.get(lay.reference_key(lossless))
+        if "check" not in r or ref is None:
+            continue
+        mine, theirs = r["check"], results[ref]["check"]
+        r["check_reference"] = ref
+        r["check_equal"] = sum(a == b for a, b in zip(mine, theirs))
+        r["check_total"] = len(theirs)
+        r["matches"] = mine == theirs
+
+
+def table(results: dict[str, Any], layouts: list[Layout], args: argparse.Namespace) -> str:
+    """The markdown tables of a run: per layout, throughput, TPOT, router cost, speculation ahead and phases;
+    then time to first token, inter-token latency and duration."""
+    per_c = " | ".join(f"c={c} tok/s | c={c} TPOT ms | c={c} router ms/step | c={c} ahead hit rate"
+                       for c in args.concurrency)
+    lines = [f"| layout | GPUs | greedy equal to | {per_c} | phases at c={args.concurrency[0]} (ms/step) |",
+             "|---|---|---|" + "---|---|---|---|" * len(args.concurrency) + "---|"]
+    for lay in layouts:
+        r = results.get(lay.name) or {}
+        if "error" in r:
+            lines.append(f"| {lay.name} | {lay.num_gpus} | failed: {r['error'][:80]} |")
+            continue
+        eq = (f"{r['check_reference']}: {r['check_equal']}/{r['check_total']}" if "check_reference" in r else "-")
+        cells = [lay.name, str(lay.num_gpus), eq]
+        runs = {x["concurrency"]: x for x in r.get("runs", [])}
+        for c in args.concurrency:
+            x = runs.get(c)
+            router = (x or {}).get("phases_ms", {}).get("router")
+            ahead = (x or {}).get("ahead")
+            cells += [f"{x['output_tok_s']:.1f}" if x else "-",
+                      f"{x['median_tpot_ms']:.2f}" if x and x["median_tpot_ms"] else "-",
+                      f"{router:.2f}" if router is not None else "-",
+                      f"{ahead['hit_rate']:.2f} ({ahead['unused_share']:.0%} unused)" if ahead else "-"]
+        ph = (runs.get(args.concurrency[0]) or {}).get("phases_ms", {})
+        cells.append(", ".join(f"{p} {ph[p]:.2f}" for p in PHASES if p in ph) or "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    # Where tokens/s and TPOT disagree, the time to first token (which tokens/s includes) says why.
+    lines += ["", "| layout | " + " | ".join(f"c={c} TTFT median / p99 ms | c={c} ITL median ms | c={c} duration s"
+                                             for c in args.concurrency) + " |",
+              "|---|" + "---|---|---|" * len(args.concurrency)]
+    for lay in layouts:
+        runs = {x["concurrency"]: x for x in (results.get(lay.name) or {}).get("runs", [])}
+        cells = [lay.name]
+        for c in args.concurrency:
+            x = runs.get(c) or {}
+            cells += [f"{x['median_ttft_ms']:.1f} / {x['p99_ttft_ms']:.1f}" if x.get("median_ttft_ms") else "-",
+                      f"{x['median_itl_ms']:.2f}" if x.get("median_itl_ms") else "-",
+                      f"{x['duration_s']:.2f}" if x.get("duration_s") else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""The layouts of benchmarks/serve_layouts.py: the `Layout` a name such as `t2+d1/shared` stands for (its grammar
+is documented there), and the `specserve serve` config that runs it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from sweep_models import Pair
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    offline: bool
+    target_tp: int
+    draft_tp: int  # 0: no draft
+    plain: bool = False
+    shared: bool = False
+    colocated: bool = False  # the draft in the target's worker processes (draft_placement "colocated")
+    nccl: bool = False
+    ahead: bool | None = None  # launch_verify_ahead forced on / off; None: the executor's default
+    sync: bool = False  # async_scheduling off
+    predraft: bool | None = None  # speculation_ahead forced on / off; None: the executor's default
+
+    @staticmethod
+    def parse(text: str) -> Layout:
+        head, *opts = text.split("/")
+        unknown = set(opts) - {"plain", "shared", "colocated", "nccl", "ahead", "noahead", "sync", "predraft",
+                               "nopredraft"}
+        if unknown:
+            raise ValueError(f"layout {text!r}: unknown options {sorted(unknown)}")
+        if "predraft" in opts and "nopredraft" in opts:
+            raise ValueError(f"layout {text!r}: predraft or nopredraft, not both")
+        predraft = True if "predraft" in opts else False if "nopredraft" in opts else None
+        if head in ("offline", "offline+d"):
+            if set(opts) - ({"predraft", "sync"} if head == "offline+d" else {"sync"}):
+                raise ValueError(f"layout {text!r}: the offline engine takes no options but sync and predraft "
+                                 "(with a draft)")
+            return Layout(text, True, 1, int(head.endswith("+d")), sync="sync" in opts, predraft=predraft)
+        parts = head.split("+")
+        try:
+            if not parts[0].startswith("t") or (len(parts) == 2 and not parts[1].startswith("d")) or len(parts) > 2:
+                raise ValueError
+            t, d = int(parts[0][1:]), int(parts[1][1:]) if len(parts) == 2 else 0
+        except ValueError:
+            raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared|/colocated][/nccl]"
+                             "[/ahead|/noahead][/sync]") from None
+        if t < 1 or (len(parts) == 2 and d < 1):
+            raise ValueError(f"layout {text!r}: sizes must be >= 1")
+        if set(opts) & {"shared", "colocated", "nccl", "ahead", "noahead", "predraft", "nopredraft"} and not d:
+            raise ValueError(f"layout {text!r}: shared, colocated, nccl, ahead, noahead, predraft and nopredraft "
+                             "need a draft")
+        if "colocated" in opts and (d != t or set(opts) & {"shared", "nccl", "ahead", "noahead"}):
+            raise ValueError(f"layout {text!r}: colocated needs the target's size for the draft, and takes neither "
+                             "shared, nccl, ahead nor noahead (no proposal leaves the target's process)")
+        if "ahead" in opts and "noahead" in opts:
+            raise ValueError(f"layout {text!r}: ahead or noahead, not both")
+        ahead = True if "ahead" in opts else False if "noahead" in opts else None
+        return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "colocated" in opts, "nccl" in opts,
+                      ahead, "sync" in opts, predraft)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.target_tp if (self.offline or self.shared or self.colocated) else self.target_tp + self.draft_tp
+
+    def reference_key(self, lossless: bool) -> bool:
+        """Layouts with equal keys must give equal greedy outputs: all of them when rejection is lossless, else
+        those with a draft apart from those without (synthetic acceptance changes the tokens)."""
+        return not lossless and self.draft_tp > 0
+
+    @property
+    def is_reference(self) -> bool:
+        # `shared` and `colocated` only place the draft, so a one-GPU run can take either as its reference.
+        return not self.offline and self.target_tp == 1 and self.draft_tp <= 1 and self.ahead is None and not (
+            self.plain or self.nccl) and not self.predraft
+
+
+def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
+    """The `specserve serve` config fields that run `layout` of `pair` (the offline engine reads the same)."""
+    engine_kwargs: dict[str, Any] = {"max_num_seqs": max(args.concurrency), **pair.engine_kwargs}
+    if args.smoke:
+        engine_kwargs.update(num_kv_blocks=512, max_num_batched_tokens=512)
+    if args.device == "cuda" and layout.shared:
+        engine_kwargs.update(target_resources={"GPU": 0.75}, draft_resources={"GPU": 0.25})
+    if layout.colocated:
+        engine_kwargs["draft_placement"] = "colocated"
+    elif layout.draft_tp and not layout.offline:
+        # Named, not left to the engine's default: a layout without `colocated` means the draft in processes of
+        # its own, whatever placement the engine would pick for the GPUs it finds. (The offline engine has no
+        # worker processes and takes no placement.)
+        engine_kwargs["draft_placement"] = "separate"
+    if layout.plain:
+        engine_kwargs["use_compiled_graph"] = False
+    if args.eager:
+        engine_kwargs["enforce_eager"] = True
+    if layout.nccl:
+        engine_kwargs["draft_tensor_transport"] = "nccl"
+    if layout.ahead is not None:
+        engine_kwargs["launch_verify_ahead"] = layout.ahead
+    if layout.sync:
+        engine_kwargs["async_scheduling"] = False
+    if layout.predraft is not None:
+        engine_kwargs["speculation_ahead"] = layout.predraft
+    if args.bonus_agreement is not None and layout.draft_tp and pair.synthetic_acceptance_rate is not None:
+        engine_kwargs["synthetic_bonus_agreement"] = args.bonus_agreement
+    return {"model": pair.target, "draft_model": pair.draft if layout.draft_tp else None,
+            "num_speculative_tokens": args.k, "rejection_sampling": pair.rejection_sampling,
+            "synthetic_acceptance_rate": pair.synthetic_acceptance_rate if layout.draft_tp else None,
+            "tensor_parallel_size": layout.target_tp, "draft_tensor_parallel_size": max(1, layout.draft_tp),
+            "max_model_len": args.max_model_len, "device": args.device, "dtype": args.dtype,
+            "served_model_name": "bench", "engine_kwargs": engine_kwargs, "spec_disable_above_batch_size": None,
+            "max_queued_requests": None}
