@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from deploy.bench.cli import add_bench_parser
 from deploy.distill_cli import _add_distill_parser
+from serving.engine_builders import DRAFT_PLACEMENTS
 
 if TYPE_CHECKING:
     from deploy.config import ServeConfig
@@ -97,6 +98,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="no speculation for steps of more than N requests (default 32; none = never off)")
     p.add_argument("--tensor-parallel-size", type=int, default=s)
     p.add_argument("--draft-tensor-parallel-size", type=int, default=s)
+    p.add_argument("--draft-placement", default=s, choices=list(DRAFT_PLACEMENTS),
+                   help="separate: the draft's ranks are actors of their own; colocated: inside the target's ranks, "
+                        "on their GPUs; auto (default): colocated where the draft could only share the target's GPUs")
     p.add_argument("--max-model-len", type=int, default=s)
     p.add_argument("--device", default=s, help="cpu or cuda (default: cuda when the cluster has GPUs)")
     p.add_argument("--dtype", default=s)

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from serving.engine_builders import DRAFT_PLACEMENTS
+
 logger = logging.getLogger("specserve")
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -44,6 +46,9 @@ class ServeConfig:
     spec_disable_above_batch_size: int | None = DEFAULT_SPEC_DISABLE_ABOVE_BATCH_SIZE
     tensor_parallel_size: int = 1
     draft_tensor_parallel_size: int = 1
+    # Where the draft runs: "separate" (its ranks are Ray actors of their own), "colocated" (inside the target's
+    # ranks, on their GPUs) or "auto" (colocated where the draft could only share the target's GPUs).
+    draft_placement: str = "auto"
     max_model_len: int | None = None
     device: str | None = None  # None: cuda when the cluster has GPUs, else cpu
     dtype: str | None = None
@@ -100,6 +105,8 @@ class ServeConfig:
                              f"got {self.max_request_body_bytes}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0 (or none: no bound), got {self.max_queued_requests}")
+        if self.draft_placement not in DRAFT_PLACEMENTS:
+            raise ValueError(f"draft_placement must be one of {list(DRAFT_PLACEMENTS)}, got {self.draft_placement!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if self.drain_timeout_s < 0:
@@ -139,6 +146,8 @@ class ServeConfig:
                 "device": self.device, "dtype": self.dtype, "seed": self.seed,
                 "enable_prefix_caching": self.enable_prefix_caching,
                 **self._adaptive_spec_args()}
+        if self.draft_placement != "auto":  # "auto" is the builders' default: a builder of one's own need not know it
+            args["draft_placement"] = self.draft_placement
         args.update(self.engine_kwargs)
         return args
 

@@ -16,11 +16,19 @@ from typing import Any
 DEFAULT_ENGINE_BUILDER = "serving.engine_factory:build_ray_engine"
 LOCAL_ENGINE_BUILDER = "serving.engine_builders:build_local_engine"
 
+# Where the default builder runs the draft (RayExecutor's `draft_placement`): "separate" worker actors, "colocated"
+# in the target's ranks, or "auto" (serving/worker_group.py, `resolve_draft_placement`).
+DRAFT_PLACEMENTS = ("auto", "separate", "colocated")
 
-def build_local_engine(**engine_args: Any) -> Any:
-    """Target (and draft) in the router's own process, through the offline LLM's construction."""
+
+def build_local_engine(draft_placement: str = "auto", **engine_args: Any) -> Any:
+    """Target (and draft) in the router's own process, through the offline LLM's construction. Its draft is
+    colocated by construction: "separate" is refused rather than ignored."""
     from engine.llm import LLM
 
+    if draft_placement not in ("auto", "colocated"):
+        raise ValueError(f"draft_placement {draft_placement!r} needs worker actors: the local engine builder runs "
+                         "the draft in the router's own process ('auto' or 'colocated')")
     return LLM(**engine_args).engine
 
 

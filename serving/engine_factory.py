@@ -29,7 +29,7 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
                      dtype: str | torch.dtype | None = None, max_model_len: int | None = None, seed: int = 0,
                      use_compiled_graph: bool = True, target_resources: dict[str, float] | None = None,
                      draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
-                     launch_verify_ahead: bool | None = None, draft_placement: str = "separate",
+                     launch_verify_ahead: bool | None = None, draft_placement: str = "auto",
                      step_timeout_s: float = 300.0,
                      draft_length_schedule: object = None,
                      spec_disable_above_batch_size: int | None = None, **engine_kwargs: object) -> EngineCore:
@@ -38,8 +38,9 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
     Arguments mean what they mean for `engine.LLM`; `engine_kwargs` are further EngineConfig fields
     (block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_bytes, num_kv_blocks).
     launch_verify_ahead: see RayExecutor (None: where no GPU is shared between target and draft).
-    draft_placement: "separate" (the draft's ranks are actors of their own) or "colocated" (the draft runs inside
-    each target rank's process, at the target's tensor-parallel size; see RayExecutor).
+    draft_placement: "separate" (the draft's ranks are actors of their own), "colocated" (the draft runs inside
+    each target rank's process, at the target's tensor-parallel size) or "auto" (colocated where the draft could
+    only share the target's GPUs, else separate; see RayExecutor).
     device: "cuda" or "cpu" for the workers; None picks CUDA when the Ray cluster has GPUs (the router
     itself may run on a CPU-only node). Ray is initialised (`ray.init()`) if it is not yet.
     """

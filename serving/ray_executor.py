@@ -43,10 +43,10 @@ from serving.step_topology import GraphCalls, PlainCalls, step_nodes
 from serving.worker import ModelWorker, WorkerInfo, node_ip_and_free_port
 from serving.worker_group import (  # noqa: F401 - check_tensor_parallel and launch_verify_ahead_for are public here too
     WorkerGroup,
-    check_draft_placement,
     check_tensor_parallel,
     launch_verify_ahead_for,
     release_group,
+    resolve_draft_placement,
     speculation_ahead_for,
 )
 
@@ -70,7 +70,7 @@ class RayExecutor(DraftGroupReplacement):
                  draft_tensor_parallel_size: int = 1, use_compiled_graph: bool = True,
                  target_resources: dict[str, float] | None = None,
                  draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
-                 launch_verify_ahead: bool | None = None, draft_placement: str = "separate",
+                 launch_verify_ahead: bool | None = None, draft_placement: str = "auto",
                  placement_timeout_s: float = 120.0, init_timeout_s: float = 900.0,
                  step_timeout_s: float = 300.0) -> None:
         """target_resources / draft_resources: merged into each rank's bundle (default {"CPU": 1} on CPU,
@@ -84,12 +84,14 @@ class RayExecutor(DraftGroupReplacement):
         behind a kernel that waits for the draft's ids (engine/kernels/ids_gate.py), so the forward starts the
         moment they land. None (the default): on CUDA where every rank of both models has whole GPUs; a waiting
         kernel would take a draft's time slices on a GPU the two share.
-        draft_placement: "separate" (the default) runs the draft's ranks as actors of their own; "colocated" builds
+        draft_placement: "separate" runs the draft's ranks as actors of their own; "colocated" builds
         the draft inside each target rank's process, on its device and tensor-parallel group (the draft's size must
         equal the target's), and runs each step there whole, as the in-process engine does: no proposal or result
         crosses processes (serving/worker_group.py, `check_draft_placement`). draft_resources, the draft's
         transport and launching the verify ahead then do not apply, speculation ahead runs after the verify as in
-        process (off unless EngineConfig.speculation_ahead asks), and the draft cannot be replaced alone."""
+        process (off unless EngineConfig.speculation_ahead asks), and the draft cannot be replaced alone. "auto"
+        (the default): colocated where the draft could only share the target's GPUs, else separate
+        (serving/worker_group.py, `resolve_draft_placement`)."""
         if not ray.is_initialized():
             raise RuntimeError("RayExecutor needs a Ray runtime: call ray.init() (or run inside Ray Serve) first")
         self.engine_config = engine_config
@@ -116,9 +118,13 @@ class RayExecutor(DraftGroupReplacement):
         self._draft_args = (draft_model_path, draft_tensor_parallel_size, draft_resources, rejection_sampling,
                             placement_timeout_s, init_timeout_s)
         self._pending_draft: WorkerGroup | None = None
-        check_draft_placement(draft_placement, tensor_parallel_size, draft_tensor_parallel_size)
+        self.draft_placement = resolve_draft_placement(
+            draft_placement, engine_config.device.type, tensor_parallel_size, draft_tensor_parallel_size,
+            ray.cluster_resources().get("GPU", 0.0), draft_resources is not None)
+        if draft_model_path is not None and draft_placement == "auto":
+            logger.info("draft_placement 'auto': %s", self.draft_placement)
         # A draft in the target's processes: one group of workers, each running the whole step.
-        self.colocated = draft_model_path is not None and draft_placement == "colocated"
+        self.colocated = draft_model_path is not None and self.draft_placement == "colocated"
         check_tensor_parallel(ModelConfig.from_path(model_path), tensor_parallel_size, "target")
         if draft_model_path is not None:
             check_tensor_parallel(ModelConfig.from_path(draft_model_path), draft_tensor_parallel_size, "draft")

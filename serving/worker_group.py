@@ -11,6 +11,7 @@ from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from engine.config import ModelConfig
+from serving.engine_builders import DRAFT_PLACEMENTS
 from serving.worker import WorkerInfo
 
 logger = logging.getLogger("specserve")
@@ -44,18 +45,34 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, role: str) -> None:
                          "use a size that divides the KV head count or is a multiple of it")
 
 
-DRAFT_PLACEMENTS = ("separate", "colocated")
 
 
 def check_draft_placement(placement: str, tp: int, draft_tp: int) -> None:
     """Fail on the router, before any worker starts, for a placement the executor cannot build. A colocated draft
     runs in each target rank's process on the target's tensor-parallel group, so it needs the target's size."""
     if placement not in DRAFT_PLACEMENTS:
-        raise ValueError(f"draft_placement must be one of {DRAFT_PLACEMENTS}, got {placement!r}")
+        raise ValueError(f"draft_placement must be one of {list(DRAFT_PLACEMENTS)}, got {placement!r}")
     if placement == "colocated" and draft_tp != tp:
         raise ValueError(f"draft_placement 'colocated' runs the draft in the target's ranks, so its tensor-parallel "
                          f"size must equal the target's: draft_tensor_parallel_size={draft_tp}, "
                          f"tensor_parallel_size={tp}")
+
+
+def resolve_draft_placement(placement: str, device_type: str, tp: int, draft_tp: int, cluster_gpus: float,
+                            draft_resources_given: bool) -> str:
+    """`placement` with "auto" decided: "colocated" where the draft's ranks could only share the target's GPUs
+    (a CUDA cluster of fewer than tp + draft_tp GPUs, equal sizes, no resources given for the draft), so the
+    step runs whole in each target rank's process rather than crossing processes on one device (measured faster
+    on one GPU: benchmarks/RESULTS.md); "separate" everywhere else: on GPUs of its own the draft works beside the
+    target (speculation ahead), and on CPU each model keeps a process, hence a core, of its own. cluster_gpus:
+    the cluster's GPUs (not the free ones, so an engine rebuilt after a failure decides the same way);
+    draft_resources_given: the draft's ranks were given resources of their own, which only a separate draft has."""
+    check_draft_placement(placement, tp, draft_tp)
+    if placement != "auto":
+        return placement
+    if device_type == "cuda" and draft_tp == tp and not draft_resources_given and cluster_gpus < tp + draft_tp:
+        return "colocated"
+    return "separate"
 
 
 def launch_verify_ahead_for(requested: bool | None, device_type: str, bundles: list[dict[str, float]],

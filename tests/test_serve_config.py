@@ -92,3 +92,38 @@ def test_prefix_caching_flag_and_field() -> None:
 
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(torch.device("cpu"), torch.float32, 64, enable_prefix_caching="yes").validate()
+
+
+def test_draft_placement_flag_field_and_auto_rule() -> None:
+    """`--draft-placement` reaches the engine's arguments ("auto", the builders' default, is left to them); a bad
+    value is refused naming the field; "auto" colocates the draft only where it could only share the target's GPUs;
+    the in-process builder refuses "separate" rather than ignore it."""
+    from deploy.cli import build_parser
+    from serving.engine_builders import build_local_engine
+    from serving.worker_group import resolve_draft_placement
+
+    args = build_parser().parse_args(["serve", "--draft-placement", "colocated"])
+    assert load_config(None, {"draft_placement": args.draft_placement}).engine_args()["draft_placement"] == "colocated"
+    assert "draft_placement" not in ServeConfig().engine_args()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--draft-placement", "shared"])
+    with pytest.raises(ValueError, match="draft_placement"):
+        ServeConfig.from_dict({"draft_placement": "shared"}).validate()
+    ServeConfig.from_dict({"draft_placement": "separate"}).validate()
+
+    # (device, tp, draft tp, cluster GPUs, draft resources given) -> the placement "auto" picks
+    cases = {("cuda", 1, 1, 1, False): "colocated",  # one GPU: the draft could only share it
+             ("cuda", 1, 1, 2, False): "separate",  # a GPU of its own: it drafts beside the target
+             ("cuda", 2, 2, 2, False): "colocated",
+             ("cuda", 2, 1, 2, False): "separate",  # unequal sizes cannot be colocated
+             ("cuda", 1, 1, 1, True): "separate",  # the draft's resources were given: only separate has them
+             ("cpu", 1, 1, 0, False): "separate"}  # on CPU each model keeps a process (a core) of its own
+    for (device, tp, draft_tp, gpus, given), expected in cases.items():
+        assert resolve_draft_placement("auto", device, tp, draft_tp, gpus, given) == expected
+    assert resolve_draft_placement("separate", "cuda", 1, 1, 1, False) == "separate"  # asked: kept
+    with pytest.raises(ValueError, match="tensor-parallel size must equal"):
+        resolve_draft_placement("colocated", "cuda", 2, 1, 4, False)
+    with pytest.raises(ValueError, match="draft_placement must be one of"):
+        resolve_draft_placement("shared", "cuda", 1, 1, 1, False)
+    with pytest.raises(ValueError, match="draft_placement 'separate' needs worker actors"):
+        build_local_engine(draft_placement="separate", model="m")
