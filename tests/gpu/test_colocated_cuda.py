@@ -68,15 +68,16 @@ def one_gpu_ray() -> Iterator[None]:
     ray.shutdown()
 
 
-@pytest.mark.parametrize("target,draft", [("llama", "near"), ("gemma3", "gemma3-2l")])
+@pytest.mark.parametrize("target,draft,placement", [("llama", "near", "colocated"), ("gemma3", "gemma3-2l", None)])
 def test_colocated_greedy_equals_target_alone_on_cuda(one_gpu_ray, tiny_models, tiny_drafts, near_drafts,
-                                                      target: str, draft: str) -> None:
+                                                      target: str, draft: str, placement: str | None) -> None:
+    """placement None: the default ("auto"), which colocates the draft on a cluster of one GPU."""
     t = tiny_models[target].path
     d = near_drafts[target].path if draft == "near" else tiny_drafts[draft].path
     base = [o.token_ids for o in LLM(model=t, device="cuda", dtype="float32", **KW).generate(PROMPTS, GREEDY)]
     torch.cuda.empty_cache()
     engine = build_ray_engine(t, d, num_speculative_tokens=3, device="cuda", dtype="float32",
-                              draft_placement="colocated", seed=5, **KW)
+                              seed=5, **({"draft_placement": placement} if placement else {}), **KW)
     executor = engine.executor
     try:
         assert isinstance(executor, RayExecutor) and executor.colocated and executor.draft is None
