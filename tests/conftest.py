@@ -3,7 +3,9 @@ real bundled models."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,3 +193,19 @@ def hf_greedy_cuda(model: torch.nn.Module, prompt: list[int], n: int) -> list[in
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)
     model.to("cpu")
     return out[0, len(prompt):].tolist()
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int = 4, num_gpus: int | None = None) -> Iterator[None]:
+    """A real local Ray runtime for a test module, its workers importing this checkout (and what PYTHONPATH adds,
+    where Ray itself may be installed) with one tokenizer thread each."""
+    import ray
+
+    root = str(Path(__file__).resolve().parent.parent)
+    path = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -11,12 +11,11 @@ import asyncio
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import ray
 import torch
-from conftest import TinyModel, random_prompts
+from conftest import TinyModel, local_ray, random_prompts
 
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
@@ -27,7 +26,6 @@ from serving.ray_executor import RayExecutor, WorkerDiedError
 from serving.router import Router
 from serving.worker import ModelWorker
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPTS = random_prompts([3, 9, 17], seed=5)
 NEW_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -38,10 +36,8 @@ SEEDED = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=s, ignore_
 @pytest.fixture(scope="module", autouse=True)
 def ray_runtime() -> Iterator[None]:
     # 4 CPUs of bookkeeping on a 2-core box: each worker runs one torch thread and the models are tiny.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
+    with local_ray(num_cpus=4):
+        yield
 
 
 def run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> list[Request]:

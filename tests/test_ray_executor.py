@@ -14,12 +14,11 @@ import copy
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import ray
 import torch
-from conftest import TinyModel, random_prompts
+from conftest import TinyModel, local_ray, random_prompts
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
@@ -33,7 +32,6 @@ from serving.thread_switch import DEFAULT_GIL_SWITCH_INTERVAL_S
 from serving.worker import ModelWorker
 from serving.worker_group import speculation_ahead_for
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPTS = random_prompts([3, 9, 17], seed=5)
 NEW_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -43,10 +41,8 @@ ENGINE_KW = dict(block_size=4, max_model_len=64, max_num_batched_tokens=20)
 @pytest.fixture(scope="module", autouse=True)
 def ray_runtime() -> Iterator[None]:
     # 4 CPUs of bookkeeping on a 2-core box: each worker runs one torch thread and the models are tiny.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
+    with local_ray(num_cpus=4):
+        yield
 
 
 @pytest.fixture(scope="module")

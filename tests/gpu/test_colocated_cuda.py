@@ -5,15 +5,12 @@ GPU, greedy output equals the target alone token for token."""
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import ray
 import torch
-from conftest import random_prompts
+from conftest import local_ray, random_prompts
 
 from engine import LLM, SamplingParams
 from engine.request import Request
@@ -23,7 +20,6 @@ from serving.ray_executor import RayExecutor
 from serving.worker import ModelWorker
 
 pytestmark = pytest.mark.gpu
-REPO = Path(__file__).resolve().parent.parent.parent
 KW = dict(max_model_len=256, block_size=16, num_kv_blocks=256, max_num_seqs=8, cuda_graph_batch_sizes=(1, 4, 8))
 PROMPTS = random_prompts([3, 21, 9, 40], seed=4)
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -61,11 +57,8 @@ def test_worker_spec_step_on_cuda_replays_the_local_executor(tiny_models, tiny_d
 
 @pytest.fixture(scope="module")
 def one_gpu_ray() -> Iterator[None]:
-    path = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
+    with local_ray(num_cpus=4, num_gpus=1):
+        yield
 
 
 @pytest.mark.parametrize("target,draft,placement", [("llama", "near", "colocated"), ("gemma3", "gemma3-2l", None)])
