@@ -45,8 +45,6 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, role: str) -> None:
                          "use a size that divides the KV head count or is a multiple of it")
 
 
-
-
 def check_draft_placement(placement: str, tp: int, draft_tp: int) -> None:
     """Fail on the router, before any worker starts, for a placement the executor cannot build. A colocated draft
     runs in each target rank's process on the target's tensor-parallel group, so it needs the target's size."""
