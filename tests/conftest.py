@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -20,6 +21,11 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+if TYPE_CHECKING:
+    from engine import SamplingParams
+    from engine.engine_core import EngineCore
+    from engine.request import Request
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -209,3 +215,17 @@ def local_ray(num_cpus: int = 4, num_gpus: int | None = None) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def run_to_completion(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> list[Request]:
+    """Add one request per prompt (ids r0, r1, ...) to an EngineCore and step it until every one has finished;
+    returns the requests, in prompt order."""
+    from engine.request import Request
+
+    reqs = [Request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        engine.step()
+    return reqs
+

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 import torch
-from conftest import TinyModel, local_ray, random_prompts
+from conftest import TinyModel, local_ray, random_prompts, run_to_completion
 
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
@@ -38,15 +38,6 @@ def ray_runtime() -> Iterator[None]:
     # 4 CPUs of bookkeeping on a 2-core box: each worker runs one torch thread and the models are tiny.
     with local_ray(num_cpus=4):
         yield
-
-
-def run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> list[Request]:
-    reqs = [Request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    for r in reqs:
-        engine.add_request(r)
-    while engine.has_unfinished():
-        engine.step()
-    return reqs
 
 
 _ALONE: dict[str, list[list[int]]] = {}
@@ -112,7 +103,7 @@ def test_colocated_greedy_equals_target_alone_and_separate_layout(
         assert not executor.pipelined and not executor.speculation_ahead
         assert len(executor.draft_kv_groups) == (2 if family == "gemma3" else 1) and executor.draft_num_blocks > 0
         assert [role for role, _, _ in executor.workers()] == ["target"] * tp
-        reqs = run(engine, PROMPTS, [GREEDY] * len(PROMPTS))
+        reqs = run_to_completion(engine, PROMPTS, [GREEDY] * len(PROMPTS))
         phases = engine.last_step.phase_seconds
         assert "propose" in phases and "handoff" not in phases  # no proposal crossed processes
         # The worker's time between two steps is booked apart from the router's dispatch (one host here).
@@ -128,7 +119,7 @@ def test_colocated_greedy_equals_target_alone_and_separate_layout(
         try:
             assert separate.executor.draft is not None and not separate.executor.colocated
             _SEPARATE[family, tp] = [(r.output_token_ids, r.spec.num_accepted_tokens)
-                                     for r in run(separate, PROMPTS, [GREEDY] * len(PROMPTS))]
+                                     for r in run_to_completion(separate, PROMPTS, [GREEDY] * len(PROMPTS))]
         finally:
             separate.executor.shutdown()
     assert got == _SEPARATE[family, tp]
@@ -142,7 +133,7 @@ def test_colocated_seeded_sampling_equals_the_in_process_engine(
     expected = [o.token_ids for o in local.generate(PROMPTS[:2], SEEDED)]
     engine = colocated(target, draft, tp)
     try:
-        reqs = run(engine, PROMPTS[:2], SEEDED)
+        reqs = run_to_completion(engine, PROMPTS[:2], SEEDED)
     finally:
         engine.executor.shutdown()
     assert [r.output_token_ids for r in reqs] == expected
@@ -179,7 +170,7 @@ def test_colocated_ends_inside_a_step_free_both_models_blocks(tiny_models: dict[
         used = {model: kv.num_used_blocks() for model, kv in engine.kv_managers()}
         assert set(used) == {"target", "draft"} and all(n == 0 for g in used.values() for n in g), used
         # The next plan tells the rank that they ended.
-        last = run(engine, [PROMPTS[0]], [SamplingParams(max_tokens=2, ignore_eos=True)])[0]
+        last = run_to_completion(engine, [PROMPTS[0]], [SamplingParams(max_tokens=2, ignore_eos=True)])[0]
         known = ray.get(engine.executor.target.workers[0].__ray_call__.remote(lambda w: sorted(w.table.requests)))
         assert known == [last.request_id]
     finally:

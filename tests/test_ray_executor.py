@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 import torch
-from conftest import TinyModel, local_ray, random_prompts
+from conftest import TinyModel, local_ray, random_prompts, run_to_completion
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
@@ -60,17 +60,8 @@ def near_llama(tiny_models: dict[str, TinyModel], tmp_path_factory: pytest.TempP
     return str(path)
 
 
-def run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> list[Request]:
-    reqs = [Request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    for r in reqs:
-        engine.add_request(r)
-    while engine.has_unfinished():
-        engine.step()
-    return reqs
-
-
 def greedy_tokens(engine: EngineCore) -> list[list[int]]:
-    return [r.output_token_ids for r in run(engine, PROMPTS, [GREEDY] * len(PROMPTS))]
+    return [r.output_token_ids for r in run_to_completion(engine, PROMPTS, [GREEDY] * len(PROMPTS))]
 
 
 def llm_greedy(path: str) -> list[list[int]]:
@@ -169,7 +160,7 @@ def test_target_alone_pipelined_tp2_compiled_plain_and_in_process_agree(tiny_mod
         engine = build_ray_engine(path, tensor_parallel_size=2, use_compiled_graph=compiled, seed=7, **ENGINE_KW)
         try:
             assert engine.executor.pipelined
-            reqs = run(engine, prompts, params)
+            reqs = run_to_completion(engine, prompts, params)
             queued = ray.get([w.__ray_call__.remote(lambda self: self.pipeline.num_queued_ahead)
                               for w in engine.executor.target.workers])
         finally:
@@ -206,7 +197,7 @@ def test_speculation_with_draft_tp2_compiled_equals_plain(tiny_models: dict[str,
         engine = build_ray_engine(target, near_llama, num_speculative_tokens=3, rejection_sampling="probabilistic",
                                   draft_tensor_parallel_size=2, use_compiled_graph=compiled, seed=7, **ENGINE_KW)
         try:
-            reqs = run(engine, prompts, params)
+            reqs = run_to_completion(engine, prompts, params)
             assert engine.last_step.phase_seconds.get("propose", 0) > 0
         finally:
             engine.executor.shutdown()
@@ -270,9 +261,9 @@ def test_async_scheduling_and_speculation_ahead_tp2_both_sides_hybrid_draft(
         assert greedy_tokens(engine) == llm_greedy(target)
         assert sum(p.token_ids is None for plan in plans for p in plan.requests) > len(plans) // 2
         sampled = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 2)]
-        reqs = run(engine, PROMPTS[:2], sampled)
+        reqs = run_to_completion(engine, PROMPTS[:2], sampled)
         # One more request's plans carry the finished ids: then every rank remembers that request alone.
-        last = run(engine, [PROMPTS[0]], [SamplingParams(max_tokens=2, ignore_eos=True)])[0]
+        last = run_to_completion(engine, [PROMPTS[0]], [SamplingParams(max_tokens=2, ignore_eos=True)])[0]
         known = ray.get([w.__ray_call__.remote(lambda self: sorted(self.table.requests)) for _, _, w in
                          executor.workers()])
         assert known == [[last.request_id]] * 4

@@ -10,10 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import local_ray, random_prompts
+from conftest import local_ray, random_prompts, run_to_completion
 
 from engine import LLM, SamplingParams
-from engine.request import Request
 from engine.step_plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
 from serving.ray_executor import RayExecutor
@@ -74,11 +73,7 @@ def test_colocated_greedy_equals_target_alone_on_cuda(one_gpu_ray, tiny_models, 
     executor = engine.executor
     try:
         assert isinstance(executor, RayExecutor) and executor.colocated and executor.draft is None
-        reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-        for r in reqs:
-            engine.add_request(r)
-        while engine.has_unfinished():
-            engine.step()
+        reqs = run_to_completion(engine, PROMPTS, [GREEDY] * len(PROMPTS))
         assert [r.output_token_ids for r in reqs] == base
         assert sum(r.spec.num_accepted_tokens for r in reqs) > 0
         assert "handoff" not in engine.last_step.phase_seconds  # no proposal crossed processes
