@@ -68,7 +68,10 @@ def test_pipelined_sampling_logprobs_penalties_and_stops_equal_step_by_step(tiny
     end at once (logprobs, penalties: their steps run whole), then queued steps once those ended: every output,
     logprob and finish reason equals the step-by-step run's. The sampled requests are seeded: an unseeded row's
     numbers depend on the batch (how many rows drew before it), and asynchronous scheduling plans a request that
-    stops on a token one step longer than a step-by-step run does (its extra token is dropped)."""
+    stops on a token one step longer than a step-by-step run does (its extra token is dropped). That extra row
+    changes a step's batch, and a CPU matrix product's rounding of one row depends on how many rows it has (a
+    1-ulp difference, about 5e-7 here), so logprobs are compared to 1e-5: the same ids in the same order, values
+    that a wrong row, position or step would miss by far more."""
     path = tiny_models["llama"].path
     prompts = random_prompts([3, 9, 17, 5, 6, 4], seed=21)
 
@@ -95,7 +98,12 @@ def test_pipelined_sampling_logprobs_penalties_and_stops_equal_step_by_step(tiny
         if name == "pipelined":
             assert _pipeline(llm).num_queued_ahead > 0
             assert_kv_released(llm)
-    assert runs["pipelined"] == runs["step by step"]
+    assert [r[:2] for r in runs["pipelined"]] == [r[:2] for r in runs["step by step"]]
+    for got, want in zip(runs["pipelined"], runs["step by step"]):
+        assert (got[2] is None) == (want[2] is None)
+        for top_got, top_want in zip(got[2] or [], want[2] or [], strict=True):
+            assert list(top_got) == list(top_want)
+            assert top_got == pytest.approx(top_want, abs=1e-5, rel=0)
     tokens = [r[0] for r in runs["pipelined"]]
     assert tokens[2][-1] == stop and runs["pipelined"][2][1] == "stop"
     assert len(tokens[3]) == 7 and runs["pipelined"][4][2] is not None
