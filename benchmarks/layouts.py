@@ -23,10 +23,19 @@ class Layout:
     ahead: bool | None = None  # launch_verify_ahead forced on / off; None: the executor's default
     sync: bool = False  # async_scheduling off
     predraft: bool | None = None  # speculation_ahead forced on / off; None: the executor's default
+    branches: int | None = None  # speculation_ahead_branches (`b<N>`); None: the engine's default
 
     @staticmethod
     def parse(text: str) -> Layout:
         head, *opts = text.split("/")
+        # `b<N>`: speculation ahead drafts up to N windows a request (the likeliest verify outcomes).
+        branch_opts = [o for o in opts if len(o) > 1 and o[0] == "b" and o[1:].isdigit()]
+        if len(branch_opts) > 1 or (branch_opts and int(branch_opts[0][1:]) < 1):
+            raise ValueError(f"layout {text!r}: one b<N> option, N >= 1")
+        branches = int(branch_opts[0][1:]) if branch_opts else None
+        if branches is not None and "nopredraft" in opts:
+            raise ValueError(f"layout {text!r}: b<N> sets speculation ahead's branches, which nopredraft turns off")
+        opts = [o for o in opts if o not in branch_opts]
         unknown = set(opts) - {"plain", "shared", "colocated", "nccl", "ahead", "noahead", "sync", "predraft",
                                "nopredraft"}
         if unknown:
@@ -38,7 +47,10 @@ class Layout:
             if set(opts) - ({"predraft", "sync"} if head == "offline+d" else {"sync"}):
                 raise ValueError(f"layout {text!r}: the offline engine takes no options but sync and predraft "
                                  "(with a draft)")
-            return Layout(text, True, 1, int(head.endswith("+d")), sync="sync" in opts, predraft=predraft)
+            if branches is not None and head != "offline+d":
+                raise ValueError(f"layout {text!r}: b<N> needs a draft")
+            return Layout(text, True, 1, int(head.endswith("+d")), sync="sync" in opts, predraft=predraft,
+                          branches=branches)
         parts = head.split("+")
         try:
             if not parts[0].startswith("t") or (len(parts) == 2 and not parts[1].startswith("d")) or len(parts) > 2:
@@ -46,12 +58,13 @@ class Layout:
             t, d = int(parts[0][1:]), int(parts[1][1:]) if len(parts) == 2 else 0
         except ValueError:
             raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared|/colocated][/nccl]"
-                             "[/ahead|/noahead][/sync]") from None
+                             "[/ahead|/noahead][/sync][/predraft|/nopredraft][/b<N>]") from None
         if t < 1 or (len(parts) == 2 and d < 1):
             raise ValueError(f"layout {text!r}: sizes must be >= 1")
-        if set(opts) & {"shared", "colocated", "nccl", "ahead", "noahead", "predraft", "nopredraft"} and not d:
+        if (set(opts) & {"shared", "colocated", "nccl", "ahead", "noahead", "predraft", "nopredraft"}
+                or branches is not None) and not d:
             raise ValueError(f"layout {text!r}: shared, colocated, nccl, ahead, noahead, predraft and nopredraft "
-                             "need a draft")
+                             "and b<N> need a draft")
         if "colocated" in opts and (d != t or set(opts) & {"shared", "nccl", "ahead", "noahead"}):
             raise ValueError(f"layout {text!r}: colocated needs the target's size for the draft, and takes neither "
                              "shared, nccl, ahead nor noahead (no proposal leaves the target's process)")
@@ -59,7 +72,7 @@ class Layout:
             raise ValueError(f"layout {text!r}: ahead or noahead, not both")
         ahead = True if "ahead" in opts else False if "noahead" in opts else None
         return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "colocated" in opts, "nccl" in opts,
-                      ahead, "sync" in opts, predraft)
+                      ahead, "sync" in opts, predraft, branches)
 
     @property
     def num_gpus(self) -> int:
@@ -74,7 +87,7 @@ class Layout:
     def is_reference(self) -> bool:
         # `shared` and `colocated` only place the draft, so a one-GPU run can take either as its reference.
         return not self.offline and self.target_tp == 1 and self.draft_tp <= 1 and self.ahead is None and not (
-            self.plain or self.nccl) and not self.predraft
+            self.plain or self.nccl) and not self.predraft and self.branches is None
 
 
 def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
@@ -103,6 +116,8 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
         engine_kwargs["async_scheduling"] = False
     if layout.predraft is not None:
         engine_kwargs["speculation_ahead"] = layout.predraft
+    if layout.branches is not None:
+        engine_kwargs["speculation_ahead_branches"] = layout.branches
     if args.bonus_agreement is not None and layout.draft_tp and pair.synthetic_acceptance_rate is not None:
         engine_kwargs["synthetic_bonus_agreement"] = args.bonus_agreement
     return {"model": pair.target, "draft_model": pair.draft if layout.draft_tp else None,

@@ -2,7 +2,8 @@
 per layout.
 
     python benchmarks/serve_layouts.py --pair qwen3-8b-0.6b \\
-        --layouts offline offline+d t1+d1 t1+d1/plain t2 t2+d2 t2+d1 t2+d1/shared t1+d1/colocated --out layouts.json
+        --layouts offline offline+d t1+d1 t1+d1/b4 t1+d1/plain t2 t2+d2 t2+d1 t2+d1/shared t1+d1/colocated \\
+        --out layouts.json
     python benchmarks/serve_layouts.py --pair qwen3-8b-0.6b --dtype float32 --check-only --eager \\
         --layouts t1 t2 t1+d1 t2+d2 t2+d1
     python benchmarks/serve_layouts.py --pair smollm2 --layouts t1 t1+d1 t3+d1 t1+d1/nccl
@@ -17,7 +18,8 @@ GPU to GPU through NCCL), `ahead` / `noahead` (the target's verify forward launc
 behind the ids gate, forced on / off; by default it is on where no GPU is shared), `sync` (synchronous scheduling:
 the router waits for each step's tokens before it plans the next; by default it plans step n+1 while step n runs),
 `predraft` / `nopredraft` (speculation ahead: the draft drafts the next window while the target verifies, forced on
-/ off; by default on where no GPU is shared).
+/ off; by default on where no GPU is shared), `b<N>` (speculation ahead drafts up to N windows a request, the
+likeliest verify outcomes: speculation_ahead_branches).
 `offline` and `offline+d` are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for
 serving's cost; `offline+d/predraft` drafts ahead in process (after each verify, not beside it); `offline/sync` runs
 each step to its end before the next (in process a target alone otherwise queues each step before it reads the
