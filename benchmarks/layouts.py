@@ -42,7 +42,9 @@ class Layout:
             raise ValueError(f"layout {text!r}: unknown options {sorted(unknown)}")
         if "predraft" in opts and "nopredraft" in opts:
             raise ValueError(f"layout {text!r}: predraft or nopredraft, not both")
-        predraft = True if "predraft" in opts else False if "nopredraft" in opts else None
+        # b<N> turns speculation ahead on: where it is off by default (in process, a shared GPU) a branch budget
+        # alone would change nothing and the layout's name would say otherwise.
+        predraft = True if "predraft" in opts or branches is not None else False if "nopredraft" in opts else None
         if head in ("offline", "offline+d"):
             if set(opts) - ({"predraft", "sync"} if head == "offline+d" else {"sync"}):
                 raise ValueError(f"layout {text!r}: the offline engine takes no options but sync and predraft "
@@ -63,7 +65,7 @@ class Layout:
             raise ValueError(f"layout {text!r}: sizes must be >= 1")
         if (set(opts) & {"shared", "colocated", "nccl", "ahead", "noahead", "predraft", "nopredraft"}
                 or branches is not None) and not d:
-            raise ValueError(f"layout {text!r}: shared, colocated, nccl, ahead, noahead, predraft and nopredraft "
+            raise ValueError(f"layout {text!r}: shared, colocated, nccl, ahead, noahead, predraft, nopredraft "
                              "and b<N> need a draft")
         if "colocated" in opts and (d != t or set(opts) & {"shared", "nccl", "ahead", "noahead"}):
             raise ValueError(f"layout {text!r}: colocated needs the target's size for the draft, and takes neither "

@@ -36,8 +36,10 @@ def test_layout_names_parse_to_their_settings() -> None:
     assert plain.branches is None and plain.is_reference
     assert "speculation_ahead_branches" not in serve_config(PAIR, plain, _args())["engine_kwargs"]
 
-    offline = Layout.parse("offline+d/predraft/b2")
-    assert offline.offline and offline.branches == 2 and offline.num_gpus == 1
+    offline = Layout.parse("offline+d/b2")  # a branch budget turns speculation ahead on where it is off by default
+    assert offline.offline and offline.branches == 2 and offline.predraft is True and offline.num_gpus == 1
+    assert serve_config(PAIR, offline, _args())["engine_kwargs"]["speculation_ahead"] is True
+    assert Layout.parse("t1+d1/shared/b4").predraft is True
     shared = Layout.parse("t2+d1/shared")
     assert shared.num_gpus == 2 and serve_config(PAIR, shared, _args())["engine_kwargs"]["draft_resources"] == {
         "GPU": 0.25}
