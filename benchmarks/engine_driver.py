@@ -56,17 +56,19 @@ def prompt_ids(req: BenchRequest, tokenizer: Any, chat: bool) -> list[int]:
 
 
 def run_in_process(engine: Any, requests: list[BenchRequest], cfg: BenchConfig, tokenizer: Any,
-                   warmup: int = 0, phase_totals: dict[str, list[float]] | None = None) -> RunResult:
+                   warmup: int = 0, phase_totals: dict[str, list[float]] | None = None,
+                   tag: str = "bench") -> RunResult:
     """Run `requests` through `engine` (an EngineCore) at cfg.max_concurrency; request rate must be inf.
     phase_totals: filled with [seconds, steps] per step phase of the measured run (not the warm-up), as a
-    server's `specserve_step_duration_seconds{phase}` sum and count would hold them."""
+    server's `specserve_step_duration_seconds{phase}` sum and count would hold them. tag: the request ids' prefix
+    (a repeat of the same requests takes another, so no id meets one a queued step may still hold)."""
     if not math.isinf(cfg.request_rate):
         raise ValueError("the in-process driver sends requests as fast as slots free up (request rate inf)")
     encoded = [(prompt_ids(r, tokenizer, cfg.chat), r.output_len) for r in requests]
     if warmup:
         _drive(engine, [encoded[i % len(encoded)] for i in range(warmup)], cfg, "warmup")
     t0 = time.perf_counter()
-    results = _drive(engine, encoded, cfg, "bench", phase_totals)
+    results = _drive(engine, encoded, cfg, tag, phase_totals)
     return RunResult(cfg, results, time.perf_counter() - t0, None, None)
 
 

@@ -71,6 +71,27 @@ def run_summary(run: Any, c: int, phases: dict[str, float],
             "acceptance_length": spec.get("acceptance_length"), "phases_ms": phases, "ahead": ahead}
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One concurrency's row from repeats of its run on the same engine: the repeat whose TPOT is the median (the
+    lower one of an even count), so every field of the row comes from one real run, with each repeat's tokens/s,
+    TPOT and TTFT kept under `repeats` for the spread."""
+    if not runs:
+        raise ValueError("median_run needs at least one run")
+    ranked = sorted(runs, key=lambda r: r["median_tpot_ms"] if r["median_tpot_ms"] is not None else float("inf"))
+    row = dict(ranked[(len(ranked) - 1) // 2])
+    if len(runs) > 1:
+        row["repeats"] = [{k: r[k] for k in ("output_tok_s", "median_tpot_ms", "median_ttft_ms")} for r in runs]
+    return row
+
+
+def _tpot_cell(x: dict[str, Any]) -> str:
+    """The row's TPOT, with the repeats' range where it has repeats."""
+    if not x.get("median_tpot_ms"):
+        return "-"
+    spread = [r["median_tpot_ms"] for r in x.get("repeats", []) if r["median_tpot_ms"] is not None]
+    return f"{x['median_tpot_ms']:.2f}" + (f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else "")
+
+
 def compare(results: dict[str, Any], layouts: list[Layout], lossless: bool, bonus_agreement: bool = False) -> None:
     """Mark each layout's greedy texts against its reference: `matches`, and the share of equal texts.
     bonus_agreement: a synthetic pair's layouts that may draft ahead are not compared (the setting feeds the draft
@@ -114,7 +135,7 @@ def table(results: dict[str, Any], layouts: list[Layout], args: argparse.Namespa
             router = (x or {}).get("phases_ms", {}).get("router")
             ahead = (x or {}).get("ahead")
             cells += [f"{x['output_tok_s']:.1f}" if x else "-",
-                      f"{x['median_tpot_ms']:.2f}" if x and x["median_tpot_ms"] else "-",
+                      _tpot_cell(x) if x else "-",
                       f"{router:.2f}" if router is not None else "-",
                       f"{ahead['hit_rate']:.2f} ({ahead['unused_share']:.0%} unused)" if ahead else "-"]
         ph = (runs.get(args.concurrency[0]) or {}).get("phases_ms", {})

@@ -1,6 +1,6 @@
 """The layout grammar of benchmarks/serve_layouts.py: what each name stands for, the engine settings it runs with,
 and the names it refuses (a benchmark that silently ran another layout than the one named would report the wrong
-figures)."""
+figures); and how repeats of one concurrency's run become its row."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from layout_report import median_run  # noqa: E402
 from layouts import Layout, serve_config  # noqa: E402
 from sweep_models import Pair  # noqa: E402
 
@@ -63,3 +64,22 @@ def test_bad_layout_names_are_refused_with_the_reason(name: str, words: str) -> 
     with pytest.raises(ValueError, match="layout") as err:
         Layout.parse(name)
     assert words in str(err.value)
+
+
+def _run(tok_s: float, tpot: float | None, ttft: float) -> dict[str, object]:
+    return {"concurrency": 16, "output_tok_s": tok_s, "median_tpot_ms": tpot, "median_ttft_ms": ttft,
+            "phases_ms": {"verify": tpot}}
+
+
+def test_repeats_give_the_median_tpot_run_with_the_spread() -> None:
+    runs = [_run(2400.0, 4.7, 210.0), _run(2950.0, 4.1, 134.0), _run(2700.0, 4.3, 160.0)]
+    row = median_run(runs)
+    # every field from the one repeat whose TPOT is the median, not a mix of runs
+    assert (row["output_tok_s"], row["median_tpot_ms"], row["median_ttft_ms"]) == (2700.0, 4.3, 160.0)
+    assert row["phases_ms"] == {"verify": 4.3}
+    assert [r["median_tpot_ms"] for r in row["repeats"]] == [4.7, 4.1, 4.3]
+    assert median_run(runs[:2])["median_tpot_ms"] == 4.1  # an even count takes the lower median
+    assert median_run([_run(1.0, None, 1.0), _run(2.0, 5.0, 1.0)])["median_tpot_ms"] == 5.0  # no TPOT ranks last
+    assert "repeats" not in median_run(runs[:1])
+    with pytest.raises(ValueError, match="at least one run"):
+        median_run([])
