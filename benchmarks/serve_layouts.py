@@ -40,7 +40,7 @@ Per layout, on a fresh Ray runtime that sees only the GPUs the layout needs:
          of a step is schedule + dispatch + commit (dispatch: the executor's transport, plan out and result back).
          With --repeats R each concurrency runs R times on the same engine (warmed up once) and reports the
          repeat with the median TPOT and the repeats' TPOT range: short runs at high concurrency (1-3 s for 16
-         requests of 128 tokens on an H100) move by 10-25% from one run to the next.
+         requests of 128 tokens on an H100) moved by up to 28% from one run to the next.
 Random weights (the Qwen3 shapes) are drawn per checkpoint tensor and sharded like real weights, so every
 tensor-parallel size holds the same model. A layout that fails is recorded with its error and the run goes on.
 """
