@@ -134,3 +134,84 @@ def rejection_case(mode: str, num_reqs: int, max_k: int, vocab: int, noise: bool
     return RejectionCase(drafts.to(**t), k.to(**t), q.to(**t) if mode == "probabilistic" else None, p.to(**t), mode,
                          0.7 if mode == "synthetic" else None, None if uniforms is None else uniforms.to(**t),
                          None if exps is None else exps.to(**t))
+
+
+@dataclass
+class DecodeCase:
+    """Inputs of engine.kernels.decode_attention: a step of at most one query token per request."""
+
+    qkv: torch.Tensor  # [num_tokens + padding, (num_heads + 2 * num_kv_heads) * head_dim]
+    num_heads: int
+    num_kv_heads: int
+    positions: torch.Tensor  # [num_tokens + padding] int64
+    cos: torch.Tensor  # [max_positions, head_dim / 2] float32
+    sin: torch.Tensor  # [max_positions, head_dim / 2] float32
+    slot_mapping: torch.Tensor  # [num_tokens + padding] int64; -1 for padding tokens
+    attention: AttentionCase  # the cache, query layout, block table and window (its query is unused)
+    q_norm_weight: torch.Tensor | None  # [head_dim]
+    k_norm_weight: torch.Tensor | None  # [head_dim]
+    norm_offset: float
+
+    def args(self, out: torch.Tensor, kv_cache: torch.Tensor, counters: torch.Tensor) -> tuple:
+        a = self.attention
+        return (self.qkv, self.num_heads, self.num_kv_heads, self.positions, self.cos, self.sin, kv_cache[0],
+                kv_cache[1], self.slot_mapping, out, a.query_start_loc, a.seq_lens, a.block_table, a.scale,
+                a.sliding_window, counters, self.q_norm_weight, self.k_norm_weight, 1e-6, self.norm_offset)
+
+
+def decode_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, query_lens: list[int],
+                context_lens: list[int], sliding_window: int | None, dtype: torch.dtype, norm: str | None,
+                device: str = "cpu", seed: int = 0) -> DecodeCase:
+    """A decode step (query lengths 0 or 1) over attention_case's cache: the projection's output, rotary tables,
+    the new tokens' slots (from the block table) and, with norm "llama" or "gemma", per-head q/k norm weights."""
+    a = attention_case(num_heads, num_kv_heads, head_dim, block_size, query_lens, context_lens, sliding_window,
+                       dtype, device, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    n = a.query.shape[0]  # valid tokens, then padding tokens
+    qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim, generator=g) * 2
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim // 2).float() / (head_dim // 2)))
+    angles = torch.arange(max(context_lens) + 64).float()[:, None] * inv[None, :]  # room for later steps
+    positions = torch.zeros(n, dtype=torch.int64)
+    slots = torch.full((n,), -1, dtype=torch.int64)
+    tok = 0
+    for i, q_len in enumerate(query_lens):
+        if q_len:
+            pos = context_lens[i]
+            positions[tok] = pos
+            slots[tok] = int(a.block_table[i, pos // block_size]) * block_size + pos % block_size
+            tok += q_len
+    weights = (None, None)
+    if norm is not None:
+        base = 0.0 if norm == "gemma" else 1.0
+        weights = tuple((torch.randn(head_dim, generator=g) * 0.3 + base).to(dtype=dtype, device=device)
+                        for _ in range(2))
+    return DecodeCase(qkv.to(dtype=dtype, device=device), num_heads, num_kv_heads, positions.to(device),
+                      angles.cos().to(device), angles.sin().to(device), slots.to(device), a, weights[0], weights[1],
+                      1.0 if norm == "gemma" else 0.0)
+
+
+def check_decode_attention(case: DecodeCase, atol: float, rtol: float, splits: int | None = None,
+                           tickets: bool | None = None) -> None:
+    """The fused decode kernel against its reference: the output of every valid token, the whole cache (the new
+    keys and values stored, nothing else touched), padding tokens left alone and the counters left at zero."""
+    from engine.kernels import decode_attention
+
+    a = case.attention
+    sentinel = 7.0
+    out = torch.full((case.qkv.shape[0], case.num_heads, a.query.shape[-1]), sentinel, dtype=case.qkv.dtype,
+                     device=case.qkv.device)
+    ref = out.clone()
+    counters = torch.zeros(len(a.seq_lens) * case.num_kv_heads + 3, dtype=torch.int32, device=out.device)
+    kv_ref = a.kv_cache.clone()
+    decode_attention.decode_attention_ref(*case.args(ref, kv_ref, counters))
+    # The kernel runs on a cache whose keys before each window are NaN (and their blocks released): it must not
+    # read them. The reference ran before the poisoning, on the whole cache.
+    kv = poison_outside_window(a) if a.sliding_window is not None else a.kv_cache.clone()
+    kept = ~kv.isnan()
+    for _ in range(2):  # twice: the counters must be back at zero for the second launch
+        decode_attention.decode_attention(*case.args(out, kv, counters), num_kv_splits=splits, tickets=tickets)
+        assert int(counters.abs().sum()) == 0, "split counters were not reset"
+        n = a.num_valid_tokens
+        torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=atol, rtol=rtol)
+        assert bool((out[n:] == sentinel).all()), "padding tokens were written"
+        torch.testing.assert_close(kv[kept].float(), kv_ref[kept].float(), atol=atol, rtol=rtol)
