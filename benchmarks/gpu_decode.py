@@ -22,7 +22,6 @@ from common import environment, markdown_table, save_json
 from gpu_shapes import copy_bandwidth, hf_config, shape_dir, weight_bytes
 
 from engine import LLM, SamplingParams
-from engine.kernels.decode_attention import set_decode_fusion
 from engine.kernels.triton_compat import set_pdl
 from engine.request import Request
 from engine.runner.step_input import Chunk
@@ -134,12 +133,9 @@ def main() -> None:
                     help="EngineConfig.small_m_rows (0: cuBLAS products and separate norm/activation kernels)")
     ap.add_argument("--no-pdl", action="store_true", help="launch every kernel the ordinary way (no programmatic "
                     "dependent launch), as before it existed")
-    ap.add_argument("--no-fused-decode", action="store_true", help="one-token steps take attention's three unfused "
-                    "kernels (prologue, attention, combine) instead of engine/kernels/decode_attention.py")
     ap.add_argument("--out")
     args = ap.parse_args()
     set_pdl(not args.no_pdl)
-    set_decode_fusion(not args.no_fused_decode)
     batches = [int(b) for b in args.batch.split(",")]
     bw = copy_bandwidth()
     rows = []

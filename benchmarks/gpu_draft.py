@@ -16,7 +16,6 @@ from gpu_decode import cuda_median_ms, hf_decode_ms
 from gpu_shapes import shape_dir
 
 from engine.config import EngineConfig, ModelConfig
-from engine.kernels.decode_attention import set_decode_fusion
 from engine.kernels.triton_compat import set_pdl
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
@@ -61,12 +60,9 @@ def main() -> None:
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="also time HF eager")
     ap.add_argument("--no-pdl", action="store_true", help="launch every kernel the ordinary way (no programmatic "
                     "dependent launch), as before it existed")
-    ap.add_argument("--no-fused-decode", action="store_true", help="one-token steps take attention's three unfused "
-                    "kernels (prologue, attention, combine) instead of engine/kernels/decode_attention.py")
     ap.add_argument("--out")
     args = ap.parse_args()
     set_pdl(not args.no_pdl)
-    set_decode_fusion(not args.no_fused_decode)
     rows = []
     t0 = time.perf_counter()
     for name in args.shapes.split(","):

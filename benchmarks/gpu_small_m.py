@@ -175,11 +175,9 @@ def triton_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def count_kernels(shape: str, rows_setting: int, batch: int, draft: bool, fused_decode: bool = True) -> dict:
-    """CUDA kernels of one eager forward at `batch` decode rows (a draft step with draft=True); fused_decode: one-token
-    steps take engine/kernels/decode_attention.py (else attention's three unfused kernels)."""
+def count_kernels(shape: str, rows_setting: int, batch: int, draft: bool) -> dict:
+    """CUDA kernels of one eager forward at `batch` decode rows (a draft step with draft=True)."""
     from engine.config import EngineConfig, ModelConfig
-    from engine.kernels.decode_attention import set_decode_fusion
     from engine.runner.model_runner import ModelRunner
     from engine.runner.step_input import Chunk
     from engine.spec.draft_loop import DraftLoop
@@ -201,21 +199,16 @@ def count_kernels(shape: str, rows_setting: int, batch: int, draft: bool, fused_
     else:
         def step() -> None:
             runner.execute(runner.buffers.load(chunks))
-    set_decode_fusion(fused_decode)
-    try:
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-    finally:
-        set_decode_fusion(True)
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels = [n for n in names if not n.startswith(("Memcpy", "Memset"))]
     layers = mc.num_layers
     return {"shape": shape, "step": "draft step" if draft else "decode", "batch": batch, "small_m_rows": rows_setting,
-            "fused_decode": fused_decode, "kernels": len(kernels), "per_layer": len(kernels) / layers,
-            "copies": len(names) - len(kernels)}
+            "kernels": len(kernels), "per_layer": len(kernels) / layers, "copies": len(names) - len(kernels)}
 
 
 def main() -> None:
@@ -227,8 +220,8 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     counts = [] if args.skip_count else [
-        count_kernels(s, setting, 1, draft, fused) for s, draft in (("qwen3-0.6b", True), ("qwen3-8b", False))
-        for setting, fused in ((0, False), (1, False), (1, True))]
+        count_kernels(s, setting, 1, draft) for s, draft in (("qwen3-0.6b", True), ("qwen3-8b", False))
+        for setting in (0, 1)]
     for c in counts:
         print(c, flush=True)
     bw = copy_bandwidth()
@@ -246,8 +239,7 @@ def main() -> None:
         print(markdown_table(best, ["shape", "rows", "proj", "default_us", "best_us", "floor_us", "best", "rule_rank",
                                     "rule_vs_best"]))
     if counts:
-        print(markdown_table(counts, ["shape", "step", "batch", "small_m_rows", "fused_decode", "kernels", "per_layer",
-                                      "copies"]))
+        print(markdown_table(counts, ["shape", "step", "batch", "small_m_rows", "kernels", "per_layer", "copies"]))
     save_json(args.out, {"env": environment(), "args": vars(args), "bandwidth_Bps": bw, "rows": rows, "sweep": best,
                          "counts": counts})
 

@@ -29,36 +29,23 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.kv_group_id: int = -1
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        # Tickets of the fused decode kernel's splits (engine/kernels/decode_attention.py), bound by the runner on
-        # the kernel path; zero between launches.
-        self.split_counters: torch.Tensor | None = None  # [max_num_reqs * num_kv_heads] int32
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, rotary: RotaryEmbedding,
                     q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
         """The whole layer after the fused projection. qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim];
         q_norm / k_norm: per-head RMSNorms (Qwen3, Gemma 3) or None; rotary: the model's RotaryEmbedding.
         Returns [num_tokens, num_heads * head_dim]. On the kernel path norms, rotation and the KV store are one
-        kernel (engine/kernels/qk_norm_rope_store.py), and in a step of one query token per request attention is
-        in that kernel too (engine/kernels/decode_attention.py)."""
+        kernel (engine/kernels/qk_norm_rope_store.py)."""
         n = qkv.shape[0]
         if md.backend == "triton":
-            from engine.kernels.decode_attention import decode_attention, decode_fusion_enabled
             from engine.kernels.qk_norm_rope_store import qk_norm_rope_store
 
             kv = self._bound_cache()
             eps, offset = (q_norm.eps, q_norm.offset) if q_norm is not None else (0.0, 0.0)
-            q_w = q_norm.weight if q_norm is not None else None
-            k_w = k_norm.weight if k_norm is not None else None
-            group, c = md.groups[self.kv_group_id], md.common
-            if c.max_query_len == 1 and self.split_counters is not None and decode_fusion_enabled():
-                # One query token per request: prologue, attention and the splits' combine in one launch.
-                out = torch.empty(n, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
-                decode_attention(qkv, self.num_heads, self.num_kv_heads, positions, rotary.cos, rotary.sin, kv[0],
-                                 kv[1], group.slot_mapping, out, c.query_start_loc, c.seq_lens, group.block_table,
-                                 self.scale, group.sliding_window, self.split_counters, q_w, k_w, eps, offset)
-                return out.reshape(n, self.num_heads * self.head_dim)
             q = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, positions, rotary.cos, rotary.sin, kv[0],
-                                   kv[1], group.slot_mapping, q_w, k_w, eps, offset)
+                                   kv[1], md.groups[self.kv_group_id].slot_mapping,
+                                   q_norm.weight if q_norm is not None else None,
+                                   k_norm.weight if k_norm is not None else None, eps, offset)
             return self._attend_triton(q, md).reshape(n, self.num_heads * self.head_dim)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

@@ -56,16 +56,13 @@ class ModelRunner:
             per_req = engine_config.num_speculative_tokens + 2
             max_tokens = engine_config.max_num_batched_tokens + max_reqs * per_req
             self.buffers = InputBuffers(self.kv_groups, max_reqs, max_tokens, engine_config.max_model_len, self.device)
-            for layer in layers:  # the fused decode kernel's tickets: one counter per (request, KV head), zero
-                layer.split_counters = torch.zeros(max_reqs * layer.num_kv_heads, dtype=torch.int32,
-                                                   device=self.device)
             self.warm_up_attention()
         logger.info("%s: %d KV-cache group(s) %s, %d blocks of %d tokens", name, len(self.kv_groups),
                     [(len(g.layer_ids), g.spec.sliding_window) for g in self.kv_groups], self.num_blocks,
                     engine_config.block_size)
 
     def warm_up_attention(self) -> list[tuple[int, int]]:
-        """Compile every attention variant this runner's steps can select, before the first request: one
+        """Compile every paged-attention variant this runner's steps can select, before the first request: one
         eager forward of a padding-only step per variant (its requests hold no token: nothing is read or written).
         Without it a variant first met mid-serving (a prefill chunk of a new length, a batch of a new size)
         compiles inside that step, for a second or more, in every worker process. Returns the (requests, longest
@@ -81,8 +78,7 @@ class ModelRunner:
         for num_reqs in range(1, b.max_num_reqs + 1):
             for query_len in range(1, min(b.max_num_tokens // num_reqs, self.config.max_model_len) + 1):
                 for h in heads:
-                    # One-token steps take the fused decode kernel (engine/kernels/decode_attention.py).
-                    key = (h, compiled_variant(num_reqs, query_len, *h, max_keys, self.device), query_len == 1)
+                    key = (h, compiled_variant(num_reqs, query_len, *h, max_keys, self.device))
                     shapes.setdefault(key, (num_reqs, query_len))
         runs = sorted(set(shapes.values()))
         for num_reqs, query_len in runs:
