@@ -24,6 +24,7 @@ class Layout:
     sync: bool = False  # async_scheduling off
     predraft: bool | None = None  # speculation_ahead forced on / off; None: the executor's default
     branches: int | None = None  # speculation_ahead_branches (`b<N>`); None: the engine's default
+    ingress: int | None = None  # ingress_replicas (`i<N>`): HTTP shims in front of the engine; None: the default
 
     @staticmethod
     def parse(text: str) -> Layout:
@@ -33,6 +34,15 @@ class Layout:
         if len(branch_opts) > 1 or (branch_opts and int(branch_opts[0][1:]) < 1):
             raise ValueError(f"layout {text!r}: one b<N> option, N >= 1")
         branches = int(branch_opts[0][1:]) if branch_opts else None
+        # `i<N>`: N ingress replicas (tokenize, template, stream back) in front of the engine replica.
+        ingress_opts = [o for o in opts if len(o) > 1 and o[0] == "i" and o[1:].isdigit()]
+        if len(ingress_opts) > 1 or (ingress_opts and int(ingress_opts[0][1:]) < 1):
+            raise ValueError(f"layout {text!r}: one i<N> option, N >= 1")
+        ingress = int(ingress_opts[0][1:]) if ingress_opts else None
+        if ingress is not None and head in ("offline", "offline+d"):
+            raise ValueError(f"layout {text!r}: i<N> sets the served app's ingress replicas; the offline engine "
+                             "has none")
+        opts = [o for o in opts if o not in ingress_opts]
         if branches is not None and "nopredraft" in opts:
             raise ValueError(f"layout {text!r}: b<N> sets speculation ahead's branches, which nopredraft turns off")
         opts = [o for o in opts if o not in branch_opts]
@@ -60,7 +70,7 @@ class Layout:
             t, d = int(parts[0][1:]), int(parts[1][1:]) if len(parts) == 2 else 0
         except ValueError:
             raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared|/colocated][/nccl]"
-                             "[/ahead|/noahead][/sync][/predraft|/nopredraft][/b<N>]") from None
+                             "[/ahead|/noahead][/sync][/predraft|/nopredraft][/b<N>][/i<N>]") from None
         if t < 1 or (len(parts) == 2 and d < 1):
             raise ValueError(f"layout {text!r}: sizes must be >= 1")
         if (set(opts) & {"shared", "colocated", "nccl", "ahead", "noahead", "predraft", "nopredraft"}
@@ -74,7 +84,7 @@ class Layout:
             raise ValueError(f"layout {text!r}: ahead or noahead, not both")
         ahead = True if "ahead" in opts else False if "noahead" in opts else None
         return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "colocated" in opts, "nccl" in opts,
-                      ahead, "sync" in opts, predraft, branches)
+                      ahead, "sync" in opts, predraft, branches, ingress)
 
     @property
     def num_gpus(self) -> int:
@@ -89,7 +99,7 @@ class Layout:
     def is_reference(self) -> bool:
         # `shared` and `colocated` only place the draft, so a one-GPU run can take either as its reference.
         return not self.offline and self.target_tp == 1 and self.draft_tp <= 1 and self.ahead is None and not (
-            self.plain or self.nccl) and not self.predraft and self.branches is None
+            self.plain or self.nccl) and not self.predraft and self.branches is None and self.ingress is None
 
 
 def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
@@ -122,7 +132,8 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
         engine_kwargs["speculation_ahead_branches"] = layout.branches
     if args.bonus_agreement is not None and layout.draft_tp and pair.synthetic_acceptance_rate is not None:
         engine_kwargs["synthetic_bonus_agreement"] = args.bonus_agreement
-    return {"model": pair.target, "draft_model": pair.draft if layout.draft_tp else None,
+    extra = {} if layout.ingress is None else {"ingress_replicas": layout.ingress}
+    return {**extra, "model": pair.target, "draft_model": pair.draft if layout.draft_tp else None,
             "num_speculative_tokens": args.k, "rejection_sampling": pair.rejection_sampling,
             "synthetic_acceptance_rate": pair.synthetic_acceptance_rate if layout.draft_tp else None,
             "tensor_parallel_size": layout.target_tp, "draft_tensor_parallel_size": max(1, layout.draft_tp),

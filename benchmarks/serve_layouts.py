@@ -19,7 +19,8 @@ behind the ids gate, forced on / off; by default it is on where no GPU is shared
 the router waits for each step's tokens before it plans the next; by default it plans step n+1 while step n runs),
 `predraft` / `nopredraft` (speculation ahead: the draft drafts the next window while the target verifies, forced on
 / off; by default on where no GPU is shared), `b<N>` (speculation ahead on, drafting up to N windows a
-request for the likeliest verify outcomes: speculation_ahead_branches).
+request for the likeliest verify outcomes: speculation_ahead_branches), `i<N>` (N ingress replicas, the HTTP shims
+that tokenize, template and stream back: ingress_replicas; served layouts only).
 `offline` and `offline+d` are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for
 serving's cost; `offline+d/predraft` drafts ahead in process (after each verify, not beside it); `offline/sync` runs
 each step to its end before the next (in process a target alone otherwise queues each step before it reads the

@@ -44,6 +44,10 @@ def test_layout_names_parse_to_their_settings() -> None:
     shared = Layout.parse("t2+d1/shared")
     assert shared.num_gpus == 2 and serve_config(PAIR, shared, _args())["engine_kwargs"]["draft_resources"] == {
         "GPU": 0.25}
+    ingress = Layout.parse("t1/i4")
+    assert ingress.ingress == 4 and not ingress.is_reference and serve_config(PAIR, ingress, _args())[
+        "ingress_replicas"] == 4
+    assert "ingress_replicas" not in serve_config(PAIR, Layout.parse("t1"), _args())
     colocated = Layout.parse("t2+d2/colocated")
     assert colocated.num_gpus == 2
     assert serve_config(PAIR, colocated, _args())["engine_kwargs"]["draft_placement"] == "colocated"
@@ -57,6 +61,9 @@ def test_layout_names_parse_to_their_settings() -> None:
     ("t1+d1/b2/nopredraft", "nopredraft"),
     ("t1+d1/predraft/nopredraft", "not both"),
     ("t1+d2/colocated", "colocated needs"),
+    ("offline/i2", "the offline engine has none"),
+    ("t1/i0", "N >= 1"),
+    ("t1/i2/i4", "one i<N>"),
     ("t1+d1/fast", "unknown options"),
     ("x1+d1", "is not t<T>"),
 ])
