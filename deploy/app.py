@@ -32,7 +32,7 @@ from deploy.config import ServeConfig
 logger = logging.getLogger("specserve")
 
 
-def _default_device() -> str:
+def default_device() -> str:
     """cuda when the cluster (not necessarily this process's node: KubeRay builds apps on the head) has
     GPUs, so the router asks Ray for one."""
     import ray
@@ -51,7 +51,7 @@ def build_app_from_config(cfg: ServeConfig) -> serve.Application:
     cfg.validate()
     engine_args = cfg.engine_args()
     if engine_args["device"] is None:
-        engine_args["device"] = _default_device()
+        engine_args["device"] = default_device()
     logger.info("specserve app: %s", engine_args)
     return build_application(engine_args, served_model_name=cfg.served_model_name,
                              engine_builder=cfg.engine_builder or DEFAULT_ENGINE_BUILDER,
@@ -60,7 +60,8 @@ def build_app_from_config(cfg: ServeConfig) -> serve.Application:
                              router_options=cfg.router_actor_options, max_queued_requests=cfg.max_queued_requests,
                              continue_without_draft=cfg.continue_without_draft, api_key=cfg.api_key,
                              max_request_body_bytes=cfg.max_request_body_bytes,
-                             auth_health_metrics=cfg.auth_health_metrics, ingress_replicas=cfg.ingress_replicas,
+                             auth_health_metrics=cfg.auth_health_metrics,
+                             ingress_replicas=cfg.resolved_ingress_replicas(engine_args["device"]),
                              request_router=cfg.request_router, request_router_kwargs=cfg.request_router_kwargs,
                              drain_timeout_s=cfg.drain_timeout_s, generation_config=cfg.generation_config)
 

@@ -122,7 +122,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "target_ongoing_requests: 32}' (Serve's autoscaling_config; replaces --num-replicas)")
     p.add_argument("--max-ongoing-requests", type=int, default=s,
                    help="requests one engine replica holds before Serve queues in front of it (default 128)")
-    p.add_argument("--ingress-replicas", type=int, default=s, help="HTTP/gRPC replicas (default 1)")
+    p.add_argument("--ingress-replicas", default=s, metavar="N|auto",
+                   help="HTTP/gRPC replicas (default auto: two per engine replica on GPUs, one on CPU)")
     p.add_argument("--request-router", default=s, choices=["power_of_two", "prefix_aware"],
                    help="how a request picks its engine replica: the shorter of two random queues (default), or "
                         "the replica that served its longest prompt prefix")
@@ -144,9 +145,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 def _local_cpus(cfg: ServeConfig) -> int:
     """Logical CPUs the app reserves at its largest: the ingress replicas, and per engine replica its router and
     one per model rank (the default bundles)."""
-    engines = int((cfg.autoscaling_config or {}).get("max_replicas") or cfg.num_replicas or 1)
+    from deploy.app import default_device
+
     ranks = cfg.tensor_parallel_size + (cfg.draft_tensor_parallel_size if cfg.resolved_draft() else 0)
-    return cfg.ingress_replicas + engines * (1 + ranks)
+    ingress = cfg.resolved_ingress_replicas(cfg.device or default_device())
+    return ingress + cfg.max_engine_replicas() * (1 + ranks)
 
 
 def _int_or_none(value: str) -> int | None:

@@ -71,7 +71,10 @@ class ServeConfig:
     autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: int = 128  # requests one engine replica holds (running + waiting) before Serve queues
     router_actor_options: dict[str, Any] | None = None  # of each engine replica's router (resources)
-    ingress_replicas: int = 1  # HTTP/gRPC replicas (tokenize, format, route)
+    # HTTP/gRPC replicas (tokenize, template, route, stream back). "auto": on GPUs two per engine replica (at the
+    # engines' largest count; Ray Serve LLM's ratio), since one replica streaming a GPU engine's tokens is the
+    # bottleneck at 16 concurrent streams (benchmarks/RESULTS.md); on CPU one.
+    ingress_replicas: int | str = AUTO
     ray_actor_options: dict[str, Any] | None = None  # of each HTTP/gRPC replica
     # How the ingress picks an engine replica: "power_of_two" (Serve's default: the shorter of two random
     # replicas' queues) or "prefix_aware" (requests sharing a long prompt prefix go to one replica).
@@ -113,10 +116,20 @@ class ServeConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.num_replicas is not None and self.num_replicas < 1 and not self.autoscaling_config:
             raise ValueError(f"num_replicas must be >= 1 (engine replicas), got {self.num_replicas}")
-        if self.ingress_replicas < 1:
-            raise ValueError(f"ingress_replicas must be >= 1, got {self.ingress_replicas}")
+        if self.ingress_replicas != AUTO and (not isinstance(self.ingress_replicas, int) or self.ingress_replicas < 1):
+            raise ValueError(f"ingress_replicas must be an integer >= 1 or 'auto', got {self.ingress_replicas!r}")
         if self.request_router not in REQUEST_ROUTER_NAMES:
             raise ValueError(f"request_router must be one of {list(REQUEST_ROUTER_NAMES)}, got {self.request_router!r}")
+
+    def max_engine_replicas(self) -> int:
+        """Engine replicas at their largest: num_replicas, or autoscaling's max_replicas."""
+        return int((self.autoscaling_config or {}).get("max_replicas") or self.num_replicas or 1)
+
+    def resolved_ingress_replicas(self, device: str) -> int:
+        """`ingress_replicas` with "auto" decided for engines on `device` ("cuda..." or "cpu")."""
+        if self.ingress_replicas != AUTO:
+            return int(self.ingress_replicas)
+        return 2 * self.max_engine_replicas() if str(device).startswith("cuda") else 1
 
     def resolved_draft(self) -> str | None:
         """`draft_model` with "auto" decided: the bundled draft of the default model, when it resolves here."""
@@ -219,6 +232,8 @@ def _convert(name: str, value: Any, hint: Any) -> Any:
                     raise ValueError("expected true or false")
                 return v in _TRUE
             return bool(value)
+        if origin is int and str in args and isinstance(value, str) and not value.strip().lstrip("-").isdigit():
+            return value.strip()  # `int | str` fields: a word ("auto") stays one; validate() judges it
         if origin is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError("expected an integer")

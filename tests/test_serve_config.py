@@ -127,3 +127,26 @@ def test_draft_placement_flag_field_and_auto_rule() -> None:
         resolve_draft_placement("shared", "cuda", 1, 1, 1, False)
     with pytest.raises(ValueError, match="draft_placement 'separate' needs worker actors"):
         build_local_engine(draft_placement="separate", model="m")
+
+
+def test_ingress_replicas_auto_follows_the_device_and_the_engine_replicas() -> None:
+    """"auto" (the default): two ingress replicas per engine replica on GPUs (one replica streaming a GPU engine's
+    tokens is the bottleneck at 16 streams), one on CPU; a number is taken as given; anything else is refused."""
+    from deploy.app import build_app_from_config
+
+    cfg = ServeConfig()
+    assert cfg.ingress_replicas == "auto"
+    assert (cfg.resolved_ingress_replicas("cpu"), cfg.resolved_ingress_replicas("cuda")) == (1, 2)
+    assert ServeConfig.from_dict({"num_replicas": 3}).resolved_ingress_replicas("cuda:0") == 6
+    scaled = ServeConfig.from_dict({"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}})
+    assert scaled.resolved_ingress_replicas("cuda") == 8  # at the engines' largest count
+    assert ServeConfig.from_dict({"ingress-replicas": "3"}).resolved_ingress_replicas("cuda") == 3
+    assert ServeConfig.from_dict({"ingress_replicas": " auto "}).ingress_replicas == "auto"
+    for bad in ("many", 0, "-1", 1.5, True):
+        with pytest.raises(ValueError, match="ingress_replicas"):
+            ServeConfig.from_dict({"ingress_replicas": bad}).validate()
+    # The app builder applies it to the ingress deployment.
+    for device, given, want in (("cpu", "auto", 1), ("cuda", "auto", 4), ("cpu", 3, 3)):
+        app = build_app_from_config(ServeConfig.from_dict({"model": "m", "draft_model": None, "device": device,
+                                                           "num_replicas": 2, "ingress_replicas": given}))
+        assert app._bound_deployment._deployment_config.num_replicas == want, (device, given)
