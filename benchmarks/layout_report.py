@@ -30,6 +30,17 @@ def phase_means_ms(before: dict[str, float] | None, after: dict[str, float] | No
     return phase_summary(totals)
 
 
+def router_ttft_mean_ms(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Mean time from a request's arrival at the router to its first token, over the requests that got their first
+    token between two /metrics scrapes: the client's TTFT less this is what HTTP, the proxy, the ingress and the
+    handle hops add."""
+    if not before or not after:
+        return None
+    total, count = (after.get(f"specserve_time_to_first_token_seconds_{s}", 0.0)
+                    - before.get(f"specserve_time_to_first_token_seconds_{s}", 0.0) for s in ("sum", "count"))
+    return 1e3 * total / count if count > 0 else None
+
+
 def phase_summary(totals: dict[str, list[float]]) -> dict[str, float]:
     """Mean milliseconds per step of each phase from [seconds, steps] totals (steps: those that had the phase),
     the router's share of a step and the step count."""
@@ -58,15 +69,16 @@ def ahead_summary(before: tuple[float, ...] | None, after: tuple[float, ...] | N
     return {"hit_rate": hits / max(lookups, 1), "unused_share": unused / drafted, "lookups": lookups}
 
 
-def run_summary(run: Any, c: int, phases: dict[str, float],
-                ahead: dict[str, float] | None = None) -> dict[str, Any]:
+def run_summary(run: Any, c: int, phases: dict[str, float], ahead: dict[str, float] | None = None,
+                router_ttft_ms: float | None = None) -> dict[str, Any]:
     """One concurrency's row of a layout's JSON: throughput, latencies, acceptance, phases and speculation ahead."""
     s = summarize(run, f"c={c}")
     if s["failed"]:
         raise RuntimeError(f"{s['failed']} requests failed at concurrency {c}: {s['per_request']['errors'][0]}")
     spec = s.get("spec_decode") or {}
     return {"concurrency": c, "output_tok_s": s["output_throughput"], "median_tpot_ms": s["median_tpot_ms"],
-            "median_ttft_ms": s["median_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"], "median_itl_ms": s["median_itl_ms"],
+            "median_ttft_ms": s["median_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"], "mean_ttft_ms": s["mean_ttft_ms"],
+            "router_ttft_mean_ms": router_ttft_ms, "median_itl_ms": s["median_itl_ms"],
             "duration_s": s["duration_s"], "completed": s["completed"],
             "acceptance_length": spec.get("acceptance_length"), "phases_ms": phases, "ahead": ahead}
 
@@ -142,15 +154,21 @@ def table(results: dict[str, Any], layouts: list[Layout], args: argparse.Namespa
         cells.append(", ".join(f"{p} {ph[p]:.2f}" for p in PHASES if p in ph) or "-")
         lines.append("| " + " | ".join(cells) + " |")
     # Where tokens/s and TPOT disagree, the time to first token (which tokens/s includes) says why.
-    lines += ["", "| layout | " + " | ".join(f"c={c} TTFT median / p99 ms | c={c} ITL median ms | c={c} duration s"
+    # The TTFT means: the client's, and (served) the router's own, from arrival at the router: their difference is
+    # what the HTTP path (proxy, ingress, handle hops, streaming back) adds.
+    lines += ["", "| layout | " + " | ".join(f"c={c} TTFT median / p99 ms | c={c} TTFT mean: client / router ms | "
+                                             f"c={c} ITL median ms | c={c} duration s"
                                              for c in args.concurrency) + " |",
-              "|---|" + "---|---|---|" * len(args.concurrency)]
+              "|---|" + "---|---|---|---|" * len(args.concurrency)]
     for lay in layouts:
         runs = {x["concurrency"]: x for x in (results.get(lay.name) or {}).get("runs", [])}
         cells = [lay.name]
         for c in args.concurrency:
             x = runs.get(c) or {}
+            router_ttft = x.get("router_ttft_mean_ms")
             cells += [f"{x['median_ttft_ms']:.1f} / {x['p99_ttft_ms']:.1f}" if x.get("median_ttft_ms") else "-",
+                      (f"{x['mean_ttft_ms']:.1f} / " + (f"{router_ttft:.1f}" if router_ttft is not None else "-"))
+                      if x.get("mean_ttft_ms") else "-",
                       f"{x['median_itl_ms']:.2f}" if x.get("median_itl_ms") else "-",
                       f"{x['duration_s']:.2f}" if x.get("duration_s") else "-"]
         lines.append("| " + " | ".join(cells) + " |")

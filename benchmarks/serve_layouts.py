@@ -72,6 +72,7 @@ from layout_report import (  # noqa: E402
     median_run,
     phase_means_ms,
     phase_summary,
+    router_ttft_mean_ms,
     run_summary,
     table,
 )
@@ -123,7 +124,8 @@ async def http_layout(pair: Pair, layout: Layout, args: argparse.Namespace, base
                 run = await run_benchmark(requests, cfg, warmup=warmup_count(args, c) if rep == 0 else 0)
                 repeats.append(run_summary(run, c, phase_means_ms(run.metrics_before, run.metrics_after),
                                            ahead_summary(ahead_from_metrics(run.metrics_before),
-                                                         ahead_from_metrics(run.metrics_after))))
+                                                         ahead_from_metrics(run.metrics_after)),
+                                           router_ttft_mean_ms(run.metrics_before, run.metrics_after)))
             out["runs"].append(median_run(repeats))
     return out
 
@@ -138,6 +140,9 @@ def run_serve_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> di
     if args.device == "cuda":
         # The raylet reads the visible GPUs when it starts: a layout sees just the ones it should use.
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(layout.num_gpus))
+    from serving import serve_process_env
+
+    serve_process_env.apply()  # as `specserve serve` runs
     ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, log_to_driver=args.worker_logs,
              runtime_env={"env_vars": env})
     t0 = time.perf_counter()

@@ -90,3 +90,16 @@ def test_repeats_give_the_median_tpot_run_with_the_spread() -> None:
     assert "repeats" not in median_run(runs[:1])
     with pytest.raises(ValueError, match="at least one run"):
         median_run([])
+
+
+def test_router_ttft_is_the_mean_between_two_scrapes() -> None:
+    """The router's own TTFT (arrival at the router to first token) over the requests between two /metrics
+    scrapes; none without scrapes or without new first tokens."""
+    from layout_report import router_ttft_mean_ms
+
+    name = "specserve_time_to_first_token_seconds_"
+    before = {name + "sum": 1.0, name + "count": 10.0}
+    after = {name + "sum": 1.5, name + "count": 14.0}
+    assert router_ttft_mean_ms(before, after) == pytest.approx(125.0)  # 0.5 s over 4 requests
+    assert router_ttft_mean_ms(before, before) is None
+    assert router_ttft_mean_ms(None, after) is None
