@@ -162,6 +162,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from deploy.app import build_app_from_config
     from deploy.config import load_config
+    from serving import serve_process_env
     from serving.grpc_service import SERVICER_FUNCTION
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose", "config")}
@@ -170,6 +171,9 @@ def _serve(args: argparse.Namespace) -> int:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])  # join the cluster (KubeRay head, `ray start`)
     else:
+        # Serve's replicas run user code and their request router on their own event loop (serving/
+        # serve_process_env.py); the local cluster's processes inherit this environment.
+        serve_process_env.apply()
         # A local cluster for this process, with a logical CPU for each HTTP/gRPC replica, and for each engine
         # replica's router and model ranks: each reserves one, and on a small box they would otherwise wait forever
         # for each other; they are single-threaded and mostly idle, so oversubscribing the cores is harmless.

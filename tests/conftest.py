@@ -209,6 +209,9 @@ def local_ray(num_cpus: int = 4, num_gpus: int | None = None) -> Iterator[None]:
 
     root = str(Path(__file__).resolve().parent.parent)
     path = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    from serving import serve_process_env
+
+    serve_process_env.apply()  # the Serve process settings `specserve serve` runs with
     ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
     try:

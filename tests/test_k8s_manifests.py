@@ -116,6 +116,18 @@ def test_gpu_and_cpu_pools(rendered) -> None:
             assert "nodeSelector" not in spec and "tolerations" not in spec, (overlay, name)
 
 
+def test_every_pod_runs_serve_with_the_process_settings_of_specserve_serve(rendered) -> None:
+    """Serve reads its event-loop settings in each process: every pod (head: the ingress and routers; target and
+    draft: their ranks) carries serving/serve_process_env.py's values, as the CLI's local cluster does."""
+    from serving.serve_process_env import SERVE_PROCESS_ENV
+
+    _, objects = rendered
+    for name, template in pod_templates(_rayservice(objects)).items():
+        for c in _containers(template):
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            assert {k: env.get(k) for k in SERVE_PROCESS_ENV} == SERVE_PROCESS_ENV, (name, env)
+
+
 def test_models_volume(rendered) -> None:
     """The GPU overlay mounts the ReadWriteMany models claim it creates on every pod; the CPU demo has no claim."""
     overlay, objects = rendered

@@ -151,6 +151,9 @@ def stack(tmp_path_factory):
     (root / "rules.yaml").write_text(rules_file_text())
     (root / "prometheus.yml").write_text(_prometheus_config(http_port, ray_port))
 
+    from serving import serve_process_env
+
+    serve_process_env.apply()  # the Serve process settings `specserve serve` runs with
     ray.init(num_cpus=6, resources=pools, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=ray_port,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",

@@ -3,6 +3,8 @@ draft chosen by "auto", and the CLI's flag parsing."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from deploy.config import ServeConfig, load_config
@@ -150,3 +152,16 @@ def test_ingress_replicas_auto_follows_the_device_and_the_engine_replicas() -> N
         app = build_app_from_config(ServeConfig.from_dict({"model": "m", "draft_model": None, "device": device,
                                                            "num_replicas": 2, "ingress_replicas": given}))
         assert app._bound_deployment._deployment_config.num_replicas == want, (device, given)
+
+
+def test_serve_process_env_sets_what_the_user_left_unset(monkeypatch) -> None:
+    """The Serve event-loop settings `specserve serve` starts a local cluster with: set where unset, a user's value
+    kept."""
+    from serving import serve_process_env
+
+    for key in serve_process_env.SERVE_PROCESS_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "1")  # the user's choice
+    got = serve_process_env.apply()
+    assert got == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
+    assert os.environ["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
