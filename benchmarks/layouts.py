@@ -9,6 +9,8 @@ from typing import Any
 
 from sweep_models import Pair
 
+# Layout options naming the served app's HTTP proxy -> ServeConfig.http_proxy.
+PROXY_OPTIONS = {"hap": "haproxy", "sp": "serve"}
 
 @dataclass(frozen=True)
 class Layout:
@@ -25,6 +27,7 @@ class Layout:
     predraft: bool | None = None  # speculation_ahead forced on / off; None: the executor's default
     branches: int | None = None  # speculation_ahead_branches (`b<N>`); None: the engine's default
     ingress: int | None = None  # ingress_replicas (`i<N>`): HTTP shims in front of the engine; None: the default
+    proxy: str | None = None  # http_proxy (`hap`: HAProxy, `sp`: Serve's proxy); None: the default ("auto")
 
     @staticmethod
     def parse(text: str) -> Layout:
@@ -43,6 +46,15 @@ class Layout:
             raise ValueError(f"layout {text!r}: i<N> sets the served app's ingress replicas; the offline engine "
                              "has none")
         opts = [o for o in opts if o not in ingress_opts]
+        # `hap` / `sp`: HAProxy or Serve's Python proxy takes the client connections.
+        proxy_opts = [o for o in opts if o in PROXY_OPTIONS]
+        if len(proxy_opts) > 1:
+            raise ValueError(f"layout {text!r}: hap or sp, not both")
+        proxy = PROXY_OPTIONS[proxy_opts[0]] if proxy_opts else None
+        if proxy is not None and head in ("offline", "offline+d"):
+            raise ValueError(f"layout {text!r}: hap and sp pick the served app's HTTP proxy; the offline engine "
+                             "has none")
+        opts = [o for o in opts if o not in proxy_opts]
         if branches is not None and "nopredraft" in opts:
             raise ValueError(f"layout {text!r}: b<N> sets speculation ahead's branches, which nopredraft turns off")
         opts = [o for o in opts if o not in branch_opts]
@@ -70,7 +82,7 @@ class Layout:
             t, d = int(parts[0][1:]), int(parts[1][1:]) if len(parts) == 2 else 0
         except ValueError:
             raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared|/colocated][/nccl]"
-                             "[/ahead|/noahead][/sync][/predraft|/nopredraft][/b<N>][/i<N>]") from None
+                             "[/ahead|/noahead][/sync][/predraft|/nopredraft][/b<N>][/i<N>][/hap|/sp]") from None
         if t < 1 or (len(parts) == 2 and d < 1):
             raise ValueError(f"layout {text!r}: sizes must be >= 1")
         if (set(opts) & {"shared", "colocated", "nccl", "ahead", "noahead", "predraft", "nopredraft"}
@@ -84,7 +96,7 @@ class Layout:
             raise ValueError(f"layout {text!r}: ahead or noahead, not both")
         ahead = True if "ahead" in opts else False if "noahead" in opts else None
         return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "colocated" in opts, "nccl" in opts,
-                      ahead, "sync" in opts, predraft, branches, ingress)
+                      ahead, "sync" in opts, predraft, branches, ingress, proxy)
 
     @property
     def num_gpus(self) -> int:
@@ -99,7 +111,8 @@ class Layout:
     def is_reference(self) -> bool:
         # `shared` and `colocated` only place the draft, so a one-GPU run can take either as its reference.
         return not self.offline and self.target_tp == 1 and self.draft_tp <= 1 and self.ahead is None and not (
-            self.plain or self.nccl) and not self.predraft and self.branches is None and self.ingress is None
+            self.plain or self.nccl) and not self.predraft and self.branches is None and self.ingress is None and (
+            self.proxy is None)
 
 
 def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
@@ -132,7 +145,9 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
         engine_kwargs["speculation_ahead_branches"] = layout.branches
     if args.bonus_agreement is not None and layout.draft_tp and pair.synthetic_acceptance_rate is not None:
         engine_kwargs["synthetic_bonus_agreement"] = args.bonus_agreement
-    extra = {} if layout.ingress is None else {"ingress_replicas": layout.ingress}
+    extra: dict[str, Any] = {} if layout.ingress is None else {"ingress_replicas": layout.ingress}
+    if layout.proxy is not None:
+        extra["http_proxy"] = layout.proxy
     return {**extra, "model": pair.target, "draft_model": pair.draft if layout.draft_tp else None,
             "num_speculative_tokens": args.k, "rejection_sampling": pair.rejection_sampling,
             "synthetic_acceptance_rate": pair.synthetic_acceptance_rate if layout.draft_tp else None,

@@ -20,7 +20,8 @@ the router waits for each step's tokens before it plans the next; by default it 
 `predraft` / `nopredraft` (speculation ahead: the draft drafts the next window while the target verifies, forced on
 / off; by default on where no GPU is shared), `b<N>` (speculation ahead on, drafting up to N windows a
 request for the likeliest verify outcomes: speculation_ahead_branches), `i<N>` (N ingress replicas, the HTTP shims
-that tokenize, template and stream back: ingress_replicas; served layouts only).
+that tokenize, template and stream back: ingress_replicas; served layouts only), `hap` / `sp` (HAProxy or Serve's
+Python proxy takes the client connections: http_proxy; served layouts only; by default HAProxy on GPUs).
 `offline` and `offline+d` are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for
 serving's cost; `offline+d/predraft` drafts ahead in process (after each verify, not beside it); `offline/sync` runs
 each step to its end before the next (in process a target alone otherwise queues each step before it reads the
@@ -140,15 +141,16 @@ def run_serve_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> di
     if args.device == "cuda":
         # The raylet reads the visible GPUs when it starts: a layout sees just the ones it should use.
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(layout.num_gpus))
-    from serving import serve_process_env
+    from deploy.app import apply_local_cluster_env
 
-    serve_process_env.apply()  # as `specserve serve` runs
+    config = serve_config(pair, layout, args)
+    apply_local_cluster_env(config)  # as `specserve serve` runs
     ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, log_to_driver=args.worker_logs,
              runtime_env={"env_vars": env})
     t0 = time.perf_counter()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        serve.run(build_app(serve_config(pair, layout, args)), name="specserve", route_prefix="/")
+        serve.run(build_app(config), name="specserve", route_prefix="/")
         startup = time.perf_counter() - t0
         out = asyncio.run(http_layout(pair, layout, args, f"http://127.0.0.1:{args.port}"))
         return {"startup_s": startup, **out}

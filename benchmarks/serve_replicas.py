@@ -74,9 +74,9 @@ def run_setting(pair: Any, replicas: int, args: argparse.Namespace) -> dict[str,
         cfg["engine_kwargs"].update(target_resources={"CPU": threads}, draft_resources={"CPU": threads})
     else:
         cfg["device"] = "cuda"  # one GPU per rank of each model: 2 GPUs per replica
-    from serving import serve_process_env
+    from deploy.app import apply_local_cluster_env
 
-    serve_process_env.apply()  # as `specserve serve` runs
+    apply_local_cluster_env(cfg)  # as `specserve serve` runs
     # Logical CPUs: every replica's router and its workers' bundles, the ingress, and room for Serve's actors.
     ray.init(num_cpus=replicas * (1 + 2 * max(threads, 1)) + 2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",

@@ -104,9 +104,9 @@ def run_variant(pair: Pair, variant: str, args: argparse.Namespace, schedule: li
     known = set(ServeConfig.field_names())
     cfg = {k: v for k, v in serve_config(pair, variant, args, schedule).items() if k in known}
     port = args.port
-    from serving import serve_process_env
+    from deploy.app import apply_local_cluster_env
 
-    serve_process_env.apply()  # as `specserve serve` runs
+    apply_local_cluster_env(cfg)  # as `specserve serve` runs
     ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
     t0 = time.perf_counter()

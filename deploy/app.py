@@ -44,6 +44,15 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def apply_local_cluster_env(config: ServeConfig | dict[str, Any]) -> dict[str, str]:
+    """Before a local cluster for `config` (ServeConfig or its fields) starts: the Serve process environment its
+    processes inherit (serving/serve_process_env.py), with the HTTP proxy it resolves to. Returns what is set."""
+    from serving import serve_process_env
+
+    cfg = config if isinstance(config, ServeConfig) else ServeConfig.from_dict(dict(config))
+    return serve_process_env.apply(cfg.resolved_http_proxy(cfg.device or default_device()))
+
+
 def build_app_from_config(cfg: ServeConfig) -> serve.Application:
     from serving.app import build_application
     from serving.engine_builders import DEFAULT_ENGINE_BUILDER

@@ -124,6 +124,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests one engine replica holds before Serve queues in front of it (default 128)")
     p.add_argument("--ingress-replicas", default=s, metavar="N|auto",
                    help="HTTP/gRPC replicas (default auto: two per engine replica on GPUs, one on CPU)")
+    p.add_argument("--http-proxy", default=s, choices=["auto", "haproxy", "serve"],
+                   help="what takes client connections on a local cluster: HAProxy, forwarding each to an ingress "
+                        "replica, or Serve's Python proxy (default auto: HAProxy for GPU engines when --host is "
+                        "every interface and HAProxy is installed)")
     p.add_argument("--request-router", default=s, choices=["power_of_two", "prefix_aware"],
                    help="how a request picks its engine replica: the shorter of two random queues (default), or "
                         "the replica that served its longest prompt prefix")
@@ -160,20 +164,22 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from deploy.app import build_app_from_config
+    from deploy.app import apply_local_cluster_env, build_app_from_config
     from deploy.config import load_config
-    from serving import serve_process_env
     from serving.grpc_service import SERVICER_FUNCTION
+    from serving.serve_process_env import HAPROXY_ENV
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose", "config")}
     cfg = load_config(args.config, flags)
     app = build_app_from_config(cfg)  # validates the config before Ray starts
+    proxy = None
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])  # join the cluster (KubeRay head, `ray start`)
     else:
-        # Serve's replicas run user code and their request router on their own event loop (serving/
-        # serve_process_env.py); the local cluster's processes inherit this environment.
-        serve_process_env.apply()
+        # Serve's replicas run user code and their request router on their own event loop, and HAProxy or Serve's
+        # proxy takes the connections (serving/serve_process_env.py); the local cluster's processes inherit this
+        # environment.
+        proxy = "HAProxy" if apply_local_cluster_env(cfg).get(HAPROXY_ENV) == "1" else "Serve"
         # A local cluster for this process, with a logical CPU for each HTTP/gRPC replica, and for each engine
         # replica's router and model ranks: each reserves one, and on a small box they would otherwise wait forever
         # for each other; they are single-threaded and mostly idle, so oversubscribing the cores is harmless.
@@ -190,6 +196,7 @@ def _serve(args: argparse.Namespace) -> int:
               f"  OpenAI HTTP  http://{host}:{cfg.port}/v1\n"
               f"  gRPC         {host}:{cfg.grpc_port} (specserve.v1.Generation)\n"
               f"  metrics      http://{host}:{cfg.port}/metrics\n"
+              + (f"  HTTP proxy   {proxy}\n" if proxy else "") +
               "Ctrl-C to stop.", flush=True)
         while not stop.wait(1.0):
             pass

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from serving.engine_builders import DRAFT_PLACEMENTS
+from serving.serve_process_env import HTTP_PROXIES, resolve_http_proxy
 
 logger = logging.getLogger("specserve")
 
@@ -75,6 +76,12 @@ class ServeConfig:
     # engines' largest count; Ray Serve LLM's ratio), since one replica streaming a GPU engine's tokens is the
     # bottleneck at 16 concurrent streams (benchmarks/RESULTS.md); on CPU one.
     ingress_replicas: int | str = AUTO
+    # What takes the clients' connections: "haproxy" (HAProxy forwards each straight to an ingress replica's own
+    # server), "serve" (Serve's Python proxy actor relays every request and streamed chunk), or "auto": HAProxy for
+    # GPU engines when its binary is installed and `host` is every interface, else Serve's (serving/
+    # serve_process_env.py says why). Applies to the local cluster `specserve serve` starts; on a cluster its pods'
+    # RAY_SERVE_ENABLE_HA_PROXY decides.
+    http_proxy: str = AUTO
     ray_actor_options: dict[str, Any] | None = None  # of each HTTP/gRPC replica
     # How the ingress picks an engine replica: "power_of_two" (Serve's default: the shorter of two random
     # replicas' queues) or "prefix_aware" (requests sharing a long prompt prefix go to one replica).
@@ -118,6 +125,8 @@ class ServeConfig:
             raise ValueError(f"num_replicas must be >= 1 (engine replicas), got {self.num_replicas}")
         if self.ingress_replicas != AUTO and (not isinstance(self.ingress_replicas, int) or self.ingress_replicas < 1):
             raise ValueError(f"ingress_replicas must be an integer >= 1 or 'auto', got {self.ingress_replicas!r}")
+        if self.http_proxy not in HTTP_PROXIES:
+            raise ValueError(f"http_proxy must be one of {list(HTTP_PROXIES)}, got {self.http_proxy!r}")
         if self.request_router not in REQUEST_ROUTER_NAMES:
             raise ValueError(f"request_router must be one of {list(REQUEST_ROUTER_NAMES)}, got {self.request_router!r}")
 
@@ -130,6 +139,11 @@ class ServeConfig:
         if self.ingress_replicas != AUTO:
             return int(self.ingress_replicas)
         return 2 * self.max_engine_replicas() if str(device).startswith("cuda") else 1
+
+    def resolved_http_proxy(self, device: str) -> str:
+        """`http_proxy` with "auto" decided for engines on `device` and this config's `host`: "haproxy" or "serve".
+        Raises ValueError for "haproxy" without its binary."""
+        return resolve_http_proxy(self.http_proxy, device, all_interfaces=self.host in ("0.0.0.0", "::", ""))
 
     def resolved_draft(self) -> str | None:
         """`draft_model` with "auto" decided: the bundled draft of the default model, when it resolves here."""

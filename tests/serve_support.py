@@ -146,9 +146,9 @@ def running_server(config: dict[str, Any], num_cpus: int = 6) -> Iterator[Server
     from serving.grpc_service import SERVICER_FUNCTION
 
     http_port, grpc_port = free_port(), free_port()
-    from serving import serve_process_env
+    from deploy.app import apply_local_cluster_env
 
-    serve_process_env.apply()  # the Serve process settings `specserve serve` runs with
+    apply_local_cluster_env(config)  # the Serve process settings `specserve serve` runs with
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
                                        "OMP_NUM_THREADS": "1"}})

