@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -184,9 +183,11 @@ def _serve(args: argparse.Namespace) -> int:
         # replica's router and model ranks: each reserves one, and on a small box they would otherwise wait forever
         # for each other; they are single-threaded and mostly idle, so oversubscribing the cores is harmless.
         ray.init(num_cpus=max(os.cpu_count() or 1, _local_cpus(cfg)), include_dashboard=False)
-    stop = threading.Event()
+    # The handler only appends to a list: a threading.Event set from a handler deadlocks when a second signal (a
+    # second Ctrl-C, a supervisor's SIGTERM after SIGINT) lands while the first handler holds the Event's lock.
+    signals: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _frame: signals.append(signum))
     try:
         serve.start(http_options={"host": cfg.host, "port": cfg.port},
                     grpc_options={"port": cfg.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]})
@@ -198,8 +199,8 @@ def _serve(args: argparse.Namespace) -> int:
               f"  metrics      http://{host}:{cfg.port}/metrics\n"
               + (f"  HTTP proxy   {proxy}\n" if proxy else "") +
               "Ctrl-C to stop.", flush=True)
-        while not stop.wait(1.0):
-            pass
+        while not signals:
+            time.sleep(0.2)
         print(f"specserve: shutting down: new requests get 503, waiting up to {cfg.drain_timeout_s:g} s for "
               "the requests in flight", file=sys.stderr, flush=True)
         from serving.app import drain
