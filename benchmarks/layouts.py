@@ -28,6 +28,7 @@ class Layout:
     branches: int | None = None  # speculation_ahead_branches (`b<N>`); None: the engine's default
     ingress: int | None = None  # ingress_replicas (`i<N>`): HTTP shims in front of the engine; None: the default
     proxy: str | None = None  # http_proxy (`hap`: HAProxy, `sp`: Serve's proxy); None: the default ("auto")
+    direct: bool = False  # direct_streaming (`ds`): the engine replica is the HTTP server, no ingress replicas
 
     @staticmethod
     def parse(text: str) -> Layout:
@@ -55,6 +56,11 @@ class Layout:
             raise ValueError(f"layout {text!r}: hap and sp pick the served app's HTTP proxy; the offline engine "
                              "has none")
         opts = [o for o in opts if o not in proxy_opts]
+        direct = "ds" in opts
+        if direct and (head in ("offline", "offline+d") or ingress is not None):
+            raise ValueError(f"layout {text!r}: ds makes the served engine replica its own ingress: neither the "
+                             "offline engine nor i<N> go with it")
+        opts = [o for o in opts if o != "ds"]
         if branches is not None and "nopredraft" in opts:
             raise ValueError(f"layout {text!r}: b<N> sets speculation ahead's branches, which nopredraft turns off")
         opts = [o for o in opts if o not in branch_opts]
@@ -82,7 +88,7 @@ class Layout:
             t, d = int(parts[0][1:]), int(parts[1][1:]) if len(parts) == 2 else 0
         except ValueError:
             raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared|/colocated][/nccl]"
-                             "[/ahead|/noahead][/sync][/predraft|/nopredraft][/b<N>][/i<N>][/hap|/sp]") from None
+                             "[/ahead|/noahead][/sync][/predraft|/nopredraft][/b<N>][/i<N>][/hap|/sp][/ds]") from None
         if t < 1 or (len(parts) == 2 and d < 1):
             raise ValueError(f"layout {text!r}: sizes must be >= 1")
         if (set(opts) & {"shared", "colocated", "nccl", "ahead", "noahead", "predraft", "nopredraft"}
@@ -96,7 +102,7 @@ class Layout:
             raise ValueError(f"layout {text!r}: ahead or noahead, not both")
         ahead = True if "ahead" in opts else False if "noahead" in opts else None
         return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "colocated" in opts, "nccl" in opts,
-                      ahead, "sync" in opts, predraft, branches, ingress, proxy)
+                      ahead, "sync" in opts, predraft, branches, ingress, proxy, direct)
 
     @property
     def num_gpus(self) -> int:
@@ -112,7 +118,7 @@ class Layout:
         # `shared` and `colocated` only place the draft, so a one-GPU run can take either as its reference.
         return not self.offline and self.target_tp == 1 and self.draft_tp <= 1 and self.ahead is None and not (
             self.plain or self.nccl) and not self.predraft and self.branches is None and self.ingress is None and (
-            self.proxy is None)
+            self.proxy is None and not self.direct)
 
 
 def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
@@ -148,6 +154,8 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
     extra: dict[str, Any] = {} if layout.ingress is None else {"ingress_replicas": layout.ingress}
     if layout.proxy is not None:
         extra["http_proxy"] = layout.proxy
+    if layout.direct:
+        extra["direct_streaming"] = True
     return {**extra, "model": pair.target, "draft_model": pair.draft if layout.draft_tp else None,
             "num_speculative_tokens": args.k, "rejection_sampling": pair.rejection_sampling,
             "synthetic_acceptance_rate": pair.synthetic_acceptance_rate if layout.draft_tp else None,

@@ -21,7 +21,8 @@ the router waits for each step's tokens before it plans the next; by default it 
 / off; by default on where no GPU is shared), `b<N>` (speculation ahead on, drafting up to N windows a
 request for the likeliest verify outcomes: speculation_ahead_branches), `i<N>` (N ingress replicas, the HTTP shims
 that tokenize, template and stream back: ingress_replicas; served layouts only), `hap` / `sp` (HAProxy or Serve's
-Python proxy takes the client connections: http_proxy; served layouts only; by default HAProxy on GPUs).
+Python proxy takes the client connections: http_proxy; served layouts only; by default HAProxy on GPUs), `ds`
+(direct streaming: the engine replica answers HTTP itself, no ingress replicas: direct_streaming; served only).
 `offline` and `offline+d` are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for
 serving's cost; `offline+d/predraft` drafts ahead in process (after each verify, not beside it); `offline/sync` runs
 each step to its end before the next (in process a target alone otherwise queues each step before it reads the

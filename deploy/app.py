@@ -72,7 +72,8 @@ def build_app_from_config(cfg: ServeConfig) -> serve.Application:
                              auth_health_metrics=cfg.auth_health_metrics,
                              ingress_replicas=cfg.resolved_ingress_replicas(engine_args["device"]),
                              request_router=cfg.request_router, request_router_kwargs=cfg.request_router_kwargs,
-                             drain_timeout_s=cfg.drain_timeout_s, generation_config=cfg.generation_config)
+                             drain_timeout_s=cfg.drain_timeout_s, generation_config=cfg.generation_config,
+                             direct_streaming=cfg.direct_streaming)
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

@@ -127,6 +127,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="what takes client connections on a local cluster: HAProxy, forwarding each to an ingress "
                         "replica, or Serve's Python proxy (default auto: HAProxy for GPU engines when --host is "
                         "every interface and HAProxy is installed)")
+    p.add_argument("--direct-streaming", action="store_true", default=s,
+                   help="the engine replicas answer HTTP and gRPC themselves: no ingress replicas, no handle hop "
+                        "between them and the engine (the HTTP proxy picks the replica: no prefix affinity)")
     p.add_argument("--request-router", default=s, choices=["power_of_two", "prefix_aware"],
                    help="how a request picks its engine replica: the shorter of two random queues (default), or "
                         "the replica that served its longest prompt prefix")
@@ -151,7 +154,7 @@ def _local_cpus(cfg: ServeConfig) -> int:
     from deploy.app import default_device
 
     ranks = cfg.tensor_parallel_size + (cfg.draft_tensor_parallel_size if cfg.resolved_draft() else 0)
-    ingress = cfg.resolved_ingress_replicas(cfg.device or default_device())
+    ingress = 0 if cfg.direct_streaming else cfg.resolved_ingress_replicas(cfg.device or default_device())
     return ingress + cfg.max_engine_replicas() * (1 + ranks)
 
 

@@ -82,6 +82,9 @@ class ServeConfig:
     # serve_process_env.py says why). Applies to the local cluster `specserve serve` starts; on a cluster its pods'
     # RAY_SERVE_ENABLE_HA_PROXY decides.
     http_proxy: str = AUTO
+    # The engine replicas answer HTTP and gRPC themselves (serving/engine_ingress.py): no ingress replicas and no
+    # handle hop between them and the engine; the HTTP proxy picks the replica (no prefix affinity).
+    direct_streaming: bool = False
     ray_actor_options: dict[str, Any] | None = None  # of each HTTP/gRPC replica
     # How the ingress picks an engine replica: "power_of_two" (Serve's default: the shorter of two random
     # replicas' queues) or "prefix_aware" (requests sharing a long prompt prefix go to one replica).
@@ -129,6 +132,12 @@ class ServeConfig:
             raise ValueError(f"http_proxy must be one of {list(HTTP_PROXIES)}, got {self.http_proxy!r}")
         if self.request_router not in REQUEST_ROUTER_NAMES:
             raise ValueError(f"request_router must be one of {list(REQUEST_ROUTER_NAMES)}, got {self.request_router!r}")
+        if self.direct_streaming and self.request_router != "power_of_two":
+            raise ValueError(f"direct_streaming: the HTTP proxy picks each request's engine replica, so request_router "
+                             f"{self.request_router!r} cannot apply; use power_of_two")
+        if self.direct_streaming and self.ingress_replicas != AUTO:
+            raise ValueError(f"direct_streaming: the engine replicas are the ingress, so ingress_replicas "
+                             f"({self.ingress_replicas}) cannot apply; leave it auto")
 
     def max_engine_replicas(self) -> int:
         """Engine replicas at their largest: num_replicas, or autoscaling's max_replicas."""

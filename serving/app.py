@@ -5,25 +5,21 @@ OpenAI/gRPC responses, and send each request through a DeploymentHandle to one e
 (serving/engine_deployment.py: a router with its own target and draft worker groups). `num_replicas` and
 `autoscaling_config` scale the engine replicas; `ingress_replicas` the shims. Serve's request router picks the
 engine replica of each request (serving/replica_router.py): among the replicas that take requests, power of two
-choices on queue length by default, or prefix affinity with `request_router: prefix_aware`.
+choices on queue length by default, or prefix affinity with `request_router: prefix_aware`. With
+`direct_streaming` the engine deployment is the ingress itself (serving/engine_ingress.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from serving import grpc_service
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, LOCAL_ENGINE_BUILDER
 from serving.engine_deployment import ENGINE_DEPLOYMENT, EngineReplica
-from serving.generation_config import load_generation_defaults
-from serving.openai_api import create_openai_app
-from serving.openai_protocol import SUPPORTED_DEFAULTS
-from serving.router_client import RouterClient
+from serving.front_end import FrontEnd
 
 logger = logging.getLogger("specserve")
 
@@ -40,36 +36,15 @@ ROUTING_STATS_PERIOD_S = 2.0
 class SpecServe:
     async def __init__(self, engine: Any, model: str, served_model_name: str | None = None,
                        security: dict[str, Any] | None = None, generation_config: str = "auto") -> None:
-        """security: `api_key` (None: the SPECSERVE_API_KEY environment variable, else no key),
-        `max_request_body_bytes`, `auth_health_metrics` (see deploy.config.ServeConfig). generation_config: "auto"
-        (the model's generation_config.json gives sampling defaults) or "vllm" (OpenAI's defaults)."""
-        from engine.llm import load_tokenizer
-        from engine.models.source import resolve_model
-
-        # engine: a DeploymentHandle of the engine replicas. The first engine replica resolved (and, for a GGUF,
-        # converted) the model before it answers: on its node this is a cache hit; elsewhere it converts once,
-        # under the source's file lock. Only the tokenizer is read here: a directory of random weights (load_format
-        # "dummy") holds none.
+        """engine: a DeploymentHandle of the engine replicas; the rest: serving.front_end.FrontEnd's."""
         info = await engine.info.remote()
-        model_dir = str(resolve_model(model, require_weights=False).path)
-        tokenizer = load_tokenizer(model_dir)
-        if tokenizer is None:
-            raise ValueError(f"model {model} has no tokenizer: the HTTP and gRPC APIs need one for text")
-        self.client = RouterClient(engine, served_model_name or model, tokenizer, info["max_model_len"],
-                                   load_generation_defaults(model_dir, SUPPORTED_DEFAULTS)
-                                   if generation_config == "auto" else {})
-        security = dict(security or {})
-        # A key from the environment (a Kubernetes Secret) stays out of Serve's stored config.
-        self.api_key: str | None = security.get("api_key") or os.environ.get("SPECSERVE_API_KEY") or None
-        self.max_body_bytes: int | None = security.get("max_request_body_bytes")
-        self.auth_health_metrics = bool(security.get("auth_health_metrics", False))
+        self.front = FrontEnd(engine, model, served_model_name, info["max_model_len"], security, generation_config)
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_openai_app(self.client, api_key=self.api_key, max_body_bytes=self.max_body_bytes,
-                                 auth_health_metrics=self.auth_health_metrics)
+        return self.front.asgi_app()
 
     async def Generate(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802 - the RPC's name
-        async for response in grpc_service.generate(self.client, request, grpc_context, self.api_key):
+        async for response in self.front.grpc_generate(request, grpc_context):
             yield response
 
 
@@ -94,11 +69,17 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
                       max_request_body_bytes: int | None = None, auth_health_metrics: bool = False,
                       ingress_replicas: int = 1, request_router: str = "power_of_two",
                       request_router_kwargs: dict[str, Any] | None = None,
-                      drain_timeout_s: float = 30.0, generation_config: str = "auto") -> serve.Application:
+                      drain_timeout_s: float = 30.0, generation_config: str = "auto",
+                      direct_streaming: bool = False) -> serve.Application:
     """The bound application. `engine_args` are LLM's keyword arguments (model, draft_model, ...); the rest are
-    deploy.config.ServeConfig's fields of the same names (router_options: its router_actor_options)."""
+    deploy.config.ServeConfig's fields of the same names (router_options: its router_actor_options). With
+    `direct_streaming` the engine replicas are the ingress (serving/engine_ingress.py) and `ingress_replicas`,
+    `ray_actor_options` and the request router do not apply."""
     if request_router not in REQUEST_ROUTERS:
         raise ValueError(f"request_router must be one of {sorted(REQUEST_ROUTERS)}, got {request_router!r}")
+    if direct_streaming and REQUEST_ROUTERS[request_router]:
+        raise ValueError("direct_streaming: the HTTP proxy picks each request's engine replica, so request_router "
+                         f"{request_router!r} (prefix affinity) cannot apply; use power_of_two")
     model = engine_args["model"]
     engine_options: dict[str, Any] = {
         "ray_actor_options": router_actor_options(engine_args, engine_builder, router_options),
@@ -123,6 +104,14 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
         engine_options["request_router_config"] = RequestRouterConfig(
             request_router_class=REQUEST_ROUTER_CLASS, request_router_kwargs=kwargs,
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+    security = {"api_key": api_key, "max_request_body_bytes": max_request_body_bytes,
+                "auth_health_metrics": auth_health_metrics}
+    if direct_streaming:
+        from serving.engine_ingress import EngineIngressReplica
+
+        return EngineIngressReplica.options(**engine_options).bind(
+            engine_args, engine_builder, served_model_name or model, max_queued_requests, continue_without_draft,
+            security, generation_config)
     engine = EngineReplica.options(**engine_options).bind(
         engine_args, engine_builder, served_model_name or model, max_queued_requests, continue_without_draft)
 
@@ -137,8 +126,6 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
         # Serve's proxy queue in front of the ingress: past it the proxy answers 503. Sized past what reaches
         # the engines, so that a burst reaches them and gets the engines' own 429 instead.
         ingress_options["max_queued_requests"] = max_queued_requests + per_engine * max_engines
-    security = {"api_key": api_key, "max_request_body_bytes": max_request_body_bytes,
-                "auth_health_metrics": auth_health_metrics}
     return SpecServe.options(**ingress_options).bind(engine, model, served_model_name, security, generation_config)
 
 

@@ -53,6 +53,9 @@ def test_layout_names_parse_to_their_settings() -> None:
         assert proxied.proxy == want and not proxied.is_reference
         assert serve_config(PAIR, proxied, _args())["http_proxy"] == want
     assert "http_proxy" not in serve_config(PAIR, Layout.parse("t1"), _args())
+    direct = Layout.parse("t1+d1/colocated/ds")
+    assert direct.direct and not direct.is_reference and serve_config(PAIR, direct, _args())["direct_streaming"]
+    assert "direct_streaming" not in serve_config(PAIR, Layout.parse("t1"), _args())
     colocated = Layout.parse("t2+d2/colocated")
     assert colocated.num_gpus == 2
     assert serve_config(PAIR, colocated, _args())["engine_kwargs"]["draft_placement"] == "colocated"
@@ -71,6 +74,8 @@ def test_layout_names_parse_to_their_settings() -> None:
     ("t1/i2/i4", "one i<N>"),
     ("offline+d/hap", "the offline engine has none"),
     ("t1/hap/sp", "hap or sp, not both"),
+    ("offline/ds", "neither the offline engine nor i<N>"),
+    ("t1/i2/ds", "neither the offline engine nor i<N>"),
     ("t1+d1/fast", "unknown options"),
     ("x1+d1", "is not t<T>"),
 ])

@@ -167,6 +167,26 @@ def test_serve_process_env_sets_what_the_user_left_unset(monkeypatch) -> None:
     assert os.environ["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
 
 
+def test_direct_streaming_makes_the_engine_deployment_the_ingress() -> None:
+    """direct_streaming: the app is one deployment, the engine replicas with the HTTP/gRPC front end; what cannot
+    apply with it (prefix affinity, a number of ingress replicas) is refused naming direct_streaming."""
+    from deploy.app import build_app_from_config
+    from deploy.cli import build_parser
+    from serving.engine_deployment import ENGINE_DEPLOYMENT
+
+    args = build_parser().parse_args(["serve", "--direct-streaming"])
+    cfg = load_config(None, {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose", "config")})
+    assert cfg.direct_streaming is True and ServeConfig().direct_streaming is False
+    app = build_app_from_config(ServeConfig.from_dict({"model": "m", "draft_model": None, "device": "cpu",
+                                                       "num_replicas": 2, "direct_streaming": True}))
+    deployment = app._bound_deployment
+    assert deployment.name == ENGINE_DEPLOYMENT and deployment._deployment_config.num_replicas == 2
+    assert hasattr(deployment.func_or_class, "__serve_build_asgi_app__")  # it answers HTTP itself
+    for bad in ({"request_router": "prefix_aware"}, {"ingress_replicas": 2}):
+        with pytest.raises(ValueError, match="direct_streaming"):
+            ServeConfig.from_dict({"direct_streaming": True, **bad}).validate()
+
+
 def test_http_proxy_auto_resolution_and_its_environment(monkeypatch) -> None:
     """http_proxy: "auto" is HAProxy for GPU engines when its binary is installed, Serve's proxy on CPU or without
     the binary, and the user's own RAY_SERVE_ENABLE_HA_PROXY when set; "haproxy" without a binary is refused with
