@@ -11,6 +11,7 @@ than the target from the same memory budget (so the draft is the model that runs
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import time
@@ -83,6 +84,43 @@ _PORT_RANGE = (20000, 32000)
 _ports_given: set[int] = set()
 
 
+_BYTE_TOKENIZER: PreTrainedTokenizerFast | None = None
+
+
+def byte_ids(prompt: str) -> list[int]:
+    """The byte-level tokenizer's ids of `prompt` (BOS first)."""
+    global _BYTE_TOKENIZER
+    if _BYTE_TOKENIZER is None:
+        _BYTE_TOKENIZER = byte_tokenizer()
+    return list(_BYTE_TOKENIZER(prompt)["input_ids"])
+
+
+def byte_body(prompt: str, max_tokens: int, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    """A greedy /v1/completions body for the tiny served model ("tiny"), the prompt as byte ids, EOS ignored."""
+    return {"model": "tiny", "prompt": byte_ids(prompt), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream, **extra}
+
+
+def greedy_oracle(model: str, max_model_len: int) -> Callable[[str, int], tuple[list[int], str]]:
+    """(prompt, n) -> (token ids, text) of `model` alone, greedy, offline, with a KV cache that never runs out: the
+    text as the engine's incremental detokenizer writes it, as a server's is."""
+    from engine import LLM, SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread, as the router's
+    llm = LLM(model, max_model_len=max_model_len, block_size=4, num_kv_blocks=1024)
+    torch.set_num_threads(threads)
+    cache: dict[tuple[str, int], tuple[list[int], str]] = {}
+
+    def get(prompt: str, n: int) -> tuple[list[int], str]:
+        if (prompt, n) not in cache:
+            out = llm.generate([byte_ids(prompt)], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
+            cache[(prompt, n)] = (out.token_ids, out.text)
+        return cache[(prompt, n)]
+
+    return get
+
+
 def _families() -> list[tuple[socket.AddressFamily, str]]:
     families = [(socket.AF_INET, "0.0.0.0")]
     try:
@@ -148,6 +186,12 @@ def running_server(config: dict[str, Any], num_cpus: int = 6) -> Iterator[Server
     http_port, grpc_port = free_port(), free_port()
     from deploy.app import apply_local_cluster_env
 
+    # An ingress replica behind HAProxy that stops waits this long for HAProxy to stop sending it connections: a
+    # test server's shutdown need not (before apply_local_cluster_env, which would set specserve's 5 s).
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
+    # HAProxy's stats and metrics ports are fixed (8404, 9101) unless set: free ones, as for the HTTP and gRPC ports.
+    os.environ["RAY_SERVE_HAPROXY_STATS_PORT"], os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = (
+        str(free_port()), str(free_port()))
     apply_local_cluster_env(config)  # the Serve process settings `specserve serve` runs with
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
@@ -323,3 +367,37 @@ def stream_text(lines: Iterator[str], on_text: Callable[[], None] | None = None
         if on_text is not None:
             on_text()
     return text, finish, errors
+
+
+def streamed_completion(client: httpx.Client, body: dict[str, Any]) -> tuple[list[int], str]:
+    """(token ids, text) of a streamed completion (`body` with stream and return_token_ids on)."""
+    token_ids, text = [], ""
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[len("data: "):])
+                assert "error" not in event, event
+                for choice in event["choices"]:
+                    token_ids += choice.get("token_ids") or []
+                    text += choice["text"]
+    return token_ids, text
+
+
+def check_disconnect_frees_kv(server: Server, body: dict[str, Any]) -> None:
+    """A client that reads the first event of a long stream (`body`) and hangs up: both models held KV blocks
+    mid-stream, and every block is back and the abort counted within 20 s."""
+    baseline = kv_blocks_used(wait_idle())
+    assert set(baseline.values()) == {0}, baseline
+    with server.http() as c:
+        aborted = scrape(c).get("specserve_request_aborted_total", 0.0)
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            assert next(r.iter_lines()).startswith("data: ")
+            held = kv_blocks_used(router_stats())
+        closed = time.monotonic()
+        stats = wait_idle(timeout_s=20, baseline=baseline)
+        assert kv_blocks_used(stats) == baseline, stats
+        assert time.monotonic() - closed < 10
+        assert scrape(c)["specserve_request_aborted_total"] == aborted + 1
+    assert held["target/0"] > 0 and held["draft/0"] > 0, held  # both models held blocks mid-stream

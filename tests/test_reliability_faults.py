@@ -21,7 +21,9 @@ import ray
 from serve_support import (
     Server,
     assert_error,
-    byte_tokenizer,
+    byte_ids,
+    check_disconnect_frees_kv,
+    greedy_oracle,
     kill_worker,
     kv_blocks_used,
     make_byte_models,
@@ -36,7 +38,6 @@ from serve_support import (
     worker_handles,
 )
 
-from engine import LLM, SamplingParams
 from serving.proto import specserve_pb2 as pb
 from serving.proto import specserve_pb2_grpc as pb_grpc
 
@@ -44,11 +45,7 @@ MAX_MODEL_LEN = 512
 MAX_QUEUED = 2
 MAX_SEQS = 2
 PROMPTS = ["hello", "The sea is", "def f(x):", "0123456789"]
-TOKENIZER = byte_tokenizer()
-
-
-def ids(prompt: str) -> list[int]:
-    return list(TOKENIZER(prompt)["input_ids"])
+ids = byte_ids
 
 
 @pytest.fixture(scope="module")
@@ -67,23 +64,8 @@ def server(models: tuple[str, str]) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def oracle(models: tuple[str, str]):
-    """Greedy token ids of the target alone, offline, with a KV cache that never runs out."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    llm = LLM(models[0], max_model_len=MAX_MODEL_LEN, block_size=4, num_kv_blocks=1024)
-    torch.set_num_threads(threads)
-    cache: dict[tuple[str, int], tuple[list[int], str]] = {}
-
-    def get(prompt: str, n: int) -> tuple[list[int], str]:
-        """(token ids, text): the text as the engine's incremental detokenizer writes it, as a server's is."""
-        if (prompt, n) not in cache:
-            out = llm.generate([ids(prompt)], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
-            cache[(prompt, n)] = (out.token_ids, out.text)
-        return cache[(prompt, n)]
-
-    return get
+    """Greedy token ids and text of the target alone, offline, with a KV cache that never runs out."""
+    return greedy_oracle(models[0], MAX_MODEL_LEN)
 
 
 def _body(prompt: str, max_tokens: int, stream: bool = False) -> dict:
@@ -93,22 +75,7 @@ def _body(prompt: str, max_tokens: int, stream: bool = False) -> dict:
 
 # --- client disconnect -------------------------------------------------------------------------------------
 def test_http_disconnect_frees_kv_of_both_models(server: Server) -> None:
-    baseline = kv_blocks_used(wait_idle())
-    assert set(baseline) == {"target/0", "draft/0"} and set(baseline.values()) == {0}
-    with server.http() as c:
-        aborted = scrape(c).get("specserve_request_aborted_total", 0.0)
-        with c.stream("POST", "/v1/completions", json=_body("hello", 500, stream=True)) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            held = kv_blocks_used(router_stats())
-        closed = time.monotonic()
-        stats = wait_idle(timeout_s=20, baseline=baseline)
-        freed_after = time.monotonic() - closed
-        assert kv_blocks_used(stats) == baseline, stats
-        assert scrape(c)["specserve_request_aborted_total"] == aborted + 1
-    assert held["target/0"] > 0 and held["draft/0"] > 0  # both models held blocks mid-stream
-    assert freed_after < 10, freed_after
+    check_disconnect_frees_kv(server, _body("hello", 500, stream=True))
 
 
 def test_grpc_cancel_frees_kv_of_both_models(server: Server) -> None:
