@@ -12,8 +12,9 @@ import json
 
 import httpx
 import pytest
+from byte_models import make_byte_models
 from PIL import Image
-from serve_support import make_byte_models, running_server, serve_config
+from serve_support import running_server, serve_config
 
 from deploy.bench.plots import read_plot_values
 from deploy.bench.runner import parse_prometheus

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_support import REPO, free_port, make_byte_models
+from byte_models import make_byte_models
+from serve_support import REPO, free_port
 
 from serving.serve_process_env import haproxy_binary
 

@@ -9,7 +9,8 @@ import functools
 import threading
 import time
 
-from serve_support import byte_tokenizer, make_byte_models, running_server, serve_config
+from byte_models import byte_tokenizer, make_byte_models
+from serve_support import running_server, serve_config
 
 from engine import LLM, SamplingParams
 from serving.engine_deployment import ENGINE_DEPLOYMENT

@@ -14,13 +14,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from byte_models import byte_tokenizer, make_byte_models
 from serve_support import (
     Server,
-    byte_tokenizer,
     engine_broadcast,
     engine_replica_actors,
     kill_worker,
-    make_byte_models,
     running_server,
     scrape,
     serve_config,

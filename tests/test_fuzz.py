@@ -17,9 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
+from byte_models import make_byte_models
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from serve_support import Server, kv_blocks_used, make_byte_models, running_server, serve_config, wait_idle
+from serve_support import Server, kv_blocks_used, running_server, serve_config, wait_idle
 
 MODEL = "tiny"
 

@@ -20,15 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import psutil
 import pytest
+from byte_models import byte_body, byte_ids, greedy_oracle, make_byte_models
 from serve_support import (
     APP,
     Server,
     assert_error,
-    byte_body,
-    byte_ids,
     check_disconnect_frees_kv,
-    greedy_oracle,
-    make_byte_models,
     running_server,
     scrape,
     serve_config,

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from byte_models import make_byte_models
 from k8s_support import (
     RAYSERVICE,
     alert_rules,
@@ -42,7 +43,7 @@ from k8s_support import (
     require_tool,
     rules_file_text,
 )
-from serve_support import REPO, completion, free_port, make_byte_models, serve_config
+from serve_support import REPO, completion, free_port, serve_config
 
 pytestmark = pytest.mark.slow
 

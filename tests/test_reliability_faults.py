@@ -18,15 +18,13 @@ from pathlib import Path
 import grpc
 import pytest
 import ray
+from byte_models import byte_ids, greedy_oracle, make_byte_models
 from serve_support import (
     Server,
     assert_error,
-    byte_ids,
     check_disconnect_frees_kv,
-    greedy_oracle,
     kill_worker,
     kv_blocks_used,
-    make_byte_models,
     router_handle,
     router_stats,
     running_server,

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from byte_models import make_byte_models
 from serve_support import (
     Server,
     assert_error,
     completion,
     kv_blocks_used,
-    make_byte_models,
     router_stats,
     running_server,
     serve_config,

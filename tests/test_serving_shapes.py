@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import ray
-from serve_support import completion, make_byte_models, router_call, running_server, scrape, serve_config
+from byte_models import make_byte_models
+from serve_support import completion, router_call, running_server, scrape, serve_config
 
 from engine import LLM, SamplingParams
 from serving.thread_switch import DEFAULT_GIL_SWITCH_INTERVAL_S

@@ -11,15 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serve_support import (
-    Server,
-    kv_blocks_used,
-    make_byte_models,
-    router_call,
-    running_server,
-    serve_config,
-    wait_idle,
-)
+from byte_models import make_byte_models
+from serve_support import Server, kv_blocks_used, router_call, running_server, serve_config, wait_idle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from soak import run_soak  # noqa: E402

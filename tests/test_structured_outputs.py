@@ -13,8 +13,8 @@ from collections import Counter
 import jsonschema
 import pytest
 import torch
+from byte_models import make_byte_models
 from scipy import stats
-from serve_support import make_byte_models
 
 from engine import LLM, SamplingParams
 from engine.sample.structured_output import StructuredOutputsParams

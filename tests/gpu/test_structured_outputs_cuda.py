@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from serve_support import make_byte_models
+from byte_models import make_byte_models
 
 from engine import LLM, SamplingParams
 from engine.sample.structured_output import StructuredOutputsParams

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_support import Server, make_byte_models, running_server, serve_config
+from byte_models import make_byte_models
+from serve_support import Server, running_server, serve_config
 
 from engine import LLM
 
