@@ -145,7 +145,7 @@ def sweep_one(shape: str, m: int, name: str, fn, calls: int, floor: float, defau
     time over the best are recorded, which is what a change of the rule needs."""
     results = []
     for bn in (2, 4, 8, 16):
-        for bk in (256, 512, 1024, 2048):
+        for bk in (256, 512, 1024, 2048, 4096):
             for warps in (4, 8):
                 if m * bn * bk > 64 * 32 * warps or bn * bk < 32 * warps:  # registers / idle threads
                     continue

@@ -70,19 +70,39 @@ def _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, m_mask, k_mask, stride_x, stri
 
 
 @triton.jit
+def _multiply_add(acc, a, w, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """acc + a @ w.T for an input tile a [BLOCK_M, BLOCK_K] and a weight tile w [BLOCK_N, BLOCK_K]: into acc
+    [BLOCK_M, BLOCK_N] with tl.dot, or into acc [BLOCK_M, BLOCK_N, BLOCK_K] (FMA form, summed over K at the end)."""
+    if USE_DOT:
+        if DOT_IEEE:
+            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(a.to(w.dtype), tl.trans(w))
+    else:
+        acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
+
+
+@triton.jit
 def _small_m_linear_kernel(
         x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, out_ptr,
         M, N, K, stride_x, stride_r, stride_ro, stride_w, stride_a, stride_o, eps, offset,
         PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
         USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     m_mask = rows < M
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < N
     offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    w_mask0 = n_mask[:, None] & (offs_k < K)[None, :]
+    # The first weight tile is requested before the wait: no kernel writes the weights, so that is safe, and under
+    # dependent launch its HBM round trip then overlaps the previous kernel's tail instead of following it (at one
+    # row most programs own one or two tiles). Everything else this kernel reads comes after the wait.
+    w = tl.load(w_rows + offs_k[None, :], mask=w_mask0, other=0.0)
+    wait_for_previous_kernel(USE_PDL)  # see triton_compat (programmatic dependent launch)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1:
         # Row statistics of the norm's input: every program computes them (the rows are a few KB, in L2); the
@@ -101,26 +121,22 @@ def _small_m_linear_kernel(
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, axis=1)
         rstd = 1.0 / tl.sqrt(ss / K + eps)
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a = _input_tile(x_ptr, res_ptr, nw_ptr, rows, offs_k, m_mask, offs_k < K, stride_x, stride_r, K, rstd, offset,
+                    PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH)
+    acc = _multiply_add(acc, a, w, USE_DOT, DOT_IEEE)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         a = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, m_mask, k_mask, stride_x, stride_r, K, rstd, offset,
                         PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH)
-        if USE_DOT:
-            if DOT_IEEE:
-                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(a.to(w.dtype), tl.trans(w))
-        else:
-            acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc = _multiply_add(acc, a, w, USE_DOT, DOT_IEEE)
     if not USE_DOT:
-        acc = tl.sum(acc3, axis=2)
+        acc = tl.sum(acc, axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -144,20 +160,33 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _config(m: int, n: int, k: int, device: torch.device) -> dict:
-    """Tile sizes. FMA form: a weight tile of 8192 elements (16 KB of bf16; the fp32 accumulator is 64 registers a
-    thread at 4 warps), 2048 wide when K allows, narrowed (more programs) until the grid holds two programs per
-    SM. At one row on an H100 this is the fastest tiling of a sweep, or within 3.3% of it, for seven of the eight
-    projections of the Qwen3-0.6B and 8B shapes (benchmarks/gpu_small_m.py --sweep; the 0.6B o_proj is the
-    exception, about 7% off). Rows 2-16 are slower than cuBLAS with these tiles (measured there too),
-    which is why the engine's default setting sends only single rows here."""
+    """Tile sizes. FMA form: a weight tile of 64 fp32 accumulators a thread (8192 elements at 4 warps, 16 KB of
+    bf16), as wide in K as the rule below allows, narrowed in N (more programs) until the grid has enough programs.
+    At one row on an H100 a sweep (benchmarks/gpu_small_m.py --sweep) found, with the first tile requested before
+    the dependent-launch wait:
+    - K of 1025-4095 (a 0.6B model's o_proj and down): 2048-wide tiles at 8 warps, one program per SM enough: 2.4
+      and 3.5 us against 2.9 and 5.5 with 1024-wide tiles at 4 warps;
+    - K up to 1024: the whole K in one tile, unless the grid would exceed four programs per SM (a 0.6B gate_up:
+      768), where half of K keeps every program resident (6.7 against 7.6 us);
+    - K of 4096 and more (an 8B model's projections): 2048-wide tiles at 4 warps, two programs per SM.
+    Rows 2-16 are slower than cuBLAS with these tiles (measured there too), which is why the engine's default
+    setting sends only single rows here."""
+    sms = _num_sms(device)
     if m <= FMA_MAX_ROWS:
         block_m = triton.next_power_of_2(m)
-        block_k = min(triton.next_power_of_2(k), 2048 if k >= 4096 else 1024)
-        block_n = max(1, 8192 // (block_k * block_m))
-        while block_n > 2 and triton.cdiv(n, block_n) < 2 * _num_sms(device):
+        if k >= 4096:
+            block_k, warps, per_sm = 2048, 4, 2
+        elif k > 1024:
+            block_k, warps, per_sm = 2048, 8, 1
+        else:
+            block_k, warps, per_sm = triton.next_power_of_2(k), 4, 2
+        block_n = max(1, 64 * 32 * warps // (block_k * block_m))
+        while block_n > 2 and triton.cdiv(n, block_n) < per_sm * sms:
             block_n //= 2
-        return dict(USE_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
-    want = 2 * _num_sms(device)
+        if k <= 1024 and block_k > 256 and triton.cdiv(n, block_n) > 4 * sms:
+            block_k //= 2
+        return dict(USE_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    want = 2 * sms
     block_n = 32 if triton.cdiv(n, 32) >= want else 16
     return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=min(256, max(16, triton.next_power_of_2(k))),
                 num_warps=4)

@@ -66,9 +66,11 @@ def require_triton(name: str, *tensors: torch.Tensor) -> None:
 # ---- programmatic dependent launch --------------------------------------------------------------------------------
 # A decode step at batch 1 is a chain of short kernels; launched as programmatic dependents (Hopper), each kernel is
 # launched while the one before it finishes, instead of after, which hides most of a launch gap per kernel. Every
-# kernel launched so calls wait_for_previous_kernel first: nothing it reads or writes is touched before the previous
-# kernel has completed and its writes are visible (a kernel two back completed before the previous one could pass
-# its own wait). Kernels launched the ordinary way (cuBLAS, torch) still wait for everything before them.
+# kernel launched so calls wait_for_previous_kernel before it touches anything a kernel writes: after the wait the
+# previous kernel has completed and its writes are visible (a kernel two back completed before the previous one could
+# pass its own wait). Before the wait a kernel may read only what no kernel writes, such as a layer's weights (the
+# few-row products request their first weight tile there): kernels further back may still be running then. Kernels
+# launched the ordinary way (cuBLAS, torch) still wait for everything before them.
 
 
 @triton.jit
