@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.spec.draft_loop import DraftLoop  # noqa: E402
 
 
-def main(root: str) -> dict:
+def main(root: str, families: list[str]) -> dict:
     torch.set_num_threads(1)
     from pathlib import Path
 
@@ -25,7 +25,7 @@ def main(root: str) -> dict:
     prompts = random_prompts([5, 9, 14, 3], seed=4)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     kw = dict(device="cpu", block_size=4, num_kv_blocks=200, max_num_seqs=4)
-    for fam in ("mistral", "gemma3"):
+    for fam in families:
         target = make_tiny_model(Path(root), fam, TINY_CONFIGS[fam])
         # A slightly perturbed copy: accepts often, rejects sometimes, so both commit paths run.
         draft = make_tiny_model(Path(root), fam + "-draft", TINY_CONFIGS[fam], scale=5.9)
@@ -59,4 +59,4 @@ def main(root: str) -> dict:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(main(sys.argv[1])))
+    print("RESULT " + json.dumps(main(sys.argv[1], sys.argv[2:] or ["mistral", "gemma3"])))

@@ -18,18 +18,36 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 HERE = Path(__file__).parent
 
 
+FAMILIES = ("mistral", "gemma3")
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
+    """Both families' results; one single-threaded child per family, run side by side (the interpreter is slow and
+    the pytest process only waits meanwhile)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
-    proc = subprocess.run([sys.executable, str(HERE / "kernel_path_run.py"), str(tmp_path_factory.mktemp("kp"))],
-                          env=env, capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    script = str(HERE / "kernel_path_run.py")
+    procs = {fam: subprocess.Popen([sys.executable, script, str(tmp_path_factory.mktemp("kp")), fam], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for fam in FAMILIES}
+    out: dict = {"generate": {}, "draft_loop": {}}
+    try:
+        for fam, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=900)
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+            assert proc.returncode == 0 and lines, f"{fam}: {stderr[-3000:]}"
+            res = json.loads(lines[-1][len("RESULT "):])
+            for part in out:
+                out[part].update(res[part])
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    return out
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_kernel_path_greedy_equals_torch_path(results, family):
     """Target alone and with a draft, on the kernel path, token for token equal to the torch reference path
     (itself checked against HF elsewhere); the sliding windows (mistral 7, gemma3 6) are shorter than the
@@ -49,7 +67,7 @@ def test_kernel_path_greedy_equals_torch_path(results, family):
     assert hits_accept > 0 and (hits_reject > 0 or family == "gemma3"), res["triton+ahead4:hits"]
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_draft_loop_rebuilds_metadata_every_step(results, family):
     """Six draft steps from positions 5, 6 and 9 with 4-token blocks and 5-7-token windows: every loop crosses
     block boundaries and moves the window start. A step that reused stale slots or positions would store K/V
