@@ -74,3 +74,16 @@ def graph_us(fn: Callable[[int], object], calls: int, replays: int = 30) -> floa
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
+
+
+def prefix_token_map(num_ids: int | None) -> str | None:
+    """A draft token map (EngineConfig.draft_token_map) of the first num_ids token ids, in a temporary file; None
+    for None. Random weights have no hot tokens, so any num_ids ids cost the same: a prefix is the simplest."""
+    if num_ids is None:
+        return None
+    import tempfile
+
+    f = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="draft-map-", delete=False)
+    with f:
+        json.dump(list(range(num_ids)), f)
+    return f.name

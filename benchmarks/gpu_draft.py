@@ -11,7 +11,7 @@ import argparse
 import time
 
 import torch
-from common import environment, markdown_table, save_json
+from common import environment, markdown_table, prefix_token_map, save_json
 from gpu_decode import cuda_median_ms, hf_decode_ms
 from gpu_shapes import shape_dir
 
@@ -24,14 +24,14 @@ from engine.spec.draft_loop import DraftLoop
 
 
 def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: bool, steps: int,
-            small_m_rows: int = EngineConfig.small_m_rows) -> float:
+            small_m_rows: int = EngineConfig.small_m_rows, token_map: str | None = None) -> float:
     max_len = context + 64
     cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=max_len, max_num_seqs=batch,
                        kv_cache_memory_bytes=2 << 30, enforce_eager=not graphs, num_speculative_tokens=k,
                        load_format="dummy", cuda_graph_batch_sizes=(batch,), small_m_rows=small_m_rows)
     mc = ModelConfig.from_path(shape_dir(name))
     mc.max_model_len = max_len
-    runner = ModelRunner(mc, cfg, "draft")
+    runner = ModelRunner(mc, cfg, "draft", draft_token_map=token_map)
     loop = DraftLoop(runner, k, keep_probs=not greedy)
     loop.capture()
     per_req = -(-max_len // cfg.block_size)
@@ -60,28 +60,32 @@ def main() -> None:
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="also time HF eager")
     ap.add_argument("--no-pdl", action="store_true", help="launch every kernel the ordinary way (no programmatic "
                     "dependent launch), as before it existed")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="restrict the draft's LM head to this many token ids (EngineConfig.draft_token_map)")
     ap.add_argument("--out")
     args = ap.parse_args()
     set_pdl(not args.no_pdl)
+    token_map = prefix_token_map(args.draft_vocab)
     rows = []
     t0 = time.perf_counter()
     for name in args.shapes.split(","):
         for b in (int(x) for x in args.batch.split(",")):
-            row = {"shape": name, "batch": b, "k": args.k, "small_m_rows": args.small_m_rows}
+            row = {"shape": name, "batch": b, "k": args.k, "small_m_rows": args.small_m_rows,
+                   "draft_vocab": args.draft_vocab or "all"}
             for greedy in (True, False) if args.sampled else (True,):
                 tag = "greedy" if greedy else "sampled"
                 row[f"graph_{tag}_ms"] = loop_ms(name, b, args.k, args.context, True, greedy, args.steps,
-                                                 args.small_m_rows)
+                                                 args.small_m_rows, token_map)
                 if args.eager:
                     row[f"eager_{tag}_ms"] = loop_ms(name, b, args.k, args.context, False, greedy, args.steps,
-                                                     args.small_m_rows)
+                                                     args.small_m_rows, token_map)
                 torch.cuda.empty_cache()
             if args.eager:
                 row["graph_speedup"] = row["eager_greedy_ms"] / row["graph_greedy_ms"]
             if args.hf:
                 row["hf_eager_ms"] = hf_decode_ms(name, b, args.context, args.steps)
             rows.append(row)
-    cols = ["shape", "batch", "k", "small_m_rows", "graph_greedy_ms", "eager_greedy_ms", "graph_speedup",
+    cols = ["shape", "batch", "k", "small_m_rows", "draft_vocab", "graph_greedy_ms", "eager_greedy_ms", "graph_speedup",
             "graph_sampled_ms", "eager_sampled_ms", "hf_eager_ms"]
     print(f"draft step time (ms per draft token, loop of k={args.k} from a {args.context}-token context); "
           f"{time.perf_counter() - t0:.0f} s")

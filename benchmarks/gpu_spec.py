@@ -13,7 +13,7 @@ import statistics
 import time
 
 import torch
-from common import environment, markdown_table, save_json
+from common import environment, markdown_table, prefix_token_map, save_json
 from gpu_shapes import shape_dir
 
 from engine import LLM, SamplingParams
@@ -59,6 +59,8 @@ def main() -> None:
                     help="EngineConfig.small_m_rows (0: cuBLAS products and separate norm/activation kernels)")
     ap.add_argument("--no-pdl", action="store_true", help="launch every kernel the ordinary way (no programmatic "
                     "dependent launch), as before it existed")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="restrict the draft's LM head to this many token ids (EngineConfig.draft_token_map)")
     ap.add_argument("--out")
     args = ap.parse_args()
     set_pdl(not args.no_pdl)
@@ -78,7 +80,7 @@ def main() -> None:
              "decode_speedup": 1.0} for b in batches]
     for k in (int(x) for x in args.k.split(",")):
         llm = LLM(target, draft_model=shape_dir(args.draft), num_speculative_tokens=k, rejection_sampling="synthetic",
-                  synthetic_acceptance_rate=0.8, **common)
+                  synthetic_acceptance_rate=0.8, draft_token_map=prefix_token_map(args.draft_vocab), **common)
         for rate in (float(r) for r in args.rates.split(",")):
             llm.engine.spec_config.synthetic_acceptance_rate = rate
             for b in batches:

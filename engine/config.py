@@ -199,6 +199,10 @@ class EngineConfig:
     # (benchmarks/RESULTS.md). 0: never. Only on the kernel devices (CUDA, or Triton's interpreter) and without
     # tensor parallelism.
     small_m_rows: int = 1
+    # A file of token ids (a JSON list, or a 1-D integer tensor saved with torch.save) the draft's LM head is
+    # restricted to (engine/spec/draft_vocabulary.py): a smaller head for a faster draft step; exact whatever the
+    # map holds, as the draft's q gives every other token probability 0. None: the whole vocabulary.
+    draft_token_map: str | None = None
 
     def validate(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -221,6 +225,8 @@ class EngineConfig:
             raise ValueError(f"synthetic_bonus_agreement must be in [0, 1], got {rate!r}")
         if not 0 <= self.small_m_rows <= 16:
             raise ValueError(f"small_m_rows must be in [0, 16], got {self.small_m_rows}")
+        if self.draft_token_map is not None and not isinstance(self.draft_token_map, str):
+            raise ValueError(f"draft_token_map must be the path of a token-id file, got {self.draft_token_map!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.tensor_parallel_size != 1:

@@ -75,6 +75,8 @@ class EngineCore:
         self.sent = SentState()  # what the model sides know of each request: plans carry the rest
         self.scheduler.speculation_ahead = self.spec_config is not None and bool(
             getattr(executor, "speculation_ahead", False))
+        if engine_config.draft_token_map is not None and self.spec_config is None:
+            raise ValueError("draft_token_map restricts a draft model's LM head: give a draft model, or leave it unset")
         if engine_config.synthetic_bonus_agreement is not None and (
                 self.spec_config is None or self.spec_config.rejection_sampling != "synthetic"):
             raise ValueError("synthetic_bonus_agreement is a benchmark setting for rejection_sampling='synthetic'")

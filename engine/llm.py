@@ -57,7 +57,8 @@ class LLM:
         self.model_config = target_cfg
         self.tokenizer = load_tokenizer(str(target_cfg.path))
         target = ModelRunner(target_cfg, self.engine_config, "target")
-        draft = ModelRunner(draft_cfg, self.engine_config, "draft") if draft_cfg is not None else None
+        draft = (ModelRunner(draft_cfg, self.engine_config, "draft", draft_token_map=self.engine_config.draft_token_map)
+                 if draft_cfg is not None else None)
 
         keep_probs = spec is not None and spec.rejection_sampling == "probabilistic"
         self.executor = LocalExecutor(target, draft, keep_probs, seed)

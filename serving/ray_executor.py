@@ -35,6 +35,7 @@ from ray.actor import ActorHandle
 from engine.config import EngineConfig, ModelConfig
 from engine.decode_pipeline import LaggedResults
 from engine.kv_cache.spec import KVCacheGroupSpec
+from engine.spec.draft_vocabulary import check_token_map
 from engine.step_phases import HOST, book_dispatch
 from engine.step_plan import StepPlan, StepResult
 from serving.draft_group import DraftGroupReplacement
@@ -127,7 +128,11 @@ class RayExecutor(DraftGroupReplacement):
         self.colocated = draft_model_path is not None and self.draft_placement == "colocated"
         check_tensor_parallel(ModelConfig.from_path(model_path), tensor_parallel_size, "target")
         if draft_model_path is not None:
-            check_tensor_parallel(ModelConfig.from_path(draft_model_path), draft_tensor_parallel_size, "draft")
+            draft_config = ModelConfig.from_path(draft_model_path)
+            check_tensor_parallel(draft_config, draft_tensor_parallel_size, "draft")
+            if engine_config.draft_token_map is not None:  # before any worker starts, as the checks above
+                check_token_map(engine_config.draft_token_map, draft_config.vocab_size,
+                                tensor_parallel_size if self.colocated else draft_tensor_parallel_size)
         try:
             self._start(model_path, draft_model_path, rejection_sampling, tensor_parallel_size,
                         draft_tensor_parallel_size, target_resources, draft_resources, placement_timeout_s,

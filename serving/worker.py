@@ -90,10 +90,10 @@ def engine_config_from(config: EngineConfig | dict[str, Any]) -> EngineConfig:
     return EngineConfig(device=device, dtype=dtype, **fields)
 
 
-def _load_runner(model_path: str, config: EngineConfig, name: str) -> ModelRunner:
+def _load_runner(model_path: str, config: EngineConfig, name: str, draft: bool) -> ModelRunner:
     model_config = ModelConfig.from_path(model_path)
     model_config.max_model_len = config.max_model_len
-    return ModelRunner(model_config, config, name)
+    return ModelRunner(model_config, config, name, draft_token_map=config.draft_token_map if draft else None)
 
 
 def node_ip_and_free_port() -> tuple[str, int]:
@@ -140,10 +140,10 @@ class ModelWorker:
             torch.set_num_threads(max(1, cpu_threads))
         self.config = config
         set_tp_group(self._init_distributed(master_addr, master_port))
-        self.runner = _load_runner(model_path, config, f"{role}[{rank}/{world_size}]")
+        self.runner = _load_runner(model_path, config, f"{role}[{rank}/{world_size}]", draft=role == "draft")
         # A colocated draft is built right after the target, as the in-process engine builds them: each sizes its
         # KV cache from the device memory the one before left. Both use the tensor-parallel group set above.
-        self.draft_runner = (_load_runner(draft_model_path, config, f"draft[{rank}/{world_size}]")
+        self.draft_runner = (_load_runner(draft_model_path, config, f"draft[{rank}/{world_size}]", draft=True)
                              if draft_model_path is not None else None)
         keep_probs = rejection_sampling == "probabilistic"
         # Each side keeps what this rank knows of its requests between steps in its request table: open plan

@@ -19,6 +19,7 @@ from engine.parallel import get_tp_group
 from engine.runner.cuda_graphs import ForwardGraphs, GraphPool
 from engine.runner.input_buffers import InputBuffers
 from engine.runner.step_input import Chunk, DeviceTokens, PreparedForward, StepInput, build_step_input
+from engine.spec.draft_vocabulary import DraftVocabularyHead, restrict_draft_head
 
 logger = logging.getLogger("specserve")
 
@@ -30,13 +31,19 @@ class ModelRunner:
     tensors per KV-cache group, and runs forwards. Block accounting (which blocks a request holds) is the
     scheduler's; this class only reads the block tables it is given."""
 
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, name: str = "target") -> None:
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, name: str = "target",
+                 draft_token_map: str | None = None) -> None:
+        """draft_token_map: a draft's EngineConfig.draft_token_map, its LM head restricted to those tokens
+        (engine/spec/draft_vocabulary.py); the logits stay [.., vocab_size] wide."""
         self.name = name
         self.model_config = model_config
         self.config = engine_config
         self.device = engine_config.device
         self.dtype = engine_config.dtype
         self.model = build_model(model_config, self.device, self.dtype, load_format=engine_config.load_format)
+        self.draft_head: DraftVocabularyHead | None = (
+            restrict_draft_head(self.model, draft_token_map, model_config.vocab_size, get_tp_group().size)
+            if draft_token_map else None)
         self._set_small_m_rows(engine_config.small_m_rows)
         layers = self.model.attention_layers()
         specs = [AttentionSpec(a.num_kv_heads, a.head_dim, self.dtype, engine_config.block_size, a.sliding_window)
@@ -150,11 +157,16 @@ class ModelRunner:
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run the forward and return logits [num_logits, vocab_size] float32."""
         hidden = self.model(step.input_ids, step.positions, step.attn)
-        return self.model.compute_logits(hidden[step.logits_indices])
+        return self._logits(hidden[step.logits_indices])
 
     def forward_all(self, step: StepInput) -> torch.Tensor:
         """Logits of every token of the step [num_tokens, vocab_size] float32 (graphs capture this)."""
-        return self.model.compute_logits(self.model(step.input_ids, step.positions, step.attn))
+        return self._logits(self.model(step.input_ids, step.positions, step.attn))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab_size] float32 (a restricted draft head's logits widened to the vocabulary)."""
+        logits = self.model.compute_logits(hidden)
+        return self.draft_head.widen(logits) if self.draft_head is not None else logits
 
     def forward_chunks(self, chunks: list[Chunk]) -> torch.Tensor:
         """Build the step's input (attention metadata for every KV-cache group) and run it: a graph replay
