@@ -5,13 +5,9 @@ triton is first imported). CUDA runs them in tests/gpu/test_fused_kernels_cuda.p
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreter_children import assert_pytest_children_pass, split_by
 
 from engine.kernels import activation, draft_advance, qk_norm_rope_store, rms_norm, rotary
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
@@ -24,13 +20,7 @@ interpreted = pytest.mark.skipif(not interpreting(), reason="runs in the TRITON_
 
 @pytest.mark.skipif(interpreting(), reason="already under the interpreter")
 def test_fused_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-x",
-                           "-p", "no:cacheprovider", "--noconftest"],
-                          cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+    assert_pytest_children_pass(__file__, split_by("fused_kernels_match_references"))  # tests/interpreter_children.py
 
 
 def check_fused_kernels(device: str, dtype: torch.dtype) -> None:

@@ -1,21 +1,19 @@
 """The engine's kernel path (input buffers at fixed addresses, the Triton kernels, the buffer-based draft loop
 with its in-place metadata rebuild) on CPU through Triton's interpreter: the same code CUDA runs, minus the
-graphs (tests/gpu covers those). One subprocess runs every case (see kernel_path_run.py for why)."""
+graphs (tests/gpu covers those). Child processes run the cases, one per family (see kernel_path_run.py for why)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from interpreter_children import run_side_by_side
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install '.[test]')")
-HERE = Path(__file__).parent
 
 
 FAMILIES = ("mistral", "gemma3")
@@ -23,27 +21,16 @@ FAMILIES = ("mistral", "gemma3")
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    """Both families' results; one single-threaded child per family, run side by side (the interpreter is slow and
-    the pytest process only waits meanwhile)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
-    script = str(HERE / "kernel_path_run.py")
-    procs = {fam: subprocess.Popen([sys.executable, script, str(tmp_path_factory.mktemp("kp")), fam], env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for fam in FAMILIES}
+    """Both families' results, one interpreted child per family, side by side (tests/interpreter_children.py)."""
+    script = str(Path(__file__).resolve().parent / "kernel_path_run.py")
+    cmds = [[sys.executable, script, str(tmp_path_factory.mktemp("kp")), fam] for fam in FAMILIES]
     out: dict = {"generate": {}, "draft_loop": {}}
-    try:
-        for fam, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=900)
-            lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-            assert proc.returncode == 0 and lines, f"{fam}: {stderr[-3000:]}"
-            res = json.loads(lines[-1][len("RESULT "):])
-            for part in out:
-                out[part].update(res[part])
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.wait()
+    for fam, (rc, stdout, stderr) in zip(FAMILIES, run_side_by_side(cmds)):
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        assert rc == 0 and lines, f"{fam}: {stderr[-3000:]}"
+        res = json.loads(lines[-1][len("RESULT "):])
+        for part in out:
+            out[part].update(res[part])
     return out
 
 

@@ -1,10 +1,10 @@
 """The Triton kernels (engine/kernels) against their torch references, on CPU under Triton's interpreter.
 
 TRITON_INTERPRET=1 only works if it is set before triton is first imported, and this test process has
-imported triton long before (transformers imports it), so the kernel tests run in a child pytest process
-started with the variable set; in this process they are skipped and `test_kernels_under_interpreter` runs
-that child and fails with its output if any kernel test fails. Started with TRITON_INTERPRET=1 from the
-outset, the tests run in-process.
+imported triton long before (transformers imports it), so the kernel tests run in child pytest processes
+started with the variable set (tests/interpreter_children.py); in this process they are skipped and
+`test_kernels_under_interpreter` runs the children and fails with their output if any kernel test fails. Started
+with TRITON_INTERPRET=1 from the outset, the tests run in-process.
 
 The interpreter's tl.dot mishandles bfloat16, so attention runs in fp32 and fp16 here; bf16 is covered by
 tests/gpu/test_kernels_cuda.py.
@@ -12,13 +12,9 @@ tests/gpu/test_kernels_cuda.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreter_children import assert_pytest_children_pass, split_by
 from kernel_support import attention_case, poison_outside_window, rejection_case
 
 from engine.kernels import kv_store, paged_attention, rejection
@@ -31,19 +27,12 @@ if not HAS_TRITON:
 INTERPRETED = interpreting()
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process started "
                                                          "by test_kernels_under_interpreter")
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already under the interpreter: the kernel tests run in this process")
 def test_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    # --noconftest: the shared fixtures (which import transformers) are not needed here.
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-x",
-                           "-p", "no:cacheprovider", "--noconftest"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (f"kernel tests failed under the interpreter:\n{proc.stdout[-6000:]}\n"
-                                  f"{proc.stderr[-3000:]}")
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+    # Two children side by side (tests/interpreter_children.py): the attention matrix, and the rest.
+    assert_pytest_children_pass(__file__, split_by("paged_attention_matches_reference"))
 
 
 # --------------------------------------------------------------------------------------------------------

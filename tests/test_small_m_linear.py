@@ -5,13 +5,9 @@ as in test_fused_kernels.py). CUDA runs the kernel checks in tests/gpu/test_smal
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreter_children import assert_pytest_children_pass, split_by
 
 from engine.kernels import small_m_linear as sml
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
@@ -20,32 +16,12 @@ if not HAS_TRITON:
     pytest.skip("triton is not installed (the `test` extra installs it on Linux)", allow_module_level=True)
 
 interpreted = pytest.mark.skipif(not interpreting(), reason="runs in the TRITON_INTERPRET=1 child process")
-HERE = Path(__file__).resolve().parent
-
-
-# The interpreted tests in two single-threaded children side by side, split about evenly by time (about a minute
-# each); the second takes everything the first does not, so no test is left out.
-_FIRST_CHILD = "references or gemma3 or qwen2"
-CHILD_SELECTIONS = (_FIRST_CHILD, f"not ({_FIRST_CHILD})")
 
 
 @pytest.mark.skipif(interpreting(), reason="already under the interpreter")
 def test_small_m_linear_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
-    procs = [subprocess.Popen([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-x",
-                               "-p", "no:cacheprovider", "--noconftest", "-k", sel],
-                              cwd=HERE.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for sel in CHILD_SELECTIONS]
-    try:
-        for sel, proc in zip(CHILD_SELECTIONS, procs):
-            stdout, stderr = proc.communicate(timeout=900)
-            assert proc.returncode == 0, f"{sel}: {stdout[-6000:]}\n{stderr[-3000:]}"
-            assert " passed" in stdout and " failed" not in stdout, stdout[-2000:]
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+    # Two children side by side (tests/interpreter_children.py), about a minute each.
+    assert_pytest_children_pass(__file__, split_by("references or gemma3 or qwen2"))
 
 
 # (in_features K, out_features N) of the four projections of a Qwen3 layer: qkv, o_proj, gate_up, down.
