@@ -1,7 +1,7 @@
 """The fused elementwise kernels of the model layers (RMSNorm with and without the residual add, act(gate) * up,
 rotary embedding, attention's prologue of q/k norm + rotary + KV store) against their torch references, on CPU
-under Triton's interpreter (in a child process, as in test_kernels.py: the interpreter must be switched on before
-triton is first imported). CUDA runs them in tests/gpu/test_fused_kernels_cuda.py."""
+under Triton's interpreter (in child processes, tests/interpreter_children.py: the interpreter must be switched on
+before triton is first imported). CUDA runs them in tests/gpu/test_fused_kernels_cuda.py."""
 
 from __future__ import annotations
 

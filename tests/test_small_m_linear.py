@@ -1,7 +1,7 @@
 """The few-row products with folded norms, activation and residual adds (engine/kernels/small_m_linear.py) against
 their torch references, and greedy decoding through them (target decode and verify, and the draft loop) against
-HF for the families the other kernel-path tests leave out, on CPU under Triton's interpreter (in a child process,
-as in test_fused_kernels.py). CUDA runs the kernel checks in tests/gpu/test_small_m_linear_cuda.py."""
+HF for the families the other kernel-path tests leave out, on CPU under Triton's interpreter (in child processes,
+tests/interpreter_children.py). CUDA runs the kernel checks in tests/gpu/test_small_m_linear_cuda.py."""
 
 from __future__ import annotations
 
