@@ -70,6 +70,7 @@ def main() -> None:
                   kv_cache_memory_bytes=8 << 30, cuda_graph_batch_sizes=tuple(batches),
                   **({} if args.small_m_rows is None else {"small_m_rows": args.small_m_rows}))
     target = shape_dir(args.target)
+    token_map = prefix_token_map(args.draft_vocab)
     t0 = time.perf_counter()
     llm = LLM(target, **common)
     base = {b: tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats)[:2] for b in batches}
@@ -80,7 +81,7 @@ def main() -> None:
              "decode_speedup": 1.0} for b in batches]
     for k in (int(x) for x in args.k.split(",")):
         llm = LLM(target, draft_model=shape_dir(args.draft), num_speculative_tokens=k, rejection_sampling="synthetic",
-                  synthetic_acceptance_rate=0.8, draft_token_map=prefix_token_map(args.draft_vocab), **common)
+                  synthetic_acceptance_rate=0.8, draft_token_map=token_map, **common)
         for rate in (float(r) for r in args.rates.split(",")):
             llm.engine.spec_config.synthetic_acceptance_rate = rate
             for b in batches:

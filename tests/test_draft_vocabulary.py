@@ -185,9 +185,10 @@ def test_bad_maps_are_refused_naming_the_field(tiny_models, tiny_drafts, tmp_pat
     assert load_token_map(write_map(tmp_path / "dup.json", [5, 1, 5]), VOCAB) == [1, 5]
     with pytest.raises(ValueError, match="draft_token_map needs the draft in one process"):
         check_token_map(write_map(tmp_path / "ok.json", [1]), VOCAB, tp_size=2)
-    with pytest.raises(ValueError, match="draft_token_map"):  # through the engine, before anything runs
-        LLM(tiny_models["llama"].path, draft_model=tiny_drafts["llama-1l"].path, draft_token_map=bad["empty"],
-            **ENGINE_KW)
+    for path in (bad["empty"], ""):  # through the engine, before anything runs; an empty path is no file either
+        with pytest.raises(ValueError, match="draft_token_map"):
+            LLM(tiny_models["llama"].path, draft_model=tiny_drafts["llama-1l"].path, draft_token_map=path,
+                **ENGINE_KW)
     with pytest.raises(ValueError, match="draft_token_map restricts a draft model"):
         LLM(tiny_models["llama"].path, draft_token_map=write_map(tmp_path / "ok2.json", [1]), **ENGINE_KW)
     with pytest.raises(ValueError, match="draft_token_map must be the path"):

@@ -43,7 +43,7 @@ class ModelRunner:
         self.model = build_model(model_config, self.device, self.dtype, load_format=engine_config.load_format)
         self.draft_head: DraftVocabularyHead | None = (
             restrict_draft_head(self.model, draft_token_map, model_config.vocab_size, get_tp_group().size)
-            if draft_token_map else None)
+            if draft_token_map is not None else None)
         self._set_small_m_rows(engine_config.small_m_rows)
         layers = self.model.attention_layers()
         specs = [AttentionSpec(a.num_kv_heads, a.head_dim, self.dtype, engine_config.block_size, a.sliding_window)
