@@ -8,6 +8,7 @@ transformers eager decoding of the same shape for scale.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -24,8 +25,11 @@ from engine.spec.draft_loop import DraftLoop
 
 
 def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: bool, steps: int,
-            small_m_rows: int = EngineConfig.small_m_rows, token_map: str | None = None) -> float:
-    max_len = context + 64
+            small_m_rows: int = EngineConfig.small_m_rows, token_map: str | None = None,
+            phases: dict | None = None, catch_up: int = 2) -> float:
+    """ms per draft token; with phases (a dict, graphs only) also the first step's graph replay alone (catch-up of
+    two tokens a request: 2 x batch rows) and a later step's (batch rows), as `first_ms` and `next_ms`."""
+    max_len = context + 64 + (2 * (steps + 5) if phases is not None else 0)  # room for the replays alone (below)
     cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=max_len, max_num_seqs=batch,
                        kv_cache_memory_bytes=2 << 30, enforce_eager=not graphs, num_speculative_tokens=k,
                        load_format="dummy", cuda_graph_batch_sizes=(batch,), small_m_rows=small_m_rows)
@@ -42,8 +46,34 @@ def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: b
     temp = 0.0 if greedy else 0.8
     md = SamplingMetadata.from_lists([temp] * batch, [1.0] * batch, [0] * batch, device="cuda")
     gen = torch.Generator(device="cuda")
-    chunks = [Chunk([11, 12], context, 1, tables[i]) for i in range(batch)]  # last accepted + bonus token
-    return cuda_median_ms(lambda: loop.run(chunks, [k] * batch, md, {}, gen), steps) / k
+    # The first step catches up the last accepted token and the bonus token (2: a fully accepted window) or the
+    # target's correction alone (1: after a rejection).
+    chunks = [Chunk([11, 12][-catch_up:], context, 1, tables[i]) for i in range(batch)]
+    per_token = cuda_median_ms(lambda: loop.run(chunks, [k] * batch, md, {}, gen), steps) / k
+    if phases is not None and graphs:
+        # One graph replayed over and over: the step index is reset before each replay, or it would run past the
+        # rows' draft counts, where a row writes nowhere and attends to position 0 only (a shorter attention).
+        # Positions still move on by one a replay (max_len leaves room for them).
+        def replay(graph: torch.cuda.CUDAGraph) -> None:
+            loop.step_idx.zero_()
+            graph.replay()
+        phases["first_ms"] = cuda_median_ms(lambda: replay(loop.first_graphs[(batch, greedy)]), steps)
+        phases["next_ms"] = cuda_median_ms(lambda: replay(loop.next_graphs[(batch, greedy)]), steps)
+        phases["loop_host_ms"] = host_ms(lambda: loop.run(chunks, [k] * batch, md, {}, gen), steps)
+    return per_token
+
+
+def host_ms(run, steps: int) -> float:
+    """The host's time to queue one whole loop (k steps; from a synchronized start, no sync at its end): far below
+    the loop's wall time when the GPU, not the host, bounds it."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -60,6 +90,9 @@ def main() -> None:
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="also time HF eager")
     ap.add_argument("--no-pdl", action="store_true", help="launch every kernel the ordinary way (no programmatic "
                     "dependent launch), as before it existed")
+    ap.add_argument("--catch-up", type=int, choices=(1, 2), default=2,
+                    help="tokens a request catches up in the first step: 2 after a fully accepted window, 1 after "
+                         "a rejection")
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="restrict the draft's LM head to this many token ids (EngineConfig.draft_token_map)")
     ap.add_argument("--out")
@@ -70,23 +103,28 @@ def main() -> None:
     t0 = time.perf_counter()
     for name in args.shapes.split(","):
         for b in (int(x) for x in args.batch.split(",")):
-            row = {"shape": name, "batch": b, "k": args.k, "small_m_rows": args.small_m_rows,
+            row = {"shape": name, "batch": b, "k": args.k, "catch_up": args.catch_up, "small_m_rows": args.small_m_rows,
                    "draft_vocab": args.draft_vocab or "all"}
             for greedy in (True, False) if args.sampled else (True,):
                 tag = "greedy" if greedy else "sampled"
+                phases: dict = {}
                 row[f"graph_{tag}_ms"] = loop_ms(name, b, args.k, args.context, True, greedy, args.steps,
-                                                 args.small_m_rows, token_map)
+                                                 args.small_m_rows, token_map, phases, args.catch_up)
+                if greedy:
+                    row.update({key if key.startswith("loop_") else f"{key[:-3]}_step_ms": v
+                                for key, v in phases.items()})
                 if args.eager:
                     row[f"eager_{tag}_ms"] = loop_ms(name, b, args.k, args.context, False, greedy, args.steps,
-                                                     args.small_m_rows, token_map)
+                                                     args.small_m_rows, token_map, None, args.catch_up)
                 torch.cuda.empty_cache()
             if args.eager:
                 row["graph_speedup"] = row["eager_greedy_ms"] / row["graph_greedy_ms"]
             if args.hf:
                 row["hf_eager_ms"] = hf_decode_ms(name, b, args.context, args.steps)
             rows.append(row)
-    cols = ["shape", "batch", "k", "small_m_rows", "draft_vocab", "graph_greedy_ms", "eager_greedy_ms", "graph_speedup",
-            "graph_sampled_ms", "eager_sampled_ms", "hf_eager_ms"]
+    cols = ["shape", "batch", "k", "catch_up", "small_m_rows", "draft_vocab", "graph_greedy_ms", "first_step_ms",
+            "next_step_ms", "loop_host_ms", "eager_greedy_ms",
+            "graph_speedup", "graph_sampled_ms", "eager_sampled_ms", "hf_eager_ms"]
     print(f"draft step time (ms per draft token, loop of k={args.k} from a {args.context}-token context); "
           f"{time.perf_counter() - t0:.0f} s")
     print(markdown_table(rows, [c for c in cols if c in rows[0]]))

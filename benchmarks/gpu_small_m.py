@@ -9,8 +9,9 @@ add+norm, gate_up, act*mul, down: 7 kernels) against the new one (norm+qkv, o_pr
 kernels); per projection the new kernel alone and cuBLAS alone. `new_no_pdl`: the new chain launched without
 programmatic dependent launch. Weights rotate over enough copies that they do not sit in L2 (50 MB on an H100)
 between calls, as in a real step. Floor: the weight bytes over the copy bandwidth measured in the same run. --sweep
-also times other tile sizes at 1 row and prints the fastest per projection. `kernels`: CUDA kernels of one eager
-forward under torch.profiler (a draft step for the draft shape: forward, argmax and the draft loop's input rebuild).
+also times other tile sizes at each row count and prints the fastest per projection. `kernels`: CUDA kernels of one
+eager forward under torch.profiler (a draft step for the draft shape: forward, argmax and the draft loop's input
+rebuild).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def layer_weights(shape: str) -> list[dict[str, torch.Tensor]]:
                  n2=torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5) for _ in range(copies)]
 
 
-def bench_shape(shape: str, rows: list[int], bw: float, sweep: bool) -> tuple[list[dict], list[dict]]:
+def bench_shape(shape: str, rows: list[int], bw: float, sweep: str | None) -> tuple[list[dict], list[dict]]:
     ws = layer_weights(shape)
     out, best = [], []
     for m in rows:
@@ -60,7 +61,7 @@ def bench_shape(shape: str, rows: list[int], bw: float, sweep: bool) -> tuple[li
     return out, best
 
 
-def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float, sweep: bool
+def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float, sweep: str | None
                ) -> tuple[dict, list[dict]]:
     p = projections(shape)
     h, attn_width, inter = p["qkv_proj"][0], p["o_proj"][0], p["down_proj"][0]
@@ -110,10 +111,10 @@ def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float,
         row[f"{name}_new_us"] = graph_us(fn, calls)
         row[f"{name}_cublas_us"] = graph_us(lambda i, inp=inp, name=name: F.linear(inp, w(i, name)), calls)
         row[f"{name}_floor_us"] = floor
-        if sweep and m == 1:
+        if sweep:
             n, k = ws[0][name].shape
             rule = sml._config(m, n, k, ws[0][name].device)
-            best.append(sweep_one(shape, m, name, fn, calls, floor, row[f"{name}_new_us"], rule))
+            best.append(sweep_one(shape, m, name, fn, calls, floor, row[f"{name}_new_us"], rule, sweep))
     return row, best
 
 
@@ -140,35 +141,62 @@ def max_rel_err(x: torch.Tensor, res: torch.Tensor, a: torch.Tensor, gu: torch.T
     return max(float((got.float() - ref.float()).norm() / ref.float().norm()) for got, ref in pairs)
 
 
-def sweep_one(shape: str, m: int, name: str, fn, calls: int, floor: float, default_us: float, rule: dict) -> dict:
-    """Time the tilings of the grid below; `rule`: what _config picks, whose rank among them (1: the fastest) and
-    time over the best are recorded, which is what a change of the rule needs."""
-    results = []
-    for bn in (2, 4, 8, 16):
+def sweep_grid(m: int, forms: str = "fma,dot,row") -> list[dict]:
+    """Tilings the sweep times at m rows: the FMA form (a [rows, BLOCK_N, BLOCK_K] fp32 accumulator, so its tile
+    shrinks as rows grow) and, from 2 rows, the DOT form (tl.dot on a 16-row tile, software-pipelined loads) and the
+    row loop (the FMA form one row at a time, its weight tile the size of one row's)."""
+    grid = []
+    if m >= 2 and "row" in forms:
+        # The one-row rule's tiles and their neighbours (a weight tile of at most 64 elements a thread).
+        for bn, bk, warps in ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (8, 1024, 4), (4, 2048, 4), (4, 1024, 8),
+                              (8, 1024, 8), (16, 1024, 8), (4, 2048, 8), (8, 2048, 8)):
+            grid.append(dict(USE_DOT=False, ROW_LOOP=True, BLOCK_M=triton_pow2(m), BLOCK_N=bn, BLOCK_K=bk,
+                             num_warps=warps, num_stages=3))
+    for bn in (1, 2, 4, 8, 16) if "fma" in forms else ():
         for bk in (256, 512, 1024, 2048, 4096):
             for warps in (4, 8):
-                if m * bn * bk > 64 * 32 * warps or bn * bk < 32 * warps:  # registers / idle threads
+                if triton_pow2(m) * bn * bk > 64 * 32 * warps or bn * bk < 32 * warps:  # registers / idle threads
                     continue
-                for stages in (3,):
-                    cfg = dict(USE_DOT=False, BLOCK_M=triton_pow2(m), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                               num_stages=stages)
-                    try:
-                        us = graph_us(lambda i, cfg=cfg: fn(i, cfg), calls, replays=10)
-                    except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-                        print("skip", cfg, type(e).__name__, flush=True)
-                        continue
-                    results.append((us, cfg))
+                grid.append(dict(USE_DOT=False, BLOCK_M=triton_pow2(m), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                                 num_stages=3))
+    if m >= 2 and "dot" in forms:
+        for bn in (16, 32, 64):
+            for bk in (64, 128, 256):
+                for stages in (3, 5):
+                    grid.append(dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+                                     num_stages=stages))
+    return grid
+
+
+def sweep_one(shape: str, m: int, name: str, fn, calls: int, floor: float, default_us: float, rule: dict,
+              forms: str = "fma,dot,row") -> dict:
+    """Time the tilings of sweep_grid; `rule`: what _config picks, whose rank among them (1: the fastest) and
+    time over the best are recorded, which is what a change of the rule needs."""
+    results = []
+    for cfg in sweep_grid(m, forms):
+        try:
+            us = graph_us(lambda i, cfg=cfg: fn(i, cfg), calls, replays=10)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+            print("skip", cfg, type(e).__name__, flush=True)
+            continue
+        results.append((us, cfg))
     results.sort(key=lambda r: r[0])
     us, cfg = results[0]
-    top = [(round(u, 2), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]) for u, c in results[:5]]
-    key = ("BLOCK_N", "BLOCK_K", "num_warps")
-    rank = next((i + 1 for i, (_, c) in enumerate(results) if all(c[x] == rule[x] for x in key)), None)
+    top = [(round(u, 2), form(c), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"],
+            c["num_stages"]) for u, c in results[:5]]
+    key = ("USE_DOT", "BLOCK_N", "BLOCK_K", "num_warps")
+    rank = next((i + 1 for i, (_, c) in enumerate(results)
+                 if all(c[x] == rule[x] for x in key) and form(c) == form(rule)), None)
     rule_us = results[rank - 1][0] if rank else None
     print(f"sweep {shape} rows={m} {name}: default {default_us:.2f} us, best {us:.2f} us {cfg} "
           f"(floor {floor:.2f}); rule {[rule[x] for x in key]} rank {rank} of {len(results)}; top5 {top}", flush=True)
     return {"shape": shape, "rows": m, "proj": name, "default_us": default_us, "best_us": us, "floor_us": floor,
             "best": cfg, "top5": top, "rule": {x: rule[x] for x in key}, "rule_rank": rank,
             "rule_vs_best": rule_us / us if rule_us else None}
+
+
+def form(cfg: dict) -> str:
+    return "dot" if cfg["USE_DOT"] else "row" if cfg.get("ROW_LOOP") else "fma"
 
 
 def triton_pow2(n: int) -> int:
@@ -215,7 +243,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")
     ap.add_argument("--rows", default="1,2,5,8,16")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", nargs="?", const="fma,dot,row", default=None,
+                    help="also time other tilings; optionally only some forms (comma-separated: fma, dot, row)")
     ap.add_argument("--skip-count", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()

@@ -15,7 +15,7 @@ PHASES = ("schedule", "propose", "handoff", "prepare", "verify", "sample", "prop
           "commit")
 # The router's share of a step: its bookkeeping and the transport (handoff: the draft's proposal to the target).
 ROUTER_PHASES = ("schedule", "dispatch", "handoff", "commit")
-AHEAD_COUNTERS = ("lookups", "hits", "drafted_tokens", "unused_tokens")
+AHEAD_COUNTERS = ("lookups", "hits", "drafted_tokens", "unused_tokens", "skipped_branches")
 
 
 def phase_means_ms(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
@@ -58,15 +58,23 @@ def ahead_from_metrics(metrics: dict[str, float] | None) -> tuple[float, ...] | 
     return tuple(metrics.get(f"specserve_spec_ahead_{name}_total", 0.0) for name in AHEAD_COUNTERS)
 
 
+def _ahead_cell(ahead: dict[str, float]) -> str:
+    skipped = ahead.get("skipped_branches") or 0
+    return f"{ahead['hit_rate']:.2f} ({ahead['unused_share']:.0%} unused" + (
+        f", {skipped:.0f} branches skipped)" if skipped else ")")
+
+
 def ahead_summary(before: tuple[float, ...] | None, after: tuple[float, ...] | None) -> dict[str, float] | None:
-    """Speculation ahead over a run: hit rate (hits / lookups) and the share of tokens drafted ahead that were
-    never proposed; None where nothing was drafted ahead."""
+    """Speculation ahead over a run: hit rate (hits / lookups), the share of tokens drafted ahead that were never
+    proposed and the branches chosen but not drafted (no rows or scratch blocks left); None where nothing was
+    drafted ahead."""
     if before is None or after is None:
         return None
-    lookups, hits, drafted, unused = (a - b for a, b in zip(after, before))
+    lookups, hits, drafted, unused, skipped = (a - b for a, b in zip(after, before, strict=True))
     if not drafted:
         return None
-    return {"hit_rate": hits / max(lookups, 1), "unused_share": unused / drafted, "lookups": lookups}
+    return {"hit_rate": hits / max(lookups, 1), "unused_share": unused / drafted, "lookups": lookups,
+            "skipped_branches": skipped}
 
 
 def run_summary(run: Any, c: int, phases: dict[str, float], ahead: dict[str, float] | None = None,
@@ -149,7 +157,7 @@ def table(results: dict[str, Any], layouts: list[Layout], args: argparse.Namespa
             cells += [f"{x['output_tok_s']:.1f}" if x else "-",
                       _tpot_cell(x) if x else "-",
                       f"{router:.2f}" if router is not None else "-",
-                      f"{ahead['hit_rate']:.2f} ({ahead['unused_share']:.0%} unused)" if ahead else "-"]
+                      _ahead_cell(ahead) if ahead else "-"]
         ph = (runs.get(args.concurrency[0]) or {}).get("phases_ms", {})
         cells.append(", ".join(f"{p} {ph[p]:.2f}" for p in PHASES if p in ph) or "-")
         lines.append("| " + " | ".join(cells) + " |")

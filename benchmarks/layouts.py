@@ -123,7 +123,10 @@ class Layout:
 
 def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
     """The `specserve serve` config fields that run `layout` of `pair` (the offline engine reads the same)."""
-    engine_kwargs: dict[str, Any] = {"max_num_seqs": max(args.concurrency), **pair.engine_kwargs}
+    # Speculation ahead's branches of a request are rows of the draft loop, which max_num_seqs sizes: at
+    # --concurrency 1 alone a b<N> layout would otherwise find one row and draft one branch (skipped_branches).
+    max_seqs = getattr(args, "max_num_seqs", None) or max(args.concurrency)
+    engine_kwargs: dict[str, Any] = {"max_num_seqs": max_seqs, **pair.engine_kwargs}
     if args.smoke:
         engine_kwargs.update(num_kv_blocks=512, max_num_batched_tokens=512)
     if args.device == "cuda" and layout.shared:

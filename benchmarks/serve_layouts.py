@@ -216,6 +216,9 @@ def main() -> int:
                     help="measured runs per concurrency on the same engine (warmed up once); the row is the repeat "
                          "with the median TPOT, and the TPOT column shows the repeats' range")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the engines' max_num_seqs (default: the largest concurrency); speculation ahead's branches "
+                         "need rows beyond the requests (b4 at c=1: 4)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--work-dir", default=None)

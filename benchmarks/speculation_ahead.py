@@ -83,12 +83,12 @@ def measure(args: argparse.Namespace, branches: int) -> list[dict]:
     for t in TEMPERATURES:
         steps.clear()
         before = llm.engine.speculation_ahead_stats()
-        kinds = (ahead.stats.hits_accept, ahead.stats.hits_reject, ahead.stats.skipped_branches)
+        kinds = (ahead.stats.hits_accept, ahead.stats.hits_reject)
         outs = llm.generate(prompts, [SamplingParams(max_tokens=args.max_tokens, temperature=t, seed=i)
                                       for i in range(len(prompts))])
-        lookups, hits, drafted, unused = (a - b for a, b in zip(llm.engine.speculation_ahead_stats(), before))
-        h_acc, h_rej, skipped = (a - b for a, b in zip(
-            (ahead.stats.hits_accept, ahead.stats.hits_reject, ahead.stats.skipped_branches), kinds))
+        lookups, hits, drafted, unused, skipped = (
+            a - b for a, b in zip(llm.engine.speculation_ahead_stats(), before, strict=True))
+        h_acc, h_rej = (a - b for a, b in zip((ahead.stats.hits_accept, ahead.stats.hits_reject), kinds))
         all_accepted = sum(a == n for n, a in steps)
         spec = llm.spec_stats(outs)
         rows.append({"B": branches, "T": t, "accept_len": spec.acceptance_length, "lookups": lookups,

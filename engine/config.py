@@ -195,10 +195,11 @@ class EngineConfig:
     synthetic_bonus_agreement: float | None = None
     # Forwards of at most this many tokens run each decoder layer's products through engine/kernels/small_m_linear.py,
     # norms, activation and residual adds folded in: fewer launches where a step is launch-bound (a batch-1 decode
-    # or draft step). 1 by default: with more rows the kernels were slower than cuBLAS on an H100
-    # (benchmarks/RESULTS.md). 0: never. Only on the kernel devices (CUDA, or Triton's interpreter) and without
-    # tensor parallelism.
-    small_m_rows: int = 1
+    # or draft step, a draft's catch-up of two tokens, speculation-ahead branches). 4 by default, and 1 for layers
+    # of hidden size 4096 and more (small_m_linear.rows_limit): beyond those the kernels were slower than cuBLAS on
+    # an H100 (benchmarks/RESULTS.md). 0: never. Only on the kernel devices (CUDA, or Triton's interpreter) and
+    # without tensor parallelism.
+    small_m_rows: int = 4
     # A file of token ids (a JSON list, or a 1-D integer tensor saved with torch.save) the draft's LM head is
     # restricted to (engine/spec/draft_vocabulary.py): a smaller head for a faster draft step; exact whatever the
     # map holds, as the draft's q gives every other token probability 0. None: the whole vocabulary.

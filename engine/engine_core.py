@@ -80,7 +80,7 @@ class EngineCore:
         if engine_config.synthetic_bonus_agreement is not None and (
                 self.spec_config is None or self.spec_config.rejection_sampling != "synthetic"):
             raise ValueError("synthetic_bonus_agreement is a benchmark setting for rejection_sampling='synthetic'")
-        self._ahead_totals: tuple[int, int, int, int] = (0, 0, 0, 0)  # the draft's, as its last result said
+        self._ahead_totals: tuple[int, ...] = (0, 0, 0, 0, 0)  # the draft's, as its last result said
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -243,9 +243,9 @@ class EngineCore:
         """Blocks in use per "model/group"."""
         return {f"{model}/{g}": n for model, kv in self.kv_managers() for g, n in enumerate(kv.num_used_blocks())}
 
-    def speculation_ahead_stats(self) -> tuple[int, int, int, int]:
-        """The draft's speculation-ahead running totals: (lookups, hits, tokens drafted ahead, of those proposed);
-        they restart from 0 when a new draft group is attached."""
+    def speculation_ahead_stats(self) -> tuple[int, ...]:
+        """The draft's speculation-ahead running totals: (lookups, hits, tokens drafted ahead, of those dropped
+        unproposed, branches chosen but not drafted); they restart from 0 when a new draft group is attached."""
         return self._ahead_totals
 
     def prefix_cache_stats(self) -> dict[str, tuple[int, int]]:

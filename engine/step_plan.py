@@ -136,9 +136,9 @@ class StepResult:
     step_id: int = -1  # the plan's: a side that records results matches them to the plans it ran
     num_draft_tokens: list[int] | None = None  # per planned request, the k it verified (an open entry's is shrunk)
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    # The draft's speculation-ahead counters, running totals (lookups, hits, tokens drafted ahead, of those used);
-    # None where the draft does not draft ahead.
-    ahead: tuple[int, int, int, int] | None = None
+    # The draft's speculation-ahead counters, running totals (AheadStats.as_tuple: lookups, hits, tokens drafted
+    # ahead, of those unused, branches skipped); None where the draft does not draft ahead.
+    ahead: tuple[int, ...] | None = None
     # Per planned request, one (logprob, [(token id, logprob), ...]) per sampled token, where the request asked for
     # logprobs (engine.sample.logprobs); None when no request of the step did.
     logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None

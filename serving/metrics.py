@@ -67,7 +67,10 @@ class EngineMetrics:
         self.ahead_drafted = Counter(p + "spec_ahead_drafted_tokens", "Draft tokens drafted ahead", registry=r)
         self.ahead_unused = Counter(p + "spec_ahead_unused_tokens",
                                     "Draft tokens drafted ahead and dropped without being proposed", registry=r)
-        self._ahead_seen = (0, 0, 0, 0)  # the engine's totals at the last sync
+        self.ahead_skipped = Counter(p + "spec_ahead_skipped_branches",
+                                     "Windows chosen to draft ahead but not drafted: the draft loop's rows "
+                                     "(max_num_seqs) or its scratch KV blocks were full", registry=r)
+        self._ahead_seen: tuple[int, ...] = (0, 0, 0, 0, 0)  # the engine's totals at the last sync
         # --- latencies ---------------------------------------------------------------------------
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival at the router to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -124,17 +127,19 @@ class EngineMetrics:
                 self.prefix_hits.labels(model=model).inc(hits - h0)
             self._prefix_seen[model] = (queries, hits)
 
-    def on_speculation_ahead(self, totals: tuple[int, int, int, int]) -> None:
-        """Bring the counters up to the engine's running totals (lookups, hits, drafted, unused); totals below the
-        last ones mean a new draft group counts anew."""
+    def on_speculation_ahead(self, totals: tuple[int, ...]) -> None:
+        """Bring the counters up to the engine's running totals (lookups, hits, drafted, unused, skipped branches);
+        totals below the last ones mean a new draft group counts anew."""
+        counters = (self.ahead_lookups, self.ahead_hits, self.ahead_drafted, self.ahead_unused, self.ahead_skipped)
+        if len(totals) != len(counters):
+            raise ValueError(f"expected {len(counters)} speculation-ahead totals, got {len(totals)}")
         seen = self._ahead_seen
         if any(t < s for t, s in zip(totals, seen)):
-            seen = (0, 0, 0, 0)
-        for counter, t, s in zip((self.ahead_lookups, self.ahead_hits, self.ahead_drafted, self.ahead_unused),
-                                 totals, seen):
+            seen = (0,) * len(seen)
+        for counter, t, s in zip(counters, totals, seen):
             if t > s:
                 counter.inc(t - s)
-        self._ahead_seen = tuple(totals)  # type: ignore[assignment]
+        self._ahead_seen = tuple(totals)
 
     def set_queue(self, num_running: int, num_waiting: int) -> None:
         self.running.set(num_running)

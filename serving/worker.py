@@ -77,7 +77,7 @@ class DraftOutput:
     seconds: float
     sent_at: float
     host: str
-    ahead: tuple[int, int, int, int] | None = None  # the rank's speculation-ahead counters (StepResult.ahead)
+    ahead: tuple[int, ...] | None = None  # the rank's speculation-ahead counters (StepResult.ahead)
 
 
 def engine_config_from(config: EngineConfig | dict[str, Any]) -> EngineConfig:

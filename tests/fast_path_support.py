@@ -34,16 +34,19 @@ def tables(runner: ModelRunner, i: int) -> list[list[int]]:
 
 
 def run_draft_loop(runner: ModelRunner, loop: DraftLoop, prompts: list[list[int]], ks: list[int],
-                   temperature: float = 0.0, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Prefill all but each prompt's last token, then one draft loop from the last token."""
+                   temperature: float = 0.0, seed: int = 0,
+                   catch_up: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prefill all but each prompt's last `catch_up` tokens, then one draft loop from those (the loop's first step
+    catches up one token after a rejection, two after a fully accepted window)."""
     dev = runner.device
-    runner.forward_chunks([Chunk(p[:-1], 0, 0, tables(runner, i)) for i, p in enumerate(prompts)])
+    c = catch_up
+    runner.forward_chunks([Chunk(p[:-c], 0, 0, tables(runner, i)) for i, p in enumerate(prompts)])
     n = len(prompts)
     md = SamplingMetadata.from_lists([temperature] * n, [1.0] * n, [0] * n, device=dev)
     gens = {i: request_generator(seed, 0, 1, dev) for i in range(n)} if temperature > 0 else {}
     default = torch.Generator(device=dev)
     default.manual_seed(seed)
-    chunks = [Chunk([p[-1]], len(p) - 1, 1, tables(runner, i)) for i, p in enumerate(prompts)]
+    chunks = [Chunk(p[-c:], len(p) - c, 1, tables(runner, i)) for i, p in enumerate(prompts)]
     return loop.run(chunks, ks, md, gens, default)
 
 

@@ -115,3 +115,36 @@ def test_router_ttft_is_the_mean_between_two_scrapes() -> None:
     assert router_ttft_mean_ms(before, after) == pytest.approx(125.0)  # 0.5 s over 4 requests
     assert router_ttft_mean_ms(before, before) is None
     assert router_ttft_mean_ms(None, after) is None
+
+
+def test_speculation_ahead_counters_reach_metrics_and_the_report() -> None:
+    """The engine's running totals (lookups, hits, drafted, unused, skipped branches) become Prometheus counter
+    increases, restart with a new draft group, and come back from a scrape as the layout report's summary,
+    skipped branches included (a fan-out cut short by max_num_seqs shows there)."""
+    from layout_report import ahead_from_metrics, ahead_summary
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serving.metrics import EngineMetrics
+
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry)
+
+    def scrape() -> dict[str, float]:
+        text = generate_latest(registry).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    before = ahead_from_metrics(scrape())
+    assert before == (0.0, 0.0, 0.0, 0.0, 0.0)
+    metrics.on_speculation_ahead((10, 4, 40, 24, 3))
+    metrics.on_speculation_ahead((20, 9, 80, 44, 5))
+    metrics.on_speculation_ahead((2, 1, 8, 4, 1))  # a new draft group counts from 0: all of it is new
+    after = ahead_from_metrics(scrape())
+    assert after == (22.0, 10.0, 88.0, 48.0, 6.0)
+    summary = ahead_summary(before, after)
+    assert summary == {"hit_rate": 10 / 22, "unused_share": 48 / 88, "lookups": 22.0, "skipped_branches": 6.0}
+    assert ahead_summary(before, before) is None  # nothing drafted ahead
+    with pytest.raises(ValueError, match="5 speculation-ahead totals, got 4"):
+        metrics.on_speculation_ahead((1, 1, 1, 1))  # an engine that leaves a counter out is a bug, not a zero
+    assert ahead_from_metrics(scrape()) == after  # and it changed nothing

@@ -296,7 +296,7 @@ def test_speculation_ahead_with_synchronous_scheduling(tiny_models: dict[str, Ti
     try:
         assert not engine.async_scheduling and engine.executor.speculation_ahead
         assert greedy_tokens(engine) == llm_greedy(target)
-        lookups, hits, drafted, unused = engine.speculation_ahead_stats()
+        lookups, hits, drafted, unused, _skipped = engine.speculation_ahead_stats()
         assert 0 < hits <= lookups and 0 < drafted and unused <= drafted
         worker = engine.executor.draft.workers[0]
         scratch, num_blocks, hits_reject = ray.get(worker.__ray_call__.remote(

@@ -53,9 +53,39 @@ def test_config_picks_at_one_row_on_an_h100(monkeypatch):
         assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == tiles, (shape, proj, cfg)
 
 
-def check_small_m_linear(device: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 3, 5),
+def test_config_picks_at_two_to_four_rows_on_an_h100(monkeypatch):
+    """The tiles `_config` picks at 2 and 4 rows on an H100 for the Qwen3-0.6B shape (a draft's catch-up step and
+    speculation-ahead branches): (form, BLOCK_N, BLOCK_K, num_warps), each the fastest of two sweeps
+    (benchmarks/gpu_small_m.py --sweep, then --sweep row for the row loop) or within 2% of it."""
+    monkeypatch.setattr(sml, "_num_sms", lambda device: 132)
+    expected = {
+        (2, "qkv"): ("row", 8, 1024, 4), (2, "o"): ("fma", 4, 2048, 8), (2, "gate_up"): ("row", 4, 1024, 4),
+        (2, "down"): ("fma", 4, 2048, 8),
+        (4, "qkv"): ("row", 8, 1024, 4), (4, "o"): ("fma", 4, 1024, 8), (4, "gate_up"): ("dot", 64, 256, 4),
+        (4, "down"): ("fma", 4, 1024, 8),
+    }
+    for (m, proj), tiles in expected.items():
+        k, n = QWEN3_PROJECTIONS["qwen3-0.6b"][proj]
+        cfg = sml._config(m, n, k, torch.device("cuda"))
+        form = "dot" if cfg["USE_DOT"] else "row" if cfg.get("ROW_LOOP") else "fma"
+        assert (form, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == tiles, (m, proj, cfg)
+        assert cfg["BLOCK_M"] == (16 if cfg["USE_DOT"] else m)
+        assert cfg.get("num_stages", 5) == 5  # the DOT tiles were measured with five pipeline stages
+
+
+def test_rows_limit_keeps_wide_layers_at_one_row():
+    """An 8B-wide layer (hidden 4096) takes single rows whatever the setting; a draft-wide one takes the setting;
+    0 stays off for both."""
+    assert sml.rows_limit(4, 4096) == 1 and sml.rows_limit(16, 5120) == 1
+    assert sml.rows_limit(4, 1024) == 4 and sml.rows_limit(16, 576) == 16
+    assert sml.rows_limit(0, 4096) == 0 and sml.rows_limit(0, 1024) == 0
+
+
+def check_small_m_linear(device: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 2, 3, 5),
                          shapes: tuple[tuple[int, int], ...] = ((96, 200),), config: dict | None = None) -> None:
-    """Every prologue and epilogue against its reference, at FMA (<= 4 rows) and tl.dot row counts, with a K that
+    """Every prologue and epilogue against its reference in each of the kernel's forms (on the interpreter's 4
+    "SMs": 1 row FMA, 2 rows the row loop, 3 rows the five-stage tl.dot tiles, 5 rows the tl.dot tiles beyond; the
+    narrow shape's 2 and 3 rows the row loop over several K tiles), with a K that
     is not a multiple of the K tile and an N that is not a multiple of the N tile; shared with the CUDA test.
     `config` overrides the kernel's tiles (a narrow BLOCK_K makes K span several tiles: the first is read before
     the dependent-launch wait, the others in the loop)."""

@@ -218,6 +218,7 @@ def test_branches_sampling_follows_target_distribution(small_vocab_pair, mode, a
     stats = _ahead(llm).stats
     # Ten thousand requests outgrow the scratch reserve (a quarter of the draft's blocks): some windows are skipped.
     assert stats.skipped_branches > 0 and stats.hits_reject > (DIST_SAMPLES // 10 if draft == "self" else 10), stats
+    assert llm.engine.speculation_ahead_stats()[4] == stats.skipped_branches  # reported with the other counters
     counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)
     for o in outs:
         counts[tuple(o.token_ids[:3])] += 1

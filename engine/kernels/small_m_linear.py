@@ -13,7 +13,9 @@ act+down.
 Layout: a program owns BLOCK_N output features of every row and walks K in BLOCK_K steps. With few rows (FMA
 form) the products are plain fp32 multiply-adds into a [rows, BLOCK_N, BLOCK_K] accumulator summed once at the
 end, so BLOCK_N can be as small as 2 and even a 1024-wide projection spreads over enough programs to fill the
-GPU without split-K; with more rows (DOT form) tl.dot on 16-row tiles keeps the arithmetic off the CUDA cores.
+GPU without split-K; that accumulator grows with the rows, so at 2-4 rows the row loop (ROW_LOOP) takes one row at
+a time into a [rows, BLOCK_N] accumulator, the weight tile as large as at one row; with more rows (DOT form)
+tl.dot on 16-row tiles keeps the arithmetic off the CUDA cores. `_config` picks the form per shape.
 
 Rounding is that of the unfused layers: the residual sum is rounded to the activation dtype; the norm's
 statistics are float32 and its output is rounded to the dtype (Llama form: the normalised row is rounded before
@@ -32,11 +34,11 @@ from engine.kernels.activation import ACTIVATIONS, act_and_mul_ref
 from engine.kernels.rms_norm import rms_norm_ref, use_fused_kernels
 from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
 
-__all__ = ["FMA_MAX_ROWS", "MAX_ROWS", "takes_rows", "norm_linear", "norm_linear_ref", "act_linear", "act_linear_ref",
-           "linear_add", "linear_add_ref"]
+__all__ = ["FMA_MAX_ROWS", "MAX_ROWS", "takes_rows", "rows_limit", "norm_linear", "norm_linear_ref", "act_linear",
+           "act_linear_ref", "linear_add", "linear_add_ref"]
 
 MAX_ROWS = 16  # rows the kernel takes; larger batches are matrix-bound enough for cuBLAS
-FMA_MAX_ROWS = 4  # up to this many rows the FMA form; above it tl.dot on a 16-row tile
+FMA_MAX_ROWS = 4  # up to this many rows the FMA form or the row loop (or tl.dot, by shape); above it tl.dot
 _NONE, _NORM, _ACT = 0, 1, 2  # prologues
 
 
@@ -84,12 +86,36 @@ def _multiply_add(acc, a, w, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr):
 
 
 @triton.jit
+def _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, inter, rstd, offset,
+                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
+                USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr, ROW_LOOP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc plus the product of the input's columns kk with the weight tile w [BLOCK_N, BLOCK_K]. ROW_LOOP: one row
+    at a time into acc [BLOCK_M, BLOCK_N], each row's products summed over the tile at once, so the weight tile
+    keeps its one-row size whatever the rows (the FMA form's accumulator grows with them)."""
+    if ROW_LOOP:
+        wf = w.to(tl.float32)
+        for i in tl.static_range(BLOCK_M):
+            row = i + tl.arange(0, 1)
+            rstd_i = tl.sum(tl.where(rows == i, rstd, 0.0), axis=0) + tl.zeros([1], dtype=tl.float32)
+            a = _input_tile(x_ptr, res_ptr, nw_ptr, row, kk, row < M, k_mask, stride_x, stride_r, inter, rstd_i,
+                            offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH)
+            part = tl.sum(a.to(tl.float32) * wf, axis=1)  # [BLOCK_N]
+            acc = tl.where((rows == i)[:, None], acc + part[None, :], acc)
+    else:
+        a = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, m_mask, k_mask, stride_x, stride_r, inter, rstd, offset,
+                        PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH)
+        acc = _multiply_add(acc, a, w, USE_DOT, DOT_IEEE)
+    return acc
+
+
+@triton.jit
 def _small_m_linear_kernel(
         x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, out_ptr,
         M, N, K, stride_x, stride_r, stride_ro, stride_w, stride_a, stride_o, eps, offset,
         PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
-        USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        ROW_LOOP: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     m_mask = rows < M
@@ -121,21 +147,19 @@ def _small_m_linear_kernel(
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, axis=1)
         rstd = 1.0 / tl.sqrt(ss / K + eps)
-    if USE_DOT:
+    if USE_DOT or ROW_LOOP:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    a = _input_tile(x_ptr, res_ptr, nw_ptr, rows, offs_k, m_mask, offs_k < K, stride_x, stride_r, K, rstd, offset,
-                    PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH)
-    acc = _multiply_add(acc, a, w, USE_DOT, DOT_IEEE)
+    acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, offs_k, m_mask, offs_k < K, stride_x, stride_r, K, rstd,
+                      offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        a = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, m_mask, k_mask, stride_x, stride_r, K, rstd, offset,
-                        PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH)
-        acc = _multiply_add(acc, a, w, USE_DOT, DOT_IEEE)
-    if not USE_DOT:
+        acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, K, rstd,
+                          offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
+    if not USE_DOT and not ROW_LOOP:
         acc = tl.sum(acc, axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -160,36 +184,61 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _config(m: int, n: int, k: int, device: torch.device) -> dict:
-    """Tile sizes. FMA form: a weight tile of 64 fp32 accumulators a thread (8192 elements at 4 warps, 16 KB of
-    bf16), as wide in K as the rule below allows, narrowed in N (more programs) until the grid has enough programs.
-    At one row on an H100 a sweep (benchmarks/gpu_small_m.py --sweep) found, with the first tile requested before
-    the dependent-launch wait:
+    """Tile sizes. FMA form: a weight tile of 64 fp32 accumulators a thread per row (8192 elements at 4 warps and
+    one row, 16 KB of bf16), as wide in K as the rule below allows, narrowed in N (more programs) until the grid has
+    enough programs. At one row on an H100 a sweep (benchmarks/gpu_small_m.py --sweep) found, with the first tile
+    requested before the dependent-launch wait:
     - K of 1025-4095 (a 0.6B model's o_proj and down): 2048-wide tiles at 8 warps, one program per SM enough: 2.4
       and 3.5 us against 2.9 and 5.5 with 1024-wide tiles at 4 warps;
     - K up to 1024: the whole K in one tile, unless the grid would exceed four programs per SM (a 0.6B gate_up:
       768), where half of K keeps every program resident (6.7 against 7.6 us);
     - K of 4096 and more (an 8B model's projections): 2048-wide tiles at 4 warps, two programs per SM.
-    Rows 2-16 are slower than cuBLAS with these tiles (measured there too), which is why the engine's default
-    setting sends only single rows here."""
+    At 2-4 rows (a draft's catch-up step, speculation-ahead branches) the same sweep at 2 and 4 rows on the 0.6B
+    shape found:
+    - K of 1025-4095: FMA still, 2048-wide tiles at 2 rows and 1024-wide at 3-4 (the accumulator grows with the
+      rows; o_proj 2.9 and 3.8 us, down 4.8 and 5.7);
+    - K up to 1024 where 8-feature tiles make at most four programs per SM (a 0.6B qkv): the row loop (one row at
+      a time, the weight tile as at one row) with the whole K in one tile, 4.8 and 6.9 us against 6.0 and 7.5 in
+      the FMA or DOT form;
+    - other K up to 1024 (a 0.6B gate_up): the row loop with 4-feature tiles at 2 rows (8.0 us against 8.3), the
+      DOT form with 64 x 256 tiles and five pipeline stages at 3-4 (8.3 us against 9.9 in the row loop and 14.3
+      in the FMA form).
+    Rows 5-16 take the DOT form with the tiles below; there, and for wide layers (K of 4096 and more) at more than
+    one row, cuBLAS was faster (benchmarks/RESULTS.md), so the engine sends them elsewhere (`rows_limit`)."""
     sms = _num_sms(device)
-    if m <= FMA_MAX_ROWS:
+    if 2 <= m <= FMA_MAX_ROWS and k <= 1024 and (m == 2 or triton.cdiv(n, 8) <= 4 * sms):
+        block_n = 8 if triton.cdiv(n, 8) <= 4 * sms else 4
+        return dict(USE_DOT=False, ROW_LOOP=True, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
+                    BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+    if m == 1 or (m <= FMA_MAX_ROWS and k > 1024):
         block_m = triton.next_power_of_2(m)
-        if k >= 4096:
+        if k >= 4096 and m == 1:
             block_k, warps, per_sm = 2048, 4, 2
         elif k > 1024:
-            block_k, warps, per_sm = 2048, 8, 1
+            block_k, warps, per_sm = (2048 if m <= 2 else 1024), 8, 1
         else:
             block_k, warps, per_sm = triton.next_power_of_2(k), 4, 2
         block_n = max(1, 64 * 32 * warps // (block_k * block_m))
         while block_n > 2 and triton.cdiv(n, block_n) < per_sm * sms:
             block_n //= 2
-        if k <= 1024 and block_k > 256 and triton.cdiv(n, block_n) > 4 * sms:
+        if m == 1 and k <= 1024 and block_k > 256 and triton.cdiv(n, block_n) > 4 * sms:
             block_k //= 2
         return dict(USE_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    if m <= FMA_MAX_ROWS:
+        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=min(256, max(16, triton.next_power_of_2(k))),
+                    num_warps=4, num_stages=5)
     want = 2 * sms
     block_n = 32 if triton.cdiv(n, 32) >= want else 16
     return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=min(256, max(16, triton.next_power_of_2(k))),
                 num_warps=4)
+
+
+def rows_limit(setting: int, hidden_size: int) -> int:
+    """Up to how many rows a layer of this width runs its products here, under the engine's setting
+    (EngineConfig.small_m_rows): wide layers (hidden size 4096 and more, an 8B model) only single rows, where at two
+    rows the kernels were slower than cuBLAS on an H100 (benchmarks/RESULTS.md); narrower ones (a draft) up to the
+    setting."""
+    return min(setting, 1) if hidden_size >= 4096 else setting
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int, k: int,
@@ -213,7 +262,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else None
     if m:
-        cfg = {**_config(m, n, k, x.device), **(config or {})}
+        cfg = {"ROW_LOOP": False, **_config(m, n, k, x.device), **(config or {})}
         grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
         launch(_small_m_linear_kernel, grid, x.device,
                x, residual if residual is not None else x, res_out if res_out is not None else out,

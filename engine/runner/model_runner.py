@@ -13,6 +13,7 @@ from engine.config import (
     mixed_graph_token_sizes,
     resolve_attention_backend,
 )
+from engine.kernels.small_m_linear import rows_limit
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
 from engine.models.loader import build_model
 from engine.parallel import get_tp_group
@@ -95,9 +96,10 @@ class ModelRunner:
 
     def _set_small_m_rows(self, rows: int) -> None:
         """Tell the layers up to how many rows a forward folds its norms and adds into the products
-        (engine/kernels/small_m_linear.py). Not under tensor parallelism: a row-parallel product's partial sums
-        must be all-reduced before the residual add that the kernel would fold into it."""
-        rows = rows if get_tp_group().size == 1 else 0
+        (engine/kernels/small_m_linear.py), the setting capped for this model's width (`rows_limit`). Not under
+        tensor parallelism: a row-parallel product's partial sums must be all-reduced before the residual add that
+        the kernel would fold into it."""
+        rows = rows_limit(rows, self.model_config.hidden_size) if get_tp_group().size == 1 else 0
         for module in self.model.modules():
             if hasattr(module, "small_m_rows"):
                 module.small_m_rows = rows

@@ -8,9 +8,10 @@ start follows the position inside the attention kernel. Everything lives in devi
 index is a device tensor and k replays need no host work between them.
 
 The first step also catches the draft up (the last accepted token and the bonus token: up to 2 tokens per
-request; or a prefill chunk, which runs eagerly), so it is a separate graph of query length 2. Requests with
-fewer drafts than the batch's k, and padding rows, keep running but write nowhere (slot -1) and read only
-position 0: their extra tokens are dropped.
+request; or a prefill chunk, which runs eagerly), so it is a separate graph of query length 2; when every request
+catches up one token (after a rejection, the target's correction) the later steps' graph of query length 1 runs
+it. Requests with fewer drafts than the batch's k, and padding rows, keep running but write nowhere (slot -1) and
+read only position 0: their extra tokens are dropped.
 
 Speculation ahead with branches (engine/spec/ahead_branches.py) asks two more things of a step, both in the step
 function so graphs and eager runs agree: each row's most likely token other than the one it drew (`alt`: where a
@@ -78,6 +79,7 @@ class DraftLoop:
         self.first_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.next_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.num_graph_replays = 0
+        self.num_one_token_first_steps = 0  # first steps run by the later step's graph (every row one token)
 
     # ---- the step functions (run eagerly or captured) -------------------------------------------------
     def _sample_and_advance(self, logits: torch.Tensor, b: int, greedy: bool) -> torch.Tensor:
@@ -171,6 +173,9 @@ class DraftLoop:
         graphed = b is not None
         b = b if graphed else n
         first_graph = graphed and all(len(c.token_ids) <= FIRST_QUERY_LEN for c in chunks)
+        # After a rejection every request catches up one token (the target's correction), not two: the step is then
+        # a later step's shape, so the later step's graph runs it: rows of one token, not two padded.
+        one_token = first_graph and all(len(c.token_ids) == 1 for c in chunks)
         dev = self.runner.device
         # Per-row settings (padding rows: no drafts, greedy).
         k_t = torch.zeros(b, dtype=torch.int64)
@@ -197,7 +202,12 @@ class DraftLoop:
             elif guess_rows:
                 noise[to_device(guess_rows, torch.int64, dev), 0] = 1.0
         self.step_idx.zero_()
-        if first_graph:
+        if one_token:
+            self.buffers.load(chunks, num_reqs=b, num_tokens=b, max_query_len=1, num_logits_padded=b)
+            self.next_graphs[(b, greedy)].replay()
+            self.num_graph_replays += 1
+            self.num_one_token_first_steps += 1
+        elif first_graph:
             self.buffers.load(chunks, num_reqs=b, num_tokens=b * FIRST_QUERY_LEN, max_query_len=FIRST_QUERY_LEN,
                               num_logits_padded=b)
             self.first_graphs[(b, greedy)].replay()

@@ -69,14 +69,16 @@ class AheadStats:
     hits: int = 0  # ... and served from it
     drafted_tokens: int = 0  # tokens drafted ahead (e_1..e_k' of every entry; the guesses not counted)
     unused_tokens: int = 0  # of those, dropped unproposed (a miss, or beyond the k of a hit)
-    # Not in the tuple the engine reports (in process only): hits by branch kind, and branches chosen but not
-    # drafted (the draft loop's row cap or the scratch reserve was full, or the request's tables too short).
+    # Branches chosen but not drafted: the draft loop's rows (max_num_seqs, or its largest graph batch) or the
+    # scratch reserve were full, or the request's tables too short. Reported, so a fan-out that the engine's sizes
+    # cut short shows on the dashboard rather than only as a lower hit rate.
+    skipped_branches: int = 0
+    # Not in the tuple the engine reports (in process only): hits by branch kind.
     hits_accept: int = 0
     hits_reject: int = 0
-    skipped_branches: int = 0
 
-    def as_tuple(self) -> tuple[int, int, int, int]:
-        return self.lookups, self.hits, self.drafted_tokens, self.unused_tokens
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        return self.lookups, self.hits, self.drafted_tokens, self.unused_tokens, self.skipped_branches
 
 
 @dataclass

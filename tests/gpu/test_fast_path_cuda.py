@@ -59,18 +59,21 @@ def test_draft_probs_after_graph_replays_equal_eager_steps(tiny_drafts, k):
     assert not torch.equal(out[True][1][:, 0], out[True][1][:, k - 1])  # positions really differ
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_draft_loop_metadata_rebuilt_across_block_and_window_boundaries(tiny_drafts, graphs):
+@pytest.mark.parametrize("graphs,catch_up", [(False, 1), (True, 1), (True, 2)])
+def test_draft_loop_metadata_rebuilt_across_block_and_window_boundaries(tiny_drafts, graphs, catch_up):
     """Greedy draft tokens of one loop (k = 6, 4-token blocks, windows of 5 tokens in the hybrid draft) equal HF
-    greedy decoding of the draft: positions, slots and window starts must move on at every replay."""
+    greedy decoding of the draft: positions, slots and window starts must move on at every replay. The first
+    step catches up one token a request (the later steps' graph runs it) or two (the first-step graph)."""
     model = tiny_drafts["gemma3-2l"]
     prompts = random_prompts([6, 7, 10, 13], seed=5)
     ks = [6, 6, 3, 6]
     runner = draft_runner(model, "cuda", 6, 4, graphs=graphs)
     loop = DraftLoop(runner, 6, keep_probs=False)
     loop.capture()
-    ids, _ = run_draft_loop(runner, loop, prompts, ks)
+    ids, _ = run_draft_loop(runner, loop, prompts, ks, catch_up=catch_up)
     assert [row[:k] for row, k in zip(ids.tolist(), ks)] == hf_draft_tokens(model, prompts, ks)
+    assert loop.num_graph_replays == (6 if graphs else 0)
+    assert loop.num_one_token_first_steps == (1 if graphs and catch_up == 1 else 0)
 
 
 @pytest.mark.parametrize("k", [1, 4, 6])
