@@ -28,7 +28,8 @@ def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: b
             small_m_rows: int = EngineConfig.small_m_rows, token_map: str | None = None,
             phases: dict | None = None, catch_up: int = 2) -> float:
     """ms per draft token; with phases (a dict, graphs only) also the first step's graph replay alone (catch-up of
-    two tokens a request: 2 x batch rows) and a later step's (batch rows), as `first_ms` and `next_ms`."""
+    two tokens a request: 2 x batch rows) and a later step's (batch rows), as `first_step_ms` and `next_step_ms`,
+    and the host's time to queue a loop, `loop_host_ms`."""
     max_len = context + 64 + (2 * (steps + 5) if phases is not None else 0)  # room for the replays alone (below)
     cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=max_len, max_num_seqs=batch,
                        kv_cache_memory_bytes=2 << 30, enforce_eager=not graphs, num_speculative_tokens=k,
@@ -57,8 +58,8 @@ def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: b
         def replay(graph: torch.cuda.CUDAGraph) -> None:
             loop.step_idx.zero_()
             graph.replay()
-        phases["first_ms"] = cuda_median_ms(lambda: replay(loop.first_graphs[(batch, greedy)]), steps)
-        phases["next_ms"] = cuda_median_ms(lambda: replay(loop.next_graphs[(batch, greedy)]), steps)
+        phases["first_step_ms"] = cuda_median_ms(lambda: replay(loop.first_graphs[(batch, greedy)]), steps)
+        phases["next_step_ms"] = cuda_median_ms(lambda: replay(loop.next_graphs[(batch, greedy)]), steps)
         phases["loop_host_ms"] = host_ms(lambda: loop.run(chunks, [k] * batch, md, {}, gen), steps)
     return per_token
 
@@ -111,8 +112,7 @@ def main() -> None:
                 row[f"graph_{tag}_ms"] = loop_ms(name, b, args.k, args.context, True, greedy, args.steps,
                                                  args.small_m_rows, token_map, phases, args.catch_up)
                 if greedy:
-                    row.update({key if key.startswith("loop_") else f"{key[:-3]}_step_ms": v
-                                for key, v in phases.items()})
+                    row.update(phases)
                 if args.eager:
                     row[f"eager_{tag}_ms"] = loop_ms(name, b, args.k, args.context, False, greedy, args.steps,
                                                      args.small_m_rows, token_map, None, args.catch_up)

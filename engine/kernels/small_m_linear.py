@@ -206,9 +206,9 @@ def _config(m: int, n: int, k: int, device: torch.device) -> dict:
     Rows 5-16 take the DOT form with the tiles below; there, and for wide layers (K of 4096 and more) at more than
     one row, cuBLAS was faster (benchmarks/RESULTS.md), so the engine sends them elsewhere (`rows_limit`)."""
     sms = _num_sms(device)
-    if 2 <= m <= FMA_MAX_ROWS and k <= 1024 and (m == 2 or triton.cdiv(n, 8) <= 4 * sms):
-        block_n = 8 if triton.cdiv(n, 8) <= 4 * sms else 4
-        return dict(USE_DOT=False, ROW_LOOP=True, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
+    narrow = triton.cdiv(n, 8) <= 4 * sms  # 8-feature tiles give at most four programs per SM
+    if 2 <= m <= FMA_MAX_ROWS and k <= 1024 and (m == 2 or narrow):
+        return dict(USE_DOT=False, ROW_LOOP=True, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=8 if narrow else 4,
                     BLOCK_K=triton.next_power_of_2(k), num_warps=4)
     if m == 1 or (m <= FMA_MAX_ROWS and k > 1024):
         block_m = triton.next_power_of_2(m)
@@ -221,7 +221,7 @@ def _config(m: int, n: int, k: int, device: torch.device) -> dict:
         block_n = max(1, 64 * 32 * warps // (block_k * block_m))
         while block_n > 2 and triton.cdiv(n, block_n) < per_sm * sms:
             block_n //= 2
-        if m == 1 and k <= 1024 and block_k > 256 and triton.cdiv(n, block_n) > 4 * sms:
+        if k <= 1024 and block_k > 256 and triton.cdiv(n, block_n) > 4 * sms:  # (K <= 1024: one row only here)
             block_k //= 2
         return dict(USE_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     if m <= FMA_MAX_ROWS:
