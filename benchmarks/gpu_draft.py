@@ -17,7 +17,6 @@ from gpu_decode import cuda_median_ms, hf_decode_ms
 from gpu_shapes import shape_dir
 
 from engine.config import EngineConfig, ModelConfig
-from engine.kernels import l2_prefetch
 from engine.kernels.triton_compat import set_pdl
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
@@ -27,15 +26,14 @@ from engine.spec.draft_loop import DraftLoop
 
 def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: bool, steps: int,
             small_m_rows: int = EngineConfig.small_m_rows, token_map: str | None = None,
-            phases: dict | None = None, catch_up: int = 2, l2_prefetch: str = EngineConfig.l2_prefetch) -> float:
+            phases: dict | None = None, catch_up: int = 2) -> float:
     """ms per draft token; with phases (a dict, graphs only) also the first step's graph replay alone (catch-up of
     two tokens a request: 2 x batch rows) and a later step's (batch rows), as `first_step_ms` and `next_step_ms`,
     and the host's time to queue a loop, `loop_host_ms`."""
     max_len = context + 64 + (2 * (steps + 5) if phases is not None else 0)  # room for the replays alone (below)
     cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=max_len, max_num_seqs=batch,
                        kv_cache_memory_bytes=2 << 30, enforce_eager=not graphs, num_speculative_tokens=k,
-                       load_format="dummy", cuda_graph_batch_sizes=(batch,), small_m_rows=small_m_rows,
-                       l2_prefetch=l2_prefetch)
+                       load_format="dummy", cuda_graph_batch_sizes=(batch,), small_m_rows=small_m_rows)
     mc = ModelConfig.from_path(shape_dir(name))
     mc.max_model_len = max_len
     runner = ModelRunner(mc, cfg, "draft", draft_token_map=token_map)
@@ -98,41 +96,35 @@ def main() -> None:
                          "a rejection")
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="restrict the draft's LM head to this many token ids (EngineConfig.draft_token_map)")
-    ap.add_argument("--l2-prefetch", default=EngineConfig.l2_prefetch,
-                    help="comma-separated EngineConfig.l2_prefetch modes, each timed in turn (a row each)")
-    ap.add_argument("--chunk-bytes", type=int, default=l2_prefetch.CHUNK_BYTES,
-                    help="bytes a lane of the L2 prefetch kernel requests")
     ap.add_argument("--rounds", type=int, default=1, help="time every setting this many times, alternated")
     ap.add_argument("--out")
     args = ap.parse_args()
     set_pdl(not args.no_pdl)
-    l2_prefetch.CHUNK_BYTES = args.chunk_bytes
     token_map = prefix_token_map(args.draft_vocab)
     rows = []
     t0 = time.perf_counter()
-    settings = [(name, b, mode) for _ in range(args.rounds) for name in args.shapes.split(",")
-                for b in (int(x) for x in args.batch.split(",")) for mode in args.l2_prefetch.split(",")]
-    for name, b, mode in settings:
+    settings = [(name, b) for _ in range(args.rounds) for name in args.shapes.split(",")
+                for b in (int(x) for x in args.batch.split(","))]
+    for name, b in settings:
         row = {"shape": name, "batch": b, "k": args.k, "catch_up": args.catch_up, "small_m_rows": args.small_m_rows,
-               "draft_vocab": args.draft_vocab or "all", "l2_prefetch": mode}
+               "draft_vocab": args.draft_vocab or "all"}
         for greedy in (True, False) if args.sampled else (True,):
             tag = "greedy" if greedy else "sampled"
             phases: dict = {}
             row[f"graph_{tag}_ms"] = loop_ms(name, b, args.k, args.context, True, greedy, args.steps,
-                                             args.small_m_rows, token_map, phases, args.catch_up, mode)
+                                             args.small_m_rows, token_map, phases, args.catch_up)
             if greedy:
                 row.update(phases)
             if args.eager:
                 row[f"eager_{tag}_ms"] = loop_ms(name, b, args.k, args.context, False, greedy, args.steps,
-                                                 args.small_m_rows, token_map, None, args.catch_up, mode)
+                                                 args.small_m_rows, token_map, None, args.catch_up)
             torch.cuda.empty_cache()
         if args.eager:
             row["graph_speedup"] = row["eager_greedy_ms"] / row["graph_greedy_ms"]
         if args.hf:
             row["hf_eager_ms"] = hf_decode_ms(name, b, args.context, args.steps)
         rows.append(row)
-    cols = ["shape", "batch", "k", "catch_up", "small_m_rows", "draft_vocab", "l2_prefetch", "graph_greedy_ms",
-            "first_step_ms",
+    cols = ["shape", "batch", "k", "catch_up", "small_m_rows", "draft_vocab", "graph_greedy_ms", "first_step_ms",
             "next_step_ms", "loop_host_ms", "eager_greedy_ms",
             "graph_speedup", "graph_sampled_ms", "eager_sampled_ms", "hf_eager_ms"]
     print(f"draft step time (ms per draft token, loop of k={args.k} from a {args.context}-token context); "

@@ -78,7 +78,6 @@ def main() -> None:
     ap.add_argument("--draft", help="profile a speculative engine step with this draft shape")
     ap.add_argument("--k", type=int, default=4, help="with --draft; 0: the target alone")
     ap.add_argument("--rate", type=float, default=0.8)
-    ap.add_argument("--l2-prefetch", default="off", help="EngineConfig.l2_prefetch (decode graphs only)")
     args = ap.parse_args()
     if args.draft:
         profile_spec(args)
@@ -86,7 +85,7 @@ def main() -> None:
     max_len = args.context + 64
     llm = LLM(shape_dir(args.shape), load_format="dummy", device="cuda", max_model_len=max_len,
               max_num_seqs=args.batch, kv_cache_memory_bytes=4 << 30, cuda_graph_batch_sizes=(args.batch,),
-              enforce_eager=args.eager, l2_prefetch=args.l2_prefetch)
+              enforce_eager=args.eager)
     runner = llm.executor.target
     per_req = -(-max_len // llm.engine_config.block_size)
     tables = [[list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for _ in runner.kv_groups]
@@ -97,6 +96,7 @@ def main() -> None:
     for _ in range(5):
         runner.forward_chunks(chunks)
     torch.cuda.synchronize()
+    # Input build and replay, without the profiler (which roughly doubles each kernel's time).
     print(f"forward, no profiler: {cuda_median_ms(lambda: runner.forward_chunks(chunks), 50):.3f} ms (median)")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):

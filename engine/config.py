@@ -17,7 +17,6 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
 }
 REJECTION_MODES = ("strict", "probabilistic", "synthetic")
-L2_PREFETCH_MODES = ("off", "attention", "layer", "attention+next", "layer+next")
 
 
 @dataclass
@@ -201,10 +200,6 @@ class EngineConfig:
     # an H100 (benchmarks/RESULTS.md). 0: never. Only on the kernel devices (CUDA, or Triton's interpreter) and
     # without tensor parallelism.
     small_m_rows: int = 4
-    # Layers of the few-row forward request their later products' weights into L2 ahead of use
-    # (engine/kernels/l2_prefetch.py), so HBM streams them during attention: "off", "attention", "layer",
-    # "attention+next", "layer+next" (ModelRunner._set_l2_prefetch). CUDA only; layers too wide for L2 skip it.
-    l2_prefetch: str = "off"
     # A file of token ids (a JSON list, or a 1-D integer tensor saved with torch.save) the draft's LM head is
     # restricted to (engine/spec/draft_vocabulary.py): a smaller head for a faster draft step; exact whatever the
     # map holds, as the draft's q gives every other token probability 0. None: the whole vocabulary.
@@ -231,8 +226,6 @@ class EngineConfig:
             raise ValueError(f"synthetic_bonus_agreement must be in [0, 1], got {rate!r}")
         if not 0 <= self.small_m_rows <= 16:
             raise ValueError(f"small_m_rows must be in [0, 16], got {self.small_m_rows}")
-        if self.l2_prefetch not in L2_PREFETCH_MODES:
-            raise ValueError(f"l2_prefetch must be one of {', '.join(L2_PREFETCH_MODES)}, got {self.l2_prefetch!r}")
         if self.draft_token_map is not None and not isinstance(self.draft_token_map, str):
             raise ValueError(f"draft_token_map must be the path of a token-id file, got {self.draft_token_map!r}")
         if not isinstance(self.enable_prefix_caching, bool):

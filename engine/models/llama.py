@@ -10,7 +10,6 @@ from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kernels.activation import ACTIVATIONS, act_and_mul
-from engine.kernels.l2_prefetch import PrefetchTable, join_prefetches, l2_prefetch
 from engine.kernels.rms_norm import use_fused_kernels
 from engine.kernels.small_m_linear import act_linear, linear_add, norm_linear, takes_rows
 from engine.models.layers import (
@@ -85,9 +84,6 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.small_m_rows = 0  # as GatedMLP.small_m_rows, for the whole layer
-        # Weights requested into L2 ahead of the products that read them, by where the request goes in the few-row
-        # forward (engine/kernels/l2_prefetch.py); the runner fills it (EngineConfig.l2_prefetch).
-        self.l2_prefetch: dict[str, PrefetchTable] = {}
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,18 +103,11 @@ class LlamaDecoderLayer(nn.Module):
         """forward for a few rows, norms and adds folded into the products: norm+qkv, attention's prologue,
         attention, o_proj+residual, norm+gate_up, act+down (six launches, seven with split-KV attention)."""
         attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        prefetch = self.l2_prefetch
-        if "layer" in prefetch:
-            l2_prefetch(prefetch["layer"])
         qkv, residual = norm_linear(x, residual, n1.weight, n1.eps, n1.offset, attn.qkv_proj.weight,
                                     attn.qkv_proj.bias)
-        if "attention" in prefetch:
-            l2_prefetch(prefetch["attention"])
         norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
         o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, *norms)
         residual = linear_add(o, attn.o_proj.weight, attn.o_proj.bias, residual)
-        if "mlp" in prefetch:
-            l2_prefetch(prefetch["mlp"])
         gate_up, _ = norm_linear(residual, None, n2.weight, n2.eps, n2.offset, mlp.gate_up_proj.weight)
         return mlp.forward_gate_up(gate_up), residual
 
@@ -135,8 +124,6 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, md)
-        if self.layers[0].l2_prefetch and takes_rows(x, self.layers[0].small_m_rows):
-            join_prefetches(x.device)
         return self.norm.forward_with_residual(x, residual)[0]
 
 

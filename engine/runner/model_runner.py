@@ -13,7 +13,6 @@ from engine.config import (
     mixed_graph_token_sizes,
     resolve_attention_backend,
 )
-from engine.kernels.l2_prefetch import PrefetchTable, fits_l2
 from engine.kernels.small_m_linear import rows_limit
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
 from engine.models.loader import build_model
@@ -47,7 +46,6 @@ class ModelRunner:
             restrict_draft_head(self.model, draft_token_map, model_config.vocab_size, get_tp_group().size)
             if draft_token_map is not None else None)
         self._set_small_m_rows(engine_config.small_m_rows)
-        self._set_l2_prefetch(engine_config.l2_prefetch)
         layers = self.model.attention_layers()
         specs = [AttentionSpec(a.num_kv_heads, a.head_dim, self.dtype, engine_config.block_size, a.sliding_window)
                  for a in layers]
@@ -105,30 +103,6 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "small_m_rows"):
                 module.small_m_rows = rows
-
-    def _set_l2_prefetch(self, mode: str) -> None:
-        """Give each decoder layer of the few-row forward its L2 prefetch tables (engine/kernels/l2_prefetch.py):
-        "attention" requests the layer's o_proj, gate_up and down weights once the qkv product is launched, so HBM
-        streams them while attention runs; "layer" requests them before the qkv product instead; "+next" also
-        requests the next layer's qkv weights before the MLP (whose weights are then read from L2). Only on CUDA,
-        where the layers take the few-row forward, and where each table fits in half of L2."""
-        if mode == "off" or self.device.type != "cuda":
-            return
-        layers = [m for m in self.model.modules() if hasattr(m, "l2_prefetch") and getattr(m, "small_m_rows", 0)]
-        if not layers:
-            return
-        stage, _, extra = mode.partition("+")
-
-        def weights(layer, names: list[str]) -> list[torch.Tensor]:  # noqa: ANN001 - a decoder layer
-            return [w for w in (layer.get_parameter(n) for n in names) if w is not None]
-
-        tail = ["self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"]
-        for i, layer in enumerate(layers):
-            tables = {stage: PrefetchTable(weights(layer, tail))}
-            if extra == "next" and i + 1 < len(layers):
-                tables["mlp"] = PrefetchTable(weights(layers[i + 1], ["self_attn.qkv_proj.weight"]))
-            if all(fits_l2(t.nbytes, self.device) for t in tables.values()):
-                layer.l2_prefetch = tables
 
     def _num_blocks(self) -> int:
         cfg = self.config
