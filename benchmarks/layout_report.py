@@ -60,7 +60,9 @@ def ahead_from_metrics(metrics: dict[str, float] | None) -> tuple[float, ...] | 
 
 def _ahead_cell(ahead: dict[str, float]) -> str:
     skipped = ahead.get("skipped_branches") or 0
+    per_lookup = ahead.get("drafted_per_lookup")
     return f"{ahead['hit_rate']:.2f} ({ahead['unused_share']:.0%} unused" + (
+        f", {per_lookup:.1f} tokens ahead a lookup" if per_lookup is not None else "") + (
         f", {skipped:.0f} branches skipped)" if skipped else ")")
 
 
@@ -73,8 +75,9 @@ def ahead_summary(before: tuple[float, ...] | None, after: tuple[float, ...] | N
     lookups, hits, drafted, unused, skipped = (a - b for a, b in zip(after, before, strict=True))
     if not drafted:
         return None
+    # Tokens drafted ahead a lookup: about k x the windows a request got (the fan-out the budget allowed).
     return {"hit_rate": hits / max(lookups, 1), "unused_share": unused / drafted, "lookups": lookups,
-            "skipped_branches": skipped}
+            "skipped_branches": skipped, "drafted_per_lookup": drafted / max(lookups, 1)}
 
 
 def run_summary(run: Any, c: int, phases: dict[str, float], ahead: dict[str, float] | None = None,

@@ -26,6 +26,7 @@ class Layout:
     sync: bool = False  # async_scheduling off
     predraft: bool | None = None  # speculation_ahead forced on / off; None: the executor's default
     branches: int | None = None  # speculation_ahead_branches (`b<N>`); None: the engine's default
+    fixed: bool = False  # `fixed`: every step drafts all b<N> windows (speculation_ahead_adaptive off)
     ingress: int | None = None  # ingress_replicas (`i<N>`): HTTP shims in front of the engine; None: the default
     proxy: str | None = None  # http_proxy (`hap`: HAProxy, `sp`: Serve's proxy); None: the default ("auto")
     direct: bool = False  # direct_streaming (`ds`): the engine replica is the HTTP server, no ingress replicas
@@ -64,6 +65,10 @@ class Layout:
         if branches is not None and "nopredraft" in opts:
             raise ValueError(f"layout {text!r}: b<N> sets speculation ahead's branches, which nopredraft turns off")
         opts = [o for o in opts if o not in branch_opts]
+        fixed = "fixed" in opts
+        if fixed and branches is None:
+            raise ValueError(f"layout {text!r}: fixed keeps every step at the b<N> windows a request; give b<N>")
+        opts = [o for o in opts if o != "fixed"]
         unknown = set(opts) - {"plain", "shared", "colocated", "nccl", "ahead", "noahead", "sync", "predraft",
                                "nopredraft"}
         if unknown:
@@ -80,15 +85,15 @@ class Layout:
             if branches is not None and head != "offline+d":
                 raise ValueError(f"layout {text!r}: b<N> needs a draft")
             return Layout(text, True, 1, int(head.endswith("+d")), sync="sync" in opts, predraft=predraft,
-                          branches=branches)
+                          branches=branches, fixed=fixed)
         parts = head.split("+")
         try:
             if not parts[0].startswith("t") or (len(parts) == 2 and not parts[1].startswith("d")) or len(parts) > 2:
                 raise ValueError
             t, d = int(parts[0][1:]), int(parts[1][1:]) if len(parts) == 2 else 0
         except ValueError:
-            raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared|/colocated][/nccl]"
-                             "[/ahead|/noahead][/sync][/predraft|/nopredraft][/b<N>][/i<N>][/hap|/sp][/ds]") from None
+            raise ValueError(f"layout {text!r} is not t<T>[+d<D>][/plain][/shared|/colocated][/nccl][/ahead|/noahead]"
+                             "[/sync][/predraft|/nopredraft][/b<N>[/fixed]][/i<N>][/hap|/sp][/ds]") from None
         if t < 1 or (len(parts) == 2 and d < 1):
             raise ValueError(f"layout {text!r}: sizes must be >= 1")
         if (set(opts) & {"shared", "colocated", "nccl", "ahead", "noahead", "predraft", "nopredraft"}
@@ -102,7 +107,7 @@ class Layout:
             raise ValueError(f"layout {text!r}: ahead or noahead, not both")
         ahead = True if "ahead" in opts else False if "noahead" in opts else None
         return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "colocated" in opts, "nccl" in opts,
-                      ahead, "sync" in opts, predraft, branches, ingress, proxy, direct)
+                      ahead, "sync" in opts, predraft, branches, fixed, ingress, proxy, direct)
 
     @property
     def num_gpus(self) -> int:
@@ -152,6 +157,8 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
         engine_kwargs["speculation_ahead"] = layout.predraft
     if layout.branches is not None:
         engine_kwargs["speculation_ahead_branches"] = layout.branches
+    if layout.fixed:
+        engine_kwargs["speculation_ahead_adaptive"] = False
     if args.bonus_agreement is not None and layout.draft_tp and pair.synthetic_acceptance_rate is not None:
         engine_kwargs["synthetic_bonus_agreement"] = args.bonus_agreement
     extra: dict[str, Any] = {} if layout.ingress is None else {"ingress_replicas": layout.ingress}

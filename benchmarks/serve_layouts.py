@@ -19,7 +19,8 @@ behind the ids gate, forced on / off; by default it is on where no GPU is shared
 the router waits for each step's tokens before it plans the next; by default it plans step n+1 while step n runs),
 `predraft` / `nopredraft` (speculation ahead: the draft drafts the next window while the target verifies, forced on
 / off; by default on where no GPU is shared), `b<N>` (speculation ahead on, drafting up to N windows a
-request for the likeliest verify outcomes: speculation_ahead_branches), `i<N>` (N ingress replicas, the HTTP shims
+request for the likeliest verify outcomes: speculation_ahead_branches; as many as fit in the verify where the draft has
+a GPU of its own, all N each step with `fixed`), `i<N>` (N ingress replicas, the HTTP shims
 that tokenize, template and stream back: ingress_replicas; served layouts only), `hap` / `sp` (HAProxy or Serve's
 Python proxy takes the client connections: http_proxy; served layouts only; by default HAProxy on GPUs), `ds`
 (direct streaming: the engine replica answers HTTP itself, no ingress replicas: direct_streaming; served only).
@@ -117,7 +118,7 @@ async def http_greedy(base_url: str, pair: Pair, args: argparse.Namespace) -> li
 
 
 async def http_layout(pair: Pair, layout: Layout, args: argparse.Namespace, base_url: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"check": await http_greedy(base_url, pair, args)}
+    out: dict[str, Any] = {"check": await http_greedy(base_url, pair, args)} if args.check_prompts else {}
     if not args.check_only:
         out["runs"] = []
         for c, requests, cfg in bench_workloads(pair, args, base_url):
@@ -176,8 +177,9 @@ def offline_greedy(llm: Any, pair: Pair, args: argparse.Namespace) -> list[str]:
 def run_offline_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     with offline_llm(serve_config(pair, layout, args)) as llm:
-        out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "runs": [],
-                               "check": offline_greedy(llm, pair, args)}
+        out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "runs": []}
+        if args.check_prompts:
+            out["check"] = offline_greedy(llm, pair, args)
         if not args.check_only:
             for c, requests, bench_cfg in bench_workloads(pair, args, "in-process"):
                 repeats = []
@@ -205,7 +207,7 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, help="float32 for the exactness checks; default bf16 on GPU")
     ap.add_argument("--check-only", action="store_true", help="greedy comparison only, no bench")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs: a faster start for --check-only runs")
-    ap.add_argument("--check-prompts", type=int, default=4)
+    ap.add_argument("--check-prompts", type=int, default=4, help="0: no greedy check")
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
@@ -229,6 +231,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    # Checked here, before any engine starts: a bad value found by the first layout wastes its start-up.
+    if args.check_prompts < 0 or (args.check_only and args.check_prompts == 0):
+        ap.error(f"--check-prompts must be >= 0 (>= 1 with --check-only), got {args.check_prompts}")
     logging.basicConfig(level=logging.WARNING)
 
     import torch

@@ -189,6 +189,10 @@ class EngineConfig:
     # guess, a rejection after a accepted drafts with the draft's runner-up as the target's token), each in scratch
     # KV blocks the draft reserves for them. At most num_speculative_tokens + 2: the distinct outcomes guessed.
     speculation_ahead_branches: int = 1
+    # With more than one branch, where the draft has GPUs of its own: draft at most as many windows a request as
+    # measured to fit in the target's verify (engine/spec/ahead_budget.py), so a fan-out that would hold the next
+    # step up is cut back. False: every step drafts speculation_ahead_branches windows a request.
+    speculation_ahead_adaptive: bool = True
     # Benchmarks only, with synthetic rejection: the rate at which a lookup takes the target's token for the draft's
     # guess where a window was drafted for its outcome (the bonus token after all drafts accepted, or the token
     # at a rejection): random weights never agree on one.
@@ -221,6 +225,9 @@ class EngineConfig:
                 or not 1 <= branches <= self.num_speculative_tokens + 2):
             raise ValueError(f"speculation_ahead_branches must be an integer in [1, num_speculative_tokens + 2 = "
                              f"{self.num_speculative_tokens + 2}], got {branches!r}")
+        if not isinstance(self.speculation_ahead_adaptive, bool):
+            raise ValueError("speculation_ahead_adaptive must be true or false, got "
+                             f"{self.speculation_ahead_adaptive!r}")
         rate = self.synthetic_bonus_agreement
         if rate is not None and not (isinstance(rate, (int, float)) and 0.0 <= rate <= 1.0):
             raise ValueError(f"synthetic_bonus_agreement must be in [0, 1], got {rate!r}")

@@ -30,6 +30,7 @@ from engine.request import Request, RequestStatus
 from engine.sample.logits_params import logits_params_of
 from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
+from engine.spec.ahead_budget import AheadBudget
 from engine.step_phases import COMMIT, SCHEDULE
 from engine.step_plan import StepPlan, StepResult
 
@@ -81,6 +82,14 @@ class EngineCore:
                 self.spec_config is None or self.spec_config.rejection_sampling != "synthetic"):
             raise ValueError("synthetic_bonus_agreement is a benchmark setting for rejection_sampling='synthetic'")
         self._ahead_totals: tuple[int, ...] = (0, 0, 0, 0, 0)  # the draft's, as its last result said
+        self.ahead_budget = self._new_ahead_budget()
+
+    def _new_ahead_budget(self) -> AheadBudget:
+        """Speculation ahead's per-step fan-out (engine/spec/ahead_budget.py): adaptive only where the draft's runs
+        ahead overlap the verify (a draft on GPUs of its own) and the configuration asks for it."""
+        overlaps = bool(getattr(self.executor, "ahead_overlaps_verify", False))
+        return AheadBudget(self.config.speculation_ahead_branches,
+                           adaptive=self.config.speculation_ahead_adaptive and overlaps)
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -213,6 +222,7 @@ class EngineCore:
         self.scheduler.kv_managers = [self.target_kv, self.draft_kv]
         self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
         self.spec_config = spec
+        self.ahead_budget = self._new_ahead_budget()  # the new group's runs ahead are measured anew
 
     def _restart_draft_progress(self) -> None:
         for req in self.scheduler.requests.values():
@@ -242,6 +252,10 @@ class EngineCore:
     def kv_blocks_used(self) -> dict[str, int]:
         """Blocks in use per "model/group"."""
         return {f"{model}/{g}": n for model, kv in self.kv_managers() for g, n in enumerate(kv.num_used_blocks())}
+
+    def speculation_ahead_branches(self) -> int:
+        """Windows a request the last plan asked the draft to draft ahead (engine/spec/ahead_budget.py)."""
+        return self.ahead_budget.last
 
     def speculation_ahead_stats(self) -> tuple[int, ...]:
         """The draft's speculation-ahead running totals: (lookups, hits, tokens drafted ahead, of those dropped
@@ -330,12 +344,17 @@ class EngineCore:
     def make_plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
         """The plan of a scheduled step (engine/plan_builder.py); it carries the ids the sides may forget."""
         finished, self._finished_ids = self._finished_ids, []
-        return build_plan(next(self._step_ids), scheduled, self.target_kv, self.draft_kv, self.config.max_model_len,
+        plan = build_plan(next(self._step_ids), scheduled, self.target_kv, self.draft_kv, self.config.max_model_len,
                           self.spec_config, finished, self.sent)
+        if self.scheduler.speculation_ahead:
+            plan.ahead_branches = self.ahead_budget.branches(sum(1 for s in scheduled if s.num_draft_tokens))
+        return plan
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
         if result.ahead is not None:
             self._ahead_totals = result.ahead
+        if self.scheduler.speculation_ahead:
+            self.ahead_budget.observe(result.phase_seconds, result.ahead_window)
         touched = []
         for n, (s, tokens, accepted) in enumerate(zip(scheduled, result.sampled, result.num_accepted)):
             r = s.request

@@ -121,6 +121,9 @@ class StepPlan:
     # the same host times the plan's trip (engine/step_phases.py, `between`). 0.0 / "": not sent across processes.
     sent_at: float = 0.0
     sent_host: str = ""
+    # Speculation ahead: windows to draft per request after this step's proposal (engine/spec/ahead_budget.py);
+    # 0: the draft side's configured count (EngineConfig.speculation_ahead_branches).
+    ahead_branches: int = 0
 
     @property
     def max_draft_tokens(self) -> int:
@@ -139,6 +142,9 @@ class StepResult:
     # The draft's speculation-ahead counters, running totals (AheadStats.as_tuple: lookups, hits, tokens drafted
     # ahead, of those unused, branches skipped); None where the draft does not draft ahead.
     ahead: tuple[int, ...] | None = None
+    # The draft's last run ahead (rows, seconds), for the engine's fan-out budget (engine/spec/ahead_budget.py); None
+    # where it drafted none since the result before.
+    ahead_window: tuple[int, float] | None = None
     # Per planned request, one (logprob, [(token id, logprob), ...]) per sampled token, where the request asked for
     # logprobs (engine.sample.logprobs); None when no request of the step did.
     logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None

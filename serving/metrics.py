@@ -71,6 +71,10 @@ class EngineMetrics:
                                      "Windows chosen to draft ahead but not drafted: the draft loop's rows "
                                      "(max_num_seqs) or its scratch KV blocks were full", registry=r)
         self._ahead_seen: tuple[int, ...] = (0, 0, 0, 0, 0)  # the engine's totals at the last sync
+        self.ahead_branches = Gauge(p + "spec_ahead_branches",
+                                    "Windows a request the last step asked the draft to draft ahead (the fan-out, "
+                                    "cut to what fits in the verify where the draft has GPUs of its own)",
+                                    registry=r)
         # --- latencies ---------------------------------------------------------------------------
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival at the router to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)

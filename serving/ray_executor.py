@@ -103,6 +103,9 @@ class RayExecutor(DraftGroupReplacement):
         self.draft_tensor_transport = draft_tensor_transport
         self.launch_verify_ahead = launch_verify_ahead
         self.speculation_ahead = False  # resolved in _start, once the bundles are known
+        # The draft's runs ahead overlap the target's verify (a draft group of its own, not colocated): the engine
+        # then fits each step's fan-out in the verify (engine/spec/ahead_budget.py).
+        self.ahead_overlaps_verify = False
         self.step_timeout_s = step_timeout_s
         self.target: WorkerGroup | None = None
         self.draft: WorkerGroup | None = None
@@ -177,6 +180,7 @@ class RayExecutor(DraftGroupReplacement):
         self.speculation_ahead = draft_model_path is not None and (
             bool(self.engine_config.speculation_ahead) if self.colocated
             else speculation_ahead_for(self.engine_config.speculation_ahead, dev, [b for *_, b in specs]))
+        self.ahead_overlaps_verify = self.speculation_ahead and not self.colocated
         # Rank 0's node and a free port there, for each group's rendezvous (both looked up at once).
         lookup = ray.remote(node_ip_and_free_port)
         addr_refs = [lookup.options(**bundle_task_options(g.placement, 0)).remote() if g.size > 1 else None

@@ -169,6 +169,7 @@ class Router(EngineRecovery):
         # so the step loop carries nothing for them.
         self.metrics.on_prefix_cache(self.engine.prefix_cache_stats())
         self.metrics.on_speculation_ahead(self.engine.speculation_ahead_stats())
+        self.metrics.ahead_branches.set(self.engine.speculation_ahead_branches())
         return self.metrics.exposition()
 
     async def info(self) -> dict[str, Any]:

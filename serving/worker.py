@@ -78,6 +78,7 @@ class DraftOutput:
     sent_at: float
     host: str
     ahead: tuple[int, ...] | None = None  # the rank's speculation-ahead counters (StepResult.ahead)
+    window: tuple[int, float] | None = None  # its last run ahead, (rows, seconds) (StepResult.ahead_window)
 
 
 def engine_config_from(config: EngineConfig | dict[str, Any]) -> EngineConfig:
@@ -230,7 +231,7 @@ class ModelWorker:
             return None
         proposal = proposal.to_host([r.num_draft_tokens for r in plan.requests])
         now = time.perf_counter()
-        return DraftOutput(proposal, now - t0, now, HOST, side.ahead_counters)
+        return DraftOutput(proposal, now - t0, now, HOST, side.ahead_counters, side.take_window())
 
     def draft_predraft(self, _proposed: DraftOutput | None = None) -> None:
         """Draft the next window of the proposal this rank just sent (speculation ahead), while the target verifies
@@ -265,6 +266,7 @@ class ModelWorker:
         if draft is not None:
             book_remote_proposal(result.phase_seconds, draft.seconds, draft.sent_at, draft.host, received)
             result.ahead = draft.ahead
+            result.ahead_window = draft.window
         return result
 
     def spec_step(self, plan: StepPlan) -> StepResult | None:

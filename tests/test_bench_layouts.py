@@ -32,6 +32,10 @@ def test_layout_names_parse_to_their_settings() -> None:
     kwargs = serve_config(PAIR, lay, _args())["engine_kwargs"]
     assert kwargs["speculation_ahead"] is True and kwargs["speculation_ahead_branches"] == 4
     assert kwargs["draft_placement"] == "separate"
+    assert "speculation_ahead_adaptive" not in kwargs  # the engine's default: fan-out cut to what fits
+    fixed = Layout.parse("t1+d1/b4/fixed")
+    assert fixed.fixed and fixed.branches == 4
+    assert serve_config(PAIR, fixed, _args())["engine_kwargs"]["speculation_ahead_adaptive"] is False
 
     plain = Layout.parse("t1+d1")
     assert plain.branches is None and plain.is_reference
@@ -66,6 +70,7 @@ def test_layout_names_parse_to_their_settings() -> None:
     ("offline/b2", "needs a draft"),
     ("t1+d1/b0", "N >= 1"),
     ("t1+d1/b2/b4", "one b<N>"),
+    ("t1+d1/predraft/fixed", "give b<N>"),
     ("t1+d1/b2/nopredraft", "nopredraft"),
     ("t1+d1/predraft/nopredraft", "not both"),
     ("t1+d2/colocated", "colocated needs"),
@@ -143,7 +148,8 @@ def test_speculation_ahead_counters_reach_metrics_and_the_report() -> None:
     after = ahead_from_metrics(scrape())
     assert after == (22.0, 10.0, 88.0, 48.0, 6.0)
     summary = ahead_summary(before, after)
-    assert summary == {"hit_rate": 10 / 22, "unused_share": 48 / 88, "lookups": 22.0, "skipped_branches": 6.0}
+    assert summary == {"hit_rate": 10 / 22, "unused_share": 48 / 88, "lookups": 22.0, "skipped_branches": 6.0,
+                       "drafted_per_lookup": 88 / 22}
     assert ahead_summary(before, before) is None  # nothing drafted ahead
     with pytest.raises(ValueError, match="5 speculation-ahead totals, got 4"):
         metrics.on_speculation_ahead((1, 1, 1, 1))  # an engine that leaves a counter out is a bug, not a zero

@@ -25,6 +25,7 @@ from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.engine_core import EngineCore
 from engine.request import Request
+from engine.spec.ahead_budget import AheadBudget
 from engine.step_plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
 from serving.ray_executor import RayExecutor, WorkerDiedError, check_tensor_parallel, launch_verify_ahead_for
@@ -292,7 +293,8 @@ def test_speculation_ahead_with_synchronous_scheduling(tiny_models: dict[str, Ti
     reports, and rejection windows hit too."""
     target = tiny_models["llama"].path
     engine = build_ray_engine(target, near_llama, num_speculative_tokens=3, seed=5, async_scheduling=False,
-                              speculation_ahead=True, speculation_ahead_branches=branches, **ENGINE_KW)
+                              speculation_ahead=True, speculation_ahead_branches=branches,
+                              speculation_ahead_adaptive=False, **ENGINE_KW)
     try:
         assert not engine.async_scheduling and engine.executor.speculation_ahead
         assert greedy_tokens(engine) == llm_greedy(target)
@@ -305,6 +307,40 @@ def test_speculation_ahead_with_synchronous_scheduling(tiny_models: dict[str, Ti
         assert (scratch > 0 and hits_reject > 0) if branches > 1 else scratch == hits_reject == 0
     finally:
         engine.executor.shutdown()
+
+
+def test_fan_out_budget_across_processes(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
+    """A draft group of its own runs ahead while the target verifies: the engine adapts the fan-out
+    (engine/spec/ahead_budget.py) from the runs the draft's rank 0 reports through the target's result, every plan
+    carries its count to the draft's ranks, and they obey it: held at one window a request, the draft drafts no
+    rejection window. Greedy equals the target alone throughout."""
+    target = tiny_models["llama"].path
+    engine = build_ray_engine(target, near_llama, num_speculative_tokens=3, seed=5, speculation_ahead=True,
+                              speculation_ahead_branches=3, **ENGINE_KW)
+    executor = engine.executor
+    worker = executor.draft.workers[0]
+
+    def draft_stats() -> tuple[int, int]:
+        return ray.get(worker.__ray_call__.remote(lambda self: (self.ahead.stats.hits, self.ahead.stats.hits_reject)))
+
+    try:
+        assert executor.ahead_overlaps_verify and engine.ahead_budget.adaptive
+        plans: list[StepPlan] = []
+        submit = executor.submit
+        executor.submit = lambda plan: plans.append(plan) or submit(plan)  # type: ignore[method-assign]
+        assert greedy_tokens(engine) == llm_greedy(target)
+        budget = engine.ahead_budget
+        assert budget.shadow is not None and budget.shadow.value > 0
+        assert budget.windows and all(rows > 0 and w.value > 0 for rows, w in budget.windows.items())
+        counts = [p.ahead_branches for p in plans if any(r.num_draft_tokens for r in p.requests)]
+        assert counts and all(1 <= c <= 3 for c in counts)
+        engine.ahead_budget = AheadBudget(1)
+        hits, hits_reject = draft_stats()
+        assert greedy_tokens(engine) == llm_greedy(target)
+        more, more_reject = draft_stats()
+        assert more > hits and more_reject == hits_reject
+    finally:
+        executor.shutdown()
 
 
 def test_speculation_ahead_only_where_the_draft_has_gpus_of_its_own() -> None:

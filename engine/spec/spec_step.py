@@ -77,9 +77,13 @@ class DraftSide:
         self.table.record(result)
 
     @property
-    def ahead_counters(self) -> tuple[int, int, int, int] | None:
+    def ahead_counters(self) -> tuple[int, ...] | None:
         """Speculation ahead's running totals (StepResult.ahead); None without it."""
         return self.ahead.stats.as_tuple() if self.ahead is not None else None
+
+    def take_window(self) -> tuple[int, float] | None:
+        """The last run ahead as (rows, seconds), once (StepResult.ahead_window); None if none ran since."""
+        return self.ahead.take_window() if self.ahead is not None else None
 
 
 class TargetSide:
@@ -173,5 +177,6 @@ class SpeculativeStep:
             draft.predraft()
             book_propose_ahead(phases, time.perf_counter() - t_ahead)
             result.ahead = draft.ahead_counters
+            result.ahead_window = draft.take_window()
         book_local_proposal(phases, marks, t1 - t0, time.perf_counter() - t0)
         return result

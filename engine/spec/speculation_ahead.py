@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -141,6 +142,8 @@ class AheadProposer:
         if self.num_branches > 1 and not proposer.alternatives:
             raise ValueError("speculation ahead with branches needs a proposer built with ahead=True")
         self.estimates = BranchEstimates()
+        # The last run ahead, (rows, seconds), until `take_window` hands it on (engine/spec/ahead_budget.py).
+        self._window: tuple[int, float] | None = None
         self._pending: dict[str, _Verify] = {}
         groups = proposer.runner.kv_groups
         ids = (proposer.runner.reserve_kv_blocks(scratch_blocks_wanted(
@@ -273,10 +276,16 @@ class AheadProposer:
         self._pending.clear()  # the guesses were for this step's verify outcomes too
 
     # ---- drafting ahead -------------------------------------------------------------------------------
+    def take_window(self) -> tuple[int, float] | None:
+        """The last run ahead as (rows, seconds), once: None if none ran since the last call."""
+        window, self._window = self._window, None
+        return window
+
     def predraft(self, plan: StepPlan, proposal: DraftProposal) -> int:
         """Draft the next windows of every speculating request of `plan` (resolved) whose proposal is `proposal`:
-        for the likeliest outcomes of its verify (one: every draft accepted and the bonus token the draft's argmax).
-        Returns the number of windows drafted."""
+        for the likeliest outcomes of its verify, up to `plan.ahead_branches` a request (0: the configured count;
+        one: every draft accepted and the bonus token the draft's argmax). Returns the number of windows drafted."""
+        started = time.perf_counter()
         # Windows of a pre-draft no proposal came after (none, in the executors' order): the scratch is reused now.
         self.drop_all()
         rows = [i for i, p in enumerate(plan.requests)
@@ -288,7 +297,8 @@ class AheadProposer:
         # target is verifying meanwhile (a draft worker) or has finished (in process): nothing critical waits.
         host = proposal.host_rows(counts)
         host_alt = proposal.alt_rows(counts) if self.num_branches > 1 else None
-        ranked = {i: self.estimates.ranked(counts[i], self.num_branches) for i in rows}
+        budget = min(plan.ahead_branches, self.num_branches) if plan.ahead_branches > 0 else self.num_branches
+        ranked = {i: self.estimates.ranked(counts[i], budget) for i in rows}
         for i in rows:
             p = plan.requests[i]
             assert p.token_ids is not None
@@ -333,6 +343,8 @@ class AheadProposer:
                 probs=chain_probs[n, cols] if chain_probs is not None and p.temperature > 0 else None,
                 alt=chain_alt[n, cols] if chain_alt is not None else None, kind=w.branch.kind, fork=w.fork))
             self.stats.drafted_tokens += w.k_next
+        # Timed to the sync above, which waits for the run's last kernel: its cost as the draft's GPU sees it.
+        self._window = (len(windows), time.perf_counter() - started)
         return len(windows)
 
     def _choose(self, plan: StepPlan, rows: list[int], ranked: dict[int, list[Branch]], host: list[list[int]],

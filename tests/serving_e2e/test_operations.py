@@ -25,7 +25,7 @@ DESIGN_METRICS = [
     "specserve_prefix_cache_queries_total", "specserve_prefix_cache_hits_total",
     "specserve_spec_ahead_lookups_total", "specserve_spec_ahead_hits_total",
     "specserve_spec_ahead_drafted_tokens_total", "specserve_spec_ahead_unused_tokens_total",
-    "specserve_spec_ahead_skipped_branches_total",
+    "specserve_spec_ahead_skipped_branches_total", "specserve_spec_ahead_branches",
 ]
 
 
