@@ -284,39 +284,34 @@ def test_async_scheduling_and_speculation_ahead_tp2_both_sides_hybrid_draft(
 _SAMPLED: dict[str, list[list[int]]] = {}
 
 
-@pytest.mark.parametrize("branches", [1, 3])
-def test_speculation_ahead_with_synchronous_scheduling(tiny_models: dict[str, TinyModel], near_llama: str,
-                                                       branches: int) -> None:
+def test_speculation_ahead_with_synchronous_scheduling(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
     """Without asynchronous scheduling the window ahead is keyed by the next plan's explicit entries: greedy still
-    equals the target alone, windows hit, and the engine reports the draft's counters. With three windows per
-    request (engine_kwargs' speculation_ahead_branches) the draft worker keeps scratch blocks out of the ones it
-    reports, and rejection windows hit too."""
+    equals the target alone, windows hit, and the engine reports the draft's counters (with fan-out: the next
+    test)."""
     target = tiny_models["llama"].path
     engine = build_ray_engine(target, near_llama, num_speculative_tokens=3, seed=5, async_scheduling=False,
-                              speculation_ahead=True, speculation_ahead_branches=branches,
-                              speculation_ahead_adaptive=False, **ENGINE_KW)
+                              speculation_ahead=True, **ENGINE_KW)
     try:
         assert not engine.async_scheduling and engine.executor.speculation_ahead
         assert greedy_tokens(engine) == llm_greedy(target)
         lookups, hits, drafted, unused, _skipped = engine.speculation_ahead_stats()
         assert 0 < hits <= lookups and 0 < drafted and unused <= drafted
-        worker = engine.executor.draft.workers[0]
-        scratch, num_blocks, hits_reject = ray.get(worker.__ray_call__.remote(
-            lambda self: (self.ahead.scratch.capacity, self.runner.num_blocks, self.ahead.stats.hits_reject)))
-        assert engine.executor.draft_num_blocks == num_blocks
-        assert (scratch > 0 and hits_reject > 0) if branches > 1 else scratch == hits_reject == 0
+        scratch, hits_reject = ray.get(engine.executor.draft.workers[0].__ray_call__.remote(
+            lambda self: (self.ahead.scratch.capacity, self.ahead.stats.hits_reject)))
+        assert scratch == hits_reject == 0  # one window a request reserves no scratch and drafts no rejection
     finally:
         engine.executor.shutdown()
 
 
-def test_fan_out_budget_across_processes(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
-    """A draft group of its own runs ahead while the target verifies: the engine adapts the fan-out
-    (engine/spec/ahead_budget.py) from the runs the draft's rank 0 reports through the target's result, every plan
-    carries its count to the draft's ranks, and they obey it: held at one window a request, the draft drafts no
-    rejection window. Greedy equals the target alone throughout."""
+def test_fan_out_across_processes(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
+    """Three windows a request (engine_kwargs' speculation_ahead_branches), synchronous scheduling, the draft in a
+    group of its own: the draft worker keeps scratch blocks out of the ones it reports; its runs ahead overlap the
+    verify, so the engine adapts the fan-out (engine/spec/ahead_budget.py) from the runs the draft's rank 0 reports
+    through the target's result, and every plan carries its count to the draft's ranks, which obey it: at three
+    every step rejection windows hit, held at one none is drafted. Greedy equals the target alone throughout."""
     target = tiny_models["llama"].path
-    engine = build_ray_engine(target, near_llama, num_speculative_tokens=3, seed=5, speculation_ahead=True,
-                              speculation_ahead_branches=3, **ENGINE_KW)
+    engine = build_ray_engine(target, near_llama, num_speculative_tokens=3, seed=5, async_scheduling=False,
+                              speculation_ahead=True, speculation_ahead_branches=3, **ENGINE_KW)
     executor = engine.executor
     worker = executor.draft.workers[0]
 
@@ -325,20 +320,27 @@ def test_fan_out_budget_across_processes(tiny_models: dict[str, TinyModel], near
 
     try:
         assert executor.ahead_overlaps_verify and engine.ahead_budget.adaptive
+        scratch, num_blocks = ray.get(worker.__ray_call__.remote(
+            lambda self: (self.ahead.scratch.capacity, self.runner.num_blocks)))
+        assert scratch > 0 and executor.draft_num_blocks == num_blocks
         plans: list[StepPlan] = []
-        submit = executor.submit
-        executor.submit = lambda plan: plans.append(plan) or submit(plan)  # type: ignore[method-assign]
+        execute = executor.execute
+        executor.execute = lambda plan, *a, **kw: plans.append(plan) or execute(plan, *a, **kw)  # type: ignore
         assert greedy_tokens(engine) == llm_greedy(target)
         budget = engine.ahead_budget
         assert budget.shadow is not None and budget.shadow.value > 0
         assert budget.windows and all(rows > 0 and w.value > 0 for rows, w in budget.windows.items())
         counts = [p.ahead_branches for p in plans if any(r.num_draft_tokens for r in p.requests)]
         assert counts and all(1 <= c <= 3 for c in counts)
-        engine.ahead_budget = AheadBudget(1)
+        engine.ahead_budget = AheadBudget(3, adaptive=False)
         hits, hits_reject = draft_stats()
         assert greedy_tokens(engine) == llm_greedy(target)
         more, more_reject = draft_stats()
-        assert more > hits and more_reject == hits_reject
+        assert more > hits and more_reject > hits_reject
+        engine.ahead_budget = AheadBudget(1)
+        assert greedy_tokens(engine) == llm_greedy(target)
+        most, most_reject = draft_stats()
+        assert most > more and most_reject == more_reject
     finally:
         executor.shutdown()
 
