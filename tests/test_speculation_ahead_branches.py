@@ -25,7 +25,7 @@ from engine.kv_cache.scratch_blocks import copy_blocks
 from engine.request import Request
 from engine.spec import speculation_ahead
 from engine.spec.ahead_branches import REJECT
-from engine.spec.speculation_ahead import AheadStats
+from engine.spec.speculation_cache import AheadStats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

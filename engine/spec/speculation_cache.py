@@ -1,0 +1,59 @@
+"""What speculation ahead keeps between a pre-draft and the proposal after it (engine/spec/speculation_ahead.py): the
+windows drafted ahead, by request, and the counters the engine reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_cache.scratch_blocks import ScratchFork
+from engine.spec.ahead_branches import ACCEPT
+
+
+@dataclass
+class AheadEntry:
+    """One pre-drafted window of a request (one branch)."""
+
+    position: int  # where the next step's draft input must start: the position of d_k, or of the rejected draft
+    tokens: tuple[int, ...]  # that input: (d_k, g) after all accepted, (t,) after a rejection
+    token_ids: torch.Tensor  # [k'] int64 on the draft's device: e_1..e_k'
+    probs: torch.Tensor | None  # [k', V] float32 q of each e_j (None: drafted greedily, q is one-hot)
+    alt: torch.Tensor | None = None  # [k'] int64: each e_j's runner-up (None without branches)
+    kind: str = ACCEPT  # the branch's kind (engine/spec/ahead_branches.py)
+    fork: ScratchFork | None = None  # its KV's scratch blocks; None: written in the request's own blocks
+
+
+@dataclass
+class AheadStats:
+    """Counters since the proposer began (monotonic; the engine reports their increase per step)."""
+
+    lookups: int = 0  # speculating requests whose proposal was looked up in the cache
+    hits: int = 0  # ... and served from it
+    drafted_tokens: int = 0  # tokens drafted ahead (e_1..e_k' of every entry; the guesses not counted)
+    unused_tokens: int = 0  # of those, dropped unproposed (a miss, or beyond the k of a hit)
+    # Branches chosen but not drafted: the draft loop's rows (max_num_seqs, or its largest graph batch) or the
+    # scratch reserve were full, or the request's tables too short. Reported, so a fan-out that the engine's sizes
+    # cut short shows on the dashboard rather than only as a lower hit rate.
+    skipped_branches: int = 0
+    # Not in the tuple the engine reports (in process only): hits by branch kind.
+    hits_accept: int = 0
+    hits_reject: int = 0
+
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        return self.lookups, self.hits, self.drafted_tokens, self.unused_tokens, self.skipped_branches
+
+
+@dataclass
+class SpeculationCache:
+    """The windows of the last pre-draft, by request id, likeliest first. Only the last pre-draft's entries are kept:
+    a window is for the step right after the one it was drafted in, and the next proposal consumes or drops every
+    entry."""
+
+    entries: dict[str, list[AheadEntry]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.entries.values())
+
+    def clear(self) -> None:
+        self.entries.clear()
