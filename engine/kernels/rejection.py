@@ -232,3 +232,24 @@ def _synthetic_rates(rate: float, max_k: int, dtype: torch.dtype, device: torch.
     if not 0.0 <= rate <= 1.0:
         raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {rate}")
     return torch.tensor([synthetic_position_rate(rate, k) for k in range(max_k + 1)], dtype=dtype, device=device)
+
+
+def warm_up(vocab: int, device: torch.device) -> int:
+    """Compile every variant a verify can select (each mode, with and without noise) before the first request:
+    compiled lazily, the first speculation step of a fresh process stalled for 0.6 s (one H100). The shapes
+    do not matter (sizes and k are not specialized on, `vocab` fixes BLOCK_V). Returns the variants run."""
+    if not HAS_TRITON or device.type != "cuda":
+        return 0
+    runs = 0
+    drafts = torch.zeros(1, 1, dtype=torch.int64, device=device)  # [1, 1] int64
+    counts = torch.ones(1, dtype=torch.int64, device=device)  # [1] int64
+    p = torch.full((1, 2, vocab), 1.0 / vocab, dtype=torch.float32, device=device)  # [1, 2, V] float32
+    q = p[:, :1].contiguous()  # [1, 1, V] float32
+    u = torch.zeros(1, 1, dtype=torch.float32, device=device)  # [1, 1] float32
+    for mode in MODES:
+        for noise in (None, torch.ones(1, 2 if mode == "strict" else 1, vocab, dtype=torch.float32, device=device)):
+            rejection_sample_from_noise(drafts, counts, q if mode == "probabilistic" else None, p, mode,
+                                        0.5 if mode == "synthetic" else None, u, noise)
+            runs += 1
+    torch.cuda.synchronize(device)  # SYNC: start-up only
+    return runs

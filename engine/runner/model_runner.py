@@ -196,7 +196,9 @@ class ModelRunner:
         return self.execute(prepared.step)
 
     def capture_graphs(self, query_lens: list[int]) -> None:
-        """Capture decode/verify graphs for these query lengths (1: decode, k + 1: verify), unless eager."""
+        """Capture decode/verify graphs for these query lengths (1: decode, k + 1: verify), and the mixed graphs
+        (a prefill chunk beside other rows, one logits row per request when query_lens is empty: the draft's),
+        unless eager."""
         if self.backend != "triton" or self.config.enforce_eager or self.device.type != "cuda":
             return
         if self.graph_pool is None:

@@ -8,7 +8,8 @@ start follows the position inside the attention kernel. Everything lives in devi
 index is a device tensor and k replays need no host work between them.
 
 The first step also catches the draft up (the last accepted token and the bonus token: up to 2 tokens per
-request; or a prefill chunk, which runs eagerly), so it is a separate graph of query length 2; when every request
+request; or a prefill chunk, whose forward replays one of the runner's mixed graphs, padded to a token bucket, or
+runs eagerly past the largest), so it is a separate graph of query length 2; when every request
 catches up one token (after a rejection, the target's correction) the later steps' graph of query length 1 runs
 it. Requests with fewer drafts than the batch's k, and padding rows, keep running but write nowhere (slot -1) and
 read only position 0: their extra tokens are dropped.
@@ -80,6 +81,7 @@ class DraftLoop:
         self.next_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.num_graph_replays = 0
         self.num_one_token_first_steps = 0  # first steps run by the later step's graph (every row one token)
+        self.num_mixed_first_steps = 0  # first steps with a prefill chunk, run by the runner's mixed graph
 
     # ---- the step functions (run eagerly or captured) -------------------------------------------------
     def _sample_and_advance(self, logits: torch.Tensor, b: int, greedy: bool) -> torch.Tensor:
@@ -143,6 +145,15 @@ class DraftLoop:
                             self._first_step(b, b * FIRST_QUERY_LEN, FIRST_QUERY_LEN, greedy) if first
                             else self._next_step(b, greedy)), warmup=0)
                         (self.first_graphs if first else self.next_graphs)[(b, greedy)] = graph
+
+    def _mixed_key(self, chunks: list[Chunk]) -> tuple[int, int, int] | None:
+        """The runner's mixed graph for a first step of these chunks (one logits row each), if one holds them
+        and its rows cover the loop's batch bucket."""
+        graphs = self.runner.graphs
+        key = graphs.bucket(chunks) if graphs is not None else None
+        if key is None or len(key) != 3 or key[0] < self._bucket(len(chunks)):
+            return None
+        return key  # type: ignore[return-value]
 
     def _bucket(self, num_reqs: int) -> int | None:
         i = bisect.bisect_left(self.batch_sizes, num_reqs)
@@ -213,8 +224,19 @@ class DraftLoop:
             self.first_graphs[(b, greedy)].replay()
             self.num_graph_replays += 1
         else:
-            step = self.buffers.load(chunks, num_reqs=b, num_logits_padded=b)
-            self._first_step(b, step.num_tokens, step.attn.common.max_query_len, greedy)
+            mixed = self._mixed_key(chunks) if graphed else None
+            if mixed is not None:
+                # A prefill chunk among the rows: the runner's mixed graph runs the forward (launched eagerly, a
+                # 0.6B draft's 28 layers cost ~18 ms of host time against ~1 ms on the GPU), then the sampling and
+                # the next step's inputs as the eager step does. Rows past the chunks are padding in either
+                # layout (no tokens, null block tables), and the advance reads and rewrites rows [:b] only.
+                graphs = self.runner.graphs
+                graphs.load(chunks, mixed)
+                self._sample_and_advance(graphs.replay(mixed, b), b, greedy)
+                self.num_mixed_first_steps += 1
+            else:
+                step = self.buffers.load(chunks, num_reqs=b, num_logits_padded=b)
+                self._first_step(b, step.num_tokens, step.attn.common.max_query_len, greedy)
         for _ in range(1, max_k):
             if graphed:
                 self.next_graphs[(b, greedy)].replay()

@@ -73,6 +73,9 @@ class DraftProposer:
         # Kernel path: the k steps run from static buffers, as CUDA graphs where captured.
         self.loop: DraftLoop | None = None
         if runner.buffers is not None:
+            # Mixed graphs first (a step's first draft forward with a prefill chunk replays one; the loop's own
+            # graphs cover catch-ups of at most two tokens), then the loop's graphs, in the same memory pool.
+            runner.capture_graphs([])
             self.loop = DraftLoop(runner, runner.config.num_speculative_tokens + (1 if ahead else 0), keep_probs,
                                   alternatives=self.alternatives)
             self.loop.capture()

@@ -72,6 +72,11 @@ class Verifier:
         k = runner.config.num_speculative_tokens
         # Every verify width up to k + 1: a load-adaptive draft length may pick any k per step.
         runner.capture_graphs(list(range(1, k + 2)))
+        self.rejection_variants_warmed = 0
+        if k and runner.buffers is not None:
+            from engine.kernels import rejection as rejection_kernel
+
+            self.rejection_variants_warmed = rejection_kernel.warm_up(runner.vocab_size, runner.device)
 
     def enable_launch_ahead(self) -> bool:
         """Let `prepare(..., launch_ahead=True)` queue graph-replayed forwards before a remote draft's ids come.

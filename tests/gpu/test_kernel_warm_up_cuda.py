@@ -45,3 +45,18 @@ def test_no_rejection_variant_compiles_as_the_draft_length_changes(tiny_models, 
         llm.engine.scheduler.num_speculative_tokens = k
         llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.8, seed=k, ignore_eos=True))
     assert compiled([rejection._rejection_kernel]) == before
+
+
+@pytest.mark.parametrize("mode", ["probabilistic", "strict", "synthetic"])
+def test_no_rejection_variant_compiles_on_the_first_requests(tiny_models, tiny_drafts, mode):
+    """The verifier compiles every rejection variant at start (engine/kernels/rejection.py `warm_up`): the first
+    greedy and sampled requests of a fresh engine compile none."""
+    rate = dict(synthetic_acceptance_rate=0.7) if mode == "synthetic" else {}
+    llm = LLM(tiny_models["llama"].path, draft_model=tiny_drafts["llama-1l"].path, num_speculative_tokens=3,
+              rejection_sampling=mode, **rate, **KW)
+    assert llm.engine.executor.verifier.rejection_variants_warmed == 6
+    before = compiled([rejection._rejection_kernel])
+    prompts = random_prompts([11, 40], seed=5)
+    llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.9, seed=3, ignore_eos=True))
+    assert compiled([rejection._rejection_kernel]) == before

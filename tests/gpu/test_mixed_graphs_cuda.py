@@ -1,7 +1,8 @@
 """Mixed-batch CUDA graphs (engine/runner/cuda_graphs.py): a step with a prefill chunk beside decodes or verifies,
 what a server runs whenever a request arrives while others decode, replays a graph instead of launching every
-kernel from the host. Outputs equal the eager mixed steps' token for token (float32), for a target alone
-(pipelined), a Gemma 3 target (two KV-cache groups) with a hybrid draft, and seeded sampling."""
+kernel from the host; so does the draft's first forward of such a step. Outputs equal the eager mixed steps' token
+for token (float32), for a target alone (pipelined), a Gemma 3 target (two KV-cache groups) with a hybrid draft,
+and seeded sampling."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def staggered(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
     return [list(r.output_token_ids) for r in reqs]
 
 
-def run(family_path: str, mixed: bool, draft: str | None = None, sampled: bool = False) -> tuple[list, int, int]:
+def run(family_path: str, mixed: bool, draft: str | None = None, sampled: bool = False,
+        draft_mixed: list[int] | None = None) -> tuple[list, int, int]:
+    """draft_mixed: receives the draft loop's first steps that replayed the draft's mixed graphs."""
     spec = dict(draft_model=draft, num_speculative_tokens=3) if draft else {}
     llm = LLM(family_path, seed=4, cuda_graph_mixed_token_sizes=None if mixed else (), **spec, **KW)
     prompts = random_prompts([5, 70, 12, 33, 9, 100, 17], seed=3)
@@ -40,6 +43,8 @@ def run(family_path: str, mixed: bool, draft: str | None = None, sampled: bool =
               for i in range(len(prompts))]
     outs = staggered(llm, prompts, params)
     graphs = llm.engine.executor.verifier.runner.graphs
+    if draft_mixed is not None:
+        draft_mixed.append(llm.engine.executor.proposer.loop.num_mixed_first_steps)
     return outs, graphs.num_mixed_replays, graphs.num_replays
 
 
@@ -53,9 +58,12 @@ def test_mixed_graphs_equal_eager_mixed_steps(tiny_models, family):
 
 def test_mixed_graphs_with_a_hybrid_draft_and_seeded_sampling(tiny_models, tiny_drafts):
     target, draft = tiny_models["gemma3"].path, tiny_drafts["gemma3-2l"].path
-    eager, _, _ = run(target, mixed=False, draft=draft, sampled=True)
-    graphs, n_mixed, _ = run(target, mixed=True, draft=draft, sampled=True)
+    draft_mixed: list[int] = []
+    eager, _, _ = run(target, mixed=False, draft=draft, sampled=True, draft_mixed=draft_mixed)
+    graphs, n_mixed, _ = run(target, mixed=True, draft=draft, sampled=True, draft_mixed=draft_mixed)
     assert n_mixed >= 3, n_mixed
+    # The draft's first steps with a prefill chunk replayed its own mixed graphs (none where they are off).
+    assert draft_mixed[0] == 0 and draft_mixed[1] >= 3, draft_mixed
     assert graphs == eager
     # Greedy with the draft equals the target alone through mixed graphs too.
     alone, _, _ = run(target, mixed=True)
