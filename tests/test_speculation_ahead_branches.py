@@ -24,7 +24,7 @@ from engine import LLM, SamplingParams
 from engine.kv_cache.scratch_blocks import copy_blocks
 from engine.request import Request
 from engine.spec import speculation_ahead
-from engine.spec.ahead_branches import REJECT
+from engine.spec.ahead_branches import ACCEPT, REJECT, BranchEstimates
 from engine.spec.speculation_cache import AheadStats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -326,3 +326,35 @@ def test_synthetic_agreement_counts_rejection_windows(tiny_models, tiny_drafts):
     stats = _ahead(llm).stats
     # Every outcome has a window (B = k + 2): every lookup after a request's first proposal hits.
     assert stats.hits_reject > 0 and stats.hits_accept > 0 and stats.hits >= stats.lookups - 2 * len(PROMPTS), stats
+
+
+def test_agreement_setting_ranks_the_windows_it_credits():
+    """Under the benchmarks' agreement setting the estimates score what a lookup credits (the argmax bonus guess
+    and a rejection's guess at the rate, a second bonus guess never), not the synthetic pair's unrelated tokens:
+    the second window is then the likeliest rejection's, which the setting can credit."""
+    scored, real = BranchEstimates(), BranchEstimates()
+    for n in range(200):  # a per-token rate of 0.9 at k=4: about 2 in 3 verifies accept all
+        accepted = 4 if n % 3 else n % 4
+        scored.observe_agreement(4, accepted, 0.7)
+        # The same outcomes scored on unrelated tokens: no guess is ever right.
+        real.observe(4, accepted, (1, 2) if accepted == 4 else (None, None), None if accepted == 4 else 5, 9)
+    first, second = scored.ranked(4, 2)
+    assert (first.kind, first.index) == (ACCEPT, 1) and (second.kind, second.index) == (REJECT, 0), (first, second)
+    assert first.probability == pytest.approx(scored.alpha ** 4 * 0.7)  # the prior's 0.7 and the setting's
+    assert [(b.kind, b.index) for b in real.ranked(4, 2)] == [(ACCEPT, 1), (ACCEPT, 2)]
+
+
+def test_synthetic_agreement_two_windows_take_a_rejection(tiny_models, tiny_drafts):
+    # With two windows a request, the second goes to the likeliest rejection (the setting credits it), not to a
+    # second bonus guess (the setting never does): rejection windows hit.
+    path, draft = tiny_models["llama"].path, tiny_drafts["llama-1l"].path
+    llm = LLM(path, draft_model=draft, num_speculative_tokens=3, rejection_sampling="synthetic",
+              synthetic_acceptance_rate=0.6, synthetic_bonus_agreement=1.0, speculation_ahead_branches=2, **AHEAD)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    ahead = _ahead(llm)
+    assert ahead.stats.hits_reject > 0 and ahead.stats.hits_accept > 0, ahead.stats
+    # The estimates scored the setting's verdicts (every credited guess right at rate 1, over the priors' ten
+    # verifies), not the unrelated tokens (where the rejection guesses were right 0 of 13 times in this run).
+    est = ahead.estimates
+    assert est.reject_right / est.reject_seen > 0.6 and est.bonus_right[0] / est.bonus_seen[0] > 0.8, est
+    assert est.bonus_right[1] == 1.0, est  # the prior alone: a second bonus guess is never credited

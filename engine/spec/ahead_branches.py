@@ -14,7 +14,9 @@ Ranking: P(branch) = P(outcome) x P(guess right | outcome), where
 - alpha and the three guess accuracies (bonus argmax, bonus runner-up, rejection runner-up) are running estimates
   over this proposer's own verifies: each lookup shows the outcome of the verify before it (where the next catch-up
   starts, with which tokens) and whether each guess made for it was right, whether or not its window was drafted.
-  They start from priors worth ten verifies (alpha 0.7; guesses right 0.7, 0.1 and 0.3 of the time).
+  They start from priors worth ten verifies (alpha 0.7; guesses right 0.7, 0.1 and 0.3 of the time). Under the
+  benchmarks' agreement setting (a synthetic pair, whose tokens are unrelated to the draft's) the guesses are scored
+  as that setting's lookups credit them instead (`observe_agreement`).
 The draft's own q is not used: a greedy draft's q is one-hot, and what decides a guess is the target's p, which the
 draft never sees; the running rates are exactly what each branch kind's hit rate measures. The estimates are the
 same for every request (only k differs), and every tensor-parallel rank sees the same plans and tokens, so all
@@ -86,6 +88,20 @@ class BranchEstimates:
                 right[r] += g == token
                 seen[r] += 1
         self.bonus_right, self.bonus_seen = (right[0], right[1]), (seen[0], seen[1])
+
+    def observe_agreement(self, k: int, accepted: int, rate: float) -> None:
+        """One verify's outcome under the benchmarks' agreement setting (AheadProposer.bonus_agreement), where a
+        synthetic pair's tokens are unrelated to the draft's guesses and a lookup credits one window per outcome at
+        `rate` instead: the argmax bonus guess and a rejection's guess count as right at that rate, a second bonus
+        guess never. Scoring the real tokens instead would rank windows the setting never credits."""
+        self.accepted += accepted
+        if accepted < k:
+            self.rejected += 1
+            self.reject_right += rate
+            self.reject_seen += 1
+            return
+        self.bonus_right = (self.bonus_right[0] + rate, self.bonus_right[1])
+        self.bonus_seen = (self.bonus_seen[0] + 1, self.bonus_seen[1] + 1)
 
     def ranked(self, k: int, budget: int) -> list[Branch]:
         """The `budget` likeliest branches of a verify of k drafts, likeliest first. Fan-out 1 is always the argmax

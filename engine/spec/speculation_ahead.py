@@ -81,7 +81,8 @@ class AheadProposer:
     so a guess would never be right; with this rate, a lookup whose outcome has a window (every draft accepted: the
     argmax bonus window; a rejection after a accepted: that rejection's window) counts its guess as right (the
     draft's KV then holds the guess where the target has another token: harmless for a synthetic benchmark, whose
-    outputs mean nothing, and refused everywhere else)."""
+    outputs mean nothing, and refused everywhere else); the branch estimates score the same verdicts, so fan-out
+    ranks the windows the setting can credit."""
 
     def __init__(self, proposer: DraftProposer, bonus_agreement: float | None = None, seed: int = 0) -> None:
         self.proposer = proposer
@@ -120,7 +121,7 @@ class AheadProposer:
             if not (p.draft_runs and p.num_draft_tokens):
                 continue
             self.stats.lookups += 1
-            self._observe(p)
+            self._observe(p, plan)
             entries = self.cache.entries.get(p.request_id)
             entry = self._lookup(entries, p, plan) if entries and p.request_id not in plan.finished_ids else None
             if entry is None:
@@ -166,18 +167,25 @@ class AheadProposer:
         same = next((e for e in fits if len(e.tokens) == len(tokens) and e.tokens[:-1] == tokens[:-1]), None)
         return same if same is not None and self._agreement_rng.random() < self.bonus_agreement else None
 
-    def _observe(self, p: PlannedRequest) -> None:
+    def _observe(self, p: PlannedRequest, plan: StepPlan) -> None:
         """Score the guesses made for this request's last verify, from the outcome its draft input shows."""
         v = self._pending.get(p.request_id)
         if v is None:
             return
         toks, start = p.draft_token_ids, p.draft_start_pos
+        agreement = self.bonus_agreement if plan.synthetic_acceptance_rate is not None else None
         if start == v.frontier + v.k - 1 and len(toks) == 2 and toks[0] == v.last_draft:
-            self.estimates.observe(v.k, v.k, (v.bonus_guesses[0], v.bonus_guesses[1]), None, toks[1])
+            if agreement is not None:
+                self.estimates.observe_agreement(v.k, v.k, agreement)
+            else:
+                self.estimates.observe(v.k, v.k, (v.bonus_guesses[0], v.bonus_guesses[1]), None, toks[1])
         elif len(toks) == 1 and v.frontier <= start < v.frontier + v.k:
             a = start - v.frontier
-            guess = v.reject_guesses[a] if v.reject_guesses is not None else None
-            self.estimates.observe(v.k, a, (None, None), guess, toks[0])
+            if agreement is not None:
+                self.estimates.observe_agreement(v.k, a, agreement)
+            else:
+                guess = v.reject_guesses[a] if v.reject_guesses is not None else None
+                self.estimates.observe(v.k, a, (None, None), guess, toks[0])
 
     def _merge(self, plan: StepPlan, hits: dict[int, AheadEntry], rest: list[int],
                drafted: DraftProposal | None) -> DraftProposal:
