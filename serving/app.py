@@ -20,6 +20,7 @@ from ray.serve.config import RequestRouterConfig
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, LOCAL_ENGINE_BUILDER
 from serving.engine_deployment import ENGINE_DEPLOYMENT, EngineReplica
 from serving.front_end import FrontEnd
+from serving.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger("specserve")
 
@@ -39,6 +40,7 @@ class SpecServe:
         """engine: a DeploymentHandle of the engine replicas; the rest: serving.front_end.FrontEnd's."""
         info = await engine.info.remote()
         self.front = FrontEnd(engine, model, served_model_name, info["max_model_len"], security, generation_config)
+        self.gc_frozen = freeze_startup_heap(f"ingress of {served_model_name or model}")  # tokenizer loaded
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.front.asgi_app()

@@ -24,6 +24,7 @@ from ray import serve
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER
 from serving.engine_deployment import ENGINE_DEPLOYMENT, EngineReplica
 from serving.front_end import FrontEnd
+from serving.gc_heap import freeze_startup_heap
 
 
 class InProcessStream:
@@ -82,6 +83,7 @@ class EngineIngressReplica(EngineReplica.func_or_class):
         deployment = serve.get_deployment_handle(ENGINE_DEPLOYMENT, ctx.app_name)
         self.front = FrontEnd(ReplicaEngine(self, deployment), str(engine_args["model"]), model_name,
                               self.engine.config.max_model_len, security, generation_config)
+        self.gc_frozen = freeze_startup_heap(f"engine ingress of {model_name or engine_args['model']}")
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.front.asgi_app()

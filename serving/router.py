@@ -37,6 +37,7 @@ import ray
 # build_local_engine stays importable from here for configs that name serving.router:build_local_engine.
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, build_local_engine, import_builder  # noqa: F401
 from serving.engine_recovery import EngineRecovery
+from serving.gc_heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from serving.request_stream import RequestStream
@@ -87,6 +88,7 @@ class Router(EngineRecovery):
         self._recovery: asyncio.Task | None = None  # rebuilding workers: keeps a reference so it is not collected
         self.metrics.set_queue(0, 0)
         self._update_kv_gauges()
+        self.gc_frozen = freeze_startup_heap(f"router of {self.model_name}")  # the engine built, its workers up
 
     # --- public methods -------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -181,7 +183,8 @@ class Router(EngineRecovery):
 
     async def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "num_streams": len(self._streams), "healthy": self._unhealthy is None,
-                "draining": self._draining, "degraded": self._degraded, **await self.info()}
+                "draining": self._draining, "degraded": self._degraded, "gc_frozen_objects": self.gc_frozen,
+                **await self.info()}
 
     async def workers(self) -> list[dict[str, Any]]:
         """The model workers: role, rank and Ray actor id (hex), for operators and fault-injection tests."""

@@ -41,6 +41,7 @@ from engine.spec.speculation_ahead import AheadProposer
 from engine.spec.verifier import VerifyInput
 from engine.step_phases import HOST, book_between, book_remote_proposal
 from engine.step_plan import StepPlan, StepResult
+from serving.gc_heap import freeze_startup_heap
 from serving.thread_switch import set_gil_switch_interval
 
 ROLES = ("target", "draft")
@@ -64,6 +65,7 @@ class WorkerInfo:
     # A draft colocated in the target's ranks (RayExecutor's draft_placement "colocated"): its KV caches.
     draft_kv_groups: list[KVCacheGroupSpec] | None = None
     draft_num_blocks: int = 0
+    gc_frozen: int = 0  # objects frozen out of garbage collection at start (serving/gc_heap.py)
 
 
 @dataclass
@@ -165,6 +167,7 @@ class ModelWorker:
         # A target without a draft queues each step before reading the last one's tokens (`target_decode`).
         self.pipeline: DecodePipeline | None = None
         self._returned_at = 0.0  # when `spec_step` last returned a result (rank 0): the `between` phase
+        self.gc_frozen = freeze_startup_heap(f"{role}[{rank}/{world_size}]")  # models loaded, graphs captured
 
     def _init_distributed(self, master_addr: str, master_port: int) -> TensorParallelGroup:
         if self.world_size == 1:
@@ -218,7 +221,7 @@ class ModelWorker:
         r, d = self.runner, self.draft_runner
         return WorkerInfo(self.role, r.kv_groups, r.num_blocks, r.vocab_size, self.world_size, str(r.device),
                           ray.util.get_node_ip_address(), os.getpid(), d.kv_groups if d is not None else None,
-                          d.num_blocks if d is not None else 0)
+                          d.num_blocks if d is not None else 0, self.gc_frozen)
 
     # --- one step: graph nodes, or ordered actor calls (ranks > 0 return None) -------------------------
     def draft_step(self, plan: StepPlan) -> DraftOutput | None:

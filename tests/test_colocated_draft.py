@@ -8,6 +8,7 @@ step in flight free both models' blocks, and a dead rank rebuilds the whole engi
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
 from collections.abc import Iterator
@@ -74,6 +75,7 @@ def test_worker_spec_step_replays_the_local_executor(tiny_models: dict[str, Tiny
     finally:
         torch.set_num_threads(threads)
         sys.setswitchinterval(interval)
+        gc.unfreeze()  # a worker freezes its process's heap once started: not the test process's
     info = worker.info()
     assert (info.draft_kv_groups, info.draft_num_blocks) == (executor.draft_kv_groups, executor.draft_num_blocks)
     assert len(info.draft_kv_groups) == 2  # the hybrid draft's sliding and full groups
@@ -197,6 +199,7 @@ def test_a_dead_colocated_worker_rebuilds_the_whole_engine(tiny_models: dict[str
 
     async def scenario() -> None:
         router = Router(args, continue_without_draft=True)
+        gc.unfreeze()  # a router freezes its process's heap once started: not the test process's
         old = router.engine
         try:
             with pytest.raises(RuntimeError, match="colocated"):

@@ -11,6 +11,7 @@ below the longest prompt make steps cross block boundaries and mix prefill chunk
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 import time
 from collections.abc import Iterator
@@ -94,6 +95,7 @@ def test_worker_methods_replay_the_local_executor(tiny_models: dict[str, TinyMod
     finally:
         torch.set_num_threads(threads)
         sys.setswitchinterval(interval)
+        gc.unfreeze()  # a worker freezes its process's heap once started: not the test process's
     assert target.info().num_blocks == executor.target_num_blocks
     assert draft.info().kv_groups == executor.draft_kv_groups
     for plan, expected in steps:
@@ -112,6 +114,11 @@ def test_target_only_tp1_matches_llm(tiny_models: dict[str, TinyModel]) -> None:
         # The worker process switches threads every 200 us, not Python's 5 ms (see set_gil_switch_interval).
         interval = ray.get(engine.executor.target.workers[0].__ray_call__.remote(lambda self: sys.getswitchinterval()))
         assert interval == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_S)
+        # Its startup heap (torch, the model) is frozen out of garbage collection (serving/gc_heap.py); a frozen
+        # object freed by its reference count since leaves the count.
+        info = ray.get(engine.executor.target.workers[0].info.remote())
+        frozen = ray.get(engine.executor.target.workers[0].__ray_call__.remote(lambda self: gc.get_freeze_count()))
+        assert info.gc_frozen > 10_000 and frozen > 0.9 * info.gc_frozen, (frozen, info.gc_frozen)
     finally:
         engine.executor.shutdown()
 
