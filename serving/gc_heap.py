@@ -4,9 +4,10 @@ A process that has loaded torch, transformers, Ray and a model holds hundreds of
 live as long as it does. Python's full (generation 2) collection walks all of them, and it runs whenever the
 objects that survived earlier collections have grown by a quarter: request objects, streams and plans do that
 under load. In an engine process with the SmolLM2 pair on CPU (310k tracked objects) one full collection took
-185-250 ms; a pause like that in the router or a worker stalls every request in flight (the tail of TTFT and
-ITL). `gc.freeze()` moves everything alive into a permanent generation that collections skip, so later ones walk
-only what serving allocated since (vLLM freezes its engine and API processes after start-up the same way).
+147-250 ms (benchmarks/gc_pause.py); a pause like that in the router or a worker stalls every request in flight
+(the tail of TTFT and ITL). `gc.freeze()` moves everything alive into a permanent generation that collections
+skip, so later ones walk only what serving allocated since (vLLM freezes its engine and API processes after
+start-up the same way).
 Collected first: freezing takes garbage as it finds it, and startup garbage would then never be reclaimed.
 """
 
