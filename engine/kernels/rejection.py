@@ -236,7 +236,7 @@ def _synthetic_rates(rate: float, max_k: int, dtype: torch.dtype, device: torch.
 
 def warm_up(vocab: int, device: torch.device) -> int:
     """Compile every variant a verify can select (each mode, with and without noise) before the first request:
-    compiled lazily, the first speculation step of a fresh process stalled for 0.6 s (one H100). The shapes
+    compiled lazily, the first speculation step of a fresh process stalled 0.2-0.75 s (one H100). The shapes
     do not matter (sizes and k are not specialized on, `vocab` fixes BLOCK_V). Returns the variants run."""
     if not HAS_TRITON or device.type != "cuda":
         return 0
