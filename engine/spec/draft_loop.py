@@ -147,13 +147,11 @@ class DraftLoop:
                         (self.first_graphs if first else self.next_graphs)[(b, greedy)] = graph
 
     def _mixed_key(self, chunks: list[Chunk]) -> tuple[int, int, int] | None:
-        """The runner's mixed graph for a first step of these chunks (one logits row each), if one holds them
-        and its rows cover the loop's batch bucket."""
+        """The runner's mixed graph for a first step of these chunks (one logits row each), if one holds them. Its
+        rows are the largest batch bucket, from the same config as the loop's, so they cover the loop's bucket."""
         graphs = self.runner.graphs
         key = graphs.bucket(chunks) if graphs is not None else None
-        if key is None or len(key) != 3 or key[0] < self._bucket(len(chunks)):
-            return None
-        return key  # type: ignore[return-value]
+        return key if key is not None and len(key) == 3 else None  # type: ignore[return-value]
 
     def _bucket(self, num_reqs: int) -> int | None:
         i = bisect.bisect_left(self.batch_sizes, num_reqs)

@@ -173,19 +173,19 @@ class AheadProposer:
         if v is None:
             return
         toks, start = p.draft_token_ids, p.draft_start_pos
-        agreement = self.bonus_agreement if plan.synthetic_acceptance_rate is not None else None
         if start == v.frontier + v.k - 1 and len(toks) == 2 and toks[0] == v.last_draft:
-            if agreement is not None:
-                self.estimates.observe_agreement(v.k, v.k, agreement)
-            else:
-                self.estimates.observe(v.k, v.k, (v.bonus_guesses[0], v.bonus_guesses[1]), None, toks[1])
+            accepted = v.k
         elif len(toks) == 1 and v.frontier <= start < v.frontier + v.k:
-            a = start - v.frontier
-            if agreement is not None:
-                self.estimates.observe_agreement(v.k, a, agreement)
-            else:
-                guess = v.reject_guesses[a] if v.reject_guesses is not None else None
-                self.estimates.observe(v.k, a, (None, None), guess, toks[0])
+            accepted = start - v.frontier
+        else:
+            return  # the input follows neither outcome: nothing to score
+        if plan.synthetic_acceptance_rate is not None and self.bonus_agreement is not None:
+            self.estimates.observe_agreement(v.k, accepted, self.bonus_agreement)
+        elif accepted == v.k:
+            self.estimates.observe(v.k, v.k, (v.bonus_guesses[0], v.bonus_guesses[1]), None, toks[1])
+        else:
+            guess = v.reject_guesses[accepted] if v.reject_guesses is not None else None
+            self.estimates.observe(v.k, accepted, (None, None), guess, toks[0])
 
     def _merge(self, plan: StepPlan, hits: dict[int, AheadEntry], rest: list[int],
                drafted: DraftProposal | None) -> DraftProposal:
