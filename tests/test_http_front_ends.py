@@ -14,6 +14,7 @@ blocks at once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -73,12 +74,23 @@ def oracle(models: tuple[str, str]):
     return greedy_oracle(models[0], MAX_MODEL_LEN)
 
 
-def _listener(port: int) -> psutil.Process:
-    """The process listening on TCP `port`."""
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid is not None:
-            return psutil.Process(conn.pid)
-    raise LookupError(f"nothing listens on port {port}")
+def _listener(port: int, attempts: int = 20) -> psutil.Process:
+    """The live process listening on TCP `port`.
+
+    HAProxy reloads by starting a new process that takes over the socket while the old one drains and exits, so
+    a listener seen in the connection table may be gone by the time it is looked up: skip it and look again.
+    """
+    for _ in range(attempts):
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid is not None:
+                try:
+                    proc = psutil.Process(conn.pid)
+                    proc.name()
+                    return proc
+                except psutil.NoSuchProcess:
+                    continue
+        time.sleep(0.25)
+    raise LookupError(f"no live process listens on port {port}")
 
 
 def test_haproxy_holds_the_ports_and_the_app_has_its_deployments(server: Server, front_end: str) -> None:
