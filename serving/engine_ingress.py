@@ -72,6 +72,8 @@ class ReplicaEngine:
 class EngineIngressReplica(EngineReplica.func_or_class):
     """An engine replica that also answers HTTP and gRPC (the application's ingress)."""
 
+    FREEZE_HEAP_AT_INIT = False  # frozen once below, with the front end built too
+
     def __init__(self, engine_args: dict[str, Any], engine_builder: str = DEFAULT_ENGINE_BUILDER,
                  model_name: str | None = None, max_queued_requests: int | None = None,
                  continue_without_draft: bool = False, security: dict[str, Any] | None = None,

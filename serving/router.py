@@ -48,6 +48,8 @@ logger = logging.getLogger("specserve")
 class Router(EngineRecovery):
     """Owns one EngineCore. `engine_args` go to the builder (LLM's arguments for the local engine)."""
 
+    FREEZE_HEAP_AT_INIT = True  # serving.gc_heap: freeze the startup heap at the end of __init__
+
     def __init__(self, engine_args: dict[str, Any], engine_builder: str = DEFAULT_ENGINE_BUILDER,
                  model_name: str | None = None, max_queued_requests: int | None = None,
                  continue_without_draft: bool = False) -> None:
@@ -88,7 +90,9 @@ class Router(EngineRecovery):
         self._recovery: asyncio.Task | None = None  # rebuilding workers: keeps a reference so it is not collected
         self.metrics.set_queue(0, 0)
         self._update_kv_gauges()
-        self.gc_frozen = freeze_startup_heap(f"router of {self.model_name}")  # the engine built, its workers up
+        # The engine built, its workers up. A subclass that builds more at start (the engine ingress: a tokenizer
+        # and an HTTP app) freezes once, when it is done, instead: each freeze is a full collection.
+        self.gc_frozen = freeze_startup_heap(f"router of {self.model_name}") if self.FREEZE_HEAP_AT_INIT else 0
 
     # --- public methods -------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
