@@ -18,9 +18,10 @@ unchanged: the same forwards see the same tokens, sample with the same settings 
 same generators, in the same order on the same stream.
 
 A step stays queued only if nothing of it needs its own tokens on the host before the next step runs: no logprobs
-(computed from logits that the next step's graph replay overwrites), no logits processing (penalties, grammars,
-masks read the host-side history), no drafts. Such a step runs to the end at once, after step n's tokens are in.
-The in-process executor and each target worker rank of a draft-less engine use this class alike.
+or prompt logprobs (computed from logits that the next step's graph replay overwrites), no logits processing
+(penalties, grammars, masks read the host-side history), no drafts. Such a step runs to the end at once, after
+step n's tokens are in. The in-process executor and each target worker rank of a draft-less engine use this class
+alike.
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ class LaggedResults:
 
 def _stays_queued(plan: StepPlan) -> bool:
     """Whether a resolved draft-less step may stay on the device while the next is queued (see the module doc)."""
-    return all(r.logprobs is None and r.logits_params is None for r in plan.requests)
+    return all(r.logprobs is None and r.logits_params is None and r.prompt_targets is None for r in plan.requests)
 
 
 def _pending_slots(plan: StepPlan, prev: QueuedStep | None) -> tuple[list[int], list[int]]:

@@ -364,6 +364,8 @@ class EngineCore:
             k = result.num_draft_tokens[n] if result.num_draft_tokens is not None else s.num_draft_tokens
             # An open input began where the step before it ended: the committed frontier now.
             frontier = r.num_tokens if s.open_input else s.frontier
+            if result.prompt_logprobs is not None and result.prompt_logprobs[n]:
+                _add_prompt_logprobs(r, s.start, result.prompt_logprobs[n])
             if tokens is None:  # a prefill chunk that did not reach the end of the prompt
                 r.num_computed_tokens = frontier
                 if s.draft_runs:
@@ -384,3 +386,11 @@ class EngineCore:
             if r.status.finished:
                 self._finish(r, r.status)
         return touched
+
+
+def _add_prompt_logprobs(r: Request, start: int, entries: list[Any]) -> None:
+    """Append a chunk's prompt logprobs (those of prompt tokens start + 1, start + 2, ...) where they extend what
+    the request has: a chunk recomputed after a preemption brings some a second time."""
+    have = len(r.prompt_logprobs)
+    if start <= have:
+        r.prompt_logprobs.extend(entries[have - start:])

@@ -132,5 +132,15 @@ def _to_output(prompt: str | None, req: Request) -> RequestOutput:
                          num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens or 0,
                          logprobs=[{tok: lp, **dict(top)} for tok, (lp, top) in zip(req.output_token_ids,
                                                                                     req.output_logprobs)]
-                         if req.params.logprobs is not None else None)
+                         if req.params.logprobs is not None else None,
+                         prompt_logprobs=prompt_logprobs_dicts(req))
+
+
+def prompt_logprobs_dicts(req: Request) -> list[dict[int, float] | None] | None:
+    """vLLM's prompt_logprobs of a request that asked: None for the first prompt token, then per prompt token
+    {token id: logprob} of the token itself, then its position's most likely tokens."""
+    if req.params.prompt_logprobs is None:
+        return None
+    return [None] + [{tok: lp, **dict(top)} for tok, (lp, _rank, top) in zip(req.prompt_token_ids[1:],
+                                                                          req.prompt_logprobs)]
 

@@ -34,6 +34,8 @@ def build_plan(step_id: int, scheduled: list[ScheduledRequest], target_kv: KVCac
             # The history a logits processor reads; an open entry's sides append what its step in flight added.
             output_token_ids=list(r.output_token_ids)
             if r.logits_params is not None and r.logits_params.needs_output_history else None)
+        if r.params.prompt_logprobs is not None and not s.open_input:
+            p.prompt_targets = _prompt_targets(r, s.start, frontier)
         tables = [target_kv.block_table(rid, g) for g in range(target_kv.num_groups)]
         draft_tables = None
         if s.draft_runs:  # else the draft sits this step out (speculation off at this load) and lags
@@ -56,7 +58,17 @@ def build_plan(step_id: int, scheduled: list[ScheduledRequest], target_kv: KVCac
 
 def sampling_settings(r: Request) -> SamplingSettings:
     return SamplingSettings(temperature=r.params.temperature, top_p=r.params.top_p, top_k=r.params.top_k,
-                            seed=r.params.seed, logprobs=r.params.logprobs, logits_params=r.logits_params)
+                            seed=r.params.seed, logprobs=r.params.logprobs,
+                            prompt_logprobs=r.params.prompt_logprobs, logits_params=r.logits_params)
+
+
+def _prompt_targets(r: Request, start: int, end: int) -> list[int] | None:
+    """The prompt tokens that positions start..end-1 predict (PlannedRequest.prompt_targets); None once the chunk
+    is past the prompt, or where the request has them all already (a recompute after preemption)."""
+    n = r.num_prompt_tokens
+    if start >= n - 1 or len(r.prompt_logprobs) >= min(end, n - 1):
+        return None
+    return r.prompt_token_ids[start + 1:min(end + 1, n)]
 
 
 def _tokens(r: Request, start: int, end: int) -> list[int]:

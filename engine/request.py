@@ -29,6 +29,10 @@ class SamplingParams:
     # None: no logprobs. k >= 0: each output token's logprob and the k most likely tokens at its position, from the
     # target's raw logits (before temperature, top-k, top-p: vLLM's default "raw_logprobs"), with or without a draft.
     logprobs: int | None = None
+    # None: none. k >= 0: each prompt token's logprob given the tokens before it (the first has none), its rank in
+    # the vocabulary and the k most likely tokens there, from the target's raw logits (vLLM's prompt_logprobs). Such
+    # a request computes its whole prompt: it takes nothing from the prefix cache, whose blocks carry no logits.
+    prompt_logprobs: int | None = None
     # Logits processing (vLLM's semantics; applied to the target's logits at every position, with the drafts before
     # the position in the history, so speculation stays lossless): see engine/sample/logits_params.py.
     presence_penalty: float = 0.0
@@ -76,10 +80,10 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an integer >= 0 (the most likely tokens to list), "
-                             f"got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0 (the most likely tokens to list), got {v!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
@@ -194,6 +198,9 @@ class Request:
         self.output_token_ids: list[int] = []
         # With params.logprobs: per output token, (logprob, [(token id, logprob), ...] of the most likely tokens).
         self.output_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        # With params.prompt_logprobs: per prompt token from the second on, (logprob, rank, most likely tokens),
+        # filled as the prefill chunks run (engine.sample.logprobs.PromptTokenLogprobs).
+        self.prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] = []
         self.params = params
         self.status = RequestStatus.WAITING
         self.arrival_index = arrival_index
@@ -256,3 +263,6 @@ class RequestOutput:
     # With SamplingParams.logprobs (vLLM's shape): per output token, {token id: logprob} of the token itself, then
     # the most likely tokens at its position.
     logprobs: list[dict[int, float]] | None = None
+    # With SamplingParams.prompt_logprobs (vLLM's shape): None for the first prompt token, then per prompt token
+    # {token id: logprob} of the token itself, then the most likely tokens at its position.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -196,8 +196,9 @@ class Scheduler:
 
     # --- prefix caching ------------------------------------------------------------------------------
     def _prefix_hit(self, request: Request) -> PrefixHit | None:
-        """The longest cached prefix every group of every model can supply (None: caching is off)."""
-        if not self.enable_prefix_caching:
+        """The longest cached prefix every group of every model can supply (None: caching is off, or the request
+        wants its prompt's logprobs, which only computing its positions gives)."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return None
         bs = self.kv_managers[0].block_size
         hashes = update_block_hashes(request, bs)

@@ -32,6 +32,8 @@ class SamplingSettings:
     seed: int | None = None
     # Logprobs: None (the default) computes none; k >= 0 returns each emitted token's logprob and the k most likely.
     logprobs: int | None = None
+    # Prompt logprobs: None computes none; k >= 0 the logprob, rank and k most likely tokens of each prompt token.
+    prompt_logprobs: int | None = None
     # Logits processing (penalties, logit_bias, masks, min_p): only for requests that use it; None costs nothing.
     logits_params: LogitsParams | None = None
 
@@ -74,6 +76,10 @@ class PlannedRequest:
     # block_tables is the table's tail: the sides keep the blocks before it from the tables sent before.
     block_table_starts: list[int] | None = None  # [num_target_groups]
     draft_block_table_starts: list[int] | None = None  # [num_draft_groups]
+    # With prompt_logprobs, while the chunk covers prompt tokens: the prompt tokens its positions predict, from
+    # start_pos + 1 on (one per chunk token, one fewer where the chunk ends the prompt: its last position predicts
+    # the first output token). The target computes the logits of every such position. None: none wanted.
+    prompt_targets: list[int] | None = None
     # Single settings given at construction (PlannedRequest(..., temperature=0.7), dataclasses.replace(entry,
     # logprobs=None)) replace those of `sampling`; they are not stored on their own.
     temperature: InitVar[float] = _KEEP
@@ -81,6 +87,7 @@ class PlannedRequest:
     top_k: InitVar[int] = _KEEP
     seed: InitVar[int | None] = _KEEP
     logprobs: InitVar[int | None] = _KEEP
+    prompt_logprobs: InitVar[int | None] = _KEEP
     logits_params: InitVar[LogitsParams | None] = _KEEP
 
     def __post_init__(self, *settings: Any) -> None:
@@ -148,3 +155,6 @@ class StepResult:
     # Per planned request, one (logprob, [(token id, logprob), ...]) per sampled token, where the request asked for
     # logprobs (engine.sample.logprobs); None when no request of the step did.
     logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None
+    # Per planned request, the logprobs of its entry's prompt_targets, (logprob, rank, top tokens) each
+    # (engine.sample.logprobs.PromptTokenLogprobs); None when no entry of the step had prompt_targets.
+    prompt_logprobs: list[list[tuple[float, int, list[tuple[int, float]]]] | None] | None = None

@@ -1,8 +1,7 @@
 """The choices of one OpenAI request (n per prompt), each a router stream of deltas, into a response body or SSE.
 
 A delta is what serving.router_client streams: new token ids and text, finish_reason on the last one, token
-counts and speculation counters, and with logprobs asked for, one `[logprob, [[token_id, logprob], ...]]` per new
-token (the emitted token's log-probability and the most likely tokens at its position).
+counts and speculation counters, and the logprobs asked for (serving/openai_logprobs.py renders them).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from serving.openai_logprobs import LogprobsBuilder, echo_logprobs, joined, logprobs_builder, vllm_prompt_logprobs
 from serving.openai_responses import ChatCompletionResponse, CompletionResponse, error_body, error_type
 from serving.router_client import GenerationError, spec_decode_summary
 from serving.tool_calls import ToolCallStream, parse_tool_calls
@@ -49,56 +49,6 @@ class Choice:
                 yield delta
 
 
-# --- logprobs ------------------------------------------------------------------------------------------------
-def _token_str(tokenizer: Any, token_id: int, as_ids: bool = False) -> str:
-    return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id])
-
-
-class LogprobsBuilder:
-    """Accumulates one choice's logprobs in the endpoint's shape (completions' legacy lists or chat's content)."""
-
-    def __init__(self, tokenizer: Any, chat: bool, num_top: int, as_ids: bool = False) -> None:
-        self.tokenizer = tokenizer
-        self.chat = chat
-        self.num_top = num_top
-        self.as_ids = as_ids  # return_tokens_as_token_ids: "token_id:N" instead of the token's text
-        self.offset = 0
-
-    def render(self, token_ids: list[int], logprobs: list[Any]) -> dict[str, Any]:
-        """The logprobs object for these tokens (one delta's, or a whole choice's)."""
-        if self.chat:
-            content = []
-            for tok, (lp, top) in zip(token_ids, logprobs):
-                s = _token_str(self.tokenizer, tok, self.as_ids)
-                content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                                "top_logprobs": [self._chat_top(t, v) for t, v in top[:self.num_top]]})
-            return {"content": content}
-        out: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-        for tok, (lp, top) in zip(token_ids, logprobs):
-            s = _token_str(self.tokenizer, tok, self.as_ids)
-            out["text_offset"].append(self.offset)
-            self.offset += len(s)
-            out["tokens"].append(s)
-            out["token_logprobs"].append(lp)
-            # The emitted token is always listed, then the most likely ones (vLLM: up to logprobs + 1 entries).
-            top_dict = {s: lp}
-            for t, v in top[:self.num_top]:
-                top_dict.setdefault(_token_str(self.tokenizer, t, self.as_ids), v)
-            out["top_logprobs"].append(top_dict)
-        return out
-
-    def _chat_top(self, token_id: int, logprob: float) -> dict[str, Any]:
-        s = _token_str(self.tokenizer, token_id, self.as_ids)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
-
-
-def logprobs_builder(body: Any, tokenizer: Any, chat: bool) -> LogprobsBuilder | None:
-    as_ids = body.return_tokens_as_token_ids
-    if chat:
-        return LogprobsBuilder(tokenizer, True, body.top_logprobs or 0, as_ids) if body.logprobs else None
-    return LogprobsBuilder(tokenizer, False, body.logprobs, as_ids) if body.logprobs is not None else None
-
-
 # --- usage and speculation over choices ---------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's usage object; cached_tokens: prompt tokens whose KV came from the prefix cache."""
@@ -130,23 +80,42 @@ def merged_spec(specs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # --- whole responses ------------------------------------------------------------------------------------------
-async def _collect(choice: Choice) -> tuple[str, list[int], list[Any], dict[str, Any]]:
-    text, ids, lps, last = "", [], [], {}
+async def _collect(choice: Choice) -> tuple[str, list[int], list[Any], dict[str, Any], list[Any] | None]:
+    text, ids, lps, last, prompt_lps = "", [], [], {}, None
     async for delta in choice.deltas():
         text += delta["text"]
         ids += delta["token_ids"]
         lps += delta.get("logprobs") or []
+        prompt_lps = delta.get("prompt_logprobs") or prompt_lps
         last = delta
-    return text, ids, lps, last
+    return text, ids, lps, last, prompt_lps
+
+
+def _rendered(builder: LogprobsBuilder | None, choice: Choice, body: Any, ids: list[int], lps: list[Any],
+              prompt_lps: list[Any] | None) -> Any:
+    """A choice's logprobs object for these output tokens; with completions' echo, the first one of a choice
+    lists the prompt's tokens first (their logprobs come on the choice's first delta)."""
+    if builder is None:
+        return None
+    if getattr(body, "echo", False) and prompt_lps is not None:
+        return joined(echo_logprobs(builder, choice.prompt_token_ids, prompt_lps), builder.render(ids, lps))
+    return builder.render(ids, lps)
+
+
+def _prompt_logprobs_field(choice: Choice, body: Any, client: Any, prompt_lps: list[Any] | None) -> Any:
+    """vLLM's `prompt_logprobs` of a choice, where the request asked for them."""
+    if body.prompt_logprobs is None or prompt_lps is None:
+        return None
+    return vllm_prompt_logprobs(client.tokenizer, choice.prompt_token_ids, prompt_lps, body.prompt_logprobs,
+                                body.return_tokens_as_token_ids)
 
 
 async def collect_response(choices: list[Choice], body: Any, request_id: str, client: Any,
                            chat: bool) -> dict[str, Any]:
     results = await asyncio.gather(*(_collect(c) for c in choices))
     out_choices = []
-    for c, (text, ids, lps, last) in zip(choices, results):
-        builder = logprobs_builder(body, client.tokenizer, chat)
-        logprobs = builder.render(ids, lps) if builder is not None else None
+    for c, (text, ids, lps, last, prompt_lps) in zip(choices, results):
+        logprobs = _rendered(logprobs_builder(body, client.tokenizer, chat), c, body, ids, lps, prompt_lps)
         entry: dict[str, Any] = {"index": c.index, "finish_reason": last["finish_reason"], "logprobs": logprobs,
                                  "stop_reason": last["stop_reason"]}
         if chat:
@@ -159,14 +128,17 @@ async def collect_response(choices: list[Choice], body: Any, request_id: str, cl
                     entry["finish_reason"] = "tool_calls"
         else:
             entry["text"] = c.echo + text
+            entry["prompt_logprobs"] = _prompt_logprobs_field(c, body, client, prompt_lps)
         if body.return_token_ids:
             entry["prompt_token_ids"], entry["token_ids"] = c.prompt_token_ids, ids
         out_choices.append(entry)
     lasts = [(c, r[3]) for c, r in zip(choices, results)]
     model = ChatCompletionResponse if chat else CompletionResponse
-    return model.model_validate({"id": request_id, "model": client.model_name, "choices": out_choices,
-                                 "usage": total_usage(lasts), "spec_decode": merged_spec([d["spec"] for _, d in lasts])
-                                 }).model_dump()
+    response = {"id": request_id, "model": client.model_name, "choices": out_choices, "usage": total_usage(lasts),
+                "spec_decode": merged_spec([d["spec"] for _, d in lasts])}
+    if chat:  # vLLM puts a chat request's prompt logprobs beside its choices (every choice has the same prompt)
+        response["prompt_logprobs"] = _prompt_logprobs_field(choices[0], body, client, results[0][4])
+    return model.model_validate(response).model_dump()
 
 
 # --- server-sent events ---------------------------------------------------------------------------------------
@@ -255,9 +227,8 @@ async def sse_stream(choices: list[Choice], body: Any, request_id: str, client: 
                     entry["prompt_token_ids"] = choice.prompt_token_ids
                 entry["token_ids"] = delta["token_ids"]
             started.add(choice.index)
-            builder = builders[choice.index]
-            entry["logprobs"] = (builder.render(delta["token_ids"], delta.get("logprobs") or [])
-                                 if builder is not None else None)
+            entry["logprobs"] = _rendered(builders[choice.index], choice, body, delta["token_ids"],
+                                          delta.get("logprobs") or [], delta.get("prompt_logprobs"))
             entry["finish_reason"] = finish
             if not chat or finish:
                 entry["stop_reason"] = delta["stop_reason"]

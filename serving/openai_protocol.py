@@ -54,7 +54,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "length_penalty": (_unset_or(1.0, 1), "it only applies to beam search, which is not implemented"),
     "best_of": (_unset_or(1), "as in vLLM's V1 engine, best_of > 1 is not supported: use n"),
     "suffix": (_off, "suffix (insertion) is not supported, as in vLLM"),
-    "prompt_logprobs": (_off, "prompt logprobs are not implemented"),
     "skip_special_tokens": (_unset_or(True), "special tokens are always skipped in the output text"),
     "spaces_between_special_tokens": (_unset_or(True), "special tokens are always skipped in the output text"),
     "priority": (_unset_or(0), "requests are scheduled first come, first served (no priorities)"),
@@ -103,7 +102,8 @@ class _SamplingRequest(BaseModel):
     length_penalty: float | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    prompt_logprobs: int | None = None
+    # Extension (vLLM): each prompt token's logprob, rank and this many most likely tokens (not with stream).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # completions: the prompt's text before the output; chat: refused
     response_format: ResponseFormat | None = None
     guided_json: Any = None
@@ -134,6 +134,10 @@ class _SamplingRequest(BaseModel):
         for name, (accepts, why) in REFUSED.items():
             if name in type(self).model_fields and not accepts(getattr(self, name)):
                 raise GenerationError(f"{name}={getattr(self, name)!r} is not supported: {why}", 400, name)
+        if self.prompt_logprobs is not None and self.stream:
+            # As vLLM: a streamed response has no field for them (completions' echo with logprobs, which lists
+            # them in the choice's first chunk, streams).
+            raise GenerationError("prompt_logprobs are not available when stream is true", 400, "prompt_logprobs")
         self._structured = structured_outputs(self, self.tool_spec())
 
     def tool_spec(self) -> ToolSpec | None:
@@ -164,7 +168,7 @@ class _SamplingRequest(BaseModel):
                 "repetition_penalty": pick("repetition_penalty", 1.0), "min_p": pick("min_p", 0.0),
                 "min_tokens": self.min_tokens or 0, "logit_bias": bias, "allowed_token_ids": self.allowed_token_ids,
                 "include_stop_str_in_output": self.include_stop_str_in_output, "cache_salt": self.cache_salt,
-                "structured_outputs": self._structured}
+                "structured_outputs": self._structured, "prompt_logprobs": self.prompt_logprobs}
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -183,14 +187,11 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     prompt_embeds: str | list[str] | None = None  # extension (vLLM): refused (REFUSED)
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo and self.logprobs is not None:
-            raise GenerationError("echo with logprobs needs the prompt's logprobs, which are not implemented: "
-                                  "drop one of them", 400, "echo")
-
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {**super().sampling_params(max_tokens, defaults), "logprobs": self.logprobs}
+        params = {**super().sampling_params(max_tokens, defaults), "logprobs": self.logprobs}
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens are listed with their logprobs
+            params["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one text or token list, or a batch of them (each gets n choices)."""

@@ -57,6 +57,17 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class PromptTokenLogprob(BaseModel):
+    logprob: float
+    rank: int  # in the vocabulary, 1 for the most likely token
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: its entry} for the token itself
+# and the most likely tokens at its position. Only with prompt_logprobs asked for.
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None] | None
+
+
 class CompletionChoice(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a key the server builds but the model lacks is a bug, not dropped
     index: int = 0
@@ -66,6 +77,7 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None  # extension (vLLM): the stop string or token id that ended it
     prompt_token_ids: list[int] | None = None  # extension (vLLM): with return_token_ids
     token_ids: list[int] | None = None  # extension (vLLM): with return_token_ids
+    prompt_logprobs: PromptLogprobs = Field(default=None, exclude_if=lambda v: v is None)  # extension (vLLM)
 
 
 class CompletionResponse(BaseModel):
@@ -114,6 +126,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     spec_decode: SpecDecodeStats | None = None
+    prompt_logprobs: PromptLogprobs = Field(default=None, exclude_if=lambda v: v is None)  # extension (vLLM)
 
 
 class ModelCard(BaseModel):

@@ -35,6 +35,9 @@ class StepDelta:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens the prefix cache supplied (0 until the request is admitted)
     logprobs: list[Any] | None = None  # per new token (logprob, top tokens), when the request asked for them
+    # With prompt logprobs asked for, on the delta of the first output token (the prompt is all computed by then):
+    # per prompt token from the second on, (logprob, rank, top tokens).
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -47,6 +50,7 @@ class RequestStream:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[Any] = field(default_factory=list)  # one per pending token, when asked for
+    pending_prompt_logprobs: list[Any] | None = None  # the prompt's, until a delta carries them
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -68,9 +72,12 @@ class RequestStream:
         sp = req.spec
         finish = (req.finish_reason or req.status.value) if req.status.finished else None
         logprobs = req.output_logprobs[start:start + len(new)] if req.params.logprobs is not None else None
+        prompt_logprobs = list(req.prompt_logprobs) if req.params.prompt_logprobs is not None and new and \
+            start == 0 else None
         return StepDelta(list(new), req.output_text, (sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens,
                                                       list(sp.accepted_per_position)),
-                         finish, req.stop_reason, req.num_prompt_tokens, req.num_cached_tokens or 0, logprobs)
+                         finish, req.stop_reason, req.num_prompt_tokens, req.num_cached_tokens or 0, logprobs,
+                         prompt_logprobs)
 
     def publish(self, delta: StepDelta, now: float, metrics: Any) -> None:
         """Take a step's delta: new tokens, text, speculation counts, the finish; count them in `metrics`
@@ -80,6 +87,8 @@ class RequestStream:
         self.pending_tokens.extend(new)
         if delta.logprobs is not None:
             self.pending_logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.pending_prompt_logprobs = delta.prompt_logprobs
         self.text = delta.text
         self.num_cached_tokens = delta.num_cached_tokens
         if new:
@@ -115,8 +124,10 @@ class RequestStream:
         self.sent_text = max(self.sent_text, end)
         tokens, self.pending_tokens = self.pending_tokens, []
         logprobs, self.pending_logprobs = self.pending_logprobs, []
+        prompt_logprobs, self.pending_prompt_logprobs = self.pending_prompt_logprobs, None
         return {"request_id": self.request.request_id, "token_ids": tokens, "text": text,
                 "logprobs": logprobs if self.request.params.logprobs is not None else None,
+                "prompt_logprobs": prompt_logprobs,
                 "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
                 "num_prompt_tokens": self.request.num_prompt_tokens, "num_completion_tokens": self.num_published,
                 "num_cached_tokens": self.num_cached_tokens,

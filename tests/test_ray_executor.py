@@ -270,6 +270,16 @@ def test_async_scheduling_and_speculation_ahead_tp2_both_sides_hybrid_draft(
         assert sum(p.token_ids is None for plan in plans for p in plan.requests) > len(plans) // 2
         sampled = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 2)]
         reqs = run_to_completion(engine, PROMPTS[:2], sampled)
+        # Prompt logprobs come from target rank 0's verifier, across the prompt's chunks (PROMPTS[2] is longer than
+        # the token budget): HF's log_softmax at each position.
+        scored = run_to_completion(engine, PROMPTS[1:], [SamplingParams(max_tokens=2, prompt_logprobs=2)] * 2)
+        for r, prompt in zip(scored, PROMPTS[1:]):
+            with torch.no_grad():
+                ref = torch.log_softmax(tiny_models["gemma3"].hf(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+            assert [lp for lp, _, _ in r.prompt_logprobs] == pytest.approx(
+                [ref[j, t].item() for j, t in enumerate(prompt[1:])], abs=2e-4)
+            assert [v for _, _, top in r.prompt_logprobs for _, v in top] == pytest.approx(
+                ref.topk(2, dim=-1).values.flatten().tolist(), abs=2e-4)
         # One more request's plans carry the finished ids: then every rank remembers that request alone.
         last = run_to_completion(engine, [PROMPTS[0]], [SamplingParams(max_tokens=2, ignore_eos=True)])[0]
         known = ray.get([w.__ray_call__.remote(lambda self: sorted(self.table.requests)) for _, _, w in

@@ -25,7 +25,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, DeviceTokens, PreparedForward
 from engine.sample.from_plan import TARGET_STREAM, sampling_metadata
 from engine.sample.logits_processors import needs_draft_history, needs_processing, process_target_logits
-from engine.sample.logprobs import emitted_logprobs
+from engine.sample.logprobs import PromptTokenLogprobs, emitted_logprobs, prompt_token_logprobs
 from engine.sample.sampler import Sampler
 from engine.spec.proposer import DraftProposal
 from engine.spec.rejection_sampler import rejection_sample
@@ -103,8 +103,8 @@ class Verifier:
             self.gate.release()
         reqs = plan.requests
         counts = [r.num_draft_tokens for r in reqs] if with_drafts else [0] * len(reqs)
-        chunks = [Chunk(r.token_ids + [0] * k if k else r.token_ids, r.start_pos, 1 + k if r.sample else 0,
-                        r.block_tables) for r, k in zip(reqs, counts)]
+        chunks = [Chunk(r.token_ids + [0] * k if k else r.token_ids, r.start_pos, _num_logits(r, k), r.block_tables)
+                  for r, k in zip(reqs, counts)]
         forward = self.runner.prepare_forward(chunks)
         if not any(counts):
             return VerifyInput(plan, counts, forward, None, time.perf_counter() - t0)
@@ -168,7 +168,9 @@ class Verifier:
                 prepared_ahead: bool) -> StepResult:
         """Sample the queued forward's logits; t0: when the forward could start on the GPU."""
         t1 = time.perf_counter()
+        logits, prompt_logprobs = _split_prompt_rows(inp.plan, inp.counts, logits)
         result = self._sample(inp.plan, proposal, draft_ids, inp.counts, logits)
+        result.prompt_logprobs = prompt_logprobs
         # prepare: the host's work before the forward on the step's path (the input, and the draft ids into it).
         prepare = (0.0 if prepared_ahead else inp.seconds) + t0 - t_in
         result.phase_seconds = forward_phases(prepare, t0, t1, time.perf_counter(), marks)
@@ -302,6 +304,39 @@ class Verifier:
         for i, lp in zip(want, per_req):
             result.logprobs[i] = lp
         return result
+
+
+def _num_logits(r: PlannedRequest, k: int) -> int:
+    """Logit rows of a request's chunk: every position's while it wants its prompt's logprobs (prefill chunks have
+    no drafts), else 1 + k where it samples."""
+    if r.prompt_targets and not k:
+        return len(r.token_ids or ())
+    return 1 + k if r.sample else 0
+
+
+def _split_prompt_rows(plan: StepPlan, counts: list[int], logits: torch.Tensor
+                       ) -> tuple[torch.Tensor, list[list[PromptTokenLogprobs] | None] | None]:
+    """The sampling rows of `logits` (1 + k per sampling request, in order, as `_sample` reads them) and, per
+    request, the logprobs of its prompt_targets. A step without prompt targets returns its logits as they are."""
+    reqs = plan.requests
+    if not any(r.prompt_targets and not k for r, k in zip(reqs, counts)):
+        return logits, None
+    keep: list[int] = []
+    rows: list[list[int]] = []
+    offset = 0
+    for r, k in zip(reqs, counts):
+        n = _num_logits(r, k)
+        rows.append(list(range(offset, offset + len(r.prompt_targets))) if r.prompt_targets and not k else [])
+        if r.sample:
+            keep.extend(range(offset + n - 1 - k, offset + n))
+        offset += n
+    want = [i for i, rr in enumerate(rows) if rr]
+    per_req = prompt_token_logprobs(logits, [rows[i] for i in want], [reqs[i].prompt_targets or [] for i in want],
+                                    [reqs[i].prompt_logprobs or 0 for i in want])
+    out: list[list[PromptTokenLogprobs] | None] = [None] * len(reqs)
+    for i, lp in zip(want, per_req):
+        out[i] = lp
+    return logits.index_select(0, to_device(keep, torch.int64, logits.device)), out
 
 
 def _draft_positions(plan: StepPlan, counts: list[int]) -> list[int]:

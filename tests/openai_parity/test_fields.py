@@ -15,11 +15,12 @@ from openai_parity import CHAT, CMPL, MODEL, _offline
 
 # (endpoint body, field, value): each must be refused with a 400 whose param names the field.
 REFUSED = [
-    *[(CHAT, "reasoning_effort", "low"), (CHAT, "echo", True), (CMPL | {"logprobs": 1}, "echo", True)],
+    *[(CHAT, "reasoning_effort", "low"), (CHAT, "echo", True)],
+    *[(body | {"stream": True}, "prompt_logprobs", 1) for body in (CMPL, CHAT)],  # no field for them in a stream
     *[(body, field, value) for body in (CMPL, CHAT) for field, value in [
         ("structural_tag", "{}"), ("guided_whitespace_pattern", " "), ("use_beam_search", True),
         ("length_penalty", 0.5), ("best_of", 2),
-        ("prompt_logprobs", 1), ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
+        ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
         ("priority", 1), ("logits_processors", ["x"]), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1})]],
     (CMPL, "suffix", "end"), (CMPL, "prompt_embeds", "AAAA"), (CHAT, "mm_processor_kwargs", {"a": 1}),
 ]
@@ -32,6 +33,7 @@ HONOURED_BOTH = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
                  "truncate_prompt_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
                  "logit_bias", "min_tokens", "min_p", "allowed_token_ids", "bad_words", "include_stop_str_in_output",
                  "return_tokens_as_token_ids", "return_token_ids", "logprobs", "add_special_tokens",
+                 "prompt_logprobs",  # tests/openai_parity/test_prompt_logprobs.py
                  # Structured outputs (tests/test_structured_outputs.py):
                  "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "guided_decoding_backend", "structured_outputs"}
