@@ -78,10 +78,9 @@ def vllm_prompt_logprobs(tokenizer: Any, prompt_ids: list[int], entries: list[An
 def echo_logprobs(builder: LogprobsBuilder, prompt_ids: list[int], entries: list[Any]) -> dict[str, list[Any]]:
     """Completions' legacy logprobs of an echoed prompt: its first token with none (null logprob and top), then
     each token's as the output's are listed. Render it before the output: the output's text offsets follow it."""
-    first = token_text(builder.tokenizer, prompt_ids[0], builder.as_ids) if prompt_ids else ""
+    first = token_text(builder.tokenizer, prompt_ids[0], builder.as_ids)  # a prompt is never empty (a 400)
     out: dict[str, list[Any]] = {"text_offset": [builder.offset], "token_logprobs": [None], "tokens": [first],
-                                 "top_logprobs": [None]} if prompt_ids else \
-        {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+                                 "top_logprobs": [None]}
     builder.offset += len(first)
     rest = builder.render(prompt_ids[1:], [(lp, top) for lp, _rank, top in entries])
     return joined(out, rest)
