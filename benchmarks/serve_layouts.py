@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -60,6 +61,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +135,10 @@ async def http_layout(pair: Pair, layout: Layout, args: argparse.Namespace, base
     return out
 
 
-def run_serve_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
+@contextlib.contextmanager
+def served_app(pair: Pair, layout: Layout, args: argparse.Namespace) -> Iterator[tuple[str, float]]:
+    """The Serve app of `layout` on a fresh local Ray runtime that sees only the GPUs the layout needs:
+    (base URL, start-up seconds); shut down on exit."""
     import ray
     from ray import serve
 
@@ -153,13 +158,16 @@ def run_serve_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> di
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         serve.run(build_app(config), name="specserve", route_prefix="/")
-        startup = time.perf_counter() - t0
-        out = asyncio.run(http_layout(pair, layout, args, f"http://127.0.0.1:{args.port}"))
-        return {"startup_s": startup, **out}
+        yield f"http://127.0.0.1:{args.port}", time.perf_counter() - t0
     finally:
         serve.shutdown()
         ray.shutdown()
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+
+
+def run_serve_layout(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
+    with served_app(pair, layout, args) as (base_url, startup):
+        return {"startup_s": startup, **asyncio.run(http_layout(pair, layout, args, base_url))}
 
 
 def offline_greedy(llm: Any, pair: Pair, args: argparse.Namespace) -> list[str]:

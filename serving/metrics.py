@@ -41,6 +41,9 @@ class EngineMetrics:
         self.draft_length = Gauge(p + "spec_decode_draft_length",
                                   "Draft length (k) the last step used: load-adaptive, 0 while the batch is too "
                                   "large to speculate", registry=r)
+        self.spec_steps = Counter(p + "spec_decode_steps", "Engine steps by whether they speculated (drafted tokens "
+                                  "to verify): the share of steps load-adaptive speculation left on",
+                                  ["speculating"], registry=r)
         # --- tokens and requests -----------------------------------------------------------------
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of requests whose prefill finished",
                                      registry=r)
@@ -93,6 +96,8 @@ class EngineMetrics:
             self.request_success.labels(finished_reason=reason)
         self.prefix_queries.labels(model="target")
         self.prefix_hits.labels(model="target")
+        for speculating in ("true", "false"):
+            self.spec_steps.labels(speculating=speculating)
 
     # --- hooks -------------------------------------------------------------------------------------
     def on_spec(self, num_drafts: int, num_draft_tokens: int, num_accepted: int, per_pos: list[int]) -> None:
@@ -117,6 +122,7 @@ class EngineMetrics:
         for (model, group), usage in kv_usage.items():
             self.kv_usage.labels(model=model, kv_group=str(group)).set(usage)
         self.draft_length.set(draft_length)
+        self.spec_steps.labels(speculating="true" if draft_length else "false").inc()
 
     def on_prefix_cache(self, totals: dict[str, tuple[int, int]]) -> None:
         """Bring the counters up to the engine's running totals per model, (queries, hits) in tokens. Totals

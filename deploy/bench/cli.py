@@ -35,6 +35,9 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths vary by +- this fraction")
+    p.add_argument("--random-length-sigma", type=float, default=0.0,
+                   help="long-tailed lengths: log-normal with the --random-*-len as median and this shape (e.g. 1; "
+                        "clipped to 8 x the median); 0 (default): uniform")
     p.add_argument("--random-vocab-size", type=int, default=None,
                    help="without a tokenizer, draw random prompt ids from [0, N)")
     p.add_argument("--output-len", type=int, default=None, help="max_tokens of every jsonl/sharegpt request")
@@ -42,6 +45,8 @@ def add_bench_parser(sub: Any) -> None:
                    help="requests per second, Poisson arrivals; inf (default): all at once")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--max-duration", type=float, default=None, metavar="SECONDS",
+                   help="send no request later than this into the run (the rest of --num-prompts is not sent)")
     p.add_argument("--sweep-concurrency", type=_int_list, default=None, metavar="C1,C2,...",
                    help="run once per max concurrency (e.g. 1,4,16,64) and plot throughput against it")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -94,7 +99,7 @@ async def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     cfg = BenchConfig(base_url=args.base_url, model=model, endpoint=args.endpoint, request_rate=args.request_rate,
                       burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                       temperature=args.temperature, top_p=args.top_p, ignore_eos=args.ignore_eos, seed=args.seed,
-                      timeout_s=args.timeout, progress=not args.disable_tqdm)
+                      timeout_s=args.timeout, progress=not args.disable_tqdm, max_duration_s=args.max_duration)
     cfg.validate()
     tokenizer = None
     if args.tokenizer or args.dataset_name != "random" or args.random_vocab_size is None:
@@ -103,7 +108,8 @@ async def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                               path=args.dataset_path, input_len=args.random_input_len,
                               output_len=args.output_len or (args.random_output_len
                                                              if args.dataset_name == "random" else None),
-                              range_ratio=args.random_range_ratio, vocab_size=args.random_vocab_size)
+                              range_ratio=args.random_range_ratio, vocab_size=args.random_vocab_size,
+                              length_sigma=args.random_length_sigma)
     concurrencies: list[int | None] = list(args.sweep_concurrency or [args.max_concurrency])
     summaries = []
     for c in concurrencies:

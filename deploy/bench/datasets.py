@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,16 +41,22 @@ def load_tokenizer(name: str | None) -> Any | None:
 
 def random_requests(num: int, input_len: int, output_len: int, range_ratio: float, seed: int,
                     tokenizer: Any | None = None, vocab_size: int | None = None,
-                    as_text: bool = False) -> list[BenchRequest]:
+                    as_text: bool = False, length_sigma: float = 0.0,
+                    max_len: int | None = None) -> list[BenchRequest]:
     """`num` prompts of random tokens. Lengths are uniform in [len * (1 - range_ratio), len * (1 + range_ratio)]
-    (vLLM's random dataset). Token ids avoid the tokenizer's special tokens; without a tokenizer they are drawn
-    from [0, vocab_size). Prompts go as token ids (exact lengths) unless `as_text` (chat endpoints)."""
+    (vLLM's random dataset), or with `length_sigma` > 0 long-tailed: log-normal with median `len` and shape
+    `length_sigma` (`lognormal_length`). Token ids avoid the tokenizer's special tokens; without a tokenizer
+    they are drawn from [0, vocab_size). Prompts go as token ids (exact lengths) unless `as_text` (chat
+    endpoints)."""
     if num < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num}")
     if input_len < 1 or output_len < 1:
         raise ValueError(f"--random-input-len and --random-output-len must be >= 1, got {input_len}, {output_len}")
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    if length_sigma < 0 or (length_sigma and range_ratio):
+        raise ValueError(f"--random-length-sigma must be >= 0 and goes without --random-range-ratio, got "
+                         f"{length_sigma} with {range_ratio}")
     if tokenizer is None and (vocab_size is None or as_text):
         raise ValueError("the random dataset needs a tokenizer (--tokenizer, or a --model this machine can load) to "
                          "pick token ids" + (" and turn them into chat text" if as_text else
@@ -62,8 +69,12 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
         vocab = list(range(vocab_size))  # type: ignore[arg-type]
     out = []
     for _ in range(num):
-        n_in = _length(rng, input_len, range_ratio)
-        n_out = _length(rng, output_len, range_ratio)
+        if length_sigma:
+            n_in = lognormal_length(rng, input_len, length_sigma, max_len)
+            n_out = lognormal_length(rng, output_len, length_sigma, max_len)
+        else:
+            n_in = _length(rng, input_len, range_ratio)
+            n_out = _length(rng, output_len, range_ratio)
         ids = [rng.choice(vocab) for _ in range(n_in)]
         prompt: str | list[int] = tokenizer.decode(ids) if as_text else ids
         out.append(BenchRequest(prompt, n_in, n_out))
@@ -73,6 +84,14 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
 def _length(rng: random.Random, mean: int, ratio: float) -> int:
     lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
     return rng.randint(lo, hi)
+
+
+def lognormal_length(rng: random.Random, median: int, sigma: float, max_len: int | None = None) -> int:
+    """A long-tailed length: log-normal with median `median` and shape `sigma` (sigma 1: the p99 is about 10x
+    the median, as in chat traces), rounded and clipped to [1, max_len] (default 8 x the median), so one draw
+    cannot outgrow the model's context."""
+    cap = max_len if max_len is not None else 8 * median
+    return max(1, min(cap, round(rng.lognormvariate(math.log(median), sigma))))
 
 
 def jsonl_requests(path: str | Path, num: int, output_len: int | None, seed: int, tokenizer: Any | None = None,
@@ -160,11 +179,12 @@ def _take(items: list[BenchRequest], num: int, seed: int, shuffle: bool) -> list
 
 def build_requests(name: str, num: int, seed: int, tokenizer: Any | None, chat: bool, *, path: str | None = None,
                    input_len: int = 128, output_len: int | None = None, range_ratio: float = 0.0,
-                   vocab_size: int | None = None) -> list[BenchRequest]:
+                   vocab_size: int | None = None, length_sigma: float = 0.0,
+                   max_len: int | None = None) -> list[BenchRequest]:
     """The requests of dataset `name` ("random", "jsonl", "sharegpt")."""
     if name == "random":
         return random_requests(num, input_len, output_len or 128, range_ratio, seed, tokenizer, vocab_size,
-                               as_text=chat)
+                               as_text=chat, length_sigma=length_sigma, max_len=max_len)
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; use one of {DATASETS}")
     if not path:

@@ -98,6 +98,68 @@ def throughput_vs_concurrency(series: dict[str, list[dict[str, Any]]], path: str
     return _save(fig, Path(path), values)
 
 
+def throughput_vs_tpot(series: dict[str, list[dict[str, Any]]], path: str | Path,
+                       title: str = "Output throughput against TPOT p99") -> Path:
+    """One line per label through its load points (report.load_point rows): output tokens/s against TPOT p99,
+    the concurrency points solid and the Poisson-rate points dotted, each in order of load."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    values: dict[str, Any] = {}
+    for n, (label, points) in enumerate(series.items()):
+        color = f"C{n % 10}"
+        values[label] = []
+        for kind, style in (("concurrency", "-o"), ("request_rate", ":s")):
+            pts = sorted((p for p in points if p.get(kind) and p.get("tpot_p99_ms") is not None
+                          and (kind == "concurrency" or not p.get("concurrency"))), key=lambda p: p[kind])
+            if not pts:
+                continue
+            values[label] += [{"load": p["load"], "tpot_p99_ms": p["tpot_p99_ms"],
+                               "output_tok_s": p["output_tok_s"]} for p in pts]
+            ax.plot([p["tpot_p99_ms"] for p in pts], [p["output_tok_s"] for p in pts], style, color=color,
+                    label=label if kind == "concurrency" or not any(q.get("concurrency") for q in points) else None)
+    ax.set_xlabel("TPOT p99 (ms)   (o solid: concurrency points, s dotted: Poisson-rate points)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if series:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, Path(path), values)
+
+
+def ttft_vs_load(series: dict[str, list[dict[str, Any]]], path: str | Path) -> Path:
+    """TTFT p50 (solid) and p99 (dashed) against the offered load, one colour per label: against the concurrency
+    cap, and against the Poisson request rate in a second panel where there are rate points."""
+    plt = _plt()
+    kinds = [k for k in ("concurrency", "request_rate")
+             if any(p.get(k) and (k == "concurrency" or not p.get("concurrency")) for ps in series.values()
+                    for p in ps)] or ["concurrency"]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 4.5), squeeze=False)
+    values: dict[str, Any] = {}
+    for ax, kind in zip(axes[0], kinds):
+        for n, (label, points) in enumerate(series.items()):
+            pts = sorted((p for p in points if p.get(kind) and p.get("ttft_p50_ms") is not None
+                          and (kind == "concurrency" or not p.get("concurrency"))), key=lambda p: p[kind])
+            if not pts:
+                continue
+            values.setdefault(label, {})[kind] = [{kind: p[kind], "ttft_p50_ms": p["ttft_p50_ms"],
+                                                   "ttft_p99_ms": p["ttft_p99_ms"]} for p in pts]
+            x = [p[kind] for p in pts]
+            ax.plot(x, [p["ttft_p50_ms"] for p in pts], "-o", color=f"C{n % 10}", label=f"{label} p50")
+            ax.plot(x, [p["ttft_p99_ms"] for p in pts], "--x", color=f"C{n % 10}", label=f"{label} p99")
+        if kind == "concurrency":
+            ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("max concurrency" if kind == "concurrency" else "Poisson request rate (req/s)")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title("TTFT p50 (solid) and p99 (dashed)")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, Path(path), values)
+
+
 def _title(summary: dict[str, Any], what: str) -> str:
     label = summary.get("label") or summary.get("model") or ""
     c = summary.get("max_concurrency")

@@ -63,8 +63,28 @@ def summarize(run: RunResult, label: str | None = None) -> dict[str, Any]:
                          ("itl", per_request["itls_ms"]), ("e2el", per_request["e2els_ms"])):
         summary.update(_stats(name, values))
     summary["spec_decode"] = spec_summary(run)
+    summary["spec_steps"] = speculation_steps(run)
     summary["per_request"] = per_request
     return summary
+
+
+def load_point(summary: dict[str, Any]) -> dict[str, Any]:
+    """A load sweep's row of one run (benchmarks/load_sweep.py): the offered load (concurrency cap and/or Poisson
+    rate), throughput, TTFT/TPOT percentiles, ITL p99, acceptance length and the share of engine steps that
+    speculated, under the names its JSON, table and plots use."""
+    spec = summary.get("spec_decode") or {}
+    steps = summary.get("spec_steps") or {}
+    rate = summary["request_rate"]
+    c = summary["max_concurrency"]
+    return {"load": (f"c={c}" if c else "") + ("" if rate == "inf" else f"{' ' if c else ''}rate={rate:g}"),
+            "concurrency": c, "request_rate": None if rate == "inf" else rate,
+            "requests": summary["completed"], "failed": summary["failed"], "duration_s": summary["duration_s"],
+            "output_tok_s": summary["output_throughput"], "req_s": summary["request_throughput"],
+            "ttft_p50_ms": summary["median_ttft_ms"], "ttft_p99_ms": summary["p99_ttft_ms"],
+            "tpot_p50_ms": summary["median_tpot_ms"], "tpot_p99_ms": summary["p99_tpot_ms"],
+            "itl_p99_ms": summary["p99_itl_ms"], "acceptance_length": spec.get("acceptance_length"),
+            "spec_step_share": steps.get("share"), "spec_steps": steps.get("speculating"),
+            "plain_steps": steps.get("not_speculating")}
 
 
 def _stats(name: str, values_ms: list[float]) -> dict[str, float | None]:
@@ -95,6 +115,29 @@ def spec_summary(run: RunResult) -> dict[str, Any] | None:
     if not drafts:
         return None if source == "metrics" else _spec_dict(source, 0, 0, 0, [])
     return _spec_dict(source, drafts, drafted, accepted, per_pos)
+
+
+_SPEC_STEPS = "specserve_spec_decode_steps_total"
+
+
+def speculation_steps(run: RunResult) -> dict[str, Any] | None:
+    """Engine steps of the run that speculated (drafted tokens to verify) and that did not, and the share that
+    did: from the in-process driver's own count, else from the server's `specserve_spec_decode_steps_total`
+    before and after the run (a server of several replicas: summed over them); None where neither is known."""
+    if run.step_counts is not None:
+        on, off = run.step_counts
+    else:
+        if run.metrics_before is None or run.metrics_after is None:
+            return None
+        counts = []
+        for value in ("true", "false"):
+            key = f'{_SPEC_STEPS}{{speculating="{value}"}}'
+            key = key if key in run.metrics_after else "ray_" + key
+            if key not in run.metrics_after:
+                return None
+            counts.append(int(round(run.metrics_after[key] - run.metrics_before.get(key, 0.0))))
+        on, off = counts
+    return {"speculating": on, "not_speculating": off, "share": on / (on + off) if on + off else None}
 
 
 def _spec_dict(source: str, drafts: int, drafted: int, accepted: int, per_pos: list[int]) -> dict[str, Any]:

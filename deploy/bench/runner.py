@@ -1,6 +1,9 @@
 """Send a benchmark's requests: arrivals at a Poisson (or gamma, with burstiness) rate or all at once, at most
-`max_concurrency` in flight, a progress bar; and the server's Prometheus counters before and after, for
-speculation statistics of servers whose responses do not carry them."""
+`max_concurrency` in flight, optionally no new request after `max_duration_s`, a progress bar; and the server's
+Prometheus counters before and after, for speculation statistics of servers whose responses do not carry them.
+
+The arrival schedule (`arrival_times`) is the one place arrivals are drawn: benchmarks/engine_driver.py feeds the
+in-process engine the same schedule, so a served run and an in-process run of one seed see the same load."""
 
 from __future__ import annotations
 
@@ -39,6 +42,9 @@ class BenchConfig:
     seed: int = 0
     timeout_s: float = 600.0
     progress: bool = True
+    # No request is sent (arrives, or takes a concurrency slot) later than this many seconds into the run: the
+    # ones left are not sent and not counted. None: every request is sent.
+    max_duration_s: float | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -52,6 +58,8 @@ class BenchConfig:
             raise ValueError(f"--burstiness must be > 0, got {self.burstiness}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_duration_s is not None and not self.max_duration_s > 0:
+            raise ValueError(f"--max-duration must be > 0, got {self.max_duration_s}")
 
 
 @dataclass
@@ -61,18 +69,38 @@ class RunResult:
     duration_s: float
     metrics_before: dict[str, float] | None  # Prometheus samples ("name{labels}" -> value), None: no /metrics
     metrics_after: dict[str, float] | None
+    # Engine steps of the run that speculated and that did not, where the driver counted them itself (in
+    # process); None: from the server's metrics, if it has them (report.speculation_steps).
+    step_counts: tuple[int, int] | None = None
 
 
-async def _arrivals(requests: list[BenchRequest], rate: float, burstiness: float, seed: int
-                    ) -> AsyncIterator[tuple[int, BenchRequest]]:
-    """Yield (index, request) at the benchmark's arrival times: gamma-distributed gaps with mean 1 / rate
-    (exponential, i.e. a Poisson process, at burstiness 1); all at once for an infinite rate."""
+def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Seconds from the run's start at which each of `num` requests arrives: the first at 0, then gaps drawn from
+    a gamma distribution of mean 1 / rate and shape `burstiness` (exponential gaps, i.e. a Poisson process, at
+    burstiness 1); all at 0 for an infinite rate. The same seed gives the same schedule, served or in process."""
+    if math.isinf(rate):
+        return [0.0] * num
     rng = random.Random(seed)
-    for i, req in enumerate(requests):
+    out, t = [], 0.0
+    for i in range(num):
+        if i:
+            t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+        out.append(t)
+    return out
+
+
+async def _arrivals(requests: list[BenchRequest], rate: float, burstiness: float, seed: int,
+                    deadline: float | None = None) -> AsyncIterator[tuple[int, BenchRequest]]:
+    """Yield (index, request) at `arrival_times` from now, against the clock (a late wake-up is not carried into
+    the next gap); none that would arrive after `deadline` (a perf_counter() time)."""
+    t0 = time.perf_counter()
+    for i, (req, at) in enumerate(zip(requests, arrival_times(len(requests), rate, burstiness, seed), strict=True)):
+        if deadline is not None and t0 + at > deadline:
+            return
+        wait = t0 + at - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
         yield i, req
-        if math.isinf(rate) or i == len(requests) - 1:
-            continue
-        await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
 
 
 async def fetch_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
@@ -144,11 +172,17 @@ async def run_benchmark(requests: list[BenchRequest], cfg: BenchConfig, warmup: 
             return request_body(cfg.model, req.prompt, req.output_len, cfg.chat, cfg.temperature, cfg.top_p,
                                 cfg.ignore_eos, seed, cfg.extra_body)
 
-        async def one(i: int, req: BenchRequest, bar: Any) -> RequestResult:
+        deadline: float | None = None
+
+        async def one(i: int, req: BenchRequest, bar: Any) -> RequestResult | None:
             if semaphore is None:
                 res = await send_request(client, url, body(i, req), cfg.chat, req.prompt_len)
             else:
                 async with semaphore:
+                    # A request that gets its slot after the deadline is not sent: at a concurrency cap the
+                    # run ends as the slots drain, with every later request left out.
+                    if deadline is not None and time.perf_counter() > deadline:
+                        return None
                     res = await send_request(client, url, body(i, req), cfg.chat, req.prompt_len)
             if bar is not None:
                 bar.update(1)
@@ -157,16 +191,18 @@ async def run_benchmark(requests: list[BenchRequest], cfg: BenchConfig, warmup: 
         if warmup:
             warm = [requests[i % len(requests)] for i in range(warmup)]
             done = await asyncio.gather(*(one(i, r, None) for i, r in enumerate(warm)))
-            failed = [r.error for r in done if not r.success]
+            failed = [r.error for r in done if r is not None and not r.success]
             if failed:
                 raise RuntimeError(f"{len(failed)} of {warmup} warm-up requests failed; first error: {failed[0]}")
         before = await fetch_metrics(client, cfg.base_url)
         bar = _progress_bar(len(requests), cfg.progress)
         tasks = []
         t0 = time.perf_counter()
-        async for i, req in _arrivals(requests, cfg.request_rate, cfg.burstiness, cfg.seed):
+        if cfg.max_duration_s is not None:
+            deadline = t0 + cfg.max_duration_s
+        async for i, req in _arrivals(requests, cfg.request_rate, cfg.burstiness, cfg.seed, deadline):
             tasks.append(asyncio.create_task(one(i, req, bar)))
-        results = list(await asyncio.gather(*tasks))
+        results = [r for r in await asyncio.gather(*tasks) if r is not None]
         duration = time.perf_counter() - t0
         if bar is not None:
             bar.close()

@@ -1,0 +1,260 @@
+"""Speculation under sustained load: served layouts and the in-process engine at fixed concurrencies and Poisson
+request rates, long-tailed prompt and output lengths, each load point long enough to rank layouts.
+
+    python benchmarks/load_sweep.py --pair qwen3-8b-0.6b --bonus-agreement 0.7 \\
+        --layouts offline t1 offline+d t1+d1/colocated --concurrency 1 4 16 64 --rates 4 16 \\
+        --out out/load_sweep.json
+    python benchmarks/load_sweep.py --smoke --out /tmp/sweep/load_sweep.json   # CPU, tiny random models
+    python benchmarks/load_sweep.py --replot out/load_sweep.json   # PNGs and table again from the JSON
+
+Layouts are benchmarks/serve_layouts.py's (its docstring has the grammar): `offline` / `offline+d` are the engine
+in this process (engine.LLM, no Ray, no HTTP), every other layout the Serve app on a fresh local Ray runtime,
+driven by `specserve bench`'s client (deploy/bench/runner.py) over HTTP.
+
+Load points: one per --concurrency C (requests sent as fast as C slots allow: the closed loop of
+`specserve bench --max-concurrency C`) and one per --rates R (Poisson arrivals at R requests/s, no cap at the
+client: an open loop, whose queue the engine holds). A point sends requests until it has run --min-seconds or sent
+--min-requests, whichever comes first, then waits for those in flight: so each point is at least that long or that
+many requests (a shortened --min-seconds says so in the JSON's settings). Before it, warm-up requests at the same
+concurrency (at least C, or --warmup at a rate point) that are not counted.
+
+Requests: random token ids, prompt and output lengths log-normal (medians --input-len / --output-len, shape
+--length-sigma, clipped to half of --max-model-len), EOS ignored, greedy; the point's index seeds them, so every
+layout gets the same requests. The in-process engine gets the same arrival schedule (deploy/bench/runner.
+arrival_times, same seed): a request is added to the engine when it arrives (between steps, as the router takes
+it), and its clock starts at its arrival, not when it was added. Statistics are `specserve bench`'s
+(deploy/bench/report.py) for both paths.
+
+Output, per layout and load point: output tokens/s, requests/s, TTFT p50/p99, TPOT p50/p99, ITL p99, acceptance
+length, and the share of engine steps that speculated (load-adaptive speculation turns it off at large batches:
+specserve_spec_decode_steps_total served, the engine's own count in process); served layouts also the router's own
+mean TTFT (arrival at the router to first token, from /metrics), whose gap to the client's is the serving path's.
+Written: the JSON (--out, rewritten after every layout), beside it `<stem>.md` (the table, also printed last),
+`<stem>_throughput_vs_tpot.png` and `<stem>_ttft_vs_load.png` (one line per layout; needs matplotlib, else
+--replot on a machine that has it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, markdown_table  # noqa: E402
+from engine_driver import offline_llm, run_in_process  # noqa: E402
+from layout_report import router_ttft_mean_ms  # noqa: E402
+from layouts import Layout, serve_config  # noqa: E402
+from sweep_models import Pair, materialize, model_pairs, warmup_count  # noqa: E402
+
+from deploy.bench.datasets import BenchRequest, build_requests, load_tokenizer  # noqa: E402
+from deploy.bench.report import load_point, summarize  # noqa: E402
+from deploy.bench.runner import BenchConfig, RunResult, run_benchmark  # noqa: E402
+
+logger = logging.getLogger("specserve")
+
+COLUMNS = ["layout", "load", "requests", "req_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
+           "tpot_p99_ms", "itl_p99_ms", "acceptance_length", "spec_step_share", "router_ttft_mean_ms"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPoint:
+    concurrency: int | None  # the client's cap; None: none (a rate point)
+    rate: float  # Poisson requests/s; inf: as fast as the cap allows
+    seed: int  # the requests' and arrivals' seed: the same point of every layout gets the same ones
+
+
+def load_points(args: argparse.Namespace) -> list[LoadPoint]:
+    points = [LoadPoint(c, float("inf"), args.seed + n) for n, c in enumerate(args.concurrency)]
+    return points + [LoadPoint(None, r, args.seed + len(points) + n) for n, r in enumerate(args.rates)]
+
+
+def point_workload(point: LoadPoint, args: argparse.Namespace, tokenizer: Any, base_url: str
+                   ) -> tuple[list[BenchRequest], BenchConfig, int]:
+    """The point's requests, the bench config that sends them, and its warm-up count."""
+    requests = build_requests("random", args.min_requests, point.seed, tokenizer, chat=False,
+                              input_len=args.input_len, output_len=args.output_len, length_sigma=args.length_sigma,
+                              max_len=args.max_model_len // 2 - args.k - 2)
+    cfg = BenchConfig(base_url=base_url, model="bench", request_rate=point.rate, max_concurrency=point.concurrency,
+                      temperature=0.0, ignore_eos=True, seed=point.seed, progress=False,
+                      max_duration_s=args.min_seconds)
+    warmup = warmup_count(args, point.concurrency) if point.concurrency else args.warmup
+    return requests, cfg, warmup
+
+
+def point_row(run: RunResult, extra: dict[str, Any]) -> dict[str, Any]:
+    s = summarize(run)
+    row = {**load_point(s), **extra}
+    if s["failed"]:
+        row["first_error"] = s["per_request"]["errors"][0]
+    return row
+
+
+def run_offline(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    with offline_llm(serve_config(pair, layout, args)) as llm:
+        out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "points": []}
+        for n, point in enumerate(args.points):
+            requests, cfg, warmup = point_workload(point, args, llm.tokenizer, "in-process")
+            run = run_in_process(llm.engine, requests, cfg, llm.tokenizer, warmup, tag=f"p{n}")
+            out["points"].append(point_row(run, {}))
+            _progress(layout, out["points"][-1])
+        return out
+
+
+def run_served(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
+    from serve_layouts import served_app
+
+    tokenizer = load_tokenizer(pair.target)
+    with served_app(pair, layout, args) as (base_url, startup):
+        out: dict[str, Any] = {"startup_s": startup, "points": []}
+        for point in args.points:
+            requests, cfg, warmup = point_workload(point, args, tokenizer, base_url)
+            run = asyncio.run(run_benchmark(requests, cfg, warmup=warmup))
+            out["points"].append(point_row(run, {"router_ttft_mean_ms": router_ttft_mean_ms(
+                run.metrics_before, run.metrics_after)}))
+            _progress(layout, out["points"][-1])
+        return out
+
+
+def _progress(layout: Layout, row: dict[str, Any]) -> None:
+    print(f"[{layout.name}] {row['load']}: {row['requests']} requests in {row['duration_s']:.1f} s, "
+          f"{row['output_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+
+
+def table(doc: dict[str, Any]) -> str:
+    rows = []
+    for name, res in doc["layouts"].items():
+        if "error" in res:
+            rows.append({"layout": name, "load": f"failed: {res['error']}"})
+        for p in res.get("points", []):
+            rows.append({"layout": name, **p})
+    s = doc["settings"]
+    head = (f"### Load sweep: {doc['pair']}\n\n{doc['env']['device']}, {doc['env']['date']}, k={s['k']}, greedy, "
+            f"EOS ignored; lengths log-normal (median {s['input_len']} in / {s['output_len']} out, sigma "
+            f"{s['length_sigma']}); each point {s['min_seconds']:g} s or {s['min_requests']} requests, whichever "
+            f"first{' (shortened)' if s['min_seconds'] < 60 else ''}. Latencies in ms; spec share: engine steps that "
+            f"speculated.\n`{doc['command']}`\n\n")
+    return head + markdown_table(rows, COLUMNS)
+
+
+def write_outputs(doc: dict[str, Any], out: Path) -> list[Path]:
+    """The table beside the JSON, and the PNGs where matplotlib is installed; the files written."""
+    from deploy.bench.plots import throughput_vs_tpot, ttft_vs_load
+
+    md = out.with_suffix(".md")
+    md.write_text(table(doc) + "\n")
+    series = {name: res["points"] for name, res in doc["layouts"].items() if res.get("points")}
+    try:
+        pngs = [throughput_vs_tpot(series, out.with_name(out.stem + "_throughput_vs_tpot.png")),
+                ttft_vs_load(series, out.with_name(out.stem + "_ttft_vs_load.png"))]
+    except ValueError as e:  # no matplotlib (the GPU image): the JSON has every value, --replot draws them
+        print(f"no PNGs: {e}; run `python benchmarks/load_sweep.py --replot {out}` where it is installed",
+              file=sys.stderr)
+        pngs = []
+    return [md, *pngs]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default="qwen3-8b-0.6b", choices=["smollm2", "qwen3-8b-0.6b"])
+    ap.add_argument("--layouts", nargs="+", default=None, help="default: offline t1 offline+d t1+d1/colocated")
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64])
+    ap.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson request rates (req/s)")
+    ap.add_argument("--min-seconds", type=float, default=60.0)
+    ap.add_argument("--min-requests", type=int, default=500)
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up requests before each point (at least C)")
+    ap.add_argument("--input-len", type=int, default=128, help="median prompt length")
+    ap.add_argument("--output-len", type=int, default=128, help="median output length")
+    ap.add_argument("--length-sigma", type=float, default=0.8, help="log-normal shape of both lengths")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--acceptance", type=float, default=0.8, help="synthetic acceptance rate (qwen3 shapes)")
+    ap.add_argument("--bonus-agreement", type=float, default=None,
+                    help="benchmark-only: rate at which a synthetic pair's bonus token counts as the draft's guess")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest concurrency (64 without)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--work-dir", default=None)
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny random models, two short points")
+    ap.add_argument("--worker-logs", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="load_sweep.json", help="the JSON; the table and PNGs go beside it")
+    ap.add_argument("--replot", default=None, metavar="JSON", help="only write the table and PNGs of this JSON")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.layouts = args.layouts or ["offline+d", "t1+d1/colocated"]
+        args.concurrency, args.rates, args.min_seconds, args.min_requests = [2], [8.0], 3.0, 6
+        args.input_len, args.output_len, args.length_sigma, args.max_model_len = 12, 8, 0.5, 128
+    if not args.concurrency and not args.rates:
+        ap.error("no load points: give --concurrency and/or --rates")
+    if any(c < 1 for c in args.concurrency) or any(not r > 0 for r in args.rates):
+        ap.error("concurrencies must be >= 1 and rates > 0")
+    if args.min_seconds <= 0 or args.min_requests < 1:
+        ap.error("--min-seconds must be > 0 and --min-requests >= 1")
+    # serve_config sizes max_num_seqs from the concurrencies; a rate-only sweep gets 64.
+    args.concurrency_for_seqs = args.concurrency or [64]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out if args.replot is None else args.replot)
+    if args.replot:
+        doc = json.loads(out.read_text())
+        write_outputs(doc, out)
+        print(table(doc))
+        return 0
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    layouts = [Layout.parse(x) for x in args.layouts or ["offline", "t1", "offline+d", "t1+d1/colocated"]]
+    if args.device == "cuda":
+        have = torch.cuda.device_count()
+        too_big = [lay.name for lay in layouts if lay.num_gpus > have]
+        if too_big:
+            raise SystemExit(f"layouts {too_big} need more than the {have} GPUs here")
+    work = Path(args.work_dir or Path(tempfile.gettempdir()) / "specserve-sweep")
+    work.mkdir(parents=True, exist_ok=True)
+    pair = model_pairs(work, args.smoke, args.device, args.acceptance)[args.pair]
+    materialize(args.pair, pair, work, args.smoke, args.device)
+    # The serve config's fields that read the sweep's arguments under serve_layouts.py's names.
+    cfg_args = argparse.Namespace(**{**vars(args), "concurrency": args.concurrency_for_seqs,
+                                     "points": load_points(args)})
+    settings = {k: getattr(args, k) for k in ("concurrency", "rates", "min_seconds", "min_requests", "warmup",
+                                              "input_len", "output_len", "length_sigma", "k", "acceptance",
+                                              "bonus_agreement", "max_model_len", "seed")}
+    doc: dict[str, Any] = {"benchmark": "load_sweep", "pair": pair.name, "command": " ".join(sys.argv),
+                           "env": environment(), "settings": settings, "layouts": {}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for lay in layouts:
+        print(f"[{lay.name}] starting", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            doc["layouts"][lay.name] = (run_offline if lay.offline else run_served)(pair, lay, cfg_args)
+        except Exception as e:  # one failed layout must not cost the others their device time
+            traceback.print_exc()
+            doc["layouts"][lay.name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"[{lay.name}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        out.write_text(json.dumps(doc, indent=1))
+    write_outputs(doc, out)
+    print(table(doc))
+    failed = [n for n, r in doc["layouts"].items() if "error" in r or any(p["failed"] for p in r["points"])]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
