@@ -192,6 +192,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--worker-logs", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="load_sweep.json", help="the JSON; the table and PNGs go beside it")
+    ap.add_argument("--append", action="store_true",
+                    help="add this run's layouts to an existing --out of the same pair and settings (a sweep split "
+                         "over several calls), instead of replacing it")
     ap.add_argument("--replot", default=None, metavar="JSON", help="only write the table and PNGs of this JSON")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -239,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
                                               "bonus_agreement", "max_model_len", "seed")}
     doc: dict[str, Any] = {"benchmark": "load_sweep", "pair": pair.name, "command": " ".join(sys.argv),
                            "env": environment(), "settings": settings, "layouts": {}}
+    if args.append and out.is_file():
+        old = json.loads(out.read_text())
+        if (old.get("pair"), old.get("settings")) != (pair.name, json.loads(json.dumps(settings))):
+            raise SystemExit(f"--append: {out} holds another pair or other settings: {old.get('settings')}")
+        doc["layouts"] = old["layouts"]
+        doc["command"] = old["command"] + " ; " + doc["command"]
     out.parent.mkdir(parents=True, exist_ok=True)
     for lay in layouts:
         print(f"[{lay.name}] starting", file=sys.stderr, flush=True)
