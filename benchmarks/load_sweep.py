@@ -165,6 +165,17 @@ def write_outputs(doc: dict[str, Any], out: Path) -> list[Path]:
     return [md, *pngs]
 
 
+def merged(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One document of sweeps of the same pair and settings run apart (their layouts, in order; a layout run
+    twice keeps its last run)."""
+    first = docs[0]
+    for d in docs[1:]:
+        if (d["pair"], d["settings"]) != (first["pair"], first["settings"]):
+            raise SystemExit(f"cannot merge: {d['pair']} {d['settings']} against {first['pair']} {first['settings']}")
+    return {**first, "command": " ; ".join(d["command"] for d in docs),
+            "layouts": {name: res for d in docs for name, res in d["layouts"].items()}}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="qwen3-8b-0.6b", choices=["smollm2", "qwen3-8b-0.6b"])
@@ -195,7 +206,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--append", action="store_true",
                     help="add this run's layouts to an existing --out of the same pair and settings (a sweep split "
                          "over several calls), instead of replacing it")
-    ap.add_argument("--replot", default=None, metavar="JSON", help="only write the table and PNGs of this JSON")
+    ap.add_argument("--replot", nargs="+", default=None, metavar="JSON",
+                    help="only write the table and PNGs of this JSON; of several (one sweep run in several calls: "
+                         "same pair and settings), merge their layouts into --out first")
     args = ap.parse_args(argv)
     if args.smoke:
         args.layouts = args.layouts or ["offline+d", "t1+d1/colocated"]
@@ -214,12 +227,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.out if args.replot is None else args.replot)
     if args.replot:
-        doc = json.loads(out.read_text())
+        docs = [json.loads(Path(p).read_text()) for p in args.replot]
+        out = Path(args.replot[0] if len(docs) == 1 else args.out)
+        doc = merged(docs) if len(docs) > 1 else docs[0]
+        if len(docs) > 1:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(doc, indent=1))
         write_outputs(doc, out)
         print(table(doc))
         return 0
+    out = Path(args.out)
     logging.basicConfig(level=logging.WARNING)
     import torch
 
@@ -243,11 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {"benchmark": "load_sweep", "pair": pair.name, "command": " ".join(sys.argv),
                            "env": environment(), "settings": settings, "layouts": {}}
     if args.append and out.is_file():
-        old = json.loads(out.read_text())
-        if (old.get("pair"), old.get("settings")) != (pair.name, json.loads(json.dumps(settings))):
-            raise SystemExit(f"--append: {out} holds another pair or other settings: {old.get('settings')}")
-        doc["layouts"] = old["layouts"]
-        doc["command"] = old["command"] + " ; " + doc["command"]
+        doc = merged([json.loads(out.read_text()), json.loads(json.dumps(doc))])
     out.parent.mkdir(parents=True, exist_ok=True)
     for lay in layouts:
         print(f"[{lay.name}] starting", file=sys.stderr, flush=True)

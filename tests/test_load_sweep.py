@@ -234,3 +234,14 @@ def test_smoke_runs_served_and_in_process_under_the_same_load(tmp_path: Path) ->
     ttft = read_plot_values(out.with_name("load_sweep_ttft_vs_load.png"))
     assert ttft["offline+d"]["concurrency"][0]["ttft_p99_ms"] == doc["layouts"]["offline+d"]["points"][0][
         "ttft_p99_ms"]
+
+
+def test_sweeps_run_apart_merge_only_with_the_same_settings() -> None:
+    from load_sweep import merged
+
+    a = {"pair": "p", "settings": {"k": 4}, "command": "a", "env": {}, "layouts": {"offline": {"points": [1]}}}
+    b = {"pair": "p", "settings": {"k": 4}, "command": "b", "env": {}, "layouts": {"t1": {"points": [2]}}}
+    doc = merged([a, b])
+    assert list(doc["layouts"]) == ["offline", "t1"] and doc["command"] == "a ; b"
+    with pytest.raises(SystemExit, match="cannot merge"):
+        merged([a, {**b, "settings": {"k": 2}}])
