@@ -6,6 +6,7 @@ request rates, long-tailed prompt and output lengths, each load point long enoug
         --out out/load_sweep.json
     python benchmarks/load_sweep.py --smoke --out /tmp/sweep/load_sweep.json   # CPU, tiny random models
     python benchmarks/load_sweep.py --replot out/load_sweep.json   # PNGs and table again from the JSON
+    python benchmarks/load_sweep.py --replot a.json b.json --out all.json   # a sweep run in two calls, merged
 
 Layouts are benchmarks/serve_layouts.py's (its docstring has the grammar): `offline` / `offline+d` are the engine
 in this process (engine.LLM, no Ray, no HTTP), every other layout the Serve app on a fresh local Ray runtime,
