@@ -1,10 +1,12 @@
 """A request's structured-output fields (OpenAI's response_format, vLLM's guided_* and structured_outputs, and the
 grammar a tool_choice implies) into the engine's StructuredOutputsParams, as a dict the router passes on.
 
-At most one of them may be set (a 400 names the second). Strictness (serving/json_schema_strictness.py): a JSON
-schema keeps JSON Schema's meaning unless the request sets `structured_outputs.disable_additional_properties` or
-`guided_decoding_backend` "guidance:disable-additional-properties" (vLLM's names); forced tool calls are strict
-unless `structured_outputs.disable_additional_properties` is false. Every schema, regex and grammar is compiled
+At most one of them may be set (a 400 names the second). Strictness (serving/json_schema_strictness.py): forced
+tool calls' arguments and response_format's json_schema (OpenAI's structured outputs, whose strict mode admits no
+unlisted property; client libraries send model schemas that never say additionalProperties) are strict unless the
+request sets `structured_outputs.disable_additional_properties` false; vLLM's own guided_json and
+structured_outputs.json keep JSON Schema's meaning unless it is true or `guided_decoding_backend` is
+"guidance:disable-additional-properties" (vLLM's names). Every schema, regex and grammar is compiled
 here, before the request is queued, so one the backend (llguidance) cannot compile is a 400 that names its field.
 """
 
@@ -85,6 +87,8 @@ def structured_outputs(body: Any, tools: ToolSpec | None = None) -> dict[str, An
         raise GenerationError(f"{found[1][0]} cannot be combined with {found[0][0]}: give one structured output",
                               400, found[1][0])
     name, fields = found[0]
+    if strict is None and name == "response_format":
+        strict = True
     if strict and "json" in fields:
         schema = fields["json"]
         if isinstance(schema, str):
