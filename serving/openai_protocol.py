@@ -50,7 +50,8 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "structural_tag": (_off, "structural tags are not supported: use response_format, guided_* or tools"),
     "guided_whitespace_pattern": (_off, "JSON outputs are generated without free whitespace; a pattern for it is "
                                         "not supported"),
-    "reasoning_effort": (_off, "this server has no reasoning parser"),
+    "reasoning_effort": (_off, "it is not passed to the model: a template that takes a thinking switch gets it "
+                               "through chat_template_kwargs (e.g. enable_thinking)"),
     "use_beam_search": (_off, "beam search is not implemented"),
     "length_penalty": (_unset_or(1.0, 1), "it only applies to beam search, which is not implemented"),
     "best_of": (_unset_or(1), "as in vLLM's V1 engine, best_of > 1 is not supported: use n"),
