@@ -215,3 +215,31 @@ def test_reasoning_split_whole_and_streamed(name: str, text: str, reasoning: str
             dr, dc = stream.feed(piece, final=i == len(pieces) - 1)
             r, c = r + dr, c + dc
         assert (r, c) == (reasoning or "", content), size
+
+
+def test_strictness_defaults_by_field() -> None:
+    from serving.openai_protocol import ChatCompletionRequest
+
+    loose = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": loose}}
+
+    def strict(**extra: object) -> bool:
+        body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **extra)
+        body.check_supported()
+        schema = body._structured["json"]
+        return (json.loads(schema) if isinstance(schema, str) else schema).get("additionalProperties") is False
+
+    off = {"disable_additional_properties": False}
+    assert strict(response_format=rf) and not strict(response_format=rf, structured_outputs=off)
+    assert not strict(guided_json=loose) and not strict(structured_outputs={"json": loose})
+    assert strict(guided_json=loose, guided_decoding_backend="guidance:disable-additional-properties")
+    assert strict(structured_outputs={"json": loose, "disable_additional_properties": True})
+    # Forced calls: strict unless turned off.
+    tools = {"tools": [{"type": "function", "function": {"name": "f", "parameters": loose}}], "tool_choice": "required"}
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **tools)
+    body.check_supported()
+    assert body._structured["grammar"].count('"additionalProperties": false') == 2
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], structured_outputs=off,
+                                 **tools)
+    body.check_supported()
+    assert body._structured["grammar"].count('"additionalProperties": false') == 1
