@@ -173,3 +173,12 @@ def test_reasoning_content_apart(client: httpx.Client) -> None:
     hidden = client.post("/v1/chat/completions", json={**req, "include_reasoning": False}).json()
     assert "reasoning_content" not in hidden["choices"][0]["message"]
     assert hidden["choices"][0]["message"]["content"] == msg["content"]
+
+
+def test_served_chat_template_is_the_flags(client: httpx.Client) -> None:
+    # The server's --chat-template (a file, conftest.py) renders a request's tools as "[tools]"; the model's own
+    # template ignores them.
+    messages = [{"role": "user", "content": "hi"}]
+    ids = client.post("/tokenize", json={"model": MODEL, "messages": messages, "tools": [PAINT_TOOL]}).json()["tokens"]
+    text = client.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()["prompt"]
+    assert text.startswith("[tools]<user>hi"), text
