@@ -104,9 +104,13 @@ class ServeConfig:
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think>...</think> as reasoning_content
 
     def chat_options(self) -> dict[str, Any]:
-        """serving.chat_options.ChatOptions.create's arguments."""
+        """serving.chat_options.ChatOptions.create's arguments; a template file is read here, where the path was
+        given (the replicas may run on other nodes)."""
+        from serving.chat_options import load_chat_template
+
         return {"enable_auto_tool_choice": self.enable_auto_tool_choice, "tool_call_parser": self.tool_call_parser,
-                "chat_template": self.chat_template, "reasoning_parser": self.reasoning_parser}
+                "chat_template": load_chat_template(self.chat_template) if self.chat_template else None,
+                "reasoning_parser": self.reasoning_parser}
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -243,3 +243,21 @@ def test_strictness_defaults_by_field() -> None:
                                  **tools)
     body.check_supported()
     assert body._structured["grammar"].count('"additionalProperties": false') == 1
+
+
+def test_serve_flags_reach_the_chat_options(tmp_path) -> None:
+    from deploy.cli import build_parser
+    from deploy.config import ServeConfig
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+                                      "--chat-template", str(path), "--reasoning-parser", "deepseek_r1"])
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose", "config")}
+    cfg = ServeConfig.from_dict(flags)
+    cfg.validate()
+    options = ChatOptions.create(**cfg.chat_options())  # what the front end builds (the template read already)
+    assert options == ChatOptions(True, "pythonic", "{{ messages }}", "deepseek_r1")
+    assert ServeConfig().chat_options()["tool_call_parser"] == "hermes"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServeConfig.from_dict({"tool_call_parser": "nope"}).validate()
