@@ -127,7 +127,7 @@ class ServeConfig:
         """Raise ValueError for serving settings that cannot work (the engine checks its own)."""
         from serving.chat_options import ChatOptions
 
-        ChatOptions.create(**self.chat_options())  # a parser name that does not exist, a template path that is not
+        ChatOptions.create(**self.chat_options())  # ValueError: a parser or a template file that does not exist
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty: give a key, or leave it unset to serve without one")
         if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1:
