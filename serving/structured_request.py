@@ -96,7 +96,10 @@ def structured_outputs(body: Any, tools: ToolSpec | None = None) -> dict[str, An
                 schema = json.loads(schema)
             except ValueError as e:
                 raise GenerationError(f"{name}: the JSON schema is not JSON: {e}", 400, name) from e
-        fields = {**fields, "json": disallow_additional_properties(schema)}
+        try:
+            fields = {**fields, "json": disallow_additional_properties(schema)}
+        except RecursionError as e:
+            raise GenerationError(f"{name}: the JSON schema nests too deep", 400, name) from e
     try:
         params = StructuredOutputsParams(**fields)
         check_grammar(params)

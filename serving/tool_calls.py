@@ -110,7 +110,10 @@ def tool_grammar(spec: ToolSpec) -> str | None:
         params = fn["parameters"]
         # A tool marked strict (OpenAI's structured outputs) is strict either way.
         if spec.strict or fn.get("strict") is True:
-            params = disallow_additional_properties(params)
+            try:
+                params = disallow_additional_properties(params)
+            except RecursionError as e:
+                raise GenerationError(f"the parameters of tool {name!r} nest too deep", 400, "tools") from e
         calls.append((name, params))
     return spec.parser.grammar(calls, spec.choice == "required" and spec.parallel)
 
