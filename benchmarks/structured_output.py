@@ -2,6 +2,12 @@
 grammar's compile and per-token mask times (llguidance, the bundled SmolLM2 tokenizer).
 
     python benchmarks/structured_output.py [--device cpu|cuda] [--batch-size 4] [--new-tokens 64] [--k 4]
+        [--workloads json_schema tool_call tool_call_loose json_object]
+
+Workloads (grammar): json_schema (a bounded record), tool_call (a forced named call in Hermes markup, the
+arguments' schema as LangChain sends it and strict as the server makes it, on a chat prompt listing the tool),
+tool_call_loose (the same call with JSON Schema's meaning: unlisted properties allowed), json_object (any object,
+nesting bounded). Each row also gives the share of outputs that ended (finish_reason stop) within --new-tokens.
 
 Runs (one warm-up each, then the median of --repeats): the target alone and with the bundled draft
 (smollm2-135m-draft), each free-text and under a JSON schema; with the grammar, also a draft that proposes
@@ -26,6 +32,7 @@ import engine.spec.proposer as proposer_module  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.sample import grammar_matchers  # noqa: E402
 from engine.sample.structured_output import GrammarSpec, StructuredOutputsParams  # noqa: E402
+from serving.tool_calls import render_messages, tool_grammar, tool_spec  # noqa: E402
 
 PROMPTS = ["Describe a customer order as JSON.", "Give me a user profile in JSON.",
            "Return a JSON record of a book.", "Write a JSON object about a city."]
@@ -44,6 +51,30 @@ COMPILE_SCHEMAS = {
         "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
         "required": ["v"]}}, "$ref": "#/$defs/node"},
 }
+
+
+# The tool of the LangChain example (issue: tool calls that end): a schema without additionalProperties.
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                               "required": ["city"]}}}
+CITIES = ["Paris", "Tokyo", "Lima", "Oslo"]
+
+
+def workload(llm: LLM, name: str) -> tuple[StructuredOutputsParams | None, list]:
+    """(the grammar, the prompts) of a workload: text prompts, or chat token ids for the tool calls."""
+    if name in ("none", "json_schema", "json_object"):
+        so = {"none": None, "json_schema": StructuredOutputsParams(json=SCHEMA),
+              "json_object": StructuredOutputsParams(json_object=True)}[name]
+        return so, PROMPTS
+    spec = tool_spec([WEATHER_TOOL], {"type": "function", "function": {"name": "get_weather"}}, False)
+    spec.strict = name == "tool_call"
+    prompts = []
+    for city in CITIES:
+        messages = render_messages([{"role": "user", "content": f"What is the weather in {city}?"}], spec, True)
+        prompts.append(llm.tokenizer(llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                       tokenize=False), add_special_tokens=False)
+                       ["input_ids"])
+    return StructuredOutputsParams(grammar=tool_grammar(spec)), prompts
 
 
 def compile_times(llm: LLM) -> list[dict]:
@@ -80,13 +111,13 @@ def compile_times(llm: LLM) -> list[dict]:
     return rows
 
 
-def run(llm: LLM, temperature: float, grammar: bool, new_tokens: int, batch: int, repeats: int) -> dict:
-    so = StructuredOutputsParams(json=SCHEMA) if grammar else None
+def run(llm: LLM, temperature: float, name: str, new_tokens: int, batch: int, repeats: int) -> dict:
+    so, texts = workload(llm, name)
     # Free text runs to max_tokens (ignore_eos), so its batch stays as full as the JSON runs' (which end with the
     # object, mostly near max_tokens): tokens/s compares like with like.
     params = [SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=i, structured_outputs=so,
-                             ignore_eos=not grammar) for i in range(batch)]
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+                             ignore_eos=so is None) for i in range(batch)]
+    prompts = [texts[i % len(texts)] for i in range(batch)]
     llm.generate(prompts, params)  # warm-up
     results = []
     for _ in range(repeats):
@@ -98,6 +129,7 @@ def run(llm: LLM, temperature: float, grammar: bool, new_tokens: int, batch: int
     tokens = sum(len(o.token_ids) for o in outs)
     spec = llm.spec_stats(outs)
     return {"tokens": tokens, "tokens_per_s": tokens / seconds,
+            "ended": sum(o.finish_reason == "stop" for o in outs) / len(outs) if so is not None else None,
             "acceptance_rate": spec.acceptance_rate if spec.num_draft_tokens else None,
             "acceptance_length": spec.acceptance_length if spec.num_drafts else None}
 
@@ -112,6 +144,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--workloads", nargs="+", default=["json_schema"],
+                    choices=["json_schema", "tool_call", "tool_call_loose", "json_object"])
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--save-json", default=None)
     args = ap.parse_args()
@@ -125,21 +159,22 @@ def main() -> None:
     print(markdown_table(compile_rows, ["what", "ms", "cached_us"]))
     rows = []
     process = proposer_module.needs_processing
+    cases = [("target alone", base, "none", True), (f"+ draft, k={args.k}", spec, "none", True)]
+    for w in args.workloads:
+        cases += [("target alone", base, w, True), (f"+ draft, k={args.k}", spec, w, True),
+                  (f"+ draft, k={args.k}, draft unconstrained", spec, w, False)]
     for t in args.temperatures:
-        for label, llm, grammar, draft_grammar in [
-                ("target alone", base, False, True), ("target alone", base, True, True),
-                (f"+ draft, k={args.k}", spec, False, True), (f"+ draft, k={args.k}", spec, True, True),
-                (f"+ draft, k={args.k}, draft unconstrained", spec, True, False)]:
+        for label, llm, grammar, draft_grammar in cases:
             # The draft proposing without the grammar: its processing switched off (these requests use no other).
             proposer_module.needs_processing = process if draft_grammar else (lambda reqs: False)
             try:
                 r = run(llm, t, grammar, args.new_tokens, args.batch_size, args.repeats)
             finally:
                 proposer_module.needs_processing = process
-            rows.append({"temperature": t, "engine": label, "grammar": "JSON schema" if grammar else "none", **r})
+            rows.append({"temperature": t, "engine": label, "grammar": grammar, **r})
             print(rows[-1], flush=True)
-    print(markdown_table(rows, ["temperature", "engine", "grammar", "tokens", "tokens_per_s", "acceptance_rate",
-                                "acceptance_length"]))
+    print(markdown_table(rows, ["temperature", "engine", "grammar", "tokens", "tokens_per_s", "ended",
+                                "acceptance_rate", "acceptance_length"]))
     save_json(args.save_json, {"environment": environment(), "args": vars(args), "compile": compile_rows,
                                "runs": rows})
 

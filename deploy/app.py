@@ -73,7 +73,7 @@ def build_app_from_config(cfg: ServeConfig) -> serve.Application:
                              ingress_replicas=cfg.resolved_ingress_replicas(engine_args["device"]),
                              request_router=cfg.request_router, request_router_kwargs=cfg.request_router_kwargs,
                              drain_timeout_s=cfg.drain_timeout_s, generation_config=cfg.generation_config,
-                             direct_streaming=cfg.direct_streaming)
+                             direct_streaming=cfg.direct_streaming, chat=cfg.chat_options())
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

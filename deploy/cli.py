@@ -146,6 +146,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="if the draft's workers die, keep serving without speculation while they restart")
     p.add_argument("--drain-timeout-s", type=float, default=s,
                    help="on shutdown, seconds the requests in flight may take to finish (default 30)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", default=s,
+                   help="serve tool_choice 'auto' (the default with tools): the model may call or answer")
+    p.add_argument("--tool-call-parser", default=s, choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                   help="the model family's call markup, forced and parsed (default hermes: Qwen, SmolLM)")
+    p.add_argument("--chat-template", default=s, help="Jinja chat template (file path or inline) for chat")
+    p.add_argument("--reasoning-parser", default=s, choices=["qwen3", "deepseek_r1"],
+                   help="<think>...</think> as reasoning_content apart from content")
 
 
 def _local_cpus(cfg: ServeConfig) -> int:

@@ -97,6 +97,20 @@ class ServeConfig:
     max_queued_requests: int | None = 256  # requests waiting for a batch slot; more get 429; None: no bound
     continue_without_draft: bool = False  # a dead draft group: serve without speculation while it restarts
     drain_timeout_s: float = 30.0  # on shutdown, how long requests in flight may take to finish
+    # --- chat: tool calls, templates, reasoning (vLLM's flags; docs/tool_calling.md) ------------------
+    enable_auto_tool_choice: bool = False  # serve tool_choice "auto" (the default with tools); else it is a 400
+    tool_call_parser: str = "hermes"  # call markup: hermes (Qwen, SmolLM), llama3_json, mistral, pythonic
+    chat_template: str | None = None  # a Jinja file path or inline template replacing the model's
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think>...</think> as reasoning_content
+
+    def chat_options(self) -> dict[str, Any]:
+        """serving.chat_options.ChatOptions.create's arguments; a template file is read here, where the path was
+        given (the replicas may run on other nodes)."""
+        from serving.chat_options import load_chat_template
+
+        return {"enable_auto_tool_choice": self.enable_auto_tool_choice, "tool_call_parser": self.tool_call_parser,
+                "chat_template": load_chat_template(self.chat_template) if self.chat_template else None,
+                "reasoning_parser": self.reasoning_parser}
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -111,6 +125,9 @@ class ServeConfig:
 
     def validate(self) -> None:
         """Raise ValueError for serving settings that cannot work (the engine checks its own)."""
+        from serving.chat_options import ChatOptions
+
+        ChatOptions.create(**self.chat_options())  # ValueError: a parser or a template file that does not exist
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty: give a key, or leave it unset to serve without one")
         if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1:

@@ -36,10 +36,12 @@ ROUTING_STATS_PERIOD_S = 2.0
 @serve.ingress()  # the FastAPI app is built per replica by __serve_build_asgi_app__, around its RouterClient
 class SpecServe:
     async def __init__(self, engine: Any, model: str, served_model_name: str | None = None,
-                       security: dict[str, Any] | None = None, generation_config: str = "auto") -> None:
+                       security: dict[str, Any] | None = None, generation_config: str = "auto",
+                       chat: dict[str, Any] | None = None) -> None:
         """engine: a DeploymentHandle of the engine replicas; the rest: serving.front_end.FrontEnd's."""
         info = await engine.info.remote()
-        self.front = FrontEnd(engine, model, served_model_name, info["max_model_len"], security, generation_config)
+        self.front = FrontEnd(engine, model, served_model_name, info["max_model_len"], security, generation_config,
+                              chat)
         self.gc_frozen = freeze_startup_heap(f"ingress of {served_model_name or model}")  # tokenizer loaded
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -72,11 +74,12 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
                       ingress_replicas: int = 1, request_router: str = "power_of_two",
                       request_router_kwargs: dict[str, Any] | None = None,
                       drain_timeout_s: float = 30.0, generation_config: str = "auto",
-                      direct_streaming: bool = False) -> serve.Application:
+                      direct_streaming: bool = False, chat: dict[str, Any] | None = None) -> serve.Application:
     """The bound application. `engine_args` are LLM's keyword arguments (model, draft_model, ...); the rest are
     deploy.config.ServeConfig's fields of the same names (router_options: its router_actor_options). With
     `direct_streaming` the engine replicas are the ingress (serving/engine_ingress.py) and `ingress_replicas`,
-    `ray_actor_options` and the request router do not apply."""
+    `ray_actor_options` and the request router do not apply. `chat`: serving.chat_options.ChatOptions.create's
+    arguments (ServeConfig's enable_auto_tool_choice, tool_call_parser, chat_template, reasoning_parser)."""
     if request_router not in REQUEST_ROUTERS:
         raise ValueError(f"request_router must be one of {sorted(REQUEST_ROUTERS)}, got {request_router!r}")
     if direct_streaming and REQUEST_ROUTERS[request_router]:
@@ -113,7 +116,7 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
 
         return EngineIngressReplica.options(**engine_options).bind(
             engine_args, engine_builder, served_model_name or model, max_queued_requests, continue_without_draft,
-            security, generation_config)
+            security, generation_config, chat)
     engine = EngineReplica.options(**engine_options).bind(
         engine_args, engine_builder, served_model_name or model, max_queued_requests, continue_without_draft)
 
@@ -128,7 +131,8 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
         # Serve's proxy queue in front of the ingress: past it the proxy answers 503. Sized past what reaches
         # the engines, so that a burst reaches them and gets the engines' own 429 instead.
         ingress_options["max_queued_requests"] = max_queued_requests + per_engine * max_engines
-    return SpecServe.options(**ingress_options).bind(engine, model, served_model_name, security, generation_config)
+    return SpecServe.options(**ingress_options).bind(engine, model, served_model_name, security, generation_config,
+                                                     chat)
 
 
 def drain(timeout_s: float = 30.0, app_name: str = "specserve") -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from serving import grpc_service
+from serving.chat_options import ChatOptions
 from serving.generation_config import load_generation_defaults
 from serving.openai_api import create_openai_app
 from serving.openai_protocol import SUPPORTED_DEFAULTS
@@ -19,10 +20,12 @@ class FrontEnd:
     """engine: what RouterClient streams from (a DeploymentHandle of the engine replicas, or a ReplicaEngine).
     security: `api_key` (None: the SPECSERVE_API_KEY environment variable, else no key), `max_request_body_bytes`,
     `auth_health_metrics` (see deploy.config.ServeConfig). generation_config: "auto" (the model's
-    generation_config.json gives sampling defaults) or "vllm" (OpenAI's defaults)."""
+    generation_config.json gives sampling defaults) or "vllm" (OpenAI's defaults). chat: ChatOptions.create's
+    arguments (tool-call and reasoning parsers, auto tool choice, a chat template replacing the model's)."""
 
     def __init__(self, engine: Any, model: str, served_model_name: str | None, max_model_len: int,
-                 security: dict[str, Any] | None = None, generation_config: str = "auto") -> None:
+                 security: dict[str, Any] | None = None, generation_config: str = "auto",
+                 chat: dict[str, Any] | None = None) -> None:
         from engine.llm import load_tokenizer
         from engine.models.source import resolve_model
 
@@ -33,6 +36,9 @@ class FrontEnd:
         tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:
             raise ValueError(f"model {model} has no tokenizer: the HTTP and gRPC APIs need one for text")
+        self.chat_options = ChatOptions.create(**(chat or {}))
+        if self.chat_options.chat_template is not None:  # chat, /tokenize and gRPC's chat all render with it
+            tokenizer.chat_template = self.chat_options.chat_template
         self.client = RouterClient(engine, served_model_name or model, tokenizer, max_model_len,
                                    load_generation_defaults(model_dir, SUPPORTED_DEFAULTS)
                                    if generation_config == "auto" else {})
@@ -44,7 +50,7 @@ class FrontEnd:
 
     def asgi_app(self) -> Any:
         return create_openai_app(self.client, api_key=self.api_key, max_body_bytes=self.max_body_bytes,
-                                 auth_health_metrics=self.auth_health_metrics)
+                                 auth_health_metrics=self.auth_health_metrics, chat_options=self.chat_options)
 
     def grpc_generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:
         return grpc_service.generate(self.client, request, grpc_context, self.api_key)

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.chat_options import ChatOptions
 from serving.http_guard import OPEN_PATHS, RequestGuard
 from serving.openai_choices import Choice, collect_response, sse_stream
 from serving.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -100,9 +101,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def create_openai_app(client: Client, api_key: str | None = None, max_body_bytes: int | None = None,
-                      auth_health_metrics: bool = False) -> FastAPI:
+                      auth_health_metrics: bool = False, chat_options: ChatOptions | None = None) -> FastAPI:
     """api_key: required as a Bearer token (None: open); /health and /metrics stay open unless
-    auth_health_metrics. max_body_bytes: larger request bodies get 413 (None: no limit)."""
+    auth_health_metrics. max_body_bytes: larger request bodies get 413 (None: no limit). chat_options: tool-call
+    and reasoning parsers, auto tool choice (the chat template is the client's tokenizer's)."""
     app = FastAPI(title="specserve", description="OpenAI-compatible LLM serving with speculative decoding")
     install_error_handlers(app)
     if api_key is not None or max_body_bytes is not None:
@@ -134,7 +136,7 @@ def create_openai_app(client: Client, api_key: str | None = None, max_body_bytes
         check_model(client, model_id)
         return ModelCard(id=client.model_name, max_model_len=client.max_model_len)
 
-    add_tokenizer_routes(app, client)
+    add_tokenizer_routes(app, client, chat_options)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
@@ -153,6 +155,7 @@ def create_openai_app(client: Client, api_key: str | None = None, max_body_bytes
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         check_model(client, body.model)
+        body.use_options(chat_options)
         body.check_supported()
         ids = _truncate(apply_chat_template(client, body), body.truncate_prompt_tokens)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

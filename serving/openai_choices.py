@@ -16,6 +16,7 @@ from typing import Any
 
 from serving.openai_logprobs import LogprobsBuilder, echo_logprobs, joined, logprobs_builder, vllm_prompt_logprobs
 from serving.openai_responses import ChatCompletionResponse, CompletionResponse, error_body, error_type
+from serving.reasoning_parser import ReasoningStream
 from serving.router_client import GenerationError, spec_decode_summary
 from serving.tool_calls import ToolCallStream, parse_tool_calls
 
@@ -24,6 +25,26 @@ def _tools(body: Any, chat: bool) -> Any:
     """The request's ToolSpec when its output is parsed for tool calls, else None."""
     spec = body.tool_spec() if chat else None
     return spec if spec is not None and spec.parses_calls else None
+
+
+def chat_message(text: str, body: Any, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """A finished chat choice's message and finish_reason: the reasoning apart (with the server's reasoning
+    parser), then the content's tool calls apart ("tool_calls" when a call ended the output; an unfinished call
+    cut by max_tokens is dropped, never content)."""
+    reasoning, content = None, text
+    parser = body.options.reasoning()
+    if parser is not None:
+        reasoning, content = parser.split(text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    tools = _tools(body, True)
+    if tools is not None:
+        content, calls = parse_tool_calls(content, tools, truncated=finish == "length")
+        message = {"role": "assistant", "content": content, "tool_calls": calls}
+        if calls and finish == "stop":
+            finish = "tool_calls"
+    if reasoning is not None and body.include_reasoning:
+        message["reasoning_content"] = reasoning
+    return message, finish
 
 
 @dataclass
@@ -119,13 +140,7 @@ async def collect_response(choices: list[Choice], body: Any, request_id: str, cl
         entry: dict[str, Any] = {"index": c.index, "finish_reason": last["finish_reason"], "logprobs": logprobs,
                                  "stop_reason": last["stop_reason"]}
         if chat:
-            entry["message"] = {"role": "assistant", "content": text}
-            tools = _tools(body, chat)
-            if tools is not None:
-                content, calls = parse_tool_calls(text, tools)
-                entry["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                if calls and entry["finish_reason"] == "stop":
-                    entry["finish_reason"] = "tool_calls"
+            entry["message"], entry["finish_reason"] = chat_message(text, body, entry["finish_reason"])
         else:
             entry["text"] = c.echo + text
             entry["prompt_logprobs"] = _prompt_logprobs_field(c, body, client, prompt_lps)
@@ -201,6 +216,8 @@ async def sse_stream(choices: list[Choice], body: Any, request_id: str, client: 
     builders = {c.index: logprobs_builder(body, client.tokenizer, chat) for c in choices}
     tools = _tools(body, chat)
     splitters = {c.index: ToolCallStream(tools) for c in choices} if tools is not None else {}
+    reasoning = body.options.reasoning() if chat else None
+    thinkers = {c.index: ReasoningStream(reasoning) for c in choices} if reasoning is not None else {}
     started: set[int] = set()
     lasts: dict[int, tuple[Choice, dict[str, Any]]] = {}
     try:
@@ -208,16 +225,21 @@ async def sse_stream(choices: list[Choice], body: Any, request_id: str, client: 
             finish = delta["finish_reason"]
             entry: dict[str, Any] = {"index": choice.index}
             if chat:
-                text, calls = delta["text"], []
+                text, calls, thought = delta["text"], [], ""
+                if thinkers:
+                    thought, text = thinkers[choice.index].feed(text, final=finish is not None)
+                    thought = thought if body.include_reasoning else ""
                 if splitters:
                     splitter = splitters[choice.index]
-                    text, calls = splitter.feed(text, final=finish is not None)
+                    text, calls = splitter.feed(text, final=finish is not None, truncated=finish == "length")
                     if splitter.num_calls and finish == "stop":
                         finish = "tool_calls"
                 if choice.index not in started:
                     entry["delta"] = {"role": "assistant", "content": text}
                 else:
-                    entry["delta"] = {"content": text} if text or not finish else {}
+                    entry["delta"] = {"content": text} if text or not (finish or thought) else {}
+                if thought:
+                    entry["delta"]["reasoning_content"] = thought
                 if calls:
                     entry["delta"]["tool_calls"] = _call_deltas(calls)
             else:

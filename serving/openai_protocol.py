@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from serving.chat_options import ChatOptions
 from serving.router_client import GenerationError
 from serving.structured_request import structured_outputs
 from serving.tool_calls import ToolSpec, tool_spec
@@ -49,7 +50,8 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "structural_tag": (_off, "structural tags are not supported: use response_format, guided_* or tools"),
     "guided_whitespace_pattern": (_off, "JSON outputs are generated without free whitespace; a pattern for it is "
                                         "not supported"),
-    "reasoning_effort": (_off, "this server has no reasoning parser"),
+    "reasoning_effort": (_off, "it is not passed to the model: a template that takes a thinking switch gets it "
+                               "through chat_template_kwargs (e.g. enable_thinking)"),
     "use_beam_search": (_off, "beam search is not implemented"),
     "length_penalty": (_unset_or(1.0, 1), "it only applies to beam search, which is not implemented"),
     "best_of": (_unset_or(1), "as in vLLM's V1 engine, best_of > 1 is not supported: use n"),
@@ -269,7 +271,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # without tools there is no call to parallelise
     reasoning_effort: str | None = None
-    include_reasoning: bool = True  # no reasoning parser: there is never reasoning content to include or drop
+    include_reasoning: bool = True  # with the server's reasoning parser: false drops reasoning_content
     add_generation_prompt: bool = True  # extension (vLLM)
     continue_final_message: bool = False  # extension (vLLM)
     add_special_tokens: bool = False  # extension (vLLM): special tokens on top of the chat template's
@@ -279,11 +281,22 @@ class ChatCompletionRequest(_SamplingRequest):
     mm_processor_kwargs: dict[str, Any] | None = None  # extension (vLLM): refused (REFUSED)
 
     _tools: ToolSpec | None = PrivateAttr(default=None)
+    _options: ChatOptions = PrivateAttr(default_factory=ChatOptions)  # the server's (use_options)
+
+    def use_options(self, options: ChatOptions | None) -> None:
+        """The server's chat settings (tool-call parser, auto tool choice, reasoning parser) for this request."""
+        self._options = options or ChatOptions()
+        self._tools = None
+
+    @property
+    def options(self) -> ChatOptions:
+        return self._options
 
     def tool_spec(self) -> ToolSpec | None:
         """The request's tools and tool_choice, checked (GenerationError 400); None without tools."""
         if self._tools is None and self.tools:
-            self._tools = tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+            self._tools = tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls,
+                                    self._options.tool_parser(), self._options.enable_auto_tool_choice)
         elif not self.tools:
             tool_spec(None, self.tool_choice, self.parallel_tool_calls)
         return self._tools
@@ -341,9 +354,13 @@ class TokenizeChatRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
+    _options: ChatOptions = PrivateAttr(default_factory=ChatOptions)
+
+    def use_options(self, options: ChatOptions | None) -> None:
+        self._options = options or ChatOptions()
+
     def check_supported(self) -> None:
-        if self.tools:
-            tool_spec(self.tools, None, None)
+        self.tool_spec()
         for i, message in enumerate(self.messages):
             message.check(f"messages.{i}")
         if self.continue_final_message and self.add_generation_prompt:
@@ -353,7 +370,8 @@ class TokenizeChatRequest(BaseModel):
     template_kwargs = ChatCompletionRequest.template_kwargs
 
     def tool_spec(self) -> ToolSpec | None:
-        return tool_spec(self.tools, None, None) if self.tools else None
+        """The tools as a chat request with tool_choice "auto" would render them (counting needs no choice)."""
+        return tool_spec(self.tools, None, None, self._options.tool_parser()) if self.tools else None
 
 
 class DetokenizeRequest(BaseModel):

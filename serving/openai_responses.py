@@ -105,6 +105,8 @@ class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: not calls)  # only with calls
+    # With the server's reasoning parser (serving/reasoning_parser.py): the thinking apart from the answer.
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda r: r is None)
 
 
 class ChatChoice(BaseModel):

@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from serving.chat_options import ChatOptions
 from serving.openai_protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -47,7 +48,8 @@ def apply_chat_template(client: Any, body: ChatCompletionRequest | TokenizeChatR
         if tools is not None and tools.choice != "none":
             with_tools = tok.apply_chat_template(messages, tokenize=False, tools=tools.tools,
                                                  **body.template_kwargs())
-            # A template that renders the same text with and without tools ignores them: Hermes-style prompt.
+            # A template that renders the same text with and without tools ignores them: a system prompt lists
+            # them in the tool-call parser's format.
             text = with_tools if with_tools != text else tok.apply_chat_template(
                 render_messages(messages, tools, True), tokenize=False, **body.template_kwargs())
     except Exception as e:  # noqa: BLE001 - jinja raises TemplateError for messages the template rejects
@@ -88,11 +90,12 @@ def check_model(client: Any, model: str | None) -> None:
                               404, "model")
 
 
-def add_tokenizer_routes(app: FastAPI, client: Any) -> None:
+def add_tokenizer_routes(app: FastAPI, client: Any, chat_options: ChatOptions | None = None) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         check_model(client, body.model)
         if isinstance(body, TokenizeChatRequest):
+            body.use_options(chat_options)
             body.check_supported()
             ids = apply_chat_template(client, body)
         else:

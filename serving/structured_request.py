@@ -1,20 +1,30 @@
 """A request's structured-output fields (OpenAI's response_format, vLLM's guided_* and structured_outputs, and the
 grammar a tool_choice implies) into the engine's StructuredOutputsParams, as a dict the router passes on.
 
-At most one of them may be set (a 400 names the second). Every schema, regex and grammar is compiled here, before
-the request is queued, so one the backend (llguidance) cannot compile is a 400 that names its field.
+At most one of them may be set (a 400 names the second). Strictness (serving/json_schema_strictness.py): forced
+tool calls' arguments and response_format's json_schema (OpenAI's structured outputs, whose strict mode admits no
+unlisted property; client libraries send model schemas that never say additionalProperties) are strict unless the
+request sets `structured_outputs.disable_additional_properties` false; vLLM's own guided_json and
+structured_outputs.json keep JSON Schema's meaning unless it is true or `guided_decoding_backend` is
+"guidance:disable-additional-properties" (vLLM's names). Every schema, regex and grammar is compiled
+here, before the request is queued, so one the backend (llguidance) cannot compile is a 400 that names its field.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from engine.sample.structured_output import StructuredOutputsParams, check_grammar
+from serving.json_schema_strictness import disallow_additional_properties
 from serving.router_client import GenerationError
 from serving.tool_calls import ToolSpec, tool_grammar
 
-BACKENDS = (None, "auto", "guidance", "llguidance")  # guided_decoding_backend values served (all: llguidance)
+STRICT_BACKEND = "guidance:disable-additional-properties"
+# guided_decoding_backend values served (all: llguidance)
+BACKENDS = (None, "auto", "guidance", "llguidance", STRICT_BACKEND)
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_OPTION_KEYS = ("disable_additional_properties",)  # how, not what: not a structured output of their own
 
 
 def _response_format(rf: Any) -> dict[str, Any] | None:
@@ -48,14 +58,23 @@ def structured_outputs(body: Any, tools: ToolSpec | None = None) -> dict[str, An
         value = getattr(body, name)
         if value is not None:
             found.append((name, {key: value}))
+    strict = None  # disable_additional_properties as the request set it
     if body.structured_outputs is not None:
-        so = {k: v for k, v in body.structured_outputs.items() if v not in (None, False)}
+        strict = body.structured_outputs.get("disable_additional_properties")
+        if strict is not None and not isinstance(strict, bool):
+            raise GenerationError("structured_outputs.disable_additional_properties must be true or false", 400,
+                                  "structured_outputs.disable_additional_properties")
+        so = {k: v for k, v in body.structured_outputs.items() if v not in (None, False) and k not in _OPTION_KEYS}
         for key in so:
             if key not in _STRUCTURED_KEYS:
                 raise GenerationError(f"structured_outputs.{key} is not supported (this server takes "
                                       f"{', '.join(_STRUCTURED_KEYS)})", 400, f"structured_outputs.{key}")
         if so:
             found.append(("structured_outputs", so))
+    if body.guided_decoding_backend == STRICT_BACKEND:
+        strict = True if strict is None else strict
+    if tools is not None:
+        tools.strict = strict is not False
     if tools is not None and (grammar := tool_grammar(tools)) is not None:
         found.append(("tool_choice", {"grammar": grammar}))
     if body.guided_decoding_backend not in BACKENDS:
@@ -68,6 +87,19 @@ def structured_outputs(body: Any, tools: ToolSpec | None = None) -> dict[str, An
         raise GenerationError(f"{found[1][0]} cannot be combined with {found[0][0]}: give one structured output",
                               400, found[1][0])
     name, fields = found[0]
+    if strict is None and name == "response_format":
+        strict = True
+    if strict and "json" in fields:
+        schema = fields["json"]
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise GenerationError(f"{name}: the JSON schema is not JSON: {e}", 400, name) from e
+        try:
+            fields = {**fields, "json": disallow_additional_properties(schema)}
+        except RecursionError as e:
+            raise GenerationError(f"{name}: the JSON schema nests too deep", 400, name) from e
     try:
         params = StructuredOutputsParams(**fields)
         check_grammar(params)

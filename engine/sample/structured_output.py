@@ -16,6 +16,19 @@ from typing import Any
 
 # JSON without free whitespace: a small model given the choice tends to emit newlines and spaces for ever.
 JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OBJECT_MAX_DEPTH = 4  # json_object: objects and arrays nest at most this deep
+
+
+def bounded_json_object(depth: int = JSON_OBJECT_MAX_DEPTH) -> dict[str, Any]:
+    """The schema of "any JSON object" (response_format json_object) with nesting bounded at `depth`: a small
+    model left free nests values until max_tokens; a bounded one has to close them. Scalars stay free."""
+    scalar: list[dict[str, Any]] = [{"type": t} for t in ("string", "number", "boolean", "null")]
+    defs: dict[str, Any] = {"v0": {"anyOf": scalar}}
+    for d in range(1, depth):
+        below = {"$ref": f"#/$defs/v{d - 1}"}
+        defs[f"v{d}"] = {"anyOf": [*scalar, {"type": "array", "items": below},
+                                   {"type": "object", "additionalProperties": below}]}
+    return {"type": "object", "additionalProperties": {"$ref": f"#/$defs/v{depth - 1}"}, "$defs": defs}
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,7 @@ class StructuredOutputsParams:
             if self.json is not None:
                 return M.grammar_from_json_schema(self.json, defaults=JSON_OPTIONS)
             if self.json_object:
-                return M.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+                return M.grammar_from_json_schema(bounded_json_object(), defaults=JSON_OPTIONS)
             if self.regex is not None:
                 return M.grammar_from_regex(self.regex)
             if self.choice is not None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from engine import LLM, SamplingParams
 
 MODEL = "tiny"
+SERVED_MAX_MODEL_LEN = 1024  # the served context (conftest.py)
+MAX_NEW_TOKENS = 160  # the target's generation_config.json: a cap on max_tokens (room for two tool calls)
 
 CMPL = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -11,7 +11,7 @@ import pytest
 from serve_support import assert_error, sse_events
 
 from engine import LLM
-from openai_parity import CHAT, CMPL, MODEL, _offline
+from openai_parity import CHAT, CMPL, MAX_NEW_TOKENS, MODEL, SERVED_MAX_MODEL_LEN, _offline
 
 # (endpoint body, field, value): each must be refused with a 400 whose param names the field.
 REFUSED = [
@@ -119,7 +119,7 @@ def test_good_chat_messages(client: httpx.Client) -> None:
 def test_tokenize_detokenize_version_models(client: httpx.Client) -> None:
     tok = client.post("/tokenize", json={"model": MODEL, "prompt": "héllo", "return_token_strs": True}).json()
     # The byte tokenizer: BOS is not added by default for this tokenizer; one token per UTF-8 byte.
-    assert tok["count"] == len(tok["tokens"]) == len("héllo".encode()) and tok["max_model_len"] == 128
+    assert tok["count"] == len(tok["tokens"]) == len("héllo".encode()) and tok["max_model_len"] == SERVED_MAX_MODEL_LEN
     assert len(tok["token_strs"]) == tok["count"]
     assert client.post("/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}).json() == {"prompt": "héllo"}
     assert assert_error(client.post("/detokenize", json={"tokens": [10**6]}), 400)["param"] == "tokens"
@@ -127,7 +127,7 @@ def test_tokenize_detokenize_version_models(client: httpx.Client) -> None:
     assert_error(client.post("/tokenize", json={"prompt": "x", "bogus": 1}), 400)
     assert isinstance(client.get("/version").json()["version"], str)
     card = client.get(f"/v1/models/{MODEL}").json()
-    assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] == 128
+    assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] == SERVED_MAX_MODEL_LEN
     assert assert_error(client.get("/v1/models/other"), 404)["code"] == "model_not_found"
 
 
@@ -151,13 +151,13 @@ def test_stream_usage_as_vllm(client: httpx.Client) -> None:
 
 
 def test_generation_config_defaults(client: httpx.Client, llm: LLM) -> None:
-    """The target's generation_config.json sets top_k=7 and max_new_tokens=96: a request that leaves them unset
-    samples with top_k 7 and stops at 96 tokens; one that sets them keeps its own (up to the cap)."""
+    """The target's generation_config.json sets top_k=7 and max_new_tokens: a request that leaves them unset
+    samples with top_k 7 and stops at max_new_tokens; one that sets them keeps its own (up to the cap)."""
     seeded = {"model": MODEL, "prompt": "hello", "temperature": 1.0, "seed": 5, "ignore_eos": True}
-    r = client.post("/v1/completions", json={**seeded, "max_tokens": 100}).json()
-    assert r["usage"]["completion_tokens"] == 96  # capped by max_new_tokens, as vLLM caps it
-    assert r["choices"][0]["text"] == _offline(llm, "hello", max_tokens=96, temperature=1.0, top_k=7, seed=5,
-                                               ignore_eos=True)
+    r = client.post("/v1/completions", json={**seeded, "max_tokens": MAX_NEW_TOKENS + 4}).json()
+    assert r["usage"]["completion_tokens"] == MAX_NEW_TOKENS  # capped by max_new_tokens, as vLLM caps it
+    assert r["choices"][0]["text"] == _offline(llm, "hello", max_tokens=MAX_NEW_TOKENS, temperature=1.0, top_k=7,
+                                               seed=5, ignore_eos=True)
     r = client.post("/v1/completions", json={**seeded, "top_k": 0, "max_tokens": 6}).json()
     assert r["choices"][0]["text"] == _offline(llm, "hello", max_tokens=6, temperature=1.0, top_k=0, seed=5,
                                                ignore_eos=True)
