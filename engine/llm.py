@@ -19,9 +19,9 @@ from engine.runner.model_runner import ModelRunner
 logger = logging.getLogger("specserve")
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase | None:
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:  # random-weight test models may ship without one
         logger.warning("no tokenizer in %s (%s): text prompts and outputs are unavailable", path, e)
         return None
@@ -55,7 +55,8 @@ class LLM:
                                           **engine_kwargs)  # type: ignore[arg-type]
         self.engine_config.validate()
         self.model_config = target_cfg
-        self.tokenizer = load_tokenizer(str(target_cfg.path))
+        self.tokenizer = load_tokenizer(self.engine_config.tokenizer or str(target_cfg.path),
+                                        self.engine_config.trust_remote_code)
         target = ModelRunner(target_cfg, self.engine_config, "target")
         draft = (ModelRunner(draft_cfg, self.engine_config, "draft", draft_token_map=self.engine_config.draft_token_map)
                  if draft_cfg is not None else None)

@@ -75,7 +75,7 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
                            launch_verify_ahead=launch_verify_ahead, draft_placement=draft_placement,
                            step_timeout_s=step_timeout_s)
     try:
-        tokenizer = load_tokenizer(str(pair.target.path))
+        tokenizer = load_tokenizer(config.tokenizer or str(pair.target.path), config.trust_remote_code)
         return EngineCore(executor, config, tokenizer, pair.target.eos_token_ids, spec)
     except BaseException:
         executor.shutdown()
