@@ -19,7 +19,7 @@ from ray.serve.config import RequestRouterConfig
 
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, LOCAL_ENGINE_BUILDER
 from serving.engine_deployment import ENGINE_DEPLOYMENT, EngineReplica
-from serving.front_end import FrontEnd
+from serving.front_end import FrontEnd, tokenizer_source
 from serving.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger("specserve")
@@ -36,10 +36,12 @@ ROUTING_STATS_PERIOD_S = 2.0
 @serve.ingress()  # the FastAPI app is built per replica by __serve_build_asgi_app__, around its RouterClient
 class SpecServe:
     async def __init__(self, engine: Any, model: str, served_model_name: str | None = None,
-                       security: dict[str, Any] | None = None, generation_config: str = "auto") -> None:
+                       security: dict[str, Any] | None = None, generation_config: str = "auto",
+                       tokenizer: dict[str, Any] | None = None) -> None:
         """engine: a DeploymentHandle of the engine replicas; the rest: serving.front_end.FrontEnd's."""
         info = await engine.info.remote()
-        self.front = FrontEnd(engine, model, served_model_name, info["max_model_len"], security, generation_config)
+        self.front = FrontEnd(engine, model, served_model_name, info["max_model_len"], security, generation_config,
+                              tokenizer)
         self.gc_frozen = freeze_startup_heap(f"ingress of {served_model_name or model}")  # tokenizer loaded
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -128,7 +130,8 @@ def build_application(engine_args: dict[str, Any], *, served_model_name: str | N
         # Serve's proxy queue in front of the ingress: past it the proxy answers 503. Sized past what reaches
         # the engines, so that a burst reaches them and gets the engines' own 429 instead.
         ingress_options["max_queued_requests"] = max_queued_requests + per_engine * max_engines
-    return SpecServe.options(**ingress_options).bind(engine, model, served_model_name, security, generation_config)
+    return SpecServe.options(**ingress_options).bind(engine, model, served_model_name, security, generation_config,
+                                                     tokenizer_source(engine_args))
 
 
 def drain(timeout_s: float = 30.0, app_name: str = "specserve") -> list[dict[str, Any]]:
