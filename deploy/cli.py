@@ -160,16 +160,23 @@ def _serve(args: argparse.Namespace) -> int:
         # A local cluster for this process, with a logical CPU for each HTTP/gRPC replica, and for each engine
         # replica's router and model ranks: each reserves one, and on a small box they would otherwise wait forever
         # for each other; they are single-threaded and mostly idle, so oversubscribing the cores is harmless.
-        ray.init(num_cpus=max(os.cpu_count() or 1, _local_cpus(cfg)), include_dashboard=False)
+        ray.init(num_cpus=max(os.cpu_count() or 1, _local_cpus(cfg)), include_dashboard=False,
+                 logging_level=logging.INFO if args.verbose else logging.WARNING)
     # The handler only appends to a list: a threading.Event set from a handler deadlocks when a second signal (a
     # second Ctrl-C, a supervisor's SIGTERM after SIGINT) lands while the first handler holds the Event's lock.
     signals: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: signals.append(signum))
     try:
+        # Serve's INFO lines (each replica added, each call) drown what matters: warnings and errors stay, and the
+        # replicas' own summary lines; -v brings them back.
+        serve_logs = {"log_level": "INFO" if args.verbose else "WARNING"}
+        if not args.verbose:
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)
         serve.start(http_options={"host": cfg.host, "port": cfg.port},
-                    grpc_options={"port": cfg.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]})
-        serve.run(app, name="specserve", route_prefix="/")
+                    grpc_options={"port": cfg.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]},
+                    logging_config=serve_logs)
+        serve.run(app, name="specserve", route_prefix="/", logging_config=serve_logs)
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
         print(f"specserve: serving {cfg.served_model_name or cfg.model}\n"
               f"  OpenAI HTTP  http://{host}:{cfg.port}/v1\n"

@@ -50,6 +50,9 @@ def test_vllm_launch_line_serves_with_speculation_then_two_signals_exit_cleanly(
         assert "HTTP proxy   HAProxy" in text
         # GPU-only flags say what they do on CPU.
         assert "--gpu-memory-utilization 0.8: no effect" in text and "--enforce-eager True: no effect" in text
+        # One summary line a replica; Serve's INFO lines (replicas added, every call) stay out of the way.
+        assert "specserve: engine replica ready: " in text and "(k=3, strict)" in text, text[-3000:]
+        assert "Adding 1 replica" not in text and "CALL info OK" not in text
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
             r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0,
                                                 "ignore_eos": True})
