@@ -133,21 +133,28 @@ def _local_cpus(cfg: ServeConfig) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from deploy.config import load_config
+
+    cfg = load_config(args.config, _given(args))
+    # Everything that can fail before Ray starts fails here, in seconds, with one line naming the cause (Ray and
+    # Serve are imported after it: that alone takes seconds).
+    device = cfg.device
+    if device is None and not os.environ.get("RAY_ADDRESS"):
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # a local cluster: this machine's devices
+    cfg.preflight(device or "cpu")  # joining a cluster: the models are checked here, the devices by the cluster
+    if device is not None and not device.startswith("cuda"):
+        for note in cfg.cpu_notes():
+            print(f"specserve: {note}", file=sys.stderr, flush=True)
+
     import ray
     from ray import serve
 
-    from deploy.app import apply_local_cluster_env, build_app_from_config, default_device
-    from deploy.config import load_config
+    from deploy.app import apply_local_cluster_env, build_app_from_config
     from serving.grpc_service import SERVICER_FUNCTION
     from serving.serve_process_env import HAPROXY_ENV
 
-    cfg = load_config(args.config, _given(args))
-    # Everything that can fail before Ray starts fails here, in seconds, with one line naming the cause.
-    device = cfg.device or default_device()
-    cfg.preflight(device)
-    if not device.startswith("cuda"):
-        for note in cfg.cpu_notes():
-            print(f"specserve: {note}", file=sys.stderr, flush=True)
     app = build_app_from_config(cfg)
     proxy = None
     if os.environ.get("RAY_ADDRESS"):
