@@ -140,23 +140,20 @@ class ServeConfig(ServingOptions, SpeculationOptions, EngineOptions):
         import torch
 
         from engine.config import EngineConfig, resolve_dtype
-        from engine.model_setup import resolve_model_pair
+        from engine.model_setup import SPEC_OPTIONS, configure_engine
 
         self.validate()
         args = self.engine_args()
         dev = torch.device(device)
-        pair = resolve_model_pair(self.model, args["draft_model"], self.max_model_len, self.num_speculative_tokens,
-                                  self.rejection_sampling, self.synthetic_acceptance_rate,
-                                  self.draft_tensor_parallel_size, args["draft_length_schedule"],
-                                  self.spec_disable_above_batch_size, load_format=self.load_format)
-        own = {f.name for f in dataclasses.fields(self) if f.metadata.get("engine") == "llm"}
-        extras = {f.name: args[f.name] for f in dataclasses.fields(EngineConfig)
-                  if f.name in args and f.init and f.name not in own}
+        # The engine's own options (builder-only ones, such as the Ray executor's, are the builder's to check).
+        known = {f.name for f in dataclasses.fields(EngineConfig)} | set(SPEC_OPTIONS)
+        options = {k: v for k, v in args.items() if k in known and k not in (
+            "device", "dtype", "max_model_len", "seed", "tensor_parallel_size")}
+        _, config = configure_engine(self.model, args["draft_model"], device=dev,
+                                     dtype=resolve_dtype(args["dtype"], dev), max_model_len=self.max_model_len,
+                                     seed=self.seed, tensor_parallel_size=self.tensor_parallel_size, options=options)
         # Tensor parallelism is the Ray executor's to check against the GPUs; the rest is the engine's.
-        EngineConfig(device=dev, dtype=resolve_dtype(self.dtype if self.dtype != "auto" else None, dev),
-                     max_model_len=pair.max_model_len, seed=self.seed,
-                     num_speculative_tokens=pair.spec.num_speculative_tokens if pair.spec else 0,
-                     **extras).validate()
+        dataclasses.replace(config, tensor_parallel_size=1).validate()
         if self.tokenizer is not None:
             from transformers import AutoTokenizer
 

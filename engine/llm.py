@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.config import EngineConfig, resolve_device, resolve_dtype
+from engine.config import resolve_device, resolve_dtype
 from engine.engine_core import EngineCore
 from engine.executor import LocalExecutor
-from engine.model_setup import resolve_model_pair
+from engine.model_setup import configure_engine
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, SpecStats
 from engine.runner.model_runner import ModelRunner
 
@@ -44,15 +44,16 @@ class LLM:
         if draft_model is not None and draft_tensor_parallel_size != 1:
             raise ValueError("the offline engine runs the draft in one process "
                              "(draft_tensor_parallel_size=1); use the Ray serving layer for more")
-        pair = resolve_model_pair(model, draft_model, max_model_len, num_speculative_tokens, rejection_sampling,
-                                  synthetic_acceptance_rate, draft_tensor_parallel_size, draft_length_schedule,
-                                  spec_disable_above_batch_size,
-                                  load_format=str(engine_kwargs.get("load_format", "auto")))
+        speculation = {"num_speculative_tokens": num_speculative_tokens, "rejection_sampling": rejection_sampling,
+                       "synthetic_acceptance_rate": synthetic_acceptance_rate,
+                       "draft_tensor_parallel_size": draft_tensor_parallel_size,
+                       "draft_length_schedule": draft_length_schedule,
+                       "spec_disable_above_batch_size": spec_disable_above_batch_size}
+        pair, self.engine_config = configure_engine(model, draft_model, device=dev, dtype=dt,
+                                                    max_model_len=max_model_len, seed=seed,
+                                                    tensor_parallel_size=tensor_parallel_size,
+                                                    options={**speculation, **engine_kwargs})
         target_cfg, draft_cfg, spec = pair.target, pair.draft, pair.spec
-        self.engine_config = EngineConfig(device=dev, dtype=dt, max_model_len=pair.max_model_len, seed=seed,
-                                          tensor_parallel_size=tensor_parallel_size,
-                                          num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                                          **engine_kwargs)  # type: ignore[arg-type]
         self.engine_config.validate()
         self.model_config = target_cfg
         self.tokenizer = load_tokenizer(self.engine_config.tokenizer or str(target_cfg.path),
