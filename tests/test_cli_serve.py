@@ -33,7 +33,7 @@ def test_vllm_launch_line_serves_with_speculation_then_two_signals_exit_cleanly(
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     log = (tmp_path / "serve.log").open("w+")
     spec = {"model": draft, "num_speculative_tokens": 3, "method": "draft_model", "draft_tensor_parallel_size": 1,
-            "rejection_sampling": "strict"}
+            "rejection_sampling": "strict", "draft_placement": "colocated"}  # one worker process, not two
     proc = subprocess.Popen(
         [*CLI, target, "--speculative-config", json.dumps(spec), "--device", "cpu", "--http-proxy", "haproxy",
          "--port", str(port), "--grpc-port", str(grpc_port), "--max-model-len", "128", "--served-model-name", "tiny",
