@@ -64,6 +64,8 @@ class ServeConfig(ServingOptions, SpeculationOptions, EngineOptions):
                                              or isinstance(self.ingress_replicas, bool) or self.ingress_replicas < 1):
             raise ValueError(f"ingress_replicas must be an integer >= 1 or 'auto', got {self.ingress_replicas!r}")
         options.check_bounds(self)
+        if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda (cuda:N), got {self.device!r}")
         if self.direct_streaming and self.request_router != "power_of_two":
             raise ValueError(f"direct_streaming: the HTTP proxy picks each request's engine replica, so request_router "
                              f"{self.request_router!r} cannot apply; use power_of_two")

@@ -52,8 +52,9 @@ class EngineOptions:
                                        help="context length served (prompt + output); unset: the model's, at most "
                                             "4096")
     seed: int = option(0, engine="llm", help="the engine's random seed (sampling of requests without their own)")
-    device: str | None = option(None, engine="llm", choices=("cpu", "cuda"),
-                                help="where the models run; unset: cuda when the cluster has GPUs, else cpu")
+    device: str | None = option(None, engine="llm",
+                                help="where the models run: cpu or cuda; unset: cuda when the cluster has GPUs, "
+                                     "else cpu")
     tensor_parallel_size: int = option(1, engine="llm", minimum=1, flags=("-tp",),
                                        help="GPUs the target is split across (its worker actors)")
     enable_prefix_caching: bool = option(True, engine="llm",

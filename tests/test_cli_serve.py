@@ -112,6 +112,7 @@ def test_bad_model_or_flag_fails_in_seconds_with_one_line(args: list[str], cause
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be <= 1"),
     (["--max-num-seqs", "many"], "argument --max-num-seqs: config field max_num_seqs: cannot use 'many'"),
     (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
+    (["--device", "tpu"], "device must be cpu or cuda"),
 ])
 def test_bad_settings_fail_before_ray_with_one_line(args: list[str], cause: str, capsys) -> None:
     """The same checks in this process (cheaper than a process each): one line naming the cause, exit 2."""
@@ -120,7 +121,7 @@ def test_bad_settings_fail_before_ray_with_one_line(args: list[str], cause: str,
     from deploy.cli import main
 
     try:
-        code = main(["serve", *args, "--device", "cpu"])
+        code = main(["serve", "--device", "cpu", *args])  # a later --device wins
     except SystemExit as e:  # argparse's own errors
         code = e.code
     err = capsys.readouterr().err.strip().splitlines()
