@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh clone:
 #   make serve   # installs into .venv, then runs the main job on the bundled default models
+#                # (flags after ARGS: make serve ARGS="--port 8080 --max-num-seqs 32")
 #   make test    # installs what the tests need into .venv, then runs ruff and the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,6 +9,8 @@ PIP := $(PY) -m pip
 # A CPU build; machines with CUDA can install their own torch first (>= 2.5 is accepted).
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
+# Flags of `specserve serve` / `specserve generate` for `make serve` / `make generate`.
+ARGS ?=
 
 .PHONY: install install-test test-tools serve generate test lint bench-cpu clean
 
@@ -48,10 +51,10 @@ install-test: $(VENV)/.installed-test
 test-tools: $(TOOLS)/.installed
 
 serve: install
-	$(VENV)/bin/specserve serve
+	$(VENV)/bin/specserve serve $(ARGS)
 
 generate: install
-	$(VENV)/bin/specserve generate --prompt "Write a haiku about speculative decoding." --max-tokens 64
+	$(VENV)/bin/specserve generate --prompt "Write a haiku about speculative decoding." --max-tokens 64 $(ARGS)
 
 lint: install-test
 	$(VENV)/bin/ruff check .

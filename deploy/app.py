@@ -62,18 +62,8 @@ def build_app_from_config(cfg: ServeConfig) -> serve.Application:
     if engine_args["device"] is None:
         engine_args["device"] = default_device()
     logger.info("specserve app: %s", engine_args)
-    return build_application(engine_args, served_model_name=cfg.served_model_name,
-                             engine_builder=cfg.engine_builder or DEFAULT_ENGINE_BUILDER,
-                             num_replicas=cfg.num_replicas, autoscaling_config=cfg.autoscaling_config,
-                             max_ongoing_requests=cfg.max_ongoing_requests, ray_actor_options=cfg.ray_actor_options,
-                             router_options=cfg.router_actor_options, max_queued_requests=cfg.max_queued_requests,
-                             continue_without_draft=cfg.continue_without_draft, api_key=cfg.api_key,
-                             max_request_body_bytes=cfg.max_request_body_bytes,
-                             auth_health_metrics=cfg.auth_health_metrics,
-                             ingress_replicas=cfg.resolved_ingress_replicas(engine_args["device"]),
-                             request_router=cfg.request_router, request_router_kwargs=cfg.request_router_kwargs,
-                             drain_timeout_s=cfg.drain_timeout_s, generation_config=cfg.generation_config,
-                             direct_streaming=cfg.direct_streaming, chat=cfg.chat_options())
+    return build_application(engine_args, cfg, engine_builder=cfg.engine_builder or DEFAULT_ENGINE_BUILDER,
+                             ingress_replicas=cfg.resolved_ingress_replicas(engine_args["device"]))
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

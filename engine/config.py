@@ -116,7 +116,7 @@ class SpeculativeConfig:
     draft_length_schedule: list[tuple[int, int]] | None = None
     # Steps whose batch is larger than this run without speculation (the draft does not run; it catches up
     # when the batch shrinks). None: never off.
-    disable_above_batch_size: int | None = None
+    spec_disable_above_batch_size: int | None = None
 
     def validate(self) -> None:
         from engine.draft_schedule import validate_schedule
@@ -124,7 +124,7 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
-        validate_schedule(self.draft_length_schedule, self.disable_above_batch_size, k)
+        validate_schedule(self.draft_length_schedule, self.spec_disable_above_batch_size, k)
         if self.rejection_sampling not in REJECTION_MODES:
             raise ValueError(f"rejection_sampling must be one of {REJECTION_MODES}, "
                              f"got {self.rejection_sampling!r}")
@@ -141,7 +141,7 @@ class SpeculativeConfig:
         from engine.draft_schedule import draft_length_for
 
         return draft_length_for(batch_size, self.num_speculative_tokens, self.draft_length_schedule,
-                                self.disable_above_batch_size)
+                                self.spec_disable_above_batch_size)
 
 
 @dataclass
@@ -154,6 +154,15 @@ class EngineConfig:
     block_size: int = 16
     # Bytes for each model's KV cache. CPU default is modest; GPU runs size it from free memory.
     kv_cache_memory_bytes: int | None = None
+    # Without kv_cache_memory_bytes, on GPU: the fraction of the memory free after the weights load that each
+    # model's KV cache takes.
+    gpu_memory_utilization: float = 0.5
+    # "auto": the model's dtype. The caches hold the model's dtype only (no quantized KV): any other is refused.
+    kv_cache_dtype: str = "auto"
+    # The tokenizer's directory when it is not the model's; trust_remote_code lets it run code it ships (the models
+    # are specserve's own implementations: no model code is loaded from a checkpoint).
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
     num_kv_blocks: int | None = None  # overrides the memory budget (tests use it to force preemption)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -237,9 +246,19 @@ class EngineConfig:
             raise ValueError(f"draft_token_map must be the path of a token-id file, got {self.draft_token_map!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_dtype not in ("auto", *_dtype_names(self.dtype)):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: the KV cache holds the "
+                             f"model's dtype ({str(self.dtype).removeprefix('torch.')}); use auto")
         if self.tensor_parallel_size != 1:
             raise ValueError("the offline engine runs one process (tensor_parallel_size=1); use the Ray "
                              "serving layer for tensor parallelism")
+
+
+def _dtype_names(dtype: torch.dtype) -> tuple[str, ...]:
+    """The names resolve_dtype reads as `dtype`."""
+    return tuple(name for name, dt in _DTYPES.items() if dt == dtype)
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

@@ -83,7 +83,7 @@ def validate_schedule(schedule: Schedule | None, disable_above_batch_size: int |
     """Raise ValueError for a schedule or threshold the scheduler cannot follow."""
     d = disable_above_batch_size
     if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
-        raise ValueError(f"disable_above_batch_size must be an integer >= 0 (0: never speculate) or None "
+        raise ValueError(f"spec_disable_above_batch_size must be an integer >= 0 (0: never speculate) or None "
                          f"(never disable), got {d!r}")
     if schedule is None:
         return

@@ -9,19 +9,19 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.config import EngineConfig, resolve_device, resolve_dtype
+from engine.config import resolve_device, resolve_dtype
 from engine.engine_core import EngineCore
 from engine.executor import LocalExecutor
-from engine.model_setup import resolve_model_pair
+from engine.model_setup import configure_engine
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, SpecStats
 from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("specserve")
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase | None:
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:  # random-weight test models may ship without one
         logger.warning("no tokenizer in %s (%s): text prompts and outputs are unavailable", path, e)
         return None
@@ -44,18 +44,20 @@ class LLM:
         if draft_model is not None and draft_tensor_parallel_size != 1:
             raise ValueError("the offline engine runs the draft in one process "
                              "(draft_tensor_parallel_size=1); use the Ray serving layer for more")
-        pair = resolve_model_pair(model, draft_model, max_model_len, num_speculative_tokens, rejection_sampling,
-                                  synthetic_acceptance_rate, draft_tensor_parallel_size, draft_length_schedule,
-                                  spec_disable_above_batch_size,
-                                  load_format=str(engine_kwargs.get("load_format", "auto")))
+        speculation = {"num_speculative_tokens": num_speculative_tokens, "rejection_sampling": rejection_sampling,
+                       "synthetic_acceptance_rate": synthetic_acceptance_rate,
+                       "draft_tensor_parallel_size": draft_tensor_parallel_size,
+                       "draft_length_schedule": draft_length_schedule,
+                       "spec_disable_above_batch_size": spec_disable_above_batch_size}
+        pair, self.engine_config = configure_engine(model, draft_model, device=dev, dtype=dt,
+                                                    max_model_len=max_model_len, seed=seed,
+                                                    tensor_parallel_size=tensor_parallel_size,
+                                                    options={**speculation, **engine_kwargs})
         target_cfg, draft_cfg, spec = pair.target, pair.draft, pair.spec
-        self.engine_config = EngineConfig(device=dev, dtype=dt, max_model_len=pair.max_model_len, seed=seed,
-                                          tensor_parallel_size=tensor_parallel_size,
-                                          num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                                          **engine_kwargs)  # type: ignore[arg-type]
         self.engine_config.validate()
         self.model_config = target_cfg
-        self.tokenizer = load_tokenizer(str(target_cfg.path))
+        self.tokenizer = load_tokenizer(self.engine_config.tokenizer or str(target_cfg.path),
+                                        self.engine_config.trust_remote_code)
         target = ModelRunner(target_cfg, self.engine_config, "target")
         draft = (ModelRunner(draft_cfg, self.engine_config, "draft", draft_token_map=self.engine_config.draft_token_map)
                  if draft_cfg is not None else None)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
-from engine.config import ModelConfig, SpeculativeConfig
+import torch
+
+from engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from engine.draft_schedule import parse_schedule
 from engine.models.source import resolve_model
 
@@ -19,14 +22,40 @@ class ModelPair:
     max_model_len: int
 
 
-def resolve_model_pair(model: str, draft_model: str | None, max_model_len: int | None,
-                       num_speculative_tokens: int = 4, rejection_sampling: str = "probabilistic",
-                       synthetic_acceptance_rate: float | None = None,
-                       draft_tensor_parallel_size: int = 1, draft_length_schedule: object = None,
-                       spec_disable_above_batch_size: int | None = None, load_format: str = "auto") -> ModelPair:
+# SpeculativeConfig's options, by the names the offline LLM and the engine builders take them.
+SPEC_OPTIONS = tuple(f.name for f in fields(SpeculativeConfig) if f.name != "draft_model")
+
+
+def speculative_config(draft_model: str | None, options: dict[str, Any]) -> SpeculativeConfig | None:
+    """The speculation settings among `options` (taken out of it), for `draft_model`; None without a draft.
+    `draft_length_schedule` takes any form engine.draft_schedule.parse_schedule reads."""
+    spec_args = {k: options.pop(k) for k in SPEC_OPTIONS if k in options}
+    if draft_model is None:
+        return None
+    if "draft_length_schedule" in spec_args:
+        spec_args["draft_length_schedule"] = parse_schedule(spec_args["draft_length_schedule"])
+    return SpeculativeConfig(draft_model, **spec_args)
+
+
+def configure_engine(model: str, draft_model: str | None, *, device: torch.device, dtype: torch.dtype,
+                     max_model_len: int | None, seed: int, tensor_parallel_size: int,
+                     options: dict[str, Any]) -> tuple[ModelPair, EngineConfig]:
+    """The models resolved and checked together, and the EngineConfig to run them with: what the offline LLM and
+    the Ray engine builder share. `options`: SpeculativeConfig's fields (SPEC_OPTIONS) and EngineConfig's."""
+    options = dict(options)
+    spec = speculative_config(draft_model, options)
+    pair = resolve_model_pair(model, spec, max_model_len, load_format=str(options.get("load_format", "auto")))
+    config = EngineConfig(device=device, dtype=dtype, max_model_len=pair.max_model_len, seed=seed,
+                          tensor_parallel_size=tensor_parallel_size,
+                          num_speculative_tokens=spec.num_speculative_tokens if spec else 0, **options)
+    return pair, config
+
+
+def resolve_model_pair(model: str, spec: SpeculativeConfig | None, max_model_len: int | None,
+                       load_format: str = "auto") -> ModelPair:
     """Resolve both models (converting GGUF into the cache once) and check that they can work together:
     a context the target supports, valid speculation settings, a draft with the target's vocabulary and
-    at least its context. `draft_length_schedule` takes any form engine.draft_schedule.parse_schedule reads."""
+    at least its context. `spec` names the draft; None: the target alone."""
     # Random weights (load_format "dummy") need only each model's config.json.
     need_weights = load_format != "dummy"
     target = ModelConfig.from_path(resolve_model(model, require_weights=need_weights).path)
@@ -36,13 +65,10 @@ def resolve_model_pair(model: str, draft_model: str | None, max_model_len: int |
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
     target.max_model_len = max_model_len
-    if draft_model is None:
+    if spec is None:
         return ModelPair(target, None, None, max_model_len)
-    spec = SpeculativeConfig(draft_model, num_speculative_tokens, rejection_sampling, synthetic_acceptance_rate,
-                             draft_tensor_parallel_size, parse_schedule(draft_length_schedule),  # type: ignore[arg-type]
-                             spec_disable_above_batch_size)
     spec.validate()
-    draft = ModelConfig.from_path(resolve_model(draft_model, require_weights=need_weights).path)
+    draft = ModelConfig.from_path(resolve_model(spec.draft_model, require_weights=need_weights).path)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"draft vocabulary ({draft.vocab_size} tokens) differs from the target's "
                          f"({target.vocab_size}); a draft must share the target's tokenizer")

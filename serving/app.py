@@ -12,15 +12,18 @@ choices on queue length by default, or prefix affinity with `request_router: pre
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, LOCAL_ENGINE_BUILDER
 from serving.engine_deployment import ENGINE_DEPLOYMENT, EngineReplica
-from serving.front_end import FrontEnd
+from serving.front_end import FrontEnd, tokenizer_source
 from serving.gc_heap import freeze_startup_heap
+
+if TYPE_CHECKING:
+    from deploy.serve_options import ServingOptions
 
 logger = logging.getLogger("specserve")
 
@@ -37,11 +40,11 @@ ROUTING_STATS_PERIOD_S = 2.0
 class SpecServe:
     async def __init__(self, engine: Any, model: str, served_model_name: str | None = None,
                        security: dict[str, Any] | None = None, generation_config: str = "auto",
-                       chat: dict[str, Any] | None = None) -> None:
+                       tokenizer: dict[str, Any] | None = None, chat: dict[str, Any] | None = None) -> None:
         """engine: a DeploymentHandle of the engine replicas; the rest: serving.front_end.FrontEnd's."""
         info = await engine.info.remote()
         self.front = FrontEnd(engine, model, served_model_name, info["max_model_len"], security, generation_config,
-                              chat)
+                              tokenizer, chat)
         self.gc_frozen = freeze_startup_heap(f"ingress of {served_model_name or model}")  # tokenizer loaded
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -64,75 +67,68 @@ def router_actor_options(engine_args: dict[str, Any], engine_builder: str,
     return opts
 
 
-def build_application(engine_args: dict[str, Any], *, served_model_name: str | None = None,
-                      engine_builder: str = DEFAULT_ENGINE_BUILDER, num_replicas: int | str | None = None,
-                      autoscaling_config: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
-                      ray_actor_options: dict[str, Any] | None = None,
-                      router_options: dict[str, Any] | None = None, max_queued_requests: int | None = None,
-                      continue_without_draft: bool = False, api_key: str | None = None,
-                      max_request_body_bytes: int | None = None, auth_health_metrics: bool = False,
-                      ingress_replicas: int = 1, request_router: str = "power_of_two",
-                      request_router_kwargs: dict[str, Any] | None = None,
-                      drain_timeout_s: float = 30.0, generation_config: str = "auto",
-                      direct_streaming: bool = False, chat: dict[str, Any] | None = None) -> serve.Application:
-    """The bound application. `engine_args` are LLM's keyword arguments (model, draft_model, ...); the rest are
-    deploy.config.ServeConfig's fields of the same names (router_options: its router_actor_options). With
-    `direct_streaming` the engine replicas are the ingress (serving/engine_ingress.py) and `ingress_replicas`,
-    `ray_actor_options` and the request router do not apply. `chat`: serving.chat_options.ChatOptions.create's
-    arguments (ServeConfig's enable_auto_tool_choice, tool_call_parser, chat_template, reasoning_parser)."""
-    if request_router not in REQUEST_ROUTERS:
-        raise ValueError(f"request_router must be one of {sorted(REQUEST_ROUTERS)}, got {request_router!r}")
-    if direct_streaming and REQUEST_ROUTERS[request_router]:
+def build_application(engine_args: dict[str, Any], options: ServingOptions, *,
+                      engine_builder: str = DEFAULT_ENGINE_BUILDER, ingress_replicas: int = 1) -> serve.Application:
+    """The bound application. `engine_args` are LLM's keyword arguments (model, draft_model, ...), what the engine
+    builder takes; `options` the serving layer's (deploy.config.ServeConfig is one), with `ingress_replicas`
+    resolved from its "auto". With `direct_streaming` the engine replicas are the ingress (serving/
+    engine_ingress.py) and `ingress_replicas`, `ray_actor_options` and the request router do not apply."""
+    if options.request_router not in REQUEST_ROUTERS:
+        raise ValueError(f"request_router must be one of {sorted(REQUEST_ROUTERS)}, got {options.request_router!r}")
+    if options.direct_streaming and REQUEST_ROUTERS[options.request_router]:
         raise ValueError("direct_streaming: the HTTP proxy picks each request's engine replica, so request_router "
-                         f"{request_router!r} (prefix affinity) cannot apply; use power_of_two")
+                         f"{options.request_router!r} (prefix affinity) cannot apply; use power_of_two")
     model = engine_args["model"]
     engine_options: dict[str, Any] = {
-        "ray_actor_options": router_actor_options(engine_args, engine_builder, router_options),
+        "ray_actor_options": router_actor_options(engine_args, engine_builder, options.router_actor_options),
         # Scale-down: Serve waits this long for a replica's requests in flight before stopping it.
-        "graceful_shutdown_timeout_s": drain_timeout_s}
-    if autoscaling_config:
-        engine_options["autoscaling_config"] = autoscaling_config  # Serve rejects it together with num_replicas
-    elif num_replicas is not None:
-        engine_options["num_replicas"] = num_replicas
-    if max_ongoing_requests is not None:
-        engine_options["max_ongoing_requests"] = max_ongoing_requests
-    if max_queued_requests is not None:
+        "graceful_shutdown_timeout_s": options.drain_timeout_s}
+    if options.autoscaling_config:
+        engine_options["autoscaling_config"] = options.autoscaling_config  # Serve rejects it with num_replicas
+    elif options.num_replicas is not None:
+        engine_options["num_replicas"] = options.num_replicas
+    if options.max_ongoing_requests is not None:
+        engine_options["max_ongoing_requests"] = options.max_ongoing_requests
+    if options.max_queued_requests is not None:
         # Serve's own queue in front of the engine replicas (requests not yet handed to one) is bounded too, so
         # that neither queue grows without limit under overload (past it the ingress answers 429). A replica has
         # room for max_ongoing_requests before Serve queues in front of it, and the router bounds its own waiting
         # queue (429 past max_queued_requests).
-        engine_options["max_queued_requests"] = max_queued_requests
+        engine_options["max_queued_requests"] = options.max_queued_requests
     from serving.replica_router import check_router_kwargs
 
-    kwargs = check_router_kwargs({**(request_router_kwargs or {}), "prefix_affinity": REQUEST_ROUTERS[request_router]})
-    if REQUEST_ROUTERS[request_router]:
+    affinity = REQUEST_ROUTERS[options.request_router]
+    kwargs = check_router_kwargs({**(options.request_router_kwargs or {}), "prefix_affinity": affinity})
+    if affinity:
         engine_options["request_router_config"] = RequestRouterConfig(
             request_router_class=REQUEST_ROUTER_CLASS, request_router_kwargs=kwargs,
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
-    security = {"api_key": api_key, "max_request_body_bytes": max_request_body_bytes,
-                "auth_health_metrics": auth_health_metrics}
-    if direct_streaming:
+    name = options.served_model_name or model
+    security = {"api_key": options.api_key, "max_request_body_bytes": options.max_request_body_bytes,
+                "auth_health_metrics": options.auth_health_metrics}
+    if options.direct_streaming:
         from serving.engine_ingress import EngineIngressReplica
 
         return EngineIngressReplica.options(**engine_options).bind(
-            engine_args, engine_builder, served_model_name or model, max_queued_requests, continue_without_draft,
-            security, generation_config, chat)
+            engine_args, engine_builder, name, options.max_queued_requests, options.continue_without_draft, security,
+            options.generation_config, options.chat_options())
     engine = EngineReplica.options(**engine_options).bind(
-        engine_args, engine_builder, served_model_name or model, max_queued_requests, continue_without_draft)
+        engine_args, engine_builder, name, options.max_queued_requests, options.continue_without_draft)
 
     # The ingress holds every request for its whole stream: room for what all engine replicas can hold.
-    max_engines = int((autoscaling_config or {}).get("max_replicas") or
-                      (num_replicas if isinstance(num_replicas, int) else 1))
-    per_engine = max_ongoing_requests or 100
-    ingress_options: dict[str, Any] = {"ray_actor_options": ray_actor_options or {"num_cpus": 1},
+    max_engines = int((options.autoscaling_config or {}).get("max_replicas") or
+                      (options.num_replicas if isinstance(options.num_replicas, int) else 1))
+    per_engine = options.max_ongoing_requests or 100
+    ingress_options: dict[str, Any] = {"ray_actor_options": options.ray_actor_options or {"num_cpus": 1},
                                        "num_replicas": ingress_replicas,
                                        "max_ongoing_requests": -(-per_engine * max_engines // ingress_replicas)}
-    if max_queued_requests is not None:
+    if options.max_queued_requests is not None:
         # Serve's proxy queue in front of the ingress: past it the proxy answers 503. Sized past what reaches
         # the engines, so that a burst reaches them and gets the engines' own 429 instead.
-        ingress_options["max_queued_requests"] = max_queued_requests + per_engine * max_engines
-    return SpecServe.options(**ingress_options).bind(engine, model, served_model_name, security, generation_config,
-                                                     chat)
+        ingress_options["max_queued_requests"] = options.max_queued_requests + per_engine * max_engines
+    return SpecServe.options(**ingress_options).bind(engine, model, options.served_model_name, security,
+                                                     options.generation_config, tokenizer_source(engine_args),
+                                                     options.chat_options())
 
 
 def drain(timeout_s: float = 30.0, app_name: str = "specserve") -> list[dict[str, Any]]:

@@ -13,30 +13,27 @@ import logging
 import ray
 import torch
 
-from engine.config import EngineConfig, resolve_dtype
+from engine.config import resolve_dtype
 from engine.engine_core import EngineCore
 from engine.llm import load_tokenizer
-from engine.model_setup import resolve_model_pair
+from engine.model_setup import configure_engine
 from serving.ray_executor import RayExecutor
 
 logger = logging.getLogger("specserve")
 
 
 def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | None = None, *,
-                     num_speculative_tokens: int = 4, rejection_sampling: str = "probabilistic",
-                     synthetic_acceptance_rate: float | None = None, tensor_parallel_size: int = 1,
-                     draft_tensor_parallel_size: int = 1, device: str | None = None,
-                     dtype: str | torch.dtype | None = None, max_model_len: int | None = None, seed: int = 0,
+                     device: str | None = None, dtype: str | torch.dtype | None = None,
+                     max_model_len: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
                      use_compiled_graph: bool = True, target_resources: dict[str, float] | None = None,
                      draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
                      launch_verify_ahead: bool | None = None, draft_placement: str = "auto",
-                     step_timeout_s: float = 300.0,
-                     draft_length_schedule: object = None,
-                     spec_disable_above_batch_size: int | None = None, **engine_kwargs: object) -> EngineCore:
+                     step_timeout_s: float = 300.0, **options: object) -> EngineCore:
     """Build the target (and draft) worker groups and the EngineCore that drives them.
 
-    Arguments mean what they mean for `engine.LLM`; `engine_kwargs` are further EngineConfig fields
-    (block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_bytes, num_kv_blocks).
+    Arguments mean what they mean for `engine.LLM`: `options` are the speculation's (num_speculative_tokens,
+    rejection_sampling, draft_tensor_parallel_size, ...: engine.model_setup.SPEC_OPTIONS) and further EngineConfig
+    fields (block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_bytes, num_kv_blocks, ...).
     launch_verify_ahead: see RayExecutor (None: where no GPU is shared between target and draft).
     draft_placement: "separate" (the draft's ranks are actors of their own), "colocated" (the draft runs inside
     each target rank's process, at the target's tensor-parallel size) or "auto" (colocated where the draft could
@@ -51,17 +48,12 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
     dev = torch.device(device)
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    dt = resolve_dtype(dtype, dev)
     # Resolved here, once: a GGUF is converted into the cache on this node and the workers load the
     # directory. Workers on other nodes need that cache on a shared disk (SPECSERVE_CACHE_DIR).
-    pair = resolve_model_pair(model, draft_model, max_model_len, num_speculative_tokens, rejection_sampling,
-                              synthetic_acceptance_rate, draft_tensor_parallel_size, draft_length_schedule,
-                              spec_disable_above_batch_size, load_format=str(engine_kwargs.get("load_format", "auto")))
+    pair, config = configure_engine(model, draft_model, device=dev, dtype=resolve_dtype(dtype, dev),
+                                    max_model_len=max_model_len, seed=seed,
+                                    tensor_parallel_size=tensor_parallel_size, options=options)
     spec = pair.spec
-    config = EngineConfig(device=dev, dtype=dt, max_model_len=pair.max_model_len, seed=seed,
-                          tensor_parallel_size=tensor_parallel_size,
-                          num_speculative_tokens=pair.spec.num_speculative_tokens if pair.spec else 0,
-                          **engine_kwargs)  # type: ignore[arg-type]
     # EngineConfig.validate() refuses tensor parallelism (the offline engine is one process); here the
     # sizes are checked against the models by RayExecutor, so validate everything else.
     dataclasses.replace(config, tensor_parallel_size=1).validate()
@@ -69,13 +61,13 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
     executor = RayExecutor(str(pair.target.path), config, draft_path,
                            rejection_sampling=spec.rejection_sampling if spec else None,
                            tensor_parallel_size=tensor_parallel_size,
-                           draft_tensor_parallel_size=draft_tensor_parallel_size,
+                           draft_tensor_parallel_size=spec.draft_tensor_parallel_size if spec else 1,
                            use_compiled_graph=use_compiled_graph, target_resources=target_resources,
                            draft_resources=draft_resources, draft_tensor_transport=draft_tensor_transport,
                            launch_verify_ahead=launch_verify_ahead, draft_placement=draft_placement,
                            step_timeout_s=step_timeout_s)
     try:
-        tokenizer = load_tokenizer(str(pair.target.path))
+        tokenizer = load_tokenizer(config.tokenizer or str(pair.target.path), config.trust_remote_code)
         return EngineCore(executor, config, tokenizer, pair.target.eos_token_ids, spec)
     except BaseException:
         executor.shutdown()

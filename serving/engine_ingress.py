@@ -23,7 +23,7 @@ from ray import serve
 
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER
 from serving.engine_deployment import ENGINE_DEPLOYMENT, EngineReplica
-from serving.front_end import FrontEnd
+from serving.front_end import FrontEnd, tokenizer_source
 from serving.gc_heap import freeze_startup_heap
 
 
@@ -84,7 +84,8 @@ class EngineIngressReplica(EngineReplica.func_or_class):
         ctx = serve.get_replica_context()
         deployment = serve.get_deployment_handle(ENGINE_DEPLOYMENT, ctx.app_name)
         self.front = FrontEnd(ReplicaEngine(self, deployment), str(engine_args["model"]), model_name,
-                              self.engine.config.max_model_len, security, generation_config, chat)
+                              self.engine.config.max_model_len, security, generation_config,
+                              tokenizer_source(engine_args), chat)
         self.gc_frozen = freeze_startup_heap(f"engine ingress of {model_name or engine_args['model']}")
 
     def __serve_build_asgi_app__(self) -> Any:

@@ -20,12 +20,13 @@ class FrontEnd:
     """engine: what RouterClient streams from (a DeploymentHandle of the engine replicas, or a ReplicaEngine).
     security: `api_key` (None: the SPECSERVE_API_KEY environment variable, else no key), `max_request_body_bytes`,
     `auth_health_metrics` (see deploy.config.ServeConfig). generation_config: "auto" (the model's
-    generation_config.json gives sampling defaults) or "vllm" (OpenAI's defaults). chat: ChatOptions.create's
-    arguments (tool-call and reasoning parsers, auto tool choice, a chat template replacing the model's)."""
+    generation_config.json gives sampling defaults) or "vllm" (OpenAI's defaults). tokenizer: `tokenizer_source`'s
+    mapping (the engine's --tokenizer and --trust-remote-code). chat: ChatOptions.create's arguments (tool-call
+    and reasoning parsers, auto tool choice, a chat template replacing the model's)."""
 
     def __init__(self, engine: Any, model: str, served_model_name: str | None, max_model_len: int,
                  security: dict[str, Any] | None = None, generation_config: str = "auto",
-                 chat: dict[str, Any] | None = None) -> None:
+                 tokenizer: dict[str, Any] | None = None, chat: dict[str, Any] | None = None) -> None:
         from engine.llm import load_tokenizer
         from engine.models.source import resolve_model
 
@@ -33,7 +34,8 @@ class FrontEnd:
         # this is a cache hit; elsewhere it converts once, under the source's file lock. Only the tokenizer is read
         # here: a directory of random weights (load_format "dummy") holds none.
         model_dir = str(resolve_model(model, require_weights=False).path)
-        tokenizer = load_tokenizer(model_dir)
+        source = tokenizer or {}
+        tokenizer = load_tokenizer(source.get("tokenizer") or model_dir, bool(source.get("trust_remote_code")))
         if tokenizer is None:
             raise ValueError(f"model {model} has no tokenizer: the HTTP and gRPC APIs need one for text")
         self.chat_options = ChatOptions.create(**(chat or {}))
@@ -54,3 +56,8 @@ class FrontEnd:
 
     def grpc_generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:
         return grpc_service.generate(self.client, request, grpc_context, self.api_key)
+
+
+def tokenizer_source(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """Where the front end loads its tokenizer from: the engine's own tokenizer options."""
+    return {"tokenizer": engine_args.get("tokenizer"), "trust_remote_code": bool(engine_args.get("trust_remote_code"))}

@@ -158,9 +158,9 @@ def create_openai_app(client: Client, api_key: str | None = None, max_body_bytes
         body.use_options(chat_options)
         body.check_supported()
         ids = _truncate(apply_chat_template(client, body), body.truncate_prompt_tokens)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await _serve(client, body, f"chatcmpl-{body.request_id or uuid.uuid4().hex}", [ids], max_tokens,
-                            chat=True)
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        return await _serve(client, body, f"chatcmpl-{body.request_id or uuid.uuid4().hex}", [ids],
+                            getattr(body, field), chat=True, max_tokens_field=field)
 
     return app
 
@@ -170,9 +170,16 @@ def _truncate(ids: list[int], keep: int | None) -> list[int]:
     return ids[-keep:] if keep is not None else ids
 
 
-def _max_tokens(client: Client, requested: int | None, num_prompt_tokens: int, chat: bool) -> int:
+def _max_tokens(client: Client, requested: int | None, num_prompt_tokens: int, chat: bool,
+                field: str = "max_tokens") -> int:
     """The request's max_tokens, else OpenAI's default (16 for completions, the rest of the context for chat);
-    capped by generation_config.json's max_new_tokens, as vLLM caps it."""
+    capped by generation_config.json's max_new_tokens, as vLLM caps it. More than the context leaves after the
+    prompt is a 400 naming the field, as vLLM answers (a prompt that fills the context is the engine's to name)."""
+    room = client.max_model_len - num_prompt_tokens
+    if requested is not None and requested > room > 0:
+        raise GenerationError(f"'{field}' is too large: {requested}. This model's maximum context length is "
+                              f"{client.max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
+                              f"({requested} > {client.max_model_len} - {num_prompt_tokens})", 400, field)
     cap = client.generation_defaults.get("max_tokens")
     if requested is None:
         requested = max(1, client.max_model_len - num_prompt_tokens) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -185,14 +192,15 @@ def _max_tokens(client: Client, requested: int | None, num_prompt_tokens: int, c
 
 async def _serve(client: Client, body: CompletionRequest | ChatCompletionRequest, request_id: str,
                  prompts: list[list[int]], max_tokens: int | None, chat: bool,
-                 echoes: list[str] | None = None) -> Response:
+                 echoes: list[str] | None = None, max_tokens_field: str = "max_tokens") -> Response:
     if len(prompts) * body.n > MAX_CHOICES:
         raise GenerationError(f"{len(prompts)} prompts x n={body.n} choices is over this server's limit of "
                               f"{MAX_CHOICES} choices per request", 400, "n")
     choices: list[Choice] = []
     try:
         for p, ids in enumerate(prompts):
-            params = body.sampling_params(_max_tokens(client, max_tokens, len(ids), chat), client.generation_defaults)
+            params = body.sampling_params(_max_tokens(client, max_tokens, len(ids), chat, max_tokens_field),
+                                          client.generation_defaults)
             if body.bad_words:
                 params["bad_words_token_ids"] = bad_words_token_ids(client.tokenizer, body.bad_words)
             for i in range(body.n):

@@ -90,9 +90,22 @@ class Router(EngineRecovery):
         self._recovery: asyncio.Task | None = None  # rebuilding workers: keeps a reference so it is not collected
         self.metrics.set_queue(0, 0)
         self._update_kv_gauges()
+        print(f"specserve: engine replica ready: {self.summary()}", flush=True)  # one line a replica in the log
         # The engine built, its workers up. A subclass that builds more at start (the engine ingress: a tokenizer
         # and an HTTP app) freezes once, when it is done, instead: each freeze is a full collection.
         self.gc_frozen = freeze_startup_heap(f"router of {self.model_name}") if self.FREEZE_HEAP_AT_INIT else 0
+
+    def summary(self) -> str:
+        """What this replica serves, in a line: models, speculation, device, context and KV blocks."""
+        cfg, spec = self.engine.config, self.engine.spec_config
+        draft = (f" + draft {spec.draft_model} (k={spec.num_speculative_tokens}, {spec.rejection_sampling})"
+                 if spec is not None else " (no draft)")
+        kv = f"{self.engine.executor.target_num_blocks} target"
+        if self.engine.draft_kv is not None:
+            kv += f" / {self.engine.executor.draft_num_blocks} draft"
+        return (f"{self.engine_args.get('model')}{draft} on {cfg.device} {str(cfg.dtype).removeprefix('torch.')}, "
+                f"max_model_len {cfg.max_model_len}, max_num_seqs {cfg.max_num_seqs}, KV blocks {kv} of "
+                f"{cfg.block_size} tokens")
 
     # --- public methods -------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],

@@ -54,12 +54,12 @@ def test_parse_no_schedule(value):
     ("0:2", None, "max_batch_size must be an integer >= 1"),
     ("4-4", None, "is not MAX_BATCH:K"),
     ("4:x", None, "two integers"),
-    (None, -1, "disable_above_batch_size must be an integer >= 0"),
+    (None, -1, "spec_disable_above_batch_size must be an integer >= 0"),
 ])
 def test_bad_schedules_are_rejected_with_a_reason(schedule, disable, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         SpeculativeConfig("d", 4, draft_length_schedule=parse_schedule(schedule),
-                          disable_above_batch_size=disable).validate()
+                          spec_disable_above_batch_size=disable).validate()
 
 
 # --------------------------------------------------------------------------------------------------------

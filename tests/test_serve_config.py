@@ -49,6 +49,7 @@ def test_cli_serve_flags_parse() -> None:
 def test_scaling_fields_flags_and_checks() -> None:
     """Engine replicas' settings: flags and config fields, and a clear error (naming the field) for bad values."""
     from deploy.cli import build_parser
+    from deploy.serve_options import ServingOptions
     from serving.app import build_application
 
     args = build_parser().parse_args(["serve", "--num-replicas", "2", "--ingress-replicas", "2", "--request-router",
@@ -64,11 +65,13 @@ def test_scaling_fields_flags_and_checks() -> None:
             ServeConfig.from_dict(bad).validate()
     engine_args = {"model": "m", "device": "cpu"}
     with pytest.raises(ValueError, match="unknown option.*block_sz"):
-        build_application(engine_args, request_router="prefix_aware", request_router_kwargs={"block_sz": 8})
+        build_application(engine_args, ServingOptions(request_router="prefix_aware",
+                                                      request_router_kwargs={"block_sz": 8}))
     with pytest.raises(ValueError, match="request_router_kwargs.min_prefix_tokens"):
-        build_application(engine_args, request_router="prefix_aware", request_router_kwargs={"min_prefix_tokens": 0})
-    app = build_application(engine_args, num_replicas=2, request_router="prefix_aware",
-                            request_router_kwargs={"block_size": 8}, drain_timeout_s=12.0)
+        build_application(engine_args, ServingOptions(request_router="prefix_aware",
+                                                      request_router_kwargs={"min_prefix_tokens": 0}))
+    app = build_application(engine_args, ServingOptions(num_replicas=2, request_router="prefix_aware",
+                                                        request_router_kwargs={"block_size": 8}, drain_timeout_s=12.0))
     engine = app._bound_deployment.init_args[0]  # the ingress is bound to the engine deployment's handle
     config = engine._bound_deployment._deployment_config
     assert config.num_replicas == 2 and config.graceful_shutdown_timeout_s == 12.0

@@ -113,7 +113,7 @@ class ModelRunner:
         if budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.5)
+                budget = int(free * cfg.gpu_memory_utilization)
             else:
                 budget = _DEFAULT_CPU_KV_BYTES
         # No point holding more than every running request at full length could use.

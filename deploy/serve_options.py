@@ -1,0 +1,215 @@
+"""Every option of `specserve serve`, declared once: the engine's, the speculation's and the serving layer's.
+
+deploy.config.ServeConfig composes the three; flags, YAML keys, `serve run` arguments, KubeRay `args` and
+docs/configuration.md all come from these fields (deploy/options.py). Flag names follow vLLM's where vLLM has the
+option (`--max-num-seqs`, `--gpu-memory-utilization`, `-tp`, ...). To add an option, add a field here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from deploy.options import option
+from engine.config import REJECTION_MODES, EngineConfig
+from serving.chat_options import load_chat_template
+from serving.engine_builders import DRAFT_PLACEMENTS
+from serving.reasoning_parser import REASONING_PARSERS
+from serving.serve_process_env import HTTP_PROXIES
+from serving.tool_parsers import TOOL_PARSERS
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_DRAFT = "smollm2-135m-draft"  # the bundled distilled draft of DEFAULT_MODEL
+AUTO = "auto"
+# A server's batch grows with its load; past this size the draft's extra work outweighs what it saves on the
+# models measured so far (benchmarks/RESULTS.md), so speculation is off. Tune with benchmarks/serve_sweep.py.
+DEFAULT_SPEC_DISABLE_ABOVE_BATCH_SIZE = 32
+REQUEST_ROUTER_NAMES = ("power_of_two", "prefix_aware")  # serving.app.REQUEST_ROUTERS' keys
+
+
+def _engine(name: str) -> Any:
+    """EngineConfig's default for its field `name`: the engine owns the value, this module its description."""
+    return EngineConfig.__dataclass_fields__[name].default
+
+
+@dataclass
+class EngineOptions:
+    """The target model and how the engine runs it."""
+
+    model: str = option(DEFAULT_MODEL, engine="llm", metavar="MODEL",
+                        help="the model to serve: a bundled name, an HF directory or a .gguf file (also the first "
+                             "positional argument, as in `vllm serve MODEL`)")
+    tokenizer: str | None = option(_engine("tokenizer"), engine="extra",
+                                   help="the tokenizer's directory, when it is not the model's")
+    trust_remote_code: bool = option(_engine("trust_remote_code"), engine="extra",
+                                     help="let a tokenizer run code its directory ships (specserve's own model code "
+                                          "runs the supported architectures; no model code is loaded)")
+    dtype: str | None = option(None, engine="llm",
+                               choices=("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16",
+                                        "bf16"),
+                               help="weights' and activations' dtype; unset or auto: float32 on CPU, bfloat16 on GPU")
+    kv_cache_dtype: str = option(_engine("kv_cache_dtype"), engine="extra",
+                                 help="the KV cache's dtype: auto (the model's dtype) or that same dtype's name; "
+                                      "quantized caches (fp8) are refused")
+    max_model_len: int | None = option(None, engine="llm", minimum=2,
+                                       help="context length served (prompt + output); unset: the model's, at most "
+                                            "4096")
+    seed: int = option(0, engine="llm", help="the engine's random seed (sampling of requests without their own)")
+    device: str | None = option(None, engine="llm",
+                                help="where the models run: cpu or cuda; unset: cuda when the cluster has GPUs, "
+                                     "else cpu")
+    tensor_parallel_size: int = option(1, engine="llm", minimum=1, flags=("-tp",),
+                                       help="GPUs the target is split across (its worker actors)")
+    enable_prefix_caching: bool = option(True, engine="llm",
+                                         help="reuse the KV of full prompt blocks computed before, in the target's "
+                                              "and the draft's caches")
+    max_num_seqs: int = option(_engine("max_num_seqs"), engine="extra", minimum=1,
+                               help="requests in one batch at most (more wait for a slot)")
+    max_num_batched_tokens: int = option(_engine("max_num_batched_tokens"), engine="extra", minimum=1,
+                                         help="tokens one step computes at most (long prompts are prefilled in chunks)")
+    block_size: int = option(_engine("block_size"), engine="extra", minimum=1, maximum=256,
+                             help="tokens per KV-cache block")
+    gpu_memory_utilization: float = option(
+        _engine("gpu_memory_utilization"), engine="extra", minimum=0.01, maximum=1.0,
+        on_cpu="no effect: on CPU each model's KV cache takes kv_cache_memory_bytes (1 GiB when unset)",
+        help="fraction of the GPU memory free after the weights load that each model's KV cache takes "
+             "(kv_cache_memory_bytes, when set, wins)")
+    kv_cache_memory_bytes: int | None = option(_engine("kv_cache_memory_bytes"), engine="extra", minimum=1,
+                                               help="bytes of each model's KV cache; unset: from "
+                                                    "gpu_memory_utilization on GPU, 1 GiB on CPU")
+    num_kv_blocks: int | None = option(_engine("num_kv_blocks"), engine="extra", minimum=1,
+                                       help="KV-cache blocks of each model, overriding the memory budget")
+    enforce_eager: bool = option(_engine("enforce_eager"), engine="extra",
+                                 on_cpu="no effect: steps on CPU always run eagerly",
+                                 help="no CUDA graphs: every step runs eagerly (for debugging)")
+    attention_backend: str = option(_engine("attention_backend"), engine="extra",
+                                    choices=("auto", "torch", "triton"),
+                                    help="auto: the Triton kernels on CUDA, the torch reference elsewhere")
+    async_scheduling: bool | None = option(_engine("async_scheduling"), engine="extra",
+                                           help="schedule step n+1 while step n runs; unset: on with the Ray "
+                                                "executor and for a target alone on a GPU")
+    load_format: str = option(_engine("load_format"), engine="extra", choices=("auto", "dummy"),
+                              help="auto: the checkpoint's weights; dummy: random weights of the config's shape "
+                                   "(benchmarks)")
+    engine_kwargs: dict[str, Any] = option(default_factory=dict, metavar="YAML",
+                                           help="further EngineConfig fields and engine-builder arguments, passed "
+                                                "as given (they win over the fields above)")
+    engine_builder: str | None = option(None, metavar="MODULE:FUNCTION",
+                                        help="the function that builds the engine; unset: target and draft on Ray "
+                                             "worker actors")
+
+
+@dataclass
+class SpeculationOptions:
+    """The draft and how it speculates (vLLM's --speculative-config JSON sets these too)."""
+
+    draft_model: str | None = option(AUTO, engine="llm",
+                                     help="the draft for speculative decoding (same forms as model); none: off; "
+                                          "auto: the bundled draft of the default model when installed")
+    num_speculative_tokens: int = option(4, engine="llm", minimum=1, maximum=16,
+                                         help="draft tokens per step, k")
+    rejection_sampling: str = option("probabilistic", engine="llm", choices=REJECTION_MODES,
+                                     help="strict: greedy equality; probabilistic: lossless at any temperature; "
+                                          "synthetic: a fixed acceptance rate (benchmarks)")
+    synthetic_acceptance_rate: float | None = option(None, engine="llm", minimum=0.0, maximum=1.0,
+                                                     help="the acceptance rate with rejection_sampling synthetic")
+    draft_length_schedule: list[Any] | str | None = option(
+        None, engine="llm", metavar="B:K,...",
+        help="load-adaptive speculation: draft length K for steps of up to B requests, e.g. 4:4,16:2 (YAML: "
+             "[[4, 4], [16, 2]]); unset: num_speculative_tokens at every batch size")
+    spec_disable_above_batch_size: int | None = option(
+        DEFAULT_SPEC_DISABLE_ABOVE_BATCH_SIZE, engine="llm", minimum=0, metavar="N",
+        help="no speculation for steps of more than N requests (verifying drafts for a large batch costs more "
+             "than it saves); none: speculate at every batch size")
+    draft_tensor_parallel_size: int = option(1, engine="llm", minimum=1, help="GPUs the draft is split across")
+    draft_placement: str = option("auto", engine="extra", choices=DRAFT_PLACEMENTS,
+                                  help="separate: the draft's ranks are actors of their own; colocated: inside the "
+                                       "target's ranks, on their GPUs; auto: colocated where the draft could only "
+                                       "share the target's GPUs")
+    speculation_ahead: bool | None = option(
+        _engine("speculation_ahead"), engine="extra",
+        help="the draft drafts the next window while the target verifies this one; unset: on where the draft has "
+             "GPUs of its own")
+    speculation_ahead_branches: int = option(
+        _engine("speculation_ahead_branches"), engine="extra", minimum=1, maximum=18,
+        help="windows drafted ahead per request: 1 guesses all drafts accepted; more add the next likeliest "
+             "outcomes (at most num_speculative_tokens + 2)")
+    speculation_ahead_adaptive: bool = option(
+        _engine("speculation_ahead_adaptive"), engine="extra",
+        help="with several branches, draft only as many windows as measured to fit in the target's verify")
+    draft_token_map: str | None = option(_engine("draft_token_map"), engine="extra", metavar="FILE",
+                                         help="token ids (a JSON list or a torch tensor file) the draft's LM head is "
+                                              "restricted to: a faster draft step, still exact")
+
+
+@dataclass
+class ServingOptions:
+    """Endpoints, Serve deployments, reliability and security."""
+
+    served_model_name: str | None = option(None, help="the model name clients send; unset: model")
+    generation_config: str = option("auto", choices=("auto", "vllm"),
+                                    help="auto: the model's generation_config.json gives the defaults of unset "
+                                         "sampling fields (vLLM's default); vllm: OpenAI's defaults only")
+    host: str = option("0.0.0.0", help="HTTP bind address (`specserve serve`; Serve's own config elsewhere)")
+    port: int = option(8000, minimum=1, maximum=65535, help="HTTP port (`specserve serve`)")
+    grpc_port: int = option(9000, minimum=1, maximum=65535, help="gRPC port (`specserve serve`)")
+    num_replicas: int | None = option(1, help="engine replicas: each a router with its own target and draft "
+                                              "worker groups")
+    autoscaling_config: dict[str, Any] | None = option(
+        None, metavar="YAML",
+        help="scale engine replicas on load instead, e.g. '{min_replicas: 1, max_replicas: 4, "
+             "target_ongoing_requests: 32}' (Serve's autoscaling_config; replaces num_replicas)")
+    max_ongoing_requests: int = option(128, minimum=1,
+                                       help="requests one engine replica holds (running + waiting) before Serve "
+                                            "queues in front of it")
+    router_actor_options: dict[str, Any] | None = option(None, metavar="YAML",
+                                                         help="Ray actor options (resources) of each engine "
+                                                              "replica's router")
+    ingress_replicas: int | str = option(AUTO, metavar="N|auto",
+                                         help="HTTP/gRPC replicas; auto: two per engine replica on GPUs (one "
+                                              "streaming a GPU engine's tokens is the bottleneck at 16 streams), "
+                                              "one on CPU")
+    http_proxy: str = option(AUTO, choices=HTTP_PROXIES,
+                             help="what takes client connections on a local cluster: haproxy (forwards each to an "
+                                  "ingress replica), serve (Serve's Python proxy), auto: HAProxy for GPU engines when "
+                                  "installed and host is every interface")
+    direct_streaming: bool = option(False, help="the engine replicas answer HTTP and gRPC themselves: no ingress "
+                                                "replicas, no handle hop (the HTTP proxy picks the replica)")
+    ray_actor_options: dict[str, Any] | None = option(None, metavar="YAML",
+                                                      help="Ray actor options of each HTTP/gRPC replica")
+    request_router: str = option("power_of_two", choices=REQUEST_ROUTER_NAMES,
+                                 help="how a request picks its engine replica: the shorter of two random queues, or "
+                                      "the replica that served its longest prompt prefix")
+    request_router_kwargs: dict[str, Any] | None = option(None, metavar="YAML",
+                                                          help="options of the prefix_aware router "
+                                                               "(serving/replica_router.py)")
+    api_key: str | None = option(None, help="require `Authorization: Bearer KEY` (gRPC: metadata authorization); "
+                                            "unset: $SPECSERVE_API_KEY if set, else no key")
+    auth_health_metrics: bool = option(False, help="require the API key on /health and /metrics too")
+    max_request_body_bytes: int | None = option(4 * 1024 * 1024, minimum=1,
+                                                help="larger HTTP request bodies get 413; none: no limit")
+    max_queued_requests: int | None = option(256, minimum=0,
+                                             help="requests that may wait for a batch slot; more get 429 + "
+                                                  "Retry-After; none: no bound")
+    continue_without_draft: bool = option(False, help="if the draft's workers die, keep serving without "
+                                                      "speculation while they restart")
+    drain_timeout_s: float = option(30.0, minimum=0.0,
+                                    help="on shutdown, seconds the requests in flight may take to finish")
+    # --- chat: tool calls, templates, reasoning (vLLM's flags; docs/tool_calling.md) ------------------
+    enable_auto_tool_choice: bool = option(False, help="serve tool_choice auto (the default when tools are given): "
+                                                       "the model may call a tool or answer; without it, a 400")
+    tool_call_parser: str = option("hermes", choices=tuple(TOOL_PARSERS),
+                                   help="the model family's tool-call markup, forced and parsed: hermes (Qwen, "
+                                        "SmolLM), llama3_json, mistral, pythonic")
+    chat_template: str | None = option(None, metavar="FILE|TEMPLATE",
+                                       help="a Jinja chat template (a file path or the template itself) replacing "
+                                            "the tokenizer's, for chat, /tokenize and gRPC")
+    reasoning_parser: str | None = option(None, choices=tuple(REASONING_PARSERS),
+                                          help="split <think>...</think> into reasoning_content, apart from content")
+
+    def chat_options(self) -> dict[str, Any]:
+        """serving.chat_options.ChatOptions.create's arguments; a template file is read here, where the path was
+        given (the replicas may run on other nodes)."""
+        return {"enable_auto_tool_choice": self.enable_auto_tool_choice, "tool_call_parser": self.tool_call_parser,
+                "chat_template": load_chat_template(self.chat_template) if self.chat_template else None,
+                "reasoning_parser": self.reasoning_parser}
