@@ -164,14 +164,14 @@ def test_generation_config_defaults(client: httpx.Client, llm: LLM) -> None:
 
 
 def test_max_tokens_beyond_the_context_is_a_400_naming_the_field(client: httpx.Client) -> None:
-    """As vLLM: a prompt plus max_tokens (chat: max_completion_tokens, when given) over the served context of 128 is
+    """As vLLM: a prompt plus max_tokens (chat: max_completion_tokens, when given) over the served context is
     refused, naming the field the client used; exactly what the context leaves is served."""
     n = client.post("/v1/completions", json={**CMPL, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
-    err = assert_error(client.post("/v1/completions", json={**CMPL, "max_tokens": 128 - n + 1}), 400)
-    assert err["param"] == "max_tokens" and "maximum context length is 128" in err["message"], err
+    err = assert_error(client.post("/v1/completions", json={**CMPL, "max_tokens": SERVED_MAX_MODEL_LEN - n + 1}), 400)
+    assert err["param"] == "max_tokens" and f"maximum context length is {SERVED_MAX_MODEL_LEN}" in err["message"], err
     assert assert_error(client.post("/v1/completions", json={**CMPL, "max_tokens": 10**6, "stream": True}),
                         400)["param"] == "max_tokens"
-    ok = client.post("/v1/completions", json={**CMPL, "max_tokens": 128 - n, "temperature": 0})
+    ok = client.post("/v1/completions", json={**CMPL, "max_tokens": SERVED_MAX_MODEL_LEN - n, "temperature": 0})
     assert ok.status_code == 200, ok.text
     chat = {k: v for k, v in CHAT.items() if k != "max_tokens"}
     err = assert_error(client.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 10**6}), 400)
