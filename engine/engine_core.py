@@ -6,7 +6,7 @@ prefill chunks. The models run behind an Executor: in this process, or on Ray wo
 
 Asynchronous scheduling (EngineConfig.async_scheduling): `step()` submits step n+1 before it collects step n, so
 the models never wait for the scheduler; the steps in flight, and the KV blocks that wait for them, are kept by
-engine/inflight_steps.py.
+engine/step/inflight_steps.py.
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.detokenizer import OutputProcessor
-from engine.executor import Executor
-from engine.inflight_steps import InFlightSteps
 from engine.kv_cache.manager import KVCacheManager
-from engine.plan_builder import build_plan
-from engine.plan_deltas import SentState
 from engine.request import Request, RequestStatus
 from engine.sample.logits_params import logits_params_of
 from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
-from engine.spec.ahead_budget import AheadBudget
-from engine.step_phases import COMMIT, SCHEDULE
-from engine.step_plan import StepPlan, StepResult
+from engine.speculation.ahead_budget import AheadBudget
+from engine.step.executor import Executor
+from engine.step.inflight_steps import InFlightSteps
+from engine.step.phases import COMMIT, SCHEDULE
+from engine.step.plan import StepPlan, StepResult
+from engine.step.plan_builder import build_plan
+from engine.step.plan_deltas import SentState
 
 
 @dataclass
@@ -85,7 +85,8 @@ class EngineCore:
         self.ahead_budget = self._new_ahead_budget()
 
     def _new_ahead_budget(self) -> AheadBudget:
-        """Speculation ahead's per-step fan-out (engine/spec/ahead_budget.py): adaptive only where the draft's runs
+        """Speculation ahead's per-step fan-out (engine/speculation/ahead_budget.py): adaptive only where the draft's
+        runs
         ahead overlap the verify (a draft on GPUs of its own) and the configuration asks for it."""
         overlaps = bool(getattr(self.executor, "ahead_overlaps_verify", False))
         return AheadBudget(self.config.speculation_ahead_branches,
@@ -254,7 +255,7 @@ class EngineCore:
         return {f"{model}/{g}": n for model, kv in self.kv_managers() for g, n in enumerate(kv.num_used_blocks())}
 
     def speculation_ahead_branches(self) -> int:
-        """Windows a request the last plan asked the draft to draft ahead (engine/spec/ahead_budget.py)."""
+        """Windows a request the last plan asked the draft to draft ahead (engine/speculation/ahead_budget.py)."""
         return self.ahead_budget.last
 
     def speculation_ahead_stats(self) -> tuple[int, ...]:
@@ -342,7 +343,7 @@ class EngineCore:
         return self.in_flight.flush()
 
     def make_plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
-        """The plan of a scheduled step (engine/plan_builder.py); it carries the ids the sides may forget."""
+        """The plan of a scheduled step (engine/step/plan_builder.py); it carries the ids the sides may forget."""
         finished, self._finished_ids = self._finished_ids, []
         plan = build_plan(next(self._step_ids), scheduled, self.target_kv, self.draft_kv, self.config.max_model_len,
                           self.spec_config, finished, self.sent)

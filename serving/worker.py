@@ -4,7 +4,8 @@
 placement it needs (serving/ray_executor.py does, tests may set other options). Each worker joins its
 model's torch.distributed group, installs it as the engine's tensor-parallel group BEFORE the model is
 built (the parallel layers read the group at construction to size their shards), then builds the
-ModelRunner and its side of the speculation step (engine/spec/spec_step.py): a DraftSide (role "draft") or a
+ModelRunner and its side of the speculation step (engine/speculation/speculative_step.py): a DraftSide (role "draft")
+or a
 TargetSide (role "target"). The step methods below are thin wrappers over the side, adding what crosses
 processes: the proposal as host lists with its timing (`DraftOutput`), and the target's result for the draft's
 table. A target rank may also hold the draft (RayExecutor's draft_placement "colocated"): it then builds the
@@ -30,17 +31,17 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig, resolve_dtype
-from engine.decode_pipeline import DecodePipeline
 from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.parallel import TensorParallelGroup, set_tp_group
-from engine.request_table import RequestTable
 from engine.runner.model_runner import ModelRunner
-from engine.spec.proposer import DraftProposal
-from engine.spec.spec_step import DraftSide, SpeculativeStep, TargetSide
-from engine.spec.speculation_ahead import AheadProposer
-from engine.spec.verifier import VerifyInput
-from engine.step_phases import HOST, book_between, book_remote_proposal
-from engine.step_plan import StepPlan, StepResult
+from engine.speculation.proposer import DraftProposal
+from engine.speculation.speculation_ahead import AheadProposer
+from engine.speculation.speculative_step import DraftSide, SpeculativeStep, TargetSide
+from engine.speculation.verifier import VerifyInput
+from engine.step.decode_pipeline import DecodePipeline
+from engine.step.phases import HOST, book_between, book_remote_proposal
+from engine.step.plan import StepPlan, StepResult
+from engine.step.request_table import RequestTable
 from serving.gc_heap import freeze_startup_heap
 from serving.thread_switch import set_gil_switch_interval
 
@@ -114,7 +115,8 @@ def node_ip_and_free_port() -> tuple[str, int]:
 
 
 class ModelWorker:
-    """One rank of the target or the draft model: its side of the step (engine/spec/spec_step.py) behind the
+    """One rank of the target or the draft model: its side of the step (engine/speculation/speculative_step.py) behind
+    the
     compiled graph's nodes, which add only what crosses processes."""
 
     def __init__(self, role: str, model_path: str, engine_config: EngineConfig | dict[str, Any], rank: int = 0,
@@ -286,7 +288,7 @@ class ModelWorker:
         return result
 
     def target_decode(self, plan: StepPlan | None) -> StepResult | None:
-        """A draft-less step, pipelined (engine/decode_pipeline.py): queue `plan`, then return the result of the
+        """A draft-less step, pipelined (engine/step/decode_pipeline.py): queue `plan`, then return the result of the
         step queued before it (None: there was none). `plan` None queues nothing: the executor's way to collect
         the last step. The graph node of an engine without a draft under asynchronous scheduling."""
         side = self._target("target_decode")

@@ -1,6 +1,7 @@
 """How many windows speculation ahead drafts per request, step by step: as many as fit in the target's verify.
 
-A draft on GPUs of its own drafts the next windows (engine/spec/speculation_ahead.py) while the target verifies the
+A draft on GPUs of its own drafts the next windows (engine/speculation/speculation_ahead.py) while the target verifies
+the
 current ones. More windows per request (EngineConfig.speculation_ahead_branches) raise the hit rate, but they are
 more rows of one draft-loop run, and a run that outlasts the verify holds the next step up: the draft is still busy
 when the target's result asks it for the next proposal (on two H200s, four windows a request made the step 30%
@@ -21,14 +22,14 @@ when the count below it fits with room to spare (its run under HEADROOM x the sh
 what fits and comes back down when a run grows past the shadow (a longer context, a slower verify).
 
 Exactness does not depend on the count: a window is what the next proposal would draft after its outcome, for
-any number of windows (engine/spec/speculation_ahead.py); the cap changes only which outcomes have one.
+any number of windows (engine/speculation/speculation_ahead.py); the cap changes only which outcomes have one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.step_phases import HANDOFF, SAMPLE, VERIFY
+from engine.step.phases import HANDOFF, SAMPLE, VERIFY
 
 SMOOTHING = 0.2  # weight of a new measurement in a running mean
 HEADROOM = 0.85  # a fitting run shorter than this share of the shadow makes the next row count worth a try

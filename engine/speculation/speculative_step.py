@@ -3,7 +3,7 @@
 A step is: the draft proposes k tokens per request (from its speculation cache where a window drafted ahead hits,
 else by drafting), the target verifies them in one forward and rejection-samples, and, with speculation ahead, the
 draft drafts the next window. Every side resolves the plan's open entries from its request table before running it
-and records the step's result in it (engine/request_table.py).
+and records the step's result in it (engine/step/request_table.py).
 
 - `DraftSide`: the draft's proposer (and AheadProposer) over its runner, with the side's table.
 - `TargetSide`: the target's verifier, with the side's table and the counters of inputs built ahead.
@@ -12,25 +12,25 @@ and records the step's result in it (engine/request_table.py).
 
 Served with the draft in processes of its own, each worker rank runs one side and the graph's nodes are thin
 wrappers over it (serving/worker.py): what crosses processes (the proposal as host lists, its handoff's timing,
-the target's result back to the draft's table) is added there. Phases are booked through engine/step_phases.py.
+the target's result back to the draft's table) is added there. Phases are booked through engine/step/phases.py.
 """
 
 from __future__ import annotations
 
 import time
 
-from engine.request_table import RequestTable
 from engine.runner.model_runner import ModelRunner
-from engine.spec.proposer import DraftProposal, DraftProposer
-from engine.spec.speculation_ahead import AheadProposer
-from engine.spec.verifier import Verifier, VerifyInput
-from engine.step_phases import (
+from engine.speculation.proposer import DraftProposal, DraftProposer
+from engine.speculation.speculation_ahead import AheadProposer
+from engine.speculation.verifier import Verifier, VerifyInput
+from engine.step.phases import (
     GpuMarks,
     book_local_proposal,
     book_no_proposal,
     book_propose_ahead,
 )
-from engine.step_plan import StepPlan, StepResult
+from engine.step.plan import StepPlan, StepResult
+from engine.step.request_table import RequestTable
 
 
 class DraftSide:
@@ -40,7 +40,7 @@ class DraftSide:
     def __init__(self, runner: ModelRunner, keep_probs: bool, seed: int, speculation_ahead: bool = False,
                  table: RequestTable | None = None) -> None:
         """keep_probs: keep q (probabilistic rejection reads it). speculation_ahead: draft the next window after each
-        proposal (`predraft`) and serve hits from it (engine/spec/speculation_ahead.py)."""
+        proposal (`predraft`) and serve hits from it (engine/speculation/speculation_ahead.py)."""
         self.runner = runner
         self.table = table if table is not None else RequestTable()
         self.proposer = DraftProposer(runner, keep_probs, seed, ahead=speculation_ahead)

@@ -2,7 +2,7 @@
 
 With EngineConfig.async_scheduling, `EngineCore.step()` submits step n+1 before it collects step n, so the models
 never wait for the scheduler. The executor's sides own what the scheduler cannot know yet (a decode's input after a
-step in flight: engine/request_table.py); the scheduler plans from bounds (engine/scheduler.py) and commits exactly
+step in flight: engine/step/request_table.py); the scheduler plans from bounds (engine/scheduler.py) and commits exactly
 as before, one step late. A request that ends while a later step of it is in flight keeps its KV blocks until that
 step has landed (its tokens are dropped), and the sides forget it with the next plan.
 """
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
-from engine.step_phases import COMMIT, SCHEDULE
-from engine.step_plan import StepPlan
+from engine.step.phases import COMMIT, SCHEDULE
+from engine.step.plan import StepPlan
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore, StepStats

@@ -1,4 +1,5 @@
-"""Executors run a StepPlan on the models. The in-process one runs the speculation step (engine/spec/spec_step.py)
+"""Executors run a StepPlan on the models. The in-process one runs the speculation step
+(engine/speculation/speculative_step.py)
 itself; the Ray one (serving/) sends the same plan to worker actors, which run the same sides."""
 
 from __future__ import annotations
@@ -6,15 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from engine.decode_pipeline import DecodePipeline, LaggedResults
 from engine.kv_cache.spec import KVCacheGroupSpec
-from engine.request_table import RequestTable
 from engine.runner.model_runner import ModelRunner
-from engine.spec.proposer import DraftProposer
-from engine.spec.spec_step import SpeculativeStep
-from engine.spec.speculation_ahead import AheadProposer
-from engine.spec.verifier import Verifier
-from engine.step_plan import StepPlan, StepResult
+from engine.speculation.proposer import DraftProposer
+from engine.speculation.speculation_ahead import AheadProposer
+from engine.speculation.speculative_step import SpeculativeStep
+from engine.speculation.verifier import Verifier
+from engine.step.decode_pipeline import DecodePipeline, LaggedResults
+from engine.step.plan import StepPlan, StepResult
+from engine.step.request_table import RequestTable
 
 
 class Executor(Protocol):
@@ -24,9 +25,9 @@ class Executor(Protocol):
     draft_num_blocks: int
     vocab_size: int
     # Whether the engine may submit a step before collecting the one before (EngineCore's asynchronous
-    # scheduling): the executor's sides then keep request state (engine/request_table.py) and resolve open plans.
+    # scheduling): the executor's sides then keep request state (engine/step/request_table.py) and resolve open plans.
     async_scheduling: bool
-    # Whether the draft drafts the next window while the target verifies (engine/spec/speculation_ahead.py): the
+    # Whether the draft drafts the next window while the target verifies (engine/speculation/speculation_ahead.py): the
     # scheduler then gives the draft KV for that window too.
     speculation_ahead: bool
 
@@ -44,7 +45,8 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """Target and (optional) draft in this process: one SpeculativeStep (engine/spec/spec_step.py), whose sides
+    """Target and (optional) draft in this process: one SpeculativeStep (engine/speculation/speculative_step.py), whose
+    sides
     share one request table, or for a target alone under asynchronous scheduling a DecodePipeline."""
 
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, keep_draft_probs: bool, seed: int) -> None:
@@ -60,7 +62,8 @@ class LocalExecutor:
         self.draft_kv_groups = draft.kv_groups if draft is not None else None
         self.draft_num_blocks = draft.num_blocks if draft is not None else 0
         self.vocab_size = target.vocab_size
-        # A target alone on a GPU queues each step before it reads the last one's tokens (engine/decode_pipeline.py):
+        # A target alone on a GPU queues each step before it reads the last one's tokens
+        # (engine/step/decode_pipeline.py):
         # that needs the next plan before those tokens, i.e. asynchronous scheduling, which is then on by default.
         # With a draft, and on CPU (where a queued step runs at once), submitting early saves nothing and only
         # delays each step's tokens by one step, so it is off unless asked for (tests exercise it here).
