@@ -62,6 +62,7 @@ class PicklingExecutor:
         self.vocab_size = VOCAB
         self.async_scheduling = False
         self.speculation_ahead = False
+        self.ahead_overlaps_verify = False
         self.table = RequestTable()
         self.rng = random.Random(seed)
         # Per executed step: (plan entries, all decodes, pickled bytes, dumps + loads seconds, loads seconds,

@@ -30,6 +30,9 @@ class Executor(Protocol):
     # Whether the draft drafts the next window while the target verifies (engine/speculation/speculation_ahead.py): the
     # scheduler then gives the draft KV for that window too.
     speculation_ahead: bool
+    # Whether the draft's runs ahead overlap the target's verify (a draft on GPUs of its own): the engine then fits
+    # each step's fan-out of windows drafted ahead in the verify (engine/speculation/ahead_budget.py).
+    ahead_overlaps_verify: bool
 
     def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
         """Run the plan; call on_dispatched (if given) once it is on its way and before waiting for its result."""
@@ -41,6 +44,32 @@ class Executor(Protocol):
 
     def collect(self, handle: Any) -> StepResult:
         """Wait for a submitted step's result (handles are collected in the order submitted)."""
+        ...
+
+    def workers(self) -> list[tuple[str, int, Any]]:
+        """(role, rank, actor handle) of each model worker; empty for models in this process."""
+        ...
+
+    def check_health(self, timeout_s: float = 10.0) -> None:
+        """Raise when a model worker is dead or does not answer within `timeout_s`; call between steps."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release the models' workers, if any. Safe to call twice."""
+        ...
+
+    # A draft group that died and restarts (serving/engine_recovery.py); an executor that cannot raises
+    # RuntimeError saying so.
+    def detach_draft(self) -> None:
+        """Run target-only steps from now on (no draft, no draft KV)."""
+        ...
+
+    def start_draft_group(self) -> None:
+        """Start (load) a new draft beside the running target, after `detach_draft`; steps may run meanwhile."""
+        ...
+
+    def attach_draft(self) -> None:
+        """Put the draft `start_draft_group` started into the step (`draft_kv_groups` describe its KV then)."""
         ...
 
 
@@ -56,6 +85,7 @@ class LocalExecutor:
         # Off unless asked for: in process the window drafted ahead runs after the verify, not beside it, so it
         # only pays where its hits save more forwards than its misses cost (tests exercise it here).
         self.speculation_ahead = bool(cfg.speculation_ahead) and draft is not None
+        self.ahead_overlaps_verify = False  # one device: the window drafted ahead runs after the verify
         self.step = SpeculativeStep.build(target, draft, keep_draft_probs, seed, self.speculation_ahead)
         self.target_kv_groups = target.kv_groups
         self.target_num_blocks = target.num_blocks
@@ -110,3 +140,22 @@ class LocalExecutor:
         if on_dispatched is not None:
             on_dispatched()  # this process runs the step itself: there is no wait to overlap
         return self.step.run(plan)
+
+    # --- what a process of its own would have: nothing to list, check or release here ----------------------
+    def workers(self) -> list[tuple[str, int, Any]]:
+        return []
+
+    def check_health(self, timeout_s: float = 10.0) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def detach_draft(self) -> None:
+        raise RuntimeError(f"{type(self).__name__} cannot run without its draft")
+
+    def start_draft_group(self) -> None:
+        raise RuntimeError(f"{type(self).__name__} cannot start a draft group")
+
+    def attach_draft(self) -> None:
+        raise RuntimeError(f"{type(self).__name__} cannot attach a draft group")

@@ -9,18 +9,14 @@ step has landed (its tokens are dropped), and the sides forget it with the next 
 
 from __future__ import annotations
 
-import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
-from engine.step.phases import COMMIT, SCHEDULE
-from engine.step.plan import StepPlan
-
-if TYPE_CHECKING:
-    from engine.engine_core import EngineCore, StepStats
+from engine.step.phases import StepStats
 
 
 @dataclass
@@ -28,18 +24,18 @@ class InFlightStep:
     """A submitted step whose result the engine has not collected yet."""
 
     scheduled: list[ScheduledRequest]
-    handle: Any  # the executor's
+    handle: Any  # the executor's (synchronous scheduling: the step's result, the executor having run it)
     stats: StepStats
     schedule_seconds: float
 
 
 class InFlightSteps:
     """An engine's steps in flight, oldest first, and the requests that ended while a step of theirs was in flight
-    (their KV blocks go back once that step has landed). Submits to and collects from the engine's executor, and
-    commits what lands through the engine."""
+    (their KV blocks go back, through `free_kv`, once that step has landed). Bookkeeping only: the engine submits,
+    collects and commits (engine/engine_core.py, `step`)."""
 
-    def __init__(self, engine: EngineCore) -> None:
-        self.engine = engine
+    def __init__(self, free_kv: Callable[[Request], None]) -> None:
+        self.free_kv = free_kv
         self.steps: deque[InFlightStep] = deque()
         # Ended requests whose KV blocks wait for their step in flight.
         self.deferred_free: dict[str, Request] = {}
@@ -56,60 +52,35 @@ class InFlightSteps:
         """`req` ended while a step of it is in flight: free its KV blocks once that step has landed."""
         self.deferred_free[req.request_id] = req
 
-    def submit(self, plan: StepPlan, scheduled: list[ScheduledRequest], stats: StepStats,
-               schedule_seconds: float) -> None:
-        """Hand a step's plan to the executor and keep the step in flight until `collect`."""
-        try:
-            handle = self.engine.executor.submit(plan)
-        except BaseException:
-            # The plan may have reached some ranks only, and a pipelined executor loses the step queued
-            # before it too: forget every step in flight (and what the sides know), plan explicit input next.
-            self.drop()
-            raise
-        for s in scheduled:
+    def add(self, step: InFlightStep) -> None:
+        """A step the executor took: in flight until `landed`."""
+        for s in step.scheduled:
             s.request.inflight = s
-        self.steps.append(InFlightStep(scheduled, handle, stats, schedule_seconds))
+        self.steps.append(step)
 
-    def collect(self) -> list[Request]:
-        """Wait for the oldest step in flight and commit it."""
-        engine = self.engine
-        step = self.steps[0]
-        try:
-            result = engine.executor.collect(step.handle)
-        except BaseException:
-            self.drop()
-            raise
+    @property
+    def oldest(self) -> InFlightStep:
+        return self.steps[0]
+
+    def landed(self, step: InFlightStep) -> None:
+        """The oldest step is committed: it leaves, and requests that ended meanwhile give their KV blocks back."""
+        assert self.steps[0] is step
         self.steps.popleft()
-        t = time.perf_counter()
-        touched = engine.commit(step.scheduled, result)
         for s in step.scheduled:
             if s.request.inflight is s:
                 s.request.inflight = None
                 done = self.deferred_free.pop(s.request.request_id, None)
                 if done is not None:
-                    engine.scheduler.free_kv(done)
-        step.stats.phase_seconds = {**result.phase_seconds, SCHEDULE: step.schedule_seconds,
-                                    COMMIT: time.perf_counter() - t}
-        engine.last_step = step.stats
-        return touched
-
-    def flush(self) -> list[Request]:
-        """Collect every step in flight; returns the requests they gave tokens or finished."""
-        touched: list[Request] = []
-        while self.steps:
-            touched += self.collect()
-        return touched
+                    self.free_kv(done)
 
     def drop(self) -> None:
         """A step failed: forget every step in flight (none of them is committed; the sides drop what they
-        resolved, and requests still running are planned with explicit input next) and what the sides were sent
-        (a plan may have reached some ranks only): the next plan sends every entry whole."""
-        engine = self.engine
-        engine.sent.reset()
+        resolved, and requests still running are planned with explicit input next) and free the KV blocks that
+        waited for them."""
         for step in self.steps:
             for s in step.scheduled:
                 s.request.inflight = None
         self.steps.clear()
         for req in self.deferred_free.values():
-            engine.scheduler.free_kv(req)
+            self.free_kv(req)
         self.deferred_free.clear()
