@@ -21,7 +21,7 @@ from engine.kernels.triton_compat import set_pdl
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.sample.metadata import SamplingMetadata
-from engine.spec.draft_loop import DraftLoop
+from engine.speculation.draft_loop import DraftLoop
 
 
 def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: bool, steps: int,

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.kernels.kv_store import store_kv  # noqa: E402
 from engine.kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
 from engine.kernels.rejection import rejection_sample_from_noise as rejection_triton  # noqa: E402
-from engine.spec.rejection_sampler import rejection_sample_from_noise as rejection_torch  # noqa: E402
+from engine.speculation.rejection_sampler import rejection_sample_from_noise as rejection_torch  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 

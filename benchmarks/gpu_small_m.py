@@ -208,7 +208,7 @@ def count_kernels(shape: str, rows_setting: int, batch: int, draft: bool) -> dic
     from engine.config import EngineConfig, ModelConfig
     from engine.runner.model_runner import ModelRunner
     from engine.runner.step_input import Chunk
-    from engine.spec.draft_loop import DraftLoop
+    from engine.speculation.draft_loop import DraftLoop
 
     cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=640, max_num_seqs=batch,
                        kv_cache_memory_bytes=1 << 30, enforce_eager=True, num_speculative_tokens=4,

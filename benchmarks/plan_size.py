@@ -32,8 +32,8 @@ from engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from engine.engine_core import EngineCore  # noqa: E402
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
-from engine.request_table import RequestTable  # noqa: E402
-from engine.step_plan import StepPlan, StepResult  # noqa: E402
+from engine.step.plan import StepPlan, StepResult  # noqa: E402
+from engine.step.request_table import RequestTable  # noqa: E402
 
 VOCAB = 262144
 PROMPT_TOKENS = 2000
@@ -62,6 +62,7 @@ class PicklingExecutor:
         self.vocab_size = VOCAB
         self.async_scheduling = False
         self.speculation_ahead = False
+        self.ahead_overlaps_verify = False
         self.table = RequestTable()
         self.rng = random.Random(seed)
         # Per executed step: (plan entries, all decodes, pickled bytes, dumps + loads seconds, loads seconds,

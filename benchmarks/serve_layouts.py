@@ -27,7 +27,7 @@ Python proxy takes the client connections: http_proxy; served layouts only; by d
 `offline` and `offline+d` are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for
 serving's cost; `offline+d/predraft` drafts ahead in process (after each verify, not beside it); `offline/sync` runs
 each step to its end before the next (in process a target alone otherwise queues each step before it reads the
-last one's tokens: engine/decode_pipeline.py).
+last one's tokens: engine/step/decode_pipeline.py).
 
 --bonus-agreement R (synthetic pairs only, a benchmark-only setting): random weights never agree on a bonus token,
 so a window drafted ahead would never hit; with it, a lookup whose drafts were all accepted counts the bonus as the

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table, save_json  # noqa: E402
 
-import engine.spec.proposer as proposer_module  # noqa: E402
+import engine.speculation.proposer as proposer_module  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.sample import grammar_matchers  # noqa: E402
 from engine.sample.structured_output import GrammarSpec, StructuredOutputsParams  # noqa: E402

@@ -30,7 +30,7 @@ from common import environment  # noqa: E402
 from gpu_shapes import shape_dir  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.spec.verifier import Verifier  # noqa: E402
+from engine.speculation.verifier import Verifier  # noqa: E402
 
 MODES = ("ordinary", "launched")
 

@@ -183,23 +183,23 @@ class EngineConfig:
     load_format: str = "auto"
     # Schedule step n+1 while step n runs (its tokens arrive one step later): the scheduler's hops and
     # bookkeeping leave the models' critical path, and a target without a draft queues step n+1 on the GPU before
-    # it reads step n's tokens (engine/decode_pipeline.py). None: on where the models run in other processes (the
+    # it reads step n's tokens (engine/step/decode_pipeline.py). None: on where the models run in other processes (the
     # Ray executor) and for a target alone on a GPU in process; off for in-process speculation and on CPU, where
     # it would only add a step of latency.
     async_scheduling: bool | None = None
     # Reuse the KV of full blocks whose token prefix was computed before (engine/kv_cache): both models' caches.
     enable_prefix_caching: bool = True
-    # Speculation ahead (engine/spec/speculation_ahead.py): the draft drafts the next window while the target
+    # Speculation ahead (engine/speculation/speculation_ahead.py): the draft drafts the next window while the target
     # verifies this one. None: on where the draft has GPUs of its own (its forwards then overlap the verify),
     # off where it shares a device with the target, where the extra forwards would only queue behind it.
     speculation_ahead: bool | None = None
-    # Windows drafted ahead per speculating request (engine/spec/ahead_branches.py): 1 drafts only the all-accepted
-    # outcome with the draft's argmax as the bonus token; more add the next likeliest outcomes (a second bonus
-    # guess, a rejection after a accepted drafts with the draft's runner-up as the target's token), each in scratch
-    # KV blocks the draft reserves for them. At most num_speculative_tokens + 2: the distinct outcomes guessed.
+    # Windows drafted ahead per speculating request (engine/speculation/ahead_branches.py): 1 drafts only the
+    # all-accepted outcome with the draft's argmax as the bonus token; more add the next likeliest outcomes (a second
+    # bonus guess, a rejection after a accepted drafts with the draft's runner-up as the target's token), each in
+    # scratch KV blocks the draft reserves for them. At most num_speculative_tokens + 2: the distinct outcomes guessed.
     speculation_ahead_branches: int = 1
     # With more than one branch, where the draft has GPUs of its own: draft at most as many windows a request as
-    # measured to fit in the target's verify (engine/spec/ahead_budget.py), so a fan-out that would hold the next
+    # measured to fit in the target's verify (engine/speculation/ahead_budget.py), so a fan-out that would hold the next
     # step up is cut back. False: every step drafts speculation_ahead_branches windows a request.
     speculation_ahead_adaptive: bool = True
     # Benchmarks only, with synthetic rejection: the rate at which a lookup takes the target's token for the draft's
@@ -214,7 +214,7 @@ class EngineConfig:
     # without tensor parallelism.
     small_m_rows: int = 4
     # A file of token ids (a JSON list, or a 1-D integer tensor saved with torch.save) the draft's LM head is
-    # restricted to (engine/spec/draft_vocabulary.py): a smaller head for a faster draft step; exact whatever the
+    # restricted to (engine/speculation/draft_vocabulary.py): a smaller head for a faster draft step; exact whatever the
     # map holds, as the draft's q gives every other token probability 0. None: the whole vocabulary.
     draft_token_map: str | None = None
 

@@ -6,7 +6,8 @@ prefill chunks. The models run behind an Executor: in this process, or on Ray wo
 
 Asynchronous scheduling (EngineConfig.async_scheduling): `step()` submits step n+1 before it collects step n, so
 the models never wait for the scheduler; the steps in flight, and the KV blocks that wait for them, are kept by
-engine/inflight_steps.py.
+engine/step/inflight_steps.py. Synchronous scheduling is the same loop with one step in flight at most: the
+executor runs it to its result before `step()` goes on.
 """
 
 from __future__ import annotations
@@ -14,39 +15,24 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.detokenizer import OutputProcessor
-from engine.executor import Executor
-from engine.inflight_steps import InFlightSteps
 from engine.kv_cache.manager import KVCacheManager
-from engine.plan_builder import build_plan
-from engine.plan_deltas import SentState
 from engine.request import Request, RequestStatus
 from engine.sample.logits_params import logits_params_of
 from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
-from engine.spec.ahead_budget import AheadBudget
-from engine.step_phases import COMMIT, SCHEDULE
-from engine.step_plan import StepPlan, StepResult
-
-
-@dataclass
-class StepStats:
-    """What the last step did, for metrics."""
-
-    num_scheduled: int = 0
-    num_batched_tokens: int = 0
-    num_preempted: int = 0
-    draft_length: int = 0  # the step's k (load-adaptive schedule); 0: no speculation this step
-    # propose, prepare, verify, sample (the models' work and its input), handoff and dispatch (the executor's
-    # transport), and the engine's own bookkeeping around them: schedule (scheduling and building the plan) and
-    # commit (applying the tokens).
-    phase_seconds: dict[str, float] = field(default_factory=dict)
+from engine.speculation.ahead_budget import AheadBudget
+from engine.step.executor import Executor
+from engine.step.inflight_steps import InFlightStep, InFlightSteps
+from engine.step.phases import COMMIT, SCHEDULE, StepStats
+from engine.step.plan import StepPlan, StepResult
+from engine.step.plan_builder import build_plan
+from engine.step.plan_deltas import SentState
 
 
 class EngineCore:
@@ -70,26 +56,25 @@ class EngineCore:
         self.vocab_size = executor.vocab_size
         self.last_step = StepStats()
         self._step_ids = itertools.count()
-        self.async_scheduling = bool(getattr(executor, "async_scheduling", False))
-        self.in_flight = InFlightSteps(self)  # steps submitted and not collected yet (asynchronous scheduling)
+        self.async_scheduling = executor.async_scheduling
+        # Steps submitted and not collected yet: one at most, and never between steps, unless asynchronous.
+        self.in_flight = InFlightSteps(self.scheduler.free_kv)
         self._finished_ids: list[str] = []  # ids the sides may forget
         self.sent = SentState()  # what the model sides know of each request: plans carry the rest
-        self.scheduler.speculation_ahead = self.spec_config is not None and bool(
-            getattr(executor, "speculation_ahead", False))
+        self.scheduler.speculation_ahead = self.spec_config is not None and executor.speculation_ahead
         if engine_config.draft_token_map is not None and self.spec_config is None:
             raise ValueError("draft_token_map restricts a draft model's LM head: give a draft model, or leave it unset")
         if engine_config.synthetic_bonus_agreement is not None and (
                 self.spec_config is None or self.spec_config.rejection_sampling != "synthetic"):
             raise ValueError("synthetic_bonus_agreement is a benchmark setting for rejection_sampling='synthetic'")
-        self._ahead_totals: tuple[int, ...] = (0, 0, 0, 0, 0)  # the draft's, as its last result said
-        self.ahead_budget = self._new_ahead_budget()
+        self._speculation_ahead_totals: tuple[int, ...] = (0, 0, 0, 0, 0)  # the draft's, as its last result said
+        self.ahead_budget = self._new_speculation_ahead_budget()
 
-    def _new_ahead_budget(self) -> AheadBudget:
-        """Speculation ahead's per-step fan-out (engine/spec/ahead_budget.py): adaptive only where the draft's runs
-        ahead overlap the verify (a draft on GPUs of its own) and the configuration asks for it."""
-        overlaps = bool(getattr(self.executor, "ahead_overlaps_verify", False))
+    def _new_speculation_ahead_budget(self) -> AheadBudget:
+        """Speculation ahead's per-step fan-out (engine/speculation/ahead_budget.py): adaptive only where the draft's
+        runs ahead overlap the verify (a draft on GPUs of its own) and the configuration asks for it."""
         return AheadBudget(self.config.speculation_ahead_branches,
-                           adaptive=self.config.speculation_ahead_adaptive and overlaps)
+                           adaptive=self.config.speculation_ahead_adaptive and self.executor.ahead_overlaps_verify)
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -167,21 +152,16 @@ class EngineCore:
     # --- the models' workers -------------------------------------------------------------------------
     def workers(self) -> list[tuple[str, int, Any]]:
         """(role, rank, actor handle) of each model worker; empty for models in this process."""
-        listing = getattr(self.executor, "workers", None)
-        return list(listing()) if listing is not None else []
+        return list(self.executor.workers())
 
     def check_health(self, timeout_s: float = 10.0) -> None:
         """Raise (serving.ray_executor.WorkerDiedError) when a model worker is dead or does not answer within
         `timeout_s`; call between steps. Models in this process have nothing to check."""
-        check = getattr(self.executor, "check_health", None)
-        if check is not None:
-            check(timeout_s)
+        self.executor.check_health(timeout_s)
 
     def shutdown(self) -> None:
         """Release the models' workers (their placement groups, hence their GPUs), if they have any."""
-        shutdown = getattr(self.executor, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.executor.shutdown()
 
     # --- speculation on and off (a draft group that died and restarts) -------------------------------
     # Speculation is lossless: the target decides every token, so an engine that stops speculating
@@ -195,10 +175,7 @@ class EngineCore:
         spec = self.spec_config
         if spec is None:
             raise RuntimeError("the engine does not speculate: there is no draft to detach")
-        detach = getattr(self.executor, "detach_draft", None)
-        if detach is None:
-            raise RuntimeError(f"{type(self.executor).__name__} cannot run without its draft")
-        detach()
+        self.executor.detach_draft()
         self.spec_config = None
         self.draft_kv = None
         self.scheduler.kv_managers = [self.target_kv]
@@ -222,7 +199,7 @@ class EngineCore:
         self.scheduler.kv_managers = [self.target_kv, self.draft_kv]
         self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
         self.spec_config = spec
-        self.ahead_budget = self._new_ahead_budget()  # the new group's runs ahead are measured anew
+        self.ahead_budget = self._new_speculation_ahead_budget()  # the new group's runs ahead are measured anew
 
     def _restart_draft_progress(self) -> None:
         for req in self.scheduler.requests.values():
@@ -254,13 +231,13 @@ class EngineCore:
         return {f"{model}/{g}": n for model, kv in self.kv_managers() for g, n in enumerate(kv.num_used_blocks())}
 
     def speculation_ahead_branches(self) -> int:
-        """Windows a request the last plan asked the draft to draft ahead (engine/spec/ahead_budget.py)."""
+        """Windows a request the last plan asked the draft to draft ahead (engine/speculation/ahead_budget.py)."""
         return self.ahead_budget.last
 
     def speculation_ahead_stats(self) -> tuple[int, ...]:
         """The draft's speculation-ahead running totals: (lookups, hits, tokens drafted ahead, of those dropped
         unproposed, branches chosen but not drafted); they restart from 0 when a new draft group is attached."""
-        return self._ahead_totals
+        return self._speculation_ahead_totals
 
     def prefix_cache_stats(self) -> dict[str, tuple[int, int]]:
         """Per model, (tokens looked up, tokens found) in its prefix cache since the model's KV manager began."""
@@ -273,27 +250,67 @@ class EngineCore:
         caller's own work (a server publishing the last step's tokens) overlaps the models' instead of delaying
         the plan. With asynchronous scheduling the tokens returned are those of the step before the one just
         submitted."""
-        if self.async_scheduling:
-            return self._step_async(on_dispatched)
+        in_flight = self.in_flight
+        touched = self.flush() if in_flight.sync_next else []
+        in_flight.sync_next = False
         t0 = time.perf_counter()
-        sched = self._schedule(optimistic=False)
-        if sched is None:
-            return []
-        plan = self.make_plan(sched.scheduled)
-        t1 = time.perf_counter()
-        try:
-            if on_dispatched is None:
-                result = self.executor.execute(plan)
-            else:
-                result = self.executor.execute(plan, on_dispatched=on_dispatched)
-        except BaseException:
-            self.in_flight.drop()  # forget what the sides were sent: a plan may have reached some ranks only
-            raise
-        t2 = time.perf_counter()
-        touched = self.commit(sched.scheduled, result)
-        self.last_step.phase_seconds = {**result.phase_seconds, SCHEDULE: t1 - t0,
-                                        COMMIT: time.perf_counter() - t2}
+        # While a step is in flight the scheduler plans from bounds (asynchronous scheduling only).
+        sched = self._schedule(optimistic=bool(in_flight))
+        submitted = sched is not None and bool(sched.scheduled)
+        if sched is not None:
+            in_flight.sync_next = sched.blocked
+        if submitted:
+            plan = self.make_plan(sched.scheduled)
+            # Timed before the submit: a pipelined executor's submit also waits for the step before it.
+            self._submit(plan, sched.scheduled, time.perf_counter() - t0, on_dispatched)
+        elif on_dispatched is not None:
+            on_dispatched()
+        # Asynchronous: the step before lands now, the one just submitted a step later (or now, if none follows).
+        if len(in_flight) > 1 or (in_flight and not (submitted and self.async_scheduling)):
+            touched += self._collect()
         return touched
+
+    def _submit(self, plan: StepPlan, scheduled: list[ScheduledRequest], schedule_seconds: float,
+                on_dispatched: Callable[[], None] | None) -> None:
+        """Hand a step's plan to the executor and keep it in flight until `_collect`. Synchronous: the executor runs
+        it to its result (calling on_dispatched once the plan is on its way), which stands as its handle."""
+        try:
+            if self.async_scheduling:
+                handle = self.executor.submit(plan)
+            elif on_dispatched is None:
+                handle = self.executor.execute(plan)
+            else:
+                handle = self.executor.execute(plan, on_dispatched=on_dispatched)
+        except BaseException:
+            # The plan may have reached some ranks only, and a pipelined executor loses the step queued before it
+            # too: forget every step in flight (and what the sides know), plan explicit input next.
+            self._drop_in_flight()
+            raise
+        if self.async_scheduling and on_dispatched is not None:
+            on_dispatched()
+        self.in_flight.add(InFlightStep(scheduled, handle, self.last_step, schedule_seconds))
+
+    def _collect(self) -> list[Request]:
+        """Wait for the oldest step in flight and commit it; returns the requests it gave tokens or finished."""
+        step = self.in_flight.oldest
+        try:
+            result = self.executor.collect(step.handle) if self.async_scheduling else step.handle
+        except BaseException:
+            self._drop_in_flight()
+            raise
+        t = time.perf_counter()
+        touched = self.commit(step.scheduled, result)
+        self.in_flight.landed(step)
+        step.stats.phase_seconds = {**result.phase_seconds, SCHEDULE: step.schedule_seconds,
+                                    COMMIT: time.perf_counter() - t}
+        self.last_step = step.stats
+        return touched
+
+    def _drop_in_flight(self) -> None:
+        """A step failed: forget every step in flight, and what the sides were sent (a plan may have reached some
+        ranks only): the next plan sends every entry whole."""
+        self.sent.reset()
+        self.in_flight.drop()
 
     def _schedule(self, optimistic: bool) -> Any:
         """The scheduler's output for the next step, or None when nothing can run (and nothing is in flight)."""
@@ -313,36 +330,16 @@ class EngineCore:
                                "KV cache even alone; raise the KV budget or lower max_model_len")
         return sched if optimistic else None
 
-    def _step_async(self, on_dispatched: Callable[[], None] | None) -> list[Request]:
-        """Submit the next step (scheduled from bounds while one is in flight), then collect the oldest."""
-        in_flight = self.in_flight
-        touched: list[Request] = []
-        if in_flight.sync_next:
-            touched += in_flight.flush()
-            in_flight.sync_next = False
-        t0 = time.perf_counter()
-        sched = self._schedule(optimistic=bool(in_flight))
-        submitted = False
-        if sched is not None:
-            in_flight.sync_next = sched.blocked
-            if sched.scheduled:
-                plan = self.make_plan(sched.scheduled)
-                # Timed before the submit: a pipelined executor's submit also waits for the step before it.
-                in_flight.submit(plan, sched.scheduled, self.last_step, time.perf_counter() - t0)
-                submitted = True
-        if on_dispatched is not None:
-            on_dispatched()
-        if len(in_flight) > 1 or (in_flight and not submitted):
-            touched += in_flight.collect()
-        return touched
-
     def flush(self) -> list[Request]:
         """Collect every step in flight (before the executor's workers change: a draft group attached or
         detached); returns the requests they gave tokens or finished."""
-        return self.in_flight.flush()
+        touched: list[Request] = []
+        while self.in_flight:
+            touched += self._collect()
+        return touched
 
     def make_plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
-        """The plan of a scheduled step (engine/plan_builder.py); it carries the ids the sides may forget."""
+        """The plan of a scheduled step (engine/step/plan_builder.py); it carries the ids the sides may forget."""
         finished, self._finished_ids = self._finished_ids, []
         plan = build_plan(next(self._step_ids), scheduled, self.target_kv, self.draft_kv, self.config.max_model_len,
                           self.spec_config, finished, self.sent)
@@ -351,10 +348,10 @@ class EngineCore:
         return plan
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
-        if result.ahead is not None:
-            self._ahead_totals = result.ahead
+        if result.speculation_ahead_totals is not None:
+            self._speculation_ahead_totals = result.speculation_ahead_totals
         if self.scheduler.speculation_ahead:
-            self.ahead_budget.observe(result.phase_seconds, result.ahead_window)
+            self.ahead_budget.observe(result.phase_seconds, result.predraft_window)
         touched = []
         for n, (s, tokens, accepted) in enumerate(zip(scheduled, result.sampled, result.num_accepted)):
             r = s.request

@@ -7,12 +7,12 @@ goes straight to the target ranks through their own channels (never back through
 router reads target rank 0's StepResult. The target ranks build their verify input from the plan while the
 draft proposes (`target_prepare`, a node of its own), so the proposal's ids are all that is left to write. The
 step's nodes are described once, for the graph and for plain calls alike, in serving/step_topology.py; each is a
-thin wrapper over its rank's side of the step (serving/worker.py, engine/spec/spec_step.py). A draft may also run
-inside the target's ranks (`draft_placement="colocated"`): the graph is then one `spec_step` node per rank, the
+thin wrapper over its rank's side of the step (serving/worker.py, engine/speculation/speculative_step.py). A draft may
+also run inside the target's ranks (`draft_placement="colocated"`): the graph is then one `spec_step` node per rank, the
 whole step in one process, as in the in-process engine.
 
 Asynchronous scheduling (the default here): the router submits step n+1 before it reads step n's result, and
-every rank keeps its requests' state (engine/request_table.py). Target rank 0's result goes straight to the draft
+every rank keeps its requests' state (engine/step/request_table.py). Target rank 0's result goes straight to the draft
 ranks (`draft_absorb`), so the next proposal starts as soon as the verify ends, without a round trip through the
 router; the router's hops and bookkeeping overlap the models' work.
 
@@ -33,11 +33,11 @@ import ray
 from ray.actor import ActorHandle
 
 from engine.config import EngineConfig, ModelConfig
-from engine.decode_pipeline import LaggedResults
 from engine.kv_cache.spec import KVCacheGroupSpec
-from engine.spec.draft_vocabulary import check_token_map
-from engine.step_phases import HOST, book_dispatch
-from engine.step_plan import StepPlan, StepResult
+from engine.speculation.draft_vocabulary import check_token_map
+from engine.step.decode_pipeline import LaggedResults
+from engine.step.phases import HOST, book_dispatch
+from engine.step.plan import StepPlan, StepResult
 from serving.draft_group import DraftGroupReplacement
 from serving.placement import actor_options, bundle_task_options, create_group_placement, make_bundle
 from serving.step_topology import GraphCalls, PlainCalls, step_nodes
@@ -64,7 +64,7 @@ class WorkerDiedError(RuntimeError):
 
 
 class RayExecutor(DraftGroupReplacement):
-    """Executor protocol (engine/executor.py) over Ray actors: `execute(plan) -> StepResult`."""
+    """Executor protocol (engine/step/executor.py) over Ray actors: `execute(plan) -> StepResult`."""
 
     def __init__(self, model_path: str, engine_config: EngineConfig, draft_model_path: str | None = None, *,
                  rejection_sampling: str | None = None, tensor_parallel_size: int = 1,
@@ -104,14 +104,14 @@ class RayExecutor(DraftGroupReplacement):
         self.launch_verify_ahead = launch_verify_ahead
         self.speculation_ahead = False  # resolved in _start, once the bundles are known
         # The draft's runs ahead overlap the target's verify (a draft group of its own, not colocated): the engine
-        # then fits each step's fan-out in the verify (engine/spec/ahead_budget.py).
+        # then fits each step's fan-out in the verify (engine/speculation/ahead_budget.py).
         self.ahead_overlaps_verify = False
         self.step_timeout_s = step_timeout_s
         self.target: WorkerGroup | None = None
         self.draft: WorkerGroup | None = None
         self._graph: Any = None  # ray.dag.CompiledDAG
-        # Pipelined (a target alone, asynchronous scheduling: engine/decode_pipeline.py): each execution returns the
-        # result of the step submitted before it, so the outputs not read yet and the results read but not yet
+        # Pipelined (a target alone, asynchronous scheduling: engine/step/decode_pipeline.py): each execution returns
+        # the result of the step submitted before it, so the outputs not read yet and the results read but not yet
         # collected are kept here.
         self._executions: deque[Any] = deque()
         self._done = LaggedResults()
@@ -239,7 +239,7 @@ class RayExecutor(DraftGroupReplacement):
     @property
     def pipelined(self) -> bool:
         """A target alone under asynchronous scheduling: its ranks queue each step before reading the last one's
-        tokens (engine/decode_pipeline.py), and an execution returns the step before's result."""
+        tokens (engine/step/decode_pipeline.py), and an execution returns the step before's result."""
         return self.draft is None and not self.colocated and self.async_scheduling
 
     def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
@@ -273,7 +273,7 @@ class RayExecutor(DraftGroupReplacement):
             result = self._get(ref)[0]
         now = time.perf_counter()
         # A step submitted while the one before was still running is timed from that one's result: what its
-        # transport added to the step period (engine/step_phases.py).
+        # transport added to the step period (engine/step/phases.py).
         book_dispatch(result.phase_seconds, now - max(t0, self._last_collected))
         self._last_collected = now
         return result

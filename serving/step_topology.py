@@ -1,11 +1,18 @@
-"""Which worker methods one engine step calls, on which ranks, fed by what: described once (`step_nodes`), for the
-two ways the Ray executor runs a step. `GraphCalls` binds the nodes of a Ray Compiled Graph; `PlainCalls` makes the
-same calls with `.remote()`, each actor running its calls in the order they were made.
+"""The step's calls (engine/speculation/step_order.py) bound to worker actors: which worker method each call is, on
+which ranks, fed by what, for the two ways the Ray executor runs a step. `GraphCalls` binds the nodes of a Ray
+Compiled Graph; `PlainCalls` makes the same calls with `.remote()`, each actor running its calls in the order they
+were made.
 
     plan ──> draft[0..D-1].draft_step(plan) ──(draft[0]'s proposal)──> target[0..T-1].target_step ──> router
          └──> target[0..T-1].target_prepare(plan) ──(the same rank's verify input)──┘      │
                   draft[0..D-1].draft_predraft (speculation ahead: after the rank's draft_step)
                                    draft[0..D-1].draft_absorb <──(target[0]'s result)──────┘  (async only)
+
+How a call of the step order becomes nodes: every rank of its side runs it (`WORKER_METHODS` names the worker
+method); an input from the same side is the same rank's output; an input from the other side is that side's rank
+0's (the other ranks return None), and a target call's rank 0 also takes the other draft ranks' outputs of the
+call it reads, so that an error on any draft rank reaches the router. The router reads every target rank's result
+(rank 0's first), then each draft call's output that no later call reads or follows.
 
 A target alone: target[i].target_step(plan), or under asynchronous scheduling target[i].target_decode(plan). A
 draft colocated in the target's ranks: target[i].spec_step(plan), the whole step in each rank's process.
@@ -21,16 +28,39 @@ The two ways differ only where their mechanics do:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ray.actor import ActorHandle
+
+from engine.speculation.step_order import DRAFT, PLAN, RESULT, SPECULATION_STEP, TARGET, StepMode
+
+
+def graph_node(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A worker method a graph node may bind `after` other nodes: the graph orders two nodes only through an
+    argument, so such a node is also handed their outputs, after its own arguments. This drops them, so that the
+    method's signature says only what it reads; ordered actor calls never pass them."""
+    num_args = len(inspect.signature(method).parameters) - 1  # without self
+
+    @functools.wraps(method)
+    def node(self: Any, *args: Any) -> Any:
+        return method(self, *args[:num_args])
+
+    # What Ray checks a bind's arguments against: any number of them (Ray unwraps to the method it checks, so the
+    # wrapper must not point to the method it wraps).
+    del node.__wrapped__  # type: ignore[attr-defined]
+    node.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
+    return node
 
 
 class GraphCalls:
     """Nodes of a compiled graph (`method.bind`)."""
 
-    prepares_ahead = True
+    prepares_verify = True
 
     def __init__(self, tensor_transport: str | None = None) -> None:
         self.tensor_transport = tensor_transport
@@ -55,7 +85,7 @@ class GraphCalls:
 class PlainCalls:
     """Ordered actor calls (`method.remote`); ObjectRefs carry results from one call to the next."""
 
-    prepares_ahead = False
+    prepares_verify = False
 
     def __init__(self) -> None:
         self._unread: list[Any] = []  # refs no later call reads: the router waits for them, to surface errors
@@ -73,6 +103,12 @@ class PlainCalls:
         return outs + [r for r in self._unread if not any(r is o for o in outs)]
 
 
+# The worker method (serving/worker.py) of each call of the step order.
+WORKER_METHODS = {(DRAFT, "propose"): "draft_step", (TARGET, "prepare"): "target_prepare",
+                  (TARGET, "verify"): "target_step", (DRAFT, "predraft"): "draft_predraft",
+                  (DRAFT, "absorb"): "draft_absorb"}
+
+
 def step_nodes(calls: GraphCalls | PlainCalls, plan: Any, targets: list[ActorHandle], drafts: list[ActorHandle],
                *, pipelined: bool, speculation_ahead: bool, async_scheduling: bool,
                colocated: bool = False) -> list[Any]:
@@ -84,18 +120,43 @@ def step_nodes(calls: GraphCalls | PlainCalls, plan: Any, targets: list[ActorHan
         return calls.outputs([calls(w, "target_decode", plan) for w in targets])
     if not drafts:
         return calls.outputs([calls(w, "target_step", plan) for w in targets])
-    proposed = [calls(w, "draft_step", plan) for w in drafts]
-    proposal = calls.proposal(proposed[0])
-    # Each target rank builds its verify input while the draft proposes. Target rank 0 also takes the other draft
-    # ranks' outputs (None), so that an error on any draft rank reaches the router.
-    inputs = [calls(w, "target_prepare", plan) for w in targets] if calls.prepares_ahead else [plan] * len(targets)
-    outs = [calls(w, "target_step", inputs[rank], proposal, after=proposed[1:] if rank == 0 else ())
-            for rank, w in enumerate(targets)]
-    # Each draft rank drafts the next window after its proposal has gone out, while the target verifies.
-    ahead = ([[calls(w, "draft_predraft", after=[proposed[rank]])] for rank, w in enumerate(drafts)]
-             if speculation_ahead else [[] for _ in drafts])
-    if async_scheduling:
-        outs += [calls(w, "draft_absorb", outs[0], after=ahead[rank]) for rank, w in enumerate(drafts)]
-    else:
-        outs += [node for rank_ahead in ahead for node in rank_ahead]
-    return calls.outputs(outs)
+    # Each target rank builds its verify input while the draft proposes (graph only); the draft's ranks keep
+    # tables of their own, which learn each result from target rank 0 under asynchronous scheduling.
+    mode = StepMode(prepares_verify=calls.prepares_verify, speculation_ahead=speculation_ahead,
+                    draft_has_own_table=async_scheduling)
+    ranks = {DRAFT: drafts, TARGET: targets}
+    made: dict[str, tuple[str, list[Any]]] = {}  # per call: its side and each rank's node (left out: its input's)
+    crossed: dict[str, Any] = {}  # a draft call's rank-0 node as the target's ranks read it
+    read: list[Any] = []  # nodes a later call reads or follows
+
+    def node(name: str, side: str, rank: int) -> Any:
+        if name == PLAN:
+            return plan
+        source, outs = made[name]
+        read.append(outs[rank if source == side else 0])
+        if source == side:
+            return outs[rank]
+        if name not in crossed:
+            crossed[name] = calls.proposal(outs[0]) if source == DRAFT else outs[0]
+        return crossed[name]
+
+    ran = []
+    for call in SPECULATION_STEP:
+        workers = ranks[call.side]
+        if not call.runs(mode):
+            if call.inputs:
+                made[call.method] = (call.side, [node(call.inputs[0], call.side, r) for r in range(len(workers))])
+            continue
+        outs = []
+        for rank, worker in enumerate(workers):
+            args = [node(name, call.side, rank) for name in call.inputs]
+            after = [made[name][1][rank] for name in call.after if name in made]
+            if call.side == TARGET and rank == 0:
+                after += [n for name in call.inputs if name in made and made[name][0] == DRAFT
+                          for n in made[name][1][1:]]
+            read.extend(after)
+            outs.append(calls(worker, WORKER_METHODS[call.side, call.method], *args, after=after))
+        made[call.method] = (call.side, outs)
+        ran.append(call)
+    leaves = [n for call in ran if call.side == DRAFT for n in made[call.method][1] if not any(n is r for r in read)]
+    return calls.outputs(made[RESULT][1] + leaves)

@@ -4,8 +4,8 @@
 placement it needs (serving/ray_executor.py does, tests may set other options). Each worker joins its
 model's torch.distributed group, installs it as the engine's tensor-parallel group BEFORE the model is
 built (the parallel layers read the group at construction to size their shards), then builds the
-ModelRunner and its side of the speculation step (engine/spec/spec_step.py): a DraftSide (role "draft") or a
-TargetSide (role "target"). The step methods below are thin wrappers over the side, adding what crosses
+ModelRunner and its side of the speculation step (engine/speculation/speculative_step.py): a DraftSide (role "draft") or
+a TargetSide (role "target"). The step methods below are thin wrappers over the side, adding what crosses
 processes: the proposal as host lists with its timing (`DraftOutput`), and the target's result for the draft's
 table. A target rank may also hold the draft (RayExecutor's draft_placement "colocated"): it then builds the
 draft's runner after its own, on the same device and tensor-parallel group, and runs whole steps (`spec_step`).
@@ -30,18 +30,19 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig, resolve_dtype
-from engine.decode_pipeline import DecodePipeline
 from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.parallel import TensorParallelGroup, set_tp_group
-from engine.request_table import RequestTable
 from engine.runner.model_runner import ModelRunner
-from engine.spec.proposer import DraftProposal
-from engine.spec.spec_step import DraftSide, SpeculativeStep, TargetSide
-from engine.spec.speculation_ahead import AheadProposer
-from engine.spec.verifier import VerifyInput
-from engine.step_phases import HOST, book_between, book_remote_proposal
-from engine.step_plan import StepPlan, StepResult
+from engine.speculation.proposer import DraftProposal
+from engine.speculation.speculation_ahead import AheadProposer
+from engine.speculation.speculative_step import DraftSide, SpeculativeStep, TargetSide
+from engine.speculation.verifier import VerifyInput
+from engine.step.decode_pipeline import DecodePipeline
+from engine.step.phases import HOST, book_between, book_remote_proposal
+from engine.step.plan import StepPlan, StepResult
+from engine.step.request_table import RequestTable
 from serving.gc_heap import freeze_startup_heap
+from serving.step_topology import graph_node
 from serving.thread_switch import set_gil_switch_interval
 
 ROLES = ("target", "draft")
@@ -79,8 +80,8 @@ class DraftOutput:
     seconds: float
     sent_at: float
     host: str
-    ahead: tuple[int, ...] | None = None  # the rank's speculation-ahead counters (StepResult.ahead)
-    window: tuple[int, float] | None = None  # its last run ahead, (rows, seconds) (StepResult.ahead_window)
+    speculation_ahead_totals: tuple[int, ...] | None = None  # the rank's (StepResult.speculation_ahead_totals)
+    predraft_window: tuple[int, float] | None = None  # its last run ahead, (rows, seconds) (StepResult.predraft_window)
 
 
 def engine_config_from(config: EngineConfig | dict[str, Any]) -> EngineConfig:
@@ -114,8 +115,8 @@ def node_ip_and_free_port() -> tuple[str, int]:
 
 
 class ModelWorker:
-    """One rank of the target or the draft model: its side of the step (engine/spec/spec_step.py) behind the
-    compiled graph's nodes, which add only what crosses processes."""
+    """One rank of the target or the draft model: its side of the step (engine/speculation/speculative_step.py) behind
+    the compiled graph's nodes, which add only what crosses processes."""
 
     def __init__(self, role: str, model_path: str, engine_config: EngineConfig | dict[str, Any], rank: int = 0,
                  world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0,
@@ -234,18 +235,20 @@ class ModelWorker:
             return None
         proposal = proposal.to_host([r.num_draft_tokens for r in plan.requests])
         now = time.perf_counter()
-        return DraftOutput(proposal, now - t0, now, HOST, side.ahead_counters, side.take_window())
+        return DraftOutput(proposal, now - t0, now, HOST, side.speculation_ahead_totals, side.take_predraft_window())
 
-    def draft_predraft(self, _proposed: DraftOutput | None = None) -> None:
+    @graph_node
+    def draft_predraft(self) -> None:
         """Draft the next window of the proposal this rank just sent (speculation ahead), while the target verifies
-        it. A graph node bound after `draft_step` (its argument only orders the two) and before `draft_absorb`."""
+        it. A graph node bound after `draft_step` and before `draft_absorb`."""
         self._draft("draft_predraft").predraft()
 
-    def draft_absorb(self, result: StepResult | None, *_after: None) -> None:
+    @graph_node
+    def draft_absorb(self, result: StepResult | None) -> None:
         """The target's result of the step this rank just proposed for (asynchronous scheduling): recorded
         here, so the next step's open entries resolve without the scheduler. It comes straight from target
-        rank 0, while the router is still on its way to the result. `_after`: the rank's `draft_predraft`, bound
-        here only to order the two."""
+        rank 0, while the router is still on its way to the result; in the graph, after the rank's
+        `draft_predraft`."""
         if result is None:
             raise RuntimeError("draft_absorb() needs target rank 0's result")
         self._draft("draft_absorb").absorb(result)
@@ -256,10 +259,10 @@ class ModelWorker:
         side = self._target("target_prepare")
         return side.prepare(side.resolve(plan), with_drafts=True, launch_ahead=True)
 
-    def target_step(self, step: StepPlan | VerifyInput, draft: DraftOutput | None = None,
-                    *_ignored: None) -> StepResult | None:
-        """`step` is the plan, or its verify input from `target_prepare`; `draft` is draft rank 0's output;
-        `_ignored` are the other draft ranks' Nones, bound here only so the graph has no leaf nodes."""
+    @graph_node
+    def target_step(self, step: StepPlan | VerifyInput, draft: DraftOutput | None = None) -> StepResult | None:
+        """`step` is the plan, or its verify input from `target_prepare`; `draft` is draft rank 0's output (rank 0
+        is bound after the other draft ranks too, so that the graph has no leaf nodes)."""
         received = time.perf_counter()
         side = self._target("target_step")
         result = side.verify(side.resolve(step) if isinstance(step, StepPlan) else step,
@@ -268,8 +271,8 @@ class ModelWorker:
             return None
         if draft is not None:
             book_remote_proposal(result.phase_seconds, draft.seconds, draft.sent_at, draft.host, received)
-            result.ahead = draft.ahead
-            result.ahead_window = draft.window
+            result.speculation_ahead_totals = draft.speculation_ahead_totals
+            result.predraft_window = draft.predraft_window
         return result
 
     def spec_step(self, plan: StepPlan) -> StepResult | None:
@@ -286,7 +289,7 @@ class ModelWorker:
         return result
 
     def target_decode(self, plan: StepPlan | None) -> StepResult | None:
-        """A draft-less step, pipelined (engine/decode_pipeline.py): queue `plan`, then return the result of the
+        """A draft-less step, pipelined (engine/step/decode_pipeline.py): queue `plan`, then return the result of the
         step queued before it (None: there was none). `plan` None queues nothing: the executor's way to collect
         the last step. The graph node of an engine without a draft under asynchronous scheduling."""
         side = self._target("target_decode")

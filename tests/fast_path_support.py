@@ -11,7 +11,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.sample.from_plan import request_generator
 from engine.sample.metadata import SamplingMetadata
-from engine.spec.draft_loop import DraftLoop
+from engine.speculation.draft_loop import DraftLoop
 
 BLOCKS_PER_REQ = 16
 

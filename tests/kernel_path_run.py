@@ -14,7 +14,7 @@ from conftest import TINY_CONFIGS, make_tiny_model, random_prompts  # noqa: E402
 from fast_path_support import draft_runner, hf_draft_tokens, run_draft_loop  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.spec.draft_loop import DraftLoop  # noqa: E402
+from engine.speculation.draft_loop import DraftLoop  # noqa: E402
 
 
 def main(root: str, families: list[str]) -> dict:

@@ -1,4 +1,5 @@
-"""Speculation ahead's per-step fan-out (engine/spec/ahead_budget.py): the engine caps each step's windows a request
+"""Speculation ahead's per-step fan-out (engine/speculation/ahead_budget.py): the engine caps each step's windows a
+request
 at the largest count whose run ahead fits in the verify, and the plan carries the cap to the draft. The rule is
 checked on measurements given to it; the engine is checked to obey whatever count each plan carries (at most that
 many windows a request, exact outputs whatever the counts), and to adapt only where runs ahead overlap the verify.
@@ -12,9 +13,9 @@ from test_speculation_ahead import _ahead
 from test_speculation_ahead_branches import SEEDED, SEEDED_PROMPTS, seeded_near  # noqa: F401 - fixture
 
 from engine import LLM
-from engine.spec import ahead_budget
-from engine.spec.ahead_budget import HEADROOM, RETRY_STEPS, AheadBudget
-from engine.step_phases import HANDOFF, SAMPLE, VERIFY
+from engine.speculation import ahead_budget
+from engine.speculation.ahead_budget import HEADROOM, RETRY_STEPS, AheadBudget
+from engine.step.phases import HANDOFF, SAMPLE, VERIFY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -31,8 +31,8 @@ from test_spec_distribution import (
 
 from engine import LLM, SamplingParams
 from engine.request import Request
-from engine.request_table import RequestTable
-from engine.step_plan import PlannedRequest, StepPlan
+from engine.step.plan import PlannedRequest, StepPlan
+from engine.step.request_table import RequestTable
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -249,7 +249,7 @@ def test_request_table_resolves_like_the_scheduler_commits():
     first = PlannedRequest("a", [5, 6, 7], 0, 0, True, [[0]], draft_token_ids=[5, 6, 7], draft_start_pos=0,
                            draft_runs=True)
     plan = table.resolve(StepPlan(0, [first]))
-    from engine.step_plan import StepResult
+    from engine.step.plan import StepResult
 
     table.record(StepResult([[9]], [0], step_id=plan.step_id))
     # A 3-draft verify after it: the last token fed, KV of the draft up to the frontier.

@@ -21,7 +21,7 @@ from conftest import TinyModel, local_ray, random_prompts, run_to_completion
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
 from engine.request import Request
-from engine.step_plan import StepPlan, StepResult
+from engine.step.plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
 from serving.ray_executor import RayExecutor, WorkerDiedError
 from serving.router import Router

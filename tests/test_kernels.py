@@ -19,7 +19,7 @@ from kernel_support import attention_case, poison_outside_window, rejection_case
 
 from engine.kernels import kv_store, paged_attention, rejection
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
-from engine.spec import rejection_sampler
+from engine.speculation import rejection_sampler
 
 if not HAS_TRITON:
     pytest.skip("triton is not installed (the `test` extra installs it on Linux)", allow_module_level=True)

@@ -1,4 +1,5 @@
-"""Plans carry only what the model sides do not know yet (engine/plan_deltas.py): sampling settings with a request's
+"""Plans carry only what the model sides do not know yet (engine/step/plan_deltas.py): sampling settings with a
+request's
 first entry, block tables as tails. Every side resolves each entry back to exactly the entry a whole plan has; the
 builder's record of what the sides know is dropped whenever they may not know it (finish, preemption, a failed
 step, a new draft group); a side sent what it cannot splice raises. End to end, greedy output equals the target
@@ -18,10 +19,10 @@ from spec_support import ENGINE_KW, GREEDY, PROMPTS
 import engine.engine_core as engine_core
 from engine import LLM, SamplingParams
 from engine.kv_cache.block_pool import NULL_BLOCK
-from engine.plan_deltas import SentState
 from engine.request import Request
-from engine.request_table import RequestTable
-from engine.step_plan import PlannedRequest, SamplingSettings, StepPlan, StepResult
+from engine.step.plan import PlannedRequest, SamplingSettings, StepPlan, StepResult
+from engine.step.plan_deltas import SentState
+from engine.step.request_table import RequestTable
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

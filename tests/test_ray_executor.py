@@ -26,8 +26,8 @@ from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.engine_core import EngineCore
 from engine.request import Request
-from engine.spec.ahead_budget import AheadBudget
-from engine.step_plan import StepPlan, StepResult
+from engine.speculation.ahead_budget import AheadBudget
+from engine.step.plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
 from serving.ray_executor import RayExecutor, WorkerDiedError, check_tensor_parallel, launch_verify_ahead_for
 from serving.thread_switch import DEFAULT_GIL_SWITCH_INTERVAL_S
@@ -153,7 +153,7 @@ def test_target_tp2_matches_tp1_and_dies_loudly(tiny_models: dict[str, TinyModel
 
 def test_target_alone_pipelined_tp2_compiled_plain_and_in_process_agree(tiny_models: dict[str, TinyModel]) -> None:
     """A target alone under asynchronous scheduling queues each step before the last one's tokens are read
-    (engine/decode_pipeline.py); each execution returns the step before's result, and the last is collected by an
+    (engine/step/decode_pipeline.py); each execution returns the step before's result, and the last is collected by an
     empty one. At TP=2, through the compiled graph and through plain calls, every output (greedy, seeded and
     unseeded sampling) equals the in-process pipelined engine's, and greedy equals the target step by step."""
     path = tiny_models["gemma3"].path
@@ -323,7 +323,8 @@ def test_speculation_ahead_with_synchronous_scheduling(tiny_models: dict[str, Ti
 def test_fan_out_across_processes(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
     """Three windows a request (engine_kwargs' speculation_ahead_branches), synchronous scheduling, the draft in a
     group of its own: the draft worker keeps scratch blocks out of the ones it reports; its runs ahead overlap the
-    verify, so the engine adapts the fan-out (engine/spec/ahead_budget.py) from the runs the draft's rank 0 reports
+    verify, so the engine adapts the fan-out (engine/speculation/ahead_budget.py) from the runs the draft's rank 0
+    reports
     through the target's result, and every plan carries its count to the draft's ranks, which obey it: at three
     every step rejection windows hit, held at one none is drafted. Greedy equals the target alone throughout."""
     target = tiny_models["llama"].path

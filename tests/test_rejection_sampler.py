@@ -15,7 +15,7 @@ import torch
 
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.processing import logits_to_probs
-from engine.spec.rejection_sampler import (
+from engine.speculation.rejection_sampler import (
     RejectionOutput,
     rejection_sample,
     rejection_sample_from_noise,

@@ -138,7 +138,7 @@ def test_greedy_through_small_m_kernels_equals_hf(tmp_path, family):
     from fast_path_support import draft_runner, hf_draft_tokens, run_draft_loop
 
     from engine import LLM, SamplingParams
-    from engine.spec.draft_loop import DraftLoop
+    from engine.speculation.draft_loop import DraftLoop
 
     torch.set_num_threads(1)
     target = make_tiny_model(tmp_path, family, TINY_CONFIGS[family])

@@ -186,7 +186,7 @@ def test_spec_stats_are_consistent_with_steps(tiny_models, near_drafts, temperat
 def test_draft_ids_on_the_device_or_from_the_host_verify_alike(tiny_models, near_drafts, monkeypatch, temperature):
     """An in-process draft's ids stay on the device and are written into the verify input there; a remote draft's
     arrive as host tensors and go in as lists. Same seed, same steps: the tokens must match one for one."""
-    from engine.spec.verifier import Verifier
+    from engine.speculation.verifier import Verifier
 
     def run() -> tuple[list[list[int]], int]:
         llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,

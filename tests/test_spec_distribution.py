@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from engine import LLM, SamplingParams
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.processing import logits_to_probs
-from engine.spec.rejection_sampler import synthetic_position_rate
+from engine.speculation.rejection_sampler import synthetic_position_rate
 
 # Tiny models gain nothing from intra-op threads, and one thread keeps the runtime steady on a busy machine.
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,5 @@
-"""Speculation ahead with fan-out (EngineConfig.speculation_ahead_branches > 1, engine/spec/ahead_branches.py): up to
+"""Speculation ahead with fan-out (EngineConfig.speculation_ahead_branches > 1, engine/speculation/ahead_branches.py):
+up to
 B windows per request, for the likeliest outcomes of its verify, every window but the argmax bonus one in scratch KV
 blocks (engine/kv_cache/scratch_blocks.py). Everything a user sees must still be what plain speculation gives, and
 the draft's KV after a hit on a scratch window must be what the ordinary path writes.
@@ -23,9 +24,9 @@ from test_speculation_ahead import _ahead, _assert_released
 from engine import LLM, SamplingParams
 from engine.kv_cache.scratch_blocks import copy_blocks
 from engine.request import Request
-from engine.spec import speculation_ahead
-from engine.spec.ahead_branches import ACCEPT, REJECT, BranchEstimates
-from engine.spec.speculation_cache import AheadStats
+from engine.speculation import speculation_ahead
+from engine.speculation.ahead_branches import ACCEPT, REJECT, BranchEstimates
+from engine.speculation.speculation_cache import AheadStats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,11 +1,11 @@
-"""The step phases' booking rules (engine/step_phases.py): what the executor's dispatch and a worker's `between`
+"""The step phases' booking rules (engine/step/phases.py): what the executor's dispatch and a worker's `between`
 take, so the served phases add up to the step's wall time without counting a wait twice."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.step_phases import BETWEEN, DISPATCH, HOST, book_between, book_dispatch
+from engine.step.phases import BETWEEN, DISPATCH, HOST, book_between, book_dispatch
 
 
 def test_between_is_the_workers_time_from_its_last_result_or_the_plans_sending() -> None:

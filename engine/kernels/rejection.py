@@ -1,7 +1,7 @@
 """Rejection sampling of one verify step as one Triton kernel (one program per request).
 
 Same arguments, result and token-for-token output as `rejection_sample_from_noise` in
-engine/spec/rejection_sampler.py, which is the reference (its module docstring defines the modes and terms).
+engine/speculation/rejection_sampler.py, which is the reference (its module docstring defines the modes and terms).
 A program walks its request's drafts in order and stops at the first rejection, so it reads the vocabulary
 only at the positions it needs: in "strict" mode one exponential race per position up to the first mismatch,
 in the other modes a gather per draft and one race at the output position. Races run over the vocabulary
@@ -17,7 +17,7 @@ import functools
 import torch
 
 from engine.kernels.triton_compat import HAS_TRITON, require_triton, tl, triton
-from engine.spec.rejection_sampler import MODES, RejectionOutput, synthetic_position_rate
+from engine.speculation.rejection_output import MODES, RejectionOutput, synthetic_position_rate
 
 __all__ = ["HAS_TRITON", "rejection_sample_from_noise"]
 
@@ -164,7 +164,7 @@ def rejection_sample_from_noise(
         uniforms: torch.Tensor | None,  # [num_reqs, max_k] float32 in [0, 1); unused in strict mode
         exponentials: torch.Tensor | None,  # [num_reqs, max_k + 1 or 1, V] float32 Exp(1) > 0; None: argmax
 ) -> RejectionOutput:
-    """Triton version of engine.spec.rejection_sampler.rejection_sample_from_noise (same contract and tokens).
+    """Triton version of engine.speculation.rejection_sampler.rejection_sample_from_noise (same contract and tokens).
 
     No host sync; after the first call for a given synthetic rate and max_k it allocates only its outputs.
     """

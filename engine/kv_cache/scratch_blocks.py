@@ -1,4 +1,5 @@
-"""Scratch KV blocks of the draft: where speculation ahead's extra branches write (engine/spec/ahead_branches.py).
+"""Scratch KV blocks of the draft: where speculation ahead's extra branches write
+(engine/speculation/ahead_branches.py).
 
 Branches of one request write the same draft positions with different tokens, and a rejection branch overwrites
 positions (the drafts after its rejection point) that the all-accepted window and the verify's other outcomes still

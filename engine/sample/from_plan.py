@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.sample.metadata import SamplingMetadata
-from engine.step_plan import PlannedRequest
+from engine.step.plan import PlannedRequest
 
 _MASK64 = (1 << 63) - 1
 TARGET_STREAM, DRAFT_STREAM = 0, 1

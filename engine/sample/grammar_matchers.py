@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.sample.structured_output import GrammarSpec
+from engine.sample.grammar_spec import GrammarSpec
 
 _MAX_TEMPLATES = 512  # compiled grammars kept per process
 _MAX_MATCHERS = 4096  # matchers kept per process (requests that never said they ended are evicted oldest first)

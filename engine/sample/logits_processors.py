@@ -25,7 +25,7 @@ from engine.sample.token_masks import (
     bad_word_bans,
     min_tokens_bans,
 )
-from engine.step_plan import PlannedRequest
+from engine.step.plan import PlannedRequest
 
 
 def needs_processing(reqs: list[PlannedRequest]) -> bool:

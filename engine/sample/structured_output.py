@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine.sample.grammar_spec import GrammarSpec
+
 # JSON without free whitespace: a small model given the choice tends to emit newlines and spaces for ever.
 JSON_OPTIONS = {"whitespace_flexible": False}
 JSON_OBJECT_MAX_DEPTH = 4  # json_object: objects and arrays nest at most this deep
@@ -83,17 +85,6 @@ class StructuredOutputsParams:
             return M.grammar_from_lark(any_to_lark(self.grammar))
         except Exception as e:  # llguidance raises ValueError, the GBNF converter its own error
             raise ValueError(f"structured output {self.kind()}: {e}") from e
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """A request's compiled-grammar key, as the plan carries it: every side that masks logits (the engine's own
-    process, each target and draft worker) builds its matchers from it, through a cache keyed by all of it."""
-
-    grammar: str  # llguidance grammar text (StructuredOutputsParams.to_grammar)
-    tokenizer: str  # the tokenizer's directory (the target model's), loaded once per process
-    eos_token_ids: tuple[int, ...]  # the tokens that end the output once the grammar is complete
-    vocab_size: int  # the logits' width (may exceed the tokenizer's; the extra ids are never allowed)
 
 
 def grammar_spec_of(params: StructuredOutputsParams | None, tokenizer: Any, eos_token_ids: list[int],

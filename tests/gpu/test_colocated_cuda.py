@@ -13,7 +13,7 @@ import torch
 from conftest import local_ray, random_prompts, run_to_completion
 
 from engine import LLM, SamplingParams
-from engine.step_plan import StepPlan, StepResult
+from engine.step.plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
 from serving.ray_executor import RayExecutor
 from serving.worker import ModelWorker

@@ -10,7 +10,7 @@ from conftest import random_prompts
 from fast_path_support import draft_runner, hf_draft_tokens, run_draft_loop
 
 from engine import LLM, SamplingParams
-from engine.spec.draft_loop import DraftLoop
+from engine.speculation.draft_loop import DraftLoop
 
 pytestmark = pytest.mark.gpu
 KW = dict(max_model_len=256, block_size=16, num_kv_blocks=512, max_num_seqs=16,

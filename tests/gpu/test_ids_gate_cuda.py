@@ -14,7 +14,7 @@ from conftest import random_prompts
 
 from engine import LLM, SamplingParams
 from engine.kernels.ids_gate import IdsGate, gate_ref, pack_slots
-from engine.spec.verifier import Verifier
+from engine.speculation.verifier import Verifier
 
 pytestmark = pytest.mark.gpu
 KW = dict(max_model_len=256, block_size=16, num_kv_blocks=512, max_num_seqs=16,

@@ -10,7 +10,7 @@ from kernel_support import attention_case, poison_outside_window, rejection_case
 from engine.kernels.kv_store import store_kv, store_kv_ref
 from engine.kernels.paged_attention import paged_attention, paged_attention_ref
 from engine.kernels.rejection import rejection_sample_from_noise
-from engine.spec import rejection_sampler
+from engine.speculation import rejection_sampler
 
 pytestmark = pytest.mark.gpu
 # fp32: products in IEEE fp32 (no TF32), only the summation order differs from the reference. bf16: the

@@ -27,7 +27,6 @@ Greedy rows output exactly the target's argmax tokens in the strict and probabil
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -35,15 +34,7 @@ from torch import Tensor
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.processing import logits_to_probs
 from engine.sample.sampler import exponential_race, random_exponential, random_uniform
-
-MODES = ("strict", "probabilistic", "synthetic")
-
-
-@dataclass
-class RejectionOutput:
-    output_token_ids: Tensor  # [num_reqs, max_k + 1] int64; accepted drafts, then recovered/bonus; -1 padding
-    num_accepted: Tensor  # [num_reqs] int64; accepted draft tokens, 0 .. num_draft_tokens[i]
-    num_output: Tensor  # [num_reqs] int64; num_accepted + 1 (valid tokens in output_token_ids)
+from engine.speculation.rejection_output import MODES, RejectionOutput, synthetic_position_rate  # noqa: F401 - public here
 
 
 def rejection_sample(draft_token_ids: Tensor,  # [num_reqs, max_k] int64, -1 beyond num_draft_tokens
@@ -166,19 +157,6 @@ def rejection_sample_from_noise(
 
 
 @functools.lru_cache(maxsize=1024)
-def synthetic_position_rate(rate: float, k: int) -> float:
-    """The per-position acceptance probability a for which accepted / drafted averages `rate` at draft
-    length k: solves (a + a^2 + ... + a^k) / k = rate by bisection (the left side increases with a)."""
-    if k <= 1 or rate in (0.0, 1.0):
-        return float(rate)
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        a = (lo + hi) / 2
-        mean = sum(a ** i for i in range(1, k + 1)) / k
-        lo, hi = (a, hi) if mean < rate else (lo, a)
-    return (lo + hi) / 2
-
-
 def _prefix_length(accepted: Tensor) -> Tensor:
     """[num_reqs, max_k] bool -> [num_reqs] int64 length of the all-True prefix (stop at first False)."""
     return accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)

@@ -3,14 +3,14 @@
 Small and picklable: token deltas, positions, block ids per KV-cache group and sampling settings; no
 tensors. The same plan drives the in-process executor and the Ray workers, so both run the same code.
 
-A plan carries only what the sides do not know yet (engine/plan_deltas.py): a request's sampling settings go with
+A plan carries only what the sides do not know yet (engine/step/plan_deltas.py): a request's sampling settings go with
 its first entry only (`sampling=None`: "as before"), and its block tables as the tail from where they differ from
 the ones sent before (`block_table_starts`). Every side keeps what it was sent in its request table, which turns
 each entry back into a whole one before anything runs it.
 
 With asynchronous scheduling the scheduler sends step n+1's plan before step n's tokens reach it, so a decoding
-request's entry may leave its input to the side that runs it: `token_ids=None` means "the tokens you accepted
-last step, from where your KV ends" (engine/request_table.py resolves such entries from the state every side keeps).
+request's entry may leave its input to the side that runs it: `token_ids=None` means "the tokens you accepted last step,
+from where your KV ends" (engine/step/request_table.py resolves such entries from the state every side keeps).
 """
 
 from __future__ import annotations
@@ -125,10 +125,10 @@ class StepPlan:
     # Requests that ended since the last plan: the sides drop their state before running this one.
     finished_ids: list[str] = field(default_factory=list)
     # When and where an executor on other processes sent it (perf_counter, the host's monotonic clock): a worker on
-    # the same host times the plan's trip (engine/step_phases.py, `between`). 0.0 / "": not sent across processes.
+    # the same host times the plan's trip (engine/step/phases.py, `between`). 0.0 / "": not sent across processes.
     sent_at: float = 0.0
     sent_host: str = ""
-    # Speculation ahead: windows to draft per request after this step's proposal (engine/spec/ahead_budget.py);
+    # Speculation ahead: windows to draft per request after this step's proposal (engine/speculation/ahead_budget.py);
     # 0: the draft side's configured count (EngineConfig.speculation_ahead_branches).
     ahead_branches: int = 0
 
@@ -148,10 +148,10 @@ class StepResult:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     # The draft's speculation-ahead counters, running totals (AheadStats.as_tuple: lookups, hits, tokens drafted
     # ahead, of those unused, branches skipped); None where the draft does not draft ahead.
-    ahead: tuple[int, ...] | None = None
-    # The draft's last run ahead (rows, seconds), for the engine's fan-out budget (engine/spec/ahead_budget.py); None
-    # where it drafted none since the result before.
-    ahead_window: tuple[int, float] | None = None
+    speculation_ahead_totals: tuple[int, ...] | None = None
+    # The draft's last run ahead (rows, seconds), for the engine's fan-out budget (engine/speculation/ahead_budget.py);
+    # None where it drafted none since the result before.
+    predraft_window: tuple[int, float] | None = None
     # Per planned request, one (logprob, [(token id, logprob), ...]) per sampled token, where the request asked for
     # logprobs (engine.sample.logprobs); None when no request of the step did.
     logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None

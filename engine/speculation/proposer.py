@@ -19,8 +19,8 @@ from engine.runner.step_input import Chunk
 from engine.sample.from_plan import DRAFT_STREAM, request_generator, sampling_metadata
 from engine.sample.logits_processors import needs_processing, process_target_logits
 from engine.sample.sampler import Sampler
-from engine.spec.draft_loop import DraftLoop
-from engine.step_plan import StepPlan
+from engine.speculation.draft_loop import DraftLoop
+from engine.step.plan import StepPlan
 
 
 @dataclass
@@ -35,7 +35,8 @@ class DraftProposal:
     draft_probs: torch.Tensor | None  # [num_reqs, max_k, vocab] float32; q after temperature/top-k/top-p
     # [num_reqs, max_k] int64 on the draft's device: per draft, the draft's most likely token other than it there
     # (where a rejection at that draft would most likely leave the target's token); only where speculation ahead
-    # drafts branches (engine/spec/ahead_branches.py), None otherwise. Stays on the draft's side (`to_host` drops it).
+    # drafts branches (engine/speculation/ahead_branches.py), None otherwise. Stays on the draft's side (`to_host`
+    # drops it).
     alt_token_ids: torch.Tensor | None = None
 
     def host_rows(self, counts: list[int]) -> list[list[int]]:
@@ -83,7 +84,7 @@ class DraftProposer:
     @torch.inference_mode()
     def propose(self, plan: StepPlan, guess_first: bool = False, guesses: list[int] | None = None) -> DraftProposal:
         """guess_first: the first token of each request is the draft's argmax (a guessed bonus token, for
-        speculation ahead: engine/spec/speculation_ahead.py), drawing no random numbers; the rest are sampled as
+        speculation ahead: engine/speculation/speculation_ahead.py), drawing no random numbers; the rest are sampled as
         a proposal's, a seeded request's from the generator of its plan's output position. guesses: per request
         instead, 0 (the first token drawn as usual), 1 (the argmax) or 2 (the most likely token but the argmax)."""
         guesses = guesses if guesses is not None else [1 if guess_first else 0] * len(plan.requests)

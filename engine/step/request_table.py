@@ -10,7 +10,7 @@ with explicit tokens (a prefill chunk, a resumed request, any request under sync
 authoritative and reseeds the state. Target and draft workers keep the same table: the target's ranks record
 their own results, the draft's ranks receive the target's result right after the verify (`record` again).
 
-Every side also keeps what plans send only once or in parts (engine/plan_deltas.py): a request's sampling
+Every side also keeps what plans send only once or in parts (engine/step/plan_deltas.py): a request's sampling
 settings and its whole block tables, which it puts back into each entry it resolves.
 """
 
@@ -20,11 +20,11 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
-from engine.plan_deltas import fill_settings, splice_tables
 from engine.sample import grammar_matchers
-from engine.step_plan import PlannedRequest, SamplingSettings, StepPlan, StepResult
+from engine.step.plan import PlannedRequest, SamplingSettings, StepPlan, StepResult
+from engine.step.plan_deltas import fill_settings, splice_tables
 
-# A token sampled by a step still on the device (engine/decode_pipeline.py queues the next step before it reads
+# A token sampled by a step still on the device (engine/step/decode_pipeline.py queues the next step before it reads
 # the tokens back): recorded in its place, and filled in when the tokens arrive. Never a real token id.
 PENDING_TOKEN = -1
 
@@ -38,7 +38,7 @@ class TrackedRequest:
     num_computed: int  # positions with target KV
     num_draft_computed: int  # positions with draft KV
     num_output_tokens: int
-    # What plans send once or as tails (engine/plan_deltas.py); None until an entry sent them whole.
+    # What plans send once or as tails (engine/step/plan_deltas.py); None until an entry sent them whole.
     sampling: SamplingSettings | None = None
     block_tables: list[list[int]] | None = None  # [num_target_groups][num_blocks]
     draft_block_tables: list[list[int]] | None = None  # [num_draft_groups][num_blocks]

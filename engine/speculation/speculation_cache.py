@@ -1,5 +1,5 @@
-"""What speculation ahead keeps between a pre-draft and the proposal after it (engine/spec/speculation_ahead.py): the
-windows drafted ahead, by request, and the counters the engine reports."""
+"""What speculation ahead keeps between a pre-draft and the proposal after it (engine/speculation/speculation_ahead.py):
+the windows drafted ahead, by request, and the counters the engine reports."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_cache.scratch_blocks import ScratchFork
-from engine.spec.ahead_branches import ACCEPT
+from engine.speculation.ahead_branches import ACCEPT
 
 
 @dataclass
@@ -20,7 +20,7 @@ class AheadEntry:
     token_ids: torch.Tensor  # [k'] int64 on the draft's device: e_1..e_k'
     probs: torch.Tensor | None  # [k', V] float32 q of each e_j (None: drafted greedily, q is one-hot)
     alt: torch.Tensor | None = None  # [k'] int64: each e_j's runner-up (None without branches)
-    kind: str = ACCEPT  # the branch's kind (engine/spec/ahead_branches.py)
+    kind: str = ACCEPT  # the branch's kind (engine/speculation/ahead_branches.py)
     fork: ScratchFork | None = None  # its KV's scratch blocks; None: written in the request's own blocks
 
 

@@ -1,36 +1,38 @@
-"""One speculation step, written once: the draft's side, the target's side, and both composed in one process.
+"""One speculation step's two sides, and both composed in one process. The order of their calls is written once,
+in engine/speculation/step_order.py.
 
 A step is: the draft proposes k tokens per request (from its speculation cache where a window drafted ahead hits,
 else by drafting), the target verifies them in one forward and rejection-samples, and, with speculation ahead, the
 draft drafts the next window. Every side resolves the plan's open entries from its request table before running it
-and records the step's result in it (engine/request_table.py).
+and records the step's result in it (engine/step/request_table.py).
 
 - `DraftSide`: the draft's proposer (and AheadProposer) over its runner, with the side's table.
 - `TargetSide`: the target's verifier, with the side's table and the counters of inputs built ahead.
 - `SpeculativeStep`: both sides in one process, sharing one table (the result is recorded once, for both models):
-  the in-process executor runs it, and so does a target worker rank whose draft lives in its own process.
+  the in-process executor runs it, and so does a target worker rank with a colocated draft.
 
 Served with the draft in processes of its own, each worker rank runs one side and the graph's nodes are thin
 wrappers over it (serving/worker.py): what crosses processes (the proposal as host lists, its handoff's timing,
-the target's result back to the draft's table) is added there. Phases are booked through engine/step_phases.py.
+the target's result back to the draft's table) is added there. Phases are booked through engine/step/phases.py.
 """
 
 from __future__ import annotations
 
 import time
 
-from engine.request_table import RequestTable
 from engine.runner.model_runner import ModelRunner
-from engine.spec.proposer import DraftProposal, DraftProposer
-from engine.spec.speculation_ahead import AheadProposer
-from engine.spec.verifier import Verifier, VerifyInput
-from engine.step_phases import (
+from engine.speculation.proposer import DraftProposal, DraftProposer
+from engine.speculation.speculation_ahead import AheadProposer
+from engine.speculation.step_order import DRAFT, TARGET, Call, StepMode, run_in_process
+from engine.speculation.verifier import Verifier, VerifyInput
+from engine.step.phases import (
     GpuMarks,
     book_local_proposal,
     book_no_proposal,
     book_propose_ahead,
 )
-from engine.step_plan import StepPlan, StepResult
+from engine.step.plan import StepPlan, StepResult
+from engine.step.request_table import RequestTable
 
 
 class DraftSide:
@@ -40,7 +42,7 @@ class DraftSide:
     def __init__(self, runner: ModelRunner, keep_probs: bool, seed: int, speculation_ahead: bool = False,
                  table: RequestTable | None = None) -> None:
         """keep_probs: keep q (probabilistic rejection reads it). speculation_ahead: draft the next window after each
-        proposal (`predraft`) and serve hits from it (engine/spec/speculation_ahead.py)."""
+        proposal (`predraft`) and serve hits from it (engine/speculation/speculation_ahead.py)."""
         self.runner = runner
         self.table = table if table is not None else RequestTable()
         self.proposer = DraftProposer(runner, keep_probs, seed, ahead=speculation_ahead)
@@ -77,12 +79,12 @@ class DraftSide:
         self.table.record(result)
 
     @property
-    def ahead_counters(self) -> tuple[int, ...] | None:
-        """Speculation ahead's running totals (StepResult.ahead); None without it."""
+    def speculation_ahead_totals(self) -> tuple[int, ...] | None:
+        """Speculation ahead's running totals (StepResult.speculation_ahead_totals); None without it."""
         return self.ahead.stats.as_tuple() if self.ahead is not None else None
 
-    def take_window(self) -> tuple[int, float] | None:
-        """The last run ahead as (rows, seconds), once (StepResult.ahead_window); None if none ran since."""
+    def take_predraft_window(self) -> tuple[int, float] | None:
+        """The last run ahead as (rows, seconds), once (StepResult.predraft_window); None if none ran since."""
         return self.ahead.take_window() if self.ahead is not None else None
 
 
@@ -123,9 +125,10 @@ class TargetSide:
 
 
 class SpeculativeStep:
-    """Both sides in one process, on one table: `run(plan)` resolves the plan once, proposes, verifies (the
-    proposal stays on the device, the verify queued behind the draft's kernels) and, with speculation ahead, drafts
-    the next window after the verify. `draft` None: target-only steps."""
+    """Both sides in one process, on one table: `run(plan)` resolves the plan once and runs the step's calls in
+    their order (step_order.py): proposes, verifies (the proposal stays on the device, the verify queued behind the
+    draft's kernels) and, with speculation ahead, drafts the next window after the verify; the one table needs no
+    `absorb`, and the verify builds its input itself. `draft` None: target-only steps."""
 
     def __init__(self, target: TargetSide, draft: DraftSide | None) -> None:
         if draft is not None and draft.table is not target.table:
@@ -166,17 +169,19 @@ class SpeculativeStep:
         # Same process, same device: the proposal stays on the device and the verify forward is queued behind
         # the draft's kernels, so the host never waits for the draft. CUDA events time the draft's GPU work.
         marks = GpuMarks.start(draft.runner.device)
-        proposal = draft.propose(plan)
-        if marks is not None:
-            marks.mark()
-        t1 = time.perf_counter()
-        result = self.target.verify(plan, proposal)
+        ended: dict[str, float] = {}
+
+        def timed(call: Call) -> None:
+            if marks is not None and call.method == "propose":
+                marks.mark()
+            ended[call.method] = time.perf_counter()
+
+        mode = StepMode(prepares_verify=False, speculation_ahead=draft.ahead is not None, draft_has_own_table=False)
+        result = run_in_process({DRAFT: draft, TARGET: self.target}, mode, plan, timed)
         phases = result.phase_seconds
-        if draft.ahead is not None:
-            t_ahead = time.perf_counter()
-            draft.predraft()
-            book_propose_ahead(phases, time.perf_counter() - t_ahead)
-            result.ahead = draft.ahead_counters
-            result.ahead_window = draft.take_window()
-        book_local_proposal(phases, marks, t1 - t0, time.perf_counter() - t0)
+        if mode.speculation_ahead:
+            book_propose_ahead(phases, ended["predraft"] - ended["verify"])
+            result.speculation_ahead_totals = draft.speculation_ahead_totals
+            result.predraft_window = draft.take_predraft_window()
+        book_local_proposal(phases, marks, ended["propose"] - t0, time.perf_counter() - t0)
         return result

@@ -1,15 +1,15 @@
-"""A scheduled step as the plan the model sides run (engine/step_plan.py): per request the tokens to feed (or none,
+"""A scheduled step as the plan the model sides run (engine/step/plan.py): per request the tokens to feed (or none,
 for an open input the sides fill in), its block tables per KV-cache group of each model, and its sampling settings:
-those two as far as the sides do not know them yet (engine/plan_deltas.py)."""
+those two as far as the sides do not know them yet (engine/step/plan_deltas.py)."""
 
 from __future__ import annotations
 
 from engine.config import SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
-from engine.plan_deltas import SentState
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
-from engine.step_plan import PlannedRequest, SamplingSettings, StepPlan
+from engine.step.plan import PlannedRequest, SamplingSettings, StepPlan
+from engine.step.plan_deltas import SentState
 
 
 def build_plan(step_id: int, scheduled: list[ScheduledRequest], target_kv: KVCacheManager,

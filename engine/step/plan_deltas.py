@@ -12,7 +12,7 @@ some 25 kB a step for a handful of new block ids (benchmarks/plan_size.py). Now:
   (`draft_runs=False`) is sent no tables that step.
 
 The builder's half is `SentState`: per request and model, the tables the sides were sent. Each side's half is its
-request table (engine/request_table.py), which keeps the settings and whole tables and puts them back into every
+request table (engine/step/request_table.py), which keeps the settings and whole tables and puts them back into every
 entry (`fill_settings`, `splice_tables`) before anything reads it; every rank of both models keeps the same.
 
 The builder is exact only if it forgets whatever the sides may not have: a request that ends or is preempted (its
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from engine.step_plan import PlannedRequest, SamplingSettings
+from engine.step.plan import PlannedRequest, SamplingSettings
 
 
 @dataclass

@@ -31,6 +31,7 @@ written here once:
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +48,20 @@ COMMIT = "commit"
 
 # The host a worker runs on: a proposal's handoff is timed only between two processes of one host.
 HOST = socket.gethostname()
+
+
+@dataclass
+class StepStats:
+    """What the last step did, for metrics."""
+
+    num_scheduled: int = 0
+    num_batched_tokens: int = 0
+    num_preempted: int = 0
+    draft_length: int = 0  # the step's k (load-adaptive schedule); 0: no speculation this step
+    # propose, prepare, verify, sample (the models' work and its input), handoff and dispatch (the executor's
+    # transport), and the engine's own bookkeeping around them: schedule (scheduling and building the plan) and
+    # commit (applying the tokens).
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class GpuMarks:
@@ -87,7 +102,7 @@ def forward_phases(prepare: float, forward_at: float, queued_at: float, sampled_
 
 
 def queued_forward_phases(prepare: float, wait: float, marks: GpuMarks | None) -> dict[str, float]:
-    """A pipelined draft-less step's phases (engine/decode_pipeline.py). prepare: host time to build and queue it;
+    """A pipelined draft-less step's phases (engine/step/decode_pipeline.py). prepare: host time to build and queue it;
     wait: the host's wait for its tokens; marks: forward start, forward end, sampling end (read after that wait)."""
     if marks is None:
         return {PREPARE: prepare, VERIFY: 0.0, SAMPLE: wait}

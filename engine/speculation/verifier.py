@@ -27,10 +27,10 @@ from engine.sample.from_plan import TARGET_STREAM, sampling_metadata
 from engine.sample.logits_processors import needs_draft_history, needs_processing, process_target_logits
 from engine.sample.logprobs import PromptTokenLogprobs, emitted_logprobs, prompt_token_logprobs
 from engine.sample.sampler import Sampler
-from engine.spec.proposer import DraftProposal
-from engine.spec.rejection_sampler import rejection_sample
-from engine.step_phases import GpuMarks, forward_phases
-from engine.step_plan import PlannedRequest, StepPlan, StepResult
+from engine.speculation.proposer import DraftProposal
+from engine.speculation.rejection_sampler import rejection_sample
+from engine.step.phases import GpuMarks, forward_phases
+from engine.step.plan import PlannedRequest, StepPlan, StepResult
 
 logger = logging.getLogger("specserve")
 

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.host_copy import to_device
-from engine.request_table import PENDING_TOKEN, RequestTable
 from engine.runner.step_input import DeviceTokens
 from engine.sample.from_plan import TARGET_STREAM, sampling_metadata
-from engine.spec.verifier import Verifier
-from engine.step_phases import GpuMarks, queued_forward_phases
-from engine.step_plan import StepPlan, StepResult
+from engine.speculation.verifier import Verifier
+from engine.step.phases import GpuMarks, queued_forward_phases
+from engine.step.plan import StepPlan, StepResult
+from engine.step.request_table import PENDING_TOKEN, RequestTable
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """How many windows speculation ahead drafts per request, step by step: as many as fit in the target's verify.
 
-A draft on GPUs of its own drafts the next windows (engine/spec/speculation_ahead.py) while the target verifies the
-current ones. More windows per request (EngineConfig.speculation_ahead_branches) raise the hit rate, but they are
+A draft on GPUs of its own drafts the next windows (engine/speculation/speculation_ahead.py) while the target verifies
+the current ones. More windows per request (EngineConfig.speculation_ahead_branches) raise the hit rate, but they are
 more rows of one draft-loop run, and a run that outlasts the verify holds the next step up: the draft is still busy
 when the target's result asks it for the next proposal (on two H200s, four windows a request made the step 30%
 slower than one). Whether they fit depends on the pair and the machine, and on the batch. So the engine caps the
@@ -10,7 +10,7 @@ configured count; the plan carries the cap (StepPlan.ahead_branches), so every r
 drafts the same windows.
 
 What is measured:
-- the draft's run ahead: (rows, seconds) of the last one, from the draft side (StepResult.ahead_window); a running
+- the draft's run ahead: (rows, seconds) of the last one, from the draft side (StepResult.predraft_window); a running
   mean per row count, since a run's cost grows with its rows (the draft loop's batch);
 - the shadow: what the step spends between the proposal leaving the draft and the result reaching it, of which
   the phases show the handoff, the verify and the sample; a running mean.
@@ -21,14 +21,14 @@ when the count below it fits with room to spare (its run under HEADROOM x the sh
 what fits and comes back down when a run grows past the shadow (a longer context, a slower verify).
 
 Exactness does not depend on the count: a window is what the next proposal would draft after its outcome, for
-any number of windows (engine/spec/speculation_ahead.py); the cap changes only which outcomes have one.
+any number of windows (engine/speculation/speculation_ahead.py); the cap changes only which outcomes have one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.step_phases import HANDOFF, SAMPLE, VERIFY
+from engine.step.phases import HANDOFF, SAMPLE, VERIFY
 
 SMOOTHING = 0.2  # weight of a new measurement in a running mean
 HEADROOM = 0.85  # a fitting run shorter than this share of the shadow makes the next row count worth a try
