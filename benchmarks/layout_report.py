@@ -52,7 +52,7 @@ def phase_summary(totals: dict[str, list[float]]) -> dict[str, float]:
 
 
 def ahead_from_metrics(metrics: dict[str, float] | None) -> tuple[float, ...] | None:
-    """The spec_ahead_* counters of a /metrics scrape, in StepResult.ahead's order."""
+    """The spec_ahead_* counters of a /metrics scrape, in StepResult.speculation_ahead_totals' order."""
     if not metrics:
         return None
     return tuple(metrics.get(f"specserve_spec_ahead_{name}_total", 0.0) for name in AHEAD_COUNTERS)

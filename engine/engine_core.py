@@ -67,10 +67,10 @@ class EngineCore:
         if engine_config.synthetic_bonus_agreement is not None and (
                 self.spec_config is None or self.spec_config.rejection_sampling != "synthetic"):
             raise ValueError("synthetic_bonus_agreement is a benchmark setting for rejection_sampling='synthetic'")
-        self._ahead_totals: tuple[int, ...] = (0, 0, 0, 0, 0)  # the draft's, as its last result said
-        self.ahead_budget = self._new_ahead_budget()
+        self._speculation_ahead_totals: tuple[int, ...] = (0, 0, 0, 0, 0)  # the draft's, as its last result said
+        self.ahead_budget = self._new_speculation_ahead_budget()
 
-    def _new_ahead_budget(self) -> AheadBudget:
+    def _new_speculation_ahead_budget(self) -> AheadBudget:
         """Speculation ahead's per-step fan-out (engine/speculation/ahead_budget.py): adaptive only where the draft's
         runs
         ahead overlap the verify (a draft on GPUs of its own) and the configuration asks for it."""
@@ -200,7 +200,7 @@ class EngineCore:
         self.scheduler.kv_managers = [self.target_kv, self.draft_kv]
         self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
         self.spec_config = spec
-        self.ahead_budget = self._new_ahead_budget()  # the new group's runs ahead are measured anew
+        self.ahead_budget = self._new_speculation_ahead_budget()  # the new group's runs ahead are measured anew
 
     def _restart_draft_progress(self) -> None:
         for req in self.scheduler.requests.values():
@@ -238,7 +238,7 @@ class EngineCore:
     def speculation_ahead_stats(self) -> tuple[int, ...]:
         """The draft's speculation-ahead running totals: (lookups, hits, tokens drafted ahead, of those dropped
         unproposed, branches chosen but not drafted); they restart from 0 when a new draft group is attached."""
-        return self._ahead_totals
+        return self._speculation_ahead_totals
 
     def prefix_cache_stats(self) -> dict[str, tuple[int, int]]:
         """Per model, (tokens looked up, tokens found) in its prefix cache since the model's KV manager began."""
@@ -349,10 +349,10 @@ class EngineCore:
         return plan
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
-        if result.ahead is not None:
-            self._ahead_totals = result.ahead
+        if result.speculation_ahead_totals is not None:
+            self._speculation_ahead_totals = result.speculation_ahead_totals
         if self.scheduler.speculation_ahead:
-            self.ahead_budget.observe(result.phase_seconds, result.ahead_window)
+            self.ahead_budget.observe(result.phase_seconds, result.predraft_window)
         touched = []
         for n, (s, tokens, accepted) in enumerate(zip(scheduled, result.sampled, result.num_accepted)):
             r = s.request

@@ -86,6 +86,11 @@ class PrefixHit:
             kv.prefix_hits += n
 
 
+class _NeedsPreemption(Exception):
+    """A request's next step, planned while its last step is in flight, needs KV blocks that only a preemption
+    would free: the engine lets the steps in flight land and schedules synchronously."""
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -239,9 +244,9 @@ class Scheduler:
             return (1 + k, k) if 1 + k <= budget else (1, 0) if budget >= 1 else (0, 0)
         return min(remaining, budget), 0
 
-    def _schedule_after_inflight(self, req: Request, budget: int) -> ScheduledRequest | None | bool:
-        """The next step of a request whose last step is still in flight: a ScheduledRequest, None to sit this
-        step out, or False when its KV does not fit (a preemption would be needed)."""
+    def _schedule_after_inflight(self, req: Request, budget: int) -> ScheduledRequest | None:
+        """The next step of a request whose last step is still in flight: a ScheduledRequest, or None to sit this
+        step out. Raises _NeedsPreemption when its KV does not fit."""
         s = req.inflight
         assert s is not None
         if not s.samples:  # a prefill chunk short of the prompt's end: the next chunk follows it, exactly
@@ -252,7 +257,7 @@ class Scheduler:
             if num_new > budget:
                 return None
             if not self._try_allocate(req, num_new, k, start=s.frontier):
-                return False
+                raise _NeedsPreemption
             return ScheduledRequest(req, num_new, k, self._draft_runs, start=s.frontier, draft_start=draft_start)
         # It samples: up to k + 1 tokens more. Plan for all of them; sit out if they could end the request. Its
         # input began at the committed frontier (any step before it has landed; an open step's own `frontier`
@@ -268,7 +273,7 @@ class Scheduler:
             return None
         k_kv = max(0, min(k, self.max_model_len - num_tokens_max))
         if not self._try_allocate(req, 1 + k_kv, k_kv, start=num_tokens_max - 1):
-            return False
+            raise _NeedsPreemption
         return ScheduledRequest(req, 1 + k, k, self._draft_runs, start=num_tokens_max - 1, open_input=True)
 
     def schedule(self, optimistic: bool = False) -> SchedulerOutput:
@@ -282,8 +287,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if optimistic and req.inflight is not None:
-                s = self._schedule_after_inflight(req, budget)
-                if s is False:
+                try:
+                    s = self._schedule_after_inflight(req, budget)
+                except _NeedsPreemption:
                     out.blocked = True
                     return out
                 if s is not None:

@@ -28,7 +28,9 @@ The two ways differ only where their mechanics do:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ray.actor import ActorHandle
@@ -36,10 +38,27 @@ from ray.actor import ActorHandle
 from engine.speculation.step_order import DRAFT, PLAN, RESULT, SPECULATION_STEP, TARGET, StepMode
 
 
+def graph_node(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A worker method a graph node may bind `after` other nodes: the graph orders two nodes only through an
+    argument, so such a node is also handed their outputs, after its own arguments. This drops them, so that the
+    method's signature says only what it reads; ordered actor calls never pass them."""
+    num_args = len(inspect.signature(method).parameters) - 1  # without self
+
+    @functools.wraps(method)
+    def node(self: Any, *args: Any) -> Any:
+        return method(self, *args[:num_args])
+
+    # What Ray checks a bind's arguments against: any number of them.
+    node.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
+    return node
+
+
 class GraphCalls:
     """Nodes of a compiled graph (`method.bind`)."""
 
-    prepares_ahead = True
+    prepares_verify = True
 
     def __init__(self, tensor_transport: str | None = None) -> None:
         self.tensor_transport = tensor_transport
@@ -64,7 +83,7 @@ class GraphCalls:
 class PlainCalls:
     """Ordered actor calls (`method.remote`); ObjectRefs carry results from one call to the next."""
 
-    prepares_ahead = False
+    prepares_verify = False
 
     def __init__(self) -> None:
         self._unread: list[Any] = []  # refs no later call reads: the router waits for them, to surface errors
@@ -101,7 +120,7 @@ def step_nodes(calls: GraphCalls | PlainCalls, plan: Any, targets: list[ActorHan
         return calls.outputs([calls(w, "target_step", plan) for w in targets])
     # Each target rank builds its verify input while the draft proposes (graph only); the draft's ranks keep
     # tables of their own, which learn each result from target rank 0 under asynchronous scheduling.
-    mode = StepMode(prepares_verify=calls.prepares_ahead, speculation_ahead=speculation_ahead,
+    mode = StepMode(prepares_verify=calls.prepares_verify, speculation_ahead=speculation_ahead,
                     draft_has_own_table=async_scheduling)
     ranks = {DRAFT: drafts, TARGET: targets}
     made: dict[str, tuple[str, list[Any]]] = {}  # per call: its side and each rank's node (left out: its input's)

@@ -43,6 +43,7 @@ from engine.step.phases import HOST, book_between, book_remote_proposal
 from engine.step.plan import StepPlan, StepResult
 from engine.step.request_table import RequestTable
 from serving.gc_heap import freeze_startup_heap
+from serving.step_topology import graph_node
 from serving.thread_switch import set_gil_switch_interval
 
 ROLES = ("target", "draft")
@@ -80,8 +81,8 @@ class DraftOutput:
     seconds: float
     sent_at: float
     host: str
-    ahead: tuple[int, ...] | None = None  # the rank's speculation-ahead counters (StepResult.ahead)
-    window: tuple[int, float] | None = None  # its last run ahead, (rows, seconds) (StepResult.ahead_window)
+    speculation_ahead_totals: tuple[int, ...] | None = None  # the rank's (StepResult.speculation_ahead_totals)
+    predraft_window: tuple[int, float] | None = None  # its last run ahead, (rows, seconds) (StepResult.predraft_window)
 
 
 def engine_config_from(config: EngineConfig | dict[str, Any]) -> EngineConfig:
@@ -236,18 +237,20 @@ class ModelWorker:
             return None
         proposal = proposal.to_host([r.num_draft_tokens for r in plan.requests])
         now = time.perf_counter()
-        return DraftOutput(proposal, now - t0, now, HOST, side.ahead_counters, side.take_window())
+        return DraftOutput(proposal, now - t0, now, HOST, side.speculation_ahead_totals, side.take_predraft_window())
 
-    def draft_predraft(self, _proposed: DraftOutput | None = None) -> None:
+    @graph_node
+    def draft_predraft(self) -> None:
         """Draft the next window of the proposal this rank just sent (speculation ahead), while the target verifies
-        it. A graph node bound after `draft_step` (its argument only orders the two) and before `draft_absorb`."""
+        it. A graph node bound after `draft_step` and before `draft_absorb`."""
         self._draft("draft_predraft").predraft()
 
-    def draft_absorb(self, result: StepResult | None, *_after: None) -> None:
+    @graph_node
+    def draft_absorb(self, result: StepResult | None) -> None:
         """The target's result of the step this rank just proposed for (asynchronous scheduling): recorded
         here, so the next step's open entries resolve without the scheduler. It comes straight from target
-        rank 0, while the router is still on its way to the result. `_after`: the rank's `draft_predraft`, bound
-        here only to order the two."""
+        rank 0, while the router is still on its way to the result; in the graph, after the rank's
+        `draft_predraft`."""
         if result is None:
             raise RuntimeError("draft_absorb() needs target rank 0's result")
         self._draft("draft_absorb").absorb(result)
@@ -258,10 +261,10 @@ class ModelWorker:
         side = self._target("target_prepare")
         return side.prepare(side.resolve(plan), with_drafts=True, launch_ahead=True)
 
-    def target_step(self, step: StepPlan | VerifyInput, draft: DraftOutput | None = None,
-                    *_ignored: None) -> StepResult | None:
-        """`step` is the plan, or its verify input from `target_prepare`; `draft` is draft rank 0's output;
-        `_ignored` are the other draft ranks' Nones, bound here only so the graph has no leaf nodes."""
+    @graph_node
+    def target_step(self, step: StepPlan | VerifyInput, draft: DraftOutput | None = None) -> StepResult | None:
+        """`step` is the plan, or its verify input from `target_prepare`; `draft` is draft rank 0's output (rank 0
+        is bound after the other draft ranks too, so that the graph has no leaf nodes)."""
         received = time.perf_counter()
         side = self._target("target_step")
         result = side.verify(side.resolve(step) if isinstance(step, StepPlan) else step,
@@ -270,8 +273,8 @@ class ModelWorker:
             return None
         if draft is not None:
             book_remote_proposal(result.phase_seconds, draft.seconds, draft.sent_at, draft.host, received)
-            result.ahead = draft.ahead
-            result.ahead_window = draft.window
+            result.speculation_ahead_totals = draft.speculation_ahead_totals
+            result.predraft_window = draft.predraft_window
         return result
 
     def spec_step(self, plan: StepPlan) -> StepResult | None:

@@ -79,12 +79,12 @@ class DraftSide:
         self.table.record(result)
 
     @property
-    def ahead_counters(self) -> tuple[int, ...] | None:
-        """Speculation ahead's running totals (StepResult.ahead); None without it."""
+    def speculation_ahead_totals(self) -> tuple[int, ...] | None:
+        """Speculation ahead's running totals (StepResult.speculation_ahead_totals); None without it."""
         return self.ahead.stats.as_tuple() if self.ahead is not None else None
 
-    def take_window(self) -> tuple[int, float] | None:
-        """The last run ahead as (rows, seconds), once (StepResult.ahead_window); None if none ran since."""
+    def take_predraft_window(self) -> tuple[int, float] | None:
+        """The last run ahead as (rows, seconds), once (StepResult.predraft_window); None if none ran since."""
         return self.ahead.take_window() if self.ahead is not None else None
 
 
@@ -181,7 +181,7 @@ class SpeculativeStep:
         phases = result.phase_seconds
         if mode.speculation_ahead:
             book_propose_ahead(phases, ended["predraft"] - ended["verify"])
-            result.ahead = draft.ahead_counters
-            result.ahead_window = draft.take_window()
+            result.speculation_ahead_totals = draft.speculation_ahead_totals
+            result.predraft_window = draft.take_predraft_window()
         book_local_proposal(phases, marks, ended["propose"] - t0, time.perf_counter() - t0)
         return result

@@ -149,11 +149,11 @@ class StepResult:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     # The draft's speculation-ahead counters, running totals (AheadStats.as_tuple: lookups, hits, tokens drafted
     # ahead, of those unused, branches skipped); None where the draft does not draft ahead.
-    ahead: tuple[int, ...] | None = None
+    speculation_ahead_totals: tuple[int, ...] | None = None
     # The draft's last run ahead (rows, seconds), for the engine's fan-out budget (engine/speculation/ahead_budget.py);
     # None
     # where it drafted none since the result before.
-    ahead_window: tuple[int, float] | None = None
+    predraft_window: tuple[int, float] | None = None
     # Per planned request, one (logprob, [(token id, logprob), ...]) per sampled token, where the request asked for
     # logprobs (engine.sample.logprobs); None when no request of the step did.
     logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None
