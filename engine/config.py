@@ -185,10 +185,9 @@ class EngineConfig:
     # off where it shares a device with the target, where the extra forwards would only queue behind it.
     speculation_ahead: bool | None = None
     # Windows drafted ahead per speculating request (engine/speculation/ahead_branches.py): 1 drafts only the
-    # all-accepted
-    # outcome with the draft's argmax as the bonus token; more add the next likeliest outcomes (a second bonus
-    # guess, a rejection after a accepted drafts with the draft's runner-up as the target's token), each in scratch
-    # KV blocks the draft reserves for them. At most num_speculative_tokens + 2: the distinct outcomes guessed.
+    # all-accepted outcome with the draft's argmax as the bonus token; more add the next likeliest outcomes (a second
+    # bonus guess, a rejection after a accepted drafts with the draft's runner-up as the target's token), each in
+    # scratch KV blocks the draft reserves for them. At most num_speculative_tokens + 2: the distinct outcomes guessed.
     speculation_ahead_branches: int = 1
     # With more than one branch, where the draft has GPUs of its own: draft at most as many windows a request as
     # measured to fit in the target's verify (engine/speculation/ahead_budget.py), so a fan-out that would hold the next

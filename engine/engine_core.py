@@ -72,8 +72,7 @@ class EngineCore:
 
     def _new_speculation_ahead_budget(self) -> AheadBudget:
         """Speculation ahead's per-step fan-out (engine/speculation/ahead_budget.py): adaptive only where the draft's
-        runs
-        ahead overlap the verify (a draft on GPUs of its own) and the configuration asks for it."""
+        runs ahead overlap the verify (a draft on GPUs of its own) and the configuration asks for it."""
         return AheadBudget(self.config.speculation_ahead_branches,
                            adaptive=self.config.speculation_ahead_adaptive and self.executor.ahead_overlaps_verify)
 

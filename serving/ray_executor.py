@@ -8,8 +8,7 @@ router reads target rank 0's StepResult. The target ranks build their verify inp
 draft proposes (`target_prepare`, a node of its own), so the proposal's ids are all that is left to write. The
 step's nodes are described once, for the graph and for plain calls alike, in serving/step_topology.py; each is a
 thin wrapper over its rank's side of the step (serving/worker.py, engine/speculation/speculative_step.py). A draft may
-also run
-inside the target's ranks (`draft_placement="colocated"`): the graph is then one `spec_step` node per rank, the
+also run inside the target's ranks (`draft_placement="colocated"`): the graph is then one `spec_step` node per rank, the
 whole step in one process, as in the in-process engine.
 
 Asynchronous scheduling (the default here): the router submits step n+1 before it reads step n's result, and
@@ -112,8 +111,7 @@ class RayExecutor(DraftGroupReplacement):
         self.draft: WorkerGroup | None = None
         self._graph: Any = None  # ray.dag.CompiledDAG
         # Pipelined (a target alone, asynchronous scheduling: engine/step/decode_pipeline.py): each execution returns
-        # the
-        # result of the step submitted before it, so the outputs not read yet and the results read but not yet
+        # the result of the step submitted before it, so the outputs not read yet and the results read but not yet
         # collected are kept here.
         self._executions: deque[Any] = deque()
         self._done = LaggedResults()

@@ -4,9 +4,8 @@
 placement it needs (serving/ray_executor.py does, tests may set other options). Each worker joins its
 model's torch.distributed group, installs it as the engine's tensor-parallel group BEFORE the model is
 built (the parallel layers read the group at construction to size their shards), then builds the
-ModelRunner and its side of the speculation step (engine/speculation/speculative_step.py): a DraftSide (role "draft")
-or a
-TargetSide (role "target"). The step methods below are thin wrappers over the side, adding what crosses
+ModelRunner and its side of the speculation step (engine/speculation/speculative_step.py): a DraftSide (role "draft") or
+a TargetSide (role "target"). The step methods below are thin wrappers over the side, adding what crosses
 processes: the proposal as host lists with its timing (`DraftOutput`), and the target's result for the draft's
 table. A target rank may also hold the draft (RayExecutor's draft_placement "colocated"): it then builds the
 draft's runner after its own, on the same device and tensor-parallel group, and runs whole steps (`spec_step`).
@@ -117,8 +116,7 @@ def node_ip_and_free_port() -> tuple[str, int]:
 
 class ModelWorker:
     """One rank of the target or the draft model: its side of the step (engine/speculation/speculative_step.py) behind
-    the
-    compiled graph's nodes, which add only what crosses processes."""
+    the compiled graph's nodes, which add only what crosses processes."""
 
     def __init__(self, role: str, model_path: str, engine_config: EngineConfig | dict[str, Any], rank: int = 0,
                  world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0,

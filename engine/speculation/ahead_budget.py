@@ -1,8 +1,7 @@
 """How many windows speculation ahead drafts per request, step by step: as many as fit in the target's verify.
 
 A draft on GPUs of its own drafts the next windows (engine/speculation/speculation_ahead.py) while the target verifies
-the
-current ones. More windows per request (EngineConfig.speculation_ahead_branches) raise the hit rate, but they are
+the current ones. More windows per request (EngineConfig.speculation_ahead_branches) raise the hit rate, but they are
 more rows of one draft-loop run, and a run that outlasts the verify holds the next step up: the draft is still busy
 when the target's result asks it for the next proposal (on two H200s, four windows a request made the step 30%
 slower than one). Whether they fit depends on the pair and the machine, and on the batch. So the engine caps the

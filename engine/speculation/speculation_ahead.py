@@ -21,15 +21,14 @@ the next step would draft, so greedy outputs do not change at all.
 
 Fan-out (EngineConfig.speculation_ahead_branches = B > 1): the draft drafts up to B windows per request, for the
 likeliest outcomes of its verify (engine/speculation/ahead_branches.py: a second bonus guess, rejections after a
-accepted
-drafts with the draft's runner-up there as the target's token). Each window is exactly what the next proposal would
-draft after its outcome: its own catch-up and start position (a rejection's is the single token t at the frontier
+accepted drafts with the draft's runner-up there as the target's token). Each window is exactly what the next proposal
+would draft after its outcome: its own catch-up and start position (a rejection's is the single token t at the frontier
 plus a), its own k' (shrunk from its own token count), a seeded request's generator at its own output position
-(num_output_tokens + a + 1), the same settings; its key is that catch-up, and a hit needs an exact match. Every
-window but the argmax bonus one runs in scratch KV blocks (engine/kv_cache/scratch_blocks.py), forked copy-on-write
-from the request's blocks and copied back over them on a hit, before anything reads them. All windows of all
-requests are one draft-loop run (a row per window, capped at the largest batch the loop runs as a graph); windows
-past that cap or past the scratch reserve are skipped and counted.
+(num_output_tokens + a + 1), the same settings; its key is that catch-up, and a hit needs an exact match. Every window
+but the argmax bonus one runs in scratch KV blocks (engine/kv_cache/scratch_blocks.py), forked copy-on-write from the
+request's blocks and copied back over them on a hit, before anything reads them. All windows of all requests are one
+draft-loop run (a row per window, capped at the largest batch the loop runs as a graph); windows past that cap or past
+the scratch reserve are skipped and counted.
 
 Requests with logits processing (penalties, biases, masks) are not drafted ahead: their processors read a token
 history that the chain would have to extend with guessed tokens. Their proposals are drafted as usual.

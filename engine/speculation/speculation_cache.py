@@ -1,6 +1,5 @@
-"""What speculation ahead keeps between a pre-draft and the proposal after it
-(engine/speculation/speculation_ahead.py): the
-windows drafted ahead, by request, and the counters the engine reports."""
+"""What speculation ahead keeps between a pre-draft and the proposal after it (engine/speculation/speculation_ahead.py):
+the windows drafted ahead, by request, and the counters the engine reports."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Executors run a StepPlan on the models. The in-process one runs the speculation step
-(engine/speculation/speculative_step.py)
-itself; the Ray one (serving/) sends the same plan to worker actors, which run the same sides."""
+(engine/speculation/speculative_step.py) itself; the Ray one (serving/) sends the same plan to worker actors, which run
+the same sides."""
 
 from __future__ import annotations
 
@@ -93,8 +93,8 @@ class LocalExecutor:
         self.draft_num_blocks = draft.num_blocks if draft is not None else 0
         self.vocab_size = target.vocab_size
         # A target alone on a GPU queues each step before it reads the last one's tokens
-        # (engine/step/decode_pipeline.py):
-        # that needs the next plan before those tokens, i.e. asynchronous scheduling, which is then on by default.
+        # (engine/step/decode_pipeline.py): that needs the next plan before those tokens, i.e. asynchronous scheduling,
+        # which is then on by default.
         # With a draft, and on CPU (where a queued step runs at once), submitting early saves nothing and only
         # delays each step's tokens by one step, so it is off unless asked for (tests exercise it here).
         asked = target.config.async_scheduling

@@ -9,9 +9,8 @@ the ones sent before (`block_table_starts`). Every side keeps what it was sent i
 each entry back into a whole one before anything runs it.
 
 With asynchronous scheduling the scheduler sends step n+1's plan before step n's tokens reach it, so a decoding
-request's entry may leave its input to the side that runs it: `token_ids=None` means "the tokens you accepted
-last step, from where your KV ends" (engine/step/request_table.py resolves such entries from the state every side
-keeps).
+request's entry may leave its input to the side that runs it: `token_ids=None` means "the tokens you accepted last step,
+from where your KV ends" (engine/step/request_table.py resolves such entries from the state every side keeps).
 """
 
 from __future__ import annotations
@@ -151,8 +150,7 @@ class StepResult:
     # ahead, of those unused, branches skipped); None where the draft does not draft ahead.
     speculation_ahead_totals: tuple[int, ...] | None = None
     # The draft's last run ahead (rows, seconds), for the engine's fan-out budget (engine/speculation/ahead_budget.py);
-    # None
-    # where it drafted none since the result before.
+    # None where it drafted none since the result before.
     predraft_window: tuple[int, float] | None = None
     # Per planned request, one (logprob, [(token id, logprob), ...]) per sampled token, where the request asked for
     # logprobs (engine.sample.logprobs); None when no request of the step did.
