@@ -72,7 +72,7 @@ CASES = [("llama-1l", 4), ("gemma3-2l", 8)]  # gemma3-2l: sliding window 5 < blo
 
 
 @pytest.mark.parametrize("model,block_size", CASES)
-def test_tree_draft_equals_each_branch_drafted_alone(tiny_drafts, model, block_size):
+def test_tree_draft_equals_each_branch_drafted_alone(tiny_drafts, one_thread, model, block_size):
     runner = _runner(tiny_drafts[model].path, block_size)
     prefixes = random_prompts([13, 22], seed=5)
     k, depth = 3, 3
@@ -102,7 +102,7 @@ def test_tree_draft_equals_each_branch_drafted_alone(tiny_drafts, model, block_s
 
 
 @pytest.mark.parametrize("model,block_size", CASES)
-def test_branches_never_see_their_siblings(tiny_drafts, model, block_size):
+def test_branches_never_see_their_siblings(tiny_drafts, one_thread, model, block_size):
     """Changing one branch's root changes that branch's logits and no other branch's."""
     runner = _runner(tiny_drafts[model].path, block_size)
     prefix = random_prompts([14], seed=8)[0]
@@ -120,7 +120,7 @@ def test_branches_never_see_their_siblings(tiny_drafts, model, block_size):
     torch.testing.assert_close(after.window_logits, before.window_logits, atol=1e-5, rtol=1e-5)
 
 
-def test_sampled_tree_draws_from_its_q(tiny_drafts):
+def test_sampled_tree_draws_from_its_q(tiny_drafts, one_thread):
     """A request with a temperature: q is the softmax of the tree's logits at that temperature, and every draft was
     drawn where q is positive (top_k 3: only the three likeliest tokens)."""
     runner = _runner(tiny_drafts["llama-1l"].path, 4)
