@@ -9,12 +9,18 @@ the prefix's blocks that lie wholly outside the window released (NULL_BLOCK), as
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import socket
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import random_prompts
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.block_pool import NULL_BLOCK
+from engine.parallel import TensorParallelGroup, set_tp_group
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.speculation.tree_draft import TreeDraftRequest, draft_tree, num_tree_nodes
@@ -71,9 +77,7 @@ def _branch_alone(runner: ModelRunner, seq: list[int], depth: int) -> tuple[torc
 CASES = [("llama-1l", 4), ("gemma3-2l", 8)]  # gemma3-2l: sliding window 5 < block size 8
 
 
-@pytest.mark.parametrize("model,block_size", CASES)
-def test_tree_draft_equals_each_branch_drafted_alone(tiny_drafts, one_thread, model, block_size):
-    runner = _runner(tiny_drafts[model].path, block_size)
+def _check_tree_equals_branches_alone(runner: ModelRunner) -> None:
     prefixes = random_prompts([13, 22], seed=5)
     k, depth = 3, 3
     windows = random_prompts([k, k], seed=6)
@@ -81,10 +85,10 @@ def test_tree_draft_equals_each_branch_drafted_alone(tiny_drafts, one_thread, mo
     roots = [[[30, 41, 52], [63, 74], [85], [96]], [[17, 28], [39], [40, 51], [62]]]
     reqs = [_request(runner, 1 + 16 * i, p, w, r, depth, SCRATCH_FIRST + 12 * i, seed=i)
             for i, (p, w, r) in enumerate(zip(prefixes, windows, roots))]
-    own = [[t.clone() for t in runner.kv_caches[g][0][:, 1:33].unbind(0)] for g in range(len(runner.kv_groups))]
+    own = [runner.kv_caches[g][0][:, 1:33].clone() for g in range(len(runner.kv_groups))]
     trees = draft_tree(runner, reqs, depth)  # both requests' trees in one forward per depth
     for g in range(len(runner.kv_groups)):  # the requests' own KV is only read
-        assert all(torch.equal(a, b) for a, b in zip(own[g], runner.kv_caches[g][0][:, 1:33].unbind(0)))
+        assert torch.equal(own[g], runner.kv_caches[g][0][:, 1:33])
     for req, prefix, tree in zip(reqs, prefixes, trees):
         assert tree.tokens.shape == (sum(len(r) for r in req.roots), depth)
         for b, (a, root) in enumerate(zip(tree.outcome, tree.root)):
@@ -99,6 +103,50 @@ def test_tree_draft_equals_each_branch_drafted_alone(tiny_drafts, one_thread, mo
         seq = prefix + req.window
         ref = runner.forward_chunks([Chunk(seq, 0, len(req.window), tables)])
         torch.testing.assert_close(tree.window_logits, ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("model,block_size", CASES)
+def test_tree_draft_equals_each_branch_drafted_alone(tiny_drafts, one_thread, model, block_size):
+    _check_tree_equals_branches_alone(_runner(tiny_drafts[model].path, block_size))
+
+
+def _tp_rank(rank: int, port: int, path: str, errors: mp.Queue) -> None:
+    """One rank of a draft at tensor parallel 2 (gloo), in a forked process: the same check as at TP 1."""
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=60))
+        set_tp_group(TensorParallelGroup(rank, 2, dist.group.WORLD))
+        runner = _runner(path, 8)
+        assert all(a.num_heads == 2 and a.num_kv_heads == 1 for a in runner.model.attention_layers())  # sharded
+        _check_tree_equals_branches_alone(runner)
+        errors.put(None)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the test
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_tree_draft_equals_each_branch_drafted_alone_tp2(tiny_drafts):
+    """The Gemma 3 hybrid draft at tensor parallel 2 (heads sharded over two ranks, gloo): every rank's tree draft
+    equals its own branches drafted alone."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")  # no re-import: the ranks start in well under a second
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, tiny_drafts["gemma3-2l"].path, errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = [errors.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert results == [None, None], results
 
 
 @pytest.mark.parametrize("model,block_size", CASES)
