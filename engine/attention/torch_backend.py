@@ -94,5 +94,5 @@ def tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, tree: TreeAttent
     q = query[tree.row_index].transpose(1, 2)  # [num_trees, heads, max_rows, dim]
     out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=tree_mask(tree, group), scale=scale,
                                          enable_gqa=q.shape[1] != h_kv)
-    out = out.transpose(1, 2)  # [num_trees, max_rows, heads, dim]
-    return out[tree.row_valid].to(query.dtype)
+    out = out.transpose(1, 2).reshape(-1, *query.shape[1:])  # [num_trees * max_rows, heads, dim]
+    return out[tree.row_flat].to(query.dtype)

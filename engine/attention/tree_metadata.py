@@ -26,6 +26,8 @@ class TreeAttentionMetadata:
     row_index: torch.Tensor  # [num_trees, max_rows] int64; flat row (token) index of the forward, padding -> 0
     row_valid: torch.Tensor  # [num_trees, max_rows] bool
     row_positions: torch.Tensor  # [num_trees, max_rows] int64; the row's sequence position, padding -> -1
+    row_flat: torch.Tensor  # [num_rows] int64; each flat row's place in [num_trees * max_rows] (no masked select)
+    positions: torch.Tensor  # [num_rows] int64; each flat row's sequence position
     prefix_lens: torch.Tensor  # [num_trees] int64; committed tokens in the request's own blocks
     node_positions: torch.Tensor  # [num_trees, max_nodes] int64; padding -> -1
     node_slots: torch.Tensor  # [num_kv_groups, num_trees, max_nodes] int64; flat scratch slot per group, padding -> 0
@@ -68,6 +70,7 @@ def build_tree_metadata(prefix_lens: list[int], parents: list[list[int]], slots:
     node_slots = torch.zeros(num_groups, num_trees, max_nodes, dtype=torch.int64)
     visible = torch.zeros(num_trees, max_rows, max_nodes, dtype=torch.bool)
     flat = 0
+    row_flat: list[int] = []
     for t in range(num_trees):
         n = len(parents[t])
         seen = torch.tensor(ancestor_mask(parents[t]), dtype=torch.bool).view(n, n)
@@ -81,9 +84,12 @@ def build_tree_metadata(prefix_lens: list[int], parents: list[list[int]], slots:
         row_index[t, :m] = torch.arange(flat, flat + m)
         row_valid[t, :m] = True
         row_pos[t, :m] = pos[r]
+        row_flat.extend(range(t * max_rows, t * max_rows + m))
         visible[t, :m, :n] = seen[r]
         flat += m
     return TreeAttentionMetadata(
         row_index=row_index.to(device), row_valid=row_valid.to(device), row_positions=row_pos.to(device),
+        row_flat=torch.tensor(row_flat, dtype=torch.int64, device=device),
+        positions=row_pos.view(-1)[row_flat].to(device),
         prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
         node_positions=node_pos.to(device), node_slots=node_slots.to(device), visible=visible.to(device))

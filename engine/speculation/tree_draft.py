@@ -96,7 +96,7 @@ def _step(runner: ModelRunner, reqs: list[TreeDraftRequest], parents: list[list[
     """One forward over the given nodes of every tree -> logits [sum of rows, V]."""
     dev = runner.device
     tree = build_tree_metadata([r.prefix_len for r in reqs], parents, [r.scratch_slots for r in reqs], rows, dev)
-    positions = tree.row_positions[tree.row_valid]  # [num_rows], tree by tree
+    positions = tree.positions
     num_rows = int(positions.shape[0])
     groups = []
     for g in runner.kv_groups:
