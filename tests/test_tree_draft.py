@@ -24,6 +24,7 @@ from engine.parallel import TensorParallelGroup, set_tp_group
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.speculation.tree_draft import TreeDraftRequest, draft_tree, num_tree_nodes
+from engine.speculation.tree_roots import top_f_roots
 
 NUM_BLOCKS = 96
 REF_FIRST = 48  # blocks 48.. hold the reference runs' sequences
@@ -182,3 +183,17 @@ def test_sampled_tree_draws_from_its_q(tiny_drafts, one_thread):
     top3 = (tree.logits / 0.8).topk(3, dim=-1)
     ref = torch.zeros_like(tree.probs).scatter_(-1, top3.indices, top3.values.softmax(-1))
     torch.testing.assert_close(tree.probs, ref)
+
+
+def test_top_f_roots_exclude_the_drafted_token():
+    """Outcome a < k: the likeliest F_a tokens other than d_{a+1}; the bonus outcome k: the likeliest F_k."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g)
+    window = logits[:3].argmax(-1).tolist()  # the drafts were each position's argmax
+    window[1] = int(logits[1].argsort()[-3])  # one was not (a sampled draft): its third likeliest token
+    roots = top_f_roots(logits, window, [2, 3, 1, 4])
+    order = logits.argsort(dim=-1, descending=True).tolist()
+    for a, (row, f) in enumerate(zip(order, [2, 3, 1, 4])):
+        expect = [t for t in row if a == 3 or t != window[a]][:f]
+        assert roots[a] == expect
+        assert a == 3 or window[a] not in roots[a]

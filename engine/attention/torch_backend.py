@@ -2,7 +2,8 @@
 
 One code path serves prefill, chunked prefill, decode and multi-token verify queries: each request's
 keys are gathered from its block table into a dense [max_seq_len] window and a boolean mask applies
-causality, the request's length and the sliding window.
+causality, the request's length and the sliding window. A forward over trees of branches
+(engine/attention/tree_metadata.py) takes `tree_attention` instead: each tree's prefix keys, then its nodes' keys.
 """
 
 from __future__ import annotations
