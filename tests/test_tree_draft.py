@@ -32,9 +32,9 @@ SCRATCH_FIRST = 72  # blocks 72.. the trees' scratch slots
 ATOL, RTOL = 2e-4, 1e-4
 
 
-def _runner(path: str, block_size: int) -> ModelRunner:
-    ec = EngineConfig(device=torch.device("cpu"), dtype=torch.float32, max_model_len=128, block_size=block_size,
-                      num_kv_blocks=NUM_BLOCKS)
+def tree_runner(path: str, block_size: int, device: str = "cpu", backend: str = "torch") -> ModelRunner:
+    ec = EngineConfig(device=torch.device(device), dtype=torch.float32, max_model_len=128, block_size=block_size,
+                      num_kv_blocks=NUM_BLOCKS, attention_backend=backend)
     mc = ModelConfig.from_path(path)
     mc.max_model_len = ec.max_model_len
     return ModelRunner(mc, ec, "draft")
@@ -78,7 +78,7 @@ def _branch_alone(runner: ModelRunner, seq: list[int], depth: int) -> tuple[torc
 CASES = [("llama-1l", 4), ("gemma3-2l", 8)]  # gemma3-2l: sliding window 5 < block size 8
 
 
-def _check_tree_equals_branches_alone(runner: ModelRunner) -> None:
+def check_tree_equals_branches_alone(runner: ModelRunner) -> None:
     prefixes = random_prompts([13, 22], seed=5)
     k, depth = 3, 3
     windows = random_prompts([k, k], seed=6)
@@ -108,7 +108,7 @@ def _check_tree_equals_branches_alone(runner: ModelRunner) -> None:
 
 @pytest.mark.parametrize("model,block_size", CASES)
 def test_tree_draft_equals_each_branch_drafted_alone(tiny_drafts, one_thread, model, block_size):
-    _check_tree_equals_branches_alone(_runner(tiny_drafts[model].path, block_size))
+    check_tree_equals_branches_alone(tree_runner(tiny_drafts[model].path, block_size))
 
 
 def _tp_rank(rank: int, port: int, path: str, errors: mp.Queue) -> None:
@@ -118,9 +118,9 @@ def _tp_rank(rank: int, port: int, path: str, errors: mp.Queue) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=timedelta(seconds=60))
         set_tp_group(TensorParallelGroup(rank, 2, dist.group.WORLD))
-        runner = _runner(path, 8)
+        runner = tree_runner(path, 8)
         assert all(a.num_heads == 2 and a.num_kv_heads == 1 for a in runner.model.attention_layers())  # sharded
-        _check_tree_equals_branches_alone(runner)
+        check_tree_equals_branches_alone(runner)
         errors.put(None)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the test
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
@@ -153,7 +153,7 @@ def test_tree_draft_equals_each_branch_drafted_alone_tp2(tiny_drafts):
 @pytest.mark.parametrize("model,block_size", CASES)
 def test_branches_never_see_their_siblings(tiny_drafts, one_thread, model, block_size):
     """Changing one branch's root changes that branch's logits and no other branch's."""
-    runner = _runner(tiny_drafts[model].path, block_size)
+    runner = tree_runner(tiny_drafts[model].path, block_size)
     prefix = random_prompts([14], seed=8)[0]
     window = [20, 21, 22]
     roots = [[30, 31], [32, 33], [34], [35]]
@@ -172,7 +172,7 @@ def test_branches_never_see_their_siblings(tiny_drafts, one_thread, model, block
 def test_sampled_tree_draws_from_its_q(tiny_drafts, one_thread):
     """A request with a temperature: q is the softmax of the tree's logits at that temperature, and every draft was
     drawn where q is positive (top_k 3: only the three likeliest tokens)."""
-    runner = _runner(tiny_drafts["llama-1l"].path, 4)
+    runner = tree_runner(tiny_drafts["llama-1l"].path, 4)
     prefix = random_prompts([9], seed=9)[0]
     req = _request(runner, 1, prefix, [20, 21], [[30, 31], [32], [33, 34]], 4, SCRATCH_FIRST, seed=1,
                    temperature=0.8, top_k=3)
