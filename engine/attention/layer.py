@@ -37,7 +37,7 @@ class Attention(nn.Module):
         Returns [num_tokens, num_heads * head_dim]. On the kernel path norms, rotation and the KV store are one
         kernel (engine/kernels/qk_norm_rope_store.py)."""
         n = qkv.shape[0]
-        if md.backend == "triton":
+        if md.backend == "triton" and md.tree is None:
             from engine.kernels.qk_norm_rope_store import qk_norm_rope_store
 
             kv = self._bound_cache()
@@ -64,6 +64,8 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         group = md.groups[self.kv_group_id]
+        if md.tree is not None and md.backend != "torch":
+            raise NotImplementedError("tree attention has only the torch reference path so far")
         if md.backend == "triton":
             # Imported here: the kernels need triton, which CPU-only installs may lack.
             from engine.kernels.kv_store import store_kv
@@ -72,7 +74,10 @@ class Attention(nn.Module):
             out = self._attend_triton(q, md)
         else:
             torch_backend.store_kv(kv_cache, k, v, group.slot_mapping)
-            out = torch_backend.paged_attention(q, kv_cache, md.common, group, self.scale)
+            if md.tree is not None:
+                out = torch_backend.tree_attention(q, kv_cache, md.tree, group, self.scale)
+            else:
+                out = torch_backend.paged_attention(q, kv_cache, md.common, group, self.scale)
         return out.reshape(n, self.num_heads * self.head_dim)
 
     def _bound_cache(self) -> torch.Tensor:

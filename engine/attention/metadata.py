@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.kv_cache.block_pool import NULL_BLOCK
+
+if TYPE_CHECKING:
+    from engine.attention.tree_metadata import TreeAttentionMetadata
 
 
 @dataclass
@@ -57,6 +61,9 @@ class AttentionMetadata:
     common: CommonAttentionMetadata
     groups: list[GroupAttentionMetadata]  # [num_kv_groups], indexed by group id
     backend: str = "torch"  # "torch" (reference, any device) | "triton" (engine/kernels, CUDA graphs)
+    # A forward over trees of branches (engine/attention/tree_metadata.py): the groups' block tables are then each
+    # tree's committed prefix and their slot mappings the rows' scratch slots. None: the ordinary layout.
+    tree: TreeAttentionMetadata | None = None
 
 
 def build_common_metadata(query_lens: list[int], seq_lens: list[int], device: torch.device

@@ -2,7 +2,8 @@
 
 One code path serves prefill, chunked prefill, decode and multi-token verify queries: each request's
 keys are gathered from its block table into a dense [max_seq_len] window and a boolean mask applies
-causality, the request's length and the sliding window.
+causality, the request's length and the sliding window. A forward over trees of branches
+(engine/attention/tree_metadata.py) takes `tree_attention` instead: each tree's prefix keys, then its nodes' keys.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import CommonAttentionMetadata, GroupAttentionMetadata
+from engine.attention.tree_metadata import TreeAttentionMetadata
 
 
 def store_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -51,3 +53,47 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, common: CommonA
                                          enable_gqa=q.shape[1] != h_kv)
     out = out.transpose(1, 2)  # [num_reqs, max_query_len, heads, dim]
     return out[common.dense.query_valid].to(query.dtype)
+
+
+def tree_mask(tree: TreeAttentionMetadata, group: GroupAttentionMetadata) -> torch.Tensor:
+    """[num_trees, 1, max_rows, max_num_blocks * block_size + max_nodes] bool: the prefix's keys, then the nodes'.
+    A row sees the committed prefix and its own chain of nodes (never a sibling branch), each only within the
+    group's sliding window counted back from the row's own position."""
+    cached = group.cache.get("torch_tree_mask")
+    if cached is not None:
+        return cached
+    num_keys = group.block_table.shape[1] * group.block_size
+    k_pos = torch.arange(num_keys, device=tree.row_positions.device)[None, None, :]
+    q_pos = tree.row_positions[:, :, None]
+    prefix = (k_pos < tree.prefix_lens[:, None, None]).expand(-1, q_pos.shape[1], -1)
+    nodes = tree.visible
+    if group.sliding_window is not None:
+        prefix = prefix & (k_pos > q_pos - group.sliding_window)
+        nodes = nodes & (tree.node_positions[:, None, :] > q_pos - group.sliding_window)
+    mask = torch.cat([prefix, nodes], dim=2)
+    # Padded rows see key 0 so softmax stays finite; their outputs are dropped.
+    mask[:, :, 0] |= ~tree.row_valid
+    mask = mask[:, None]
+    group.cache["torch_tree_mask"] = mask
+    return mask
+
+
+def tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, tree: TreeAttentionMetadata,
+                   group: GroupAttentionMetadata, scale: float) -> torch.Tensor:
+    """query: [num_rows, num_heads, head_dim] -> the same shape. Keys: each tree's prefix gathered from its block
+    table in place, then its nodes' scratch slots (the rows' own KV is already stored there)."""
+    t, mb = group.block_table.shape
+    _, nb, bs, h_kv, d = kv_cache.shape
+    slots = tree.node_slots[group.group_id]  # [num_trees, max_nodes]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_trees, h_kv, mb * bs + max_nodes, d]
+        prefix = cache[group.block_table].view(t, mb * bs, h_kv, d)
+        nodes = cache.view(nb * bs, h_kv, d)[slots]
+        return torch.cat([prefix, nodes], dim=1).transpose(1, 2)
+
+    k, v = gather(kv_cache[0]), gather(kv_cache[1])
+    q = query[tree.row_index].transpose(1, 2)  # [num_trees, heads, max_rows, dim]
+    out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=tree_mask(tree, group), scale=scale,
+                                         enable_gqa=q.shape[1] != h_kv)
+    out = out.transpose(1, 2).reshape(-1, *query.shape[1:])  # [num_trees * max_rows, heads, dim]
+    return out[tree.row_flat].to(query.dtype)

@@ -1,0 +1,172 @@
+"""Tree-batched pre-drafting: every verify outcome of a window drafted D deep, one draft forward per depth.
+
+After the draft proposed a window d_1..d_k after a request's committed prefix, the verify accepts some a in 0..k
+drafts and then emits one token of the target's at position prefix_len + a (the bonus token after a full window, a
+replacement after a rejection). Pre-drafting covers those outcomes before the verify has decided: for each a, a few
+candidate tokens (`roots[a]`, e.g. the draft's top-F at that position other than d_{a+1}), each the root of a branch
+that is then drafted `depth` tokens deep. All branches of all requests are one tree per request:
+
+    prefix ... -- d_1 -- d_2 -- ... -- d_k              (the window: a chain of nodes)
+              \\        \\               \\
+               roots[0]  roots[1] ...     roots[k]       (each root: a branch of `depth` drafted tokens)
+
+The first forward feeds the window and every root (each row sees the prefix and its own chain only: tree attention,
+engine/attention/tree_metadata.py) and yields every branch's first draft; each later forward feeds every branch's
+newest draft at once. The prefix's KV is read in place from the request's own paged blocks (every KV-cache group,
+sliding windows included); every node's KV goes to a scratch slot the caller gives, so nothing of the request's own
+KV changes. So a request costs `depth` forwards whatever its number of branches.
+
+Status: the eager torch path only (ModelRunner with attention_backend "torch"), not yet wired into the step (see
+docs/ARCHITECTURE.md, "Tree pre-drafting: status").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata, CommonAttentionMetadata, GroupAttentionMetadata
+from engine.attention.tree_metadata import build_tree_metadata
+from engine.host_copy import to_device
+from engine.kv_cache.block_pool import NULL_BLOCK
+from engine.runner.model_runner import ModelRunner
+from engine.runner.step_input import StepInput
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.processing import logits_to_probs
+from engine.sample.sampler import sample_from_probs
+
+
+@dataclass
+class TreeDraftRequest:
+    """One request's tree: its committed prefix, the window whose outcomes it covers, the branch roots."""
+
+    prefix_len: int  # committed tokens, positions 0..prefix_len - 1, their KV in the request's own blocks
+    block_tables: list[list[int]]  # [num_kv_groups][num_blocks]; the request's own blocks, covering prefix_len
+    window: list[int]  # the k drafts d_1..d_k at positions prefix_len..prefix_len + k - 1
+    roots: list[list[int]]  # [k + 1][F_a]: candidates for the token at position prefix_len + a after a accepted
+    # [num_kv_groups][num_nodes] flat scratch slots (block * block_size + offset), num_nodes = `num_tree_nodes`:
+    # the window's, the roots', then each later depth's, branch by branch. None of them may be the request's own.
+    scratch_slots: list[list[int]]
+    temperature: float = 0.0  # 0: greedy (argmax, q one-hot); else drafts are drawn from q
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+def num_tree_nodes(window_len: int, num_branches: int, depth: int) -> int:
+    """Nodes (and scratch slots per KV-cache group) one request's tree feeds: the window, each branch's root and
+    its first depth - 1 drafts (the last draft is never fed)."""
+    return window_len + num_branches * depth
+
+
+@dataclass
+class TreeDraft:
+    """One request's pre-drafted branches, in the order of its roots (outcome 0's first)."""
+
+    outcome: list[int]  # [num_branches]; the accepted count a each branch assumes
+    root: list[int]  # [num_branches]; the branch's root token (the target's token at position prefix_len + a)
+    tokens: torch.Tensor  # [num_branches, depth] int64; the drafts after the root
+    logits: torch.Tensor  # [num_branches, depth, V] float32; the draft's logits each draft was drawn from
+    probs: torch.Tensor  # [num_branches, depth, V] float32; q of each draft (one-hot at the argmax when greedy)
+    window_logits: torch.Tensor  # [k, V] float32; the logits after each window token d_1..d_k
+
+
+def _tree_layout(req: TreeDraftRequest, depth: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(parents of every node, tokens of the first forward's nodes, branch outcome, branch root)."""
+    k = len(req.window)
+    if len(req.roots) != k + 1:
+        raise ValueError(f"a window of {k} drafts has {k + 1} outcomes, got roots for {len(req.roots)}")
+    parents = [i - 1 for i in range(k)]  # the window: a chain off the prefix's end
+    outcome: list[int] = []
+    root: list[int] = []
+    for a, cands in enumerate(req.roots):
+        for tok in cands:
+            parents.append(a - 1)  # after a accepted drafts the root follows d_a (the prefix's end for a = 0)
+            outcome.append(a)
+            root.append(tok)
+    b = len(root)
+    for dpt in range(1, depth):
+        first = k + (dpt - 1) * b  # the previous depth's nodes of the branches, in branch order
+        parents.extend(range(first, first + b))
+    return parents, list(req.window) + root, outcome, root
+
+
+def _step(runner: ModelRunner, reqs: list[TreeDraftRequest], parents: list[list[int]], rows: list[list[int]],
+          tokens: list[torch.Tensor]) -> torch.Tensor:
+    """One forward over the given nodes of every tree -> logits [sum of rows, V]."""
+    dev = runner.device
+    tree = build_tree_metadata([r.prefix_len for r in reqs], parents, [r.scratch_slots for r in reqs], rows, dev)
+    positions = tree.positions
+    num_rows = int(positions.shape[0])
+    groups = []
+    for g in runner.kv_groups:
+        bs = g.spec.block_size
+        max_blocks = max(-(-r.prefix_len // bs) for r in reqs) or 1
+        table = torch.full((len(reqs), max_blocks), NULL_BLOCK, dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            own = r.block_tables[g.group_id][:max_blocks]
+            table[i, :len(own)] = torch.tensor(own, dtype=torch.int64)
+        slots = [r.scratch_slots[g.group_id][n] for r, rs in zip(reqs, rows) for n in rs]
+        groups.append(GroupAttentionMetadata(group_id=g.group_id, block_table=table.to(dev),
+                                             slot_mapping=to_device(slots, torch.int64, dev),
+                                             sliding_window=g.spec.sliding_window, block_size=bs))
+    counts = [len(rs) for rs in rows]
+    qsl = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)
+    common = CommonAttentionMetadata(query_start_loc=qsl.to(dev), seq_lens=tree.prefix_lens, positions=positions,
+                                     num_reqs=len(reqs), num_tokens=num_rows, max_query_len=max(counts),
+                                     max_seq_len=max(r.prefix_len + len(r.window) + len(p) for r, p in
+                                                     zip(reqs, parents)))  # an upper bound, from the host
+    step = StepInput(input_ids=torch.cat(tokens).to(dev), positions=positions,
+                     attn=AttentionMetadata(common=common, groups=groups, tree=tree),
+                     logits_indices=torch.arange(num_rows, device=dev), num_logits_per_req=counts)
+    return runner.execute(step)
+
+
+@torch.inference_mode()
+def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
+               generator: torch.Generator | None = None) -> list[TreeDraft]:
+    """Draft every branch of every request `depth` tokens deep: `depth` batched forwards in all. Greedy requests
+    take the argmax; others draw from their q (temperature, top-k, top-p) with `generator`."""
+    if runner.backend != "torch":
+        raise NotImplementedError("tree drafting runs on the torch attention path only so far (no kernel, no graphs)")
+    if depth < 1:
+        raise ValueError("depth must be at least 1")
+    dev = runner.device
+    layouts = [_tree_layout(r, depth) for r in reqs]
+    parents = [lay[0] for lay in layouts]
+    for r, p in zip(reqs, parents):
+        if any(len(s) != len(p) for s in r.scratch_slots) or len(r.scratch_slots) != len(runner.kv_groups):
+            raise ValueError(f"a tree of {len(p)} nodes needs that many scratch slots in each KV-cache group")
+    ks = [len(r.window) for r in reqs]
+    nbs = [len(lay[2]) for lay in layouts]
+    md = SamplingMetadata.from_lists([r.temperature for r in reqs], [r.top_p for r in reqs],
+                                     [r.top_k for r in reqs], default_generator=generator, device=dev)
+    # Per request, the rows' sampling settings repeat over its branches.
+    branch_req = [i for i, nb in enumerate(nbs) for _ in range(nb)]
+    branch_md = md.select(branch_req)
+    tokens = torch.empty(sum(nbs), depth, dtype=torch.int64, device=dev)
+    logits_out = torch.empty(sum(nbs), depth, runner.vocab_size, dtype=torch.float32, device=dev)
+    probs_out = torch.empty_like(logits_out)
+    window_logits: list[torch.Tensor] = []
+    offsets = [0]
+    for nb in nbs:
+        offsets.append(offsets[-1] + nb)
+    for dpt in range(depth):
+        if dpt == 0:  # the window and every root
+            rows = [list(range(k + nb)) for k, nb in zip(ks, nbs)]
+            feed = [to_device(lay[1], torch.int64, dev) for lay in layouts]
+        else:  # every branch's newest draft
+            rows = [list(range(k + dpt * nb, k + (dpt + 1) * nb)) for k, nb in zip(ks, nbs)]
+            feed = [tokens[offsets[i]:offsets[i + 1], dpt - 1] for i in range(len(reqs))]
+        logits = _step(runner, reqs, parents, rows, feed)
+        if dpt == 0:
+            per_req = logits.split([k + nb for k, nb in zip(ks, nbs)])
+            window_logits = [x[:k] for x, k in zip(per_req, ks)]
+            logits = torch.cat([x[k:] for x, k in zip(per_req, ks)])
+        probs = logits_to_probs(logits, branch_md)
+        tokens[:, dpt] = sample_from_probs(probs, branch_md)
+        logits_out[:, dpt] = logits
+        probs_out[:, dpt] = probs
+    return [TreeDraft(outcome=lay[2], root=lay[3], tokens=tokens[offsets[i]:offsets[i + 1]],
+                      logits=logits_out[offsets[i]:offsets[i + 1]], probs=probs_out[offsets[i]:offsets[i + 1]],
+                      window_logits=window_logits[i]) for i, lay in enumerate(layouts)]
