@@ -43,7 +43,6 @@ import dataclasses
 import json
 import logging
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -56,7 +55,7 @@ from common import environment, markdown_table  # noqa: E402
 from engine_driver import offline_llm, run_in_process  # noqa: E402
 from layout_report import router_ttft_mean_ms  # noqa: E402
 from layouts import Layout, serve_config  # noqa: E402
-from sweep_models import Pair, materialize, model_pairs, warmup_count  # noqa: E402
+from sweep_models import Pair, prepare_pair, warmup_count  # noqa: E402
 
 from deploy.bench.datasets import BenchRequest, build_requests, load_tokenizer  # noqa: E402
 from deploy.bench.report import load_point, summarize  # noqa: E402
@@ -244,15 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     layouts = [Layout.parse(x) for x in args.layouts or ["offline", "t1", "offline+d", "t1+d1/colocated"]]
-    if args.device == "cuda":
-        have = torch.cuda.device_count()
-        too_big = [lay.name for lay in layouts if lay.num_gpus > have]
-        if too_big:
-            raise SystemExit(f"layouts {too_big} need more than the {have} GPUs here")
-    work = Path(args.work_dir or Path(tempfile.gettempdir()) / "specserve-sweep")
-    work.mkdir(parents=True, exist_ok=True)
-    pair = model_pairs(work, args.smoke, args.device, args.acceptance)[args.pair]
-    materialize(args.pair, pair, work, args.smoke, args.device)
+    pair = prepare_pair(args, layouts)
     # The serve config's fields that read the sweep's arguments under serve_layouts.py's names.
     cfg_args = argparse.Namespace(**{**vars(args), "concurrency": args.concurrency_for_seqs,
                                      "points": load_points(args)})

@@ -58,7 +58,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Iterator
@@ -82,7 +81,7 @@ from layout_report import (  # noqa: E402
     table,
 )
 from layouts import Layout, serve_config  # noqa: E402
-from sweep_models import Pair, bench_workloads, materialize, model_pairs, warmup_count  # noqa: E402
+from sweep_models import Pair, bench_workloads, prepare_pair, warmup_count  # noqa: E402
 
 from deploy.bench.datasets import build_requests, load_tokenizer  # noqa: E402
 from deploy.bench.runner import run_benchmark  # noqa: E402
@@ -252,15 +251,7 @@ def main() -> int:
         args.concurrency, args.input_len, args.output_len = [1, 2], 16, 12
         args.check_prompts, args.check_tokens, args.max_model_len = 2, 12, 128
     layouts = [Layout.parse(x) for x in args.layouts or ["t1+d1", "t2+d2", "t2+d1"]]
-    if args.device == "cuda":
-        have = torch.cuda.device_count()
-        too_big = [lay.name for lay in layouts if lay.num_gpus > have]
-        if too_big:
-            raise SystemExit(f"layouts {too_big} need more than the {have} GPUs here")
-    work = Path(args.work_dir or Path(tempfile.gettempdir()) / "specserve-sweep")
-    work.mkdir(parents=True, exist_ok=True)
-    pair = model_pairs(work, args.smoke, args.device, args.acceptance)[args.pair]
-    materialize(args.pair, pair, work, args.smoke, args.device)
+    pair = prepare_pair(args, layouts)
     lossless = pair.rejection_sampling != "synthetic"
     out_path = Path(args.out) if args.out else None
     doc: dict[str, Any] = json.loads(out_path.read_text()) if out_path and out_path.is_file() else {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,21 @@ def materialize(pair_key: str, pair: Pair, work_dir: Path, smoke: bool, device: 
     target, draft = (TINY_TARGET, TINY_DRAFT) if smoke else (QWEN3_8B, QWEN3_0_6B)
     shape_only(Path(pair.target), Qwen3Config(**{**target, "architectures": ["Qwen3ForCausalLM"]}))
     shape_only(Path(pair.draft), Qwen3Config(**{**draft, "architectures": ["Qwen3ForCausalLM"]}))
+
+
+def prepare_pair(args: Any, layouts: list[Any]) -> Pair:
+    """The pair `args.pair` names, its directories written under --work-dir, once the layouts are known to fit the
+    GPUs here (each layout's `num_gpus`)."""
+    if args.device == "cuda":
+        have = torch.cuda.device_count()
+        too_big = [lay.name for lay in layouts if lay.num_gpus > have]
+        if too_big:
+            raise SystemExit(f"layouts {too_big} need more than the {have} GPUs here")
+    work = Path(args.work_dir or Path(tempfile.gettempdir()) / "specserve-sweep")
+    work.mkdir(parents=True, exist_ok=True)
+    pair = model_pairs(work, args.smoke, args.device, args.acceptance)[args.pair]
+    materialize(args.pair, pair, work, args.smoke, args.device)
+    return pair
 
 
 def warmup_count(args: Any, concurrency: int) -> int:
