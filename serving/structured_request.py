@@ -41,10 +41,17 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
         if not isinstance(schema, dict):
             raise GenerationError("response_format.json_schema.schema must be a JSON schema object", 400,
                                   "response_format.json_schema.schema")
-        # strict true or false: the schema is enforced either way (strict only allows more than OpenAI's default).
+        # The schema is enforced either way; `strict` (default true here) also refuses properties it does not list.
         return {"json": schema}
     raise GenerationError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {rf.type!r}",
                           400, "response_format.type")
+
+
+def _json_schema_strict(rf: Any) -> bool:
+    """response_format json_schema's `strict`: only an explicit false keeps JSON Schema's meaning (additional
+    properties allowed where the schema does not say)."""
+    js = (rf.model_extra or {}).get("json_schema") if rf is not None else None
+    return not (isinstance(js, dict) and js.get("strict") is False)
 
 
 def structured_outputs(body: Any, tools: ToolSpec | None = None) -> dict[str, Any] | None:
@@ -88,7 +95,7 @@ def structured_outputs(body: Any, tools: ToolSpec | None = None) -> dict[str, An
                               400, found[1][0])
     name, fields = found[0]
     if strict is None and name == "response_format":
-        strict = True
+        strict = _json_schema_strict(body.response_format)
     if strict and "json" in fields:
         schema = fields["json"]
         if isinstance(schema, str):

@@ -108,8 +108,8 @@ def tool_grammar(spec: ToolSpec) -> str | None:
     for name in names:
         fn = spec.functions[name]
         params = fn["parameters"]
-        # A tool marked strict (OpenAI's structured outputs) is strict either way.
-        if spec.strict or fn.get("strict") is True:
+        # A tool's own `strict` (OpenAI's structured outputs) decides for it; else the request's default.
+        if (fn["strict"] if isinstance(fn.get("strict"), bool) else spec.strict):
             try:
                 params = disallow_additional_properties(params)
             except RecursionError as e:

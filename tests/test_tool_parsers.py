@@ -231,6 +231,7 @@ def test_strictness_defaults_by_field() -> None:
 
     off = {"disable_additional_properties": False}
     assert strict(response_format=rf) and not strict(response_format=rf, structured_outputs=off)
+    assert not strict(response_format={**rf, "json_schema": {**rf["json_schema"], "strict": False}})
     assert not strict(guided_json=loose) and not strict(structured_outputs={"json": loose})
     assert strict(guided_json=loose, guided_decoding_backend="guidance:disable-additional-properties")
     assert strict(structured_outputs={"json": loose, "disable_additional_properties": True})
@@ -243,6 +244,39 @@ def test_strictness_defaults_by_field() -> None:
                                  **tools)
     body.check_supported()
     assert body._structured["grammar"].count('"additionalProperties": false') == 1
+    # A tool's own `strict` decides for it, either way.
+    for own, off_too, count in ((False, False, 1), (True, True, 2)):
+        fn = {"name": "f", "parameters": loose, "strict": own}
+        body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                     tools=[{"type": "function", "function": fn}], tool_choice="required",
+                                     **({"structured_outputs": off} if off_too else {}))
+        body.check_supported()
+        assert body._structured["grammar"].count('"additionalProperties": false') == count, (own, off_too)
+
+
+# What a model may write in auto mode that is no call, or no whole one: (parser, output, truncated, content kept).
+NOT_CALLS = [
+    ("hermes", '<tool_call>\n{"name": ["get_weather"], "arguments": {}}\n</tool_call>', False, True),
+    ("llama3_json", '{"name": {"a": 1}, "parameters": {}}', False, True),
+    ("mistral", '[TOOL_CALLS][{"name": ["x"], "arguments": {}}]', False, True),
+    ("pythonic", "[get_weather(city={1, 2})]", False, True),
+    ("pythonic", '[get_weather(city=b"x")]', False, True),
+    ("pythonic", "[get_weather(city=1j)]", False, True),
+    ("pythonic", "[Paris](https://example.org) is the capital of Fra", True, True),
+    ("pythonic", "[get_wea", True, False),
+    ("pythonic", '[get_weather(city="Par', True, False),
+    ("llama3_json", '{"city": "Paris", "country": "Fr', True, True),
+    ("llama3_json", '{"na', True, False),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"ci', True, False),
+]
+
+
+@pytest.mark.parametrize("parser, output, truncated, kept", NOT_CALLS)
+def test_what_is_no_call_stays_text_and_never_fails(parser: str, output: str, truncated: bool, kept: bool) -> None:
+    """No call parsed and no error (a 500) for names or values JSON cannot hold; text cut by max_tokens is dropped
+    only where it opens a call."""
+    content, calls = parse_tool_calls(output, _spec(parser), truncated=truncated)
+    assert calls == [] and bool(content) == kept, (content, calls)
 
 
 def test_serve_flags_reach_the_chat_options(tmp_path) -> None:

@@ -37,7 +37,7 @@ def partial_suffix(text: str, token: str) -> int:
 
 def call_object(name: str, arguments: Any, names: set[str]) -> ParsedCall | None:
     """A call when `name` is one of the tools and the arguments decode to an object (JSON text or a dict)."""
-    if name not in names:
+    if not isinstance(name, str) or name not in names:  # the model may write any JSON value there
         return None
     if isinstance(arguments, str):
         try:

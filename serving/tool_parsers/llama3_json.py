@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from serving.tool_parsers.base import Extracted, ParsedCall, ToolParser, call_object, json_values
@@ -26,8 +27,11 @@ class Llama3JsonParser(ToolParser):
         calls = [call_object(v.get("name"), v.get("parameters", v.get("arguments")), names)
                  if isinstance(v, dict) else None for v in values]
         if not values or None in calls or (tail.strip() and not truncated):
-            # Not (only) calls: text after all, unless max_tokens cut it (then the unfinished markup is dropped).
-            return Extracted("" if truncated else markup, [c for c in calls if c] if truncated else [])
+            # Not (only) calls: text after all, unless max_tokens cut what opens a call (then the unfinished markup
+            # is dropped).
+            found = [c for c in calls if c] if truncated else []
+            opens = markup.lstrip().startswith(PYTHON_TAG) or _opens_call(body)
+            return Extracted("" if truncated and (found or opens) else markup, found)
         return Extracted("", [c for c in calls if c is not None])
 
     def grammar(self, calls: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
@@ -39,3 +43,11 @@ class Llama3JsonParser(ToolParser):
 
     def format_calls(self, calls: list[ParsedCall]) -> str:
         return "; ".join(json.dumps({"name": c.name, "parameters": c.arguments}) for c in calls)
+
+
+def _opens_call(body: str) -> bool:
+    """Whether `body` is the start of a call object: `{"name":`, or a cut-off beginning of it."""
+    if re.match(r'\{\s*"name"\s*:', body):
+        return True
+    compact = re.sub(r"\s+", "", body)
+    return bool(compact) and '{"name":'.startswith(compact)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from typing import Any
 
 from serving.tool_parsers.base import Extracted, ParsedCall, ToolParser, lark_literal
@@ -26,8 +27,9 @@ class PythonicParser(ToolParser):
             if not isinstance(tree, ast.List) or not tree.elts:
                 raise ValueError("not a list of calls")
             calls = [_call(node, names) for node in tree.elts]
-        except (SyntaxError, ValueError):
-            return Extracted("" if truncated else markup, [])
+        except (SyntaxError, ValueError, TypeError):
+            # Text after all, unless max_tokens cut what opens a call (then the unfinished markup is dropped).
+            return Extracted("" if truncated and _opens_call(markup, names) else markup, [])
         return Extracted("", calls)
 
     def grammar(self, calls: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
@@ -76,4 +78,19 @@ def _value(node: ast.expr) -> Any:
         return {_value(k): _value(v) for k, v in zip(node.keys, node.values) if k is not None}
     if isinstance(node, ast.List | ast.Tuple):
         return [_value(e) for e in node.elts]
-    return ast.literal_eval(node)
+    value = ast.literal_eval(node)
+    if value is not None and not isinstance(value, str | int | float | bool):  # sets, bytes, complex: not JSON
+        raise ValueError(f"a {type(value).__name__} argument has no JSON form")
+    return value
+
+
+def _opens_call(text: str, names: set[str]) -> bool:
+    """Whether `text` is the start of a call list: `[` then a tool's name (or the start of one) and, once the name
+    is whole, `(`."""
+    m = re.match(r"\s*\[\s*([A-Za-z_]\w*)?(\s*\()?", text)
+    if m is None:
+        return False
+    name, paren = m.group(1) or "", m.group(2)
+    if paren:
+        return name in names
+    return m.end() == len(text) and any(n.startswith(name) for n in names)
