@@ -299,8 +299,10 @@ class EngineCore:
             self._drop_in_flight()
             raise
         t = time.perf_counter()
-        touched = self.commit(step.scheduled, result)
-        self.in_flight.landed(step)
+        try:
+            touched = self.commit(step.scheduled, result)
+        finally:
+            self.in_flight.landed(step)  # committed or failed, it is out of flight: never committed twice
         step.stats.phase_seconds = {**result.phase_seconds, SCHEDULE: step.schedule_seconds,
                                     COMMIT: time.perf_counter() - t}
         self.last_step = step.stats

@@ -284,3 +284,43 @@ def test_async_penalties_read_the_tokens_of_the_step_in_flight(tiny_models, near
     assert outs[True] == outs[False]
     plain = [o.token_ids for o in LLM(path, **ENGINE_KW).generate(PROMPTS, GREEDY)]
     assert outs[True] != plain  # the penalties changed the output, so the history mattered
+
+
+def test_a_step_whose_commit_fails_is_never_committed_again(tiny_models, near_drafts, target_greedy):
+    """A commit that raises (a detokenizer or stop-string error, say) takes its step out of flight all the same. The
+    server then fails the requests in flight and carries on (serving/engine_recovery.py): no later step may commit
+    that result a second time, and new requests come out exact."""
+    path, draft = tiny_models["llama"].path, near_drafts["llama"].path
+    llm = LLM(path, draft_model=draft, num_speculative_tokens=3, **ASYNC)
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(Request(f"r{i}", p, GREEDY))
+    committed: list[int] = []
+    commit, append = engine.commit, engine.output.append
+
+    def recording_commit(scheduled, result):
+        committed.append(id(result))
+        return commit(scheduled, result)
+
+    def failing_append(*args, **kwargs):
+        engine.output.append = append  # once
+        raise RuntimeError("detokenizer failed")
+
+    engine.commit = recording_commit
+    for _ in range(3):
+        engine.step()
+    engine.output.append = failing_append
+    with pytest.raises(RuntimeError, match="detokenizer failed"):
+        for _ in range(10):
+            engine.step()
+    for i in range(len(PROMPTS)):  # what the server does after such an error
+        engine.abort_request(f"r{i}")
+    fresh = [Request(f"n{i}", PROMPTS[i], GREEDY) for i in range(2)]
+    for r in fresh:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(committed) == len(set(committed)), "a step's result was committed twice"
+    ref = target_greedy("llama")
+    assert [r.output_token_ids for r in fresh] == ref[:2]
+    assert_kv_released(llm)

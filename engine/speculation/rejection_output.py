@@ -5,6 +5,7 @@ import the reference."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -19,6 +20,7 @@ class RejectionOutput:
     num_output: Tensor  # [num_reqs] int64; num_accepted + 1 (valid tokens in output_token_ids)
 
 
+@functools.lru_cache(maxsize=1024)  # the same (rate, k) every step: solved once
 def synthetic_position_rate(rate: float, k: int) -> float:
     """The per-position acceptance probability a for which accepted / drafted averages `rate` at draft
     length k: solves (a + a^2 + ... + a^k) / k = rate by bisection (the left side increases with a)."""

@@ -26,8 +26,6 @@ Greedy rows output exactly the target's argmax tokens in the strict and probabil
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -156,7 +154,6 @@ def rejection_sample_from_noise(
     return RejectionOutput(out, num_accepted, num_accepted + 1)
 
 
-@functools.lru_cache(maxsize=1024)
 def _prefix_length(accepted: Tensor) -> Tensor:
     """[num_reqs, max_k] bool -> [num_reqs] int64 length of the all-True prefix (stop at first False)."""
     return accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)
