@@ -21,3 +21,12 @@ def to_device(values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]],
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def tensor_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`, queued on the current stream (no host sync on CUDA): `to_device` for a tensor
+    already built on the host."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_copy import tensor_to_device, to_device
+
 
 @dataclass
 class TreeAttentionMetadata:
@@ -87,9 +89,12 @@ def build_tree_metadata(prefix_lens: list[int], parents: list[list[int]], slots:
         row_flat.extend(range(t * max_rows, t * max_rows + m))
         visible[t, :m, :n] = seen[r]
         flat += m
+    # Built on the host, then queued behind the GPU's work (no sync: engine/host_copy.py).
     return TreeAttentionMetadata(
-        row_index=row_index.to(device), row_valid=row_valid.to(device), row_positions=row_pos.to(device),
-        row_flat=torch.tensor(row_flat, dtype=torch.int64, device=device),
-        positions=row_pos.view(-1)[row_flat].to(device),
-        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
-        node_positions=node_pos.to(device), node_slots=node_slots.to(device), visible=visible.to(device))
+        row_index=tensor_to_device(row_index, device), row_valid=tensor_to_device(row_valid, device),
+        row_positions=tensor_to_device(row_pos, device),
+        row_flat=to_device(row_flat, torch.int64, device),
+        positions=tensor_to_device(row_pos.view(-1)[row_flat], device),
+        prefix_lens=to_device(prefix_lens, torch.int64, device),
+        node_positions=tensor_to_device(node_pos, device), node_slots=tensor_to_device(node_slots, device),
+        visible=tensor_to_device(visible, device))

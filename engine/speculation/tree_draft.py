@@ -28,7 +28,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata, CommonAttentionMetadata, GroupAttentionMetadata
 from engine.attention.tree_metadata import build_tree_metadata
-from engine.host_copy import to_device
+from engine.host_copy import tensor_to_device, to_device
 from engine.kv_cache.block_pool import NULL_BLOCK
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import StepInput
@@ -107,16 +107,17 @@ def _step(runner: ModelRunner, reqs: list[TreeDraftRequest], parents: list[list[
             own = r.block_tables[g.group_id][:max_blocks]
             table[i, :len(own)] = torch.tensor(own, dtype=torch.int64)
         slots = [r.scratch_slots[g.group_id][n] for r, rs in zip(reqs, rows) for n in rs]
-        groups.append(GroupAttentionMetadata(group_id=g.group_id, block_table=table.to(dev),
+        groups.append(GroupAttentionMetadata(group_id=g.group_id, block_table=tensor_to_device(table, dev),
                                              slot_mapping=to_device(slots, torch.int64, dev),
                                              sliding_window=g.spec.sliding_window, block_size=bs))
     counts = [len(rs) for rs in rows]
     qsl = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)
-    common = CommonAttentionMetadata(query_start_loc=qsl.to(dev), seq_lens=tree.prefix_lens, positions=positions,
-                                     num_reqs=len(reqs), num_tokens=num_rows, max_query_len=max(counts),
+    common = CommonAttentionMetadata(query_start_loc=tensor_to_device(qsl, dev), seq_lens=tree.prefix_lens,
+                                     positions=positions, num_reqs=len(reqs), num_tokens=num_rows,
+                                     max_query_len=max(counts),
                                      max_seq_len=max(r.prefix_len + len(r.window) + len(p) for r, p in
                                                      zip(reqs, parents)))  # an upper bound, from the host
-    step = StepInput(input_ids=torch.cat(tokens).to(dev), positions=positions,
+    step = StepInput(input_ids=tensor_to_device(torch.cat(tokens), dev), positions=positions,
                      attn=AttentionMetadata(common=common, groups=groups, tree=tree),
                      logits_indices=torch.arange(num_rows, device=dev), num_logits_per_req=counts)
     return runner.execute(step)
