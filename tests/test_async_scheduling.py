@@ -295,11 +295,11 @@ def test_a_step_whose_commit_fails_is_never_committed_again(tiny_models, near_dr
     engine = llm.engine
     for i, p in enumerate(PROMPTS):
         engine.add_request(Request(f"r{i}", p, GREEDY))
-    committed: list[int] = []
+    committed: list[object] = []  # the results themselves: an id() alone is reused once its object is freed
     commit, append = engine.commit, engine.output.append
 
     def recording_commit(scheduled, result):
-        committed.append(id(result))
+        committed.append(result)
         return commit(scheduled, result)
 
     def failing_append(*args, **kwargs):
@@ -320,7 +320,7 @@ def test_a_step_whose_commit_fails_is_never_committed_again(tiny_models, near_dr
         engine.add_request(r)
     while engine.has_unfinished():
         engine.step()
-    assert len(committed) == len(set(committed)), "a step's result was committed twice"
+    assert len({id(r) for r in committed}) == len(committed), "a step's result was committed twice"
     ref = target_greedy("llama")
     assert [r.output_token_ids for r in fresh] == ref[:2]
     assert_kv_released(llm)
