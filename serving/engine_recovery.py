@@ -35,6 +35,7 @@ import ray
 from serving.engine_builders import import_builder
 
 if TYPE_CHECKING:
+    from serving.admission_queue import AdmissionQueue
     from serving.metrics import EngineMetrics
     from serving.request_stream import RequestStream
 
@@ -64,6 +65,7 @@ class EngineRecovery:
     continue_without_draft: bool
     metrics: EngineMetrics
     _streams: dict[str, RequestStream]
+    _admission: AdmissionQueue
     _unhealthy: str | None
     _degraded: str | None
     _recovery: asyncio.Task | None  # rebuilding workers: keeps a reference so it is not collected
@@ -75,12 +77,15 @@ class EngineRecovery:
         if dead and self._serve_without_draft(error):
             return
         # The engine's own culprits: requests it ended (aborted) in the failed step, which no step published.
+        # Requests still queued for admission never reached the engine: the failed step cannot be theirs.
         culprits = [s for s in self._streams.values()
-                    if s.finish_reason is None and not self.engine.has_request(s.request.request_id)]
+                    if s.finish_reason is None and not self.engine.has_request(s.request.request_id)
+                    and not self._admission.holds(s.request.request_id)]
         if culprits and not dead:
             logger.warning("engine step failed for %d request(s): %s", len(culprits), error)
         else:
             logger.error("engine step failed; failing every request in flight", exc_info=error)
+            self._admission.take_all()  # their streams are failed below with the rest: none may reach the engine
             culprits = [s for s in self._streams.values() if s.finish_reason is None]
             for s in culprits:
                 try:

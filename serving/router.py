@@ -7,8 +7,10 @@ there is work; each blocking `engine.step()` runs in a thread so the actor keeps
 metric scrapes, new requests and aborts meanwhile.
 
 Engine state is touched only under `_lock`. The loop holds it while a step thread runs steps back to back;
-`add`/`abort`/health checks/recovery ask for it through `_between_steps`, which makes the step thread stop at the
-end of its step and hand the lock over (asyncio.Lock serves waiters first, so steps cannot starve them). The
+`abort`/health checks/recovery ask for it through `_between_steps`, which makes the step thread stop at the
+end of its step and hand the lock over (asyncio.Lock serves waiters first, so steps cannot starve them). A new
+request does not: it is validated and queued (serving/admission_queue.py), and the step thread admits every
+queued arrival before its next step, so a wave of arrivals is one prefill and no step is cut short for one. The
 step thread copies each step's token deltas before the next step runs and the event loop publishes the copies,
 so a stream never reads a request that a running step is writing.
 
@@ -33,6 +35,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import ray
+
+from serving.admission_queue import AdmissionQueue
 
 # build_local_engine stays importable from here for configs that name serving.router:build_local_engine.
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, build_local_engine, import_builder  # noqa: F401
@@ -83,6 +87,7 @@ class Router(EngineRecovery):
         self._lock = asyncio.Lock()
         self._lock_waiters = 0  # coroutines waiting for `_lock`: the step thread yields the engine to them
         self._streams: dict[str, RequestStream] = {}
+        self._admission = AdmissionQueue()
         self._loop_task: asyncio.Task | None = None
         self._unhealthy: str | None = None
         self._draining = False
@@ -149,6 +154,10 @@ class Router(EngineRecovery):
                 asyncio.get_running_loop().create_task(self.abort(request_id))
 
     async def abort(self, request_id: str) -> bool:
+        queued = self._admission.remove(request_id)
+        if queued is not None:  # never reached the engine: nothing to free
+            self._end_queued(queued[1], "abort")
+            return True
         async with self._between_steps():
             req = self.engine.abort_request(request_id)
             stream = self._streams.get(request_id)
@@ -172,7 +181,8 @@ class Router(EngineRecovery):
         return {"healthy": self._unhealthy is None, "reason": self._unhealthy, "draining": self._draining,
                 "recovering": self._recovery is not None and not self._recovery.done(),
                 "speculation": self.engine.spec_config is not None, "degraded": self._degraded,
-                "num_running": self.engine.num_running(), "num_waiting": self.engine.num_waiting()}
+                "num_running": self.engine.num_running(),
+                "num_waiting": self.engine.num_waiting() + len(self._admission)}
 
     async def drain(self, timeout_s: float = 30.0) -> dict[str, Any]:
         """For shutdown: refuse new requests (503) from now on and wait up to `timeout_s` for the ones in flight
@@ -224,20 +234,24 @@ class Router(EngineRecovery):
         req = Request(request_id, list(prompt_token_ids), sp)
         holdback = max((len(s) for s in sp.stop), default=1) - 1
         stream = RequestStream(request=req, arrival=time.perf_counter(), holdback=holdback)
-        async with self._between_steps():
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            waiting = self.engine.num_waiting()
-            if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
-                # Refuse rather than queue without bound: memory stays flat and the client backs off.
-                raise Rejected(f"the server is overloaded: {waiting} requests are already waiting "
-                               f"(max_queued_requests={self.max_queued_requests}); retry after "
-                               f"{RETRY_AFTER_S} s", 429, RETRY_AFTER_S)
-            self.engine.add_request(req)  # raises ValueError before changing anything
-            self._streams[request_id] = stream
-            self.metrics.set_queue(self.engine.num_running(), self.engine.num_waiting())
-            if self._loop_task is None or self._loop_task.done():
-                self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        # On the event loop while a step may be running: it reads the engine (vocabulary, ids in use, the grammar
+        # cache) and changes nothing the step thread writes. The step thread validates again when it admits.
+        self.engine.validate_request(req)
+        waiting = self.engine.num_waiting() + len(self._admission)
+        if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
+            # Refuse rather than queue without bound: memory stays flat and the client backs off.
+            raise Rejected(f"the server is overloaded: {waiting} requests are already waiting "
+                           f"(max_queued_requests={self.max_queued_requests}); retry after "
+                           f"{RETRY_AFTER_S} s", 429, RETRY_AFTER_S)
+        # Queued, not added: the step thread admits every arrival of its last step before the next one
+        # (serving/admission_queue.py), so a running step is never stopped for an arrival.
+        self._admission.put(req, stream)
+        self._streams[request_id] = stream
+        self.metrics.set_queue(self.engine.num_running(), waiting + 1)
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
         return stream
 
     # --- the step loop --------------------------------------------------------------------------------
@@ -245,6 +259,7 @@ class Router(EngineRecovery):
         loop = asyncio.get_running_loop()
         while True:
             async with self._lock:
+                self._admit(loop)
                 if not self.engine.has_unfinished():
                     self._loop_task = None  # under the lock: `_add` starts a new loop if work arrives now
                     return
@@ -271,6 +286,7 @@ class Router(EngineRecovery):
 
         try:
             while True:
+                self._admit(loop)
                 touched = engine.step(on_dispatched=hand_over)
                 hand_over()  # a step that dispatched nothing (none scheduled) did not hand the last one over
                 now = time.perf_counter()
@@ -280,10 +296,30 @@ class Router(EngineRecovery):
                 step = (stats.phase_seconds, engine.num_running(), engine.num_waiting(), stats.num_preempted,
                         engine.kv_usage(), stats.draft_length)
                 pending = (deltas, step, now)
-                if self._lock_waiters or not engine.has_unfinished():
+                if self._lock_waiters or not (engine.has_unfinished() or len(self._admission)):
                     return
         finally:
             hand_over()  # the last step's, and one before a failed step's dispatch
+
+    def _admit(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Move the queued arrivals into the engine, holding it (on the step thread, or under the lock)."""
+        for req, stream in self._admission.take_all():
+            try:
+                self.engine.add_request(req)
+            except ValueError as e:  # what validation on arrival could not see (an id taken meanwhile, say)
+                loop.call_soon_threadsafe(self._refuse, stream, str(e))
+
+    def _refuse(self, stream: RequestStream, message: str) -> None:
+        stream.error = (message, 400)
+        stream.event.set()
+
+    def _end_queued(self, stream: RequestStream, reason: str, error: tuple[str, int] | None = None) -> None:
+        """End a request that was accepted but never reached the engine (on the event loop)."""
+        if stream.finish_reason is None:
+            stream.finish_reason = reason
+            stream.error = error
+            self.metrics.on_finished(reason, 0.0)
+            stream.event.set()
 
     def _publish_now(self, touched: list[Any]) -> None:
         """Publish what steps collected outside the step thread gave their requests (on the event loop)."""
