@@ -205,9 +205,10 @@ class EngineConfig:
     # Saguaro sampling (engine/sample/saguaro.py) with speculation ahead's rejection windows: the draft draws each
     # draft token from its q with the two likeliest tokens there (a rejection window's root, the draft's runner-up,
     # is one of them) scaled by this factor c and renormalised, so the target's token after a rejection is more often
-    # a root whose window was drafted ahead: more rejection hits, fewer accepted drafts. Still exact: the verify reads
-    # the scaled q each draft was drawn from. None or 1: off; otherwise c in (0, 1), with speculation ahead, more than
-    # one branch and probabilistic rejection sampling (the only mode whose replacement token reads q).
+    # a root whose window was drafted ahead; acceptance changes with it (docs/ARCHITECTURE.md, "Saguaro sampling").
+    # Still exact: the verify reads the scaled q each draft was drawn from. None or 1: off; otherwise c in (0, 1),
+    # with speculation ahead, more than one branch and probabilistic rejection sampling (the only mode whose
+    # replacement token reads q).
     speculation_ahead_saguaro: float | None = None
     # Benchmarks only, with synthetic rejection: the rate at which a lookup takes the target's token for the draft's
     # guess where a window was drafted for its outcome (the bonus token after all drafts accepted, or the token
