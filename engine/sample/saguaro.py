@@ -9,7 +9,8 @@ or the runner-up of engine/speculation/ahead_branches.py). Drawing d from
     q'(x) = c q(x) / Z  for x among q's top_f tokens,   q(x) / Z  otherwise,   Z = 1 - (1 - c) sum_{top_f} q,
 
 with a factor c in (0, 1] lowers q' on exactly those tokens, so the residual max(p - q', 0) puts more of its mass on
-them: fewer drafts are accepted, more rejections hit. Exact all the same: rejection sampling is lossless for any
+them and more rejections hit; acceptance changes too, and not always for the better (docs/ARCHITECTURE.md,
+"Saguaro sampling"). Exact all the same: rejection sampling is lossless for any
 proposal distribution provided it reads the one each token was drawn from, so the draft hands q' (not q) to the
 verifier (DraftProposal.draft_probs). A verify against the unscaled q would bias the output (the tests show it).
 
