@@ -202,6 +202,14 @@ class EngineConfig:
     # measured to fit in the target's verify (engine/speculation/ahead_budget.py), so a fan-out that would hold the next
     # step up is cut back. False: every step drafts speculation_ahead_branches windows a request.
     speculation_ahead_adaptive: bool = True
+    # Saguaro sampling (engine/sample/saguaro.py) with speculation ahead's rejection windows: the draft draws each
+    # draft token from its q with the two likeliest tokens there (a rejection window's root, the draft's runner-up,
+    # is one of them) scaled by this factor c and renormalised, so the target's token after a rejection is more often
+    # a root whose window was drafted ahead; acceptance changes with it (docs/ARCHITECTURE.md, "Saguaro sampling").
+    # Still exact: the verify reads the scaled q each draft was drawn from. None or 1: off; otherwise c in (0, 1),
+    # with speculation ahead, more than one branch and probabilistic rejection sampling (the only mode whose
+    # replacement token reads q).
+    speculation_ahead_saguaro: float | None = None
     # Benchmarks only, with synthetic rejection: the rate at which a lookup takes the target's token for the draft's
     # guess where a window was drafted for its outcome (the bonus token after all drafts accepted, or the token
     # at a rejection): random weights never agree on one.
@@ -237,6 +245,7 @@ class EngineConfig:
         if not isinstance(self.speculation_ahead_adaptive, bool):
             raise ValueError("speculation_ahead_adaptive must be true or false, got "
                              f"{self.speculation_ahead_adaptive!r}")
+        self._validate_saguaro()
         rate = self.synthetic_bonus_agreement
         if rate is not None and not (isinstance(rate, (int, float)) and 0.0 <= rate <= 1.0):
             raise ValueError(f"synthetic_bonus_agreement must be in [0, 1], got {rate!r}")
@@ -254,6 +263,21 @@ class EngineConfig:
         if self.tensor_parallel_size != 1:
             raise ValueError("the offline engine runs one process (tensor_parallel_size=1); use the Ray "
                              "serving layer for tensor parallelism")
+
+    def _validate_saguaro(self) -> None:
+        c = self.speculation_ahead_saguaro
+        if c is None:
+            return
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 < c <= 1.0:  # NaN fails too
+            raise ValueError(f"speculation_ahead_saguaro must be a factor in (0, 1] (or null: off), got {c!r}")
+        if c == 1.0:
+            return
+        if self.speculation_ahead is False:
+            raise ValueError("speculation_ahead_saguaro scales the draft's q for windows drafted ahead: it needs "
+                             "speculation_ahead (it is false)")
+        if self.speculation_ahead_branches < 2:
+            raise ValueError("speculation_ahead_saguaro steers rejections onto the windows drafted for them: it needs "
+                             "speculation_ahead_branches >= 2 (with 1 only the all-accepted window is drafted)")
 
 
 def _dtype_names(dtype: torch.dtype) -> tuple[str, ...]:

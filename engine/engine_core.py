@@ -67,6 +67,13 @@ class EngineCore:
         if engine_config.synthetic_bonus_agreement is not None and (
                 self.spec_config is None or self.spec_config.rejection_sampling != "synthetic"):
             raise ValueError("synthetic_bonus_agreement is a benchmark setting for rejection_sampling='synthetic'")
+        if engine_config.speculation_ahead_saguaro not in (None, 1.0) and not (
+                self.scheduler.speculation_ahead and self.spec_config.rejection_sampling == "probabilistic"):
+            # Strict and synthetic acceptance emit the target's own sample at a rejection, whatever q: the scaling
+            # would only cost accepted drafts.
+            raise ValueError("speculation_ahead_saguaro needs a draft model, speculation ahead on (it is "
+                             f"{'on' if self.scheduler.speculation_ahead else 'off'}) and "
+                             "rejection_sampling='probabilistic'")
         self._speculation_ahead_totals: tuple[int, ...] = (0, 0, 0, 0, 0)  # the draft's, as its last result said
         self.ahead_budget = self._new_speculation_ahead_budget()
 

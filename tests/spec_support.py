@@ -80,9 +80,10 @@ def assert_kv_released(llm: LLM) -> None:
     assert all(n == 0 for groups in used.values() for n in groups), f"blocks still held after generate: {used}"
 
 
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled into one cell (the
-    chi-square approximation needs expected counts >= 5). Cells of probability 0 must be empty."""
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, float]:
+    """Pearson chi-square goodness of fit: (statistic, p-value, the statistic's critical value at
+    P_VALUE_THRESHOLD). Cells with expected count < 5 are pooled into one cell (the chi-square approximation needs
+    expected counts >= 5). Cells of probability 0 must be empty."""
     counts, probs = counts.double().flatten(), probs.double().flatten()
     assert counts[probs == 0].sum() == 0, "the engine produced a sequence of probability 0"
     expected = probs * counts.sum()
@@ -95,4 +96,10 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
         obs[i] += obs[-1]
         exp[i] += exp[-1]
         obs, exp = obs[:-1], exp[:-1]
-    return float(stats.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+    res = stats.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item())
+    return float(res.statistic), float(res.pvalue), float(stats.chi2.isf(P_VALUE_THRESHOLD, len(obs) - 1))
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """The p-value of `chi_square`."""
+    return chi_square(counts, probs)[1]

@@ -18,7 +18,8 @@ Speculation ahead with branches (engine/speculation/ahead_branches.py) asks two 
 function so graphs and eager runs agree: each row's most likely token other than the one it drew (`alt`: where a
 rejection at that draft would leave the target's token, the guess of a rejection branch; a top-2 of the logits, no
 extra forward), and a per-row guess mode for column 0 (`guess`: 0 drawn as usual, 1 the argmax, 2 the runner-up:
-the guessed bonus tokens of all-accepted branches).
+the guessed bonus tokens of all-accepted branches). With Saguaro sampling (engine/sample/saguaro.py) the step draws
+from q with its likeliest tokens scaled down and keeps that q' as the draft's probabilities (`draw_distribution`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.processing import logits_to_probs
+from engine.sample.saguaro import SaguaroSampling, saguaro_probs
 from engine.sample.sampler import exponential_race
 
 FIRST_QUERY_LEN = 2  # last accepted token + bonus token
@@ -44,9 +46,11 @@ FIRST_QUERY_LEN = 2  # last accepted token + bonus token
 class DraftLoop:
     """Static buffers and graphs of the draft loop for batches of up to max_num_reqs requests."""
 
-    def __init__(self, runner: ModelRunner, max_k: int, keep_probs: bool, alternatives: bool = False) -> None:
+    def __init__(self, runner: ModelRunner, max_k: int, keep_probs: bool, alternatives: bool = False,
+                 saguaro: SaguaroSampling | None = None) -> None:
         """alternatives: each step also records every row's most likely token other than its draw, and column 0
-        may be a row's runner-up (speculation ahead's branches)."""
+        may be a row's runner-up (speculation ahead's branches). saguaro: sampled rows draw from q scaled as it says
+        (engine/sample/saguaro.py), and `probs` keeps that q'; fixed here, as the graphs capture it."""
         if runner.buffers is None:
             raise ValueError("the draft loop needs the kernel path (attention_backend='triton')")
         self.runner = runner
@@ -66,6 +70,7 @@ class DraftLoop:
         self.top_k = torch.zeros(r, dtype=torch.int64, device=dev)  # [max_num_reqs] int64
         self.step_idx = torch.zeros(1, dtype=torch.int64, device=dev)  # [1] int64; column the step writes
         self.alternatives = alternatives
+        self.saguaro = saguaro
         # [max_num_reqs, max_k] int64: per row and step, the most likely token other than the one drawn there.
         self.alt = torch.zeros(r, self.max_k, dtype=torch.int64, device=dev) if alternatives else None
         # [max_num_reqs] int64: column 0 is drawn as usual (0), the argmax (1, via noise 1) or the runner-up (2).
@@ -93,6 +98,8 @@ class DraftLoop:
             md = SamplingMetadata(self.temperature[:b], self.top_p[:b], self.top_k[:b], all_greedy=False,
                                   all_random=False, no_top_p=False, no_top_k=False, generators={})
             probs = logits_to_probs(logits, md)
+            if self.saguaro is not None:
+                probs = draw_distribution(probs, self.saguaro, self.temperature[:b], self.guess[:b], j)
             tok = exponential_race(probs, self.noise[:b].index_select(1, j).squeeze(1))
             if self.probs is not None:
                 self.probs[:b].index_copy_(1, j, probs.unsqueeze(1))
@@ -246,3 +253,17 @@ class DraftLoop:
         ids.masked_fill_(cols[None, :] >= self.num_draft[:n, None], -1)
         probs = self.probs[:n, :max_k] if (self.probs is not None and not greedy) else None
         return ids, probs
+
+
+def draw_distribution(q: torch.Tensor,  # [b, V] float32 processed q of one step
+                      saguaro: SaguaroSampling,
+                      temperature: torch.Tensor,  # [b] float32; 0: greedy row (q one-hot, left as is)
+                      guess: torch.Tensor,  # [b] int64; the loop's per-row column-0 mode (0 drawn, 1 and 2 guessed)
+                      step_idx: torch.Tensor,  # [1] int64; the column this step writes
+                      ) -> torch.Tensor:
+    """[b, V] float32: the distribution each row of a step draws its token from under Saguaro sampling: q' for drawn
+    tokens; q itself for a guessed column 0, whose noise of 1 makes the race an argmax that must be q's (the guessed
+    bonus token is the draft's argmax, not q''s: scaling can reorder the top)."""
+    scaled = saguaro_probs(q, saguaro.top_f, saguaro.factor, greedy=temperature == 0)
+    guessed = (guess != 0) & (step_idx == 0)  # [b] bool
+    return torch.where(guessed[:, None], q, scaled)

@@ -18,7 +18,11 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.sample.from_plan import DRAFT_STREAM, request_generator, sampling_metadata
 from engine.sample.logits_processors import needs_processing, process_target_logits
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.processing import logits_to_probs
+from engine.sample.saguaro import SaguaroSampling, sample_saguaro
 from engine.sample.sampler import Sampler
+from engine.speculation.ahead_saguaro import ahead_saguaro
 from engine.speculation.draft_loop import DraftLoop
 from engine.step.plan import StepPlan
 
@@ -32,7 +36,9 @@ class DraftProposal:
     # [num_reqs, max_k] int64 on the draft's device, -1 beyond a request's k; or, from `to_host`, each request's
     # k ids as a host list
     draft_token_ids: torch.Tensor | list[list[int]]
-    draft_probs: torch.Tensor | None  # [num_reqs, max_k, vocab] float32; q after temperature/top-k/top-p
+    # [num_reqs, max_k, vocab] float32; q after temperature/top-k/top-p: the distribution each draft was drawn from
+    # (with Saguaro sampling, q', the scaled one: engine/sample/saguaro.py)
+    draft_probs: torch.Tensor | None
     # [num_reqs, max_k] int64 on the draft's device: per draft, the draft's most likely token other than it there
     # (where a rejection at that draft would most likely leave the target's token); only where speculation ahead
     # drafts branches (engine/speculation/ahead_branches.py), None otherwise. Stays on the draft's side (`to_host`
@@ -61,14 +67,19 @@ class DraftProposal:
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner, keep_probs: bool, seed: int = 0, ahead: bool = False) -> None:
+    def __init__(self, runner: ModelRunner, keep_probs: bool, seed: int = 0, ahead: bool = False,
+                 saguaro: SaguaroSampling | None = None) -> None:
         """ahead: the proposer also drafts windows ahead (a guessed token, then k drafts): its loop is sized for
         k + 1 steps. With more than one branch (EngineConfig.speculation_ahead_branches) every proposal also records
-        each draft's runner-up token (`DraftProposal.alt_token_ids`), the guesses of the rejection branches."""
+        each draft's runner-up token (`DraftProposal.alt_token_ids`), the guesses of the rejection branches.
+        saguaro: draw every sampled draft from q with its likeliest tokens scaled down (engine/sample/saguaro.py);
+        None: as EngineConfig.speculation_ahead_saguaro says when drafting ahead, else off."""
         self.runner = runner
         self.sampler = Sampler()
         self.keep_probs = keep_probs  # only probabilistic rejection reads q
         self.alternatives = ahead and runner.config.speculation_ahead_branches > 1
+        # Fixed before the loop captures its graphs, which bake it in.
+        self.saguaro = saguaro if saguaro is not None else (ahead_saguaro(runner.config) if ahead else None)
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed(seed + 1)
         # Kernel path: the k steps run from static buffers, as CUDA graphs where captured.
@@ -78,7 +89,7 @@ class DraftProposer:
             # graphs cover catch-ups of at most two tokens), then the loop's graphs, in the same memory pool.
             runner.capture_graphs([])
             self.loop = DraftLoop(runner, runner.config.num_speculative_tokens + (1 if ahead else 0), keep_probs,
-                                  alternatives=self.alternatives)
+                                  alternatives=self.alternatives, saguaro=self.saguaro)
             self.loop.capture()
 
     @torch.inference_mode()
@@ -130,13 +141,13 @@ class DraftProposer:
                 drawn = [n for n in range(len(rows)) if not guesses[rows[n]]]
                 tok = logits.argmax(dim=-1)
                 d_idx = to_device(drawn, torch.int64, dev)
-                d_tok, d_p = self.sampler.sample_with_probs(logits[d_idx], md.select([rows[n] for n in drawn]))
+                d_tok, d_p = self._draw(logits[d_idx], md.select([rows[n] for n in drawn]))
                 tok[d_idx] = d_tok
                 p = None
                 if probs is not None:
                     probs[row_idx[d_idx], j] = d_p
             else:
-                tok, p = self.sampler.sample_with_probs(logits, md.select(rows))
+                tok, p = self._draw(logits, md.select(rows))
             if alt is not None:
                 top2 = logits.topk(2, dim=-1).indices  # [rows, 2] int64
                 other = torch.where(top2[:, 0] == tok, top2[:, 1], top2[:, 0])
@@ -155,6 +166,12 @@ class DraftProposer:
             # Only catch-up work (prefill chunks, k = 0 decodes): keep the draft's KV in step.
             self.runner.forward_chunks([c for c in chunks if c.token_ids])
         return DraftProposal(ids, probs, alt)
+
+    def _draw(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [rows, V] -> (drafts [rows] int64, the q [rows, V] float32 they were drawn from)."""
+        if self.saguaro is None:
+            return self.sampler.sample_with_probs(logits, md)
+        return sample_saguaro(logits_to_probs(logits, md), md, self.saguaro.top_f, self.saguaro.factor)
 
     def _propose_loop(self, plan: StepPlan, guesses: list[int]) -> DraftProposal:
         """The same proposal from the draft loop's buffers and graphs. Its random numbers are drawn up front
