@@ -2,7 +2,7 @@
 drafting on the kernel path against the torch path, on CPU under Triton's interpreter.
 
 As in tests/test_kernels.py, the interpreted tests run in a child pytest process started with TRITON_INTERPRET=1
-(tests/interpreter_children.py); here they are skipped and `test_tree_kernel_under_interpreter` runs the child.
+(tests/interpreter_children.py); here they are skipped and `test_tree_kernel_under_interpreter` runs the children.
 bf16 is covered on CUDA (tests/gpu/test_tree_attention_cuda.py).
 """
 
@@ -12,13 +12,15 @@ import os
 
 import pytest
 import torch
-from interpreter_children import assert_pytest_children_pass
+from interpreter_children import assert_pytest_children_pass, split_by
 from kernel_support import tree_case
+from test_tree_draft import SCRATCH_FIRST, _request, tree_runner
 
 from engine.attention import torch_backend
 from engine.attention.metadata import GroupAttentionMetadata
 from engine.kernels import tree_attention
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
+from engine.speculation.tree_draft import draft_tree
 
 if not HAS_TRITON:
     pytest.skip("triton is not installed (the `test` extra installs it on Linux)", allow_module_level=True)
@@ -41,17 +43,19 @@ def check_tree_kernel(case, atol: float, rtol: float, splits: int | None = None)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already under the interpreter: the kernel tests run in this process")
-def test_tree_kernel_under_interpreter(tiny_drafts):
-    """Runs this file's interpreted tests in a child; the tiny drafts' paths reach it through the environment."""
-    os.environ["TREE_TEST_DRAFTS"] = os.pathsep.join(f"{k}={v.path}" for k, v in tiny_drafts.items())
-    try:
-        assert_pytest_children_pass(__file__)
-    finally:
-        del os.environ["TREE_TEST_DRAFTS"]
+def test_tree_kernel_under_interpreter(tiny_drafts, tmp_path, monkeypatch):
+    """Runs this file's interpreted tests in two children side by side (the kernel, and draft_tree). draft_tree's
+    torch-path results are computed here (no interpreter: fast) and reach the child, with the draft's path,
+    through the environment."""
+    runner = tree_runner(tiny_drafts[DRAFT].path, DRAFT_BLOCK_SIZE, backend="torch")
+    torch.save(_tree_outputs(runner), tmp_path / "torch_path.pt")
+    monkeypatch.setenv("TREE_TEST_DRAFT", tiny_drafts[DRAFT].path)
+    monkeypatch.setenv("TREE_TEST_TORCH_PATH", str(tmp_path / "torch_path.pt"))
+    assert_pytest_children_pass(__file__, split_by("draft_tree"))
 
 
 @interpreted
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 2, 64), (8, 2, 128), (6, 2, 32)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 128), (3, 3, 32)])
 def test_tree_kernel_matches_reference(num_heads, num_kv_heads, head_dim):
     # Windows: none, one smaller than a block (5 < 16), one that reaches into the prefix.
     for window in (None, 5, 20):
@@ -96,33 +100,28 @@ def test_tree_kernel_rejects_bad_shapes():
         tree_attention.tree_attention_ref(*case.args(torch.empty_like(case.query)))
 
 
-def _drafts() -> dict[str, str]:
-    spec = os.environ.get("TREE_TEST_DRAFTS", "")
-    return dict(item.split("=", 1) for item in spec.split(os.pathsep) if item)
+DRAFT, DRAFT_BLOCK_SIZE = "gemma3-2l", 8  # a sliding window (5) smaller than a block, two KV-cache groups
+
+
+def _tree_outputs(runner) -> list[dict[str, torch.Tensor]]:
+    """Two requests' trees, two depths: prefixes of 14 tokens (block 0 wholly outside the window: released) and 6."""
+    prefixes, windows = [list(range(3, 17)), list(range(40, 46))], [[5, 6, 7], [8, 9]]
+    roots = [[[30, 41], [63], [85], [96]], [[17], [39, 40], [62]]]
+    reqs = [_request(runner, 1 + 16 * i, p, w, r, 2, SCRATCH_FIRST + 12 * i, seed=i)
+            for i, (p, w, r) in enumerate(zip(prefixes, windows, roots))]
+    return [dict(logits=t.logits, window_logits=t.window_logits, tokens=t.tokens) for t in draft_tree(runner, reqs, 2)]
 
 
 @interpreted
-@pytest.mark.parametrize("model,block_size", [("llama-1l", 4), ("gemma3-2l", 8)])
-def test_draft_tree_on_kernel_path_equals_torch_path(model, block_size):
-    """draft_tree with the Triton kernels (tree attention, the fused prologue's store into scratch slots) gives the
-    torch path's logits and tokens; the Gemma 3 hybrid has a sliding window (5) smaller than a block (8)."""
-    path = _drafts().get(model)
-    if path is None:
-        pytest.skip("the tiny drafts come from the parent test (test_tree_kernel_under_interpreter)")
-    import test_tree_draft as ttd
-
-    from engine.speculation.tree_draft import draft_tree
-
+def test_draft_tree_on_kernel_path_equals_torch_path():
+    """draft_tree with the Triton kernels (tree attention; the fused prologue storing the rows' KV into their scratch
+    slots) gives the torch path's logits and tokens, for the Gemma 3 hybrid draft."""
+    if "TREE_TEST_DRAFT" not in os.environ:
+        pytest.skip("the draft and the torch path's results come from test_tree_kernel_under_interpreter")
     torch.set_num_threads(1)
-    results = []
-    for backend in ("torch", "triton"):
-        runner = ttd.tree_runner(path, block_size, backend=backend)
-        reqs = [ttd._request(runner, 1 + 16 * i, p, w, r, 2, ttd.SCRATCH_FIRST + 12 * i, seed=i)
-                for i, (p, w, r) in enumerate(zip([list(range(3, 16)), list(range(40, 62))], [[5, 6, 7], [8, 9, 10]],
-                                                  [[[30, 41], [63], [85], [96]], [[17], [39], [40, 51], [62]]]))]
-        results.append(draft_tree(runner, reqs, 2))
-    for want, got in zip(*results):
-        torch.testing.assert_close(got.logits, want.logits, atol=2e-4, rtol=1e-4)
-        torch.testing.assert_close(got.window_logits, want.window_logits, atol=2e-4, rtol=1e-4)
-        assert torch.equal(got.tokens, want.tokens)
-
+    want = torch.load(os.environ["TREE_TEST_TORCH_PATH"])
+    got = _tree_outputs(tree_runner(os.environ["TREE_TEST_DRAFT"], DRAFT_BLOCK_SIZE, backend="triton"))
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g["logits"], w["logits"], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(g["window_logits"], w["window_logits"], atol=2e-4, rtol=1e-4)
+        assert torch.equal(g["tokens"], w["tokens"])
