@@ -71,7 +71,7 @@ def _tree_attention_kernel(
     head = kv_head * HEADS_PER_KV + rows % HEADS_PER_KV  # [BLOCK_M] query head
     in_range = r < max_rows
     # Padding rows have position -1 (and, like rows past max_rows, are neither read nor written).
-    q_pos = tl.load(row_pos_ptr + tree * stride_rp + r, mask=in_range, other=-1)  # [BLOCK_M] int64
+    q_pos = tl.load(row_pos_ptr + tree * stride_rp + r, mask=in_range, other=-1).to(tl.int32)  # [BLOCK_M]
     row_valid = q_pos >= 0
     if tl.max(row_valid.to(tl.int32), 0) > 0:
         q_rows = tl.load(row_index_ptr + tree * stride_ri + r, mask=row_valid, other=0).to(tl.int64)  # [BLOCK_M]
@@ -80,7 +80,7 @@ def _tree_attention_kernel(
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dim[None, :] * stride_qd,
                     mask=row_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
         q = q.to(k_ptr.dtype.element_ty)
-        prefix_len = tl.load(prefix_lens_ptr + tree)
+        prefix_len = tl.load(prefix_lens_ptr + tree).to(tl.int32)
 
         # Running max (log2 domain) starts finite: a row whose keys in a tile are all masked then gets
         # exp2(-inf - floor) = 0 and a rescale of exp2(0) = 1, not the NaN of (-inf) - (-inf).
@@ -91,7 +91,7 @@ def _tree_attention_kernel(
         v_head = v_ptr + kv_head * stride_vh
 
         # ---- the prefix: keys 0..prefix_len - 1, from the earliest window start of this block's rows ----
-        kv_start = prefix_len * 0
+        kv_start = 0
         if HAS_WINDOW:
             first_pos = tl.min(tl.where(row_valid, q_pos, prefix_len + max_nodes), 0)
             kv_start = tl.maximum(first_pos - window + 1, 0)
@@ -131,7 +131,8 @@ def _tree_attention_kernel(
                 node = n0 + tl.arange(0, TILE_NODES)  # [TILE_NODES]
                 n_valid = node < max_nodes
                 slot = tl.load(node_slots_ptr + tree * stride_ns + node, mask=n_valid, other=0).to(tl.int64)
-                n_pos = tl.load(node_pos_ptr + tree * stride_np + node, mask=n_valid, other=-1)  # [TILE_NODES]
+                n_pos = tl.load(node_pos_ptr + tree * stride_np + node, mask=n_valid,
+                                other=-1).to(tl.int32)  # [TILE_NODES]
                 vis = tl.load(visible_ptr + tree * stride_vt + r[:, None] * stride_vr + node[None, :],
                               mask=row_valid[:, None] & n_valid[None, :], other=0) != 0  # [BLOCK_M, TILE_NODES]
                 if HAS_WINDOW:
