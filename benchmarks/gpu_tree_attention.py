@@ -1,8 +1,10 @@
 """Tree forward of a draft on the kernel path (Triton tree attention, engine/kernels/tree_attention.py): one request's
-tree of R rows over a committed prefix, against R = 1, on one GPU (random weights, bf16, eager: no CUDA graphs of
-tree widths yet). Per prefix length and row count: the whole draft forward (embedding to logits, as draft_tree runs
-it), the tree-attention kernel alone (one layer's launch), and the ordinary one-row decode forward (paged attention)
-for scale; medians after warm-up, ratios to one tree row.
+tree of R rows over a committed prefix, against R = 1, on one GPU (random weights, bf16). Per prefix length and row
+count: the whole draft forward (embedding to logits) eagerly, as draft_tree runs it today (no CUDA graphs of tree
+widths yet: a small draft's eager forward is bound by the host's launches), and its GPU time from a CUDA graph of
+it (what graphs of tree widths would cost); the tree-attention kernel alone (one layer's launch, GPU time from a
+graph of 20 launches); the ordinary one-row decode forward (paged attention, eager) for scale. Medians after
+warm-up; ratios to one tree row.
 
     python benchmarks/gpu_tree_attention.py --out results/gpu_tree_attention.json
 """
@@ -13,7 +15,7 @@ import argparse
 import time
 
 import torch
-from common import environment, markdown_table, save_json
+from common import environment, graph_us, markdown_table, save_json
 from gpu_decode import cuda_median_ms
 from gpu_shapes import shape_dir
 
@@ -48,21 +50,28 @@ def tree_step(runner: ModelRunner, prefix_len: int, tables: list[list[int]], row
     return captured[0]
 
 
-def kernel_ms(runner: ModelRunner, step: StepInput, calls: int = 50) -> float:
-    """One layer's tree-attention launch (layer 0's cache and group), median over batches of `calls` launches."""
+def kernel_us(runner: ModelRunner, step: StepInput, calls: int = 20) -> float:
+    """GPU time of one layer's tree-attention launch (layer 0's cache and group), from graph replays."""
     layer = runner.model.attention_layers()[0]
     kv, t, group = layer.kv_cache, step.attn.tree, step.attn.groups[layer.kv_group_id]
     n = t.positions.shape[0]
     q = torch.randn(n, layer.num_heads, layer.head_dim, dtype=kv.dtype, device=kv.device)
     out = torch.empty_like(q)
 
-    def run() -> None:
-        for _ in range(calls):
-            tree_attention(q, kv[0], kv[1], out, group.block_table, t.row_index, t.row_positions, t.prefix_lens,
-                           t.node_positions, t.node_slots[group.group_id], t.visible, layer.scale,
-                           group.sliding_window)
+    def run(_: int) -> None:
+        tree_attention(q, kv[0], kv[1], out, group.block_table, t.row_index, t.row_positions, t.prefix_lens,
+                       t.node_positions, t.node_slots[group.group_id], t.visible, layer.scale, group.sliding_window)
 
-    return cuda_median_ms(run, 5, warmup=2) / calls
+    return graph_us(run, calls)
+
+
+def graph_forward_ms(runner: ModelRunner, step: StepInput) -> float | None:
+    """GPU time of the whole tree forward from a CUDA graph of it; None (and the reason printed) if capture fails."""
+    try:
+        return graph_us(lambda _: runner.execute(step), 1, replays=20) / 1e3
+    except Exception as e:  # noqa: BLE001 - the eager timings still stand
+        print(f"graph capture of the tree forward failed: {type(e).__name__}: {e}")
+        return None
 
 
 def main() -> None:
@@ -98,14 +107,19 @@ def main() -> None:
         for rows in row_counts:
             step = tree_step(runner, prefix_len, tables, rows, args.k)
             fwd = cuda_median_ms(lambda s=step: runner.execute(s), args.steps)
-            kern = kernel_ms(runner, step)
-            base = base or {"fwd": fwd, "kern": kern}
-            results.append({"prefix": prefix_len, "rows": rows, "forward_ms": fwd, "forward_ratio": fwd / base["fwd"],
-                            "kernel_us": kern * 1e3, "kernel_ratio": kern / base["kern"],
-                            "decode_forward_ms": decode_ms})
-    cols = ["prefix", "rows", "forward_ms", "forward_ratio", "kernel_us", "kernel_ratio", "decode_forward_ms"]
+            gfwd = graph_forward_ms(runner, step)
+            kern = kernel_us(runner, step)
+            base = base or {"fwd": fwd, "gfwd": gfwd, "kern": kern}
+            results.append({"prefix": prefix_len, "rows": rows, "eager_fwd_ms": fwd, "eager_ratio": fwd / base["fwd"],
+                            "graph_fwd_ms": gfwd,
+                            "graph_ratio": gfwd / base["gfwd"] if gfwd and base["gfwd"] else None,
+                            "kernel_us": kern, "kernel_ratio": kern / base["kern"],
+                            "decode_eager_ms": decode_ms})
+            torch.cuda.empty_cache()
+    cols = ["prefix", "rows", "eager_fwd_ms", "eager_ratio", "graph_fwd_ms", "graph_ratio", "kernel_us",
+            "kernel_ratio", "decode_eager_ms"]
     env = environment()
-    print(f"{args.shape} tree forward, kernel path, eager, bf16, k={args.k} ({env['device']}); "
+    print(f"{args.shape} tree forward, kernel path, bf16, k={args.k} ({env['device']}); "
           f"{time.perf_counter() - t0:.0f} s in all")
     print(markdown_table(results, cols))
     save_json(args.out, {"env": env, "args": vars(args), "rows": results})
