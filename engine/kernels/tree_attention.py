@@ -285,20 +285,22 @@ def tree_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache
     block_size = key_cache.shape[1]
     flat_k = key_cache.reshape(-1, num_kv_heads, key_cache.shape[3])  # [num_blocks * block_size, kv_heads, dim]
     flat_v = value_cache.reshape(-1, num_kv_heads, value_cache.shape[3])
+    # The metadata on the host once (not one sync per key).
+    tables, row_index_h, row_pos_h = block_table.long().cpu(), row_index.tolist(), row_positions.tolist()
+    node_pos_h, node_slots_h, visible_h = node_positions.tolist(), node_slots.cpu(), visible.cpu()
     for t, prefix_len in enumerate(prefix_lens.tolist()):
-        table = block_table[t].long()
-        for r, q_pos in enumerate(row_positions[t].tolist()):
+        for r, q_pos in enumerate(row_pos_h[t]):
             if q_pos < 0:
                 continue
             lo = max(0, q_pos - sliding_window + 1) if sliding_window is not None else 0
-            slots = [int(table[p // block_size]) * block_size + p % block_size for p in range(lo, prefix_len)]
-            for n, n_pos in enumerate(node_positions[t].tolist()):
-                if bool(visible[t, r, n]) and (sliding_window is None or n_pos > q_pos - sliding_window):
-                    slots.append(int(node_slots[t, n]))
-            idx = torch.tensor(slots, dtype=torch.int64, device=key_cache.device)
-            keys = flat_k[idx].float().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n_keys, heads, dim]
-            values = flat_v[idx].float().repeat_interleave(num_heads // num_kv_heads, dim=1)
-            row = int(row_index[t, r])
+            pos = torch.arange(lo, max(lo, prefix_len))
+            nodes = [n for n, n_pos in enumerate(node_pos_h[t])
+                     if bool(visible_h[t, r, n]) and (sliding_window is None or n_pos > q_pos - sliding_window)]
+            slots = torch.cat([tables[t, pos // block_size] * block_size + pos % block_size,
+                               node_slots_h[t, nodes]]).to(key_cache.device)
+            keys = flat_k[slots].float().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n_keys, heads, dim]
+            values = flat_v[slots].float().repeat_interleave(num_heads // num_kv_heads, dim=1)
+            row = row_index_h[t][r]
             q = query[row].to(key_cache.dtype).float()  # [heads, dim]
             probs = (torch.einsum("hd,khd->hk", q, keys) * scale).softmax(dim=-1)  # [heads, n_keys]
             out[row] = torch.einsum("hk,khd->hd", probs, values).to(out.dtype)
