@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.tree_metadata import TreeAttentionMetadata, build_tree_metadata
 from engine.sample.sampler import exponential_race
 
 
@@ -134,3 +135,80 @@ def rejection_case(mode: str, num_reqs: int, max_k: int, vocab: int, noise: bool
     return RejectionCase(drafts.to(**t), k.to(**t), q.to(**t) if mode == "probabilistic" else None, p.to(**t), mode,
                          0.7 if mode == "synthetic" else None, None if uniforms is None else uniforms.to(**t),
                          None if exps is None else exps.to(**t))
+
+
+@dataclass
+class TreeCase:
+    """One KV-cache group's view of a tree forward (engine/attention/tree_metadata.py) for the tree kernel."""
+
+    query: torch.Tensor  # [num_rows, num_heads, head_dim]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]; block 0 is the null block
+    block_table: torch.Tensor  # [num_trees, max_blocks] int32; the prefixes' blocks
+    tree: TreeAttentionMetadata
+    group_id: int
+    scale: float
+    sliding_window: int | None
+
+    def args(self, out: torch.Tensor, kv_cache: torch.Tensor | None = None) -> tuple:
+        kv = self.kv_cache if kv_cache is None else kv_cache
+        t = self.tree
+        return (self.query, kv[0], kv[1], out, self.block_table, t.row_index, t.row_positions, t.prefix_lens,
+                t.node_positions, t.node_slots[self.group_id], t.visible, self.scale, self.sliding_window)
+
+
+def random_parents(num_nodes: int, g: torch.Generator) -> list[int]:
+    """A random tree: each node hangs off the prefix's end (-1) or an earlier node."""
+    return [int(torch.randint(-1, i, (1,), generator=g)) for i in range(num_nodes)]
+
+
+def tree_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, prefix_lens: list[int],
+              num_nodes: list[int], num_rows: list[int], sliding_window: int | None, dtype: torch.dtype,
+              device: str = "cpu", seed: int = 0, num_groups: int = 2, group_id: int = 1) -> TreeCase:
+    """Trees with the given prefix lengths, node counts and fed rows (the last num_rows[t] nodes of tree t, as a
+    later depth's forward feeds them; the earlier nodes' KV is in their slots already). Prefix blocks are shuffled,
+    scratch slots are a shuffled run of their own blocks, and `num_groups` groups get different slots (the kernel
+    must read group `group_id`'s). Unused blocks hold large values, so a read of a wrong block or slot shows; with a
+    window, prefix keys before every row's window are NaN and blocks wholly before it released (null), as a
+    sliding-window group leaves them."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_tree = [-(-p // block_size) for p in prefix_lens]
+    total_nodes = sum(num_nodes)
+    scratch_blocks = -(-total_nodes // block_size)
+    num_blocks = 1 + sum(blocks_per_tree) + num_groups * scratch_blocks + 3
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g) * 50
+    order = torch.randperm(num_blocks - 1, generator=g) + 1
+    table = torch.zeros(len(prefix_lens), max(blocks_per_tree + [1]) + 1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_tree):
+        table[i, :n] = order[used:used + n]
+        used += n
+    slots_per_group = []
+    for _ in range(num_groups):
+        blocks = order[used:used + scratch_blocks]
+        used += scratch_blocks
+        flat = (blocks[:, None] * block_size + torch.arange(block_size)).view(-1)
+        slots_per_group.append(flat[torch.randperm(flat.numel(), generator=g)][:total_nodes].tolist())
+    parents, slots, rows = [], [], []
+    first = 0
+    for n, m in zip(num_nodes, num_rows):
+        parents.append(random_parents(n, g))
+        slots.append([s[first:first + n] for s in slots_per_group])
+        rows.append(list(range(n - m, n)))
+        first += n
+    kv[:, 0] = 0  # null block
+    kv_in_use = kv[:, order[:used]] / 50  # N(0, 1); the rest stays large
+    kv[:, order[:used]] = kv_in_use
+    tree = build_tree_metadata(prefix_lens, parents, slots, rows, torch.device(device))
+    if sliding_window is not None:
+        for t, p in enumerate(prefix_lens):
+            valid = tree.row_positions[t] >= 0
+            first_visible = int(tree.row_positions[t][valid].min()) - sliding_window + 1 if valid.any() else 0
+            if first_visible <= 0:
+                continue
+            pos = torch.arange(min(first_visible, p))
+            kv[:, table[t, pos // block_size].long(), pos % block_size] = float("nan")
+            table[t, :first_visible // block_size] = 0
+        kv[:, 0] = 0
+    query = torch.randn(sum(num_rows), num_heads, head_dim, generator=g).to(dtype)
+    return TreeCase(query.to(device), kv.to(dtype).to(device), table.to(device), tree, group_id, head_dim ** -0.5,
+                    sliding_window)

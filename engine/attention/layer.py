@@ -35,9 +35,10 @@ class Attention(nn.Module):
         """The whole layer after the fused projection. qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim];
         q_norm / k_norm: per-head RMSNorms (Qwen3, Gemma 3) or None; rotary: the model's RotaryEmbedding.
         Returns [num_tokens, num_heads * head_dim]. On the kernel path norms, rotation and the KV store are one
-        kernel (engine/kernels/qk_norm_rope_store.py)."""
+        kernel (engine/kernels/qk_norm_rope_store.py); in a tree forward the group's slot mapping is the rows' scratch
+        slots, so the same kernel stores the nodes' KV."""
         n = qkv.shape[0]
-        if md.backend == "triton" and md.tree is None:
+        if md.backend == "triton":
             from engine.kernels.qk_norm_rope_store import qk_norm_rope_store
 
             kv = self._bound_cache()
@@ -64,8 +65,6 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         group = md.groups[self.kv_group_id]
-        if md.tree is not None and md.backend != "torch":
-            raise NotImplementedError("tree attention has only the torch reference path so far")
         if md.backend == "triton":
             # Imported here: the kernels need triton, which CPU-only installs may lack.
             from engine.kernels.kv_store import store_kv
@@ -91,6 +90,14 @@ class Attention(nn.Module):
 
         kv, group, c = self._bound_cache(), md.groups[self.kv_group_id], md.common
         out = torch.empty_like(q)
+        if md.tree is not None:
+            from engine.kernels.tree_attention import tree_attention
+
+            t = md.tree
+            tree_attention(q, kv[0], kv[1], out, group.block_table, t.row_index, t.row_positions, t.prefix_lens,
+                           t.node_positions, t.node_slots[group.group_id], t.visible, self.scale,
+                           group.sliding_window)
+            return out
         paged_attention(q, kv[0], kv[1], out, c.query_start_loc, c.seq_lens, group.block_table, self.scale,
                         group.sliding_window, c.max_query_len)
         return out

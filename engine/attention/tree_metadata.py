@@ -23,7 +23,7 @@ from engine.host_copy import tensor_to_device, to_device
 
 @dataclass
 class TreeAttentionMetadata:
-    """Where the rows of one forward sit in their trees (torch reference backend)."""
+    """Where the rows of one forward sit in their trees (both attention backends read it)."""
 
     row_index: torch.Tensor  # [num_trees, max_rows] int64; flat row (token) index of the forward, padding -> 0
     row_valid: torch.Tensor  # [num_trees, max_rows] bool

@@ -16,7 +16,8 @@ newest draft at once. The prefix's KV is read in place from the request's own pa
 sliding windows included); every node's KV goes to a scratch slot the caller gives, so nothing of the request's own
 KV changes. So a request costs `depth` forwards whatever its number of branches.
 
-Status: the eager torch path only (ModelRunner with attention_backend "torch"), not yet wired into the step (see
+Status: eager forwards on either attention path (the torch reference, or the Triton tree kernel,
+engine/kernels/tree_attention.py; no CUDA graphs of tree widths yet), not yet wired into the step (see
 docs/ARCHITECTURE.md, "Tree pre-drafting: status").
 """
 
@@ -118,7 +119,7 @@ def _step(runner: ModelRunner, reqs: list[TreeDraftRequest], parents: list[list[
                                      max_seq_len=max(r.prefix_len + len(r.window) + len(p) for r, p in
                                                      zip(reqs, parents)))  # an upper bound, from the host
     step = StepInput(input_ids=tensor_to_device(torch.cat(tokens), dev), positions=positions,
-                     attn=AttentionMetadata(common=common, groups=groups, tree=tree),
+                     attn=AttentionMetadata(common=common, groups=groups, backend=runner.backend, tree=tree),
                      logits_indices=torch.arange(num_rows, device=dev), num_logits_per_req=counts)
     return runner.execute(step)
 
@@ -128,8 +129,6 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
                generator: torch.Generator | None = None) -> list[TreeDraft]:
     """Draft every branch of every request `depth` tokens deep: `depth` batched forwards in all. Greedy requests
     take the argmax; others draw from their q (temperature, top-k, top-p) with `generator`."""
-    if runner.backend != "torch":
-        raise NotImplementedError("tree drafting runs on the torch attention path only so far (no kernel, no graphs)")
     if depth < 1:
         raise ValueError("depth must be at least 1")
     dev = runner.device
