@@ -27,6 +27,6 @@ def tensor_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tenso
     """A host tensor on `device`, queued on the current stream (no host sync on CUDA): `to_device` for a tensor
     already built on the host."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or t.device.type != "cpu":  # a device tensor (a tree's drafts fed back) stays put
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
