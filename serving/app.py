@@ -154,7 +154,9 @@ def _draft_pool(engine_args: dict[str, Any], options: ServingOptions,
     pool = uuid.uuid4().hex[:12]
     slots = slots_per_draft(max_engines, int(options.draft_replicas))
     # The replica only supervises its group: the draft's ranks hold the resources (draft_resources).
-    deployment = DraftPoolReplica.options(num_replicas=int(options.draft_replicas),
+    # Its health check only pings the ranks: checked often, a dead group is replaced (and its targets speculate
+    # again) sooner.
+    deployment = DraftPoolReplica.options(num_replicas=int(options.draft_replicas), health_check_period_s=3.0,
                                           ray_actor_options={"num_cpus": 0}).bind(
         engine_args, pool, slots, float(getattr(options, "draft_tenant_timeout_s", 60.0)))
     return deployment, {**engine_args, "draft_pool": pool}

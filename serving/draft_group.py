@@ -50,8 +50,8 @@ class DraftGroupReplacement:
             owner = ray.get_runtime_context().current_actor  # the router: the pool frees the share if it dies
         except Exception:  # noqa: BLE001 - not in an actor (a driver, a test): the pool's timeout frees it
             owner = None
-        handle, share = attach_to_pool(self.draft_pool, uuid.uuid4().hex[:12], owner, timeout_s)
-        group = WorkerGroup("draft", path, 1, None, [TenantDraft(handle, share, self.draft_pool)])
+        replica, handle, share = attach_to_pool(self.draft_pool, uuid.uuid4().hex[:12], owner, timeout_s)
+        group = WorkerGroup("draft", path, 1, None, [TenantDraft(handle, share, self.draft_pool, replica)])
         group.info = WorkerInfo("draft", share.kv_groups, share.num_blocks, share.vocab_size, 1,
                                 str(self.engine_config.device), "", 0)
         return group

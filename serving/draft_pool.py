@@ -172,9 +172,10 @@ def find_pool_ranks(pool: str) -> list[tuple[str, Any]]:
     return sorted(found, key=lambda f: f[0])
 
 
-def attach_to_pool(pool: str, tenant_id: str, owner: Any, timeout_s: float) -> tuple[Any, Any]:
+def attach_to_pool(pool: str, tenant_id: str, owner: Any, timeout_s: float) -> tuple[str, Any, Any]:
     """Attach `tenant_id` to the pool's least-loaded live draft group, waiting up to `timeout_s` for one with room
-    (a replica starting or being replaced). Returns (rank 0's handle, serving.draft_pool_worker.TenantShare)."""
+    (a replica starting or being replaced). Returns (the draft replica's id, rank 0's handle,
+    serving.draft_pool_worker.TenantShare)."""
     deadline = time.monotonic() + timeout_s
     last = "no draft replica of the pool is up"
     while True:
@@ -191,7 +192,8 @@ def attach_to_pool(pool: str, tenant_id: str, owner: Any, timeout_s: float) -> t
         for _, name, handle in sorted(loads, key=lambda x: (x[0], x[1])):
             try:
                 # SYNC: as above.
-                return handle, ray.get(handle.attach_tenant.remote(tenant_id, owner), timeout=30.0)
+                share = ray.get(handle.attach_tenant.remote(tenant_id, owner), timeout=30.0)
+                return name.removeprefix(pool_actor_prefix(pool)), handle, share
             except Exception as e:  # noqa: BLE001 - filled up meanwhile, or died
                 last = f"{name}: {e}"
         if time.monotonic() > deadline:

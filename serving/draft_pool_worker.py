@@ -215,8 +215,9 @@ class TenantDraft:
     (serving/step_topology.py calls `draft_step` and `draft_absorb` on it), pinged for health, and released by
     detaching (never killed: the group serves other targets)."""
 
-    def __init__(self, worker: ActorHandle, share: TenantShare, pool_name: str) -> None:
-        self.worker, self.share, self.pool_name = worker, share, pool_name
+    def __init__(self, worker: ActorHandle, share: TenantShare, pool_name: str, replica: str) -> None:
+        """replica: the draft replica's id (the `draft_replica` label of this target's draft metrics)."""
+        self.worker, self.share, self.pool_name, self.replica = worker, share, pool_name, replica
         self._actor_id = worker._actor_id
         self.draft_step = TenantCall(worker, "tenant_draft_step", share.tenant_id)
         self.draft_absorb = TenantCall(worker, "tenant_absorb", share.tenant_id)

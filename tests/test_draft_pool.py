@@ -125,6 +125,15 @@ def test_two_targets_share_one_draft_and_stay_exact(server: Server, oracle) -> N
     assert health["engine_replicas"] == health["engine_replicas_serving"] == 2, health
     assert health["draft_replicas"] == health["draft_replicas_serving"] == 1, health
     assert health["speculation"] is True
+    # The draft's metrics per draft replica and target: one draft replica, two targets, both drafting.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with server.http() as c:
+        text = c.get("/metrics").text
+    drafts = [s for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "specserve_spec_decode_num_drafts_total"]
+    assert {s.labels["draft_replica"] for s in drafts} == {pool_ranks()[0][0].rsplit(":", 1)[1]}, drafts
+    assert len({s.labels["replica"] for s in drafts if s.value > 0}) == 2, drafts
 
 
 def test_bad_input_is_a_400(server: Server) -> None:
@@ -172,5 +181,3 @@ def test_a_killed_target_frees_its_share(server: Server) -> None:
     assert any("its router died" in e for e in stats["evicted"]), stats["evicted"]
     freed = set(before["by_tenant"]) - set(stats["by_tenant"])
     assert len(freed) == 1
-    # Serve starts a new engine replica, which takes the free slot.
-    wait_for(lambda: pool_stats()["tenants"] == 2, 120, "the new engine replica attached")
