@@ -82,13 +82,14 @@ class DraftPoolReplica:
         from serving.draft_pool_worker import PooledDraftWorker
         from serving.placement import actor_options, bundle_task_options, create_group_placement, make_bundle
         from serving.worker import node_ip_and_free_port
-        from serving.worker_group import WorkerGroup, check_tensor_parallel
+        from serving.worker_group import WorkerGroup, check_tensor_parallel, release_group
 
         try:
             self.replica = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve (a test)
             self.replica = f"local-{time.monotonic_ns():x}"
         self.tenant_timeout_s = tenant_timeout_s
+        self._release = release_group  # kept: __del__ may run while the interpreter shuts down
         path, config, spec = draft_worker_config(engine_args, slots)
         size = spec.draft_tensor_parallel_size
         check_tensor_parallel(ModelConfig.from_path(path), size, "draft")
@@ -151,11 +152,10 @@ class DraftPoolReplica:
         return {"replica": self.replica, "name": self.name, **await self.rank0.pool_stats.remote()}
 
     def __del__(self) -> None:
-        from serving.worker_group import release_group
-
+        """Serve's scale-down or shutdown: release the draft's ranks and their placement group now."""
         group = getattr(self, "group", None)
-        if group is not None:
-            release_group(group)
+        if group is not None and group.workers:
+            self._release(group)
 
 
 def find_pool_ranks(pool: str) -> list[tuple[str, Any]]:
