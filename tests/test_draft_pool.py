@@ -54,7 +54,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def server(models: tuple[str, str]) -> Iterator[Server]:
     target, draft = models
     cfg = serve_config(target, draft, max_model_len=MAX_MODEL_LEN, num_replicas=2, draft_replicas=1,
-                       draft_tenant_timeout_s=30.0, engine_kwargs={"num_kv_blocks": 64})
+                       draft_tenant_timeout_s=30.0, drain_timeout_s=1.0,
+                       engine_kwargs={"num_kv_blocks": 64})
     with running_server(cfg, num_cpus=8) as srv:
         yield srv
 
