@@ -1,5 +1,6 @@
 """Two engines sharing one pooled draft group, on a real local Ray without Serve: a Llama target with a Gemma 3
-hybrid draft (two KV-cache groups in each target's share), the two engines stepped in turn with the same request ids.
+hybrid draft (two KV-cache groups in each target's share) at tensor parallel 2, the two engines stepped in turn with
+the same request ids.
 Greedy output equals the target alone in process; seeded sampling equals an engine with a draft group of its own
 (each target's proposals come from a DraftSide of its own, seeded alike); an engine that shuts down frees its share.
 """
@@ -32,8 +33,10 @@ def ray_runtime() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def engine_args(tiny_models: dict[str, TinyModel], tiny_drafts: dict[str, TinyModel]) -> dict:
+    # The draft split over two ranks: rank 0 forwards each target's calls to rank 1 in the order it runs them.
     return dict(model=tiny_models["llama"].path, draft_model=tiny_drafts["gemma3-2l"].path, device="cpu",
-                num_speculative_tokens=3, rejection_sampling="probabilistic", **ENGINE_KW)
+                num_speculative_tokens=3, rejection_sampling="probabilistic", draft_tensor_parallel_size=2,
+                **ENGINE_KW)
 
 
 def run_together(engines: list[EngineCore], params: list[SamplingParams]) -> list[list[list[int]]]:
