@@ -119,10 +119,13 @@ class DraftPoolReplica:
         return self.group.workers[0]
 
     async def _watch_tenants(self) -> None:
+        """Free the shares of targets whose router died, or that went silent (rank 0 checks the silence)."""
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             try:
-                await self.rank0.evict.remote(self.tenant_timeout_s)
+                owners = await self.rank0.tenant_owners.remote()
+                dead = [tid for tid, owner in owners.items() if not await _alive(owner)]
+                await self.rank0.evict.remote(self.tenant_timeout_s, dead)
             except Exception as e:  # noqa: BLE001 - a dead rank: the health check replaces this replica
                 logger.warning("draft replica %s: tenant watch: %s", self.replica, e)
 
@@ -156,6 +159,18 @@ class DraftPoolReplica:
         group = getattr(self, "group", None)
         if group is not None and group.workers:
             self._release(group)
+
+
+async def _alive(actor: Any, timeout_s: float = 5.0) -> bool:
+    """False only for an actor Ray reports dead; a busy one (no answer in time) counts as alive: the silence
+    timeout catches one that hangs for good."""
+    try:
+        await asyncio.wait_for(actor.__ray_ready__.remote(), timeout_s)
+    except ray.exceptions.RayActorError:
+        return False
+    except asyncio.TimeoutError:
+        pass
+    return True
 
 
 def find_pool_ranks(pool: str) -> list[tuple[str, Any]]:

@@ -137,24 +137,20 @@ class PooledDraftWorker(ModelWorker):
         logger.info("draft pool: target %s left slot %d: %s", tenant_id, tenant.share.slot, why)
         return True
 
-    def evict(self, timeout_s: float) -> list[str]:
-        """Detach tenants not heard from for `timeout_s` or whose router actor is dead (rank 0; called by the
-        replica's watch loop between tenants' calls)."""
+    def tenant_owners(self) -> dict[str, ActorHandle]:
+        """Each tenant's router actor, where it gave one: the replica's watch loop probes them."""
+        return {tid: t.owner for tid, t in self.tenants.items() if t.owner is not None}
+
+    def evict(self, timeout_s: float, dead: list[str] | None = None) -> list[str]:
+        """Detach the tenants whose router the watch loop found dead (`dead`) and those not heard from for
+        `timeout_s` (rank 0; the probes run in the replica, so that this rank's steps never wait on them)."""
         now = time.monotonic()
-        gone = [(tid, f"not heard from for {now - t.last_seen:.0f} s") for tid, t in self.tenants.items()
-                if now - t.last_seen > timeout_s]
-        for tid, t in self.tenants.items():
-            if t.owner is not None and tid not in dict(gone):
-                try:
-                    # SYNC: a liveness probe of the target's router, off every step (the watch loop's call).
-                    ray.get(t.owner.__ray_ready__.remote(), timeout=5.0)
-                except ray.exceptions.RayActorError:
-                    gone.append((tid, "its router died"))
-                except ray.exceptions.GetTimeoutError:
-                    pass  # busy; the timeout above catches a router that hangs for good
-        for tid, why in gone:
+        gone = {tid: "its router died" for tid in dead or () if tid in self.tenants}
+        gone.update({tid: f"not heard from for {now - t.last_seen:.0f} s" for tid, t in self.tenants.items()
+                     if tid not in gone and now - t.last_seen > timeout_s})
+        for tid, why in gone.items():
             self.detach_tenant(tid, why)
-        return [tid for tid, _ in gone]
+        return list(gone)
 
     def _tenant(self, tenant_id: str) -> Tenant:
         tenant = self.tenants.get(tenant_id)
