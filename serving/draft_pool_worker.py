@@ -1,8 +1,10 @@
 """One rank of a pooled draft group: a draft worker that several target engines use at once (serving/draft_pool.py).
 
 Each attached target is a *tenant*: it gets a slot, hence a disjoint range of the draft's KV blocks
-(serving/draft_shares.py), and a DraftSide of its own (its own request table and proposer, so its own generators:
-a target's proposals are what a draft group of its own would have drafted). A tenant's calls carry its id; before
+(serving/draft_shares.py), and a DraftSide of its own: its own request table, over the group's one proposer (its
+CUDA graphs and static buffers are captured once, not per target). A seeded request draws from generators of its
+seed and output position, so its proposals are what a draft group of its own would have drafted; unseeded ones
+share the proposer's generator (lossless either way). A tenant's calls carry its id; before
 anything reads a tenant's plan, its request ids are put under the tenant's name (two targets may use the same
 request id, and process-wide state such as the grammar matchers is keyed by it) and its draft block ids are moved
 into its range. Detaching a tenant (the target asked, or died, or was not heard from for `tenant_timeout_s`)
@@ -17,6 +19,7 @@ different tenants run one after another; batching them into one draft forward is
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -30,6 +33,7 @@ from engine.config import EngineConfig
 from engine.sample import grammar_matchers
 from engine.speculation.speculative_step import DraftSide
 from engine.step.plan import StepPlan, StepResult
+from engine.step.request_table import RequestTable
 from serving.draft_shares import BlockShare, check_share_fits
 from serving.worker import DraftOutput, ModelWorker
 
@@ -69,7 +73,8 @@ class PooledDraftWorker(ModelWorker):
                  slots: int) -> None:
         super().__init__("draft", model_path, engine_config, rank, world_size, master_addr, master_port,
                          rejection_sampling, cpu_threads)
-        self.draft_side = None  # only tenants' sides
+        # The side ModelWorker built: its proposer serves every tenant; tenants' sides are copies with their own table.
+        self.base_side, self.draft_side = self.draft_side, None
         self.keep_probs = rejection_sampling == "probabilistic"
         self.slots = slots
         self.blocks_per_slot = check_share_fits(self.runner.num_blocks, slots, self.config.block_size,
@@ -115,7 +120,8 @@ class PooledDraftWorker(ModelWorker):
                 raise RuntimeError(f"this draft replica serves {self.slots} target engines already")
             slot = free[0]
         refs = self._forward("attach_tenant", tenant_id, None, slot)
-        side = DraftSide(self.runner, self.keep_probs, self.config.seed)
+        side = copy.copy(self.base_side)
+        side.table, side._proposed = RequestTable(), None
         self.tenants[tenant_id] = Tenant(BlockShare(slot, self.blocks_per_slot), side, owner, time.monotonic())
         self._join(refs)
         logger.info("draft pool: target %s attached in slot %d (%d blocks)", tenant_id, slot, self.blocks_per_slot)
