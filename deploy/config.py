@@ -67,6 +67,11 @@ class ServeConfig(ServingOptions, SpeculationOptions, EngineOptions):
         options.check_bounds(self)
         if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda (cuda:N), got {self.device!r}")
+        if self.draft_replicas is not None and self.resolved_draft() is None:
+            raise ValueError("draft_replicas shares draft models between engine replicas: give a draft_model")
+        if self.draft_replicas is not None and self.draft_placement == "colocated":
+            raise ValueError("draft_replicas runs the draft in replicas of its own, so draft_placement 'colocated' "
+                             "cannot apply; leave it auto or separate")
         if self.direct_streaming and self.request_router != "power_of_two":
             raise ValueError(f"direct_streaming: the HTTP proxy picks each request's engine replica, so request_router "
                              f"{self.request_router!r} cannot apply; use power_of_two")

@@ -198,6 +198,13 @@ class ServingOptions:
                                                   "Retry-After; none: no bound")
     continue_without_draft: bool = option(False, help="if the draft's workers die, keep serving without "
                                                       "speculation while they restart")
+    draft_replicas: int | None = option(None, minimum=1,
+                                        help="a draft pool: this many draft replicas (each a draft group of its own "
+                                             "GPUs and tensor parallelism) shared by the engine replicas, each engine "
+                                             "attached to one; unset: every engine replica has a draft of its own")
+    draft_tenant_timeout_s: float = option(60.0, minimum=1.0,
+                                           help="with draft_replicas: a draft replica frees the share of an engine "
+                                                "replica it has not heard from for this long")
     drain_timeout_s: float = option(30.0, minimum=0.0,
                                     help="on shutdown, seconds the requests in flight may take to finish")
     # --- chat: tool calls, templates, reasoning (vLLM's flags; docs/tool_calling.md) ------------------

@@ -40,11 +40,14 @@ ROUTING_STATS_PERIOD_S = 2.0
 class SpecServe:
     async def __init__(self, engine: Any, model: str, served_model_name: str | None = None,
                        security: dict[str, Any] | None = None, generation_config: str = "auto",
-                       tokenizer: dict[str, Any] | None = None, chat: dict[str, Any] | None = None) -> None:
-        """engine: a DeploymentHandle of the engine replicas; the rest: serving.front_end.FrontEnd's."""
+                       tokenizer: dict[str, Any] | None = None, chat: dict[str, Any] | None = None,
+                       draft_pool: Any = None) -> None:
+        """engine: a DeploymentHandle of the engine replicas; draft_pool: one of the draft pool's replicas
+        (serving/draft_pool.py), for /health, or None; the rest: serving.front_end.FrontEnd's."""
         info = await engine.info.remote()
         self.front = FrontEnd(engine, model, served_model_name, info["max_model_len"], security, generation_config,
                               tokenizer, chat)
+        self.front.client.draft_pool = draft_pool
         self.gc_frozen = freeze_startup_heap(f"ingress of {served_model_name or model}")  # tokenizer loaded
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -79,6 +82,16 @@ def build_application(engine_args: dict[str, Any], options: ServingOptions, *,
         raise ValueError("direct_streaming: the HTTP proxy picks each request's engine replica, so request_router "
                          f"{options.request_router!r} (prefix affinity) cannot apply; use power_of_two")
     model = engine_args["model"]
+    # The ingress holds every request for its whole stream: room for what all engine replicas can hold.
+    max_engines = int((options.autoscaling_config or {}).get("max_replicas") or
+                      (options.num_replicas if isinstance(options.num_replicas, int) else 1))
+    draft_pool, continue_without_draft = None, options.continue_without_draft
+    if getattr(options, "draft_replicas", None):
+        if options.direct_streaming:
+            raise ValueError("draft_replicas: the draft pool is served behind the ingress replicas; direct_streaming "
+                             "cannot apply")
+        draft_pool, engine_args = _draft_pool(engine_args, options, max_engines)
+        continue_without_draft = True  # a draft replica that dies takes speculation, never requests, with it
     engine_options: dict[str, Any] = {
         "ray_actor_options": router_actor_options(engine_args, engine_builder, options.router_actor_options),
         # Scale-down: Serve waits this long for a replica's requests in flight before stopping it.
@@ -113,11 +126,8 @@ def build_application(engine_args: dict[str, Any], options: ServingOptions, *,
             engine_args, engine_builder, name, options.max_queued_requests, options.continue_without_draft, security,
             options.generation_config, options.chat_options())
     engine = EngineReplica.options(**engine_options).bind(
-        engine_args, engine_builder, name, options.max_queued_requests, options.continue_without_draft)
+        engine_args, engine_builder, name, options.max_queued_requests, continue_without_draft)
 
-    # The ingress holds every request for its whole stream: room for what all engine replicas can hold.
-    max_engines = int((options.autoscaling_config or {}).get("max_replicas") or
-                      (options.num_replicas if isinstance(options.num_replicas, int) else 1))
     per_engine = options.max_ongoing_requests or 100
     ingress_options: dict[str, Any] = {"ray_actor_options": options.ray_actor_options or {"num_cpus": 1},
                                        "num_replicas": ingress_replicas,
@@ -128,7 +138,28 @@ def build_application(engine_args: dict[str, Any], options: ServingOptions, *,
         ingress_options["max_queued_requests"] = options.max_queued_requests + per_engine * max_engines
     return SpecServe.options(**ingress_options).bind(engine, model, options.served_model_name, security,
                                                      options.generation_config, tokenizer_source(engine_args),
-                                                     options.chat_options())
+                                                     options.chat_options(), draft_pool)
+
+
+def _draft_pool(engine_args: dict[str, Any], options: ServingOptions,
+                max_engines: int) -> tuple[Any, dict[str, Any]]:
+    """The draft pool's deployment (serving/draft_pool.py) and the engine replicas' arguments that attach them to
+    it: `draft_replicas` replicas, each with room for its share of the engine replicas at their largest."""
+    import uuid
+
+    from serving.draft_pool import DraftPoolReplica, slots_per_draft
+
+    if engine_args.get("draft_model") is None:
+        raise ValueError("draft_replicas shares draft models between engine replicas: give a draft_model")
+    pool = uuid.uuid4().hex[:12]
+    slots = slots_per_draft(max_engines, int(options.draft_replicas))
+    # The replica only supervises its group: the draft's ranks hold the resources (draft_resources).
+    # Its health check only pings the ranks: checked often, a dead group is replaced (and its targets speculate
+    # again) sooner.
+    deployment = DraftPoolReplica.options(num_replicas=int(options.draft_replicas), health_check_period_s=3.0,
+                                          ray_actor_options={"num_cpus": 0}).bind(
+        engine_args, pool, slots, float(getattr(options, "draft_tenant_timeout_s", 60.0)))
+    return deployment, {**engine_args, "draft_pool": pool}
 
 
 def drain(timeout_s: float = 30.0, app_name: str = "specserve") -> list[dict[str, Any]]:

@@ -1,9 +1,13 @@
 """Replacing the Ray executor's draft group while its target serves on (serving/engine_recovery.py): drop the draft
-ranks, start a new group beside the running target, and put it into the step between two steps."""
+ranks, start a new group beside the running target, and put it into the step between two steps. With a draft pool
+(serving/draft_pool.py) the executor's draft is a share of a group that serves other targets too: dropping it
+detaches this target, and a "new group" is a share of a live group of the pool, the dead one's replacement or
+another."""
 
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import ray
@@ -33,6 +37,24 @@ class DraftGroupReplacement:
     # sampling, placement timeout, load timeout), and one being built.
     _draft_args: tuple[str | None, int, dict[str, float] | None, str | None, float, float]
     _pending_draft: WorkerGroup | None
+    draft_pool: str | None
+
+    def _attach_pooled_draft(self, path: str | None, timeout_s: float) -> WorkerGroup:
+        """A share of the pool's least-loaded draft group, as this executor's draft group of one "rank"."""
+        from serving.draft_pool import attach_to_pool
+        from serving.draft_pool_worker import TenantDraft
+        from serving.worker import WorkerInfo
+
+        assert self.draft_pool is not None and path is not None
+        try:
+            owner = ray.get_runtime_context().current_actor  # the router: the pool frees the share if it dies
+        except Exception:  # noqa: BLE001 - not in an actor (a driver, a test): the pool's timeout frees it
+            owner = None
+        replica, handle, share = attach_to_pool(self.draft_pool, uuid.uuid4().hex[:12], owner, timeout_s)
+        group = WorkerGroup("draft", path, 1, None, [TenantDraft(handle, share, self.draft_pool, replica)])
+        group.info = WorkerInfo("draft", share.kv_groups, share.num_blocks, share.vocab_size, 1,
+                                str(self.engine_config.device), "", 0)
+        return group
 
     def detach_draft(self) -> None:
         """Run on the target alone: drop the draft ranks (dead or alive) and rebuild the graph without them.
@@ -57,6 +79,9 @@ class DraftGroupReplacement:
             raise RuntimeError("this executor was built without a draft model")
         if self._pending_draft is not None:
             release_group(self._pending_draft)
+        if self.draft_pool is not None:
+            self._pending_draft = self._attach_pooled_draft(path, init_timeout_s)
+            return
         bundle = make_bundle(self.engine_config.device.type, resources)
         pg = create_group_placement(f"specserve-draft-{id(self):x}-{time.monotonic_ns():x}", size, bundle,
                                     placement_timeout_s)

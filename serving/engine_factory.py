@@ -28,7 +28,8 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
                      use_compiled_graph: bool = True, target_resources: dict[str, float] | None = None,
                      draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
                      launch_verify_ahead: bool | None = None, draft_placement: str = "auto",
-                     step_timeout_s: float = 300.0, **options: object) -> EngineCore:
+                     step_timeout_s: float = 300.0, draft_pool: str | None = None,
+                     **options: object) -> EngineCore:
     """Build the target (and draft) worker groups and the EngineCore that drives them.
 
     Arguments mean what they mean for `engine.LLM`: `options` are the speculation's (num_speculative_tokens,
@@ -39,7 +40,8 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
     each target rank's process, at the target's tensor-parallel size) or "auto" (colocated where the draft could
     only share the target's GPUs, else separate; see RayExecutor).
     device: "cuda" or "cpu" for the workers; None picks CUDA when the Ray cluster has GPUs (the router
-    itself may run on a CPU-only node). Ray is initialised (`ray.init()`) if it is not yet.
+    itself may run on a CPU-only node). draft_pool: attach to a shared draft group of that pool (serving/draft_pool.py)
+    instead of starting one. Ray is initialised (`ray.init()`) if it is not yet.
     """
     if not ray.is_initialized():
         ray.init()
@@ -65,7 +67,7 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
                            use_compiled_graph=use_compiled_graph, target_resources=target_resources,
                            draft_resources=draft_resources, draft_tensor_transport=draft_tensor_transport,
                            launch_verify_ahead=launch_verify_ahead, draft_placement=draft_placement,
-                           step_timeout_s=step_timeout_s)
+                           step_timeout_s=step_timeout_s, draft_pool=draft_pool)
     try:
         tokenizer = load_tokenizer(config.tokenizer or str(pair.target.path), config.trust_remote_code)
         return EngineCore(executor, config, tokenizer, pair.target.eos_token_ids, spec)

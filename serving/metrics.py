@@ -200,3 +200,33 @@ def merge_replica_expositions(parts: list[tuple[str, str]], label: str = "replic
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Merged())
     return generate_latest(registry).decode()
+
+
+# Series that describe the draft's work: with a draft pool they carry the draft replica that did it.
+_DRAFT_FAMILIES = ("spec_decode", "spec_ahead")
+
+
+def label_draft_series(text: str, draft_replica: str) -> str:
+    """An engine's exposition with a `draft_replica` label on its draft's series (speculative decoding's counters
+    and the draft model's KV usage), for an engine attached to a draft pool; the ingress then adds the engine's
+    own `replica` label, so they read per draft replica and target."""
+    from prometheus_client.core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = []
+    for family in text_string_to_metric_families(text):
+        out = Metric(family.name, family.documentation, family.type)
+        drafty = any(k in family.name for k in _DRAFT_FAMILIES)
+        for s in family.samples:
+            if drafty or s.labels.get("model") == "draft":
+                s = s._replace(labels={**s.labels, "draft_replica": draft_replica})
+            out.samples.append(s)
+        families.append(out)
+
+    class _Labelled:
+        def collect(self) -> list[Metric]:
+            return families
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Labelled())
+    return generate_latest(registry).decode()

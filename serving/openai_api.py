@@ -119,9 +119,12 @@ def create_openai_app(client: Client, api_key: str | None = None, max_body_bytes
             return _error_response(503, e.message, retry_after_s=e.retry_after_s)
         # Serving, perhaps degraded: speculation off while a new draft group starts (still lossless), or some
         # engine replicas not serving (recovering, draining) while others do.
+        # Draft replicas only with a draft pool (draft_replicas); else each engine replica holds its own draft.
         return JSONResponse({"status": "ok", "speculation": report.get("speculation", True),
                              "degraded": report.get("degraded"), "engine_replicas": report.get("num_replicas"),
-                             "engine_replicas_serving": report.get("num_serving")})
+                             "engine_replicas_serving": report.get("num_serving"),
+                             "draft_replicas": report.get("num_draft_replicas"),
+                             "draft_replicas_serving": report.get("num_draft_serving")})
 
     @app.get("/metrics")
     async def metrics() -> Response:

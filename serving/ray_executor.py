@@ -73,7 +73,7 @@ class RayExecutor(DraftGroupReplacement):
                  draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
                  launch_verify_ahead: bool | None = None, draft_placement: str = "auto",
                  placement_timeout_s: float = 120.0, init_timeout_s: float = 900.0,
-                 step_timeout_s: float = 300.0) -> None:
+                 step_timeout_s: float = 300.0, draft_pool: str | None = None) -> None:
         """target_resources / draft_resources: merged into each rank's bundle (default {"CPU": 1} on CPU,
         {"GPU": 1, "CPU": 1} on CUDA), e.g. {"CPU": 2} or a custom resource naming a node pool.
         draft_tensor_transport: None keeps the proposal in the default shared-memory channel; "nccl" (or
@@ -92,11 +92,17 @@ class RayExecutor(DraftGroupReplacement):
         transport and launching the verify ahead then do not apply, speculation ahead runs after the verify as in
         process (off unless EngineConfig.speculation_ahead asks), and the draft cannot be replaced alone. "auto"
         (the default): colocated where the draft could only share the target's GPUs, else separate
-        (serving/worker_group.py, `resolve_draft_placement`)."""
+        (serving/worker_group.py, `resolve_draft_placement`).
+        draft_pool: the name of a draft pool (serving/draft_pool.py) whose draft groups serve several targets: this
+        executor attaches to one of them as a tenant instead of starting a draft group of its own, and runs its
+        steps as plain actor calls (a compiled graph would hold the shared draft ranks for itself); speculation
+        ahead stays off."""
         if not ray.is_initialized():
             raise RuntimeError("RayExecutor needs a Ray runtime: call ray.init() (or run inside Ray Serve) first")
         self.engine_config = engine_config
-        self.use_compiled_graph = use_compiled_graph
+        self.draft_pool = draft_pool if draft_model_path is not None else None
+        self.use_compiled_graph = use_compiled_graph and self.draft_pool is None
+        use_compiled_graph = self.use_compiled_graph
         # Ordered actor calls and graph executions both keep submitted steps in order: either may run ahead.
         self.async_scheduling = (True if engine_config.async_scheduling is None
                                  else bool(engine_config.async_scheduling))
@@ -122,6 +128,8 @@ class RayExecutor(DraftGroupReplacement):
         self._draft_args = (draft_model_path, draft_tensor_parallel_size, draft_resources, rejection_sampling,
                             placement_timeout_s, init_timeout_s)
         self._pending_draft: WorkerGroup | None = None
+        if self.draft_pool is not None:
+            draft_placement = "separate"
         self.draft_placement = resolve_draft_placement(
             draft_placement, engine_config.device.type, tensor_parallel_size, draft_tensor_parallel_size,
             ray.cluster_resources().get("GPU", 0.0), draft_resources is not None)
@@ -164,7 +172,7 @@ class RayExecutor(DraftGroupReplacement):
         dev = self.engine_config.device.type
         specs = [("target", model_path, tp, make_bundle(dev, target_resources))]
         colocated_draft = draft_model_path if self.colocated else None
-        if draft_model_path is not None and not self.colocated:
+        if draft_model_path is not None and not self.colocated and self.draft_pool is None:
             specs.append(("draft", draft_model_path, draft_tp, make_bundle(dev, draft_resources)))
         groups = []
         for role, path, size, bundle in specs:
@@ -177,7 +185,7 @@ class RayExecutor(DraftGroupReplacement):
                 self.draft = group
         ahead = launch_verify_ahead_for(self.launch_verify_ahead, dev, [b for *_, b in specs], self.use_compiled_graph)
         # A colocated draft drafts ahead after the verify, as in process: only where asked.
-        self.speculation_ahead = draft_model_path is not None and (
+        self.speculation_ahead = draft_model_path is not None and self.draft_pool is None and (
             bool(self.engine_config.speculation_ahead) if self.colocated
             else speculation_ahead_for(self.engine_config.speculation_ahead, dev, [b for *_, b in specs]))
         self.ahead_overlaps_verify = self.speculation_ahead and not self.colocated
@@ -200,6 +208,8 @@ class RayExecutor(DraftGroupReplacement):
                     draft_model_path=colocated_draft if group.role == "target" else None))
         for group, _ in groups:
             group.info = self._gather_info(group, init_timeout_s)
+        if self.draft_pool is not None:
+            self.draft = self._attach_pooled_draft(draft_model_path, init_timeout_s)
 
     def _gather_info(self, group: WorkerGroup, timeout_s: float) -> WorkerInfo:
         try:
@@ -358,6 +368,11 @@ class RayExecutor(DraftGroupReplacement):
             except ray.exceptions.GetTimeoutError:
                 raise WorkerDiedError(f"{role} worker rank {rank} of {size} did not answer a ping within "
                                       f"{timeout_s:.0f} s", role) from None
+            except ray.exceptions.RayTaskError as e:
+                if role != "draft" or self.draft_pool is None:
+                    raise
+                # The pooled draft group answers but no longer holds this target (evicted after a silence).
+                raise WorkerDiedError(f"the draft pool dropped this target's share: {e.cause}", role) from e
 
     def shutdown(self) -> None:
         """Tear down the graph, kill the workers and free their placement groups. Safe to call twice."""

@@ -199,7 +199,14 @@ class Router(EngineRecovery):
         self.metrics.on_prefix_cache(self.engine.prefix_cache_stats())
         self.metrics.on_speculation_ahead(self.engine.speculation_ahead_stats())
         self.metrics.ahead_branches.set(self.engine.speculation_ahead_branches())
-        return self.metrics.exposition()
+        text = self.metrics.exposition()
+        executor = self.engine.executor
+        if getattr(executor, "draft_pool", None) is not None:  # the draft replica this engine is attached to
+            from serving.metrics import label_draft_series
+
+            draft = executor.draft.workers[0].replica if executor.draft is not None else "none"
+            text = label_draft_series(text, draft)
+        return text
 
     async def info(self) -> dict[str, Any]:
         spec = self.engine.spec_config

@@ -101,6 +101,7 @@ class RouterClient:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.generation_defaults = dict(generation_defaults or {})
+        self.draft_pool: Any = None  # a DeploymentHandle of the draft pool's replicas (serving/draft_pool.py), if any
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -177,9 +178,18 @@ class RouterClient:
                 raise GenerationError("the server is shutting down (draining its requests in flight)", 503)
             reasons = "; ".join(str(r.get("reason")) for r in reports) or "no engine replica is running"
             raise GenerationError(f"the engine is unhealthy: {reasons}", 503, retry_after_s=1)
-        return {"speculation": all(r.get("speculation", False) for r in serving),
-                "degraded": "; ".join(r["degraded"] for r in serving if r.get("degraded")) or None,
-                "num_replicas": len(reports), "num_serving": len(serving)}
+        report = {"speculation": all(r.get("speculation", False) for r in serving),
+                  "degraded": "; ".join(r["degraded"] for r in serving if r.get("degraded")) or None,
+                  "num_replicas": len(reports), "num_serving": len(serving)}
+        if self.draft_pool is not None:
+            try:
+                drafts = await self.draft_pool.broadcast("health").results_async(timeout_s=timeout_s,
+                                                                                 return_exceptions=True)
+            except TimeoutError:
+                drafts = []
+            report["num_draft_replicas"] = len(drafts)
+            report["num_draft_serving"] = sum(1 for d in drafts if isinstance(d, dict) and d.get("healthy"))
+        return report
 
     async def metrics_text(self, timeout_s: float = 10.0) -> str:
         """Every engine replica's metrics, each series labelled with its `replica`."""

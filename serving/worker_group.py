@@ -95,9 +95,13 @@ def speculation_ahead_for(requested: bool | None, device_type: str, bundles: lis
 
 
 def release_group(group: WorkerGroup) -> None:
-    """Kill a group's workers and free its placement group (a dead worker's kill is a no-op)."""
+    """Kill a group's workers and free its placement group (a dead worker's kill is a no-op). A share of a pooled
+    draft group (serving/draft_pool_worker.py, TenantDraft) is detached instead: the group serves other targets."""
     for w in group.workers:
         try:
+            if hasattr(w, "release"):
+                w.release()
+                continue
             ray.kill(w)
         except Exception as e:
             logger.warning("killing a %s worker: %s", group.role, e)

@@ -105,11 +105,11 @@ def test_gpu_and_cpu_pools(rendered) -> None:
     for name, template in templates.items():
         for c in _containers(template):
             gpus = {**c["resources"].get("requests", {}), **c["resources"].get("limits", {})}.get("nvidia.com/gpu")
-            expect_gpu = overlay == "gpu" and name != "head"
+            expect_gpu = overlay.startswith("gpu") and name != "head"
             assert (gpus is not None and int(gpus) >= 1) == expect_gpu, (overlay, name, c["resources"])
-            assert c["image"] == f"specserve:0.1.0-{'cuda' if overlay == 'gpu' else 'cpu'}", c["image"]
+            assert c["image"] == f"specserve:0.1.0-{'cuda' if overlay.startswith('gpu') else 'cpu'}", c["image"]
         spec = template["spec"]
-        if overlay == "gpu" and name != "head":
+        if overlay.startswith("gpu") and name != "head":
             assert spec["nodeSelector"] == {"specserve.io/pool": name}
             assert {"nvidia.com/gpu", "specserve.io/pool"} <= {t["key"] for t in spec["tolerations"]}
         else:
@@ -140,11 +140,11 @@ def test_models_volume(rendered) -> None:
             assert {m["name"] for m in c["volumeMounts"]} <= set(volumes), name
             assert any(m["mountPath"] == "/models" for m in c["volumeMounts"]), name
         models = volumes["models"]
-        if overlay == "gpu":
+        if overlay.startswith("gpu"):
             assert models["persistentVolumeClaim"]["claimName"] in claims, (name, claims)
         else:
             assert "emptyDir" in models and not claims, (name, claims)
-    if overlay == "gpu":
+    if overlay.startswith("gpu"):
         (pvc,) = by_kind(objects, "PersistentVolumeClaim")
         assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
 
@@ -198,6 +198,7 @@ def test_serve_config_imports_and_builds_the_app(rendered) -> None:
     from deploy.config import ServeConfig
     from engine.models.source import BUNDLED_MODELS, resolve_model
     from serving.app import DEPLOYMENT_NAME
+    from serving.draft_pool import DRAFT_DEPLOYMENT
     from serving.engine_deployment import ENGINE_DEPLOYMENT
 
     _, objects = rendered
@@ -209,7 +210,8 @@ def test_serve_config_imports_and_builds_the_app(rendered) -> None:
     (app_cfg,) = config.applications
     app = call_user_app_builder_with_args_if_necessary(import_attr(app_cfg.import_path), app_cfg.args)
     built = build_app(app, name=app_cfg.name, route_prefix=app_cfg.route_prefix)
-    assert sorted(d.name for d in built.deployments) == sorted([DEPLOYMENT_NAME, ENGINE_DEPLOYMENT])
+    pool = [DRAFT_DEPLOYMENT] if app_cfg.args.get("draft_replicas") else []
+    assert sorted(d.name for d in built.deployments) == sorted([DEPLOYMENT_NAME, ENGINE_DEPLOYMENT, *pool])
     assert built.ingress_deployment_name == DEPLOYMENT_NAME
 
     engine_args = ServeConfig.from_dict(app_cfg.args).engine_args()
@@ -229,9 +231,10 @@ def test_serve_config_imports_and_builds_the_app(rendered) -> None:
 
 
 def test_engine_autoscaling_has_pods_to_grow_into(rendered) -> None:
-    """Serve may run up to max_replicas engine replicas, each with a target and a draft worker group on its own
-    pool: Ray's autoscaler must be on and every pool must be allowed the pods (custom resources) that many
-    replicas ask for, and keep those that min_replicas needs."""
+    """Serve may run up to max_replicas engine replicas, each with a target worker group and (without a draft pool)
+    a draft worker group on its own pool: Ray's autoscaler must be on and every pool must be allowed the pods
+    (custom resources) that many replicas ask for, and keep those that min_replicas needs. With a draft pool
+    (draft_replicas) the draft's pods follow draft_replicas, apart from the engine replicas."""
     from deploy.config import ServeConfig
 
     _, objects = rendered
@@ -250,8 +253,15 @@ def test_engine_autoscaling_has_pods_to_grow_into(rendered) -> None:
         (resource, per_rank), = engine_args[f"{role}_resources"].items()
         per_pod = ray_start_resources(group["rayStartParams"])[resource]
         pods_per_replica = -(-ranks[role] * per_rank // per_pod)
-        assert group["maxReplicas"] >= scaling["max_replicas"] * pods_per_replica, (role, group["maxReplicas"])
-        assert group["minReplicas"] >= scaling["min_replicas"] * pods_per_replica, (role, group["minReplicas"])
+        if role == "draft" and cfg.draft_replicas:
+            lo = hi = cfg.draft_replicas
+            # The draft's pods scale apart: none more than draft_replicas needs at min, as many as it needs at most.
+            assert group["minReplicas"] == lo * pods_per_replica, (role, group["minReplicas"])
+            assert scaling["max_replicas"] > cfg.draft_replicas, "a pool shares each draft between several targets"
+        else:
+            lo, hi = scaling["min_replicas"], scaling["max_replicas"]
+        assert group["maxReplicas"] >= hi * pods_per_replica, (role, group["maxReplicas"])
+        assert group["minReplicas"] >= lo * pods_per_replica, (role, group["minReplicas"])
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], role
 
 

@@ -1,0 +1,72 @@
+"""A draft pool on CUDA: two engines (Gemma 3 targets) share one pooled Gemma 3 hybrid draft group, on one GPU split
+into fractional bundles, with CUDA graphs. Greedy output equals the target alone token for token, and seeded sampling
+equals an engine whose draft group is its own (separate, not colocated, so that both run the draft's side the same
+way)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import ray
+from conftest import local_ray, random_prompts
+
+from engine import LLM, SamplingParams
+from engine.engine_core import EngineCore
+from engine.request import Request
+from serving.draft_pool import DraftPoolReplica
+from serving.engine_factory import build_ray_engine
+
+pytestmark = pytest.mark.gpu
+KW = dict(max_model_len=256, block_size=16, num_kv_blocks=128, max_num_seqs=8, cuda_graph_batch_sizes=(1, 4, 8))
+PROMPTS = random_prompts([3, 21, 9, 40], seed=4)
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+SAMPLED = [SamplingParams(max_tokens=32, temperature=0.8, seed=5 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+# Three processes on one GPU: each takes a fraction of it.
+SHARE = {"GPU": 0.3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_gpu_ray() -> Iterator[None]:
+    with local_ray(num_cpus=6, num_gpus=1):
+        yield
+
+
+def _run(engines: list[EngineCore], params: list[SamplingParams]) -> list[list[list[int]]]:
+    n = len(PROMPTS)
+    orders = [[(i + shift) % n for i in range(n)] for shift in range(len(engines))]
+    reqs = [[Request(f"r{j}", PROMPTS[i], params[i]) for j, i in enumerate(order)] for order in orders]
+    for engine, rs in zip(engines, reqs):
+        for r in rs:
+            engine.add_request(r)
+    while any(e.has_unfinished() for e in engines):
+        for e in engines:
+            if e.has_unfinished():
+                e.step()
+    return [[rs[order.index(i)].output_token_ids for i in range(n)] for rs, order in zip(reqs, orders)]
+
+
+def test_two_engines_share_one_draft_on_cuda(tiny_models, tiny_drafts) -> None:
+    args = dict(model=tiny_models["gemma3"].path, draft_model=tiny_drafts["gemma3-2l"].path, device="cuda",
+                dtype="float32", seed=3, num_speculative_tokens=3, rejection_sampling="probabilistic",
+                target_resources=SHARE, draft_resources=SHARE, **KW)
+    pool = DraftPoolReplica.func_or_class(args, "cuda", 2, 60.0)
+    engines = [build_ray_engine(**args, draft_pool="cuda") for _ in range(2)]
+    try:
+        greedy = _run(engines, [GREEDY] * len(PROMPTS))
+        expected = [o.token_ids for o in LLM(args["model"], device="cuda", dtype="float32", seed=3, **KW)
+                    .generate(PROMPTS, GREEDY)]
+        assert greedy == [expected, expected]
+        steps = [t["steps"] for t in ray.get(pool.rank0.pool_stats.remote())["by_tenant"].values()]
+        assert len(steps) == 2 and min(steps) > 0
+        pooled = _run(engines, SAMPLED)
+        assert pooled[0] == pooled[1]
+    finally:
+        for e in engines:
+            e.shutdown()
+        pool.__del__()
+    own = build_ray_engine(**args, draft_placement="separate")
+    try:
+        assert _run([own], SAMPLED) == [pooled[0]]
+    finally:
+        own.shutdown()

@@ -1,0 +1,184 @@
+"""A draft pool (draft_replicas): two engine replicas share one draft replica, on a real local Ray + Serve.
+
+The share arithmetic first (no Ray); then one application serves the tests below, in order: both replicas
+speculate through the one draft group and stay exact (greedy equal to the target alone, offline), /health counts
+both kinds of replicas, bad input is a 400, a draft group killed mid-stream loses no request and no token, and a
+killed engine replica's share of the draft is freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from byte_models import byte_body, greedy_oracle, make_byte_models
+from serve_support import Server, assert_error, engine_broadcast, engine_replica_actors, running_server, serve_config
+
+from serving.draft_shares import BlockShare, blocks_per_slot, check_share_fits
+
+MAX_MODEL_LEN = 128
+PROMPTS = ["hello", "The sea is", "def f(x):", "0123456789"]
+
+
+# --- block shares --------------------------------------------------------------------------------------------
+def test_block_shares_are_disjoint_and_cover_the_pool() -> None:
+    num_blocks, slots = 23, 3  # 22 usable: 7 each, one left over
+    per = blocks_per_slot(num_blocks, slots)
+    assert per == 7
+    ranges = [BlockShare(s, per).to_global(list(range(1, per + 1))) for s in range(slots)]
+    ids = [b for r in ranges for b in r]
+    assert len(ids) == len(set(ids)) == slots * per and min(ids) == 1 and max(ids) < num_blocks
+    share = BlockShare(2, per)
+    assert share.num_blocks == per + 1
+    assert share.to_global([0, 3, 0, 7]) == [0, 17, 0, 21]  # the null block stays null (sliding windows, padding)
+
+
+def test_a_share_too_small_for_max_model_len_is_refused_with_its_numbers() -> None:
+    assert check_share_fits(65, 2, 4, 128) == 32
+    with pytest.raises(ValueError, match=r"leaves 31 blocks each.*max_model_len=128 needs 32"):
+        check_share_fits(64, 2, 4, 128)
+    with pytest.raises(ValueError, match="at least one target slot"):
+        blocks_per_slot(64, 0)
+
+
+# --- served: two targets, one draft --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    return make_byte_models(tmp_path_factory.mktemp("byte"))
+
+
+@pytest.fixture(scope="module")
+def server(models: tuple[str, str]) -> Iterator[Server]:
+    target, draft = models
+    cfg = serve_config(target, draft, max_model_len=MAX_MODEL_LEN, num_replicas=2, draft_replicas=1,
+                       draft_tenant_timeout_s=30.0, drain_timeout_s=1.0,
+                       engine_kwargs={"num_kv_blocks": 64})
+    with running_server(cfg, num_cpus=8) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def oracle(models: tuple[str, str]):
+    return greedy_oracle(models[0], MAX_MODEL_LEN)
+
+
+def pool_ranks() -> list[tuple[str, Any]]:
+    import ray
+
+    from serving.draft_pool import POOL_PREFIX
+
+    return sorted((a["name"], ray.get_actor(a["name"], namespace=a["namespace"]))
+                  for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(POOL_PREFIX))
+
+
+def pool_stats() -> dict[str, Any]:
+    import ray
+
+    ranks = pool_ranks()
+    assert len(ranks) == 1, ranks
+    return ray.get(ranks[0][1].pool_stats.remote(), timeout=30)
+
+
+def wait_for(cond, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = cond()
+        except Exception:  # noqa: BLE001 - a replica or group being replaced
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def _run_all(server: Server, n: int) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    with server.http(timeout=120) as c:
+        def one(p: str) -> None:
+            out[p] = c.post("/v1/completions", json=byte_body(p, n)).json()
+
+        threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return out
+
+
+def test_two_targets_share_one_draft_and_stay_exact(server: Server, oracle) -> None:
+    stats = pool_stats()
+    assert stats["tenants"] == 2 and stats["slots"] == 2 and stats["blocks_per_slot"] == 63
+    assert sorted(t["slot"] for t in stats["by_tenant"].values()) == [0, 1]
+    for _ in range(2):  # enough requests that both engine replicas serve some
+        out = _run_all(server, 24)
+        for p, body in out.items():
+            assert body["choices"][0]["text"] == oracle(p, 24)[1], (p, body)
+            assert body["spec_decode"]["num_drafts"] > 0
+    steps = [t["steps"] for t in pool_stats()["by_tenant"].values()]
+    assert len(steps) == 2 and all(s > 0 for s in steps), steps  # both targets drafted through the one group
+    with server.http() as c:
+        health = c.get("/health").json()
+    assert health["engine_replicas"] == health["engine_replicas_serving"] == 2, health
+    assert health["draft_replicas"] == health["draft_replicas_serving"] == 1, health
+    assert health["speculation"] is True
+    # The draft's metrics per draft replica and target: one draft replica, two targets, both drafting.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with server.http() as c:
+        text = c.get("/metrics").text
+    drafts = [s for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "specserve_spec_decode_num_drafts_total"]
+    assert {s.labels["draft_replica"] for s in drafts} == {pool_ranks()[0][0].rsplit(":", 1)[1]}, drafts
+    assert len({s.labels["replica"] for s in drafts if s.value > 0}) == 2, drafts
+
+
+def test_bad_input_is_a_400(server: Server) -> None:
+    with server.http() as c:
+        err = assert_error(c.post("/v1/completions", json={**byte_body("hi", 4), "max_tokens": -1}), 400)
+        assert "max_tokens" in err["message"]
+        assert_error(c.post("/v1/completions", json={**byte_body("hi", 4), "prompt": [10**7]}), 400)
+
+
+def test_draft_group_killed_mid_stream_loses_no_request(server: Server, oracle) -> None:
+    import ray
+
+    name, rank0 = pool_ranks()[0]
+    results: dict[str, dict] = {}
+    with server.http(timeout=300) as c:
+        def one(p: str) -> None:
+            results[p] = c.post("/v1/completions", json=byte_body(p, 100)).json()
+
+        threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        ray.kill(rank0, no_restart=True)
+        for t in threads:
+            t.join()
+    for p in PROMPTS:
+        assert results[p]["choices"][0]["text"] == oracle(p, 100)[1], results[p]
+    # Serve replaces the draft replica (its health check fails); both targets attach to the new group.
+    wait_for(lambda: pool_ranks() and pool_ranks()[0][0] != name and pool_stats()["tenants"] == 2, 120,
+             "both targets attached to a new draft group")
+    wait_for(lambda: all(h["speculation"] for h in engine_broadcast("health")), 60, "speculation back on")
+    out = _run_all(server, 16)
+    for p, body in out.items():
+        assert body["choices"][0]["text"] == oracle(p, 16)[1]
+
+
+def test_a_killed_target_frees_its_share(server: Server) -> None:
+    import ray
+
+    before = pool_stats()
+    assert before["tenants"] == 2
+    replica, actor = sorted(engine_replica_actors().items())[0]
+    ray.kill(actor, no_restart=True)
+    stats = wait_for(lambda: (s := pool_stats())["tenants"] < 2 and s, 60, "the dead target's share freed")
+    assert any("its router died" in e for e in stats["evicted"]), stats["evicted"]
+    freed = set(before["by_tenant"]) - set(stats["by_tenant"])
+    assert len(freed) == 1
