@@ -134,6 +134,11 @@ class SpeculationOptions:
         _engine("speculation_ahead_branches"), engine="extra", minimum=1, maximum=18,
         help="windows drafted ahead per request: 1 guesses all drafts accepted; more add the next likeliest "
              "outcomes (at most num_speculative_tokens + 2)")
+    speculation_ahead_tree_fanout: int = option(
+        _engine("speculation_ahead_tree_fanout"), engine="extra", minimum=0, maximum=64,
+        help="tree mode of speculation ahead: one tree a request over every outcome of its verify, with at most "
+             "this many candidates for the target's token per outcome, drafted one batched forward per depth; 0: "
+             "the window mode (speculation_ahead_branches); torch attention backend only")
     speculation_ahead_adaptive: bool = option(
         _engine("speculation_ahead_adaptive"), engine="extra",
         help="with several branches, draft only as many windows as measured to fit in the target's verify")

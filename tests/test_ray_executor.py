@@ -311,7 +311,7 @@ def test_speculation_ahead_with_synchronous_scheduling(tiny_models: dict[str, Ti
     try:
         assert not engine.async_scheduling and engine.executor.speculation_ahead
         assert greedy_tokens(engine) == llm_greedy(target)
-        lookups, hits, drafted, unused, _skipped = engine.speculation_ahead_stats()
+        lookups, hits, drafted, unused, _skipped, *_ = engine.speculation_ahead_stats()
         assert 0 < hits <= lookups and 0 < drafted and unused <= drafted
         scratch, hits_reject = ray.get(engine.executor.draft.workers[0].__ray_call__.remote(
             lambda self: (self.ahead.scratch.capacity, self.ahead.stats.hits_reject)))
