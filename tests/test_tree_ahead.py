@@ -217,7 +217,7 @@ def test_tree_abort_drops_the_branches(tiny_models, near_drafts, target_greedy):
     _assert_released(llm)
 
 
-@pytest.mark.parametrize("mode,async_", [("probabilistic", False), ("strict", True)])
+@pytest.mark.parametrize("mode,async_", [("probabilistic", False)])
 def test_tree_sampling_follows_target_distribution(small_vocab_pair, mode, async_):  # noqa: F811
     # As the window mode's test: k = 1 with a one-token prompt, so branches drafted ahead propose token 3, inside
     # the three tokens whose joint law is enumerated; the tree covers both outcomes (rejection and bonus).

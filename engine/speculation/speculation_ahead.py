@@ -274,8 +274,6 @@ class AheadProposer:
         # target is verifying meanwhile (a draft worker) or has finished (in process): nothing critical waits.
         host = proposal.host_rows(counts)
         host_alt = proposal.alt_rows(counts) if self.num_branches > 1 else None
-        budget = min(plan.ahead_branches, self.num_branches) if plan.ahead_branches > 0 else self.num_branches
-        ranked = {i: self.estimates.ranked(counts[i], budget) for i in rows}
         for i in rows:
             p = plan.requests[i]
             assert p.token_ids is not None
@@ -285,6 +283,8 @@ class AheadProposer:
             n = self.tree.predraft(plan, rows, host, self.estimates.alpha)
             self._window = (n, time.perf_counter() - started)
             return n
+        budget = min(plan.ahead_branches, self.num_branches) if plan.ahead_branches > 0 else self.num_branches
+        ranked = {i: self.estimates.ranked(counts[i], budget) for i in rows}
         windows = self._choose(plan, rows, ranked, host, host_alt)
         if not windows:
             return 0

@@ -41,7 +41,7 @@ from engine.speculation.ahead_branches import ACCEPT, REJECT
 from engine.speculation.proposer import DraftProposer
 from engine.speculation.speculation_cache import AheadEntry, AheadStats, SpeculationCache
 from engine.speculation.tree_draft import TreeDraftRequest, draft_tree, num_tree_nodes
-from engine.speculation.tree_roots import top_f_roots
+from engine.speculation.tree_roots import top_f_roots_many
 from engine.speculation.tree_schedule import TreeSchedule
 from engine.step.plan import PlannedRequest, StepPlan
 
@@ -87,6 +87,7 @@ class TreeAhead:
         reqs: list[TreeDraftRequest] = []
         metas: list[tuple[PlannedRequest, int, list[int], list[int], list[int]]] = []  # p, frontier, d, fan, slots
         used = 0
+        fans: dict[int, list[int]] = {}  # k -> the schedule's F_a (the same for every request of that k)
         for i in rows:
             p = plan.requests[i]
             assert p.token_ids is not None
@@ -95,7 +96,9 @@ class TreeAhead:
             frontier = p.start_pos + len(p.token_ids)
             if not p.draft_token_ids or p.draft_start_pos + len(p.draft_token_ids) != frontier:
                 continue  # the draft did not catch up to the frontier: no chain to grow the tree from
-            fan = self.schedule.fanout(k, alpha, per_req)
+            if k not in fans:
+                fans[k] = self.schedule.fanout(k, alpha, per_req)
+            fan = list(fans[k])
             for a in range(k + 1):
                 k_next = min(depth, p.token_limit - (frontier + a + 1) - 1) if p.token_limit else depth
                 if k_next <= 0 or frontier + a + depth > cfg.max_model_len:
@@ -116,16 +119,21 @@ class TreeAhead:
         if not reqs:
             return 0
 
-        def choose_roots(n: int, logits: torch.Tensor) -> list[list[int]]:
-            # logits [k + 1, V]: after c (outcome 0's position) .. after d_k (the bonus). Nothing hangs off the
+        def choose_roots(logits: list[torch.Tensor]) -> list[list[list[int]]]:
+            # Per tree [k + 1, V]: after c (outcome 0's position) .. after d_k (the bonus). Nothing hangs off the
             # prefix's end itself (the chain's first node c is committed).
-            _, _, d, fan, _ = metas[n]
-            return [[], *top_f_roots(logits, d, fan)]
+            roots = top_f_roots_many(logits, [m[2] for m in metas], [m[3] for m in metas])
+            return [[[], *r] for r in roots]
 
-        trees = draft_tree(runner, reqs, depth, self.proposer.generator, choose_roots=choose_roots)
+        # q only where a sampled request's verify reads it (greedy drafts are one-hot: the merge builds them).
+        sampled = self.proposer.keep_probs and any(r.temperature > 0 for r in reqs)
+        trees = draft_tree(runner, reqs, depth, self.proposer.generator, choose_roots=choose_roots,
+                           keep_logits=False, keep_probs=sampled)
         drafted = 0
         for (p, frontier, d, _, slots), tree in zip(metas, trees):
             k, nb = len(d), len(tree.root)
+            token_rows = tree.tokens.unbind(0)
+            prob_rows = tree.probs.unbind(0) if tree.probs is not None and p.temperature > 0 else None
             self.stats.trees += 1
             self.stats.tree_nodes += num_tree_nodes(k + 1, nb, depth)
             for b, (where, t) in enumerate(zip(tree.outcome, tree.root)):
@@ -136,8 +144,8 @@ class TreeAhead:
                 else:
                     position, tokens = frontier + a, (t,)
                 self.cache.entries.setdefault(p.request_id, []).append(AheadEntry(
-                    position=position, tokens=tokens, token_ids=tree.tokens[b],
-                    probs=tree.probs[b] if p.temperature > 0 else None, kind=ACCEPT if a == k else REJECT,
+                    position=position, tokens=tokens, token_ids=token_rows[b],
+                    probs=prob_rows[b] if prob_rows is not None else None, kind=ACCEPT if a == k else REJECT,
                     slots=[slots[x] for x in nodes], outcome=a))
                 self.stats.drafted_tokens += depth
                 drafted += 1

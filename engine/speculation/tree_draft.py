@@ -74,8 +74,10 @@ class TreeDraft:
     outcome: list[int]  # [num_branches]; the accepted count a each branch assumes
     root: list[int]  # [num_branches]; the branch's root token (the target's token at position prefix_len + a)
     tokens: torch.Tensor  # [num_branches, depth] int64; the drafts after the root
-    logits: torch.Tensor  # [num_branches, depth, V] float32; the draft's logits each draft was drawn from
-    probs: torch.Tensor  # [num_branches, depth, V] float32; q of each draft (one-hot at the argmax when greedy)
+    # [num_branches, depth, V] float32; the draft's logits each draft was drawn from (None: not kept)
+    logits: torch.Tensor | None
+    # [num_branches, depth, V] float32; q of each draft (one-hot when greedy; None: not kept)
+    probs: torch.Tensor | None
     window_logits: torch.Tensor  # [k, V] float32; the logits after each window token d_1..d_k
 
 
@@ -135,14 +137,16 @@ def _step(runner: ModelRunner, reqs: list[TreeDraftRequest], parents: list[list[
 @torch.inference_mode()
 def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
                generator: torch.Generator | None = None,
-               choose_roots: Callable[[int, torch.Tensor], list[list[int]]] | None = None) -> list[TreeDraft]:
+               choose_roots: Callable[[list[torch.Tensor]], list[list[list[int]]]] | None = None,
+               keep_logits: bool = True, keep_probs: bool = True) -> list[TreeDraft]:
     """Draft every branch of every request `depth` tokens deep. Greedy requests take the argmax; others draw from
     their q (temperature, top-k, top-p) with `generator`.
 
     choose_roots None: each request's `roots` are given; `depth` batched forwards in all, the first feeding the
-    windows and the roots. Else choose_roots(i, logits) gives request i's roots ([len(window) + 1][F], as `roots`)
-    from the logits after each of its window tokens ([len(window), V] float32): a first forward feeds the windows
-    alone, then `depth` forwards draft the branches."""
+    windows and the roots. Else choose_roots(logits) gives every request's roots ([len(window) + 1][F] each, as
+    `roots`) from the logits after each of its window tokens (per request [len(window), V] float32): a first
+    forward feeds the windows alone, then `depth` forwards draft the branches. keep_logits / keep_probs False: those
+    outputs are None (two [branches, depth, V] float32 tensors a caller may not need)."""
     if runner.backend != "torch":
         raise NotImplementedError("tree drafting runs on the torch attention path only so far (no kernel, no graphs)")
     if depth < 1:
@@ -157,7 +161,7 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
         logits = _step(runner, reqs, chains, [list(range(k)) for k in ks],
                        [to_device(r.window, torch.int64, dev) for r in reqs])
         window_logits = list(logits.split(ks))
-        reqs = [dataclasses.replace(r, roots=choose_roots(i, x)) for i, (r, x) in enumerate(zip(reqs, window_logits))]
+        reqs = [dataclasses.replace(r, roots=roots) for r, roots in zip(reqs, choose_roots(window_logits), strict=True)]
     layouts = [_tree_layout(r, depth) for r in reqs]
     parents = [lay[0] for lay in layouts]
     for r, p in zip(reqs, parents):
@@ -169,8 +173,10 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
     branch_req = [i for i, nb in enumerate(nbs) for _ in range(nb)]
     branch_md = md.select(branch_req)
     tokens = torch.empty(sum(nbs), depth, dtype=torch.int64, device=dev)
-    logits_out = torch.empty(sum(nbs), depth, runner.vocab_size, dtype=torch.float32, device=dev)
-    probs_out = torch.empty_like(logits_out)
+    logits_out = (torch.empty(sum(nbs), depth, runner.vocab_size, dtype=torch.float32, device=dev) if keep_logits
+                  else None)
+    probs_out = (torch.empty(sum(nbs), depth, runner.vocab_size, dtype=torch.float32, device=dev) if keep_probs
+                 else None)
     offsets = [0]
     for nb in nbs:
         offsets.append(offsets[-1] + nb)
@@ -191,11 +197,16 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
             logits = torch.cat([x[k:] for x, k in zip(per_req, ks)])
         probs = logits_to_probs(logits, branch_md)
         tokens[:, dpt] = sample_from_probs(probs, branch_md)
-        logits_out[:, dpt] = logits
-        probs_out[:, dpt] = probs
+        if logits_out is not None:
+            logits_out[:, dpt] = logits
+        if probs_out is not None:
+            probs_out[:, dpt] = probs
+    def part(x: torch.Tensor | None, i: int) -> torch.Tensor | None:
+        return x[offsets[i]:offsets[i + 1]] if x is not None else None
+
     return [TreeDraft(outcome=lay[2], root=lay[3], tokens=tokens[offsets[i]:offsets[i + 1]],
-                      logits=logits_out[offsets[i]:offsets[i + 1]], probs=probs_out[offsets[i]:offsets[i + 1]],
-                      window_logits=window_logits[i]) for i, lay in enumerate(layouts)]
+                      logits=part(logits_out, i), probs=part(probs_out, i), window_logits=window_logits[i])
+            for i, lay in enumerate(layouts)]
 
 
 def _check_slots(runner: ModelRunner, req: TreeDraftRequest, num_nodes: int) -> None:
