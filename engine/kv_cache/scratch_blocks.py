@@ -13,6 +13,9 @@ scratch blocks, the first a copy of the own block it replaces (that block's earl
 prefix and the accepted drafts). Earlier entries are shared read-only, NULL_BLOCK ones of a sliding-window group
 included. On a hit the scratch blocks are copied back over the request's own (every layer of every KV-cache group),
 so the draft's KV then holds exactly what drafting the window afresh would have written there.
+
+Speculation ahead's tree mode (engine/speculation/tree_ahead.py) reserves blocks the same way but addresses them as
+flat slots, one per tree node; `copy_slots` moves a hit branch's slots into the request's own blocks.
 """
 
 from __future__ import annotations
