@@ -40,14 +40,17 @@ def _assert_tree_stats(llm: LLM) -> None:
     assert len(totals) == NUM_TOTALS and totals == stats.as_tuple()
 
 
-@pytest.mark.parametrize("target,draft,k,mode,async_", [
-    ("llama", "near", 3, "probabilistic", False), ("qwen3", "near", 4, "strict", True),
-    ("gemma3", "gemma3-2l", 3, "probabilistic", True), ("gemma3", "near", 4, "strict", False),
+@pytest.mark.parametrize("target,draft,k,mode,async_,block_size", [
+    ("llama", "near", 3, "probabilistic", False, 4), ("qwen3", "near", 4, "strict", True, 4),
+    ("gemma3", "gemma3-2l", 3, "probabilistic", True, 4), ("gemma3", "near", 4, "strict", False, 4),
+    # The hybrid draft's sliding window (5) smaller than a block: prefix blocks wholly outside it are released.
+    ("gemma3", "gemma3-2l", 3, "strict", False, 8),
 ])
 def test_tree_greedy_is_lossless(tiny_models, tiny_drafts, near_drafts, target_greedy, target, draft, k, mode,
-                                 async_):
+                                 async_, block_size):
     llm = LLM(tiny_models[target].path, draft_model=_draft(tiny_drafts, near_drafts, target, draft),
-              num_speculative_tokens=k, rejection_sampling=mode, async_scheduling=async_, **TREE)
+              num_speculative_tokens=k, rejection_sampling=mode, async_scheduling=async_,
+              **dict(TREE, block_size=block_size))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == target_greedy(target)
     assert all(o.finish_reason == "length" and len(o.token_ids) == NEW_TOKENS for o in outs)
@@ -114,12 +117,13 @@ def _hit_kv(llm: LLM, skip_copy: bool = False) -> dict[tuple[int, str], list[tor
     return seen
 
 
-def test_tree_hit_leaves_the_kv_of_the_ordinary_path(tiny_models, near_drafts):
-    # The near Gemma 3 draft: sliding-window layers (window 6, block 4) and full ones, two KV-cache groups. After a
-    # hit, the draft's KV at the positions the proposal stands for must equal what drafting afresh writes: a run
-    # without speculation ahead, at the same step (greedy: the same schedule).
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_tree_hit_leaves_the_kv_of_the_ordinary_path(tiny_models, near_drafts, block_size):
+    # The near Gemma 3 draft: sliding-window layers (window 6; block 4, or 8: a window smaller than a block) and
+    # full ones, two KV-cache groups. After a hit, the draft's KV at the positions the proposal stands for must equal
+    # what drafting afresh writes: a run without speculation ahead, at the same step (greedy: the same schedule).
     target, draft = tiny_models["gemma3"].path, near_drafts["gemma3"].path
-    kw = dict(draft_model=draft, num_speculative_tokens=3, **ENGINE_KW)
+    kw = dict(draft_model=draft, num_speculative_tokens=3, **dict(ENGINE_KW, block_size=block_size))
     tree_kv = _hit_kv(LLM(target, speculation_ahead=True, speculation_ahead_tree_fanout=3, **kw))
     assert len(tree_kv) >= 3
     plain = LLM(target, **kw)
