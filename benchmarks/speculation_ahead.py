@@ -86,8 +86,8 @@ def measure(args: argparse.Namespace, branches: int) -> list[dict]:
         kinds = (ahead.stats.hits_accept, ahead.stats.hits_reject)
         outs = llm.generate(prompts, [SamplingParams(max_tokens=args.max_tokens, temperature=t, seed=i)
                                       for i in range(len(prompts))])
-        lookups, hits, drafted, unused, skipped = (
-            a - b for a, b in zip(llm.engine.speculation_ahead_stats(), before, strict=True))
+        lookups, hits, drafted, unused, skipped = (  # the first five totals (tree mode's follow)
+            a - b for a, b in zip(llm.engine.speculation_ahead_stats()[:5], before[:5], strict=True))
         h_acc, h_rej = (a - b for a, b in zip((ahead.stats.hits_accept, ahead.stats.hits_reject), kinds))
         all_accepted = sum(a == n for n, a in steps)
         spec = llm.spec_stats(outs)

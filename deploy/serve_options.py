@@ -134,13 +134,18 @@ class SpeculationOptions:
         _engine("speculation_ahead_branches"), engine="extra", minimum=1, maximum=18,
         help="windows drafted ahead per request: 1 guesses all drafts accepted; more add the next likeliest "
              "outcomes (at most num_speculative_tokens + 2)")
+    speculation_ahead_tree_fanout: int = option(
+        _engine("speculation_ahead_tree_fanout"), engine="extra", minimum=0, maximum=64,
+        help="tree mode of speculation ahead: one tree a request over every outcome of its verify, with at most "
+             "this many candidates for the target's token per outcome, drafted one batched forward per depth; 0: "
+             "the window mode (speculation_ahead_branches)")
     speculation_ahead_adaptive: bool = option(
         _engine("speculation_ahead_adaptive"), engine="extra",
         help="with several branches, draft only as many windows as measured to fit in the target's verify")
     speculation_ahead_saguaro: float | None = option(
         _engine("speculation_ahead_saguaro"), engine="extra", minimum=0.0, maximum=1.0, metavar="C",
-        help="Saguaro sampling, with several branches and probabilistic rejection: the draft's two likeliest "
-             "tokens at each draft are scaled by C (in (0, 1)) before it draws, so a rejection's token more often "
+        help="Saguaro sampling, with several branches or tree mode and probabilistic rejection: the draft's two "
+             "likeliest tokens at each draft (tree mode: fan-out + 1) are scaled by C (in (0, 1)) before it draws, so a rejection's token more often "
              "has a window drafted ahead (acceptance changes with it; still exact); unset or 1: off")
     draft_token_map: str | None = option(_engine("draft_token_map"), engine="extra", metavar="FILE",
                                          help="token ids (a JSON list or a torch tensor file) the draft's LM head is "

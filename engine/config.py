@@ -198,16 +198,23 @@ class EngineConfig:
     # bonus guess, a rejection after a accepted drafts with the draft's runner-up as the target's token), each in
     # scratch KV blocks the draft reserves for them. At most num_speculative_tokens + 2: the distinct outcomes guessed.
     speculation_ahead_branches: int = 1
+    # Tree mode of speculation ahead (engine/speculation/tree_ahead.py): after each proposal the draft drafts one tree
+    # per request covering every outcome of its verify (a = 0..k drafts accepted), with at most this many candidates
+    # for the target's token per outcome (the draft's top-F there), each drafted k deep with one batched forward per
+    # depth; a hit copies the branch's KV from scratch slots into the request's blocks. 0: the window path above.
+    # Not combined with speculation_ahead_branches > 1. Tree forwards run eagerly (no CUDA graphs of tree widths yet).
+    speculation_ahead_tree_fanout: int = 0
     # With more than one branch, where the draft has GPUs of its own: draft at most as many windows a request as
     # measured to fit in the target's verify (engine/speculation/ahead_budget.py), so a fan-out that would hold the next
     # step up is cut back. False: every step drafts speculation_ahead_branches windows a request.
     speculation_ahead_adaptive: bool = True
     # Saguaro sampling (engine/sample/saguaro.py) with speculation ahead's rejection windows: the draft draws each
     # draft token from its q with the two likeliest tokens there (a rejection window's root, the draft's runner-up,
-    # is one of them) scaled by this factor c and renormalised, so the target's token after a rejection is more often
+    # is one of them; in tree mode the F + 1 likeliest, F = speculation_ahead_tree_fanout) scaled by this factor c
+    # and renormalised, so the target's token after a rejection is more often
     # a root whose window was drafted ahead; acceptance changes with it (docs/ARCHITECTURE.md, "Saguaro sampling").
     # Still exact: the verify reads the scaled q each draft was drawn from. None or 1: off; otherwise c in (0, 1),
-    # with speculation ahead, more than one branch and probabilistic rejection sampling (the only mode whose
+    # with speculation ahead, more than one branch or tree mode, and probabilistic rejection sampling (the only mode whose
     # replacement token reads q).
     speculation_ahead_saguaro: float | None = None
     # Benchmarks only, with synthetic rejection: the rate at which a lookup takes the target's token for the draft's
@@ -242,6 +249,13 @@ class EngineConfig:
                 or not 1 <= branches <= self.num_speculative_tokens + 2):
             raise ValueError(f"speculation_ahead_branches must be an integer in [1, num_speculative_tokens + 2 = "
                              f"{self.num_speculative_tokens + 2}], got {branches!r}")
+        fanout = self.speculation_ahead_tree_fanout
+        if not isinstance(fanout, int) or isinstance(fanout, bool) or not 0 <= fanout <= 64:
+            raise ValueError(f"speculation_ahead_tree_fanout must be an integer in [0, 64], got {fanout!r}")
+        if fanout and branches > 1:
+            raise ValueError("speculation_ahead_tree_fanout (a tree of every outcome) and speculation_ahead_branches "
+                             f"> 1 (a window per outcome) are two modes of speculation ahead: set one, got fan-out "
+                             f"{fanout} and {branches} branches")
         if not isinstance(self.speculation_ahead_adaptive, bool):
             raise ValueError("speculation_ahead_adaptive must be true or false, got "
                              f"{self.speculation_ahead_adaptive!r}")
@@ -275,9 +289,10 @@ class EngineConfig:
         if self.speculation_ahead is False:
             raise ValueError("speculation_ahead_saguaro scales the draft's q for windows drafted ahead: it needs "
                              "speculation_ahead (it is false)")
-        if self.speculation_ahead_branches < 2:
+        if self.speculation_ahead_branches < 2 and not self.speculation_ahead_tree_fanout:
             raise ValueError("speculation_ahead_saguaro steers rejections onto the windows drafted for them: it needs "
-                             "speculation_ahead_branches >= 2 (with 1 only the all-accepted window is drafted)")
+                             "speculation_ahead_branches >= 2 or speculation_ahead_tree_fanout > 0 (with one window "
+                             "only the all-accepted outcome is drafted)")
 
 
 def _dtype_names(dtype: torch.dtype) -> tuple[str, ...]:

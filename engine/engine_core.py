@@ -27,6 +27,7 @@ from engine.sample.logits_params import logits_params_of
 from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.speculation.ahead_budget import AheadBudget
+from engine.speculation.ahead_totals import NUM_TOTALS
 from engine.step.executor import Executor
 from engine.step.inflight_steps import InFlightStep, InFlightSteps
 from engine.step.phases import COMMIT, SCHEDULE, StepStats
@@ -74,7 +75,7 @@ class EngineCore:
             raise ValueError("speculation_ahead_saguaro needs a draft model, speculation ahead on (it is "
                              f"{'on' if self.scheduler.speculation_ahead else 'off'}) and "
                              "rejection_sampling='probabilistic'")
-        self._speculation_ahead_totals: tuple[int, ...] = (0, 0, 0, 0, 0)  # the draft's, as its last result said
+        self._speculation_ahead_totals: tuple[int, ...] = (0,) * NUM_TOTALS  # the draft's, as its last result said
         self.ahead_budget = self._new_speculation_ahead_budget()
 
     def _new_speculation_ahead_budget(self) -> AheadBudget:
@@ -242,8 +243,9 @@ class EngineCore:
         return self.ahead_budget.last
 
     def speculation_ahead_stats(self) -> tuple[int, ...]:
-        """The draft's speculation-ahead running totals: (lookups, hits, tokens drafted ahead, of those dropped
-        unproposed, branches chosen but not drafted); they restart from 0 when a new draft group is attached."""
+        """The draft's speculation-ahead running totals (AheadStats.as_tuple): lookups, hits, tokens drafted ahead, of
+        those dropped unproposed, branches chosen but not drafted, trees drafted and their nodes (tree mode), then
+        hits by outcome (tree mode, a = 0..16); they restart from 0 when a new draft group is attached."""
         return self._speculation_ahead_totals
 
     def prefix_cache_stats(self) -> dict[str, tuple[int, int]]:

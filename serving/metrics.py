@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from engine.speculation.ahead_totals import NUM_TOTALS
+
 # Latency buckets: from one CPU-free GPU step (ms) to a long CPU generation (minutes).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0, 160.0, 640.0)
@@ -73,7 +75,17 @@ class EngineMetrics:
         self.ahead_skipped = Counter(p + "spec_ahead_skipped_branches",
                                      "Windows chosen to draft ahead but not drafted: the draft loop's rows "
                                      "(max_num_seqs) or its scratch KV blocks were full", registry=r)
-        self._ahead_seen: tuple[int, ...] = (0, 0, 0, 0, 0)  # the engine's totals at the last sync
+        # Tree mode (speculation_ahead_tree_fanout): trees drafted, their nodes (tree_nodes / trees: the tree's
+        # width), and hits by outcome (accepted = the drafts the target accepted before its token there).
+        self.ahead_trees = Counter(p + "spec_ahead_trees", "Trees drafted ahead (tree mode: one a request and step)",
+                                   registry=r)
+        self.ahead_tree_nodes = Counter(p + "spec_ahead_tree_nodes",
+                                        "Nodes of the trees drafted ahead (the rows their forwards fed)", registry=r)
+        self.ahead_outcome_hits = Counter(p + "spec_ahead_outcome_hits",
+                                          "Proposals served from a tree branch, by the verify outcome it was for "
+                                          "(accepted: drafts accepted before the target's token)", ["accepted"],
+                                          registry=r)
+        self._ahead_seen: tuple[int, ...] = (0,) * NUM_TOTALS  # the engine's totals at the last sync
         self.ahead_branches = Gauge(p + "spec_ahead_branches",
                                     "Windows a request the last step asked the draft to draft ahead (the fan-out, "
                                     "cut to what fits in the verify where the draft has GPUs of its own)",
@@ -138,16 +150,20 @@ class EngineMetrics:
             self._prefix_seen[model] = (queries, hits)
 
     def on_speculation_ahead(self, totals: tuple[int, ...]) -> None:
-        """Bring the counters up to the engine's running totals (lookups, hits, drafted, unused, skipped branches);
-        totals below the last ones mean a new draft group counts anew."""
-        counters = (self.ahead_lookups, self.ahead_hits, self.ahead_drafted, self.ahead_unused, self.ahead_skipped)
-        if len(totals) != len(counters):
-            raise ValueError(f"expected {len(counters)} speculation-ahead totals, got {len(totals)}")
+        """Bring the counters up to the engine's running totals (AheadStats.as_tuple: lookups, hits, drafted, unused,
+        skipped branches, trees, tree nodes, hits by outcome 0..16); totals below the last ones mean a new draft
+        group counts anew."""
+        counters = (self.ahead_lookups, self.ahead_hits, self.ahead_drafted, self.ahead_unused, self.ahead_skipped,
+                    self.ahead_trees, self.ahead_tree_nodes)
+        if len(totals) != NUM_TOTALS:
+            raise ValueError(f"expected {NUM_TOTALS} speculation-ahead totals, got {len(totals)}")
         seen = self._ahead_seen
         if any(t < s for t, s in zip(totals, seen)):
             seen = (0,) * len(seen)
-        for counter, t, s in zip(counters, totals, seen):
-            if t > s:
+        for n, (t, s) in enumerate(zip(totals, seen)):
+            if t > s:  # an outcome's child appears with its first hit (no seventeen zero series per engine)
+                counter = counters[n] if n < len(counters) else self.ahead_outcome_hits.labels(
+                    accepted=str(n - len(counters)))
                 counter.inc(t - s)
         self._ahead_seen = tuple(totals)
 

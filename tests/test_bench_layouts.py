@@ -131,6 +131,7 @@ def test_speculation_ahead_counters_reach_metrics_and_the_report() -> None:
     from prometheus_client.exposition import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
+    from engine.speculation.ahead_totals import NUM_TOTALS
     from serving.metrics import EngineMetrics
 
     registry = CollectorRegistry()
@@ -142,15 +143,24 @@ def test_speculation_ahead_counters_reach_metrics_and_the_report() -> None:
 
     before = ahead_from_metrics(scrape())
     assert before == (0.0, 0.0, 0.0, 0.0, 0.0)
-    metrics.on_speculation_ahead((10, 4, 40, 24, 3))
-    metrics.on_speculation_ahead((20, 9, 80, 44, 5))
-    metrics.on_speculation_ahead((2, 1, 8, 4, 1))  # a new draft group counts from 0: all of it is new
+    def totals(*first: int, trees: tuple[int, int] = (0, 0), by_outcome: tuple[int, ...] = ()) -> tuple[int, ...]:
+        return (*first, *trees, *by_outcome) + (0,) * (NUM_TOTALS - 7 - len(by_outcome))
+
+    metrics.on_speculation_ahead(totals(10, 4, 40, 24, 3, trees=(5, 60), by_outcome=(1, 0, 3)))
+    metrics.on_speculation_ahead(totals(20, 9, 80, 44, 5, trees=(9, 100), by_outcome=(2, 0, 7)))
+    # A new draft group counts from 0: all of it is new.
+    metrics.on_speculation_ahead(totals(2, 1, 8, 4, 1, trees=(1, 10), by_outcome=(0, 1)))
     after = ahead_from_metrics(scrape())
     assert after == (22.0, 10.0, 88.0, 48.0, 6.0)
     summary = ahead_summary(before, after)
     assert summary == {"hit_rate": 10 / 22, "unused_share": 48 / 88, "lookups": 22.0, "skipped_branches": 6.0,
                        "drafted_per_lookup": 88 / 22}
+    scraped = scrape()
+    assert scraped["specserve_spec_ahead_trees_total"] == 10 and scraped["specserve_spec_ahead_tree_nodes_total"] == 110
+    outcome_hits = {s.labels["accepted"]: s.value for f in text_string_to_metric_families(generate_latest(
+        registry).decode()) for s in f.samples if s.name == "specserve_spec_ahead_outcome_hits_total"}
+    assert outcome_hits == {"0": 2.0, "1": 1.0, "2": 7.0}  # an outcome's series appears with its first hit
     assert ahead_summary(before, before) is None  # nothing drafted ahead
-    with pytest.raises(ValueError, match="5 speculation-ahead totals, got 4"):
+    with pytest.raises(ValueError, match=f"{NUM_TOTALS} speculation-ahead totals, got 4"):
         metrics.on_speculation_ahead((1, 1, 1, 1))  # an engine that leaves a counter out is a bug, not a zero
     assert ahead_from_metrics(scrape()) == after  # and it changed nothing

@@ -311,11 +311,29 @@ def test_speculation_ahead_with_synchronous_scheduling(tiny_models: dict[str, Ti
     try:
         assert not engine.async_scheduling and engine.executor.speculation_ahead
         assert greedy_tokens(engine) == llm_greedy(target)
-        lookups, hits, drafted, unused, _skipped = engine.speculation_ahead_stats()
+        lookups, hits, drafted, unused, _skipped, *_ = engine.speculation_ahead_stats()
         assert 0 < hits <= lookups and 0 < drafted and unused <= drafted
         scratch, hits_reject = ray.get(engine.executor.draft.workers[0].__ray_call__.remote(
             lambda self: (self.ahead.scratch.capacity, self.ahead.stats.hits_reject)))
         assert scratch == hits_reject == 0  # one window a request reserves no scratch and drafts no rejection
+    finally:
+        engine.executor.shutdown()
+
+
+def test_tree_mode_across_processes(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
+    """Speculation ahead's tree mode with the draft on a worker of its own (asynchronous scheduling): the same
+    AheadProposer runs `draft_predraft` there, trees hit (rejection outcomes included), greedy equals the target
+    alone, and the engine reports the tree counters with the others."""
+    target = tiny_models["llama"].path
+    engine = build_ray_engine(target, near_llama, num_speculative_tokens=3, seed=5, speculation_ahead=True,
+                              speculation_ahead_tree_fanout=2, **ENGINE_KW)
+    try:
+        assert engine.async_scheduling and engine.executor.speculation_ahead
+        assert greedy_tokens(engine) == llm_greedy(target)
+        stats = ray.get(engine.executor.draft.workers[0].__ray_call__.remote(lambda self: self.ahead.stats))
+        assert stats.trees > 0 and stats.hits_reject > 0, stats
+        totals = engine.speculation_ahead_stats()  # as of the last result (the last pre-draft came after it)
+        assert totals[:2] == (stats.lookups, stats.hits) and 0 < totals[5] <= stats.trees
     finally:
         engine.executor.shutdown()
 

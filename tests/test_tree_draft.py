@@ -197,3 +197,40 @@ def test_top_f_roots_exclude_the_drafted_token():
         expect = [t for t in row if a == 3 or t != window[a]][:f]
         assert roots[a] == expect
         assert a == 3 or window[a] not in roots[a]
+
+
+@pytest.mark.parametrize("model,block_size", CASES)
+def test_roots_chosen_from_the_window_logits(tiny_drafts, one_thread, model, block_size):
+    """choose_roots (speculation ahead's tree mode): a first forward feeds the windows alone, and the roots chosen
+    from its logits give the branches that the same roots given up front give (one more forward, the same KV
+    nowhere but the scratch slots). The window is led by the prefix's last token, so its logits cover every outcome;
+    nothing hangs off the prefix's end."""
+    runner = tree_runner(tiny_drafts[model].path, block_size)
+    prefixes = random_prompts([13, 20], seed=15)
+    windows = [[7, 20, 21, 22], [9, 40, 41]]  # [c, d_1..d_k]
+    fans = [[2, 1, 1, 2], [1, 2, 2]]
+    depth = 3
+    seen: list[list[torch.Tensor]] = []
+
+    def choose(logits: list[torch.Tensor]) -> list[list[list[int]]]:
+        seen.append(logits)
+        return [[[], *top_f_roots(x, w[1:], f)] for x, w, f in zip(logits, windows, fans)]
+
+    nodes = [num_tree_nodes(len(w), sum(f), depth) for w, f in zip(windows, fans)]
+    reqs = [_request(runner, 1 + 16 * i, p, w, [], depth, SCRATCH_FIRST + 12 * i, seed=i)
+            for i, (p, w) in enumerate(zip(prefixes, windows))]
+    for i, (r, n) in enumerate(zip(reqs, nodes)):  # _request sized the slots for no roots: enough for all of them
+        first = (SCRATCH_FIRST + 12 * i) * block_size
+        r.scratch_slots = [list(range(first, first + n))] * len(runner.kv_groups)
+    chosen = draft_tree(runner, reqs, depth, choose_roots=choose)
+    assert len(seen) == 1 and [x.shape[0] for x in seen[0]] == [4, 3]
+    for r, tree in zip(reqs, chosen):
+        r.roots = [[], *[[t for a, t in zip(tree.outcome, tree.root) if a == j] for j in range(1, len(r.window) + 1)]]
+    given = draft_tree(runner, reqs, depth)
+    for c, g, w, f in zip(chosen, given, windows, fans):
+        assert c.root == g.root and len(c.root) == sum(f) and all(a >= 1 for a in c.outcome)
+        assert torch.equal(c.tokens, g.tokens)
+        torch.testing.assert_close(c.logits, g.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c.window_logits, g.window_logits, atol=1e-5, rtol=1e-5)
+        for a in range(1, len(w)):  # a rejection's roots never hold the rejected draft
+            assert w[a] not in [t for o, t in zip(c.outcome, c.root) if o == a]

@@ -13,6 +13,9 @@ scratch blocks, the first a copy of the own block it replaces (that block's earl
 prefix and the accepted drafts). Earlier entries are shared read-only, NULL_BLOCK ones of a sliding-window group
 included. On a hit the scratch blocks are copied back over the request's own (every layer of every KV-cache group),
 so the draft's KV then holds exactly what drafting the window afresh would have written there.
+
+Speculation ahead's tree mode (engine/speculation/tree_ahead.py) reserves blocks the same way but addresses them as
+flat slots, one per tree node; `copy_slots` moves a hit branch's slots into the request's own blocks.
 """
 
 from __future__ import annotations
@@ -86,3 +89,18 @@ def copy_blocks(kv_caches: list[list[torch.Tensor]], src: list[list[int]], dst: 
         d_idx = to_device([b for _, b in pairs], torch.int64, dev)
         for t in tensors:
             t.index_copy_(1, d_idx, t.index_select(1, s_idx))
+
+
+def copy_slots(kv_caches: list[list[torch.Tensor]], src: list[list[int]], dst: list[list[int]]) -> None:
+    """For every KV-cache group g, flat slot dst[g][i] := flat slot src[g][i] (block * block_size + offset) in every
+    layer of the group: a tree branch's scratch slots into a request's own blocks (speculation ahead's tree mode).
+    No destination may be a source."""
+    for tensors, s, d in zip(kv_caches, src, dst):
+        if not s or not tensors:
+            continue
+        dev = tensors[0].device
+        s_idx = to_device(s, torch.int64, dev)
+        d_idx = to_device(d, torch.int64, dev)
+        for t in tensors:
+            flat = t.view(2, t.shape[1] * t.shape[2], *t.shape[3:])
+            flat.index_copy_(1, d_idx, flat.index_select(1, s_idx))

@@ -17,4 +17,6 @@ def ahead_saguaro(config: EngineConfig) -> SaguaroSampling | None:
     factor = config.speculation_ahead_saguaro
     if factor is None or factor == 1.0:
         return None
-    return SaguaroSampling(top_f=BRANCH_TOP_F, factor=float(factor))
+    # Tree mode's roots at a draft are the draft's top F there other than the drawn token: the top F + 1 cover them.
+    fanout = config.speculation_ahead_tree_fanout
+    return SaguaroSampling(top_f=fanout + 1 if fanout else BRANCH_TOP_F, factor=float(factor))

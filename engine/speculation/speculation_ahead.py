@@ -30,6 +30,10 @@ request's blocks and copied back over them on a hit, before anything reads them.
 draft-loop run (a row per window, capped at the largest batch the loop runs as a graph); windows past that cap or past
 the scratch reserve are skipped and counted.
 
+Tree mode (EngineConfig.speculation_ahead_tree_fanout = F > 0, engine/speculation/tree_ahead.py): one tree per
+request over every outcome of its verify instead of windows, in scratch slots; the cache, the lookup and the
+proposal's merge are the same, a hit copies its branch's slots into the request's blocks.
+
 Requests with logits processing (penalties, biases, masks) are not drafted ahead: their processors read a token
 history that the chain would have to extend with guessed tokens. Their proposals are drafted as usual.
 """
@@ -47,6 +51,7 @@ from engine.kv_cache.scratch_blocks import ScratchBlocks, ScratchFork, copy_bloc
 from engine.speculation.ahead_branches import ACCEPT, Branch, BranchEstimates
 from engine.speculation.proposer import DraftProposal, DraftProposer
 from engine.speculation.speculation_cache import AheadEntry, AheadStats, SpeculationCache
+from engine.speculation.tree_ahead import TreeAhead
 from engine.step.plan import PlannedRequest, StepPlan
 
 
@@ -104,6 +109,8 @@ class AheadProposer:
             self.num_branches, cfg.max_num_seqs, cfg.num_speculative_tokens + 1, cfg.block_size))
             if self.num_branches > 1 else [])
         self.scratch = ScratchBlocks([list(ids) for _ in groups])  # [num_groups][n], the same ids in each group
+        self.tree = (TreeAhead(proposer, self.cache, self.stats) if cfg.speculation_ahead_tree_fanout > 0
+                     else None)
 
     @property
     def runner(self):  # noqa: ANN201 - the proposer's ModelRunner
@@ -117,6 +124,7 @@ class AheadProposer:
         groups = range(len(self.runner.kv_groups))
         src: list[list[int]] = [[] for _ in groups]  # [num_groups][n] scratch blocks of hit windows ...
         dst: list[list[int]] = [[] for _ in groups]  # ... and the request's own blocks they stand for
+        tree_hits: list[tuple[PlannedRequest, AheadEntry]] = []
         for i, p in enumerate(plan.requests):
             if not (p.draft_runs and p.num_draft_tokens):
                 continue
@@ -133,6 +141,10 @@ class AheadProposer:
             else:
                 self.stats.hits_reject += 1
             used += p.num_draft_tokens
+            if entry.outcome is not None:
+                self.stats.hits_by_outcome[entry.outcome] += 1
+            if entry.slots is not None:
+                tree_hits.append((p, entry))
             if entry.fork is not None:
                 first = entry.fork.first_block
                 for g in groups:
@@ -144,6 +156,9 @@ class AheadProposer:
             # The window's KV into the request's own blocks, before anything reads them (the rest's proposal
             # below, the next windows ahead): they then hold what drafting it now would have written.
             copy_blocks(self.runner.kv_caches, src, dst)
+        if tree_hits:  # as above, a tree branch's slots
+            assert self.tree is not None
+            self.tree.copy_hits(tree_hits)
         # Every entry was for this step: what did not hit is stale from now on.
         self.drop_all(used)
         if not hits:
@@ -250,7 +265,8 @@ class AheadProposer:
         # Windows of a pre-draft no proposal came after (none, in the executors' order): the scratch is reused now.
         self.drop_all()
         rows = [i for i, p in enumerate(plan.requests)
-                if p.draft_runs and p.num_draft_tokens and p.sample and p.logits_params is None]
+                if p.draft_runs and p.num_draft_tokens and p.sample and p.logits_params is None
+                and (self.tree is None or p.seed is None or p.temperature == 0)]  # tree mode: no seeded sampling
         if not rows:
             return 0
         counts = [p.num_draft_tokens for p in plan.requests]
@@ -258,13 +274,17 @@ class AheadProposer:
         # target is verifying meanwhile (a draft worker) or has finished (in process): nothing critical waits.
         host = proposal.host_rows(counts)
         host_alt = proposal.alt_rows(counts) if self.num_branches > 1 else None
-        budget = min(plan.ahead_branches, self.num_branches) if plan.ahead_branches > 0 else self.num_branches
-        ranked = {i: self.estimates.ranked(counts[i], budget) for i in rows}
         for i in rows:
             p = plan.requests[i]
             assert p.token_ids is not None
             self._pending[p.request_id] = _Verify(p.start_pos + len(p.token_ids), counts[i], host[i][-1],
                                                   host_alt[i] if host_alt is not None else None, [None, None])
+        if self.tree is not None:
+            n = self.tree.predraft(plan, rows, host, self.estimates.alpha)
+            self._window = (n, time.perf_counter() - started)
+            return n
+        budget = min(plan.ahead_branches, self.num_branches) if plan.ahead_branches > 0 else self.num_branches
+        ranked = {i: self.estimates.ranked(counts[i], budget) for i in rows}
         windows = self._choose(plan, rows, ranked, host, host_alt)
         if not windows:
             return 0

@@ -1,5 +1,6 @@
 """What speculation ahead keeps between a pre-draft and the proposal after it (engine/speculation/speculation_ahead.py):
-the windows drafted ahead, by request, and the counters the engine reports."""
+the windows drafted ahead (or, in tree mode, the tree's branches: engine/speculation/tree_ahead.py), by request, and
+the counters the engine reports."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from engine.kv_cache.scratch_blocks import ScratchFork
 from engine.speculation.ahead_branches import ACCEPT
+from engine.speculation.ahead_totals import MAX_OUTCOMES, NUM_TOTALS  # noqa: F401 - NUM_TOTALS is public here too
 
 
 @dataclass
@@ -22,6 +24,10 @@ class AheadEntry:
     alt: torch.Tensor | None = None  # [k'] int64: each e_j's runner-up (None without branches)
     kind: str = ACCEPT  # the branch's kind (engine/speculation/ahead_branches.py)
     fork: ScratchFork | None = None  # its KV's scratch blocks; None: written in the request's own blocks
+    # Tree mode: [n] flat scratch slots (the same in every KV-cache group) holding the KV of positions position ..
+    # position + n - 1 as the next proposal would write them (the catch-up, then e_1..e_{n - len(tokens)}).
+    slots: list[int] | None = None
+    outcome: int | None = None  # tree mode: the drafts accepted in the outcome this branch is for (a)
 
 
 @dataclass
@@ -36,12 +42,21 @@ class AheadStats:
     # scratch reserve were full, or the request's tables too short. Reported, so a fan-out that the engine's sizes
     # cut short shows on the dashboard rather than only as a lower hit rate.
     skipped_branches: int = 0
+    # Tree mode (engine/speculation/tree_ahead.py): trees drafted (one a request and pre-draft), and their nodes (the
+    # rows fed: the window, every branch's root and drafts but the last): tree_nodes / trees is the tree's width.
+    trees: int = 0
+    tree_nodes: int = 0
+    # Tree mode: hits by outcome, index a = drafts accepted before the target's token (k: the bonus after all k).
+    hits_by_outcome: list[int] = field(default_factory=lambda: [0] * MAX_OUTCOMES)
     # Not in the tuple the engine reports (in process only): hits by branch kind.
     hits_accept: int = 0
     hits_reject: int = 0
 
-    def as_tuple(self) -> tuple[int, int, int, int, int]:
-        return self.lookups, self.hits, self.drafted_tokens, self.unused_tokens, self.skipped_branches
+    def as_tuple(self) -> tuple[int, ...]:
+        """What the engine reports (StepResult.speculation_ahead_totals), laid out as engine/speculation/ahead_totals.py
+        says: the counters, then hits_by_outcome."""
+        return (self.lookups, self.hits, self.drafted_tokens, self.unused_tokens, self.skipped_branches, self.trees,
+                self.tree_nodes, *self.hits_by_outcome)
 
 
 @dataclass

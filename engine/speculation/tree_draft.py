@@ -16,13 +16,20 @@ newest draft at once. The prefix's KV is read in place from the request's own pa
 sliding windows included); every node's KV goes to a scratch slot the caller gives, so nothing of the request's own
 KV changes. So a request costs `depth` forwards whatever its number of branches.
 
+Roots chosen from the window's own logits (`choose_roots`): the first forward then feeds the window alone, the
+caller picks every outcome's roots from the logits after each window token, and `depth` more forwards draft the
+branches (the first feeds the roots). Speculation ahead's tree mode (engine/speculation/tree_ahead.py) drafts so,
+with the window led by the last committed token, so that its logits cover every outcome of the verify.
+
 Status: eager forwards on either attention path (the torch reference, or the Triton tree kernel,
-engine/kernels/tree_attention.py; no CUDA graphs of tree widths yet), not yet wired into the step (see
-docs/ARCHITECTURE.md, "Tree pre-drafting: status").
+engine/kernels/tree_attention.py); no CUDA graphs of tree widths yet (see docs/ARCHITECTURE.md, "Tree pre-drafting:
+status").
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +53,9 @@ class TreeDraftRequest:
     block_tables: list[list[int]]  # [num_kv_groups][num_blocks]; the request's own blocks, covering prefix_len
     window: list[int]  # the k drafts d_1..d_k at positions prefix_len..prefix_len + k - 1
     roots: list[list[int]]  # [k + 1][F_a]: candidates for the token at position prefix_len + a after a accepted
-    # [num_kv_groups][num_nodes] flat scratch slots (block * block_size + offset), num_nodes = `num_tree_nodes`:
-    # the window's, the roots', then each later depth's, branch by branch. None of them may be the request's own.
+    # [num_kv_groups][>= num_nodes] flat scratch slots (block * block_size + offset), num_nodes = `num_tree_nodes`:
+    # the window's, the roots', then each later depth's, branch by branch (slots past num_nodes stay unused). None
+    # of them may be the request's own.
     scratch_slots: list[list[int]]
     temperature: float = 0.0  # 0: greedy (argmax, q one-hot); else drafts are drawn from q
     top_p: float = 1.0
@@ -67,13 +75,15 @@ class TreeDraft:
     outcome: list[int]  # [num_branches]; the accepted count a each branch assumes
     root: list[int]  # [num_branches]; the branch's root token (the target's token at position prefix_len + a)
     tokens: torch.Tensor  # [num_branches, depth] int64; the drafts after the root
-    logits: torch.Tensor  # [num_branches, depth, V] float32; the draft's logits each draft was drawn from
-    probs: torch.Tensor  # [num_branches, depth, V] float32; q of each draft (one-hot at the argmax when greedy)
+    # [num_branches, depth, V] float32; the draft's logits each draft was drawn from (None: not kept)
+    logits: torch.Tensor | None
+    # [num_branches, depth, V] float32; q of each draft (one-hot when greedy; None: not kept)
+    probs: torch.Tensor | None
     window_logits: torch.Tensor  # [k, V] float32; the logits after each window token d_1..d_k
 
 
 def _tree_layout(req: TreeDraftRequest, depth: int) -> tuple[list[int], list[int], list[int], list[int]]:
-    """(parents of every node, tokens of the first forward's nodes, branch outcome, branch root)."""
+    """(parents of every node, tokens of the window's and the roots' nodes, branch outcome, branch root)."""
     k = len(req.window)
     if len(req.roots) != k + 1:
         raise ValueError(f"a window of {k} drafts has {k + 1} outcomes, got roots for {len(req.roots)}")
@@ -96,7 +106,8 @@ def _step(runner: ModelRunner, reqs: list[TreeDraftRequest], parents: list[list[
           tokens: list[torch.Tensor]) -> torch.Tensor:
     """One forward over the given nodes of every tree -> logits [sum of rows, V]."""
     dev = runner.device
-    tree = build_tree_metadata([r.prefix_len for r in reqs], parents, [r.scratch_slots for r in reqs], rows, dev)
+    slots_used = [[s[:len(p)] for s in r.scratch_slots] for r, p in zip(reqs, parents)]
+    tree = build_tree_metadata([r.prefix_len for r in reqs], parents, slots_used, rows, dev)
     positions = tree.positions
     num_rows = int(positions.shape[0])
     groups = []
@@ -126,18 +137,34 @@ def _step(runner: ModelRunner, reqs: list[TreeDraftRequest], parents: list[list[
 
 @torch.inference_mode()
 def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
-               generator: torch.Generator | None = None) -> list[TreeDraft]:
-    """Draft every branch of every request `depth` tokens deep: `depth` batched forwards in all. Greedy requests
-    take the argmax; others draw from their q (temperature, top-k, top-p) with `generator`."""
+               generator: torch.Generator | None = None,
+               choose_roots: Callable[[list[torch.Tensor]], list[list[list[int]]]] | None = None,
+               keep_logits: bool = True, keep_probs: bool = True) -> list[TreeDraft]:
+    """Draft every branch of every request `depth` tokens deep. Greedy requests take the argmax; others draw from
+    their q (temperature, top-k, top-p) with `generator`.
+
+    choose_roots None: each request's `roots` are given; `depth` batched forwards in all, the first feeding the
+    windows and the roots. Else choose_roots(logits) gives every request's roots ([len(window) + 1][F] each, as
+    `roots`) from the logits after each of its window tokens (per request [len(window), V] float32): a first
+    forward feeds the windows alone, then `depth` forwards draft the branches. keep_logits / keep_probs False: those
+    outputs are None (two [branches, depth, V] float32 tensors a caller may not need)."""
     if depth < 1:
         raise ValueError("depth must be at least 1")
     dev = runner.device
+    ks = [len(r.window) for r in reqs]
+    window_logits: list[torch.Tensor] = []
+    if choose_roots is not None:
+        chains = [[j - 1 for j in range(k)] for k in ks]
+        for r, p in zip(reqs, chains):
+            _check_slots(runner, r, len(p))
+        logits = _step(runner, reqs, chains, [list(range(k)) for k in ks],
+                       [to_device(r.window, torch.int64, dev) for r in reqs])
+        window_logits = list(logits.split(ks))
+        reqs = [dataclasses.replace(r, roots=roots) for r, roots in zip(reqs, choose_roots(window_logits), strict=True)]
     layouts = [_tree_layout(r, depth) for r in reqs]
     parents = [lay[0] for lay in layouts]
     for r, p in zip(reqs, parents):
-        if any(len(s) != len(p) for s in r.scratch_slots) or len(r.scratch_slots) != len(runner.kv_groups):
-            raise ValueError(f"a tree of {len(p)} nodes needs that many scratch slots in each KV-cache group")
-    ks = [len(r.window) for r in reqs]
+        _check_slots(runner, r, len(p))
     nbs = [len(lay[2]) for lay in layouts]
     md = SamplingMetadata.from_lists([r.temperature for r in reqs], [r.top_p for r in reqs],
                                      [r.top_k for r in reqs], default_generator=generator, device=dev)
@@ -145,28 +172,42 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
     branch_req = [i for i, nb in enumerate(nbs) for _ in range(nb)]
     branch_md = md.select(branch_req)
     tokens = torch.empty(sum(nbs), depth, dtype=torch.int64, device=dev)
-    logits_out = torch.empty(sum(nbs), depth, runner.vocab_size, dtype=torch.float32, device=dev)
-    probs_out = torch.empty_like(logits_out)
-    window_logits: list[torch.Tensor] = []
+    logits_out = (torch.empty(sum(nbs), depth, runner.vocab_size, dtype=torch.float32, device=dev) if keep_logits
+                  else None)
+    probs_out = (torch.empty(sum(nbs), depth, runner.vocab_size, dtype=torch.float32, device=dev) if keep_probs
+                 else None)
     offsets = [0]
     for nb in nbs:
         offsets.append(offsets[-1] + nb)
     for dpt in range(depth):
-        if dpt == 0:  # the window and every root
+        if dpt == 0 and choose_roots is None:  # the window and every root
             rows = [list(range(k + nb)) for k, nb in zip(ks, nbs)]
             feed = [to_device(lay[1], torch.int64, dev) for lay in layouts]
+        elif dpt == 0:  # every root (the window was fed above)
+            rows = [list(range(k, k + nb)) for k, nb in zip(ks, nbs)]
+            feed = [to_device(lay[3], torch.int64, dev) for lay in layouts]
         else:  # every branch's newest draft
             rows = [list(range(k + dpt * nb, k + (dpt + 1) * nb)) for k, nb in zip(ks, nbs)]
             feed = [tokens[offsets[i]:offsets[i + 1], dpt - 1] for i in range(len(reqs))]
         logits = _step(runner, reqs, parents, rows, feed)
-        if dpt == 0:
+        if dpt == 0 and choose_roots is None:
             per_req = logits.split([k + nb for k, nb in zip(ks, nbs)])
             window_logits = [x[:k] for x, k in zip(per_req, ks)]
             logits = torch.cat([x[k:] for x, k in zip(per_req, ks)])
         probs = logits_to_probs(logits, branch_md)
         tokens[:, dpt] = sample_from_probs(probs, branch_md)
-        logits_out[:, dpt] = logits
-        probs_out[:, dpt] = probs
+        if logits_out is not None:
+            logits_out[:, dpt] = logits
+        if probs_out is not None:
+            probs_out[:, dpt] = probs
+    def part(x: torch.Tensor | None, i: int) -> torch.Tensor | None:
+        return x[offsets[i]:offsets[i + 1]] if x is not None else None
+
     return [TreeDraft(outcome=lay[2], root=lay[3], tokens=tokens[offsets[i]:offsets[i + 1]],
-                      logits=logits_out[offsets[i]:offsets[i + 1]], probs=probs_out[offsets[i]:offsets[i + 1]],
-                      window_logits=window_logits[i]) for i, lay in enumerate(layouts)]
+                      logits=part(logits_out, i), probs=part(probs_out, i), window_logits=window_logits[i])
+            for i, lay in enumerate(layouts)]
+
+
+def _check_slots(runner: ModelRunner, req: TreeDraftRequest, num_nodes: int) -> None:
+    if len(req.scratch_slots) != len(runner.kv_groups) or any(len(s) < num_nodes for s in req.scratch_slots):
+        raise ValueError(f"a tree of {num_nodes} nodes needs that many scratch slots in each KV-cache group")

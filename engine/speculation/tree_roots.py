@@ -15,13 +15,35 @@ import torch
 def top_f_roots(logits: torch.Tensor, window: list[int], fanout: list[int]) -> list[list[int]]:
     """logits: [k + 1, V] float32, the draft's logits at positions prefix_len .. prefix_len + k; window: d_1..d_k;
     fanout: [k + 1] F_a per outcome. Returns [k + 1][F_a] candidate tokens, likeliest first."""
-    k = len(window)
-    if logits.shape[0] != k + 1 or len(fanout) != k + 1:
-        raise ValueError(f"a window of {k} drafts has {k + 1} outcomes: got {logits.shape[0]} logits rows and "
-                         f"{len(fanout)} fan-outs")
-    masked = logits.clone()
-    if k:
-        rows = torch.arange(k, device=logits.device)
-        masked[rows, torch.tensor(window, dtype=torch.int64, device=logits.device)] = float("-inf")
-    top = masked.topk(max(fanout, default=0), dim=-1).indices.tolist()  # SYNC: the roots are host lists
-    return [row[:f] for row, f in zip(top, fanout)]
+    return top_f_roots_many([logits], [window], [fanout])[0]
+
+
+def top_f_roots_many(logits: list[torch.Tensor], windows: list[list[int]],
+                     fanouts: list[list[int]]) -> list[list[list[int]]]:
+    """`top_f_roots` of several trees: one top-k and one copy to the host for all of them."""
+    rows: list[int] = []
+    cols: list[int] = []
+    offset = 0
+    for x, window, fanout in zip(logits, windows, fanouts, strict=True):
+        k = len(window)
+        if x.shape[0] != k + 1 or len(fanout) != k + 1:
+            raise ValueError(f"a window of {k} drafts has {k + 1} outcomes: got {x.shape[0]} logits rows and "
+                             f"{len(fanout)} fan-outs")
+        rows += range(offset, offset + k)
+        cols += window
+        offset += k + 1
+    if not logits:
+        return []
+    masked = torch.cat(logits)  # a copy: the caller's logits stay as they are
+    if rows:
+        dev = masked.device
+        masked[torch.tensor(rows, dtype=torch.int64, device=dev), torch.tensor(cols, dtype=torch.int64,
+                                                                              device=dev)] = float("-inf")
+    width = max((f for fanout in fanouts for f in fanout), default=0)
+    top = masked.topk(width, dim=-1).indices.tolist()  # SYNC: the roots are host lists
+    out: list[list[list[int]]] = []
+    offset = 0
+    for fanout in fanouts:
+        out.append([row[:f] for row, f in zip(top[offset:offset + len(fanout)], fanout)])
+        offset += len(fanout)
+    return out

@@ -1,0 +1,170 @@
+"""Speculation ahead's tree mode (EngineConfig.speculation_ahead_tree_fanout = F > 0): after proposing d_1..d_k for a
+request, the draft drafts ONE tree covering every outcome of its verify, instead of a window per guessed outcome.
+
+The verify accepts a = 0..k drafts and then emits the target's token t at position frontier + a (frontier: the
+position of d_1): a replacement of d_{a+1} for a < k, the bonus token for a = k. The tree (engine/speculation/
+tree_draft.py, `draft_tree` with `choose_roots`):
+- forward 0 feeds the chain [c, d_1..d_k] over the committed prefix (prefix_len = frontier - 1, its KV read in place
+  from the request's own draft blocks; c is the last catch-up token, at frontier - 1, fed again for its logits): its
+  k + 1 logits rows are the draft's at positions frontier .. frontier + k, i.e. at every outcome's t;
+- the roots of outcome a are the draft's top-F_a tokens there, d_{a+1} excluded for a < k (engine/speculation/
+  tree_roots.py); F_a follows engine/speculation/tree_schedule.py, cut to the step's row budget;
+- every branch is then drafted D deep (D = the step's k) with one batched forward per depth over all branches of all
+  requests; greedy rows take the argmax, sampled rows draw from their q with the proposer's generator.
+Every node's KV goes to scratch slots reserved once at start-up (ModelRunner.reserve_kv_blocks, the same ids in
+every KV-cache group), reused at every pre-draft; nothing of the request's own KV is written.
+
+The cache (engine/speculation/speculation_cache.py) keeps a branch as the entry the next proposal looks up: its key
+is the draft input that outcome gives the next step, (position, tokens) = (frontier + k - 1, (d_k, t)) after all
+accepted, (frontier + a, (t,)) after a rejection, which is (request, a, t). A hit needs the branch's depth to cover
+the step's k. Its drafts and their q (one-hot when greedy) are the proposal, and before anything reads the draft's KV
+(AheadProposer.propose) the branch's slots for the positions the ordinary proposal would write (from the catch-up's
+start: d_k's node too after all accepted, then the root and e_1..e_{k-1}) are copied into the request's own blocks,
+every group; the prefix is never touched. A miss drafts just in time, as always.
+
+Exactness: a branch's drafts are drawn from the draft's distribution given exactly the context the next step has
+(prefix, accepted drafts, the target's token), with the draft's own noise; rejection sampling reads their own q. The
+roots are chosen from the draft's logits alone, never from the target's. Seeded sampled requests are not drafted
+ahead in tree mode (their drafts would not come from the generator seeded at the next output position, as the
+ordinary proposal's do; outputs would stay correct in law but differ from plain speculation's), nor are requests
+with logits processing. Outcomes whose branches would run past max_model_len (the draft's position tables) or past
+the request's token limit get no branch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_cache.block_pool import NULL_BLOCK
+from engine.kv_cache.scratch_blocks import copy_slots
+from engine.speculation.ahead_branches import ACCEPT, REJECT
+from engine.speculation.proposer import DraftProposer
+from engine.speculation.speculation_cache import AheadEntry, AheadStats, SpeculationCache
+from engine.speculation.tree_draft import TreeDraftRequest, draft_tree, num_tree_nodes
+from engine.speculation.tree_roots import top_f_roots_many
+from engine.speculation.tree_schedule import TreeSchedule
+from engine.step.plan import PlannedRequest, StepPlan
+
+
+def tree_slots_wanted(max_num_seqs: int, max_k: int, fanout: int, max_rows: int) -> int:
+    """Scratch slots (per group) for the trees of a full batch: a tree of k drafts, B branches and depth k has
+    k + 1 + B x k nodes; B is at most fanout x (k + 1) a request and max_rows a step."""
+    per_tree = num_tree_nodes(max_k + 1, fanout * (max_k + 1), max_k)
+    return min(max_num_seqs * per_tree, max_num_seqs * (max_k + 1) + max_rows * max_k)
+
+
+class TreeAhead:
+    """Tree-mode pre-drafting for an AheadProposer: `predraft` fills its cache with branches, `copy_hits` moves a
+    hit branch's KV into the request's own blocks."""
+
+    def __init__(self, proposer: DraftProposer, cache: SpeculationCache, stats: AheadStats) -> None:
+        runner = proposer.runner
+        cfg = runner.config
+        self.proposer, self.cache, self.stats = proposer, cache, stats
+        self.schedule = TreeSchedule(cfg.speculation_ahead_tree_fanout, runner.vocab_size)
+        # Branches (rows of a forward past the first) per step at most: the step's token budget, which the draft's
+        # forwards are sized for.
+        self.max_rows = cfg.max_num_batched_tokens
+        bs = cfg.block_size
+        wanted = tree_slots_wanted(cfg.max_num_seqs, cfg.num_speculative_tokens, self.schedule.max_fanout,
+                                   self.max_rows)
+        ids = runner.reserve_kv_blocks(-(-wanted // bs))
+        self.slots = [b * bs + o for b in ids for o in range(bs)]  # flat scratch slots, the same in every group
+
+    def predraft(self, plan: StepPlan, rows: list[int], host: list[list[int]], alpha: float) -> int:
+        """One tree for each request of `plan` at `rows`, whose proposal was host[i] (d_1..d_k); alpha: the running
+        per-token acceptance (the schedule's). Returns the branches drafted."""
+        runner = self.proposer.runner
+        cfg = runner.config
+        depth = plan.max_draft_tokens
+        if depth < 1 or not rows:
+            return 0
+        groups = len(runner.kv_groups)
+        per_req = max(1, self.max_rows // len(rows))
+        reqs: list[TreeDraftRequest] = []
+        metas: list[tuple[PlannedRequest, int, list[int], list[int], list[int]]] = []  # p, frontier, d, fan, slots
+        used = 0
+        fans: dict[int, list[int]] = {}  # k -> the schedule's F_a (the same for every request of that k)
+        for i in rows:
+            p = plan.requests[i]
+            assert p.token_ids is not None
+            d = host[i]
+            k = len(d)
+            frontier = p.start_pos + len(p.token_ids)
+            if not p.draft_token_ids or p.draft_start_pos + len(p.draft_token_ids) != frontier:
+                continue  # the draft did not catch up to the frontier: no chain to grow the tree from
+            if k not in fans:
+                fans[k] = self.schedule.fanout(k, alpha, per_req)
+            fan = list(fans[k])
+            for a in range(k + 1):
+                k_next = min(depth, p.token_limit - (frontier + a + 1) - 1) if p.token_limit else depth
+                if k_next <= 0 or frontier + a + depth > cfg.max_model_len:
+                    fan[a] = 0  # the next step drafts nothing there, or the branch would pass max_model_len
+            nb = sum(fan)
+            if nb == 0:
+                continue
+            nodes = num_tree_nodes(k + 1, nb, depth)
+            if used + nodes > len(self.slots):
+                self.stats.skipped_branches += nb
+                continue
+            slots = self.slots[used:used + nodes]
+            used += nodes
+            reqs.append(TreeDraftRequest(prefix_len=frontier - 1, block_tables=p.draft_block_tables,
+                                         window=[p.draft_token_ids[-1], *d], roots=[], scratch_slots=[slots] * groups,
+                                         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k))
+            metas.append((p, frontier, d, fan, slots))
+        if not reqs:
+            return 0
+
+        def choose_roots(logits: list[torch.Tensor]) -> list[list[list[int]]]:
+            # Per tree [k + 1, V]: after c (outcome 0's position) .. after d_k (the bonus). Nothing hangs off the
+            # prefix's end itself (the chain's first node c is committed).
+            roots = top_f_roots_many(logits, [m[2] for m in metas], [m[3] for m in metas])
+            return [[[], *r] for r in roots]
+
+        # q only where a sampled request's verify reads it (greedy drafts are one-hot: the merge builds them).
+        sampled = self.proposer.keep_probs and any(r.temperature > 0 for r in reqs)
+        trees = draft_tree(runner, reqs, depth, self.proposer.generator, choose_roots=choose_roots,
+                           keep_logits=False, keep_probs=sampled)
+        drafted = 0
+        for (p, frontier, d, _, slots), tree in zip(metas, trees):
+            k, nb = len(d), len(tree.root)
+            token_rows = tree.tokens.unbind(0)
+            prob_rows = tree.probs.unbind(0) if tree.probs is not None and p.temperature > 0 else None
+            self.stats.trees += 1
+            self.stats.tree_nodes += num_tree_nodes(k + 1, nb, depth)
+            for b, (where, t) in enumerate(zip(tree.outcome, tree.root)):
+                a = where - 1  # roots[a + 1] hang off window node a (c, d_1, ..): outcome a
+                nodes = [k + 1 + b] + [k + 1 + j * nb + b for j in range(1, depth)]  # root, e_1..e_{depth-1}
+                if a == k:  # all accepted: the next catch-up is (d_k, t) from d_k's position
+                    position, tokens, nodes = frontier + k - 1, (d[k - 1], t), [k, *nodes]
+                else:
+                    position, tokens = frontier + a, (t,)
+                self.cache.entries.setdefault(p.request_id, []).append(AheadEntry(
+                    position=position, tokens=tokens, token_ids=token_rows[b],
+                    probs=prob_rows[b] if prob_rows is not None else None, kind=ACCEPT if a == k else REJECT,
+                    slots=[slots[x] for x in nodes], outcome=a))
+                self.stats.drafted_tokens += depth
+                drafted += 1
+        return drafted
+
+    def copy_hits(self, hits: list[tuple[PlannedRequest, AheadEntry]]) -> None:
+        """Each hit branch's KV into its request's own blocks, every KV-cache group: the positions the ordinary
+        proposal would write for this draft input (the catch-up, then k - 1 drafts)."""
+        runner = self.proposer.runner
+        bs = runner.config.block_size
+        groups = range(len(runner.kv_groups))
+        src: list[list[int]] = [[] for _ in groups]  # [num_groups][n] scratch slots ...
+        dst: list[list[int]] = [[] for _ in groups]  # ... and the request's own slots they stand for
+        for p, e in hits:
+            assert e.slots is not None
+            n = len(p.draft_token_ids) + p.num_draft_tokens - 1
+            for g in groups:
+                table = p.draft_block_tables[g]
+                for j, slot in enumerate(e.slots[:n]):
+                    pos = e.position + j
+                    block = table[pos // bs]
+                    if block != NULL_BLOCK:
+                        src[g].append(slot)
+                        dst[g].append(block * bs + pos % bs)
+        copy_slots(runner.kv_caches, src, dst)
