@@ -145,8 +145,9 @@ class SpeculationOptions:
     speculation_ahead_saguaro: float | None = option(
         _engine("speculation_ahead_saguaro"), engine="extra", minimum=0.0, maximum=1.0, metavar="C",
         help="Saguaro sampling, with several branches or tree mode and probabilistic rejection: the draft's two "
-             "likeliest tokens at each draft (tree mode: fan-out + 1) are scaled by C (in (0, 1)) before it draws, so a rejection's token more often "
-             "has a window drafted ahead (acceptance changes with it; still exact); unset or 1: off")
+             "likeliest tokens at each draft (tree mode: fan-out + 1) are scaled by C (in (0, 1)) before it "
+             "draws, so a rejection's token more often has a window drafted ahead (acceptance changes with it; "
+             "still exact); unset or 1: off")
     draft_token_map: str | None = option(_engine("draft_token_map"), engine="extra", metavar="FILE",
                                          help="token ids (a JSON list or a torch tensor file) the draft's LM head is "
                                               "restricted to: a faster draft step, still exact")

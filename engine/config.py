@@ -214,8 +214,8 @@ class EngineConfig:
     # and renormalised, so the target's token after a rejection is more often
     # a root whose window was drafted ahead; acceptance changes with it (docs/ARCHITECTURE.md, "Saguaro sampling").
     # Still exact: the verify reads the scaled q each draft was drawn from. None or 1: off; otherwise c in (0, 1),
-    # with speculation ahead, more than one branch or tree mode, and probabilistic rejection sampling (the only mode whose
-    # replacement token reads q).
+    # with speculation ahead, more than one branch or tree mode, and probabilistic rejection sampling (the only
+    # mode whose replacement token reads q).
     speculation_ahead_saguaro: float | None = None
     # Benchmarks only, with synthetic rejection: the rate at which a lookup takes the target's token for the draft's
     # guess where a window was drafted for its outcome (the bonus token after all drafts accepted, or the token
