@@ -5,7 +5,7 @@ F_a with the most hits under a cap on branches, at each temperature.
 
     python benchmarks/tree_hit_rate.py [--target smollm2-135m-instruct] [--draft smollm2-135m-draft] [--k 4]
         [--temperature 0 0.7] [--fanout 1,2,4,8] [--caps 8,16] [--prompts 60] [--max-new-tokens 128]
-        [--device cpu|cuda] [--threads N] [--json FILE]
+        [--device cpu|cuda] [--threads N] [--reach 0.8] [--json FILE] [--from-json EARLIER.json]
 
 An offline simulation of speculative decoding with the engine's own models (loaded in HF transformers, fp32, one
 request at a time, each with its KV cache): per step the draft proposes k tokens after the committed context (its
@@ -15,12 +15,15 @@ seeded generator per prompt) decides a and t_a; the context then grows by d_1..d
 output, so one run scores every schedule: a lookup is a verify the request goes on from (not its last), and a tree
 of schedule F_a drafts sum_a F_a branches `k` deep (sum_a F_a x k tokens per lookup), of which a hit proposes one.
 The eval split, chat template, up to --max-new-tokens new tokens and EOS stops: as benchmarks/draft_acceptance.py.
-The schedules under a cap are fitted on the even-numbered prompts and also scored on the odd ones (held out).
+The schedules under a cap are fitted on the even-numbered prompts and also scored on the odd ones (held out);
+--reach gives the smallest tree (fewest branches, best schedule) whose hit rate reaches it. The JSON keeps every
+lookup's (prompt, a, rank), so --from-json scores other fan-outs and caps without simulating again.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -40,6 +43,7 @@ from engine.models.source import resolve_model  # noqa: E402
 from engine.speculation.rejection_sampler import rejection_sample_from_noise  # noqa: E402
 
 MAX_FANOUT = 8  # the cumulative agreement table's columns, and the most roots a capped schedule gives one outcome
+REACH_FANOUT, REACH_BRANCHES = 64, 320  # the search for the smallest tree that reaches --reach
 QUANTILES = (0.5, 0.8, 0.9)
 
 
@@ -157,8 +161,9 @@ def simulate(target: torch.nn.Module, draft: torch.nn.Module, prompts: Sequence[
             "outputs": outputs}
 
 
-def report(table: HitTable, temperature: float, fanouts: Sequence[int], caps: Sequence[int]) -> dict:
-    """The numbers of one temperature: uniform fan-outs, per-position agreement, capped schedules."""
+def report(table: HitTable, temperature: float, fanouts: Sequence[int], caps: Sequence[int], reach: float) -> dict:
+    """The numbers of one temperature: uniform fan-outs, per-position agreement, capped schedules, and the smallest
+    tree whose hit rate reaches `reach`."""
     k = table.k
     p_a = table.outcome_distribution()
     uniform = []
@@ -184,8 +189,10 @@ def report(table: HitTable, temperature: float, fanouts: Sequence[int], caps: Se
                        "hit_rate": table.hit_rate(sched), "hit_rate_by_outcome": table.hit_rate_by_outcome(sched),
                        "unused_share": table.unused_share(sched, k), "schedule_fit_on_even_prompts": fitted,
                        "held_out_hit_rate": table.subset(odd).hit_rate(fitted) if odd else None})
+    smallest = table.smallest_tree(reach, REACH_FANOUT, REACH_BRANCHES)
     return {"T": temperature, "lookups": len(table.lookups), "uniform": uniform, "positions": positions,
-            "capped": capped}
+            "capped": capped, "reach": {"rate": reach, "schedule": smallest, "branches": sum(smallest or [0]) or None,
+                                        "max_fanout": REACH_FANOUT, "max_branches": REACH_BRANCHES}}
 
 
 def print_tables(results: list[dict], k: int) -> None:
@@ -205,6 +212,11 @@ def print_tables(results: list[dict], k: int) -> None:
     print("\nThe schedule F_0..F_k with the most hits under a cap on branches (at most 8 roots an outcome):")
     print(markdown_table(capped, ["T", "cap", "schedule", "predrafted_per_lookup", "hit_rate", "hit_rate_by_outcome",
                                   "unused", "schedule_fit_on_even_prompts", "held_out_hit_rate"]))
+    for res in results:
+        r = res["reach"]
+        print(f"\nT={res['T']}: the smallest tree with hit rate >= {r['rate']}: "
+              + (f"F = {r['schedule']}, {r['branches']} branches" if r["schedule"] else
+                 f"none within {r['max_branches']} branches of at most {r['max_fanout']} roots an outcome"))
 
 
 def _ints(text: str) -> list[int]:
@@ -224,28 +236,48 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--ignore-eos", action="store_true", help="decode max-new-tokens whatever the tokens")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--reach", type=float, default=0.8, help="report the smallest tree with this hit rate")
     ap.add_argument("--json", default=None, help="write the results here too")
+    ap.add_argument("--from-json", default=None,
+                    help="score the lookups an earlier run's JSON holds instead of simulating (its models, k, "
+                         "temperatures and prompts; the fan-outs, caps and --reach of this command)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.k < 1 or any(f < 1 for f in args.fanout) or any(c < 1 for c in args.caps):
         ap.error("--k, --fanout and --caps must be positive")
 
+    if args.from_json:
+        payload = rescore(args)
+    else:
+        payload = {"environment": environment(), "args": vars(args), "results": []}
+        payload["prompts_used"] = run(args, payload["results"])
+    run_args, env = payload["args"], payload["environment"]
+    print(f"tree pre-drafting hit rates, draft {run_args['draft']} for {run_args['target']}, k={run_args['k']}, "
+          f"eval split: {payload['prompts_used']} prompts x up to {run_args['max_new_tokens']} new tokens, offline "
+          f"simulation (HF transformers, fp32, {run_args['device']})")
+    print(f"{env['date']}, {env['device']}, {env['threads']} threads, torch {env['torch']}")
+    print(markdown_table(payload["results"], ["T", "steps", "lookups", "acceptance_length", "seconds"]))
+    print_tables(payload["results"], run_args["k"])
+    save_json(args.json, payload)
+    return payload
+
+
+def run(args: argparse.Namespace, results: list[dict]) -> int:
+    """Simulate every temperature, appending its report to `results`; returns the number of prompts."""
     target = load_model(args.target, args.device)
     draft = load_model(args.draft, args.device)
     if draft.config.vocab_size != target.config.vocab_size:
-        ap.error("the draft and the target need one vocabulary")
+        raise ValueError("the draft and the target need one vocabulary")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.target).path))
     except (OSError, ValueError):
         tokenizer = None  # random-weight test targets: encode_prompt's character fallback
     prompts = [encode_prompt(p, tokenizer, target.config.vocab_size) for p in load_prompts("eval", args.prompts)]
-
-    results = []
     for t in args.temperature:
         start = time.perf_counter()
         sim = simulate(target, draft, prompts, args.k, t, args.max_new_tokens, args.device, args.ignore_eos)
-        res = report(sim["table"], t, args.fanout, args.caps)
+        res = report(sim["table"], t, args.fanout, args.caps, args.reach)
         res.update(steps=sim["steps"], acceptance_length=sim["acceptance_length"],
                    seconds=time.perf_counter() - start,
                    # every lookup as [prompt, a, rank]: any other schedule can be scored from the JSON alone
@@ -253,16 +285,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
         results.append(res)
         print(f"T={t}: {len(prompts)} prompts, {sim['steps']} verifies, acceptance length "
               f"{sim['acceptance_length']:.2f}, {res['seconds']:.0f} s", file=sys.stderr, flush=True)
-    env = environment()
-    print(f"tree pre-drafting hit rates, draft {args.draft} for {args.target}, k={args.k}, eval split: "
-          f"{len(prompts)} prompts x up to {args.max_new_tokens} new tokens, offline simulation (HF transformers, "
-          f"fp32, {args.device})")
-    print(f"{env['date']}, {env['device']}, {env['threads']} threads, torch {env['torch']}")
-    print(markdown_table(results, ["T", "steps", "lookups", "acceptance_length", "seconds"]))
-    print_tables(results, args.k)
-    payload = {"environment": env, "args": vars(args), "prompts_used": len(prompts), "results": results}
-    save_json(args.json, payload)
-    return payload
+    return len(prompts)
+
+
+def rescore(args: argparse.Namespace) -> dict:
+    """An earlier run's lookups under this command's fan-outs, caps and --reach."""
+    old = json.loads(Path(args.from_json).read_text())
+    k = old["args"]["k"]
+    results = []
+    for res in old["results"]:
+        table = HitTable(k, [Lookup(*x) for x in res["lookup_ranks"]])
+        new = report(table, res["T"], args.fanout, args.caps, args.reach)
+        new.update({key: res[key] for key in ("steps", "acceptance_length", "seconds", "lookup_ranks")})
+        results.append(new)
+    return {"environment": old["environment"], "args": old["args"], "prompts_used": old["prompts_used"],
+            "rescored_with": {"fanout": args.fanout, "caps": args.caps, "reach": args.reach}, "results": results}
 
 
 if __name__ == "__main__":

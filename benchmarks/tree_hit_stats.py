@@ -110,6 +110,17 @@ class HitTable:
     def best_schedule(self, cap: int, max_fanout: int) -> list[int]:
         """The schedule with the most hits among those of at most `cap` branches in all and `max_fanout` per
         outcome (exact, by dynamic programming over the outcomes); ties to fewer branches."""
+        return self._best_by_cap(cap, max_fanout)[cap]
+
+    def smallest_tree(self, rate: float, max_fanout: int, max_branches: int) -> list[int] | None:
+        """The best schedule of the fewest branches (at most `max_branches`) whose hit rate reaches `rate`; None if
+        none does."""
+        if not self.lookups:
+            return None
+        return next((s for s in self._best_by_cap(max_branches, max_fanout) if self.hit_rate(s) >= rate), None)
+
+    def _best_by_cap(self, cap: int, max_fanout: int) -> list[list[int]]:
+        """[cap + 1]: the best schedule of at most c branches, for every c = 0..cap (one dynamic programme)."""
         gains = []  # [k + 1][max_fanout + 1]: hits of outcome a with F_a = f
         for a in range(self.k + 1):
             ranks = [x.rank for x in self.lookups if x.outcome == a]
@@ -123,7 +134,7 @@ class HitTable:
                            for f in range(min(c, max_fanout) + 1)]
                 nxt.append(max(options, key=lambda o: (o[0], o[1])))
             best = nxt
-        return best[cap][2]
+        return [b[2] for b in best]
 
 
 def percentiles(values: Sequence[int], quantiles: Sequence[float]) -> list[int | None]:

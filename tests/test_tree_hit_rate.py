@@ -67,6 +67,15 @@ def test_best_schedule_by_hand_and_against_every_schedule():
         assert best == every, cap
 
 
+def test_smallest_tree_reaching_a_rate():
+    t = HitTable(2, HAND)
+    half = t.smallest_tree(0.5, 8, 20)  # 3 hits: no 3 branches do, [3, 0, 1] and [1, 2, 1] do
+    assert sum(half) == 4 and t.hit_rate(half) == 0.5
+    assert t.smallest_tree(1.0, 8, 20) == [5, 2, 6]
+    assert t.smallest_tree(1.0, 4, 20) is None  # ranks 4 and 5 need more than 4 roots
+    assert t.smallest_tree(1.0, 8, 12) is None
+
+
 def test_percentiles_nearest_rank():
     assert percentiles(list(range(1, 11)), [0.1, 0.5, 0.9, 1.0]) == [1, 5, 9, 10]
     assert percentiles([7], [0.5]) == [7]
@@ -95,6 +104,17 @@ def test_script_on_tiny_models(tiny_models, near_drafts, tmp_path, one_thread):
             assert capped["hit_rate"] == table.hit_rate(capped["schedule"])
     # the draft agrees often enough for more than one outcome to happen
     assert sum(p["lookups"] > 0 for p in payload["results"][0]["positions"]) >= 2
+    for res in payload["results"]:
+        reach = res["reach"]
+        assert reach["schedule"] is None or HitTable(4, [Lookup(*x) for x in res["lookup_ranks"]]).hit_rate(
+            reach["schedule"]) >= 0.8
+    # An earlier run's lookups, scored under other fan-outs without simulating.
+    again = main(["--from-json", str(out), "--fanout", "3", "--caps", "6", "--reach", "0.5"])
+    for old, res in zip(payload["results"], again["results"], strict=True):
+        table = HitTable(4, [Lookup(*x) for x in old["lookup_ranks"]])
+        assert res["uniform"][0]["hit_rate"] == table.hit_rate([3] * 5)
+        assert res["capped"][0]["schedule"] == table.best_schedule(6, 8)
+        assert res["reach"]["schedule"] == table.smallest_tree(0.5, 64, 320)
 
 
 def test_greedy_simulation_is_the_target_greedy(tiny_models, near_drafts, one_thread):
