@@ -131,6 +131,14 @@ class Request:
         return a, token, rank
 
 
+def kept_tokens(step_tokens: list[int], stop: set[int], room: int) -> tuple[int, bool]:
+    """Of one step's a + 1 new tokens, how many the request keeps (up to and including a stop token, at most
+    `room`), and whether it finishes with them."""
+    stop_at = next((j for j, t in enumerate(step_tokens) if t in stop), None)
+    take = min(len(step_tokens) if stop_at is None else stop_at + 1, room)
+    return take, stop_at is not None or take >= room
+
+
 def simulate(target: torch.nn.Module, draft: torch.nn.Module, prompts: Sequence[list[int]], k: int,
              temperature: float, max_new_tokens: int, device: str, ignore_eos: bool = False) -> dict:
     """Every prompt decoded speculatively; returns the HitTable of the lookups, the steps' acceptance and each
@@ -146,14 +154,11 @@ def simulate(target: torch.nn.Module, draft: torch.nn.Module, prompts: Sequence[
             new = 0
             while True:
                 a, _, rank = req.step(k, temperature, gen)
-                out = req.tokens[len(req.tokens) - a - 1:]
-                hit_stop = next((j for j, t in enumerate(out) if t in stop), None)
-                take = len(out) if hit_stop is None else hit_stop + 1
-                take = min(take, max_new_tokens - new)
+                take, finished = kept_tokens(req.tokens[len(req.tokens) - a - 1:], stop, max_new_tokens - new)
                 steps += 1
                 emitted += take
                 new += take
-                if take < len(out) or new >= max_new_tokens:
+                if finished:
                     break  # the request ends here: no next proposal looks this outcome up
                 lookups.append(Lookup(i, a, rank))
             outputs.append(req.tokens[len(prompt):len(prompt) + new])

@@ -13,7 +13,7 @@ import torch
 from conftest import hf_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from tree_hit_rate import load_model, main, simulate  # noqa: E402
+from tree_hit_rate import kept_tokens, load_model, main, simulate  # noqa: E402
 from tree_hit_stats import HitTable, Lookup, percentiles, root_rank  # noqa: E402
 
 from engine.speculation.tree_roots import top_f_roots  # noqa: E402
@@ -74,6 +74,15 @@ def test_smallest_tree_reaching_a_rate():
     assert t.smallest_tree(1.0, 8, 20) == [5, 2, 6]
     assert t.smallest_tree(1.0, 4, 20) is None  # ranks 4 and 5 need more than 4 roots
     assert t.smallest_tree(1.0, 8, 12) is None
+
+
+def test_kept_tokens_stop_at_eos_and_length():
+    assert kept_tokens([5, 6, 7], {2}, 10) == (3, False)
+    assert kept_tokens([5, 6, 2], {2}, 10) == (3, True)  # a stop token as the step's last token ends it too
+    assert kept_tokens([2, 6, 7], {2}, 10) == (1, True)
+    assert kept_tokens([5, 6, 7], {2}, 2) == (2, True)
+    assert kept_tokens([5, 6, 7], {2}, 3) == (3, True)
+    assert kept_tokens([5, 2, 7], set(), 10) == (3, False)
 
 
 def test_percentiles_nearest_rank():
