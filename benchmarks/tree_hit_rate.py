@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table, save_json  # noqa: E402
@@ -51,9 +52,16 @@ def load_model(name: str, device: str) -> torch.nn.Module:
     """A bundled name or directory as an HF model in fp32; a draft that shares its embedding table with its target
     (the bundled draft) gets it as the engine's loader does (engine/models/loader.py model_weights)."""
     path = resolve_model(name).path
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     cfg = ModelConfig.from_path(path)
-    if getattr(cfg.hf_config, SHARED_FROM_KEY, None):
+    shared = bool(getattr(cfg.hf_config, SHARED_FROM_KEY, None))
+    verbosity = hf_logging.get_verbosity()
+    if shared:
+        hf_logging.set_verbosity_error()  # its report of the embedding table missing: loaded just below
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if shared:
         weights = dict(model_weights(cfg))
         missing, unexpected = model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if cfg.hf_config.tie_word_embeddings else set()
