@@ -182,7 +182,7 @@ class Router(EngineRecovery):
                 "recovering": self._recovery is not None and not self._recovery.done(),
                 "speculation": self.engine.spec_config is not None, "degraded": self._degraded,
                 "num_running": self.engine.num_running(),
-                "num_waiting": self.engine.num_waiting() + len(self._admission)}
+                "num_waiting": self._num_waiting()}
 
     async def drain(self, timeout_s: float = 30.0) -> dict[str, Any]:
         """For shutdown: refuse new requests (503) from now on and wait up to `timeout_s` for the ones in flight
@@ -246,7 +246,7 @@ class Router(EngineRecovery):
         # On the event loop while a step may be running: it reads the engine (vocabulary, ids in use, the grammar
         # cache) and changes nothing the step thread writes. The step thread validates again when it admits.
         self.engine.validate_request(req)
-        waiting = self.engine.num_waiting() + len(self._admission)
+        waiting = self._num_waiting()
         if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
             # Refuse rather than queue without bound: memory stays flat and the client backs off.
             raise Rejected(f"the server is overloaded: {waiting} requests are already waiting "
@@ -300,7 +300,7 @@ class Router(EngineRecovery):
                 deltas = [(s, s.snapshot(req)) for req in touched
                           if (s := self._streams.get(req.request_id)) is not None]
                 stats = engine.last_step
-                step = (stats.phase_seconds, engine.num_running(), engine.num_waiting(), stats.num_preempted,
+                step = (stats.phase_seconds, engine.num_running(), self._num_waiting(), stats.num_preempted,
                         engine.kv_usage(), stats.draft_length)
                 pending = (deltas, step, now)
                 if self._lock_waiters or not (engine.has_unfinished() or len(self._admission)):
@@ -309,24 +309,32 @@ class Router(EngineRecovery):
             hand_over()  # the last step's, and one before a failed step's dispatch
 
     def _admit(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Move the queued arrivals into the engine, holding it (on the step thread, or under the lock)."""
+        """Move the queued arrivals into the engine, holding it (on the step thread, or under the lock). A request
+        the engine will not take is answered on its own; the others are admitted all the same."""
         for req, stream in self._admission.take_all():
             try:
                 self.engine.add_request(req)
             except ValueError as e:  # what validation on arrival could not see (an id taken meanwhile, say)
-                loop.call_soon_threadsafe(self._refuse, stream, str(e))
+                loop.call_soon_threadsafe(self._refuse, stream, str(e), 400)
+            except Exception as e:  # noqa: BLE001 - the engine's fault, not the request's: it must still be answered
+                logger.exception("admitting %s failed", req.request_id)
+                loop.call_soon_threadsafe(self._refuse, stream, f"the engine could not admit the request: {e}", 500)
 
-    def _refuse(self, stream: RequestStream, message: str) -> None:
-        stream.error = (message, 400)
+    def _refuse(self, stream: RequestStream, message: str, status: int) -> None:
+        stream.error = (message, status)
         stream.event.set()
 
-    def _end_queued(self, stream: RequestStream, reason: str, error: tuple[str, int] | None = None) -> None:
+    def _end_queued(self, stream: RequestStream, reason: str) -> None:
         """End a request that was accepted but never reached the engine (on the event loop)."""
         if stream.finish_reason is None:
             stream.finish_reason = reason
-            stream.error = error
             self.metrics.on_finished(reason, 0.0)
+            self._update_queue_and_kv()
             stream.event.set()
+
+    def _num_waiting(self) -> int:
+        """Requests waiting for a batch slot: the engine's queue and the arrivals not admitted yet."""
+        return self.engine.num_waiting() + len(self._admission)
 
     def _publish_now(self, touched: list[Any]) -> None:
         """Publish what steps collected outside the step thread gave their requests (on the event loop)."""
@@ -362,7 +370,7 @@ class Router(EngineRecovery):
             self.metrics.kv_usage.labels(model=model, kv_group=str(group)).set(usage)
 
     def _update_queue_and_kv(self) -> None:
-        self.metrics.set_queue(self.engine.num_running(), self.engine.num_waiting())
+        self.metrics.set_queue(self.engine.num_running(), self._num_waiting())
         self._update_kv_gauges()
 
 

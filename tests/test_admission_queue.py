@@ -127,3 +127,55 @@ def test_queued_requests_abort_refuse_and_count_as_waiting(tiny_models) -> None:
         assert len(router._admission) == 0 and (await router.health())["num_waiting"] == 0
 
     asyncio.run(scenario())
+
+
+def test_a_request_the_engine_fails_to_admit_is_answered_and_the_rest_run(tiny_models) -> None:
+    """An admission that raises (not a validation error: the engine's fault) answers that request with a 500 and
+    admits the others of its batch; nothing is left waiting for a stream that never ends."""
+    path = tiny_models["llama"].path
+
+    async def scenario() -> None:
+        router = _router(path)
+        add = router.engine.add_request
+
+        def failing_add(req):  # noqa: ANN001, ANN202
+            if req.request_id == "x":
+                raise RuntimeError("boom in add_request")
+            return add(req)
+
+        router.engine.add_request = failing_add
+        router._loop_task = asyncio.get_running_loop().create_future()  # both queued before the loop admits them
+        bad = asyncio.ensure_future(_collect(router, "x", PROMPTS[0], GREEDY))
+        good = asyncio.ensure_future(_collect(router, "y", PROMPTS[1], GREEDY))
+        await asyncio.sleep(0.05)
+        assert len(router._admission) == 2
+        router._loop_task = None
+        router._loop_task = asyncio.get_running_loop().create_task(router._run_loop())
+        (_, err), (tokens, err_y) = await asyncio.wait_for(asyncio.gather(bad, good), 60)
+        assert err is not None and err["status"] == 500 and "boom in add_request" in err["error"]
+        assert err_y is None and len(tokens) == NEW_TOKENS
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_step_spares_the_requests_still_queued(tiny_models) -> None:
+    """A step error pinned on the requests it ended fails those alone: an arrival still queued for admission never
+    ran, so it stays queued and runs to the end once the loop goes on."""
+    path = tiny_models["llama"].path
+
+    async def scenario() -> None:
+        router = _router(path)
+        loop = asyncio.get_running_loop()
+        router._loop_task = loop.create_future()  # hold the step loop
+        s_a = await router._add("a", PROMPTS[0], GREEDY)
+        router._admit(loop)
+        router.engine.abort_request("a")  # the failed step ended it: the engine's culprit
+        s_b = await router._add("b", PROMPTS[1], GREEDY)
+        router._on_step_error(RuntimeError("a stop string check failed"))
+        assert s_a.error is not None and s_a.error[1] == 500
+        assert s_b.error is None and s_b.finish_reason is None and router._admission.holds("b")
+        router._loop_task = loop.create_task(router._run_loop())
+        await asyncio.wait_for(router._loop_task, 60)
+        assert s_b.request.output_token_ids and len(s_b.request.output_token_ids) == NEW_TOKENS
+
+    asyncio.run(scenario())
