@@ -125,7 +125,7 @@ class TreeAhead:
         # q only where a sampled request's verify reads it (greedy drafts are one-hot: the merge builds them).
         sampled = self.proposer.keep_probs and any(r.temperature > 0 for r in reqs)
         trees = draft_tree(runner, reqs, depth, self.proposer.generator, choose_roots=choose_roots,
-                           keep_logits=False, keep_probs=sampled)
+                           keep_logits=False, keep_probs=sampled, saguaro=self.proposer.saguaro)
         drafted = 0
         for (p, frontier, d, _, slots), tree in zip(metas, trees):
             k, nb = len(d), len(tree.root)

@@ -42,6 +42,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import StepInput
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.processing import logits_to_probs
+from engine.sample.saguaro import SaguaroSampling, sample_saguaro
 from engine.sample.sampler import sample_from_probs
 
 
@@ -139,7 +140,8 @@ def _step(runner: ModelRunner, reqs: list[TreeDraftRequest], parents: list[list[
 def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
                generator: torch.Generator | None = None,
                choose_roots: Callable[[list[torch.Tensor]], list[list[list[int]]]] | None = None,
-               keep_logits: bool = True, keep_probs: bool = True) -> list[TreeDraft]:
+               keep_logits: bool = True, keep_probs: bool = True,
+               saguaro: SaguaroSampling | None = None) -> list[TreeDraft]:
     """Draft every branch of every request `depth` tokens deep. Greedy requests take the argmax; others draw from
     their q (temperature, top-k, top-p) with `generator`.
 
@@ -147,7 +149,8 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
     windows and the roots. Else choose_roots(logits) gives every request's roots ([len(window) + 1][F] each, as
     `roots`) from the logits after each of its window tokens (per request [len(window), V] float32): a first
     forward feeds the windows alone, then `depth` forwards draft the branches. keep_logits / keep_probs False: those
-    outputs are None (two [branches, depth, V] float32 tensors a caller may not need)."""
+    outputs are None (two [branches, depth, V] float32 tensors a caller may not need). saguaro: sampled rows draw
+    from q' (engine/sample/saguaro.py) and `probs` holds q'."""
     if depth < 1:
         raise ValueError("depth must be at least 1")
     dev = runner.device
@@ -195,7 +198,10 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
             window_logits = [x[:k] for x, k in zip(per_req, ks)]
             logits = torch.cat([x[k:] for x, k in zip(per_req, ks)])
         probs = logits_to_probs(logits, branch_md)
-        tokens[:, dpt] = sample_from_probs(probs, branch_md)
+        if saguaro is None:
+            tokens[:, dpt] = sample_from_probs(probs, branch_md)
+        else:  # drawn from q' and q' kept: a hit's verify must read the distribution its drafts came from
+            tokens[:, dpt], probs = sample_saguaro(probs, branch_md, saguaro.top_f, saguaro.factor)
         if logits_out is not None:
             logits_out[:, dpt] = logits
         if probs_out is not None:
