@@ -75,7 +75,6 @@ class PooledDraftWorker(ModelWorker):
                          rejection_sampling, cpu_threads)
         # The side ModelWorker built: its proposer serves every tenant; tenants' sides are copies with their own table.
         self.base_side, self.draft_side = self.draft_side, None
-        self.keep_probs = rejection_sampling == "probabilistic"
         self.slots = slots
         self.blocks_per_slot = check_share_fits(self.runner.num_blocks, slots, self.config.block_size,
                                                 self.config.max_model_len)

@@ -75,8 +75,8 @@ class EngineMetrics:
         self.ahead_skipped = Counter(p + "spec_ahead_skipped_branches",
                                      "Windows chosen to draft ahead but not drafted: the draft loop's rows "
                                      "(max_num_seqs) or its scratch KV blocks were full", registry=r)
-        # Tree mode (speculation_ahead_tree_fanout): trees drafted, their nodes (tree_nodes / trees: the tree's
-        # width), and hits by outcome (accepted = the drafts the target accepted before its token there).
+        # Tree mode (speculation_ahead_tree_fanout): trees drafted, their nodes (tree_nodes / trees: nodes per
+        # tree), and hits by outcome (accepted = the drafts the target accepted before its token there).
         self.ahead_trees = Counter(p + "spec_ahead_trees", "Trees drafted ahead (tree mode: one a request and step)",
                                    registry=r)
         self.ahead_tree_nodes = Counter(p + "spec_ahead_tree_nodes",

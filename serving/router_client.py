@@ -186,9 +186,10 @@ class RouterClient:
                 drafts = await self.draft_pool.broadcast("health").results_async(timeout_s=timeout_s,
                                                                                  return_exceptions=True)
             except TimeoutError:
-                drafts = []
-            report["num_draft_replicas"] = len(drafts)
-            report["num_draft_serving"] = sum(1 for d in drafts if isinstance(d, dict) and d.get("healthy"))
+                drafts = None  # the pool did not answer in time: unknown, not zero
+            report["num_draft_replicas"] = len(drafts) if drafts is not None else None
+            report["num_draft_serving"] = (sum(1 for d in drafts if isinstance(d, dict) and d.get("healthy"))
+                                           if drafts is not None else None)
         return report
 
     async def metrics_text(self, timeout_s: float = 10.0) -> str:

@@ -239,3 +239,12 @@ def test_http_proxy_auto_resolution_and_its_environment(monkeypatch) -> None:
     assert spe.apply()[spe.HAPROXY_ENV] == "1"  # back to the user's
     with pytest.raises(ValueError, match="resolved http_proxy"):
         spe.apply("auto")
+
+
+@pytest.mark.parametrize("ahead", [dict(speculation_ahead=True), dict(speculation_ahead_branches=3),
+                                   dict(speculation_ahead_tree_fanout=4), dict(speculation_ahead_saguaro=0.5)])
+def test_a_draft_pool_refuses_speculation_ahead(ahead):
+    """A pooled draft does not draft ahead: the settings that would ask it to are refused, never dropped."""
+    with pytest.raises(ValueError, match="draft_replicas"):
+        ServeConfig(draft_model="some-draft", draft_replicas=1, **ahead).validate()
+    ServeConfig(draft_model="some-draft", draft_replicas=1).validate()

@@ -43,7 +43,7 @@ class AheadStats:
     # cut short shows on the dashboard rather than only as a lower hit rate.
     skipped_branches: int = 0
     # Tree mode (engine/speculation/tree_ahead.py): trees drafted (one a request and pre-draft), and their nodes (the
-    # rows fed: the window, every branch's root and drafts but the last): tree_nodes / trees is the tree's width.
+    # rows fed: the window, every branch's root and drafts but the last): tree_nodes / trees is nodes per tree.
     trees: int = 0
     tree_nodes: int = 0
     # Tree mode: hits by outcome, index a = drafts accepted before the target's token (k: the bonus after all k).
