@@ -8,7 +8,8 @@ tree_draft.py, `draft_tree` with `choose_roots`):
   from the request's own draft blocks; c is the last catch-up token, at frontier - 1, fed again for its logits): its
   k + 1 logits rows are the draft's at positions frontier .. frontier + k, i.e. at every outcome's t;
 - the roots of outcome a are the draft's top-F_a tokens there, d_{a+1} excluded for a < k (engine/speculation/
-  tree_roots.py); F_a follows engine/speculation/tree_schedule.py, cut to the step's row budget;
+  tree_roots.py); F_a follows engine/speculation/tree_schedule.py, cut to the step's row budget (or to the plan's
+  node cap from the engine's ahead budget, engine/speculation/ahead_budget.py: StepPlan.ahead_tree_nodes);
 - every branch is then drafted D deep (D = the step's k) with one batched forward per depth over all branches of all
   requests; greedy rows take the argmax, sampled rows draw from their q with the proposer's generator.
 Every node's KV goes to scratch slots reserved once at start-up (ModelRunner.reserve_kv_blocks, the same ids in
