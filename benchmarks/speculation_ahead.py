@@ -49,8 +49,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ap.add_argument("--branches", type=int, nargs="+", default=[1],
-                    help="speculation_ahead_branches values to measure, each with an engine of its own")
+    ap.add_argument("--branches", type=int, nargs="*", default=[1],
+                    help="speculation_ahead_branches values to measure, an engine each (none: tree mode only)")
     ap.add_argument("--tree-fanout", default=[], nargs="+",
                     help="speculation_ahead_tree_fanout values to measure too (tree mode), e.g. 1,2,4,8 or 1 2 4 8")
     ap.add_argument("--unseeded", action="store_true",
