@@ -141,7 +141,8 @@ class SpeculationOptions:
              "the window mode (speculation_ahead_branches)")
     speculation_ahead_adaptive: bool = option(
         _engine("speculation_ahead_adaptive"), engine="extra",
-        help="with several branches, draft only as many windows as measured to fit in the target's verify")
+        help="with several branches, draft only as many windows as measured to fit in the target's verify; in "
+             "tree mode, only as many tree nodes (down to one branch a request, or no tree for the step)")
     speculation_ahead_saguaro: float | None = option(
         _engine("speculation_ahead_saguaro"), engine="extra", minimum=0.0, maximum=1.0, metavar="C",
         help="Saguaro sampling, with several branches or tree mode and probabilistic rejection: the draft's two "

@@ -82,7 +82,8 @@ class EngineCore:
         """Speculation ahead's per-step fan-out (engine/speculation/ahead_budget.py): adaptive only where the draft's
         runs ahead overlap the verify (a draft on GPUs of its own) and the configuration asks for it."""
         return AheadBudget(self.config.speculation_ahead_branches,
-                           adaptive=self.config.speculation_ahead_adaptive and self.executor.ahead_overlaps_verify)
+                           adaptive=self.config.speculation_ahead_adaptive and self.executor.ahead_overlaps_verify,
+                           tree=self.config.speculation_ahead_tree_fanout > 0)
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -356,6 +357,8 @@ class EngineCore:
                           self.spec_config, finished, self.sent)
         if self.scheduler.speculation_ahead:
             plan.ahead_branches = self.ahead_budget.branches(sum(1 for s in scheduled if s.num_draft_tokens))
+            if self.ahead_budget.tree:
+                plan.ahead_tree_nodes = self.ahead_budget.tree_nodes([s.num_draft_tokens for s in scheduled])
         return plan
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:

@@ -323,12 +323,25 @@ def test_speculation_ahead_with_synchronous_scheduling(tiny_models: dict[str, Ti
 def test_tree_mode_across_processes(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
     """Speculation ahead's tree mode with the draft on a worker of its own (asynchronous scheduling): the same
     AheadProposer runs `draft_predraft` there, trees hit (rejection outcomes included), greedy equals the target
-    alone, and the engine reports the tree counters with the others."""
+    alone, and the engine reports the tree counters with the others. Its trees overlap the verify, so the ahead budget
+    sizes them from the (nodes, seconds) the draft reports through the target's result, and every plan carries the
+    cap (engine/speculation/ahead_budget.py); held at the configured fan-out, rejection outcomes hit."""
     target = tiny_models["llama"].path
     engine = build_ray_engine(target, near_llama, num_speculative_tokens=3, seed=5, speculation_ahead=True,
                               speculation_ahead_tree_fanout=2, **ENGINE_KW)
+    executor = engine.executor
     try:
-        assert engine.async_scheduling and engine.executor.speculation_ahead
+        assert engine.async_scheduling and executor.speculation_ahead
+        assert engine.ahead_budget.adaptive and engine.ahead_budget.tree
+        plans: list[StepPlan] = []
+        make_plan = engine.make_plan
+        engine.make_plan = lambda *a, **kw: plans.append(make_plan(*a, **kw)) or plans[-1]  # type: ignore
+        assert greedy_tokens(engine) == llm_greedy(target)
+        budget = engine.ahead_budget
+        assert budget.node_seconds is not None and budget.node_seconds.value > 0 and budget.shadow is not None
+        caps = [p.ahead_tree_nodes for p in plans if any(r.num_draft_tokens for r in p.requests)]
+        assert caps and all(c is not None and c >= 0 for c in caps), caps
+        engine.ahead_budget = AheadBudget(1, adaptive=False, tree=True)  # the draft's own cap: F = 2 every step
         assert greedy_tokens(engine) == llm_greedy(target)
         stats = ray.get(engine.executor.draft.workers[0].__ray_call__.remote(lambda self: self.ahead.stats))
         assert stats.trees > 0 and stats.hits_reject > 0, stats

@@ -20,6 +20,18 @@ at most the shadow. A row count never measured (or whose figure is older than RE
 when the count below it fits with room to spare (its run under HEADROOM x the shadow), so the budget climbs to
 what fits and comes back down when a run grows past the shadow (a longer context, a slower verify).
 
+Tree mode (EngineConfig.speculation_ahead_tree_fanout > 0, engine/speculation/tree_ahead.py): the draft drafts one
+tree a request, k + 1 forwards (the chain [c, d_1..d_k], then one forward per depth over every branch), and reports
+(nodes, seconds) of each pre-draft, nodes being the rows those forwards fed. The budget keeps a running mean of the
+seconds a node and caps the next step's nodes (StepPlan.ahead_tree_nodes) at what that rate fits in the shadow; the
+draft turns the cap into a branch budget a request (TreeSchedule.fanout's `budget`), so a tree that would outlast
+the verify is cut from its unlikeliest outcomes' last candidates, down to the single likeliest outcome a request.
+The rate is linear through the origin: a forward's cost grows less than its rows (fixed costs), so a rate measured
+on a smaller tree overstates a larger one's, and the cap climbs to what fits over a few steps rather than overshooting;
+a tree that outlasted the shadow brings the cap down at once. When even one branch a request does not fit, the step
+drafts no tree (counted: `skipped_tree_steps`, and the draft's skipped branches), and the smallest tree is tried again
+once the rate is RETRY_STEPS steps old. Before any measurement the smallest tree is drafted, to measure it.
+
 Exactness does not depend on the count: a window is what the next proposal would draft after its outcome, for
 any number of windows (engine/speculation/speculation_ahead.py); the cap changes only which outcomes have one.
 """
@@ -53,10 +65,14 @@ class AheadBudget:
 
     max_branches: int
     adaptive: bool = True
+    tree: bool = False  # tree mode: the draft reports (nodes, seconds) and the cap is `tree_nodes`
     shadow: _Mean | None = None  # seconds between a proposal leaving the draft and the result reaching it
     windows: dict[int, _Mean] = field(default_factory=dict)  # rows of a run ahead -> its seconds
     step: int = 0
     last: int = 1  # the count of the last plan (reported as a gauge)
+    node_seconds: _Mean | None = None  # tree mode: seconds a node of a tree pre-draft
+    last_tree_nodes: int | None = None  # tree mode: the last plan's cap (None: the draft's own)
+    skipped_tree_steps: int = 0  # tree mode: steps whose smallest tree did not fit, so drafted none
 
     def observe(self, phase_seconds: dict[str, float], window: tuple[int, float] | None) -> None:
         """One step's result: its phases, and the draft's last run ahead as (rows, seconds), if it drafted one."""
@@ -67,7 +83,13 @@ class AheadBudget:
                 self.shadow = _Mean(shadow, self.step)
             else:
                 self.shadow.add(shadow, self.step)
-        if window is not None and window[0] > 0:
+        if window is not None and window[0] > 0 and self.tree:
+            nodes, seconds = window
+            if self.node_seconds is None or self.step - self.node_seconds.step > RETRY_STEPS:
+                self.node_seconds = _Mean(seconds / nodes, self.step)
+            else:
+                self.node_seconds.add(seconds / nodes, self.step)
+        elif window is not None and window[0] > 0:
             rows, seconds = window
             if rows in self.windows and self.step - self.windows[rows].step <= RETRY_STEPS:
                 self.windows[rows].add(seconds, self.step)
@@ -99,3 +121,23 @@ class AheadBudget:
                 best = b
             break
         return best
+
+    def tree_nodes(self, draft_counts: list[int]) -> int | None:
+        """Tree mode: the cap on the nodes of the step's trees, for speculating requests of these k (their
+        num_draft_tokens); None: the draft's own cap (not adaptive), 0: no tree this step."""
+        self.last_tree_nodes = self._choose_nodes([k for k in draft_counts if k > 0])
+        return self.last_tree_nodes
+
+    def _choose_nodes(self, ks: list[int]) -> int | None:
+        if not self.adaptive or not ks:
+            return None
+        # The smallest tree: every request's chain (k + 1 nodes) and one branch as deep as the step's k.
+        smallest = sum(k + 1 for k in ks) + len(ks) * max(ks)
+        rate = self.node_seconds
+        if self.shadow is None or rate is None or self.step - rate.step > RETRY_STEPS:
+            return smallest  # nothing (recent) measured: draft the smallest tree, to measure it
+        fit = int(self.shadow.value / rate.value) if rate.value > 0 else smallest
+        if fit < smallest:
+            self.skipped_tree_steps += 1
+            return 0
+        return fit

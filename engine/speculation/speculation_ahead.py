@@ -280,8 +280,12 @@ class AheadProposer:
             self._pending[p.request_id] = _Verify(p.start_pos + len(p.token_ids), counts[i], host[i][-1],
                                                   host_alt[i] if host_alt is not None else None, [None, None])
         if self.tree is not None:
+            nodes = self.stats.tree_nodes
             n = self.tree.predraft(plan, rows, host, self.estimates.alpha)
-            self._window = (n, time.perf_counter() - started)
+            nodes = self.stats.tree_nodes - nodes
+            # Tree mode reports its nodes (the rows its forwards fed): a tree's cost grows with them, not its
+            # branches alone (engine/speculation/ahead_budget.py). None where no tree ran.
+            self._window = (nodes, time.perf_counter() - started) if nodes else None
             return n
         budget = min(plan.ahead_branches, self.num_branches) if plan.ahead_branches > 0 else self.num_branches
         ranked = {i: self.estimates.ranked(counts[i], budget) for i in rows}

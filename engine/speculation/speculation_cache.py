@@ -46,6 +46,9 @@ class AheadStats:
     # rows fed: the window, every branch's root and drafts but the last): tree_nodes / trees is nodes per tree.
     trees: int = 0
     tree_nodes: int = 0
+    # Not in the tuple the engine reports (in process only): tree mode, requests left without a tree because the
+    # engine's ahead budget (StepPlan.ahead_tree_nodes) had no room for one branch each.
+    skipped_trees: int = 0
     # Tree mode: hits by outcome, index a = drafts accepted before the target's token (k: the bonus after all k).
     hits_by_outcome: list[int] = field(default_factory=lambda: [0] * MAX_OUTCOMES)
     # Not in the tuple the engine reports (in process only): hits by branch kind.

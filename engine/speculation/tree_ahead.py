@@ -8,7 +8,8 @@ tree_draft.py, `draft_tree` with `choose_roots`):
   from the request's own draft blocks; c is the last catch-up token, at frontier - 1, fed again for its logits): its
   k + 1 logits rows are the draft's at positions frontier .. frontier + k, i.e. at every outcome's t;
 - the roots of outcome a are the draft's top-F_a tokens there, d_{a+1} excluded for a < k (engine/speculation/
-  tree_roots.py); F_a follows engine/speculation/tree_schedule.py, cut to the step's row budget;
+  tree_roots.py); F_a follows engine/speculation/tree_schedule.py, cut to the step's row budget (or to the plan's
+  node cap from the engine's ahead budget, engine/speculation/ahead_budget.py: StepPlan.ahead_tree_nodes);
 - every branch is then drafted D deep (D = the step's k) with one batched forward per depth over all branches of all
   requests; greedy rows take the argmax, sampled rows draw from their q with the proposer's generator.
 Every node's KV goes to scratch slots reserved once at start-up (ModelRunner.reserve_kv_blocks, the same ids in
@@ -80,11 +81,17 @@ class TreeAhead:
         if depth < 1 or not rows:
             return 0
         groups = len(runner.kv_groups)
-        per_req = max(1, self.max_rows // len(rows))
+        own = max(1, self.max_rows // len(rows))  # branches a request within the draft's own row cap
+        per_req = self._branch_budget(plan, rows, host, depth, own)
+        if per_req < 1:  # the engine's ahead budget leaves no room for even one branch a request: no tree
+            self.stats.skipped_trees += len(rows)
+            self.stats.skipped_branches += sum(sum(self.schedule.fanout(len(host[i]), alpha, own)) for i in rows)
+            return 0
         reqs: list[TreeDraftRequest] = []
         metas: list[tuple[PlannedRequest, int, list[int], list[int], list[int]]] = []  # p, frontier, d, fan, slots
         used = 0
         fans: dict[int, list[int]] = {}  # k -> the schedule's F_a (the same for every request of that k)
+        cut: dict[int, int] = {}  # k -> branches of a request the budget cut
         for i in rows:
             p = plan.requests[i]
             assert p.token_ids is not None
@@ -95,7 +102,10 @@ class TreeAhead:
                 continue  # the draft did not catch up to the frontier: no chain to grow the tree from
             if k not in fans:
                 fans[k] = self.schedule.fanout(k, alpha, per_req)
+                # Branches the engine's budget took away (against the draft's own cap) count as skipped.
+                cut[k] = sum(self.schedule.fanout(k, alpha, own)) - sum(fans[k]) if per_req < own else 0
             fan = list(fans[k])
+            self.stats.skipped_branches += cut[k]
             for a in range(k + 1):
                 k_next = min(depth, p.token_limit - (frontier + a + 1) - 1) if p.token_limit else depth
                 if k_next <= 0 or frontier + a + depth > cfg.max_model_len:
@@ -126,6 +136,10 @@ class TreeAhead:
         sampled = self.proposer.keep_probs and any(r.temperature > 0 for r in reqs)
         trees = draft_tree(runner, reqs, depth, self.proposer.generator, choose_roots=choose_roots,
                            keep_logits=False, keep_probs=sampled, saguaro=self.proposer.saguaro)
+        if plan.ahead_tree_nodes is not None and runner.device.type == "cuda":
+            # SYNC: an engine that sizes the trees (plan.ahead_tree_nodes) times them; the draft's own GPU, after its
+            # proposal went to the target: it waits for its own tree, which the next proposal would wait for anyway.
+            torch.cuda.synchronize(runner.device)
         drafted = 0
         for (p, frontier, d, _, slots), tree in zip(metas, trees):
             k, nb = len(d), len(tree.root)
@@ -147,6 +161,17 @@ class TreeAhead:
                 self.stats.drafted_tokens += depth
                 drafted += 1
         return drafted
+
+    @staticmethod
+    def _branch_budget(plan: StepPlan, rows: list[int], host: list[list[int]], depth: int, own: int) -> int:
+        """Branches a request this step: the draft's own cap, or less where the plan caps the step's tree nodes
+        (engine/speculation/ahead_budget.py): what the nodes leave after every request's chain (k + 1 nodes), shared
+        evenly, each branch `depth` nodes."""
+        cap = plan.ahead_tree_nodes
+        if cap is None:
+            return own
+        left = cap - sum(len(host[i]) + 1 for i in rows)
+        return min(own, max(0, left // (len(rows) * depth)))
 
     def copy_hits(self, hits: list[tuple[PlannedRequest, AheadEntry]]) -> None:
         """Each hit branch's KV into its request's own blocks, every KV-cache group: the positions the ordinary

@@ -11,7 +11,8 @@ estimate over the proposer's own verifies, engine/speculation/ahead_branches.py)
 
 with F = EngineConfig.speculation_ahead_tree_fanout. Outcome 0 and outcome k are the likeliest at the alphas seen in
 practice (0.5-0.8), so they get the most. The branches of a request are then cut to a row budget (what the step's
-scratch and forward rows leave it), the unlikeliest outcomes' last candidates first.
+scratch and forward rows leave it, or the engine's ahead budget: engine/speculation/ahead_budget.py), the candidate
+worth least first (the last one of the outcome with the least P(a) a candidate).
 
 `measured`: per-outcome counts set from measured statistics instead (a benchmark that found, say, where hits happen
 by outcome); entry a is F_a, the last entry stands for every later a. Cut to the budget the same way.
@@ -43,12 +44,15 @@ class TreeSchedule:
             prob = [alpha ** a * (1 - alpha) for a in range(k)] + [alpha ** k]
             top = max(prob)
             fan = [min(cap, max(1, round(cap * p / top))) for p in prob]
-        # Over budget: take candidates back from the unlikeliest outcomes first (the largest a < k, then up).
-        order = sorted(range(k + 1), key=lambda a: (fan[a], -a))
+            weight = prob
+        # Over budget: take back, one at a time, the candidate worth least: the last one of the outcome whose
+        # weight a candidate (P(a) / F_a; measured: F_a stands for P(a)) is smallest, the largest a on ties. So a
+        # tight budget keeps the likeliest outcomes whole: at 2 branches, F = 1 and alpha 0.7, outcome 0 and the bonus.
+        if self.measured:
+            weight = [float(f) for f in fan]
         excess = sum(fan) - max(budget, 0)
         while excess > 0:
-            for a in order:
-                if excess > 0 and fan[a] > 0:
-                    fan[a] -= 1
-                    excess -= 1
+            a = min((a for a in range(k + 1) if fan[a] > 0), key=lambda a: (weight[a] / fan[a], -a))
+            fan[a] -= 1
+            excess -= 1
         return fan

@@ -131,6 +131,10 @@ class StepPlan:
     # Speculation ahead: windows to draft per request after this step's proposal (engine/speculation/ahead_budget.py);
     # 0: the draft side's configured count (EngineConfig.speculation_ahead_branches).
     ahead_branches: int = 0
+    # Speculation ahead's tree mode: the most tree nodes (rows fed by all of the step's tree forwards) to draft after
+    # this step's proposal (engine/speculation/ahead_budget.py); None: the draft side's own cap (its configured
+    # fan-out within max_num_batched_tokens branches), 0: no tree this step.
+    ahead_tree_nodes: int | None = None
 
     @property
     def max_draft_tokens(self) -> int:
@@ -149,7 +153,8 @@ class StepResult:
     # The draft's speculation-ahead counters, running totals (AheadStats.as_tuple: lookups, hits, tokens drafted
     # ahead, of those unused, branches skipped); None where the draft does not draft ahead.
     speculation_ahead_totals: tuple[int, ...] | None = None
-    # The draft's last run ahead (rows, seconds), for the engine's fan-out budget (engine/speculation/ahead_budget.py);
+    # The draft's last run ahead (rows, seconds), for the engine's fan-out budget (engine/speculation/ahead_budget.py;
+    # in tree mode the rows are the tree nodes fed);
     # None where it drafted none since the result before.
     predraft_window: tuple[int, float] | None = None
     # Per planned request, one (logprob, [(token id, logprob), ...]) per sampled token, where the request asked for
