@@ -115,3 +115,17 @@ def test_engine_shrinks_the_tree_to_the_budget_and_greedy_stays_exact(tiny_model
     else:
         assert llm.engine.ahead_budget.skipped_tree_steps > 0 and stats.skipped_trees > 0, (seen, stats)
         assert any(cap == 0 and nodes == 0 for cap, nodes in seen), seen
+
+
+def test_tree_rows_are_bounded_by_the_q_they_keep(tiny_models, tiny_drafts, monkeypatch):
+    """Sampled branches keep [branches, k, V] float32 q outside the KV cache's sizing: the row cap keeps it within
+    TREE_Q_BYTES whatever max_num_batched_tokens allows."""
+    from engine.speculation import tree_ahead
+
+    path, draft = tiny_models["llama"].path, tiny_drafts["llama-1l"].path
+    monkeypatch.setattr(tree_ahead, "TREE_Q_BYTES", 4 * 3 * 1000 * 7)  # 7 branches of k=3 at a 1000-token vocab
+    llm = LLM(path, draft_model=draft, num_speculative_tokens=3, speculation_ahead=True,
+              speculation_ahead_tree_fanout=3, **dict(ENGINE_KW, max_num_batched_tokens=64))
+    tree = _ahead(llm).tree
+    vocab = tree.proposer.runner.vocab_size
+    assert tree.max_rows == max(1, min(64, (4 * 3 * 1000 * 7) // (4 * vocab * 3)))

@@ -46,6 +46,9 @@ from engine.speculation.tree_roots import top_f_roots_many
 from engine.speculation.tree_schedule import TreeSchedule
 from engine.step.plan import PlannedRequest, StepPlan
 
+# The largest q a step's trees may keep: 1 GiB (at k=4, 441 branches of a 152k vocabulary, 2048 of a 32k one).
+TREE_Q_BYTES = 1 << 30
+
 
 def tree_slots_wanted(max_num_seqs: int, max_k: int, fanout: int, max_rows: int) -> int:
     """Scratch slots (per group) for the trees of a full batch: a tree of k drafts, B branches and depth k has
@@ -64,8 +67,10 @@ class TreeAhead:
         self.proposer, self.cache, self.stats = proposer, cache, stats
         self.schedule = TreeSchedule(cfg.speculation_ahead_tree_fanout, runner.vocab_size)
         # Branches (rows of a forward past the first) per step at most: the step's token budget, which the draft's
-        # forwards are sized for.
-        self.max_rows = cfg.max_num_batched_tokens
+        # forwards are sized for, and no more than keeps the q of sampled branches ([branches, k, V] float32) within
+        # TREE_Q_BYTES: the KV cache was sized without it, so it must fit in what the memory headroom leaves.
+        q_rows = TREE_Q_BYTES // (4 * runner.vocab_size * max(1, cfg.num_speculative_tokens))
+        self.max_rows = max(1, min(cfg.max_num_batched_tokens, q_rows))
         bs = cfg.block_size
         wanted = tree_slots_wanted(cfg.max_num_seqs, cfg.num_speculative_tokens, self.schedule.max_fanout,
                                    self.max_rows)
