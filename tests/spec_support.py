@@ -103,3 +103,22 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float,
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """The p-value of `chi_square`."""
     return chi_square(counts, probs)[1]
+
+
+def run_together(engines: list, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[list[int]]]:
+    """The prompts in every engine (EngineCore) under the same request ids, each engine in another order (so that the
+    same ids and the same local block ids hold different tokens in each), the engines stepped in turn until all
+    have finished; each engine's outputs in prompt order. What engines sharing one draft group are tested with."""
+    from engine.request import Request
+
+    n = len(prompts)
+    orders = [[(i + shift) % n for i in range(n)] for shift in range(len(engines))]
+    reqs = [[Request(f"r{j}", prompts[i], params[i]) for j, i in enumerate(order)] for order in orders]
+    for engine, rs in zip(engines, reqs):
+        for r in rs:
+            engine.add_request(r)
+    while any(e.has_unfinished() for e in engines):
+        for e in engines:
+            if e.has_unfinished():
+                e.step()
+    return [[rs[order.index(i)].output_token_ids for i in range(n)] for rs, order in zip(reqs, orders)]

@@ -12,10 +12,9 @@ from collections.abc import Iterator
 import pytest
 import ray
 from conftest import TinyModel, local_ray, random_prompts
+from spec_support import run_together
 
 from engine import LLM, SamplingParams
-from engine.engine_core import EngineCore
-from engine.request import Request
 from serving.draft_pool import DraftPoolReplica
 from serving.engine_factory import build_ray_engine
 
@@ -39,23 +38,6 @@ def engine_args(tiny_models: dict[str, TinyModel], tiny_drafts: dict[str, TinyMo
                 **ENGINE_KW)
 
 
-def run_together(engines: list[EngineCore], params: list[SamplingParams]) -> list[list[list[int]]]:
-    """The prompts in every engine under the same request ids, each engine in another order (so that the same ids
-    and the same local block ids hold different tokens in each target), the engines stepped in turn until all
-    have finished; each engine's outputs in prompt order."""
-    n = len(PROMPTS)
-    orders = [[(i + shift) % n for i in range(n)] for shift in range(len(engines))]
-    reqs = [[Request(f"r{j}", PROMPTS[i], params[i]) for j, i in enumerate(order)] for order in orders]
-    for engine, rs in zip(engines, reqs):
-        for r in rs:
-            engine.add_request(r)
-    while any(e.has_unfinished() for e in engines):
-        for e in engines:
-            if e.has_unfinished():
-                e.step()
-    return [[rs[order.index(i)].output_token_ids for i in range(n)] for rs, order in zip(reqs, orders)]
-
-
 def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
     pool = DraftPoolReplica.func_or_class(engine_args, "unit", 2, 60.0)
     rank0 = pool.rank0
@@ -66,7 +48,7 @@ def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
         assert [e.executor.draft_num_blocks for e in engines] == [stats["blocks_per_slot"] + 1] * 2
         assert all(len(e.draft_kv.pools) == 2 for e in engines)  # the hybrid draft's two KV-cache groups
 
-        greedy = run_together(engines, [GREEDY] * len(PROMPTS))
+        greedy = run_together(engines, PROMPTS, [GREEDY] * len(PROMPTS))
         expected = [o.token_ids for o in LLM(engine_args["model"], **ENGINE_KW).generate(PROMPTS, GREEDY)]
         assert greedy == [expected, expected]
         steps = [t["steps"] for t in ray.get(rank0.pool_stats.remote())["by_tenant"].values()]
@@ -74,7 +56,7 @@ def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
 
         sampled = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
                    for i in range(len(PROMPTS))]
-        pooled = run_together(engines, sampled)
+        pooled = run_together(engines, PROMPTS, sampled)
         assert pooled[0] == pooled[1]
 
         engines.pop().shutdown()  # detaches: its share and its requests' draft state are freed
@@ -86,6 +68,6 @@ def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
         pool.__del__()
     own = build_ray_engine(**engine_args)  # a draft group of its own
     try:
-        assert run_together([own], sampled) == [pooled[0]]
+        assert run_together([own], PROMPTS, sampled) == [pooled[0]]
     finally:
         own.shutdown()

@@ -10,10 +10,9 @@ from collections.abc import Iterator
 import pytest
 import ray
 from conftest import local_ray, random_prompts
+from spec_support import run_together
 
 from engine import LLM, SamplingParams
-from engine.engine_core import EngineCore
-from engine.request import Request
 from serving.draft_pool import DraftPoolReplica
 from serving.engine_factory import build_ray_engine
 
@@ -32,20 +31,6 @@ def one_gpu_ray() -> Iterator[None]:
         yield
 
 
-def _run(engines: list[EngineCore], params: list[SamplingParams]) -> list[list[list[int]]]:
-    n = len(PROMPTS)
-    orders = [[(i + shift) % n for i in range(n)] for shift in range(len(engines))]
-    reqs = [[Request(f"r{j}", PROMPTS[i], params[i]) for j, i in enumerate(order)] for order in orders]
-    for engine, rs in zip(engines, reqs):
-        for r in rs:
-            engine.add_request(r)
-    while any(e.has_unfinished() for e in engines):
-        for e in engines:
-            if e.has_unfinished():
-                e.step()
-    return [[rs[order.index(i)].output_token_ids for i in range(n)] for rs, order in zip(reqs, orders)]
-
-
 def test_two_engines_share_one_draft_on_cuda(tiny_models, tiny_drafts) -> None:
     args = dict(model=tiny_models["gemma3"].path, draft_model=tiny_drafts["gemma3-2l"].path, device="cuda",
                 dtype="float32", seed=3, num_speculative_tokens=3, rejection_sampling="probabilistic",
@@ -53,13 +38,13 @@ def test_two_engines_share_one_draft_on_cuda(tiny_models, tiny_drafts) -> None:
     pool = DraftPoolReplica.func_or_class(args, "cuda", 2, 60.0)
     engines = [build_ray_engine(**args, draft_pool="cuda") for _ in range(2)]
     try:
-        greedy = _run(engines, [GREEDY] * len(PROMPTS))
+        greedy = run_together(engines, PROMPTS, [GREEDY] * len(PROMPTS))
         expected = [o.token_ids for o in LLM(args["model"], device="cuda", dtype="float32", seed=3, **KW)
                     .generate(PROMPTS, GREEDY)]
         assert greedy == [expected, expected]
         steps = [t["steps"] for t in ray.get(pool.rank0.pool_stats.remote())["by_tenant"].values()]
         assert len(steps) == 2 and min(steps) > 0
-        pooled = _run(engines, SAMPLED)
+        pooled = run_together(engines, PROMPTS, SAMPLED)
         assert pooled[0] == pooled[1]
     finally:
         for e in engines:
@@ -67,6 +52,6 @@ def test_two_engines_share_one_draft_on_cuda(tiny_models, tiny_drafts) -> None:
         pool.__del__()
     own = build_ray_engine(**args, draft_placement="separate")
     try:
-        assert _run([own], SAMPLED) == [pooled[0]]
+        assert run_together([own], PROMPTS, SAMPLED) == [pooled[0]]
     finally:
         own.shutdown()
