@@ -198,6 +198,27 @@ def test_the_steps_counter_splits_speculating_steps() -> None:
     assert scrape[f'{name}{{speculating="true"}}'] == 3.0 and scrape[f'{name}{{speculating="false"}}'] == 3.0
 
 
+def test_series_of_several_engine_and_draft_replicas_sum_to_one_total() -> None:
+    """Behind a draft pool each engine's series also carry its draft replica: the totals the sweep reads (the
+    steps that speculated) must sum over both labels, as they do over engine replicas alone."""
+    from deploy.bench.runner import parse_prometheus
+
+    name = "specserve_spec_decode_steps_total"
+    text = "\n".join([
+        "# TYPE specserve_spec_decode_steps_total counter",
+        f'{name}{{draft_replica="d1",replica="e1",speculating="true"}} 8.0',
+        f'{name}{{draft_replica="d1",replica="e1",speculating="false"}} 1.0',
+        f'{name}{{draft_replica="d1",replica="e2",speculating="true"}} 5.0',
+        f'{name}{{replica="e3",speculating="true"}} 2.0',
+        'specserve_ttft_seconds_bucket{le="0.5",replica="e1"} 3.0',
+        'specserve_ttft_seconds_bucket{le="0.5",replica="e2"} 4.0',
+        'specserve_up{replica="e1"} 1.0'])
+    scrape = parse_prometheus(text)
+    assert scrape[f'{name}{{speculating="true"}}'] == 15.0 and scrape[f'{name}{{speculating="false"}}'] == 1.0
+    assert scrape['specserve_ttft_seconds_bucket{le="0.5"}'] == 7.0 and scrape["specserve_up"] == 1.0
+    assert scrape[f'{name}{{draft_replica="d1",replica="e2",speculating="true"}}'] == 5.0  # each series kept
+
+
 # --------------------------------------------------------------------------------------------------------
 # --smoke end to end
 # --------------------------------------------------------------------------------------------------------
