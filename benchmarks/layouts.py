@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from agreement_profile import load_agreement
 from sweep_models import Pair
 
 # Layout options naming the served app's HTTP proxy -> ServeConfig.http_proxy.
@@ -235,6 +236,10 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
         engine_kwargs["speculation_ahead_adaptive"] = False
     if args.bonus_agreement is not None and layout.draft_tp and pair.synthetic_acceptance_rate is not None:
         engine_kwargs["synthetic_bonus_agreement"] = args.bonus_agreement
+    profile = getattr(args, "agreement_profile", None)
+    if profile is not None and layout.draft_tp and pair.synthetic_acceptance_rate is not None:
+        # Benchmark-only, as the single rate above: a measured pair's top-f agreement per outcome.
+        engine_kwargs["synthetic_top_f_agreement"] = load_agreement(profile)
     extra: dict[str, Any] = {} if layout.ingress is None else {"ingress_replicas": layout.ingress}
     if layout.proxy is not None:
         extra["http_proxy"] = layout.proxy

@@ -220,6 +220,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--acceptance", type=float, default=0.8, help="synthetic acceptance rate (qwen3 shapes)")
     ap.add_argument("--bonus-agreement", type=float, default=None,
                     help="benchmark-only: rate at which a synthetic pair's bonus token counts as the draft's guess")
+    ap.add_argument("--agreement-profile", default=None, metavar="FILE",
+                    help="benchmark-only, synthetic pairs, instead of --bonus-agreement: a real pair's measured "
+                         "top-f agreement per verify outcome (benchmarks/agreement_profile.py; the SmolLM2 pair's: "
+                         "benchmarks/profiles/smollm2_top_f_agreement.json), so candidates drafted ahead hit as "
+                         "often as that pair's draft would, tree fan-out included")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -246,6 +251,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("no load points: give --concurrency and/or --rates")
     if any(c < 1 for c in args.concurrency) or any(not r > 0 for r in args.rates):
         ap.error("concurrencies must be >= 1 and rates > 0")
+    if args.agreement_profile is not None and (args.bonus_agreement is not None or args.pair != "qwen3-8b-0.6b"):
+        ap.error("--agreement-profile sets a synthetic pair's agreement (qwen3-8b-0.6b): not with --bonus-agreement")
     if args.min_seconds <= 0 or args.min_requests < 1:
         ap.error("--min-seconds must be > 0 and --min-requests >= 1")
     # serve_config sizes max_num_seqs from the concurrencies; a rate-only sweep gets 64. With --per-target these
@@ -283,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(str(e)) from None
     settings = {k: getattr(args, k) for k in ("concurrency", "rates", "min_seconds", "min_requests", "warmup",
                                               "input_len", "output_len", "length_sigma", "k", "acceptance",
-                                              "bonus_agreement", "max_model_len", "seed", "per_target")}
+                                              "bonus_agreement", "agreement_profile", "max_model_len", "seed",
+                                              "per_target")}
     doc: dict[str, Any] = {"benchmark": "load_sweep", "pair": pair.name, "command": " ".join(sys.argv),
                            "env": environment(), "settings": settings, "layouts": {}}
     if args.append and out.is_file():

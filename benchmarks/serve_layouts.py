@@ -43,8 +43,12 @@ The offline engine takes none of the served app's options (i<N>, r<N>, p<M>, hap
 
 --bonus-agreement R (synthetic pairs only, a benchmark-only setting): random weights never agree on a bonus token,
 so a window drafted ahead would never hit; with it, a lookup whose drafts were all accepted counts the bonus as the
-draft's guess at rate R (measure R on a real pair: benchmarks/speculation_ahead.py). The hit rates and unused
-draft tokens of each run come from /metrics (spec_ahead_*).
+draft's guess at rate R (measure R on a real pair: benchmarks/speculation_ahead.py). One rate credits an outcome's
+first window whatever else was drafted for it, so tree mode's fan-out (f<N>) changes nothing it hits: for tree
+layouts use --agreement-profile FILE instead (also benchmark-only, synthetic pairs), the real SmolLM2 pair's
+measured P(target token in the draft's top-f | verify outcome) (benchmarks/profiles/smollm2_top_f_agreement.json,
+written by benchmarks/tree_hit_rate.py --profile): a lookup with n candidates for its outcome hits at that pair's
+top-n rate. The hit rates and unused draft tokens of each run come from /metrics (spec_ahead_*).
 
 Per layout, on a fresh Ray runtime that sees only the GPUs the layout needs:
   check  greedy completions of --check-prompts prompts, one at a time, compared with the first layout of the run
@@ -226,6 +230,11 @@ def main() -> int:
     ap.add_argument("--acceptance", type=float, default=0.8, help="synthetic acceptance rate (qwen3 shapes)")
     ap.add_argument("--bonus-agreement", type=float, default=None,
                     help="benchmark-only: rate at which a synthetic pair's bonus token counts as the draft's guess")
+    ap.add_argument("--agreement-profile", default=None, metavar="FILE",
+                    help="benchmark-only, synthetic pairs, instead of --bonus-agreement: a real pair's measured "
+                         "top-f agreement per verify outcome (benchmarks/agreement_profile.py; the SmolLM2 pair's: "
+                         "benchmarks/profiles/smollm2_top_f_agreement.json), so candidates drafted ahead hit as "
+                         "often as that pair's draft would, tree fan-out included")
     ap.add_argument("--dtype", default=None, help="float32 for the exactness checks; default bf16 on GPU")
     ap.add_argument("--check-only", action="store_true", help="greedy comparison only, no bench")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs: a faster start for --check-only runs")
@@ -253,6 +262,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.agreement_profile is not None and (args.bonus_agreement is not None or args.pair != "qwen3-8b-0.6b"):
+        ap.error("--agreement-profile sets a synthetic pair's agreement (qwen3-8b-0.6b): not with --bonus-agreement")
     # Checked here, before any engine starts: a bad value found by the first layout wastes its start-up.
     if args.check_prompts < 0 or (args.check_only and args.check_prompts == 0):
         ap.error(f"--check-prompts must be >= 0 (>= 1 with --check-only), got {args.check_prompts}")
@@ -288,7 +299,7 @@ def main() -> int:
             traceback.print_exc()
             results[lay.name] = {"error": f"{type(e).__name__}: {e}"}
         print(f"[{lay.name}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        compare(results, layouts, lossless, args.bonus_agreement is not None)
+        compare(results, layouts, lossless, args.bonus_agreement is not None or args.agreement_profile is not None)
         if out_path:
             out_path.parent.mkdir(parents=True, exist_ok=True)
             out_path.write_text(json.dumps(doc, indent=1))

@@ -106,6 +106,23 @@ def test_saguaro_layouts_need_probabilistic_rejection() -> None:
         serve_config(PAIR, lay, _args())  # the synthetic pair
 
 
+def test_an_agreement_profile_reaches_synthetic_drafts_only(tmp_path: Path) -> None:
+    """--agreement-profile (benchmark-only): the profile's T=0 table becomes the engine's synthetic_top_f_agreement
+    for layouts with a draft of a synthetic pair, and nothing anywhere else."""
+    import json
+
+    table = [[0.3, 0.4], [0.3, 0.5], [0.75, 0.85]]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"profiles": [{"T": 0.7, "top_f_agreement": [[0.1, 0.2]] * 3},
+                                             {"T": 0.0, "top_f_agreement": table}]}))
+    args = _args(agreement_profile=str(path))
+    assert serve_config(PAIR, Layout.parse("t1+d1/f2"), args)["engine_kwargs"]["synthetic_top_f_agreement"] == table
+    assert "synthetic_top_f_agreement" not in serve_config(PAIR, Layout.parse("t1"), args)["engine_kwargs"]
+    real = Pair("real pair", "target", "draft", "probabilistic")
+    assert "synthetic_top_f_agreement" not in serve_config(real, Layout.parse("t1+d1"), args)["engine_kwargs"]
+    assert "synthetic_top_f_agreement" not in serve_config(PAIR, Layout.parse("t1+d1"), _args())["engine_kwargs"]
+
+
 def test_served_configs_of_the_new_options_pass_the_serve_config_checks() -> None:
     """What serve_config writes for r<N>, p<M> and f<N> is what `specserve serve` accepts (its own checks,
     deploy/config.py, and the engine's option checks), not just names that look right."""

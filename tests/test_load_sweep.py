@@ -282,6 +282,8 @@ def test_per_target_loads_scale_with_the_engine_replicas() -> None:
     single = load_points(per_target, Layout.parse("offline+d").target_replicas)
     assert [(p.concurrency, p.rate) for p in single] == [(1, math.inf), (16, math.inf), (None, 2.0)]
     assert [p.seed for p in single] == [p.seed for p in points]  # the same requests' seeds whatever the replicas
+    with pytest.raises(SystemExit):  # one way to set a synthetic draft's agreement at a time
+        parse_args([*argv, "--agreement-profile", "p.json", "--bonus-agreement", "0.7"])
     total = load_points(parse_args(argv), 3)  # without --per-target the loads are the whole layout's
     assert [(p.concurrency, p.rate, p.targets) for p in total] == [(1, math.inf, 3), (16, math.inf, 3), (None, 2.0, 3)]
 
