@@ -121,6 +121,13 @@ def test_an_agreement_profile_reaches_synthetic_drafts_only(tmp_path: Path) -> N
     real = Pair("real pair", "target", "draft", "probabilistic")
     assert "synthetic_top_f_agreement" not in serve_config(real, Layout.parse("t1+d1"), args)["engine_kwargs"]
     assert "synthetic_top_f_agreement" not in serve_config(PAIR, Layout.parse("t1+d1"), _args())["engine_kwargs"]
+    # the bundled profile of the SmolLM2 pair is one the engine takes: k + 1 = 5 outcomes, the bonus the likeliest hit
+    from agreement_profile import BUNDLED, load_agreement
+
+    from engine.speculation.synthetic_agreement import AgreementProfile
+
+    bundled = AgreementProfile.from_table(load_agreement(BUNDLED))
+    assert len(bundled.top_f) == 5 and all(bundled.row(4, 4)[0] > bundled.row(a, 4)[0] for a in range(4))
 
 
 def test_served_configs_of_the_new_options_pass_the_serve_config_checks() -> None:
