@@ -182,7 +182,7 @@ class AheadProposer:
         for e in fits:
             if e.tokens == tokens:
                 return e
-        if plan.synthetic_acceptance_rate is None or not self._synthetic_agreement:
+        if plan.synthetic_acceptance_rate is None or (self.bonus_agreement is None and self.agreement_profile is None):
             return None
         # Benchmarks: the outcome is the window's (same position, same tokens but the guessed one); its guess counts
         # as right at the agreement rate, or one of its candidates at the profile's rate for their number.
@@ -195,10 +195,6 @@ class AheadProposer:
         a, k = self._outcome(p, same[0])
         r = self.agreement_profile.hit_rank(a, k, len(same), u)
         return None if r is None else same[r]
-
-    @property
-    def _synthetic_agreement(self) -> bool:
-        return self.bonus_agreement is not None or self.agreement_profile is not None
 
     def _outcome(self, p: PlannedRequest, entry: AheadEntry) -> tuple[int, int]:
         """(a, k): the drafts accepted in the outcome `entry` was drafted for, of the k its verify had."""
