@@ -7,7 +7,8 @@ hit ahead-drafted candidates as often as that pair's draft would, fan-out by fan
 The file: {"benchmark": "top_f_agreement", "target", "draft", "k", "command", "environment", "profiles": [{"T",
 "lookups", "acceptance_length", "P(a)", "top_f_agreement": [k + 1][8] (rows a = 0..k-1 rejections, then the bonus
 outcome)}, ...]}, one profile per simulated temperature. The benchmarks are greedy: they read T = 0 unless told.
-The bundled profiles/smollm2_top_f_agreement.json holds the SmolLM2 pair's (k = 4, 20 eval prompts; its `source`).
+The bundled profiles/smollm2_top_f_agreement.json holds the SmolLM2 pair's (k = 4, 20 eval prompts, T = 0 and
+0.7; its `command` says how it was made).
 
 Against the single knob (--bonus-agreement R, synthetic_bonus_agreement): R credits every outcome's first window at
 the same rate, which matches the profile for the window mode's default (one window, the argmax bonus) at R = the
