@@ -4,6 +4,8 @@ request rates, long-tailed prompt and output lengths, each load point long enoug
     python benchmarks/load_sweep.py --pair qwen3-8b-0.6b --bonus-agreement 0.7 \\
         --layouts offline t1 offline+d t1+d1/colocated --concurrency 1 4 16 64 --rates 4 16 \\
         --out out/load_sweep.json
+    python benchmarks/load_sweep.py --pair qwen3-8b-0.6b --per-target --concurrency 1 16 64 \\
+        --layouts t1+d1/r3/p1 t1+d1/colocated/r4 t1+d1/r2 --out out/replicas.json   # 4 GPUs
     python benchmarks/load_sweep.py --smoke --out /tmp/sweep/load_sweep.json   # CPU, tiny random models
     python benchmarks/load_sweep.py --replot out/load_sweep.json   # PNGs and table again from the JSON
     python benchmarks/load_sweep.py --replot a.json b.json --out all.json   # a sweep run in two calls, merged
@@ -26,7 +28,13 @@ arrival_times, same seed): a request is added to the engine when it arrives (bet
 it), and its clock starts at its arrival, not when it was added. Statistics are `specserve bench`'s
 (deploy/bench/report.py) for both paths.
 
-Output, per layout and load point: output tokens/s, requests/s, TTFT p50/p99, TPOT p50/p99, ITL p99, acceptance
+Engine replicas (`r<N>`, with or without a draft pool `p<M>`) share each point's load; with --per-target the given
+concurrencies, rates and --min-requests are per target replica and each layout gets them times its replicas
+(`--per-target --concurrency 1 16 64` sends 3, 48 and 192 client slots to `t1+d1/r3/p1`); the JSON keeps the
+total (concurrency, request_rate) and the per-target values (concurrency_per_target, request_rate_per_target).
+
+Output, per layout and load point: output tokens/s (all targets) and per GPU of the layout (`gpus`: its num_gpus),
+requests/s, TTFT p50/p99, TPOT p50/p99, ITL p99, acceptance
 length, and the share of engine steps that speculated (load-adaptive speculation turns it off at large batches:
 specserve_spec_decode_steps_total served, the engine's own count in process); served layouts also the router's own
 mean TTFT (arrival at the router to first token, from /metrics), whose gap to the client's is the serving path's.
@@ -63,26 +71,32 @@ from deploy.bench.runner import BenchConfig, RunResult, run_benchmark  # noqa: E
 
 logger = logging.getLogger("specserve")
 
-COLUMNS = ["layout", "load", "requests", "req_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-           "tpot_p99_ms", "itl_p99_ms", "acceptance_length", "spec_step_share", "router_ttft_mean_ms"]
+COLUMNS = ["layout", "load", "targets", "gpus", "requests", "req_s", "output_tok_s", "output_tok_s_per_gpu",
+           "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms", "acceptance_length",
+           "spec_step_share", "router_ttft_mean_ms"]
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadPoint:
-    concurrency: int | None  # the client's cap; None: none (a rate point)
-    rate: float  # Poisson requests/s; inf: as fast as the cap allows
+    concurrency: int | None  # the client's cap, all targets together; None: none (a rate point)
+    rate: float  # Poisson requests/s, all targets together; inf: as fast as the cap allows
     seed: int  # the requests' and arrivals' seed: the same point of every layout gets the same ones
+    targets: int = 1  # the layout's target engine replicas (r<N>), which share the load
+    scale: int = 1  # --per-target: the given concurrency, rate and request count times `targets`; else 1
 
 
-def load_points(args: argparse.Namespace) -> list[LoadPoint]:
-    points = [LoadPoint(c, float("inf"), args.seed + n) for n, c in enumerate(args.concurrency)]
-    return points + [LoadPoint(None, r, args.seed + len(points) + n) for n, r in enumerate(args.rates)]
+def load_points(args: argparse.Namespace, targets: int = 1) -> list[LoadPoint]:
+    """The sweep's points for a layout of `targets` engine replicas: with --per-target, each given concurrency
+    and rate is per target replica (c = 16 with r3: 48 client slots), and so is --min-requests."""
+    n = targets if args.per_target else 1
+    points = [LoadPoint(c * n, float("inf"), args.seed + i, targets, n) for i, c in enumerate(args.concurrency)]
+    return points + [LoadPoint(None, r * n, args.seed + len(points) + i, targets, n) for i, r in enumerate(args.rates)]
 
 
 def point_workload(point: LoadPoint, args: argparse.Namespace, tokenizer: Any, base_url: str
                    ) -> tuple[list[BenchRequest], BenchConfig, int]:
     """The point's requests, the bench config that sends them, and its warm-up count."""
-    requests = build_requests("random", args.min_requests, point.seed, tokenizer, chat=False,
+    requests = build_requests("random", args.min_requests * point.scale, point.seed, tokenizer, chat=False,
                               input_len=args.input_len, output_len=args.output_len, length_sigma=args.length_sigma,
                               max_len=args.max_model_len // 2 - args.k - 2)
     cfg = BenchConfig(base_url=base_url, model="bench", request_rate=point.rate, max_concurrency=point.concurrency,
@@ -92,9 +106,18 @@ def point_workload(point: LoadPoint, args: argparse.Namespace, tokenizer: Any, b
     return requests, cfg, warmup
 
 
-def point_row(run: RunResult, extra: dict[str, Any]) -> dict[str, Any]:
+def point_row(run: RunResult, point: LoadPoint, layout: Layout, extra: dict[str, Any]) -> dict[str, Any]:
+    """The point's row: `specserve bench`'s statistics of the whole load (all target replicas together), with the
+    layout's GPUs and targets, the throughput per GPU, and the offered load per target replica."""
     s = summarize(run)
     row = {**load_point(s), **extra}
+    per_c = None if point.concurrency is None else point.concurrency / point.targets
+    per_rate = None if row["request_rate"] is None else row["request_rate"] / point.targets
+    if point.scale > 1:  # the load as given: per target
+        given = ([] if per_c is None else [f"c={per_c:g}"]) + ([] if per_rate is None else [f"rate={per_rate:g}"])
+        row["load"] = " ".join(given) + f" per target (x{point.targets})"
+    row.update(targets=point.targets, gpus=layout.num_gpus, output_tok_s_per_gpu=row["output_tok_s"] / layout.num_gpus,
+               concurrency_per_target=per_c, request_rate_per_target=per_rate)
     if s["failed"]:
         row["first_error"] = s["per_request"]["errors"][0]
     return row
@@ -104,10 +127,10 @@ def run_offline(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[st
     t0 = time.perf_counter()
     with offline_llm(serve_config(pair, layout, args)) as llm:
         out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "points": []}
-        for n, point in enumerate(args.points):
+        for n, point in enumerate(load_points(args, layout.target_replicas)):
             requests, cfg, warmup = point_workload(point, args, llm.tokenizer, "in-process")
             run = run_in_process(llm.engine, requests, cfg, llm.tokenizer, warmup, tag=f"p{n}")
-            out["points"].append(point_row(run, {}))
+            out["points"].append(point_row(run, point, layout, {}))
             _progress(layout, out["points"][-1])
         return out
 
@@ -118,10 +141,10 @@ def run_served(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str
     tokenizer = load_tokenizer(pair.target)
     with served_app(pair, layout, args) as (base_url, startup):
         out: dict[str, Any] = {"startup_s": startup, "points": []}
-        for point in args.points:
+        for point in load_points(args, layout.target_replicas):
             requests, cfg, warmup = point_workload(point, args, tokenizer, base_url)
             run = asyncio.run(run_benchmark(requests, cfg, warmup=warmup))
-            out["points"].append(point_row(run, {"router_ttft_mean_ms": router_ttft_mean_ms(
+            out["points"].append(point_row(run, point, layout, {"router_ttft_mean_ms": router_ttft_mean_ms(
                 run.metrics_before, run.metrics_after)}))
             _progress(layout, out["points"][-1])
         return out
@@ -143,8 +166,10 @@ def table(doc: dict[str, Any]) -> str:
     head = (f"### Load sweep: {doc['pair']}\n\n{doc['env']['device']}, {doc['env']['date']}, k={s['k']}, greedy, "
             f"EOS ignored; lengths log-normal (median {s['input_len']} in / {s['output_len']} out, sigma "
             f"{s['length_sigma']}); each point {s['min_seconds']:g} s or {s['min_requests']} requests, whichever "
-            f"first{' (shortened)' if s['min_seconds'] < 60 else ''}. Latencies in ms; spec share: engine steps that "
-            f"speculated.\n`{doc['command']}`\n\n")
+            f"first{' (shortened)' if s['min_seconds'] < 60 else ''}"
+            f"{'; loads and requests per target replica (x targets in all)' if s.get('per_target') else ''}. "
+            f"Throughput of all targets together, and per GPU of the layout. Latencies in ms; spec share: engine "
+            f"steps that speculated.\n`{doc['command']}`\n\n")
     return head + markdown_table(rows, COLUMNS)
 
 
@@ -182,6 +207,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layouts", nargs="+", default=None, help="default: offline t1 offline+d t1+d1/colocated")
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64])
     ap.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson request rates (req/s)")
+    ap.add_argument("--per-target", action="store_true",
+                    help="--concurrency, --rates and --min-requests are per target engine replica: a layout with "
+                         "r<N> gets N times each (c = 16 with r3: 48 client slots); the JSON keeps both")
     ap.add_argument("--min-seconds", type=float, default=60.0)
     ap.add_argument("--min-requests", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests before each point (at least C)")
@@ -192,6 +220,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--acceptance", type=float, default=0.8, help="synthetic acceptance rate (qwen3 shapes)")
     ap.add_argument("--bonus-agreement", type=float, default=None,
                     help="benchmark-only: rate at which a synthetic pair's bonus token counts as the draft's guess")
+    ap.add_argument("--agreement-profile", default=None, metavar="FILE",
+                    help="benchmark-only, synthetic pairs, instead of --bonus-agreement: a real pair's measured "
+                         "top-f agreement per verify outcome (benchmarks/agreement_profile.py; the SmolLM2 pair's: "
+                         "benchmarks/profiles/smollm2_top_f_agreement.json), so candidates drafted ahead hit as "
+                         "often as that pair's draft would, tree fan-out included")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -218,9 +251,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("no load points: give --concurrency and/or --rates")
     if any(c < 1 for c in args.concurrency) or any(not r > 0 for r in args.rates):
         ap.error("concurrencies must be >= 1 and rates > 0")
+    if args.agreement_profile is not None and (args.bonus_agreement is not None or args.pair != "qwen3-8b-0.6b"):
+        ap.error("--agreement-profile sets a synthetic pair's agreement (qwen3-8b-0.6b): not with --bonus-agreement")
     if args.min_seconds <= 0 or args.min_requests < 1:
         ap.error("--min-seconds must be > 0 and --min-requests >= 1")
-    # serve_config sizes max_num_seqs from the concurrencies; a rate-only sweep gets 64.
+    # serve_config sizes max_num_seqs from the concurrencies; a rate-only sweep gets 64. With --per-target these
+    # are per engine replica, which is what each replica's max_num_seqs is.
     args.concurrency_for_seqs = args.concurrency or [64]
     return args
 
@@ -245,11 +281,17 @@ def main(argv: list[str] | None = None) -> int:
     layouts = [Layout.parse(x) for x in args.layouts or ["offline", "t1", "offline+d", "t1+d1/colocated"]]
     pair = prepare_pair(args, layouts)
     # The serve config's fields that read the sweep's arguments under serve_layouts.py's names.
-    cfg_args = argparse.Namespace(**{**vars(args), "concurrency": args.concurrency_for_seqs,
-                                     "points": load_points(args)})
+    cfg_args = argparse.Namespace(**{**vars(args), "max_num_seqs": args.max_num_seqs or max(
+        args.concurrency_for_seqs)})
+    for lay in layouts:  # a layout the pair cannot run (sg<C> on a synthetic pair) fails here, not after others ran
+        try:
+            serve_config(pair, lay, cfg_args)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     settings = {k: getattr(args, k) for k in ("concurrency", "rates", "min_seconds", "min_requests", "warmup",
                                               "input_len", "output_len", "length_sigma", "k", "acceptance",
-                                              "bonus_agreement", "max_model_len", "seed")}
+                                              "bonus_agreement", "agreement_profile", "max_model_len", "seed",
+                                              "per_target")}
     doc: dict[str, Any] = {"benchmark": "load_sweep", "pair": pair.name, "command": " ".join(sys.argv),
                            "env": environment(), "settings": settings, "layouts": {}}
     if args.append and out.is_file():

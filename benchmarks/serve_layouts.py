@@ -20,19 +20,35 @@ the router waits for each step's tokens before it plans the next; by default it 
 `predraft` / `nopredraft` (speculation ahead: the draft drafts the next window while the target verifies, forced on
 / off; by default on where no GPU is shared), `b<N>` (speculation ahead on, drafting up to N windows a
 request for the likeliest verify outcomes: speculation_ahead_branches; as many as fit in the verify where the draft has
-a GPU of its own, all N each step with `fixed`), `i<N>` (N ingress replicas, the HTTP shims
+a GPU of its own, all N each step with `fixed`), `f<N>` (speculation ahead's tree mode: one tree a request over
+every outcome of its verify, up to N candidates for the target's token per outcome: speculation_ahead_tree_fanout;
+turns speculation ahead on, not with b<N>; trees cut to what fits in the verify unless `fixed`), `sg<C>` (Saguaro
+sampling at factor C in (0, 1) with b<N>, N >= 2, or f<N>: speculation_ahead_saguaro; probabilistic rejection only,
+so the smollm2 pair), `r<N>` (N engine replicas, each a router with the layout's target and draft on GPUs of their
+own: num_replicas; served only), `p<M>` (a draft pool: the engine replicas' drafts come from M draft replicas of D
+GPUs each, shared between them: draft_replicas, M <= N; served only; a pooled draft never drafts ahead, so p<M>
+takes none of b<N>, f<N>, sg<C>, predraft / nopredraft, and none of plain, shared, colocated, nccl, ahead / noahead,
+ds), `i<N>` (N ingress replicas, the HTTP shims
 that tokenize, template and stream back: ingress_replicas; served layouts only), `hap` / `sp` (HAProxy or Serve's
 Python proxy takes the client connections: http_proxy; served layouts only; by default HAProxy on GPUs), `ds`
 (direct streaming: the engine replica answers HTTP itself, no ingress replicas: direct_streaming; served only).
+A layout's GPUs: N x (T + D) with r<N> (N x T where the draft is `shared` or `colocated`), N x T + M x D with
+p<M>: `t1+d1/r2` is two t1+d1 pairs on 4 GPUs, `t1+d1/colocated/r4` four engines of one GPU each, `t1+d1/r3/p1`
+three one-GPU targets sharing a one-GPU draft (4 GPUs), `t1+d1/f4` a tree-mode pair on 2.
 `offline` and `offline+d` are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for
-serving's cost; `offline+d/predraft` drafts ahead in process (after each verify, not beside it); `offline/sync` runs
-each step to its end before the next (in process a target alone otherwise queues each step before it reads the
-last one's tokens: engine/step/decode_pipeline.py).
+serving's cost; `offline+d/predraft` drafts ahead in process (after each verify, not beside it; so do
+`offline+d/b<N>` and `offline+d/f<N>`); `offline/sync` runs each step to its end before the next (in process a
+target alone otherwise queues each step before it reads the last one's tokens: engine/step/decode_pipeline.py).
+The offline engine takes none of the served app's options (i<N>, r<N>, p<M>, hap, sp, ds).
 
 --bonus-agreement R (synthetic pairs only, a benchmark-only setting): random weights never agree on a bonus token,
 so a window drafted ahead would never hit; with it, a lookup whose drafts were all accepted counts the bonus as the
-draft's guess at rate R (measure R on a real pair: benchmarks/speculation_ahead.py). The hit rates and unused
-draft tokens of each run come from /metrics (spec_ahead_*).
+draft's guess at rate R (measure R on a real pair: benchmarks/speculation_ahead.py). One rate credits an outcome's
+first window whatever else was drafted for it, so tree mode's fan-out (f<N>) changes nothing it hits: for tree
+layouts use --agreement-profile FILE instead (also benchmark-only, synthetic pairs), the real SmolLM2 pair's
+measured P(target token in the draft's top-f | verify outcome) (benchmarks/profiles/smollm2_top_f_agreement.json,
+written by benchmarks/tree_hit_rate.py --profile): a lookup with n candidates for its outcome hits at that pair's
+top-n rate. The hit rates and unused draft tokens of each run come from /metrics (spec_ahead_*).
 
 Per layout, on a fresh Ray runtime that sees only the GPUs the layout needs:
   check  greedy completions of --check-prompts prompts, one at a time, compared with the first layout of the run
@@ -151,7 +167,10 @@ def served_app(pair: Pair, layout: Layout, args: argparse.Namespace) -> Iterator
 
     config = serve_config(pair, layout, args)
     apply_local_cluster_env(config)  # as `specserve serve` runs
-    ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, log_to_driver=args.worker_logs,
+    # Logical CPUs: each engine replica takes one for its router and one per rank, and two ingress replicas by
+    # default on GPUs: past 8 a replica, four replicas on a 16-core machine would wait for CPUs that never free.
+    cpus = max(os.cpu_count() or 1, 8 * layout.target_replicas)
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=args.worker_logs,
              runtime_env={"env_vars": env})
     t0 = time.perf_counter()
     try:
@@ -211,6 +230,11 @@ def main() -> int:
     ap.add_argument("--acceptance", type=float, default=0.8, help="synthetic acceptance rate (qwen3 shapes)")
     ap.add_argument("--bonus-agreement", type=float, default=None,
                     help="benchmark-only: rate at which a synthetic pair's bonus token counts as the draft's guess")
+    ap.add_argument("--agreement-profile", default=None, metavar="FILE",
+                    help="benchmark-only, synthetic pairs, instead of --bonus-agreement: a real pair's measured "
+                         "top-f agreement per verify outcome (benchmarks/agreement_profile.py; the SmolLM2 pair's: "
+                         "benchmarks/profiles/smollm2_top_f_agreement.json), so candidates drafted ahead hit as "
+                         "often as that pair's draft would, tree fan-out included")
     ap.add_argument("--dtype", default=None, help="float32 for the exactness checks; default bf16 on GPU")
     ap.add_argument("--check-only", action="store_true", help="greedy comparison only, no bench")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs: a faster start for --check-only runs")
@@ -238,6 +262,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.agreement_profile is not None and (args.bonus_agreement is not None or args.pair != "qwen3-8b-0.6b"):
+        ap.error("--agreement-profile sets a synthetic pair's agreement (qwen3-8b-0.6b): not with --bonus-agreement")
     # Checked here, before any engine starts: a bad value found by the first layout wastes its start-up.
     if args.check_prompts < 0 or (args.check_only and args.check_prompts == 0):
         ap.error(f"--check-prompts must be >= 0 (>= 1 with --check-only), got {args.check_prompts}")
@@ -252,6 +278,11 @@ def main() -> int:
         args.check_prompts, args.check_tokens, args.max_model_len = 2, 12, 128
     layouts = [Layout.parse(x) for x in args.layouts or ["t1+d1", "t2+d2", "t2+d1"]]
     pair = prepare_pair(args, layouts)
+    for lay in layouts:  # a layout the pair cannot run (sg<C> on a synthetic pair) fails here, not after others ran
+        try:
+            serve_config(pair, lay, args)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     lossless = pair.rejection_sampling != "synthetic"
     out_path = Path(args.out) if args.out else None
     doc: dict[str, Any] = json.loads(out_path.read_text()) if out_path and out_path.is_file() else {}
@@ -268,7 +299,7 @@ def main() -> int:
             traceback.print_exc()
             results[lay.name] = {"error": f"{type(e).__name__}: {e}"}
         print(f"[{lay.name}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        compare(results, layouts, lossless, args.bonus_agreement is not None)
+        compare(results, layouts, lossless, args.bonus_agreement is not None or args.agreement_profile is not None)
         if out_path:
             out_path.parent.mkdir(parents=True, exist_ok=True)
             out_path.write_text(json.dumps(doc, indent=1))

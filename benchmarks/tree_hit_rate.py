@@ -6,6 +6,7 @@ F_a with the most hits under a cap on branches, at each temperature.
     python benchmarks/tree_hit_rate.py [--target smollm2-135m-instruct] [--draft smollm2-135m-draft] [--k 4]
         [--temperature 0 0.7] [--fanout 1,2,4,8] [--caps 8,16] [--prompts 60] [--max-new-tokens 128]
         [--device cpu|cuda] [--threads N] [--reach 0.8] [--json FILE] [--from-json EARLIER.json]
+        [--profile PROFILE.json]
 
 An offline simulation of speculative decoding with the engine's own models (loaded in HF transformers, fp32, one
 request at a time, each with its KV cache): per step the draft proposes k tokens after the committed context (its
@@ -17,7 +18,9 @@ of schedule F_a drafts sum_a F_a branches `k` deep (sum_a F_a x k tokens per loo
 The eval split, chat template, up to --max-new-tokens new tokens and EOS stops: as benchmarks/draft_acceptance.py.
 The schedules under a cap are fitted on the even-numbered prompts and also scored on the odd ones (held out);
 --reach gives the smallest tree (fewest branches, best schedule) whose hit rate reaches it. The JSON keeps every
-lookup's (prompt, a, rank), so --from-json scores other fan-outs and caps without simulating again.
+lookup's (prompt, a, rank), so --from-json scores other fan-outs and caps without simulating again. --profile writes
+the per-outcome top-f agreement alone (benchmarks/agreement_profile.py), which the synthetic-pair benchmarks read
+(`--agreement-profile`) to make a random draft agree with the target as this pair's draft does.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agreement_profile import profile_doc  # noqa: E402
 from common import environment, markdown_table, save_json  # noqa: E402
 from tree_hit_stats import HitTable, Lookup, root_rank  # noqa: E402
 
@@ -251,6 +255,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--reach", type=float, default=0.8, help="report the smallest tree with this hit rate")
     ap.add_argument("--json", default=None, help="write the results here too")
+    ap.add_argument("--profile", default=None,
+                    help="write the per-outcome top-f agreement profile here (benchmarks/agreement_profile.py): what "
+                         "the synthetic-pair benchmarks' --agreement-profile reads")
     ap.add_argument("--from-json", default=None,
                     help="score the lookups an earlier run's JSON holds instead of simulating (its models, k, "
                          "temperatures and prompts; the fan-outs, caps and --reach of this command)")
@@ -273,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(markdown_table(payload["results"], ["T", "steps", "lookups", "acceptance_length", "seconds"]))
     print_tables(payload["results"], run_args["k"])
     save_json(args.json, payload)
+    if args.profile:
+        save_json(args.profile, profile_doc(payload))
     return payload
 
 

@@ -223,6 +223,12 @@ class EngineConfig:
     # guess where a window was drafted for its outcome (the bonus token after all drafts accepted, or the token
     # at a rejection): random weights never agree on one.
     synthetic_bonus_agreement: float | None = None
+    # Benchmarks only, with synthetic rejection, instead of synthetic_bonus_agreement: per verify outcome a (rows a =
+    # 0..K-1 rejections, then the bonus outcome), P(the target's token is among the draft's top-f there), f = 1..,
+    # measured on a real pair (benchmarks/tree_hit_rate.py --profile): a lookup with n candidates drafted ahead for
+    # its outcome hits with the profile's top-n rate (engine/speculation/synthetic_agreement.py), so tree mode's
+    # fan-out changes hits as on a real pair.
+    synthetic_top_f_agreement: list[list[float]] | None = None
     # Forwards of at most this many tokens run each decoder layer's products through engine/kernels/small_m_linear.py,
     # norms, activation and residual adds folded in: fewer launches where a step is launch-bound (a batch-1 decode
     # or draft step, a draft's catch-up of two tokens, speculation-ahead branches). 4 by default, and 1 for layers
@@ -265,6 +271,13 @@ class EngineConfig:
         rate = self.synthetic_bonus_agreement
         if rate is not None and not (isinstance(rate, (int, float)) and 0.0 <= rate <= 1.0):
             raise ValueError(f"synthetic_bonus_agreement must be in [0, 1], got {rate!r}")
+        if self.synthetic_top_f_agreement is not None:
+            from engine.speculation.synthetic_agreement import AgreementProfile
+
+            AgreementProfile.from_table(self.synthetic_top_f_agreement)
+            if rate is not None:
+                raise ValueError("synthetic_bonus_agreement (one rate) and synthetic_top_f_agreement (a measured "
+                                 "profile) both set how a synthetic draft agrees: set one")
         if not 0 <= self.small_m_rows <= 16:
             raise ValueError(f"small_m_rows must be in [0, 16], got {self.small_m_rows}")
         if self.draft_token_map is not None and not isinstance(self.draft_token_map, str):

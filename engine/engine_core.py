@@ -65,9 +65,10 @@ class EngineCore:
         self.scheduler.speculation_ahead = self.spec_config is not None and executor.speculation_ahead
         if engine_config.draft_token_map is not None and self.spec_config is None:
             raise ValueError("draft_token_map restricts a draft model's LM head: give a draft model, or leave it unset")
-        if engine_config.synthetic_bonus_agreement is not None and (
-                self.spec_config is None or self.spec_config.rejection_sampling != "synthetic"):
-            raise ValueError("synthetic_bonus_agreement is a benchmark setting for rejection_sampling='synthetic'")
+        for name in ("synthetic_bonus_agreement", "synthetic_top_f_agreement"):
+            if getattr(engine_config, name) is not None and (
+                    self.spec_config is None or self.spec_config.rejection_sampling != "synthetic"):
+                raise ValueError(f"{name} is a benchmark setting for rejection_sampling='synthetic'")
         if engine_config.speculation_ahead_saguaro not in (None, 1.0) and not (
                 self.scheduler.speculation_ahead and self.spec_config.rejection_sampling == "probabilistic"):
             # Strict and synthetic acceptance emit the target's own sample at a rejection, whatever q: the scaling

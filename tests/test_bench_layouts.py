@@ -5,6 +5,7 @@ figures); and how repeats of one concurrency's run become its row."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -65,12 +66,99 @@ def test_layout_names_parse_to_their_settings() -> None:
     assert serve_config(PAIR, colocated, _args())["engine_kwargs"]["draft_placement"] == "colocated"
 
 
+@pytest.mark.parametrize(("name", "gpus", "fields"), [
+    # tree mode: speculation ahead on, the fan-out in the engine's options; one pair of GPUs
+    ("t1+d1/f4", 2, {"speculation_ahead": True, "speculation_ahead_tree_fanout": 4}),
+    ("t2+d1/f4/fixed", 3, {"speculation_ahead_tree_fanout": 4, "speculation_ahead_adaptive": False}),
+    ("offline+d/f2", 1, {"speculation_ahead": True, "speculation_ahead_tree_fanout": 2}),
+    # engine replicas: each takes the layout's GPUs (the draft's too, unless on the target's)
+    ("t1+d1/r2", 4, {"num_replicas": 2}),
+    ("t1+d1/colocated/r4", 4, {"num_replicas": 4, "draft_placement": "colocated"}),
+    ("t2+d1/shared/r2", 4, {"num_replicas": 2, "draft_resources": {"GPU": 0.25}}),
+    ("t1/r3", 3, {"num_replicas": 3}),
+    # a draft pool: the targets' GPUs, and the pool's draft replicas' D GPUs each, not a draft per target
+    ("t1+d1/r3/p1", 4, {"num_replicas": 3, "draft_replicas": 1}),
+    ("t2+d2/r4/p2", 12, {"num_replicas": 4, "draft_replicas": 2}),
+    ("t1+d1/p1", 2, {"draft_replicas": 1}),
+])
+def test_tree_replica_and_pool_layouts(name: str, gpus: int, fields: dict[str, object]) -> None:
+    lay = Layout.parse(name)
+    assert lay.num_gpus == gpus and not lay.is_reference
+    cfg = serve_config(PAIR, lay, _args())
+    flat = {**cfg, **cfg["engine_kwargs"]}  # Serve's fields at the top, the engine's in engine_kwargs
+    assert {k: flat.get(k) for k in fields} == fields
+    for serve_field in ("num_replicas", "draft_replicas"):
+        assert serve_field not in cfg["engine_kwargs"]
+        if serve_field not in fields:
+            assert serve_field not in cfg
+    if lay.pool is not None:  # the pool never drafts ahead: nothing may ask it to
+        assert not {"speculation_ahead", "speculation_ahead_tree_fanout"} & set(cfg["engine_kwargs"])
+    assert lay.target_replicas == fields.get("num_replicas", 1)
+
+
+def test_saguaro_layouts_need_probabilistic_rejection() -> None:
+    lay = Layout.parse("t1+d1/f4/sg0.5")
+    assert (lay.fanout, lay.saguaro, lay.predraft) == (4, 0.5, True)
+    assert Layout.parse("offline+d/b3/sg0.25").saguaro == 0.25
+    real = Pair("real pair", "target", "draft", "probabilistic")
+    assert serve_config(real, lay, _args())["engine_kwargs"]["speculation_ahead_saguaro"] == 0.5
+    with pytest.raises(ValueError, match="only probabilistic rejection reads"):
+        serve_config(PAIR, lay, _args())  # the synthetic pair
+
+
+def test_an_agreement_profile_reaches_synthetic_drafts_only(tmp_path: Path) -> None:
+    """--agreement-profile (benchmark-only): the profile's T=0 table becomes the engine's synthetic_top_f_agreement
+    for layouts with a draft of a synthetic pair, and nothing anywhere else."""
+    import json
+
+    table = [[0.3, 0.4], [0.3, 0.5], [0.75, 0.85]]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"profiles": [{"T": 0.7, "top_f_agreement": [[0.1, 0.2]] * 3},
+                                             {"T": 0.0, "top_f_agreement": table}]}))
+    args = _args(agreement_profile=str(path))
+    assert serve_config(PAIR, Layout.parse("t1+d1/f2"), args)["engine_kwargs"]["synthetic_top_f_agreement"] == table
+    assert "synthetic_top_f_agreement" not in serve_config(PAIR, Layout.parse("t1"), args)["engine_kwargs"]
+    real = Pair("real pair", "target", "draft", "probabilistic")
+    assert "synthetic_top_f_agreement" not in serve_config(real, Layout.parse("t1+d1"), args)["engine_kwargs"]
+    assert "synthetic_top_f_agreement" not in serve_config(PAIR, Layout.parse("t1+d1"), _args())["engine_kwargs"]
+    # the bundled profile of the SmolLM2 pair is one the engine takes: k + 1 = 5 outcomes, the bonus the likeliest hit
+    from agreement_profile import BUNDLED, load_agreement
+
+    from engine.speculation.synthetic_agreement import AgreementProfile
+
+    bundled = AgreementProfile.from_table(load_agreement(BUNDLED))
+    assert len(bundled.top_f) == 5 and all(bundled.row(4, 4)[0] > bundled.row(a, 4)[0] for a in range(4))
+
+
+def test_served_configs_of_the_new_options_pass_the_serve_config_checks() -> None:
+    """What serve_config writes for r<N>, p<M> and f<N> is what `specserve serve` accepts (its own checks,
+    deploy/config.py, and the engine's option checks), not just names that look right."""
+    import torch
+
+    from deploy.config import ServeConfig
+    from engine.config import EngineConfig
+
+    real = Pair("real pair", "target", "draft", "probabilistic")
+    for name in ("t1+d1/r3/p1", "t1+d1/colocated/r4", "t1+d1/f4/sg0.5/r2", "t2+d1/shared/r2"):
+        cfg = serve_config(real, Layout.parse(name), _args())
+        config = ServeConfig.from_dict({k: v for k, v in cfg.items() if k != "engine_kwargs"})
+        config.validate()
+        kwargs = cfg["engine_kwargs"]
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        EngineConfig(device=torch.device("cpu"), dtype=torch.float32, max_model_len=1024, num_speculative_tokens=4,
+                     **{k: v for k, v in kwargs.items() if k in known}).validate()
+        # the pool's own check, with speculation ahead's settings as the layout would give them
+        if config.draft_replicas is not None:
+            ServeConfig.from_dict({**{k: v for k, v in cfg.items() if k != "engine_kwargs"},
+                                   **{k: v for k, v in kwargs.items() if k in ServeConfig.field_names()}}).validate()
+
+
 @pytest.mark.parametrize(("name", "words"), [
     ("t1/b4", "need a draft"),
-    ("offline/b2", "needs a draft"),
+    ("offline/b2", "need a draft"),
     ("t1+d1/b0", "N >= 1"),
     ("t1+d1/b2/b4", "one b<N>"),
-    ("t1+d1/predraft/fixed", "give b<N>"),
+    ("t1+d1/predraft/fixed", "give b<N> or f<N>"),
     ("t1+d1/b2/nopredraft", "nopredraft"),
     ("t1+d1/predraft/nopredraft", "not both"),
     ("t1+d2/colocated", "colocated needs"),
@@ -79,7 +167,29 @@ def test_layout_names_parse_to_their_settings() -> None:
     ("t1/i2/i4", "one i<N>"),
     ("offline+d/hap", "the offline engine has none"),
     ("t1/hap/sp", "hap or sp, not both"),
-    ("offline/ds", "neither the offline engine nor i<N>"),
+    ("offline/ds", "the offline engine has none"),
+    ("offline+d/r2", "the offline engine has none"),
+    ("offline+d/p1", "the offline engine has none"),
+    ("t1+d1/b2/f4", "give one"),
+    ("t1+d1/f4/nopredraft", "nopredraft"),
+    ("t1/f4", "need a draft"),
+    ("offline/f2", "need a draft"),
+    ("t1+d1/f0", "N >= 1"),
+    ("t1+d1/f65", "at most 64"),
+    ("t1+d1/sg0.5", "needs f<N> or b<N> with N >= 2"),
+    ("t1+d1/b1/sg0.5", "needs f<N> or b<N> with N >= 2"),
+    ("t1+d1/f4/sg1", "0 < C < 1"),
+    ("t1+d1/f4/sg0.2/sg0.3", "one sg<C>"),
+    ("t1+d1/r0", "N >= 1"),
+    ("t1+d1/r2/r3", "one r<N>"),
+    ("t1/r2/p1", "need a draft"),
+    ("t1+d1/r2/p3", "more draft replicas than the 2 engine replicas"),
+    ("t1+d1/p2", "more draft replicas than the 1 engine replicas"),
+    ("t1+d1/colocated/r2/p1", "p<M> takes none of colocated"),
+    ("t2+d1/shared/r2/p1", "p<M> takes none of shared"),
+    ("t1+d1/r2/p1/f4", "p<M> takes none of f<N>"),
+    ("t1+d1/r2/p1/predraft", "p<M> takes none of predraft"),
+    ("t1+d1/r2/p1/ds", "p<M> takes none of ds"),
     ("t1/i2/ds", "neither the offline engine nor i<N>"),
     ("t1+d1/fast", "unknown options"),
     ("x1+d1", "is not t<T>"),

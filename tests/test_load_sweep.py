@@ -198,6 +198,27 @@ def test_the_steps_counter_splits_speculating_steps() -> None:
     assert scrape[f'{name}{{speculating="true"}}'] == 3.0 and scrape[f'{name}{{speculating="false"}}'] == 3.0
 
 
+def test_series_of_several_engine_and_draft_replicas_sum_to_one_total() -> None:
+    """Behind a draft pool each engine's series also carry its draft replica: the totals the sweep reads (the
+    steps that speculated) must sum over both labels, as they do over engine replicas alone."""
+    from deploy.bench.runner import parse_prometheus
+
+    name = "specserve_spec_decode_steps_total"
+    text = "\n".join([
+        "# TYPE specserve_spec_decode_steps_total counter",
+        f'{name}{{draft_replica="d1",replica="e1",speculating="true"}} 8.0',
+        f'{name}{{draft_replica="d1",replica="e1",speculating="false"}} 1.0',
+        f'{name}{{draft_replica="d1",replica="e2",speculating="true"}} 5.0',
+        f'{name}{{replica="e3",speculating="true"}} 2.0',
+        'specserve_ttft_seconds_bucket{le="0.5",replica="e1"} 3.0',
+        'specserve_ttft_seconds_bucket{le="0.5",replica="e2"} 4.0',
+        'specserve_up{replica="e1"} 1.0'])
+    scrape = parse_prometheus(text)
+    assert scrape[f'{name}{{speculating="true"}}'] == 15.0 and scrape[f'{name}{{speculating="false"}}'] == 1.0
+    assert scrape['specserve_ttft_seconds_bucket{le="0.5"}'] == 7.0 and scrape["specserve_up"] == 1.0
+    assert scrape[f'{name}{{draft_replica="d1",replica="e2",speculating="true"}}'] == 5.0  # each series kept
+
+
 # --------------------------------------------------------------------------------------------------------
 # --smoke end to end
 # --------------------------------------------------------------------------------------------------------
@@ -245,3 +266,47 @@ def test_sweeps_run_apart_merge_only_with_the_same_settings() -> None:
     assert list(doc["layouts"]) == ["offline", "t1"] and doc["command"] == "a ; b"
     with pytest.raises(SystemExit, match="cannot merge"):
         merged([a, {**b, "settings": {"k": 2}}])
+
+
+def test_per_target_loads_scale_with_the_engine_replicas() -> None:
+    """--per-target: a layout of N engine replicas gets N times each given concurrency, rate and request count,
+    and its rows keep the total, the per-target load, its GPUs and the throughput per GPU."""
+    from layouts import Layout
+    from load_sweep import load_points, parse_args, point_row, table
+
+    argv = ["--concurrency", "1", "16", "--rates", "2", "--min-requests", "10"]
+    per_target = parse_args([*argv, "--per-target"])
+    pooled = Layout.parse("t1+d1/r3/p1")
+    points = load_points(per_target, pooled.target_replicas)
+    assert [(p.concurrency, p.rate, p.scale) for p in points] == [(3, math.inf, 3), (48, math.inf, 3), (None, 6.0, 3)]
+    single = load_points(per_target, Layout.parse("offline+d").target_replicas)
+    assert [(p.concurrency, p.rate) for p in single] == [(1, math.inf), (16, math.inf), (None, 2.0)]
+    assert [p.seed for p in single] == [p.seed for p in points]  # the same requests' seeds whatever the replicas
+    with pytest.raises(SystemExit):  # one way to set a synthetic draft's agreement at a time
+        parse_args([*argv, "--agreement-profile", "p.json", "--bonus-agreement", "0.7"])
+    total = load_points(parse_args(argv), 3)  # without --per-target the loads are the whole layout's
+    assert [(p.concurrency, p.rate, p.targets) for p in total] == [(1, math.inf, 3), (16, math.inf, 3), (None, 2.0, 3)]
+
+    results = [_result(10, [10] * 7), _result(20, [20] * 3)]  # 12 output tokens
+    run = RunResult(BenchConfig(base_url="x", model="m", max_concurrency=48), results, 2.0, None, None)
+    row = point_row(run, points[1], pooled, {})
+    assert (row["concurrency"], row["concurrency_per_target"], row["targets"], row["gpus"]) == (48, 16, 3, 4)
+    assert row["output_tok_s"] == pytest.approx(6.0) and row["output_tok_s_per_gpu"] == pytest.approx(6.0 / 4)
+    assert row["load"] == "c=16 per target (x3)"
+    rate_run = RunResult(BenchConfig(base_url="x", model="m", request_rate=6.0), results, 2.0, None, None)
+    rate_row = point_row(rate_run, points[2], pooled, {})
+    assert (rate_row["request_rate"], rate_row["request_rate_per_target"]) == (6.0, 2.0)
+    assert rate_row["load"] == "rate=2 per target (x3)"
+    sent = RunResult(BenchConfig(base_url="x", model="m", max_concurrency=16), results, 2.0, None, None)
+    plain = point_row(sent, total[1], pooled, {})  # not per target: the load as sent, and its share per target
+    assert plain["load"] == "c=16" and plain["concurrency_per_target"] == pytest.approx(16 / 3)
+
+    doc = {"pair": "p", "command": "cmd", "env": {"device": "dev", "date": "today"},
+           "settings": {**{k: getattr(per_target, k) for k in ("k", "input_len", "output_len", "length_sigma",
+                                                               "min_seconds", "min_requests")}, "per_target": True},
+           "layouts": {pooled.name: {"points": [row]}}}
+    text = table(doc)
+    assert "per target replica" in text
+    header, _, line = text.strip().splitlines()[-3:]
+    cells = dict(zip(*([c.strip() for c in r.strip("|").split("|")] for r in (header, line))))
+    assert (cells["gpus"], cells["targets"], cells["output_tok_s_per_gpu"]) == ("4", "3", "1.5")

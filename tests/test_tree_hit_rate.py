@@ -118,7 +118,16 @@ def test_script_on_tiny_models(tiny_models, near_drafts, tmp_path, one_thread):
         assert reach["schedule"] is None or HitTable(4, [Lookup(*x) for x in res["lookup_ranks"]]).hit_rate(
             reach["schedule"]) >= 0.8
     # An earlier run's lookups, scored under other fan-outs without simulating.
-    again = main(["--from-json", str(out), "--fanout", "3", "--caps", "6", "--reach", "0.5"])
+    profile = tmp_path / "profile.json"
+    again = main(["--from-json", str(out), "--fanout", "3", "--caps", "6", "--reach", "0.5", "--profile", str(profile)])
+    # The profile the synthetic benchmarks read: per temperature, the per-outcome top-f agreement of the lookups.
+    from agreement_profile import load_agreement
+
+    for res in payload["results"]:
+        table = HitTable(4, [Lookup(*x) for x in res["lookup_ranks"]])
+        assert load_agreement(profile, res["T"]) == table.cumulative_agreement(8)
+    with pytest.raises(ValueError, match="no top-f agreement profile at T=1.0"):
+        load_agreement(profile, 1.0)
     for old, res in zip(payload["results"], again["results"], strict=True):
         table = HitTable(4, [Lookup(*x) for x in old["lookup_ranks"]])
         assert res["uniform"][0]["hit_rate"] == table.hit_rate([3] * 5)

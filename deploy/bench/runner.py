@@ -114,13 +114,28 @@ async def fetch_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, f
     return parse_prometheus(resp.text)
 
 
-_REPLICA_LABEL = re.compile(r'(?:,)?replica="[^"]*"(?:,)?')
+# Labels naming the replica a series came from: an engine replica, and with a draft pool its draft replica.
+_REPLICA_LABELS = ("replica", "draft_replica")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def _without_replica_labels(key: str) -> str | None:
+    """`name{labels}` without its replica labels; None where it has none."""
+    name, brace, labels = key.partition("{")
+    if not brace:
+        return None
+    pairs = _LABEL.findall(labels.rstrip("}"))
+    kept = [(k, v) for k, v in pairs if k not in _REPLICA_LABELS]
+    if len(kept) == len(pairs):
+        return None
+    return name + ("{" + ",".join(f'{k}="{v}"' for k, v in kept) + "}" if kept else "")
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
     """Prometheus text exposition -> {"name{labels}": value} (labels as written by the server). A server of several
-    engine replicas (specserve's /metrics labels each series with its `replica`) also gets each series summed over
-    its replicas, under the name without that label, so totals read the same from one engine or many."""
+    engine replicas (specserve's /metrics labels each series with its `replica`, and with a draft pool its
+    `draft_replica`) also gets each series summed over its replicas, under the name without those labels, so
+    totals read the same from one engine or many."""
     out: dict[str, float] = {}
     summed: dict[str, float] = {}
     for line in text.splitlines():
@@ -133,9 +148,8 @@ def parse_prometheus(text: str) -> dict[str, float]:
             continue
         key = key.strip()
         out[key] = v
-        if 'replica="' in key:
-            bare = _REPLICA_LABEL.sub(lambda m: "," if m.group(0).startswith(",") and m.group(0).endswith(",")
-                                      else "", key).replace("{}", "")
+        bare = _without_replica_labels(key)
+        if bare is not None:
             summed[bare] = summed.get(bare, 0.0) + v
     for key, v in summed.items():
         out.setdefault(key, v)

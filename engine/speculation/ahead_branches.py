@@ -89,18 +89,19 @@ class BranchEstimates:
                 seen[r] += 1
         self.bonus_right, self.bonus_seen = (right[0], right[1]), (seen[0], seen[1])
 
-    def observe_agreement(self, k: int, accepted: int, rate: float) -> None:
+    def observe_agreement(self, k: int, accepted: int, rate: float, second_rate: float = 0.0) -> None:
         """One verify's outcome under the benchmarks' agreement setting (AheadProposer.bonus_agreement), where a
         synthetic pair's tokens are unrelated to the draft's guesses and a lookup credits one window per outcome at
         `rate` instead: the argmax bonus guess and a rejection's guess count as right at that rate, a second bonus
-        guess never. Scoring the real tokens instead would rank windows the setting never credits."""
+        guess at `second_rate` (never with one rate; a measured profile's top-2 less top-1 rate). Scoring the real
+        tokens instead would rank windows the setting never credits."""
         self.accepted += accepted
         if accepted < k:
             self.rejected += 1
             self.reject_right += rate
             self.reject_seen += 1
             return
-        self.bonus_right = (self.bonus_right[0] + rate, self.bonus_right[1])
+        self.bonus_right = (self.bonus_right[0] + rate, self.bonus_right[1] + second_rate)
         self.bonus_seen = (self.bonus_seen[0] + 1, self.bonus_seen[1] + 1)
 
     def ranked(self, k: int, budget: int) -> list[Branch]:

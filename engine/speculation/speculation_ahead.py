@@ -51,6 +51,7 @@ from engine.kv_cache.scratch_blocks import ScratchBlocks, ScratchFork, copy_bloc
 from engine.speculation.ahead_branches import ACCEPT, Branch, BranchEstimates
 from engine.speculation.proposer import DraftProposal, DraftProposer
 from engine.speculation.speculation_cache import AheadEntry, AheadStats, SpeculationCache
+from engine.speculation.synthetic_agreement import AgreementProfile
 from engine.speculation.tree_ahead import TreeAhead
 from engine.step.plan import PlannedRequest, StepPlan
 
@@ -87,13 +88,19 @@ class AheadProposer:
     argmax bonus window; a rejection after a accepted: that rejection's window) counts its guess as right (the
     draft's KV then holds the guess where the target has another token: harmless for a synthetic benchmark, whose
     outputs mean nothing, and refused everywhere else); the branch estimates score the same verdicts, so fan-out
-    ranks the windows the setting can credit."""
+    ranks the windows the setting can credit. agreement_profile (benchmarks only, instead of bonus_agreement):
+    the outcome's n candidates hit at a measured pair's top-n rate for that outcome
+    (engine/speculation/synthetic_agreement.py), so a tree's fan-out changes its hits as on a real pair."""
 
-    def __init__(self, proposer: DraftProposer, bonus_agreement: float | None = None, seed: int = 0) -> None:
+    def __init__(self, proposer: DraftProposer, bonus_agreement: float | None = None, seed: int = 0,
+                 agreement_profile: AgreementProfile | None = None) -> None:
         self.proposer = proposer
         self.cache = SpeculationCache()
         self.stats = AheadStats()
+        if bonus_agreement is not None and agreement_profile is not None:
+            raise ValueError("bonus_agreement or agreement_profile, not both")
         self.bonus_agreement = bonus_agreement
+        self.agreement_profile = agreement_profile
         # Every rank of a tensor-parallel draft draws the same numbers, so they agree on hits.
         self._agreement_rng = random.Random(seed)
         cfg = proposer.runner.config
@@ -175,12 +182,29 @@ class AheadProposer:
         for e in fits:
             if e.tokens == tokens:
                 return e
-        if plan.synthetic_acceptance_rate is None or self.bonus_agreement is None:
+        if plan.synthetic_acceptance_rate is None or (self.bonus_agreement is None and self.agreement_profile is None):
             return None
         # Benchmarks: the outcome is the window's (same position, same tokens but the guessed one); its guess counts
-        # as right at the agreement rate.
-        same = next((e for e in fits if len(e.tokens) == len(tokens) and e.tokens[:-1] == tokens[:-1]), None)
-        return same if same is not None and self._agreement_rng.random() < self.bonus_agreement else None
+        # as right at the agreement rate, or one of its candidates at the profile's rate for their number.
+        same = [e for e in fits if len(e.tokens) == len(tokens) and e.tokens[:-1] == tokens[:-1]]
+        if not same:
+            return None
+        u = self._agreement_rng.random()
+        if self.agreement_profile is None:
+            return same[0] if u < self.bonus_agreement else None
+        a, k = self._outcome(p, same[0])
+        r = self.agreement_profile.hit_rank(a, k, len(same), u)
+        return None if r is None else same[r]
+
+    def _outcome(self, p: PlannedRequest, entry: AheadEntry) -> tuple[int, int]:
+        """(a, k): the drafts accepted in the outcome `entry` was drafted for, of the k its verify had."""
+        v = self._pending.get(p.request_id)
+        k = v.k if v is not None else p.num_draft_tokens
+        if entry.kind == ACCEPT:
+            return k, k
+        if entry.outcome is not None:
+            return entry.outcome, k
+        return (p.draft_start_pos - v.frontier if v is not None else 0), k
 
     def _observe(self, p: PlannedRequest, plan: StepPlan) -> None:
         """Score the guesses made for this request's last verify, from the outcome its draft input shows."""
@@ -194,7 +218,9 @@ class AheadProposer:
             accepted = start - v.frontier
         else:
             return  # the input follows neither outcome: nothing to score
-        if plan.synthetic_acceptance_rate is not None and self.bonus_agreement is not None:
+        if plan.synthetic_acceptance_rate is not None and self.agreement_profile is not None:
+            self.estimates.observe_agreement(v.k, accepted, *self.agreement_profile.guess_rates(accepted, v.k))
+        elif plan.synthetic_acceptance_rate is not None and self.bonus_agreement is not None:
             self.estimates.observe_agreement(v.k, accepted, self.bonus_agreement)
         elif accepted == v.k:
             self.estimates.observe(v.k, v.k, (v.bonus_guesses[0], v.bonus_guesses[1]), None, toks[1])

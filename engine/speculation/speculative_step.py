@@ -24,6 +24,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.speculation.proposer import DraftProposal, DraftProposer
 from engine.speculation.speculation_ahead import AheadProposer
 from engine.speculation.step_order import DRAFT, TARGET, Call, StepMode, run_in_process
+from engine.speculation.synthetic_agreement import AgreementProfile
 from engine.speculation.verifier import Verifier, VerifyInput
 from engine.step.phases import (
     GpuMarks,
@@ -46,7 +47,9 @@ class DraftSide:
         self.runner = runner
         self.table = table if table is not None else RequestTable()
         self.proposer = DraftProposer(runner, keep_probs, seed, ahead=speculation_ahead)
-        self.ahead = (AheadProposer(self.proposer, runner.config.synthetic_bonus_agreement, seed)
+        profile = runner.config.synthetic_top_f_agreement
+        self.ahead = (AheadProposer(self.proposer, runner.config.synthetic_bonus_agreement, seed,
+                                    AgreementProfile.from_table(profile) if profile is not None else None)
                       if speculation_ahead else None)
         # The last proposal and its plan, for `predraft`: the window ahead follows the proposal that went out.
         self._proposed: tuple[StepPlan, DraftProposal] | None = None
