@@ -26,7 +26,7 @@ from engine.request import Request, RequestStatus
 from engine.sample.logits_params import logits_params_of
 from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
-from engine.speculation.ahead_budget import AheadBudget
+from engine.speculation.ahead_budget import AheadBudget, drafts_ahead
 from engine.speculation.ahead_totals import NUM_TOTALS
 from engine.step.executor import Executor
 from engine.step.inflight_steps import InFlightStep, InFlightSteps
@@ -357,9 +357,13 @@ class EngineCore:
         plan = build_plan(next(self._step_ids), scheduled, self.target_kv, self.draft_kv, self.config.max_model_len,
                           self.spec_config, finished, self.sent)
         if self.scheduler.speculation_ahead:
-            plan.ahead_branches = self.ahead_budget.branches(sum(1 for s in scheduled if s.num_draft_tokens))
-            if self.ahead_budget.tree:
-                plan.ahead_tree_nodes = self.ahead_budget.tree_nodes([s.num_draft_tokens for s in scheduled])
+            # Only the requests the draft drafts ahead count (the same rule on both sides).
+            tree = self.ahead_budget.tree
+            ahead = [s for s in scheduled if s.num_draft_tokens
+                     and drafts_ahead(s.samples, s.request.logits_params is not None, tree)]
+            plan.ahead_branches = self.ahead_budget.branches(len(ahead))
+            if tree:
+                plan.ahead_tree_nodes = self.ahead_budget.tree_nodes([s.num_draft_tokens for s in ahead])
         return plan
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:

@@ -289,16 +289,18 @@ def streamed_completion(client: httpx.Client, body: dict[str, Any]) -> tuple[lis
     return token_ids, text
 
 
-def check_disconnect_frees_kv(server: Server, body: dict[str, Any]) -> None:
-    """A client that reads the first event of a long stream (`body`) and hangs up: both models held KV blocks
-    mid-stream, and every block is back and the abort counted within 20 s."""
+def check_disconnect_frees_kv(server: Server, body: dict[str, Any], events: int = 1) -> None:
+    """A client that reads the first `events` events of a long stream (`body`) and hangs up: both models held KV
+    blocks mid-stream, and every block is back and the abort counted within 20 s."""
     baseline = kv_blocks_used(wait_idle())
     assert set(baseline.values()) == {0}, baseline
     with server.http() as c:
         aborted = scrape(c).get("specserve_request_aborted_total", 0.0)
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            assert next(r.iter_lines()).startswith("data: ")
+            lines = (line for line in r.iter_lines() if line)
+            for _ in range(events):
+                assert next(lines).startswith("data: ")
             held = kv_blocks_used(router_stats())
         closed = time.monotonic()
         stats = wait_idle(timeout_s=20, baseline=baseline)

@@ -9,7 +9,9 @@
 What must hold for both: HAProxy holds the HTTP and gRPC ports; greedy output (streamed, unary, concurrent, gRPC)
 equals the offline engine's without speculation, token for token; errors keep their status, OpenAI shape and the
 field they name; /health and /metrics ask the engine replicas; a client that disconnects frees both models' KV
-blocks at once.
+blocks at once. The direct server drafts ahead in tree mode (a tree over every verify outcome, each request, each
+step, in the draft's scratch slots): its outputs are the same, and a client that disconnects with trees drafted for
+its request frees every block of both models too.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ API_KEY = "front-end-key"
 MAX_MODEL_LEN = 256
 PROMPTS = ["hello", "The sea is", "def f(x):", "0123456789", "HAProxy", "ingress"]
 # front end -> (extra ServeConfig fields, the application's deployments)
+# Not adaptive: a tree every step, whatever the budget measures of a shared CPU's verify (it would skip most).
+TREE = {"speculation_ahead": True, "speculation_ahead_tree_fanout": 2, "speculation_ahead_adaptive": False}
 FRONT_ENDS = {"haproxy": ({}, {DEPLOYMENT_NAME, ENGINE_DEPLOYMENT}),
-              "direct": ({"direct_streaming": True}, {ENGINE_DEPLOYMENT})}
+              "direct": ({"direct_streaming": True, **TREE}, {ENGINE_DEPLOYMENT})}
 
 
 @pytest.fixture(scope="module")
@@ -145,5 +149,12 @@ def test_errors_health_and_metrics(server: Server) -> None:
         assert sum(v for k, v in scrape(c).items() if k.startswith("specserve_request_success_total{")) >= 1
 
 
-def test_disconnect_frees_kv_of_both_models(server: Server) -> None:
-    check_disconnect_frees_kv(server, byte_body("hello", 200, stream=True))
+def test_disconnect_frees_kv_of_both_models(server: Server, front_end: str) -> None:
+    tree = "speculation_ahead_tree_fanout" in FRONT_ENDS[front_end][0]
+    with server.http() as c:
+        trees = scrape(c).get("specserve_spec_ahead_trees_total", 0.0)
+    # Some steps into the stream (a tree a step from the first decode on), then the client hangs up.
+    check_disconnect_frees_kv(server, byte_body("hello", 200, stream=True), events=8 if tree else 1)
+    if tree:  # the stream was cut with its trees drafted (scratch slots), and still every block came back
+        with server.http() as c:
+            assert scrape(c)["specserve_spec_ahead_trees_total"] > trees

@@ -254,11 +254,14 @@ def test_async_scheduling_and_speculation_ahead_tp2_both_sides_hybrid_draft(
     plain actor calls. Greedy equals the in-process target alone; steps really go out before their predecessors'
     tokens came back, their decodes open (resolved by the workers' tables, the draft's fed by target rank 0's
     result); windows drafted ahead are proposed (hits, on both draft ranks alike); every rank's table forgets the
-    requests once they end; sampled outputs are the same on both paths."""
+    requests once they end; sampled outputs are the same on both paths. Through plain actor calls the draft drafts
+    ahead in tree mode (a tree a request and step, the draft at TP=2: both ranks draft the same trees, and a hit
+    is what the proposal would have drafted, so seeded sampled outputs equal the compiled run's windows')."""
     target, draft = tiny_models["gemma3"].path, near_drafts["gemma3"].path
+    tree = {} if compiled else dict(speculation_ahead_tree_fanout=2, speculation_ahead_adaptive=False)
     engine = build_ray_engine(target, draft, num_speculative_tokens=3, rejection_sampling="probabilistic",
                               tensor_parallel_size=2, draft_tensor_parallel_size=2, use_compiled_graph=compiled,
-                              seed=5, speculation_ahead=True, **ENGINE_KW)
+                              seed=5, speculation_ahead=True, **tree, **ENGINE_KW)
     executor = engine.executor
     try:
         assert engine.async_scheduling and executor.async_scheduling and executor.speculation_ahead
@@ -289,6 +292,7 @@ def test_async_scheduling_and_speculation_ahead_tp2_both_sides_hybrid_draft(
         ahead = ray.get([w.__ray_call__.remote(lambda self: self.ahead.stats.as_tuple())
                          for role, _, w in executor.workers() if role == "draft"])
         assert ahead[0] == ahead[1] and ahead[0][1] > 0, ahead  # the ranks agree, and windows hit
+        assert (ahead[0][5] > 0) == bool(tree), ahead  # trees drafted (tree mode only)
         assert engine.speculation_ahead_stats()[1] > 0
     finally:
         executor.shutdown()

@@ -47,6 +47,14 @@ HEADROOM = 0.85  # a fitting run shorter than this share of the shadow makes the
 RETRY_STEPS = 256  # steps after which a row count's figure is stale and may be tried again
 
 
+def drafts_ahead(samples: bool, processes_logits: bool, tree: bool) -> bool:
+    """Whether a speculating request is drafted ahead at all (one rule for the draft, which drafts, and the engine,
+    whose budget counts): it must sample this step; windows (not tree mode) leave out requests with logits
+    processing (penalties, biases, masks, grammars), whose processors would read a history extended by guesses;
+    tree mode drafts every kind (engine/speculation/tree_ahead.py)."""
+    return samples and (tree or not processes_logits)
+
+
 @dataclass
 class _Mean:
     value: float

@@ -167,6 +167,12 @@ class DraftProposer:
             self.runner.forward_chunks([c for c in chunks if c.token_ids])
         return DraftProposal(ids, probs, alt)
 
+    def eager(self, plan: StepPlan) -> bool:
+        """Whether `propose` drafts this plan on the eager path, which applies the requests' logits processing and
+        draws a seeded request's random numbers one draft at a time, rather than on the draft loop, which does
+        neither (it draws each seeded row's numbers up front, [k, V] at once)."""
+        return self.loop is None or _has_grammar(plan)
+
     def _draw(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [rows, V] -> (drafts [rows] int64, the q [rows, V] float32 they were drawn from)."""
         if self.saguaro is None:

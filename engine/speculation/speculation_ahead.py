@@ -34,8 +34,10 @@ Tree mode (EngineConfig.speculation_ahead_tree_fanout = F > 0, engine/speculatio
 request over every outcome of its verify instead of windows, in scratch slots; the cache, the lookup and the
 proposal's merge are the same, a hit copies its branch's slots into the request's blocks.
 
-Requests with logits processing (penalties, biases, masks) are not drafted ahead: their processors read a token
-history that the chain would have to extend with guessed tokens. Their proposals are drafted as usual.
+Windows leave out requests with logits processing (penalties, biases, masks, grammars): their processors read a
+token history the chain would have to extend with guessed tokens. Their proposals are drafted as usual, and the ahead
+budget does not count them (ahead_budget.drafts_ahead). Tree mode drafts them too, each branch's logits processed
+with its own history (engine/speculation/tree_ahead.py).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import torch
 
 from engine.kv_cache.scratch_blocks import ScratchBlocks, ScratchFork, copy_blocks, scratch_blocks_wanted
 from engine.speculation.ahead_branches import ACCEPT, Branch, BranchEstimates
+from engine.speculation.ahead_budget import drafts_ahead
 from engine.speculation.proposer import DraftProposal, DraftProposer
 from engine.speculation.speculation_cache import AheadEntry, AheadStats, SpeculationCache
 from engine.speculation.synthetic_agreement import AgreementProfile
@@ -178,7 +181,8 @@ class AheadProposer:
     def _lookup(self, entries: list[AheadEntry], p: PlannedRequest, plan: StepPlan) -> AheadEntry | None:
         """The window drafted for exactly this draft input (position and catch-up tokens), if its k suffices."""
         tokens = tuple(p.draft_token_ids)
-        fits = [e for e in entries if e.position == p.draft_start_pos and p.num_draft_tokens <= e.token_ids.shape[0]]
+        fits = [e for e in entries if e.position == p.draft_start_pos and p.num_draft_tokens <= e.token_ids.shape[0]
+                and (e.exact_k is None or e.exact_k == p.num_draft_tokens)]
         for e in fits:
             if e.tokens == tokens:
                 return e
@@ -234,9 +238,12 @@ class AheadProposer:
         reqs = plan.requests
         max_k = plan.max_draft_tokens
         ids = torch.full((len(reqs), max_k), -1, dtype=torch.int64, device=dev)
+        # q wherever the verify reads it: a sampled request of the plan makes it (even one that drafts nothing this
+        # step, beside greedy hits), as it makes the proposer's own.
         want_probs = self.proposer.keep_probs and (
             any(e.probs is not None for e in hits.values())
-            or (drafted is not None and drafted.draft_probs is not None))
+            or (drafted is not None and drafted.draft_probs is not None)
+            or any(r.sample and r.temperature > 0 for r in reqs))
         probs = (torch.zeros(len(reqs), max_k, self.runner.vocab_size, dtype=torch.float32, device=dev)
                  if want_probs else None)
         alt = torch.zeros(len(reqs), max_k, dtype=torch.int64, device=dev) if self.proposer.alternatives else None
@@ -291,8 +298,8 @@ class AheadProposer:
         # Windows of a pre-draft no proposal came after (none, in the executors' order): the scratch is reused now.
         self.drop_all()
         rows = [i for i, p in enumerate(plan.requests)
-                if p.draft_runs and p.num_draft_tokens and p.sample and p.logits_params is None
-                and (self.tree is None or p.seed is None or p.temperature == 0)]  # tree mode: no seeded sampling
+                if p.draft_runs and p.num_draft_tokens and drafts_ahead(p.sample, p.logits_params is not None,
+                                                                        self.tree is not None)]
         if not rows:
             return 0
         counts = [p.num_draft_tokens for p in plan.requests]

@@ -28,6 +28,10 @@ class AheadEntry:
     # position + n - 1 as the next proposal would write them (the catch-up, then e_1..e_{n - len(tokens)}).
     slots: list[int] | None = None
     outcome: int | None = None  # tree mode: the drafts accepted in the outcome this branch is for (a)
+    # Only a proposal of exactly this k may take it (None: any k up to len(token_ids)): a seeded sampled branch
+    # whose noise was drawn up front as the draft loop draws it, [k, V] at once, which a proposal of another k
+    # would draw differently.
+    exact_k: int | None = None
 
 
 @dataclass

@@ -25,19 +25,35 @@ every group; the prefix is never touched. A miss drafts just in time, as always.
 
 Exactness: a branch's drafts are drawn from the draft's distribution given exactly the context the next step has
 (prefix, accepted drafts, the target's token), with the draft's own noise; rejection sampling reads their own q. The
-roots are chosen from the draft's logits alone, never from the target's. Seeded sampled requests are not drafted
-ahead in tree mode (their drafts would not come from the generator seeded at the next output position, as the
-ordinary proposal's do; outputs would stay correct in law but differ from plain speculation's), nor are requests
-with logits processing. Outcomes whose branches would run past max_model_len (the draft's position tables) or past
-the request's token limit get no branch.
+roots are chosen from the draft's logits alone, never from the target's. Every kind of request gets a tree, and
+its branches are what the next proposal after their outcome would draft (engine/speculation/proposer.py), drawn the
+same way:
+- logits processing (penalties, logit_bias, bad words, min_tokens, min_p, allowed tokens) and grammars (structured
+  outputs): where the proposal processes its logits (the eager path; the draft loop does not), the roots of outcome
+  a come from the draft's logits processed as the target's verify row a is, with d_1..d_a in the history (a
+  grammar's matcher after a accepted drafts), and a token masked there is never a root: a grammar request's
+  branches start only from tokens its grammar allows after the accepted prefix. Each branch's drafts are drawn from
+  logits processed with the history that proposal would have (output, d_1..d_a, t, the branch's drafts so far), so
+  a grammar masks along the branch as it masks the proposal's drafts (_BranchProcessing);
+- seeded sampled requests: a branch of outcome a draws from the generator seeded at the output position that
+  proposal has (num_output_tokens + a + 1), one [V] draw a draft as the eager path does, or [k, V] up front as the
+  draft loop does (such a branch serves a proposal of exactly that k only: AheadEntry.exact_k) (_SeededNoise).
+  Seeded outputs then equal plain speculation's, where the next proposal takes the path this plan's would (a
+  grammar request in the batch sends the draft loop's steps to the eager path).
+Outcomes whose branches would run past max_model_len (the draft's position tables) or past the request's token
+limit get no branch.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from engine.kv_cache.block_pool import NULL_BLOCK
 from engine.kv_cache.scratch_blocks import copy_slots
+from engine.sample.from_plan import DRAFT_STREAM, request_generator
+from engine.sample.logits_processors import process_target_logits
 from engine.speculation.ahead_branches import ACCEPT, REJECT
 from engine.speculation.proposer import DraftProposer
 from engine.speculation.speculation_cache import AheadEntry, AheadStats, SpeculationCache
@@ -93,7 +109,7 @@ class TreeAhead:
             self.stats.skipped_branches += sum(sum(self.schedule.fanout(len(host[i]), alpha, own)) for i in rows)
             return 0
         reqs: list[TreeDraftRequest] = []
-        metas: list[tuple[PlannedRequest, int, list[int], list[int], list[int]]] = []  # p, frontier, d, fan, slots
+        metas: list[_Tree] = []
         used = 0
         fans: dict[int, list[int]] = {}  # k -> the schedule's F_a (the same for every request of that k)
         cut: dict[int, int] = {}  # k -> branches of a request the budget cut
@@ -111,9 +127,10 @@ class TreeAhead:
                 cut[k] = sum(self.schedule.fanout(k, alpha, own)) - sum(fans[k]) if per_req < own else 0
             fan = list(fans[k])
             self.stats.skipped_branches += cut[k]
+            k_next = [min(depth, p.token_limit - (frontier + a + 1) - 1) if p.token_limit else depth
+                      for a in range(k + 1)]  # the k the next step drafts after outcome a, as the scheduler shrinks it
             for a in range(k + 1):
-                k_next = min(depth, p.token_limit - (frontier + a + 1) - 1) if p.token_limit else depth
-                if k_next <= 0 or frontier + a + depth > cfg.max_model_len:
+                if k_next[a] <= 0 or frontier + a + depth > cfg.max_model_len:
                     fan[a] = 0  # the next step drafts nothing there, or the branch would pass max_model_len
             nb = sum(fan)
             if nb == 0:
@@ -127,27 +144,49 @@ class TreeAhead:
             reqs.append(TreeDraftRequest(prefix_len=frontier - 1, block_tables=p.draft_block_tables,
                                          window=[p.draft_token_ids[-1], *d], roots=[], scratch_slots=[slots] * groups,
                                          temperature=p.temperature, top_p=p.top_p, top_k=p.top_k))
-            metas.append((p, frontier, d, fan, slots))
+            metas.append(_Tree(p, frontier, d, fan, slots, k_next))
         if not reqs:
             return 0
+        # What the next proposal will do, judged from this plan's requests (engine/speculation/proposer.py): on the
+        # eager path it processes the requests' logits and draws a seeded row's noise draft by draft; on the loop,
+        # neither (a seeded row's noise up front). The branches do the same, so that a branch is what that proposal
+        # would draft after its outcome.
+        eager = self.proposer.eager(plan)
+        process = eager and any(m.p.logits_params is not None for m in metas)
+        branches: list[tuple[_Tree, int, int]] = []  # (tree, outcome a, root t) of every branch, in draft_tree's order
 
         def choose_roots(logits: list[torch.Tensor]) -> list[list[list[int]]]:
             # Per tree [k + 1, V]: after c (outcome 0's position) .. after d_k (the bonus). Nothing hangs off the
-            # prefix's end itself (the chain's first node c is committed).
-            roots = top_f_roots_many(logits, [m[2] for m in metas], [m[3] for m in metas])
+            # prefix's end itself (the chain's first node c is committed). Row a follows d_1..d_a, as the target's
+            # verify row a does: a request's logits processing (a grammar's matcher after a accepted drafts, its
+            # penalties over that history) applies there as it does to the target's, so masked tokens are no roots.
+            if process:
+                logits = [process_target_logits(x[None], [m.p], [m.d])[0] if m.p.logits_params is not None else x
+                          for m, x in zip(metas, logits)]
+            roots = top_f_roots_many(logits, [m.d for m in metas], [m.fan for m in metas])
+            for m, r in zip(metas, roots):
+                if not any(r):  # every candidate masked: keep one (a tree has a branch; this one never hits)
+                    r[max(range(len(m.fan)), key=lambda a: m.fan[a])] = [0]
+                branches.extend((m, a, t) for a, cands in enumerate(r) for t in cands)
             return [[[], *r] for r in roots]
 
         # q only where a sampled request's verify reads it (greedy drafts are one-hot: the merge builds them).
         sampled = self.proposer.keep_probs and any(r.temperature > 0 for r in reqs)
+        seeded = any(m.p.seed is not None and m.p.temperature > 0 for m in metas)
+        noise = _SeededNoise(branches, eager, runner.device) if seeded else None
         trees = draft_tree(runner, reqs, depth, self.proposer.generator, choose_roots=choose_roots,
-                           keep_logits=False, keep_probs=sampled, saguaro=self.proposer.saguaro)
+                           keep_logits=False, keep_probs=sampled, saguaro=self.proposer.saguaro,
+                           process=_BranchProcessing(branches) if process else None, noise=noise)
         if plan.ahead_tree_nodes is not None and runner.device.type == "cuda":
             # SYNC: an engine that sizes the trees (plan.ahead_tree_nodes) times them; the draft's own GPU, after its
             # proposal went to the target: it waits for its own tree, which the next proposal would wait for anyway.
             torch.cuda.synchronize(runner.device)
         drafted = 0
-        for (p, frontier, d, _, slots), tree in zip(metas, trees):
+        for m, tree in zip(metas, trees):
+            p, frontier, d, slots = m.p, m.frontier, m.d, m.slots
             k, nb = len(d), len(tree.root)
+            # A seeded sampled branch drawn as the loop draws (up front) serves only a proposal of the k it drew for.
+            exact = not eager and p.seed is not None and p.temperature > 0
             token_rows = tree.tokens.unbind(0)
             prob_rows = tree.probs.unbind(0) if tree.probs is not None and p.temperature > 0 else None
             self.stats.trees += 1
@@ -162,7 +201,7 @@ class TreeAhead:
                 self.cache.entries.setdefault(p.request_id, []).append(AheadEntry(
                     position=position, tokens=tokens, token_ids=token_rows[b],
                     probs=prob_rows[b] if prob_rows is not None else None, kind=ACCEPT if a == k else REJECT,
-                    slots=[slots[x] for x in nodes], outcome=a))
+                    slots=[slots[x] for x in nodes], outcome=a, exact_k=m.k_next[a] if exact else None))
                 self.stats.drafted_tokens += depth
                 drafted += 1
         return drafted
@@ -198,3 +237,70 @@ class TreeAhead:
                         src[g].append(slot)
                         dst[g].append(block * bs + pos % bs)
         copy_slots(runner.kv_caches, src, dst)
+
+
+@dataclass
+class _Tree:
+    """One request's tree being drafted."""
+
+    p: PlannedRequest
+    frontier: int  # the position of d_1
+    d: list[int]  # [k] its proposal d_1..d_k
+    fan: list[int]  # [k + 1] F_a, branches of outcome a at most
+    slots: list[int]  # its scratch slots
+    k_next: list[int]  # [k + 1] the k the next step drafts after outcome a
+
+
+class _BranchProcessing:
+    """draft_tree's `process` hook: each branch of a request with logits processing gets the processed logits the
+    next proposal after its outcome would draw from. That proposal's history (engine/sample/logits_processors.py)
+    is the output so far, d_1..d_a, the target's token t (the root), then its own drafts: here the committed output
+    with d_1..d_a, t and the branch's drafts as the drafts to follow, so a grammar's matcher walks them from its
+    committed state and rolls back, and the penalties, bad words and min_tokens count the same tokens at the same
+    output positions."""
+
+    def __init__(self, branches: list[tuple[_Tree, int, int]]) -> None:
+        self.branches = branches
+
+    def __call__(self, depth: int, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        rows = [n for n, (m, _, _) in enumerate(self.branches) if m.p.logits_params is not None]
+        # SYNC: the processors read each branch's history on the host (only requests with logits processing).
+        host = drafts[rows, :depth].tolist() if depth else [[] for _ in rows]
+        groups: dict[int, list[tuple[int, list[int]]]] = {}  # drafts followed -> (branch, its history past output)
+        for n, own in zip(rows, host):
+            m, a, t = self.branches[n]
+            groups.setdefault(a + 1 + depth, []).append((n, [*m.d[:a], t, *own]))
+        out = logits.float().clone()
+        for start, group in groups.items():
+            idx = torch.tensor([n for n, _ in group], dtype=torch.int64, device=logits.device)
+            out[idx] = process_target_logits(out[idx][:, None], [self.branches[n][0].p for n, _ in group],
+                                             [h for _, h in group], start=start)[:, 0]
+        return out
+
+
+class _SeededNoise:
+    """draft_tree's `noise` hook: a seeded sampled request's branch of outcome a draws from the generator the next
+    proposal after that outcome would (engine/sample/from_plan.py: its seed at output position
+    num_output_tokens + a + 1), as that proposal would: one [V] draw a draft on the eager path, or [k_next, V] at
+    once before the first as the draft loop does. A root drawn differently than the proposal would (the target's
+    token) does not matter: the proposal's own draws begin after it."""
+
+    def __init__(self, branches: list[tuple[_Tree, int, int]], eager: bool, device: torch.device) -> None:
+        self.branches, self.eager, self.device = branches, eager, device  # branches: filled once the roots are
+        self.rows: list[tuple[int, torch.Generator, int]] = []  # (branch, its generator, k_next)
+        self.upfront: dict[int, torch.Tensor] = {}  # branch -> [k_next, V] float32 (the loop's way)
+
+    def __call__(self, depth: int, exps: torch.Tensor) -> None:
+        if depth == 0:
+            self.rows = [(n, request_generator(m.p.seed, m.p.num_output_tokens + a + 1, DRAFT_STREAM, self.device),
+                          m.k_next[a]) for n, (m, a, _) in enumerate(self.branches)
+                         if m.p.seed is not None and m.p.temperature > 0]
+        for n, gen, k_next in self.rows:
+            if self.eager:
+                exps[n].exponential_(generator=gen)
+                continue
+            if depth == 0:
+                self.upfront[n] = torch.empty(k_next, exps.shape[1], dtype=torch.float32,
+                                              device=self.device).exponential_(generator=gen)
+            if depth < k_next:
+                exps[n] = self.upfront[n][depth]

@@ -42,8 +42,15 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import StepInput
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.processing import logits_to_probs
-from engine.sample.saguaro import SaguaroSampling, sample_saguaro
-from engine.sample.sampler import sample_from_probs
+from engine.sample.saguaro import SaguaroSampling, saguaro_probs, sample_saguaro
+from engine.sample.sampler import exponential_race, random_exponential, sample_from_probs
+
+# process(depth, logits [branches, V], drafts so far [branches, depth] int64, columns < depth valid) -> the logits the
+# branches draw from at that depth (a request's logits processing along its branch).
+ProcessHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# noise(depth, exponentials [branches, V] float32) overwrites, in place, the rows that draw from generators of their
+# own (a seeded request's), before the race.
+NoiseHook = Callable[[int, torch.Tensor], None]
 
 
 @dataclass
@@ -141,7 +148,8 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
                generator: torch.Generator | None = None,
                choose_roots: Callable[[list[torch.Tensor]], list[list[list[int]]]] | None = None,
                keep_logits: bool = True, keep_probs: bool = True,
-               saguaro: SaguaroSampling | None = None) -> list[TreeDraft]:
+               saguaro: SaguaroSampling | None = None, process: ProcessHook | None = None,
+               noise: NoiseHook | None = None) -> list[TreeDraft]:
     """Draft every branch of every request `depth` tokens deep. Greedy requests take the argmax; others draw from
     their q (temperature, top-k, top-p) with `generator`.
 
@@ -150,7 +158,9 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
     `roots`) from the logits after each of its window tokens (per request [len(window), V] float32): a first
     forward feeds the windows alone, then `depth` forwards draft the branches. keep_logits / keep_probs False: those
     outputs are None (two [branches, depth, V] float32 tensors a caller may not need). saguaro: sampled rows draw
-    from q' (engine/sample/saguaro.py) and `probs` holds q'."""
+    from q' (engine/sample/saguaro.py) and `probs` holds q'. process: applied to each depth's logits before q (and
+    `logits` holds its result). noise: sampled rows race with Exp(1) noise from `generator` that this hook may
+    overwrite row by row (per-branch generators); None: `generator` for every row."""
     if depth < 1:
         raise ValueError("depth must be at least 1")
     dev = runner.device
@@ -197,8 +207,20 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
             per_req = logits.split([k + nb for k, nb in zip(ks, nbs)])
             window_logits = [x[:k] for x, k in zip(per_req, ks)]
             logits = torch.cat([x[k:] for x, k in zip(per_req, ks)])
+        if process is not None:
+            logits = process(dpt, logits, tokens)
         probs = logits_to_probs(logits, branch_md)
-        if saguaro is None:
+        if noise is not None:  # as below, with the hook's noise
+            if saguaro is not None and not branch_md.all_greedy:
+                probs = saguaro_probs(probs, saguaro.top_f, saguaro.factor,
+                                      None if branch_md.all_random else branch_md.temperature == 0)
+            if branch_md.all_greedy:
+                tokens[:, dpt] = probs.argmax(dim=-1)
+            else:
+                exps = random_exponential(branch_md, probs.shape[1:], dev)
+                noise(dpt, exps)
+                tokens[:, dpt] = exponential_race(probs, exps.clamp_(min=torch.finfo(torch.float32).tiny))
+        elif saguaro is None:
             tokens[:, dpt] = sample_from_probs(probs, branch_md)
         else:  # drawn from q' and q' kept: a hit's verify must read the distribution its drafts came from
             tokens[:, dpt], probs = sample_saguaro(probs, branch_md, saguaro.top_f, saguaro.factor)

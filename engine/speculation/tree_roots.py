@@ -3,7 +3,8 @@
 After a window d_1..d_k, outcome a (a drafts accepted) leaves the target's token at position prefix_len + a: for
 a < k a replacement of d_{a+1} (rejection sampling never emits the rejected token there at temperature 0, and its
 residual is small elsewhere), for a = k the bonus token. Its candidates are the draft's top F_a tokens there, d_{a+1}
-excluded for a < k. The draft's logits at position prefix_len + a are those the proposal drew d_{a+1} from (a < k)
+excluded for a < k, and none whose logit is -inf there (masked by the request's logits processing). The draft's
+logits at position prefix_len + a are those the proposal drew d_{a+1} from (a < k)
 and, for the bonus, those after feeding d_k (`TreeDraft.window_logits[k - 1]`, or a forward of d_k alone).
 """
 
@@ -40,10 +41,13 @@ def top_f_roots_many(logits: list[torch.Tensor], windows: list[list[int]],
         masked[torch.tensor(rows, dtype=torch.int64, device=dev), torch.tensor(cols, dtype=torch.int64,
                                                                               device=dev)] = float("-inf")
     width = max((f for fanout in fanouts for f in fanout), default=0)
-    top = masked.topk(width, dim=-1).indices.tolist()  # SYNC: the roots are host lists
+    values, indices = masked.topk(width, dim=-1)
+    # A token whose logit is -inf (the rejected draft, or one the request's logits processing masks there: a
+    # grammar's refusal, a ban) is never a root: the target never emits it there, so its branch could never hit.
+    top = indices.masked_fill(values == float("-inf"), -1).tolist()  # SYNC: the roots are host lists
     out: list[list[list[int]]] = []
     offset = 0
     for fanout in fanouts:
-        out.append([row[:f] for row, f in zip(top[offset:offset + len(fanout)], fanout)])
+        out.append([[t for t in row[:f] if t >= 0] for row, f in zip(top[offset:offset + len(fanout)], fanout)])
         offset += len(fanout)
     return out

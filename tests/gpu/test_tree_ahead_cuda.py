@@ -1,6 +1,6 @@
 """Speculation ahead's tree mode on CUDA, on the torch attention path and on the kernel path (the Triton tree kernel;
 tree forwards run eagerly there): greedy output equals the target alone with branches hitting, in float32 and
-bfloat16."""
+bfloat16; seeded sampled output equals plain speculation's on both paths (the eager draft and the draft loop)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,19 @@ def test_greedy_with_tree_mode_on_cuda(tiny_models, tiny_drafts, near_drafts, ta
     assert llm.engine.target_kv.num_used_blocks() == [0] * llm.engine.target_kv.num_groups
     assert llm.engine.draft_kv.num_used_blocks() == [0] * llm.engine.draft_kv.num_groups
 
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp32_seeded_sampling_with_tree_mode_equals_plain_on_cuda(tiny_models, backend):
+    # A seeded sampled branch draws the noise the next proposal would: one [V] draw a draft on the eager path (torch
+    # attention), [k, V] up front on the draft loop's (Triton: its graphs), so hits change no seeded output.
+    m = tiny_models["llama"]
+    prompts = random_prompts([5] * 6, seed=9)
+    seeded = [SamplingParams(max_tokens=24, temperature=0.5, seed=s, ignore_eos=True) for s in range(6)]
+    kw = dict(draft_model=m.path, num_speculative_tokens=3, device="cuda", dtype="float32", attention_backend=backend,
+              **KW)
+    ref = [o.token_ids for o in LLM(model=m.path, **kw).generate(prompts, seeded)]
+    llm = LLM(model=m.path, speculation_ahead=True, speculation_ahead_tree_fanout=3, **kw)
+    assert [o.token_ids for o in llm.generate(prompts, seeded)] == ref
+    stats = llm.engine.executor.ahead.stats
+    assert stats.trees > 0 and stats.hits > 5, stats
