@@ -2,7 +2,7 @@
 legacy scoring request, as evaluation harnesses send it), streamed and not, and vLLM's `prompt_logprobs` field on
 completions and chat, each against the offline engine's prompt logprobs (which equal HF's: tests/
 test_prompt_logprobs.py). Bad values and `stream` with `prompt_logprobs` are 400s naming the field
-(test_fields.py, tests/test_reliability_http.py)."""
+(test_fields.py, tests/http_api/test_reliability_http.py)."""
 
 from __future__ import annotations
 

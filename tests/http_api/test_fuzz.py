@@ -1,11 +1,11 @@
 """Fuzzing the HTTP API from its own OpenAPI schema: no request may get a 5xx.
 
-The server (a local Ray, Serve's HTTP proxy on 127.0.0.1, tiny byte-level models) publishes `/openapi.json`;
-bodies for every POST route are drawn from that schema's request body with hypothesis: values that follow the
-schema (with numbers drawn near the API's limits), values of the wrong type, missing and unknown fields. Every
-answer must be below 500; errors must have OpenAI's shape, successes must parse (a stream must end with
-`data: [DONE]`). Afterwards the server is healthy and holds no KV block in either model. Bounded: 100 schema
-examples and 40 raw-bytes examples, no deadline.
+The server (the package's, conftest.py: a local Ray, Serve's HTTP proxy on 127.0.0.1, tiny byte-level models)
+publishes `/openapi.json`; bodies for every POST route are drawn from that schema's request body with hypothesis:
+values that follow the schema (with numbers drawn near the API's limits), values of the wrong type, missing and
+unknown fields. Every answer must be below 500; errors must have OpenAI's shape, successes must parse (a stream
+must end with `data: [DONE]`). Afterwards the server is healthy and holds no KV block in either model. Bounded:
+100 schema examples and 40 raw-bytes examples, no deadline.
 """
 
 from __future__ import annotations
@@ -17,23 +17,17 @@ from typing import Any
 
 import httpx
 import pytest
-from byte_models import make_byte_models
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from serve_support import Server, kv_blocks_used, running_server, serve_config, wait_idle
+from serve_support import Server, kv_blocks_used, wait_idle
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    target, draft = make_byte_models(tmp_path_factory.mktemp("byte"))
-    with running_server(serve_config(target, draft, max_model_len=64)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
 def client(server: Server) -> Iterator[httpx.Client]:
+    """A client of the package's server (conftest.py, shared with test_reliability_http.py), with its API key:
+    the bodies reach validation and the engine, not only the key check."""
     with server.http(timeout=120) as c:
         yield c
 

@@ -13,34 +13,21 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from byte_models import make_byte_models
 from serve_support import (
     Server,
     assert_error,
     completion,
     kv_blocks_used,
     router_stats,
-    running_server,
-    serve_config,
     sse_payloads,
     wait_idle,
 )
 
+from http_api import API_KEY, MAX_BODY, MAX_MODEL_LEN
 from serving.proto import specserve_pb2 as pb
 from serving.proto import specserve_pb2_grpc as pb_grpc
 
-API_KEY = "test-key-8f2c"
-MAX_BODY = 64 * 1024
-MAX_MODEL_LEN = 128
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    target, draft = make_byte_models(tmp_path_factory.mktemp("byte"))
-    cfg = serve_config(target, draft, api_key=API_KEY, max_request_body_bytes=MAX_BODY, max_model_len=MAX_MODEL_LEN)
-    with running_server(cfg) as srv:
-        yield srv
-
+# `server`: the package's (conftest.py), shared with test_fuzz.py.
 
 # --- the table of bad HTTP requests -------------------------------------------------------------------------
 C, CHAT = "/v1/completions", "/v1/chat/completions"
