@@ -49,7 +49,8 @@ def slots_per_draft(num_engine_replicas: int, draft_replicas: int) -> int:
 def draft_worker_config(engine_args: dict[str, Any], slots: int) -> tuple[str, Any, Any]:
     """(draft model path, EngineConfig, SpeculativeConfig) of a pooled draft, resolved exactly as the engine
     builder resolves its targets' (so the block size, context and dtype agree). A fixed `num_kv_blocks` is each
-    target's share: the pool gets `slots` of them."""
+    target's share: the pool gets `slots` of them; so are max_num_seqs and max_num_batched_tokens (a draft step may
+    batch every target's plan)."""
     import dataclasses
 
     import torch
@@ -69,6 +70,9 @@ def draft_worker_config(engine_args: dict[str, Any], slots: int) -> tuple[str, A
                                     tensor_parallel_size=args.pop("tensor_parallel_size", 1), options=args)
     if config.num_kv_blocks is not None:
         config = dataclasses.replace(config, num_kv_blocks=(config.num_kv_blocks - 1) * slots + 1)
+    # One draft step may draft for every target at once (serving/draft_batch.py): room for all of their batches.
+    config = dataclasses.replace(config, max_num_seqs=config.max_num_seqs * slots,
+                                 max_num_batched_tokens=config.max_num_batched_tokens * slots)
     assert pair.draft is not None
     return str(pair.draft.path), config, pair.spec
 
@@ -79,7 +83,7 @@ class DraftPoolReplica:
 
     def __init__(self, engine_args: dict[str, Any], pool: str, slots: int, tenant_timeout_s: float = 60.0) -> None:
         from engine.config import ModelConfig
-        from serving.draft_pool_worker import PooledDraftWorker
+        from serving.draft_pool_worker import PooledDraftWorker, rank0_concurrency
         from serving.placement import actor_options, bundle_task_options, create_group_placement, make_bundle
         from serving.worker import node_ip_and_free_port
         from serving.worker_group import WorkerGroup, check_tensor_parallel, release_group
@@ -106,6 +110,8 @@ class DraftPoolReplica:
             opts = actor_options(pg, rank, bundle)
             if rank == 0:
                 opts["name"] = self.name  # what the targets find it by
+                # Threads: the targets' calls meet there, to be batched (the other ranks run rank 0's order).
+                opts["max_concurrency"] = rank0_concurrency(slots)
             self.group.workers.append(actor_cls.options(**opts).remote(
                 path, config, rank, size, addr, port, spec.rejection_sampling, int(bundle.get("CPU", 1)), slots))
         # SYNC: construction only; waits for the model to load (a share too small for max_model_len raises here).

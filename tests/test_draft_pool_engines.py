@@ -7,6 +7,9 @@ Greedy output equals the target alone in process; seeded sampling equals an engi
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +18,7 @@ from conftest import TinyModel, local_ray, random_prompts
 from spec_support import run_together
 
 from engine import LLM, SamplingParams
+from engine.step.plan import PlannedRequest, StepPlan
 from serving.draft_pool import DraftPoolReplica
 from serving.engine_factory import build_ray_engine
 
@@ -39,7 +43,7 @@ def engine_args(tiny_models: dict[str, TinyModel], tiny_drafts: dict[str, TinyMo
 
 
 def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
-    pool = DraftPoolReplica.func_or_class(engine_args, "unit", 2, 60.0)
+    pool = DraftPoolReplica.func_or_class(engine_args, "unit", 3, 60.0)  # two engines and a busy third target
     rank0 = pool.rank0
     engines = [build_ray_engine(**engine_args, draft_pool="unit") for _ in range(2)]
     try:
@@ -54,14 +58,25 @@ def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
         steps = [t["steps"] for t in ray.get(rank0.pool_stats.remote())["by_tenant"].values()]
         assert len(steps) == 2 and min(steps) > 0  # both speculated, through the one group
 
+        # Steps that overlap: the engines run at once while a third target keeps the draft busy, so their draft
+        # steps queue up and meet in batches; each engine's output is still the target's alone.
+        batches = _batches_over_one(rank0)
+        with BusyTenant(rank0, stats["blocks_per_slot"]) as busy:
+            together = _at_once(engines, PROMPTS, [GREEDY] * len(PROMPTS))
+        assert together == [expected, expected]
+        assert busy.steps > 0 and not busy.errors, busy.errors
+        assert _batches_over_one(rank0) > batches, ray.get(rank0.pool_stats.remote())["batch_tenants"]
+
         sampled = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
                    for i in range(len(PROMPTS))]
         pooled = run_together(engines, PROMPTS, sampled)
         assert pooled[0] == pooled[1]
 
-        engines.pop().shutdown()  # detaches: its share and its requests' draft state are freed
-        stats = ray.get(rank0.pool_stats.remote())
-        assert stats["tenants"] == 1 and "detached" in stats["evicted"][-1]
+        engines.pop().shutdown()  # detaches (its call may run after the next: rank 0 runs calls in threads)
+        deadline = time.monotonic() + 30
+        while (stats := ray.get(rank0.pool_stats.remote()))["tenants"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stats["tenants"] == 1 and "detached" in stats["evicted"][-1]  # its share and draft state are freed
     finally:
         for e in engines:
             e.shutdown()
@@ -71,3 +86,63 @@ def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
         assert run_together([own], PROMPTS, sampled) == [pooled[0]]
     finally:
         own.shutdown()
+
+
+def _batches_over_one(rank0) -> int:
+    """Draft forwards that served more than one target so far."""
+    return sum(n for size, n in ray.get(rank0.pool_stats.remote())["batch_tenants"].items() if size > 1)
+
+
+def _at_once(engines: list, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[list[int]]]:
+    """Each engine runs the prompts in a thread of its own, all at once (run_together steps them in turn)."""
+    outs: list = [None] * len(engines)
+
+    def run(i: int) -> None:
+        outs[i] = run_together([engines[i]], prompts, params)[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(engines))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs
+
+
+class BusyTenant:
+    """A third target attached by hand that keeps the draft group busy: prefill plans of long prompts, one after
+    another (each a new request, the last one finished), while the block holds."""
+
+    def __init__(self, rank0, blocks: int) -> None:
+        self.rank0, self.steps, self.errors = rank0, 0, []
+        share = ray.get(rank0.attach_tenant.remote("busy"))
+        assert blocks >= 6 * 16, blocks
+        self.tables = [list(range(1, 1 + blocks))[:16] for _ in share.kv_groups]  # 64 tokens of block size 4
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _plan(self, n: int) -> StepPlan:
+        prompts = random_prompts([60] * 6, seed=n)
+        # Six requests in blocks of their own within the share (the same blocks every step: each prefills anew).
+        reqs = [PlannedRequest(f"b{n}-{i}", p, 0, 3, True, [], draft_token_ids=p, draft_start_pos=0,
+                               draft_block_tables=[[b + 16 * i for b in t] for t in self.tables], draft_runs=True)
+                for i, p in enumerate(prompts)]
+        return StepPlan(n, reqs, "probabilistic", finished_ids=[f"b{n - 1}-{i}" for i in range(6)] if n else [])
+
+    def _run(self) -> None:
+        seq = itertools.count()
+        while not self._stop.is_set():
+            try:
+                ray.get(self.rank0.tenant_draft_step.remote("busy", next(seq), self._plan(self.steps)))
+                self.steps += 1
+            except Exception as e:  # noqa: BLE001 - reported by the test
+                self.errors.append(e)
+                return
+
+    def __enter__(self) -> BusyTenant:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        ray.get(self.rank0.detach_tenant.remote("busy"))
