@@ -156,6 +156,14 @@ class DraftPoolReplica:
             return {"healthy": False, "reason": str(e), "replica": self.replica}
         return {"healthy": True, "replica": self.replica, **await self.rank0.pool_load.remote()}
 
+    async def metrics(self) -> tuple[str, str]:
+        """(this replica's id, its exposition): the ingress merges them under `draft_replica`."""
+        from serving.metrics import draft_pool_exposition
+
+        self._ensure_watch()
+        stats = await self.rank0.pool_stats.remote()
+        return self.replica, draft_pool_exposition(stats["batch_tenants"])
+
     async def stats(self) -> dict[str, Any]:
         self._ensure_watch()
         return {"replica": self.replica, "name": self.name, **await self.rank0.pool_stats.remote()}
