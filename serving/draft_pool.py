@@ -6,7 +6,9 @@ the pool's replicas share out (ceil(engine replicas / draft replicas)). Rank 0 o
 `<pool>:<replica>`; an engine replica's executor (serving/ray_executor.py, `draft_pool`) lists the pool's named
 ranks, attaches to the one with the fewest targets (least-loaded; ties by name, so an empty pool fills round
 robin) and calls it directly with plain actor calls: the proposal goes from the draft's rank 0 to the target's
-ranks as an ObjectRef, never through Serve's handles.
+ranks as an ObjectRef, never through Serve's handles. Rank 0 runs its targets' calls in threads, and the draft
+steps of targets waiting at the same time as one draft step (serving/draft_batch.py); the replica exports the
+histogram of targets per draft forward (`metrics`).
 
 Faults: a draft replica whose rank died fails Serve's health check and is replaced; its targets' steps fail with a
 dead draft worker, each goes on without speculation (lossless, serving/engine_recovery.py) and attaches to a
