@@ -21,7 +21,7 @@ from serve_support import Server, assert_error, engine_broadcast, engine_replica
 from serving.draft_shares import BlockShare, blocks_per_slot, check_share_fits
 
 MAX_MODEL_LEN = 128
-MAX_SEQS = 2
+MAX_SEQS = 4
 MAX_QUEUED = 4  # as many as the other tests send at once (Serve's own queue is bounded by it too)
 PROMPTS = ["hello", "The sea is", "def f(x):", "0123456789"]
 
@@ -56,7 +56,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def server(models: tuple[str, str]) -> Iterator[Server]:
     target, draft = models
-    # Per engine replica two running and four waiting (and four in Serve's queue): past that, a request gets 429.
+    # Per engine replica four running and four waiting (and four in Serve's queue): past that, a request gets 429.
     cfg = serve_config(target, draft, max_model_len=MAX_MODEL_LEN, num_replicas=2, draft_replicas=1,
                        draft_tenant_timeout_s=30.0, drain_timeout_s=1.0, max_queued_requests=MAX_QUEUED,
                        engine_kwargs={"num_kv_blocks": 64, "max_num_seqs": MAX_SEQS})
@@ -153,7 +153,7 @@ def test_overload_gets_429_and_the_admitted_stay_exact(server: Server, oracle) -
     admitted ones get their exact output; the draft replica's batch histogram is on /metrics, per draft replica."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    n = 24
+    n = 32
     results: list = [None] * n
     with server.http(timeout=120) as c:
         def one(i: int) -> None:
