@@ -4,6 +4,8 @@ evenly the ingress spread the requests over the replicas.
     python benchmarks/serve_replicas.py --replicas 1 2 --concurrency 16 --out benchmarks/out/serve_replicas.json
     python benchmarks/serve_replicas.py --smoke      # tiny random models: checks the script end to end
     python benchmarks/serve_replicas.py --device cuda --concurrency 16,64   # 4 GPUs: a target + a draft each
+    python benchmarks/serve_replicas.py --device cuda --replicas 3 --draft-replicas 1 --concurrency 16,48
+        # 4 GPUs: three targets sharing one draft replica (a draft pool)
 
 Each setting starts the `specserve serve` app (Ray Serve on 127.0.0.1) with `num_replicas` engine replicas of the
 pair (default: the bundled SmolLM2-135M-Instruct with its distilled draft, probabilistic rejection, the eval prompts
@@ -12,6 +14,8 @@ all requests sent at once). On CPU the model workers share --total-threads torch
 replicas each replica's target and draft workers get --total-threads / R threads each (their bundle's CPUs), so
 1 and 2 replicas use the same cores and differ in how they split them (one batch of 16 vs two batches of ~8).
 Routing balance: each replica's finished requests and generated tokens, read from /metrics (label `replica`).
+With --draft-replicas the engine replicas share that many draft replicas (a draft pool); each run then also reports
+how many targets each draft forward served (`specserve_draft_pool_batch_tenants`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,25 @@ def per_replica(metrics_text: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def draft_batches(metrics_text: str) -> dict[str, float]:
+    """A draft pool's forwards, the targets they served and the forwards that served more than one, summed over
+    its draft replicas, from a /metrics exposition (empty without a pool)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {"forwards": 0.0, "tenants": 0.0, "batched": 0.0}
+    name = "specserve_draft_pool_batch_tenants"
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == name + "_count":
+                out["forwards"] += s.value
+                out["batched"] += s.value
+            elif s.name == name + "_sum":
+                out["tenants"] += s.value
+            elif s.name == name + "_bucket" and float(s.labels["le"]) == 1.0:
+                out["batched"] -= s.value
+    return out
+
+
 def run_setting(pair: Any, replicas: int, args: argparse.Namespace) -> dict[str, Any]:
     import httpx
     import ray
@@ -65,7 +88,7 @@ def run_setting(pair: Any, replicas: int, args: argparse.Namespace) -> dict[str,
         "model": pair.target, "draft_model": pair.draft, "num_speculative_tokens": args.k,
         "rejection_sampling": pair.rejection_sampling, "max_model_len": args.max_model_len,
         "served_model_name": "bench", "num_replicas": replicas, "request_router": args.request_router,
-        "max_queued_requests": None,
+        "max_queued_requests": None, "draft_replicas": args.draft_replicas,
         "engine_kwargs": {"max_num_seqs": max(args.concurrency), **pair.engine_kwargs},
     }
     if args.device == "cpu":
@@ -73,12 +96,15 @@ def run_setting(pair: Any, replicas: int, args: argparse.Namespace) -> dict[str,
         cfg["device"] = "cpu"
         cfg["engine_kwargs"].update(target_resources={"CPU": threads}, draft_resources={"CPU": threads})
     else:
-        cfg["device"] = "cuda"  # one GPU per rank of each model: 2 GPUs per replica
+        cfg["device"] = "cuda"  # one GPU per rank of each model: 2 GPUs per replica (a pool: 1, and 1 per draft)
     from deploy.app import apply_local_cluster_env
 
     apply_local_cluster_env(cfg)  # as `specserve serve` runs
     # Logical CPUs: every replica's router and its workers' bundles, the ingress, and room for Serve's actors.
-    ray.init(num_cpus=replicas * (1 + 2 * max(threads, 1)) + 2, include_dashboard=False, log_to_driver=False,
+    # A draft pool's ranks have bundles of their own too.
+    pool_cpus = max(threads, 1) * (args.draft_replicas or 0)
+    ray.init(num_cpus=replicas * (1 + 2 * max(threads, 1)) + pool_cpus + 2, include_dashboard=False,
+             log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
                                        "OMP_NUM_THREADS": "1"}})
     t0 = time.perf_counter()
@@ -89,9 +115,11 @@ def run_setting(pair: Any, replicas: int, args: argparse.Namespace) -> dict[str,
         print(f"[{replicas} replica(s)] server up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         runs = []
         for c, requests, bench_cfg in bench_workloads(pair, args, base, not args.disable_tqdm):
-            before = per_replica(httpx.get(base + "/metrics", timeout=60).text)
+            text = httpx.get(base + "/metrics", timeout=60).text
+            before, pool_before = per_replica(text), draft_batches(text)
             run = asyncio.run(run_benchmark(requests, bench_cfg, warmup=warmup_count(args, c)))
-            after = per_replica(httpx.get(base + "/metrics", timeout=60).text)
+            text = httpx.get(base + "/metrics", timeout=60).text
+            after, pool_after = per_replica(text), draft_batches(text)
             s = summarize(run, f"{replicas} replica(s), c={c}")
             print(format_table(s), file=sys.stderr, flush=True)
             if s["failed"]:
@@ -100,8 +128,13 @@ def run_setting(pair: Any, replicas: int, args: argparse.Namespace) -> dict[str,
             # The warm-up requests are counted too (they ran between the two scrapes): balance over all of them.
             s["replicas"] = {r: {k: after[r][k] - before.get(r, {}).get(k, 0.0) for k in ("requests", "tokens")}
                              for r in after}
+            if args.draft_replicas:
+                pool = {k: pool_after[k] - pool_before[k] for k in pool_after}
+                s["draft_pool"] = {**pool, "tenants_per_forward": pool["tenants"] / max(pool["forwards"], 1.0)}
+                print(f"draft pool: {s['draft_pool']}", file=sys.stderr, flush=True)
             runs.append(s)
-        return {"replicas": replicas, "threads_per_worker": threads, "runs": runs}
+        return {"replicas": replicas, "draft_replicas": args.draft_replicas, "threads_per_worker": threads,
+                "runs": runs}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -109,8 +142,8 @@ def run_setting(pair: Any, replicas: int, args: argparse.Namespace) -> dict[str,
 
 def results_table(results: list[dict[str, Any]]) -> str:
     lines = ["| engine replicas | threads per model worker | concurrency | output tok/s | vs 1 replica | TPOT p50 ms "
-             "| requests per replica | tokens per replica | balance (min/max tokens) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| requests per replica | tokens per replica | balance (min/max tokens) | targets per draft forward |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     base = {r["max_concurrency"]: r["output_throughput"] for res in results if res["replicas"] == 1
             for r in res["runs"]}
     for res in results:
@@ -120,10 +153,11 @@ def results_table(results: list[dict[str, Any]]) -> str:
             tokens = [v["tokens"] for v in per]
             requests = " / ".join(f"{v['requests']:.0f}" for v in per)
             ratio = f"{r['output_throughput'] / base[c]:.2f}x" if c in base else "-"
+            pooled = f"{r['draft_pool']['tenants_per_forward']:.2f}" if "draft_pool" in r else "-"
             lines.append(
                 f"| {res['replicas']} | {res['threads_per_worker']} | {c} | {r['output_throughput']:.1f} | {ratio} "
                 f"| {r['median_tpot_ms']:.1f} | {requests} "
-                f"| {' / '.join(f'{t:.0f}' for t in tokens)} | {min(tokens) / max(tokens):.2f} |")
+                f"| {' / '.join(f'{t:.0f}' for t in tokens)} | {min(tokens) / max(tokens):.2f} | {pooled} |")
     return "\n".join(lines)
 
 
@@ -135,6 +169,8 @@ def main() -> int:
     ap.add_argument("--total-threads", type=int, default=2,
                     help="CPU: torch threads per model, over all replicas (each replica's workers get an equal share)")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--draft-replicas", type=int, default=None,
+                    help="a draft pool: the engine replicas share this many draft replicas (default: a draft each)")
     ap.add_argument("--request-router", default="power_of_two", choices=["power_of_two", "prefix_aware"])
     ap.add_argument("--input-len", type=int, default=128, help="random prompts' length (smoke)")
     ap.add_argument("--output-len", type=int, default=64)

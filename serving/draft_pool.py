@@ -6,7 +6,9 @@ the pool's replicas share out (ceil(engine replicas / draft replicas)). Rank 0 o
 `<pool>:<replica>`; an engine replica's executor (serving/ray_executor.py, `draft_pool`) lists the pool's named
 ranks, attaches to the one with the fewest targets (least-loaded; ties by name, so an empty pool fills round
 robin) and calls it directly with plain actor calls: the proposal goes from the draft's rank 0 to the target's
-ranks as an ObjectRef, never through Serve's handles.
+ranks as an ObjectRef, never through Serve's handles. Rank 0 runs its targets' calls in threads, and the draft
+steps of targets waiting at the same time as one draft step (serving/draft_batch.py); the replica exports the
+histogram of targets per draft forward (`metrics`).
 
 Faults: a draft replica whose rank died fails Serve's health check and is replaced; its targets' steps fail with a
 dead draft worker, each goes on without speculation (lossless, serving/engine_recovery.py) and attaches to a
@@ -49,7 +51,8 @@ def slots_per_draft(num_engine_replicas: int, draft_replicas: int) -> int:
 def draft_worker_config(engine_args: dict[str, Any], slots: int) -> tuple[str, Any, Any]:
     """(draft model path, EngineConfig, SpeculativeConfig) of a pooled draft, resolved exactly as the engine
     builder resolves its targets' (so the block size, context and dtype agree). A fixed `num_kv_blocks` is each
-    target's share: the pool gets `slots` of them."""
+    target's share: the pool gets `slots` of them; so are max_num_seqs and max_num_batched_tokens (a draft step may
+    batch every target's plan)."""
     import dataclasses
 
     import torch
@@ -69,6 +72,9 @@ def draft_worker_config(engine_args: dict[str, Any], slots: int) -> tuple[str, A
                                     tensor_parallel_size=args.pop("tensor_parallel_size", 1), options=args)
     if config.num_kv_blocks is not None:
         config = dataclasses.replace(config, num_kv_blocks=(config.num_kv_blocks - 1) * slots + 1)
+    # One draft step may draft for every target at once (serving/draft_batch.py): room for all of their batches.
+    config = dataclasses.replace(config, max_num_seqs=config.max_num_seqs * slots,
+                                 max_num_batched_tokens=config.max_num_batched_tokens * slots)
     assert pair.draft is not None
     return str(pair.draft.path), config, pair.spec
 
@@ -79,7 +85,7 @@ class DraftPoolReplica:
 
     def __init__(self, engine_args: dict[str, Any], pool: str, slots: int, tenant_timeout_s: float = 60.0) -> None:
         from engine.config import ModelConfig
-        from serving.draft_pool_worker import PooledDraftWorker
+        from serving.draft_pool_worker import PooledDraftWorker, rank0_concurrency
         from serving.placement import actor_options, bundle_task_options, create_group_placement, make_bundle
         from serving.worker import node_ip_and_free_port
         from serving.worker_group import WorkerGroup, check_tensor_parallel, release_group
@@ -106,6 +112,8 @@ class DraftPoolReplica:
             opts = actor_options(pg, rank, bundle)
             if rank == 0:
                 opts["name"] = self.name  # what the targets find it by
+                # Threads: the targets' calls meet there, to be batched (the other ranks run rank 0's order).
+                opts["max_concurrency"] = rank0_concurrency(slots)
             self.group.workers.append(actor_cls.options(**opts).remote(
                 path, config, rank, size, addr, port, spec.rejection_sampling, int(bundle.get("CPU", 1)), slots))
         # SYNC: construction only; waits for the model to load (a share too small for max_model_len raises here).
@@ -149,6 +157,14 @@ class DraftPoolReplica:
         except RuntimeError as e:
             return {"healthy": False, "reason": str(e), "replica": self.replica}
         return {"healthy": True, "replica": self.replica, **await self.rank0.pool_load.remote()}
+
+    async def metrics(self) -> tuple[str, str]:
+        """(this replica's id, its exposition): the ingress merges them under `draft_replica`."""
+        from serving.metrics import draft_pool_exposition
+
+        self._ensure_watch()
+        stats = await self.rank0.pool_stats.remote()
+        return self.replica, draft_pool_exposition(stats["batch_tenants"])
 
     async def stats(self) -> dict[str, Any]:
         self._ensure_watch()

@@ -1,25 +1,31 @@
 """One rank of a pooled draft group: a draft worker that several target engines use at once (serving/draft_pool.py).
 
 Each attached target is a *tenant*: it gets a slot, hence a disjoint range of the draft's KV blocks
-(serving/draft_shares.py), and a DraftSide of its own: its own request table, over the group's one proposer (its
-CUDA graphs and static buffers are captured once, not per target). A seeded request draws from generators of its
-seed and output position, so its proposals are what a draft group of its own would have drafted; unseeded ones
-share the proposer's generator (lossless either way). A tenant's calls carry its id; before
+(serving/draft_shares.py), and a request table of its own, over the group's one proposer (its CUDA graphs and
+static buffers are captured once, not per target). A seeded request draws from generators of its seed and output
+position, so its proposals are what a draft group of its own would have drafted, whichever tenants' requests share
+its draft forward; unseeded ones share the proposer's generator (lossless either way). A tenant's calls carry its
+id; before
 anything reads a tenant's plan, its request ids are put under the tenant's name (two targets may use the same
 request id, and process-wide state such as the grammar matchers is keyed by it) and its draft block ids are moved
 into its range. Detaching a tenant (the target asked, or died, or was not heard from for `tenant_timeout_s`)
-drops its side, hence every per-request state it held, and frees its slot; its blocks need no clearing, since the
+drops its table, hence every per-request state it held, and frees its slot; its blocks need no clearing, since the
 next tenant's router starts with an empty KV manager and writes a block before it reads it.
 
-The routers call rank 0 only. Rank 0 forwards each call to the other ranks before running it itself, so that
-every rank runs every tenant's calls in the same order (their collectives pair up), whichever routers sent them;
-a rank that died makes rank 0 exit too, so the group fails as a whole and its replica is replaced. Calls of
-different tenants run one after another; batching them into one draft forward is not built yet.
+The routers call rank 0 only, which runs their calls in threads: each tenant's calls one at a time, in the order
+its target made them (serving/tenant_calls.py), different tenants' at once. Draft steps of tenants that wait at
+the same time run as one draft step over the union of their requests (continuous batching, serving/draft_batch.py):
+each tenant's plan is resolved by its own table, the plans are merged (engine/step/plan_merge.py), the proposer
+drafts for all of them in one forward, and the proposal is cut back into each tenant's. A tenant evicted while its
+call waited for a batch, or whose plan its table cannot resolve, fails alone; the others' step runs. Rank 0
+forwards every call that touches state (each batch whole, absorbs, attaches, detaches) to the other ranks before
+running it itself, so that every rank runs the same batches in the same order (their collectives pair up); a rank
+that died makes rank 0 exit too, so the group fails as a whole and its replica is replaced.
 """
 
 from __future__ import annotations
 
-import copy
+import itertools
 import logging
 import os
 import time
@@ -31,23 +37,34 @@ from ray.actor import ActorHandle
 
 from engine.config import EngineConfig
 from engine.sample import grammar_matchers
-from engine.speculation.speculative_step import DraftSide
+from engine.step.phases import HOST
 from engine.step.plan import StepPlan, StepResult
+from engine.step.plan_merge import merge_plans, split_proposal
 from engine.step.request_table import RequestTable
+from serving.draft_batch import DraftBatcher
 from serving.draft_shares import BlockShare, check_share_fits
+from serving.tenant_calls import CallOrder, TenantCall, TenantGone, unbox
 from serving.worker import DraftOutput, ModelWorker
 
 logger = logging.getLogger("specserve")
 
+__all__ = ["PooledDraftWorker", "TenantDraft", "TenantGone", "TenantShare", "rank0_concurrency"]
 
-class TenantGone(RuntimeError):
-    """A call for a tenant this draft group does not hold (never attached, detached or evicted)."""
+# How long a tenant's call waits for the call before it in its target's order (serving/tenant_calls.py), and for the
+# target's result an absorb carries: past the longest step a target may take (the executor's step_timeout_s).
+TURN_TIMEOUT_S = 300.0
+
+
+def rank0_concurrency(slots: int) -> int:
+    """Threads of rank 0: per target, its calls of two steps in flight (a draft step and an absorb each) and a ping
+    or a detach; and the replica's own calls (stats, load, eviction, health)."""
+    return 6 * slots + 8
 
 
 @dataclass
 class Tenant:
     share: BlockShare
-    side: DraftSide
+    table: RequestTable  # what the draft knows of the tenant's requests, under their ids in the group
     owner: ActorHandle | None  # the target's router actor, when it has one: checked for liveness
     last_seen: float  # time.monotonic() of its last call
     num_steps: int = 0
@@ -73,7 +90,7 @@ class PooledDraftWorker(ModelWorker):
                  slots: int) -> None:
         super().__init__("draft", model_path, engine_config, rank, world_size, master_addr, master_port,
                          rejection_sampling, cpu_threads)
-        # The side ModelWorker built: its proposer serves every tenant; tenants' sides are copies with their own table.
+        # The side ModelWorker built: its proposer drafts for every tenant; the tenants keep tables of their own.
         self.base_side, self.draft_side = self.draft_side, None
         self.slots = slots
         self.blocks_per_slot = check_share_fits(self.runner.num_blocks, slots, self.config.block_size,
@@ -81,6 +98,8 @@ class PooledDraftWorker(ModelWorker):
         self.tenants: dict[str, Tenant] = {}
         self.peers: list[ActorHandle] = []  # ranks 1.. (rank 0 only)
         self.evicted: list[str] = []  # why tenants were dropped, newest last (bounded)
+        self.order = CallOrder()
+        self.batcher: DraftBatcher[tuple[str, StepPlan]] = DraftBatcher(self._run_batch, self.config.max_num_seqs)
 
     # --- the group ------------------------------------------------------------------------------------
     def set_peers(self, peers: list[ActorHandle]) -> None:
@@ -89,10 +108,10 @@ class PooledDraftWorker(ModelWorker):
     def _forward(self, method: str, *args: Any) -> list[Any]:
         return [getattr(p, method).remote(*args) for p in self.peers]
 
-    def _join(self, refs: list[Any]) -> None:
+    def _join(self, refs: list[Any]) -> list[Any]:
         try:
             # SYNC: the other ranks' share of this call; they run it in the order rank 0 forwarded it.
-            ray.get(refs)
+            return ray.get(refs)
         except ray.exceptions.RayActorError as e:
             logger.error("a draft pool rank died (%s); ending rank 0 so that the group is replaced whole", e)
             os._exit(1)
@@ -102,56 +121,62 @@ class PooledDraftWorker(ModelWorker):
         return {"tenants": len(self.tenants), "slots": self.slots, "blocks_per_slot": self.blocks_per_slot}
 
     def pool_stats(self) -> dict[str, Any]:
+        """The load, the tenants, why tenants left, and `batch_tenants`: {tenants in a draft forward: forwards}."""
         now = time.monotonic()
-        return {**self.pool_load(), "evicted": list(self.evicted),
+        tenants = dict(self.tenants)
+        return {**self.pool_load(), "evicted": list(self.evicted), "batch_tenants": dict(self.batcher.stats.sizes),
                 "by_tenant": {tid: {"slot": t.share.slot, "idle_s": now - t.last_seen, "steps": t.num_steps,
-                                    "requests": len(t.side.table.requests)} for tid, t in self.tenants.items()}}
+                                    "requests": len(t.table.requests)} for tid, t in tenants.items()}}
 
-    # --- tenancy --------------------------------------------------------------------------------------
+    # --- tenancy (under the batcher's lock: never while a batch runs) ---------------------------------
     def attach_tenant(self, tenant_id: str, owner: ActorHandle | None = None, slot: int | None = None) -> TenantShare:
         """Give `tenant_id` a free slot (rank 0 picks it and hands it to the others). RuntimeError when full."""
-        if tenant_id in self.tenants:
-            self._drop(tenant_id, "attached again")
-        if slot is None:
-            taken = {t.share.slot for t in self.tenants.values()}
-            free = [s for s in range(self.slots) if s not in taken]
-            if not free:
-                raise RuntimeError(f"this draft replica serves {self.slots} target engines already")
-            slot = free[0]
-        refs = self._forward("attach_tenant", tenant_id, None, slot)
-        side = copy.copy(self.base_side)
-        side.table, side._proposed = RequestTable(), None
-        self.tenants[tenant_id] = Tenant(BlockShare(slot, self.blocks_per_slot), side, owner, time.monotonic())
-        self._join(refs)
+        with self.batcher.lock:
+            if tenant_id in self.tenants:
+                self._drop(tenant_id, "attached again")
+            if slot is None:
+                taken = {t.share.slot for t in self.tenants.values()}
+                free = [s for s in range(self.slots) if s not in taken]
+                if not free:
+                    raise RuntimeError(f"this draft replica serves {self.slots} target engines already")
+                slot = free[0]
+            refs = self._forward("attach_tenant", tenant_id, None, slot)
+            self.tenants[tenant_id] = Tenant(BlockShare(slot, self.blocks_per_slot), RequestTable(), owner,
+                                             time.monotonic())
+            self.order.open(tenant_id)
+            self._join(refs)
         logger.info("draft pool: target %s attached in slot %d (%d blocks)", tenant_id, slot, self.blocks_per_slot)
         return TenantShare(tenant_id, slot, self.blocks_per_slot + 1, self.runner.kv_groups, self.runner.vocab_size)
 
     def detach_tenant(self, tenant_id: str, why: str = "detached") -> bool:
         """Drop a tenant's state and free its slot; False if it was not attached."""
-        refs = self._forward("detach_tenant", tenant_id, why)
-        found = self._drop(tenant_id, why)
-        self._join(refs)
+        with self.batcher.lock:
+            refs = self._forward("detach_tenant", tenant_id, why)
+            found = self._drop(tenant_id, why)
+            self._join(refs)
         return found
 
     def _drop(self, tenant_id: str, why: str) -> bool:
+        self.order.close(tenant_id)
         tenant = self.tenants.pop(tenant_id, None)
         if tenant is None:
             return False
-        grammar_matchers.forget(list(tenant.side.table.requests))  # ids under the tenant's name
+        grammar_matchers.forget(list(tenant.table.requests))  # ids under the tenant's name
         self.evicted = (self.evicted + [f"{tenant_id}: {why}"])[-32:]
         logger.info("draft pool: target %s left slot %d: %s", tenant_id, tenant.share.slot, why)
         return True
 
     def tenant_owners(self) -> dict[str, ActorHandle]:
         """Each tenant's router actor, where it gave one: the replica's watch loop probes them."""
-        return {tid: t.owner for tid, t in self.tenants.items() if t.owner is not None}
+        return {tid: t.owner for tid, t in dict(self.tenants).items() if t.owner is not None}
 
     def evict(self, timeout_s: float, dead: list[str] | None = None) -> list[str]:
         """Detach the tenants whose router the watch loop found dead (`dead`) and those not heard from for
         `timeout_s` (rank 0; the probes run in the replica, so that this rank's steps never wait on them)."""
         now = time.monotonic()
-        gone = {tid: "its router died" for tid in dead or () if tid in self.tenants}
-        gone.update({tid: f"not heard from for {now - t.last_seen:.0f} s" for tid, t in self.tenants.items()
+        tenants = dict(self.tenants)
+        gone = {tid: "its router died" for tid in dead or () if tid in tenants}
+        gone.update({tid: f"not heard from for {now - t.last_seen:.0f} s" for tid, t in tenants.items()
                      if tid not in gone and now - t.last_seen > timeout_s})
         for tid, why in gone.items():
             self.detach_tenant(tid, why)
@@ -174,41 +199,79 @@ class PooledDraftWorker(ModelWorker):
         plan.finished_ids = [f"{tenant_id}/{rid}" for rid in plan.finished_ids]
         return plan
 
-    # --- a tenant's step (the calls of serving/step_topology.py, with the tenant's id first) ----------------
+    # --- a tenant's step (the calls of serving/step_topology.py, with the tenant's id and order first) -----
     def tenant_ping(self, tenant_id: str) -> tuple[str, int, int]:
         self._tenant(tenant_id)
         return self.ping()
 
-    def tenant_draft_step(self, tenant_id: str, plan: StepPlan) -> DraftOutput | None:
-        tenant = self._tenant(tenant_id)
-        refs = self._forward("tenant_draft_step", tenant_id, plan)
-        tenant.num_steps += 1
-        self.draft_side = tenant.side
+    def tenant_draft_step(self, tenant_id: str, seq: int, plan: StepPlan) -> DraftOutput | None:
+        """Rank 0: the tenant's proposal, from the next draft step that has room for its plan (drafting for every
+        tenant waiting with it)."""
+        self._tenant(tenant_id)
+        with self.order.turn(tenant_id, seq, TURN_TIMEOUT_S):
+            return self.batcher.submit((tenant_id, plan), len(plan.requests))
+
+    def tenant_absorb(self, tenant_id: str, seq: int, result: Any) -> None:
+        """Rank 0: the target's result of the tenant's last step (boxed: it is waited for here, in turn)."""
+        self._tenant(tenant_id)
+        with self.order.turn(tenant_id, seq, TURN_TIMEOUT_S):
+            result = unbox(result, TURN_TIMEOUT_S)
+            if result is None:
+                raise RuntimeError("tenant_absorb() needs target rank 0's result")
+            refs = self._forward("peer_absorb", tenant_id, result)
+            self.peer_absorb(tenant_id, result)
+            self._join(refs)
+
+    def peer_absorb(self, tenant_id: str, result: StepResult) -> None:
+        """Every rank: record the result in the tenant's table (only the tenant's own calls touch its table)."""
+        self._tenant(tenant_id).table.record(result)
+
+    def _run_batch(self, calls: list[tuple[str, StepPlan]]) -> list[Any]:
+        """Rank 0 (under the batcher's lock): forward the batch to the other ranks, then run it here too."""
+        refs = self._forward("peer_draft_batch", calls)
+        outcomes = self.peer_draft_batch(calls)
+        self._join(refs)  # the same outcomes, from the same tables and the same collectives: rank 0's are returned
+        return outcomes
+
+    def peer_draft_batch(self, calls: list[tuple[str, StepPlan]]) -> list[Any]:
+        """Every rank: one draft step for the tenants' plans; per call its DraftOutput (None off rank 0) or the
+        exception it alone failed with. A merged step that fails runs each plan alone, so that one tenant's bad
+        plan fails only that tenant (every rank fails alike, and retries alike)."""
+        t0 = time.perf_counter()
+        outcomes: list[Any] = [None] * len(calls)
+        parts: list[tuple[int, StepPlan]] = []
+        for i, (tenant_id, plan) in enumerate(calls):
+            try:
+                tenant = self._tenant(tenant_id)
+                tenant.num_steps += 1
+                parts.append((i, tenant.table.resolve(self._own_plan(tenant_id, tenant, plan))))
+            except Exception as e:  # noqa: BLE001 - evicted while it waited, or a plan its table cannot resolve
+                outcomes[i] = e
+        if not parts:
+            return outcomes
         try:
-            out = self.draft_step(self._own_plan(tenant_id, tenant, plan))
-        finally:
-            self.draft_side = None
-        self._join(refs)
-        return out
+            self._propose([i for i, _ in parts], [p for _, p in parts], outcomes, t0)
+        except Exception:  # noqa: BLE001
+            if len(parts) == 1:
+                raise
+            logger.warning("draft pool: a batch of %d targets failed; drafting for each alone", len(parts))
+            for i, plan in parts:
+                try:
+                    self._propose([i], [plan], outcomes, time.perf_counter())
+                except Exception as e:  # noqa: BLE001 - this tenant's alone
+                    outcomes[i] = e
+        return outcomes
 
-    def tenant_absorb(self, tenant_id: str, result: StepResult | None) -> None:
-        tenant = self._tenant(tenant_id)
-        refs = self._forward("tenant_absorb", tenant_id, result)
-        if result is None:
-            raise RuntimeError("tenant_absorb() needs target rank 0's result")
-        tenant.side.absorb(result)
-        self._join(refs)
-
-
-class TenantCall:
-    """A pooled rank's `tenant_<method>` with the tenant's id bound, as step_topology calls a worker method."""
-
-    def __init__(self, worker: ActorHandle, method: str, tenant_id: str) -> None:
-        self._method = getattr(worker, method)
-        self._tenant_id = tenant_id
-
-    def remote(self, *args: Any) -> Any:
-        return self._method.remote(self._tenant_id, *args)
+    def _propose(self, rows: list[int], plans: list[StepPlan], outcomes: list[Any], t0: float) -> None:
+        """Draft for resolved plans in one step; rank 0 puts each one's DraftOutput at its row of `outcomes`."""
+        merged = merge_plans(plans)
+        proposal = self.base_side.propose(merged.plan)
+        if self.rank != 0:
+            return
+        proposal = proposal.to_host([r.num_draft_tokens for r in merged.plan.requests])
+        now = time.perf_counter()
+        for i, part in zip(rows, split_proposal(proposal, merged)):
+            outcomes[i] = DraftOutput(part, now - t0, now, HOST)
 
 
 class TenantDraft:
@@ -220,9 +283,10 @@ class TenantDraft:
         """replica: the draft replica's id (the `draft_replica` label of this target's draft metrics)."""
         self.worker, self.share, self.pool_name, self.replica = worker, share, pool_name, replica
         self._actor_id = worker._actor_id
-        self.draft_step = TenantCall(worker, "tenant_draft_step", share.tenant_id)
-        self.draft_absorb = TenantCall(worker, "tenant_absorb", share.tenant_id)
-        self.ping = TenantCall(worker, "tenant_ping", share.tenant_id)
+        sequence = itertools.count()  # the order of this target's step calls (serving/tenant_calls.py)
+        self.draft_step = TenantCall(worker, "tenant_draft_step", share.tenant_id, sequence)
+        self.draft_absorb = TenantCall(worker, "tenant_absorb", share.tenant_id, sequence)
+        self.ping = TenantCall(worker, "tenant_ping", share.tenant_id, None)
 
     def release(self) -> None:
         """Detach (best effort: a dead group frees nothing, and its replacement never knew this tenant)."""

@@ -246,3 +246,29 @@ def label_draft_series(text: str, draft_replica: str) -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Labelled())
     return generate_latest(registry).decode()
+
+
+# Tenants per draft forward of a pooled draft group (serving/draft_batch.py): one target up to many.
+DRAFT_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def draft_pool_exposition(batch_tenants: dict[int, int]) -> str:
+    """A draft replica's series, from its rank 0's running totals: `specserve_draft_pool_batch_tenants`, the
+    histogram of how many target engines each draft forward served ({tenants: forwards}). The ingress adds the
+    `draft_replica` label."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    counts = {int(k): int(v) for k, v in batch_tenants.items()}
+    buckets = [(str(float(le)), sum(n for size, n in counts.items() if size <= le)) for le in DRAFT_BATCH_BUCKETS]
+    buckets.append(("+Inf", sum(counts.values())))
+    family = HistogramMetricFamily("specserve_draft_pool_batch_tenants",
+                                   "Target engines whose draft steps one draft forward of the pool ran together",
+                                   buckets=buckets, sum_value=sum(size * n for size, n in counts.items()))
+
+    class _Pool:
+        def collect(self) -> list[HistogramMetricFamily]:
+            return [family]
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Pool())
+    return generate_latest(registry).decode()

@@ -193,11 +193,22 @@ class RouterClient:
         return report
 
     async def metrics_text(self, timeout_s: float = 10.0) -> str:
-        """Every engine replica's metrics, each series labelled with its `replica`."""
+        """Every engine replica's metrics, each series labelled with its `replica`; with a draft pool, its replicas'
+        own series too, labelled with their `draft_replica`."""
         from serving.metrics import merge_replica_expositions
 
         parts = [r for r in await self._broadcast("replica_metrics", timeout_s) if not isinstance(r, BaseException)]
-        return merge_replica_expositions([tuple(p) for p in parts])
+        text = merge_replica_expositions([tuple(p) for p in parts])
+        if self.draft_pool is not None:  # the draft replicas' own series, labelled with their `draft_replica`
+            try:
+                drafts = await self.draft_pool.broadcast("metrics").results_async(timeout_s=timeout_s,
+                                                                                  return_exceptions=True)
+            except TimeoutError:
+                drafts = []
+            pool = [tuple(d) for d in drafts if not isinstance(d, BaseException)]
+            if pool:
+                text += merge_replica_expositions(pool, label="draft_replica")
+        return text
 
 
 def spec_decode_summary(spec: dict[str, Any]) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 The share arithmetic first (no Ray); then one application serves the tests below, in order: both replicas
 speculate through the one draft group and stay exact (greedy equal to the target alone, offline), /health counts
-both kinds of replicas, bad input is a 400, a draft group killed mid-stream loses no request and no token, and a
-killed engine replica's share of the draft is freed.
+both kinds of replicas, bad input is a 400, an overload is refused with 429 and loses nothing of the admitted
+requests, a draft group killed mid-stream loses no request and no token, and a killed engine replica's share of the
+draft is freed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from serve_support import Server, assert_error, engine_broadcast, engine_replica
 from serving.draft_shares import BlockShare, blocks_per_slot, check_share_fits
 
 MAX_MODEL_LEN = 128
+MAX_SEQS = 4
+MAX_QUEUED = 4  # as many as the other tests send at once (Serve's own queue is bounded by it too)
 PROMPTS = ["hello", "The sea is", "def f(x):", "0123456789"]
 
 
@@ -53,9 +56,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def server(models: tuple[str, str]) -> Iterator[Server]:
     target, draft = models
+    # Per engine replica four running and four waiting (and four in Serve's queue): past that, a request gets 429.
     cfg = serve_config(target, draft, max_model_len=MAX_MODEL_LEN, num_replicas=2, draft_replicas=1,
-                       draft_tenant_timeout_s=30.0, drain_timeout_s=1.0,
-                       engine_kwargs={"num_kv_blocks": 64})
+                       draft_tenant_timeout_s=30.0, drain_timeout_s=1.0, max_queued_requests=MAX_QUEUED,
+                       engine_kwargs={"num_kv_blocks": 64, "max_num_seqs": MAX_SEQS})
     with running_server(cfg, num_cpus=8) as srv:
         yield srv
 
@@ -144,6 +148,39 @@ def test_bad_input_is_a_400(server: Server) -> None:
         assert_error(c.post("/v1/completions", json={**byte_body("hi", 4), "prompt": [10**7]}), 400)
 
 
+def test_overload_gets_429_and_the_admitted_stay_exact(server: Server, oracle) -> None:
+    """More requests at once than both engine replicas run and queue: the rest are refused with 429 at once, the
+    admitted ones get their exact output; the draft replica's batch histogram is on /metrics, per draft replica."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    n = 32
+    results: list = [None] * n
+    with server.http(timeout=120) as c:
+        def one(i: int) -> None:
+            r = c.post("/v1/completions", json=byte_body(PROMPTS[i % len(PROMPTS)], 24))
+            results[i] = (r.status_code, r.json())
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    statuses = [s for s, _ in results]
+    assert set(statuses) <= {200, 429} and 429 in statuses and statuses.count(200) >= 2 * MAX_SEQS, statuses
+    for i, (status, body) in enumerate(results):
+        if status == 429:
+            assert body["error"]["code"] == "rate_limit_exceeded" and "max_queued_requests" in body["error"]["message"]
+        else:
+            assert body["choices"][0]["text"] == oracle(PROMPTS[i % len(PROMPTS)], 24)[1], body
+    with server.http() as c:
+        text = c.get("/metrics").text
+    counts = [s for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "specserve_draft_pool_batch_tenants_count"]
+    assert [s.labels["draft_replica"] for s in counts] == [pool_ranks()[0][0].rsplit(":", 1)[1]], counts
+    batch = pool_stats()["batch_tenants"]
+    assert counts[0].value == sum(batch.values()) > 0, (counts, batch)
+
+
 def test_draft_group_killed_mid_stream_loses_no_request(server: Server, oracle) -> None:
     import ray
 
@@ -161,6 +198,7 @@ def test_draft_group_killed_mid_stream_loses_no_request(server: Server, oracle) 
         for t in threads:
             t.join()
     for p in PROMPTS:
+        assert "choices" in results[p], results[p]
         assert results[p]["choices"][0]["text"] == oracle(p, 100)[1], results[p]
     # Serve replaces the draft replica (its health check fails); both targets attach to the new group.
     wait_for(lambda: pool_ranks() and pool_ranks()[0][0] != name and pool_stats()["tenants"] == 2, 120,

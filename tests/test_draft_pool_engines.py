@@ -1,12 +1,16 @@
 """Two engines sharing one pooled draft group, on a real local Ray without Serve: a Llama target with a Gemma 3
-hybrid draft (two KV-cache groups in each target's share) at tensor parallel 2, the two engines stepped in turn with
-the same request ids.
-Greedy output equals the target alone in process; seeded sampling equals an engine with a draft group of its own
-(each target's proposals come from a DraftSide of its own, seeded alike); an engine that shuts down frees its share.
+hybrid draft (two KV-cache groups in each target's share) at tensor parallel 2, the two engines run with the same
+request ids. Greedy output equals the target alone in process, with the engines stepped at once beside a third
+target that keeps the draft busy, so that their draft steps meet in batches; seeded sampling equals an engine with
+a draft group of its own (each target's proposals drawn from its requests' own generators, seeded alike); an engine
+that shuts down frees its share.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +19,7 @@ from conftest import TinyModel, local_ray, random_prompts
 from spec_support import run_together
 
 from engine import LLM, SamplingParams
+from engine.step.plan import PlannedRequest, StepPlan
 from serving.draft_pool import DraftPoolReplica
 from serving.engine_factory import build_ray_engine
 
@@ -39,7 +44,7 @@ def engine_args(tiny_models: dict[str, TinyModel], tiny_drafts: dict[str, TinyMo
 
 
 def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
-    pool = DraftPoolReplica.func_or_class(engine_args, "unit", 2, 60.0)
+    pool = DraftPoolReplica.func_or_class(engine_args, "unit", 3, 60.0)  # two engines and a busy third target
     rank0 = pool.rank0
     engines = [build_ray_engine(**engine_args, draft_pool="unit") for _ in range(2)]
     try:
@@ -48,20 +53,28 @@ def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
         assert [e.executor.draft_num_blocks for e in engines] == [stats["blocks_per_slot"] + 1] * 2
         assert all(len(e.draft_kv.pools) == 2 for e in engines)  # the hybrid draft's two KV-cache groups
 
-        greedy = run_together(engines, PROMPTS, [GREEDY] * len(PROMPTS))
+        # Greedy, the engines running at once while a third target keeps the draft busy, so that their draft steps
+        # queue up and meet in batches: each engine's output is still the target's alone.
+        with BusyTenant(rank0, stats["blocks_per_slot"]) as busy:
+            greedy = _at_once(engines, PROMPTS, [GREEDY] * len(PROMPTS))
         expected = [o.token_ids for o in LLM(engine_args["model"], **ENGINE_KW).generate(PROMPTS, GREEDY)]
         assert greedy == [expected, expected]
-        steps = [t["steps"] for t in ray.get(rank0.pool_stats.remote())["by_tenant"].values()]
+        stats = ray.get(rank0.pool_stats.remote())
+        steps = [t["steps"] for t in stats["by_tenant"].values()]
         assert len(steps) == 2 and min(steps) > 0  # both speculated, through the one group
+        assert busy.steps > 0 and not busy.errors, busy.errors
+        assert any(size > 1 for size in stats["batch_tenants"]), stats["batch_tenants"]
 
         sampled = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
                    for i in range(len(PROMPTS))]
         pooled = run_together(engines, PROMPTS, sampled)
         assert pooled[0] == pooled[1]
 
-        engines.pop().shutdown()  # detaches: its share and its requests' draft state are freed
-        stats = ray.get(rank0.pool_stats.remote())
-        assert stats["tenants"] == 1 and "detached" in stats["evicted"][-1]
+        engines.pop().shutdown()  # detaches (its call may run after the next: rank 0 runs calls in threads)
+        deadline = time.monotonic() + 30
+        while (stats := ray.get(rank0.pool_stats.remote()))["tenants"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stats["tenants"] == 1 and "detached" in stats["evicted"][-1]  # its share and draft state are freed
     finally:
         for e in engines:
             e.shutdown()
@@ -71,3 +84,62 @@ def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
         assert run_together([own], PROMPTS, sampled) == [pooled[0]]
     finally:
         own.shutdown()
+
+
+def _at_once(engines: list, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[list[int]]]:
+    """As run_together (the same request ids, each engine in another order, so that the same ids and local block ids
+    hold different tokens in each), but each engine stepped in a thread of its own, all at once."""
+    n = len(prompts)
+    outs: list = [None] * len(engines)
+
+    def run(i: int) -> None:
+        order = [(j + i) % n for j in range(n)]
+        got = run_together([engines[i]], [prompts[j] for j in order], [params[j] for j in order])[0]
+        outs[i] = [got[order.index(j)] for j in range(n)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(engines))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs
+
+
+class BusyTenant:
+    """A third target attached by hand that keeps the draft group busy: prefill plans of long prompts, one after
+    another (each a new request, the last one finished), while the block holds."""
+
+    def __init__(self, rank0, blocks: int) -> None:
+        self.rank0, self.steps, self.errors = rank0, 0, []
+        share = ray.get(rank0.attach_tenant.remote("busy"))
+        assert blocks >= 6 * 16, blocks
+        self.tables = [list(range(1, 1 + blocks))[:16] for _ in share.kv_groups]  # 64 tokens of block size 4
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _plan(self, n: int) -> StepPlan:
+        prompts = random_prompts([60] * 6, seed=n)
+        # Six requests in blocks of their own within the share (the same blocks every step: each prefills anew).
+        reqs = [PlannedRequest(f"b{n}-{i}", p, 0, 3, True, [], draft_token_ids=p, draft_start_pos=0,
+                               draft_block_tables=[[b + 16 * i for b in t] for t in self.tables], draft_runs=True)
+                for i, p in enumerate(prompts)]
+        return StepPlan(n, reqs, "probabilistic", finished_ids=[f"b{n - 1}-{i}" for i in range(6)] if n else [])
+
+    def _run(self) -> None:
+        seq = itertools.count()
+        while not self._stop.is_set():
+            try:
+                ray.get(self.rank0.tenant_draft_step.remote("busy", next(seq), self._plan(self.steps)))
+                self.steps += 1
+            except Exception as e:  # noqa: BLE001 - reported by the test
+                self.errors.append(e)
+                return
+
+    def __enter__(self) -> BusyTenant:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        ray.get(self.rank0.detach_tenant.remote("busy"))
