@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table  # noqa: E402
 from engine_driver import offline_llm, run_in_process  # noqa: E402
-from layout_report import router_ttft_mean_ms  # noqa: E402
+from layout_report import ahead_from_metrics, ahead_summary, router_ttft_mean_ms  # noqa: E402
 from layouts import Layout, serve_config  # noqa: E402
 from sweep_models import Pair, prepare_pair, warmup_count  # noqa: E402
 
@@ -73,7 +73,7 @@ logger = logging.getLogger("specserve")
 
 COLUMNS = ["layout", "load", "targets", "gpus", "requests", "req_s", "output_tok_s", "output_tok_s_per_gpu",
            "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms", "acceptance_length",
-           "spec_step_share", "router_ttft_mean_ms"]
+           "spec_step_share", "ahead_hit_rate", "ahead_tokens_per_lookup", "router_ttft_mean_ms"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +106,14 @@ def point_workload(point: LoadPoint, args: argparse.Namespace, tokenizer: Any, b
     return requests, cfg, warmup
 
 
+def ahead_columns(ahead: dict[str, float] | None) -> dict[str, float]:
+    """Speculation ahead over a point (layout_report.ahead_summary; in process the warm-up's lookups count too):
+    its hit rate and the tokens it drafted a lookup, the price of that rate. Empty where nothing was drafted."""
+    if ahead is None:
+        return {}
+    return {"ahead_hit_rate": ahead["hit_rate"], "ahead_tokens_per_lookup": ahead["drafted_per_lookup"]}
+
+
 def point_row(run: RunResult, point: LoadPoint, layout: Layout, extra: dict[str, Any]) -> dict[str, Any]:
     """The point's row: `specserve bench`'s statistics of the whole load (all target replicas together), with the
     layout's GPUs and targets, the throughput per GPU, and the offered load per target replica."""
@@ -129,8 +137,10 @@ def run_offline(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[st
         out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "points": []}
         for n, point in enumerate(load_points(args, layout.target_replicas)):
             requests, cfg, warmup = point_workload(point, args, llm.tokenizer, "in-process")
+            before = llm.engine.speculation_ahead_stats()
             run = run_in_process(llm.engine, requests, cfg, llm.tokenizer, warmup, tag=f"p{n}")
-            out["points"].append(point_row(run, point, layout, {}))
+            out["points"].append(point_row(run, point, layout, ahead_columns(
+                ahead_summary(before, llm.engine.speculation_ahead_stats()))))
             _progress(layout, out["points"][-1])
         return out
 
@@ -144,8 +154,9 @@ def run_served(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[str
         for point in load_points(args, layout.target_replicas):
             requests, cfg, warmup = point_workload(point, args, tokenizer, base_url)
             run = asyncio.run(run_benchmark(requests, cfg, warmup=warmup))
+            ahead = ahead_summary(ahead_from_metrics(run.metrics_before), ahead_from_metrics(run.metrics_after))
             out["points"].append(point_row(run, point, layout, {"router_ttft_mean_ms": router_ttft_mean_ms(
-                run.metrics_before, run.metrics_after)}))
+                run.metrics_before, run.metrics_after), **ahead_columns(ahead)}))
             _progress(layout, out["points"][-1])
         return out
 

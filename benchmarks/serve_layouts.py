@@ -84,7 +84,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment  # noqa: E402
-from engine_driver import offline_llm, prompt_ids, run_in_process  # noqa: E402
+from engine_driver import offline_llm, prompt_ids, release_gpu_cache, run_in_process  # noqa: E402
 from layout_report import (  # noqa: E402
     ahead_from_metrics,
     ahead_summary,
@@ -159,6 +159,7 @@ def served_app(pair: Pair, layout: Layout, args: argparse.Namespace) -> Iterator
 
     from deploy.app import build_app
 
+    release_gpu_cache()  # an in-process layout before this one left its memory to this process's allocator
     env = {"PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT)), "TOKENIZERS_PARALLELISM": "false"}
     if args.device == "cuda":
         # The raylet reads the visible GPUs when it starts: a layout sees just the ones it should use.
