@@ -11,7 +11,7 @@ from spec_support import ENGINE_KW, GREEDY, PROMPTS
 from test_speculation_ahead import _ahead
 
 from engine import LLM
-from engine.speculation.ahead_budget import RETRY_STEPS, SMOOTHING, AheadBudget
+from engine.speculation.ahead_budget import MAX_TREE_RETRY_STEPS, RETRY_STEPS, SMOOTHING, AheadBudget
 from engine.speculation.tree_schedule import TreeSchedule
 from engine.step.phases import VERIFY
 
@@ -46,6 +46,32 @@ def test_tree_budget_skips_trees_that_do_not_fit_and_retries_later():
     assert b.tree_nodes(ks) == smallest  # the rate is stale: the smallest tree is measured again
     b.observe({VERIFY: 0.001}, (smallest, 0.0005))
     assert b.tree_nodes(ks) == int(0.001 / (0.0005 / smallest))  # a stale rate is replaced, not averaged in
+
+
+def test_tree_budget_waits_twice_as_long_after_each_failed_retry_and_resets_on_a_fit():
+    b = AheadBudget(1, tree=True)
+    ks = [3] * 4
+    smallest = 4 * 4 + 4 * 3
+
+    def steps_until_retry() -> int:
+        """Skipped steps until the budget asks for the smallest tree again; then that tree is measured (too slow)."""
+        n = 0
+        while b.tree_nodes(ks) == 0:
+            b.observe({VERIFY: 0.001}, None)
+            n += 1
+        assert b.tree_nodes(ks) == smallest
+        return n
+
+    b.observe({VERIFY: 0.001}, (smallest, 0.004))  # the first measurement: 4x the shadow
+    waits = []
+    for _ in range(7):
+        waits.append(steps_until_retry())
+        b.observe({VERIFY: 0.001}, (smallest, 0.004))  # each retry: still 4x the shadow
+    assert waits == [RETRY_STEPS + 1, 2 * RETRY_STEPS + 1, 4 * RETRY_STEPS + 1, 8 * RETRY_STEPS + 1,
+                     MAX_TREE_RETRY_STEPS + 1, MAX_TREE_RETRY_STEPS + 1, MAX_TREE_RETRY_STEPS + 1]
+    steps_until_retry()
+    b.observe({VERIFY: 0.001}, (smallest, 0.0005))  # the verify's shadow now holds the tree
+    assert b.tree_nodes(ks) > 0 and b.tree_retry_steps == RETRY_STEPS
 
 
 def test_tree_budget_not_adaptive_leaves_the_draft_its_own_cap():

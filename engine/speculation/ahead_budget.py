@@ -30,7 +30,10 @@ The rate is linear through the origin: a forward's cost grows less than its rows
 on a smaller tree overstates a larger one's, and the cap climbs to what fits over a few steps rather than overshooting;
 a tree that outlasted the shadow brings the cap down at once. When even one branch a request does not fit, the step
 drafts no tree (counted: `skipped_tree_steps`, and the draft's skipped branches), and the smallest tree is tried again
-once the rate is RETRY_STEPS steps old. Before any measurement the smallest tree is drafted, to measure it.
+once the rate is RETRY_STEPS steps old; each retry that does not fit either doubles that wait (up to
+MAX_TREE_RETRY_STEPS), because a retry is a tree the next step waits for: on two H200s with eager trees that never
+fit, retries every 256 steps showed as 80 ms stalls (ITL p99 86 against 10 ms without speculation ahead). Before any
+measurement the smallest tree is drafted, to measure it.
 
 Exactness does not depend on the count: a window is what the next proposal would draft after its outcome, for
 any number of windows (engine/speculation/speculation_ahead.py); the cap changes only which outcomes have one.
@@ -45,6 +48,7 @@ from engine.step.phases import HANDOFF, SAMPLE, VERIFY
 SMOOTHING = 0.2  # weight of a new measurement in a running mean
 HEADROOM = 0.85  # a fitting run shorter than this share of the shadow makes the next row count worth a try
 RETRY_STEPS = 256  # steps after which a row count's figure is stale and may be tried again
+MAX_TREE_RETRY_STEPS = 16 * RETRY_STEPS  # the longest wait between retries of a tree that did not fit
 
 
 def drafts_ahead(samples: bool, processes_logits: bool, tree: bool) -> bool:
@@ -81,6 +85,8 @@ class AheadBudget:
     node_seconds: _Mean | None = None  # tree mode: seconds a node of a tree pre-draft
     last_tree_nodes: int | None = None  # tree mode: the last plan's cap (None: the draft's own)
     skipped_tree_steps: int = 0  # tree mode: steps whose smallest tree did not fit, so drafted none
+    tree_retry_steps: int = RETRY_STEPS  # tree mode: the age at which a rate that did not fit is measured again
+    _failed_rate_step: int | None = None  # tree mode: the step of the rate the last skip was judged on
 
     def observe(self, phase_seconds: dict[str, float], window: tuple[int, float] | None) -> None:
         """One step's result: its phases, and the draft's last run ahead as (rows, seconds), if it drafted one."""
@@ -93,7 +99,7 @@ class AheadBudget:
                 self.shadow.add(shadow, self.step)
         if window is not None and window[0] > 0 and self.tree:
             nodes, seconds = window
-            if self.node_seconds is None or self.step - self.node_seconds.step > RETRY_STEPS:
+            if self.node_seconds is None or self.step - self.node_seconds.step > self.tree_retry_steps:
                 self.node_seconds = _Mean(seconds / nodes, self.step)
             else:
                 self.node_seconds.add(seconds / nodes, self.step)
@@ -142,10 +148,15 @@ class AheadBudget:
         # The smallest tree: every request's chain (k + 1 nodes) and one branch as deep as the step's k.
         smallest = sum(k + 1 for k in ks) + len(ks) * max(ks)
         rate = self.node_seconds
-        if self.shadow is None or rate is None or self.step - rate.step > RETRY_STEPS:
+        if self.shadow is None or rate is None or self.step - rate.step > self.tree_retry_steps:
             return smallest  # nothing (recent) measured: draft the smallest tree, to measure it
         fit = int(self.shadow.value / rate.value) if rate.value > 0 else smallest
         if fit < smallest:
+            if rate.step != self._failed_rate_step:  # a new measurement, and it does not fit
+                if self._failed_rate_step is not None:  # a retry that failed as well: wait twice as long
+                    self.tree_retry_steps = min(2 * self.tree_retry_steps, MAX_TREE_RETRY_STEPS)
+                self._failed_rate_step = rate.step
             self.skipped_tree_steps += 1
             return 0
+        self.tree_retry_steps, self._failed_rate_step = RETRY_STEPS, None
         return fit
