@@ -61,7 +61,7 @@ lint: install-test
 
 test: install-test test-tools
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
 
 bench-cpu: install-test
 	$(PY) benchmarks/cpu_decode.py
