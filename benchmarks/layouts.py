@@ -259,3 +259,13 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
             "max_model_len": args.max_model_len, "device": args.device, "dtype": args.dtype,
             "served_model_name": "bench", "engine_kwargs": engine_kwargs, "spec_disable_above_batch_size": None,
             "max_queued_requests": None}
+
+
+def check_layouts(pair: Pair, layouts: list[Layout], args: argparse.Namespace) -> None:
+    """Exit with the reason if a layout cannot run on the pair (sg<C> on a synthetic pair): before any starts, so
+    that it fails at once rather than after the layouts before it ran."""
+    for lay in layouts:
+        try:
+            serve_config(pair, lay, args)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
