@@ -18,6 +18,7 @@ counterpart in it, so for b<N> >= 2 and for tree layouts (f<N>) only the profile
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -45,3 +46,20 @@ def load_agreement(path: str | Path, temperature: float = 0.0) -> list[list[floa
             return [list(map(float, row)) for row in prof["top_f_agreement"]]
     raise ValueError(f"{path}: no top-f agreement profile at T={temperature} (it has "
                      f"{[p['T'] for p in doc.get('profiles', [])]})")
+
+
+def add_agreement_args(ap: argparse.ArgumentParser) -> None:
+    """The synthetic-pair benchmarks' two ways to set how often a synthetic draft agrees with its target."""
+    ap.add_argument("--bonus-agreement", type=float, default=None,
+                    help="benchmark-only: rate at which a synthetic pair's bonus token counts as the draft's guess")
+    ap.add_argument("--agreement-profile", default=None, metavar="FILE",
+                    help="benchmark-only, synthetic pairs, instead of --bonus-agreement: a real pair's measured "
+                         "top-f agreement per verify outcome (benchmarks/agreement_profile.py; the SmolLM2 pair's: "
+                         "benchmarks/profiles/smollm2_top_f_agreement.json), so candidates drafted ahead hit as "
+                         "often as that pair's draft would, tree fan-out included")
+
+
+def check_agreement_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error for a profile given with the single rate, or for a pair that is not synthetic."""
+    if args.agreement_profile is not None and (args.bonus_agreement is not None or args.pair != "qwen3-8b-0.6b"):
+        ap.error("--agreement-profile sets a synthetic pair's agreement (qwen3-8b-0.6b): not with --bonus-agreement")

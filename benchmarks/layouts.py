@@ -15,9 +15,10 @@ PROXY_OPTIONS = {"hap": "haproxy", "sp": "serve"}
 
 # Options of the served app alone: the offline engine is one engine in this process, with no HTTP in front.
 SERVED_ONLY = "i<N>, r<N>, p<M>, hap, sp and ds"
-# What a draft pool (`p<M>`) does not take: its draft replicas serve their targets one plain actor call at a time
-# and never draft ahead (deploy/config.py refuses speculation ahead's settings with draft_replicas; the executor
-# turns the compiled graph and the NCCL transport off for a pooled draft), and they hold GPUs of their own.
+# What a draft pool (`p<M>`) does not take: its draft replicas serve their targets through plain actor calls (the
+# draft steps of targets waiting at once batched into one) and never draft ahead (deploy/config.py refuses
+# speculation ahead's settings with draft_replicas; the executor turns the compiled graph and the NCCL transport off
+# for a pooled draft), and they hold GPUs of their own.
 POOL_EXCLUDES = ("plain", "shared", "colocated", "nccl", "ahead", "noahead", "predraft", "nopredraft", "ds")
 
 
@@ -155,8 +156,8 @@ class Layout:
             if clash:
                 raise ValueError(
                     f"layout {text!r}: p<M> takes none of {', '.join(clash)}: the pool's draft replicas have GPUs of "
-                    "their own, answer their targets one plain actor call at a time behind the ingress, and never "
-                    "draft ahead")
+                    "their own, answer their targets through plain actor calls behind the ingress, and never draft "
+                    "ahead")
             if pool > (replicas or 1):
                 raise ValueError(f"layout {text!r}: p{pool} is more draft replicas than the {replicas or 1} engine "
                                  "replicas (r<N>) they would serve: the extra ones would hold GPUs and serve none")
@@ -258,3 +259,13 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
             "max_model_len": args.max_model_len, "device": args.device, "dtype": args.dtype,
             "served_model_name": "bench", "engine_kwargs": engine_kwargs, "spec_disable_above_batch_size": None,
             "max_queued_requests": None}
+
+
+def check_layouts(pair: Pair, layouts: list[Layout], args: argparse.Namespace) -> None:
+    """Exit with the reason if a layout cannot run on the pair (sg<C> on a synthetic pair): before any starts, so
+    that it fails at once rather than after the layouts before it ran."""
+    for lay in layouts:
+        try:
+            serve_config(pair, lay, args)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None

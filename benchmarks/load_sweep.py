@@ -59,10 +59,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agreement_profile import add_agreement_args, check_agreement_args  # noqa: E402
 from common import environment, markdown_table  # noqa: E402
 from engine_driver import offline_llm, run_in_process  # noqa: E402
 from layout_report import ahead_from_metrics, ahead_summary, router_ttft_mean_ms  # noqa: E402
-from layouts import Layout, serve_config  # noqa: E402
+from layouts import Layout, check_layouts, serve_config  # noqa: E402
 from sweep_models import Pair, prepare_pair, warmup_count  # noqa: E402
 
 from deploy.bench.datasets import BenchRequest, build_requests, load_tokenizer  # noqa: E402
@@ -229,13 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--length-sigma", type=float, default=0.8, help="log-normal shape of both lengths")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--acceptance", type=float, default=0.8, help="synthetic acceptance rate (qwen3 shapes)")
-    ap.add_argument("--bonus-agreement", type=float, default=None,
-                    help="benchmark-only: rate at which a synthetic pair's bonus token counts as the draft's guess")
-    ap.add_argument("--agreement-profile", default=None, metavar="FILE",
-                    help="benchmark-only, synthetic pairs, instead of --bonus-agreement: a real pair's measured "
-                         "top-f agreement per verify outcome (benchmarks/agreement_profile.py; the SmolLM2 pair's: "
-                         "benchmarks/profiles/smollm2_top_f_agreement.json), so candidates drafted ahead hit as "
-                         "often as that pair's draft would, tree fan-out included")
+    add_agreement_args(ap)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -262,8 +257,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("no load points: give --concurrency and/or --rates")
     if any(c < 1 for c in args.concurrency) or any(not r > 0 for r in args.rates):
         ap.error("concurrencies must be >= 1 and rates > 0")
-    if args.agreement_profile is not None and (args.bonus_agreement is not None or args.pair != "qwen3-8b-0.6b"):
-        ap.error("--agreement-profile sets a synthetic pair's agreement (qwen3-8b-0.6b): not with --bonus-agreement")
+    check_agreement_args(ap, args)
     if args.min_seconds <= 0 or args.min_requests < 1:
         ap.error("--min-seconds must be > 0 and --min-requests >= 1")
     # serve_config sizes max_num_seqs from the concurrencies; a rate-only sweep gets 64. With --per-target these
@@ -294,11 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     # The serve config's fields that read the sweep's arguments under serve_layouts.py's names.
     cfg_args = argparse.Namespace(**{**vars(args), "max_num_seqs": args.max_num_seqs or max(
         args.concurrency_for_seqs)})
-    for lay in layouts:  # a layout the pair cannot run (sg<C> on a synthetic pair) fails here, not after others ran
-        try:
-            serve_config(pair, lay, cfg_args)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
+    check_layouts(pair, layouts, cfg_args)
     settings = {k: getattr(args, k) for k in ("concurrency", "rates", "min_seconds", "min_requests", "warmup",
                                               "input_len", "output_len", "length_sigma", "k", "acceptance",
                                               "bonus_agreement", "agreement_profile", "max_model_len", "seed",

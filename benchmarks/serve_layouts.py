@@ -83,6 +83,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agreement_profile import add_agreement_args, check_agreement_args  # noqa: E402
 from common import environment  # noqa: E402
 from engine_driver import offline_llm, prompt_ids, release_gpu_cache, run_in_process  # noqa: E402
 from layout_report import (  # noqa: E402
@@ -96,7 +97,7 @@ from layout_report import (  # noqa: E402
     run_summary,
     table,
 )
-from layouts import Layout, serve_config  # noqa: E402
+from layouts import Layout, check_layouts, serve_config  # noqa: E402
 from sweep_models import Pair, bench_workloads, prepare_pair, warmup_count  # noqa: E402
 
 from deploy.bench.datasets import build_requests, load_tokenizer  # noqa: E402
@@ -229,13 +230,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--acceptance", type=float, default=0.8, help="synthetic acceptance rate (qwen3 shapes)")
-    ap.add_argument("--bonus-agreement", type=float, default=None,
-                    help="benchmark-only: rate at which a synthetic pair's bonus token counts as the draft's guess")
-    ap.add_argument("--agreement-profile", default=None, metavar="FILE",
-                    help="benchmark-only, synthetic pairs, instead of --bonus-agreement: a real pair's measured "
-                         "top-f agreement per verify outcome (benchmarks/agreement_profile.py; the SmolLM2 pair's: "
-                         "benchmarks/profiles/smollm2_top_f_agreement.json), so candidates drafted ahead hit as "
-                         "often as that pair's draft would, tree fan-out included")
+    add_agreement_args(ap)
     ap.add_argument("--dtype", default=None, help="float32 for the exactness checks; default bf16 on GPU")
     ap.add_argument("--check-only", action="store_true", help="greedy comparison only, no bench")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs: a faster start for --check-only runs")
@@ -263,8 +258,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.agreement_profile is not None and (args.bonus_agreement is not None or args.pair != "qwen3-8b-0.6b"):
-        ap.error("--agreement-profile sets a synthetic pair's agreement (qwen3-8b-0.6b): not with --bonus-agreement")
+    check_agreement_args(ap, args)
     # Checked here, before any engine starts: a bad value found by the first layout wastes its start-up.
     if args.check_prompts < 0 or (args.check_only and args.check_prompts == 0):
         ap.error(f"--check-prompts must be >= 0 (>= 1 with --check-only), got {args.check_prompts}")
@@ -279,11 +273,7 @@ def main() -> int:
         args.check_prompts, args.check_tokens, args.max_model_len = 2, 12, 128
     layouts = [Layout.parse(x) for x in args.layouts or ["t1+d1", "t2+d2", "t2+d1"]]
     pair = prepare_pair(args, layouts)
-    for lay in layouts:  # a layout the pair cannot run (sg<C> on a synthetic pair) fails here, not after others ran
-        try:
-            serve_config(pair, lay, args)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
+    check_layouts(pair, layouts, args)
     lossless = pair.rejection_sampling != "synthetic"
     out_path = Path(args.out) if args.out else None
     doc: dict[str, Any] = json.loads(out_path.read_text()) if out_path and out_path.is_file() else {}

@@ -60,14 +60,18 @@ class DraftBatcher(Generic[T]):
                     batch = self._take()
                     self._running = True
                     self._cond.release()
+                    outcomes: list[Any] | None = None
                     try:
                         outcomes = self._run_batch(batch)
                     finally:
                         self._cond.acquire()
                         self._running = False
-                    for w, outcome in zip(batch, outcomes):
-                        w.outcome, w.done = outcome, True
-                    self._cond.notify_all()
+                        if outcomes is None:  # an interrupt (BaseException) left the batch: its calls end too,
+                            # rather than wait for a notify that never comes or lead empty batches for ever
+                            outcomes = [RuntimeError("the draft batch was interrupted")] * len(batch)
+                        for w, outcome in zip(batch, outcomes):
+                            w.outcome, w.done = outcome, True
+                        self._cond.notify_all()
                 else:
                     self._cond.wait()
         if isinstance(me.outcome, BaseException):

@@ -98,3 +98,43 @@ def test_a_targets_calls_run_in_its_order_and_fail_once_it_left() -> None:
         order.open("u")
         with order.turn("u", 1, timeout_s=0.05):
             pass
+
+
+def test_an_interrupted_batch_ends_every_call_of_it() -> None:
+    # A BaseException (an interrupt) out of the run: the leader raises it, and the batch's other calls fail too
+    # instead of waiting for ever (or leading empty batches).
+    class Interrupt(BaseException):
+        pass
+
+    release = threading.Event()
+
+    def run(items: list[str]) -> list[object]:
+        if items == ["first"]:
+            release.wait(10)
+            return ["FIRST"]
+        raise Interrupt
+
+    batcher: DraftBatcher[str] = DraftBatcher(run, capacity=4)
+    outcomes: dict[str, BaseException | object] = {}
+
+    def call(item: str) -> None:
+        try:
+            outcomes[item] = batcher.submit(item, 1)
+        except BaseException as e:  # noqa: BLE001 - recorded for the test
+            outcomes[item] = e
+
+    threads = [threading.Thread(target=call, args=("first",), daemon=True)]
+    threads[0].start()
+    _wait(lambda: batcher._running, "the first batch")
+    for n, item in enumerate(("a", "b"), start=1):
+        threads.append(threading.Thread(target=call, args=(item,), daemon=True))
+        threads[-1].start()
+        _wait(lambda n=n: len(batcher._queue) == n, "the call queued")
+    release.set()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads), outcomes
+    assert outcomes["first"] == "FIRST"
+    kinds = sorted(type(outcomes[i]).__name__ for i in ("a", "b"))
+    assert kinds == ["Interrupt", "RuntimeError"], outcomes  # the leader's interrupt; the other call fails with it
+    assert batcher._running is False

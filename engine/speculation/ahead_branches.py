@@ -90,7 +90,7 @@ class BranchEstimates:
         self.bonus_right, self.bonus_seen = (right[0], right[1]), (seen[0], seen[1])
 
     def observe_agreement(self, k: int, accepted: int, rate: float, second_rate: float = 0.0) -> None:
-        """One verify's outcome under the benchmarks' agreement setting (AheadProposer.bonus_agreement), where a
+        """One verify's outcome under the benchmarks' agreement setting (AheadProposer.agreement), where a
         synthetic pair's tokens are unrelated to the draft's guesses and a lookup credits one window per outcome at
         `rate` instead: the argmax bonus guess and a rejection's guess count as right at that rate, a second bonus
         guess at `second_rate` (never with one rate; a measured profile's top-2 less top-1 rate). Scoring the real

@@ -43,7 +43,6 @@ with its own history (engine/speculation/tree_ahead.py).
 from __future__ import annotations
 
 import dataclasses
-import random
 import time
 from dataclasses import dataclass
 
@@ -54,7 +53,7 @@ from engine.speculation.ahead_branches import ACCEPT, Branch, BranchEstimates
 from engine.speculation.ahead_budget import drafts_ahead
 from engine.speculation.proposer import DraftProposal, DraftProposer
 from engine.speculation.speculation_cache import AheadEntry, AheadStats, SpeculationCache
-from engine.speculation.synthetic_agreement import AgreementProfile
+from engine.speculation.synthetic_agreement import AgreementProfile, SyntheticAgreement
 from engine.speculation.tree_ahead import TreeAhead
 from engine.step.plan import PlannedRequest, StepPlan
 
@@ -100,12 +99,8 @@ class AheadProposer:
         self.proposer = proposer
         self.cache = SpeculationCache()
         self.stats = AheadStats()
-        if bonus_agreement is not None and agreement_profile is not None:
-            raise ValueError("bonus_agreement or agreement_profile, not both")
-        self.bonus_agreement = bonus_agreement
-        self.agreement_profile = agreement_profile
-        # Every rank of a tensor-parallel draft draws the same numbers, so they agree on hits.
-        self._agreement_rng = random.Random(seed)
+        self.agreement = (SyntheticAgreement(bonus_agreement, agreement_profile, seed)
+                          if bonus_agreement is not None or agreement_profile is not None else None)
         cfg = proposer.runner.config
         self.num_branches = cfg.speculation_ahead_branches
         if self.num_branches > 1 and not proposer.alternatives:
@@ -186,19 +181,12 @@ class AheadProposer:
         for e in fits:
             if e.tokens == tokens:
                 return e
-        if plan.synthetic_acceptance_rate is None or (self.bonus_agreement is None and self.agreement_profile is None):
+        if plan.synthetic_acceptance_rate is None or self.agreement is None:
             return None
         # Benchmarks: the outcome is the window's (same position, same tokens but the guessed one); its guess counts
         # as right at the agreement rate, or one of its candidates at the profile's rate for their number.
         same = [e for e in fits if len(e.tokens) == len(tokens) and e.tokens[:-1] == tokens[:-1]]
-        if not same:
-            return None
-        u = self._agreement_rng.random()
-        if self.agreement_profile is None:
-            return same[0] if u < self.bonus_agreement else None
-        a, k = self._outcome(p, same[0])
-        r = self.agreement_profile.hit_rank(a, k, len(same), u)
-        return None if r is None else same[r]
+        return self.agreement.pick(same, lambda: self._outcome(p, same[0])) if same else None
 
     def _outcome(self, p: PlannedRequest, entry: AheadEntry) -> tuple[int, int]:
         """(a, k): the drafts accepted in the outcome `entry` was drafted for, of the k its verify had."""
@@ -222,10 +210,8 @@ class AheadProposer:
             accepted = start - v.frontier
         else:
             return  # the input follows neither outcome: nothing to score
-        if plan.synthetic_acceptance_rate is not None and self.agreement_profile is not None:
-            self.estimates.observe_agreement(v.k, accepted, *self.agreement_profile.guess_rates(accepted, v.k))
-        elif plan.synthetic_acceptance_rate is not None and self.bonus_agreement is not None:
-            self.estimates.observe_agreement(v.k, accepted, self.bonus_agreement)
+        if plan.synthetic_acceptance_rate is not None and self.agreement is not None:
+            self.estimates.observe_agreement(v.k, accepted, *self.agreement.guess_rates(accepted, v.k))
         elif accepted == v.k:
             self.estimates.observe(v.k, v.k, (v.bonus_guesses[0], v.bonus_guesses[1]), None, toks[1])
         else:

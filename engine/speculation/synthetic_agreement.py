@@ -19,8 +19,12 @@ profile's F_max reads its last column (an under-estimate).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -69,3 +73,34 @@ class AgreementProfile:
         estimates score for the argmax and runner-up guesses (engine/speculation/ahead_branches.py)."""
         row = self.row(a, k)
         return row[0], (row[1] - row[0]) if len(row) > 1 else 0.0
+
+
+class SyntheticAgreement:
+    """Speculation ahead's verdicts under synthetic rejection (engine/speculation/speculation_ahead.py): one rate
+    (synthetic_bonus_agreement: the outcome's first candidate agrees at that rate, a runner-up never) or a profile
+    (synthetic_top_f_agreement: candidate r at the profile's rate for the outcome)."""
+
+    def __init__(self, rate: float | None, profile: AgreementProfile | None, seed: int) -> None:
+        if (rate is None) == (profile is None):
+            raise ValueError("bonus_agreement or agreement_profile: one of them, not both")
+        self.rate, self.profile = rate, profile
+        # Every rank of a tensor-parallel draft draws the same numbers, so they agree on hits.
+        self._rng = random.Random(seed)
+
+    def pick(self, candidates: list[T], outcome: Callable[[], tuple[int, int]]) -> T | None:
+        """The candidate drafted ahead for a lookup's outcome (in draft order) that counts as the target's token,
+        or None; `outcome`: its (a, k), read only with a profile."""
+        u = self._rng.random()
+        if self.profile is None:
+            assert self.rate is not None
+            return candidates[0] if u < self.rate else None
+        a, k = outcome()
+        r = self.profile.hit_rank(a, k, len(candidates), u)
+        return None if r is None else candidates[r]
+
+    def guess_rates(self, a: int, k: int) -> tuple[float, float]:
+        """P(the top candidate agrees), P(the runner-up does), at outcome a of a verify of k drafts."""
+        if self.profile is None:
+            assert self.rate is not None
+            return self.rate, 0.0
+        return self.profile.guess_rates(a, k)
