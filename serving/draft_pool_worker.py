@@ -4,7 +4,9 @@ Each attached target is a *tenant*: it gets a slot, hence a disjoint range of th
 (serving/draft_shares.py), and a request table of its own, over the group's one proposer (its CUDA graphs and
 static buffers are captured once, not per target). A seeded request draws from generators of its seed and output
 position, so its proposals are what a draft group of its own would have drafted, whichever tenants' requests share
-its draft forward; unseeded ones share the proposer's generator (lossless either way). A tenant's calls carry its
+its draft forward, as long as that forward takes the same path (on a GPU a grammar request of any tenant moves the
+batch from the draft loop to the eager path, which draws differently); unseeded ones share the proposer's generator
+(lossless either way). A tenant's calls carry its
 id; before
 anything reads a tenant's plan, its request ids are put under the tenant's name (two targets may use the same
 request id, and process-wide state such as the grammar matchers is keyed by it) and its draft block ids are moved

@@ -7,7 +7,9 @@ table first (every side keeps per-engine state: step ids, tokens, settings), wit
 engine's name and its draft block ids already in its share of the draft's KV blocks, so the merged plan's requests
 never clash. The proposer reads nothing but the requests' own entries (a seeded request draws from generators of
 its seed and output position, engine/sample/from_plan.py), so each engine's part of the merged proposal is what the
-draft would have proposed for its plan alone (up to the forward's floating point on batches of another size).
+draft would have proposed for its plan alone (up to the forward's floating point on batches of another size), while
+the merged plan takes the path the plan alone would: a grammar request in any engine's part sends the whole batch
+down the draft's eager path (engine/speculation/proposer.py), whose seeded draws differ from the loop's.
 """
 
 from __future__ import annotations
