@@ -9,6 +9,8 @@ named without it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from engine.speculation.ahead_totals import NUM_TOTALS
@@ -209,12 +211,23 @@ def merge_replica_expositions(parts: list[tuple[str, str]], label: str = "replic
             for s in family.samples:
                 merged.samples.append(s._replace(labels={**s.labels, label: replica}))
 
-    class _Merged:
-        def collect(self) -> list[Metric]:
-            return list(families.values())
+    return exposition(list(families.values()))
 
+
+class _Families:
+    """A collector of metric families built elsewhere (parsed and relabelled, or computed from running totals)."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Any]:
+        return self._families
+
+
+def exposition(families: list[Any]) -> str:
+    """The text exposition of `families`, through a registry of their own."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Merged())
+    registry.register(_Families(families))
     return generate_latest(registry).decode()
 
 
@@ -238,14 +251,7 @@ def label_draft_series(text: str, draft_replica: str) -> str:
                 s = s._replace(labels={**s.labels, "draft_replica": draft_replica})
             out.samples.append(s)
         families.append(out)
-
-    class _Labelled:
-        def collect(self) -> list[Metric]:
-            return families
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Labelled())
-    return generate_latest(registry).decode()
+    return exposition(families)
 
 
 # Tenants per draft forward of a pooled draft group (serving/draft_batch.py): one target up to many.
@@ -264,11 +270,4 @@ def draft_pool_exposition(batch_tenants: dict[int, int]) -> str:
     family = HistogramMetricFamily("specserve_draft_pool_batch_tenants",
                                    "Target engines whose draft steps one draft forward of the pool ran together",
                                    buckets=buckets, sum_value=sum(size * n for size, n in counts.items()))
-
-    class _Pool:
-        def collect(self) -> list[HistogramMetricFamily]:
-            return [family]
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Pool())
-    return generate_latest(registry).decode()
+    return exposition([family])
