@@ -6,13 +6,12 @@ static buffers are captured once, not per target). A seeded request draws from g
 position, so its proposals are what a draft group of its own would have drafted, whichever tenants' requests share
 its draft forward, as long as that forward takes the same path (on a GPU a grammar request of any tenant moves the
 batch from the draft loop to the eager path, which draws differently); unseeded ones share the proposer's generator
-(lossless either way). A tenant's calls carry its
-id; before
-anything reads a tenant's plan, its request ids are put under the tenant's name (two targets may use the same
-request id, and process-wide state such as the grammar matchers is keyed by it) and its draft block ids are moved
-into its range. Detaching a tenant (the target asked, or died, or was not heard from for `tenant_timeout_s`)
-drops its table, hence every per-request state it held, and frees its slot; its blocks need no clearing, since the
-next tenant's router starts with an empty KV manager and writes a block before it reads it.
+(lossless either way). A tenant's calls carry its id; before anything reads a tenant's plan, its request ids are
+put under the tenant's name (two targets may use the same request id, and process-wide state such as the grammar
+matchers is keyed by it) and its draft block ids are moved into its range. Detaching a tenant (the target asked,
+or died, or was not heard from for `tenant_timeout_s`) drops its table, hence every per-request state it held, and
+frees its slot; its blocks need no clearing, since the next tenant's router starts with an empty KV manager and
+writes a block before it reads it.
 
 The routers call rank 0 only, which runs their calls in threads: each tenant's calls one at a time, in the order
 its target made them (serving/tenant_calls.py), different tenants' at once. Draft steps of tenants that wait at
