@@ -1,8 +1,8 @@
 """Tree forward of a draft on the kernel path (Triton tree attention, engine/kernels/tree_attention.py): one request's
 tree of R rows over a committed prefix, against R = 1, on one GPU (random weights, bf16). Per prefix length and row
-count: the whole draft forward (embedding to logits) eagerly, as draft_tree runs it today (no CUDA graphs of tree
-widths yet: a small draft's eager forward is bound by the host's launches), and its GPU time from a CUDA graph of
-it (what graphs of tree widths would cost); the tree-attention kernel alone (one layer's launch, GPU time from a
+count: the whole draft forward (embedding to logits) eagerly (a small draft's eager forward is bound by the host's
+launches), and its GPU time from a CUDA graph of it (what draft_tree's graphs of tree buckets cost, less their
+padding: benchmarks/gpu_tree_draft.py times those); the tree-attention kernel alone (one layer's launch, GPU time from a
 graph of 20 launches); the ordinary one-row decode forward (paged attention, eager) for scale. Medians after
 warm-up; ratios to one tree row.
 
@@ -40,14 +40,8 @@ def tree_step(runner: ModelRunner, prefix_len: int, tables: list[list[int]], row
     first = runner.num_blocks - (-(-rows // bs))  # scratch slots in blocks of their own, past the prefix's
     slots = list(range(first * bs, first * bs + rows))
     req = tree_draft.TreeDraftRequest(prefix_len, tables, [], [[]], [list(slots) for _ in runner.kv_groups])
-    captured: list[StepInput] = []
-    execute = runner.execute
-    runner.execute = captured.append  # type: ignore[method-assign]
-    try:
-        tree_draft._step(runner, [req], [parents], [list(range(rows))], [torch.arange(rows, device=runner.device)])
-    finally:
-        runner.execute = execute  # type: ignore[method-assign]
-    return captured[0]
+    return tree_draft._Forwards(runner, [req], [parents])._eager_step([list(range(rows))],
+                                                                       torch.arange(rows, device=runner.device))
 
 
 def kernel_us(runner: ModelRunner, step: StepInput, calls: int = 20) -> float:

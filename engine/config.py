@@ -202,7 +202,7 @@ class EngineConfig:
     # per request covering every outcome of its verify (a = 0..k drafts accepted), with at most this many candidates
     # for the target's token per outcome (the draft's top-F there), each drafted k deep with one batched forward per
     # depth; a hit copies the branch's KV from scratch slots into the request's blocks. 0: the window path above.
-    # Not combined with speculation_ahead_branches > 1. Tree forwards run eagerly (no CUDA graphs of tree widths yet).
+    # Not combined with speculation_ahead_branches > 1. On the kernel path its forwards are CUDA graphs.
     speculation_ahead_tree_fanout: int = 0
     # Where the draft has GPUs of its own: with more than one branch, draft at most as many windows a request as
     # measured to fit in the target's verify (engine/speculation/ahead_budget.py), so a fan-out that would hold the next

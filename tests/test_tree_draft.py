@@ -78,6 +78,13 @@ def _branch_alone(runner: ModelRunner, seq: list[int], depth: int) -> tuple[torc
 CASES = [("llama-1l", 4), ("gemma3-2l", 8)]  # gemma3-2l: sliding window 5 < block size 8
 
 
+def padded_tree_forwards(runner: ModelRunner, capture: bool = False) -> None:
+    """Run the runner's tree forwards through the padded buffers of engine/runner/tree_graphs.py (CUDA graphs where
+    `capture` and the runner captures them, else the same padded forward eagerly): rows a tree padded to 4 or 8,
+    nodes to 32, so every forward below has padding rows and nodes."""
+    runner.build_tree_graphs([4, 8], 32, 16, capture=capture)
+
+
 def check_tree_equals_branches_alone(runner: ModelRunner) -> None:
     prefixes = random_prompts([13, 22], seed=5)
     k, depth = 3, 3
@@ -106,9 +113,15 @@ def check_tree_equals_branches_alone(runner: ModelRunner) -> None:
         torch.testing.assert_close(tree.window_logits, ref, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
 @pytest.mark.parametrize("model,block_size", CASES)
-def test_tree_draft_equals_each_branch_drafted_alone(tiny_drafts, one_thread, model, block_size):
-    check_tree_equals_branches_alone(tree_runner(tiny_drafts[model].path, block_size))
+def test_tree_draft_equals_each_branch_drafted_alone(tiny_drafts, one_thread, model, block_size, padded):
+    """Exact: each forward's metadata holds the real rows only. Padded: the layout of the CUDA graphs of tree
+    forwards (trees and rows padded to a bucket), run eagerly on the CPU."""
+    runner = tree_runner(tiny_drafts[model].path, block_size)
+    if padded:
+        padded_tree_forwards(runner)
+    check_tree_equals_branches_alone(runner)
 
 
 def _tp_rank(rank: int, port: int, path: str, errors: mp.Queue) -> None:
@@ -199,13 +212,15 @@ def test_top_f_roots_exclude_the_drafted_token():
         assert a == 3 or window[a] not in roots[a]
 
 
-@pytest.mark.parametrize("model,block_size", CASES)
-def test_roots_chosen_from_the_window_logits(tiny_drafts, one_thread, model, block_size):
+@pytest.mark.parametrize("model,block_size,padded", [(*CASES[0], False), (*CASES[1], True)])
+def test_roots_chosen_from_the_window_logits(tiny_drafts, one_thread, model, block_size, padded):
     """choose_roots (speculation ahead's tree mode): a first forward feeds the windows alone, and the roots chosen
     from its logits give the branches that the same roots given up front give (one more forward, the same KV
     nowhere but the scratch slots). The window is led by the prefix's last token, so its logits cover every outcome;
     nothing hangs off the prefix's end."""
     runner = tree_runner(tiny_drafts[model].path, block_size)
+    if padded:  # two layouts in one draft: the windows alone, then the whole trees
+        padded_tree_forwards(runner)
     prefixes = random_prompts([13, 20], seed=15)
     windows = [[7, 20, 21, 22], [9, 40, 41]]  # [c, d_1..d_k]
     fans = [[2, 1, 1, 2], [1, 2, 2]]

@@ -18,6 +18,9 @@ from engine.attention.tree_metadata import TreeAttentionMetadata
 def store_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; key/value: [num_tokens, heads, dim]."""
     nb, bs, h, d = kv_cache.shape[1:]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):  # SYNC: the reference path only; padding rows (slot -1) store nothing, as on the kernels'
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     kv_cache[0].view(nb * bs, h, d).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     kv_cache[1].view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 

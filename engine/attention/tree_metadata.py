@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine.host_copy import tensor_to_device, to_device
+from engine.host_copy import tensor_to_device
 
 
 @dataclass
@@ -36,24 +37,83 @@ class TreeAttentionMetadata:
     visible: torch.Tensor  # [num_trees, max_rows, max_nodes] bool; the row's ancestors and itself (node order)
 
 
-def ancestor_mask(parents: list[int]) -> list[list[bool]]:
-    """[n][n]: node i sees node j iff j is i or one of its ancestors. parents[i] < i, or -1 (the prefix's end)."""
-    seen: list[list[bool]] = []
-    for i, p in enumerate(parents):
-        if p >= i:
-            raise ValueError(f"node {i}'s parent {p} is not an earlier node")
-        row = list(seen[p]) if p >= 0 else [False] * len(parents)
-        row[i] = True
-        seen.append(row)
-    return seen
+class TreeNodes:
+    """Every node of a batch of trees, on the host, computed once per layout (not once per forward): each tree's
+    parents, each node's position and scratch slots, and which nodes each node sees. A forward then feeds some of
+    the nodes (`metadata`, or a CUDA graph's buffers: engine/runner/tree_graphs.py) without walking the trees again.
+
+    parents[t]: every node of tree t, fed or not, in an order where parents come first (-1: the prefix's end);
+    slots[t]: [num_kv_groups][num_nodes] flat scratch slots."""
+
+    def __init__(self, prefix_lens: list[int], parents: list[list[int]], slots: list[list[list[int]]]) -> None:
+        num_trees = len(parents)
+        self.num_groups = len(slots[0]) if slots else 0
+        self.prefix_lens = np.asarray(prefix_lens, dtype=np.int64)  # [num_trees]
+        self.num_nodes = np.fromiter((len(p) for p in parents), dtype=np.int64, count=num_trees)  # [num_trees]
+        n = max(int(self.num_nodes.max(initial=0)), 1)
+        par = np.full((num_trees, n), -1, dtype=np.int64)  # [num_trees, max_nodes]; padding -> -1
+        self.node_slots = np.zeros((self.num_groups, num_trees, n), dtype=np.int64)  # [groups, trees, max_nodes]
+        for t, p in enumerate(parents):
+            m = len(p)
+            par[t, :m] = p
+            if len(slots[t]) != self.num_groups or any(len(s) != m for s in slots[t]):
+                raise ValueError(f"tree {t}: {m} nodes need one scratch slot each in each of {self.num_groups} "
+                                 "group(s)")
+            self.node_slots[:, t, :m] = slots[t]
+        idx = np.arange(n)
+        valid = idx[None, :] < self.num_nodes[:, None]  # [num_trees, max_nodes]
+        if (valid & (par >= idx[None, :])).any():
+            t, i = map(int, np.argwhere(valid & (par >= idx[None, :]))[0])
+            raise ValueError(f"tree {t}: node {i}'s parent {int(par[t, i])} is not an earlier node")
+        # Walk every node's chain up at once, one level a pass: seen[t, i, j] iff j is i or an ancestor of i.
+        seen = np.zeros((num_trees, n, n), dtype=bool)  # [num_trees, max_nodes, max_nodes]
+        depth = np.zeros((num_trees, n), dtype=np.int64)  # [num_trees, max_nodes]; 0: a child of the prefix's end
+        tt = np.broadcast_to(np.arange(num_trees)[:, None], (num_trees, n))
+        ii = np.broadcast_to(idx[None, :], (num_trees, n))
+        cur = np.where(valid, ii, -1)
+        while (cur >= 0).any():
+            on = cur >= 0
+            seen[tt[on], ii[on], cur[on]] = True
+            cur = np.where(on, par[tt, np.maximum(cur, 0)], -1)
+            depth += cur >= 0
+        self.seen = seen
+        # [num_trees, max_nodes]; padding -> -1
+        self.node_positions = np.where(valid, depth + self.prefix_lens[:, None], -1)
+
+    def rows(self, rows: list[list[int]], max_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(node of each tree row [num_trees, R] int64 with -1 for padding, rows of each tree [num_trees]); R: the
+        longest row list, or max_rows."""
+        counts = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        width = max(int(counts.max(initial=0)), 1) if max_rows is None else max_rows
+        node = np.full((len(rows), width), -1, dtype=np.int64)
+        for t, r in enumerate(rows):
+            node[t, :len(r)] = r
+        return node, counts
+
+    def metadata(self, rows: list[list[int]], device: torch.device) -> TreeAttentionMetadata:
+        """The metadata of one forward feeding rows[t] of tree t (its flat rows: tree 0's first, then tree 1's...)."""
+        if len(rows) != len(self.prefix_lens):
+            raise ValueError(f"{len(rows)} row lists for {len(self.prefix_lens)} trees")
+        node, counts = self.rows(rows)
+        num_trees, width = node.shape
+        valid = node >= 0
+        t_idx = np.broadcast_to(np.arange(num_trees)[:, None], node.shape)
+        safe = np.maximum(node, 0)
+        row_pos = np.where(valid, self.node_positions[t_idx, safe], -1)  # [num_trees, R]
+        visible = self.seen[t_idx, safe] & valid[:, :, None]  # [num_trees, R, max_nodes]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        row_index = np.where(valid, starts[:, None] + np.arange(width)[None, :], 0)
+        row_flat = (np.arange(num_trees * width).reshape(num_trees, width))[valid]
+        # Built on the host, then queued behind the GPU's work (no sync: engine/host_copy.py).
+        return TreeAttentionMetadata(
+            row_index=_dev(row_index, device), row_valid=_dev(valid, device), row_positions=_dev(row_pos, device),
+            row_flat=_dev(row_flat, device), positions=_dev(row_pos[valid], device),
+            prefix_lens=_dev(self.prefix_lens, device), node_positions=_dev(self.node_positions, device),
+            node_slots=_dev(self.node_slots, device), visible=_dev(visible, device))
 
 
-def node_depths(parents: list[int]) -> list[int]:
-    """Depth of each node: 0 for a child of the prefix's end (it sits at position prefix_len)."""
-    depths: list[int] = []
-    for p in parents:
-        depths.append(depths[p] + 1 if p >= 0 else 0)
-    return depths
+def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return tensor_to_device(torch.from_numpy(np.ascontiguousarray(a)), device)
 
 
 def build_tree_metadata(prefix_lens: list[int], parents: list[list[int]], slots: list[list[list[int]]],
@@ -61,40 +121,4 @@ def build_tree_metadata(prefix_lens: list[int], parents: list[list[int]], slots:
     """Metadata of one forward over several trees. Per tree t: parents[t] (every node of the tree, fed or not, in
     an order where parents come first), slots[t] ([num_kv_groups][num_nodes] flat scratch slots) and rows[t] (the
     nodes this forward feeds, in the order of its flattened rows: tree 0's rows first, then tree 1's...)."""
-    num_trees = len(parents)
-    num_groups = len(slots[0]) if slots else 0
-    max_rows = max((len(r) for r in rows), default=1)
-    max_nodes = max((len(p) for p in parents), default=1)
-    row_index = torch.zeros(num_trees, max_rows, dtype=torch.int64)
-    row_valid = torch.zeros(num_trees, max_rows, dtype=torch.bool)
-    row_pos = torch.full((num_trees, max_rows), -1, dtype=torch.int64)
-    node_pos = torch.full((num_trees, max_nodes), -1, dtype=torch.int64)
-    node_slots = torch.zeros(num_groups, num_trees, max_nodes, dtype=torch.int64)
-    visible = torch.zeros(num_trees, max_rows, max_nodes, dtype=torch.bool)
-    flat = 0
-    row_flat: list[int] = []
-    for t in range(num_trees):
-        n = len(parents[t])
-        seen = torch.tensor(ancestor_mask(parents[t]), dtype=torch.bool).view(n, n)
-        pos = torch.tensor(node_depths(parents[t]), dtype=torch.int64) + prefix_lens[t]
-        node_pos[t, :n] = pos
-        if len(slots[t]) != num_groups or any(len(s) != n for s in slots[t]):
-            raise ValueError(f"tree {t}: {n} nodes need one scratch slot each in each of {num_groups} group(s)")
-        node_slots[:, t, :n] = torch.tensor(slots[t], dtype=torch.int64)
-        r = torch.tensor(rows[t], dtype=torch.int64)
-        m = len(rows[t])
-        row_index[t, :m] = torch.arange(flat, flat + m)
-        row_valid[t, :m] = True
-        row_pos[t, :m] = pos[r]
-        row_flat.extend(range(t * max_rows, t * max_rows + m))
-        visible[t, :m, :n] = seen[r]
-        flat += m
-    # Built on the host, then queued behind the GPU's work (no sync: engine/host_copy.py).
-    return TreeAttentionMetadata(
-        row_index=tensor_to_device(row_index, device), row_valid=tensor_to_device(row_valid, device),
-        row_positions=tensor_to_device(row_pos, device),
-        row_flat=to_device(row_flat, torch.int64, device),
-        positions=tensor_to_device(row_pos.view(-1)[row_flat], device),
-        prefix_lens=to_device(prefix_lens, torch.int64, device),
-        node_positions=tensor_to_device(node_pos, device), node_slots=tensor_to_device(node_slots, device),
-        visible=tensor_to_device(visible, device))
+    return TreeNodes(prefix_lens, parents, slots).metadata(rows, device)

@@ -15,12 +15,12 @@ its share of the tensor-core work only. Then the nodes, in tiles of TILE_NODES s
 mask. Online softmax in fp32 (FlashAttention-2, exp2 domain), as paged_attention.
 
 Small batches of trees would leave most SMs idle (one tree of an 8-KV-head draft: 8 programs), so the prefix's
-tiles are split over several programs (flash-decoding), split 0 also taking the nodes; a small second kernel
-combines their partial results.
+tiles are split over several programs (flash-decoding), and so are the node tiles; a small second kernel combines
+their partial results.
 
 The grid depends only on host ints (number of trees, the metadata's max_rows, KV heads, and the splits chosen from
-them), every length is read from device memory, so a launch could be captured in a CUDA graph per tree width;
-the engine does not capture tree forwards yet (they run eagerly).
+them), every length is read from device memory, so a launch is captured in a CUDA graph per tree bucket
+(engine/runner/tree_graphs.py).
 
 Faster variants, should profiles ask for them: a tree wider than 64 (row, head) pairs re-reads the prefix once per
 M block (a larger BLOCK_M, or an M loop inside the program over K/V tiles held in shared memory, would read it
@@ -126,34 +126,35 @@ def _tree_attention_kernel(
             m_i = m_new
 
         # ---- the nodes: scratch slots, each row seeing its own chain (`visible`), windowed by node position ----
-        if split == 0:
-            for n0 in range(0, max_nodes, TILE_NODES):
-                node = n0 + tl.arange(0, TILE_NODES)  # [TILE_NODES]
-                n_valid = node < max_nodes
-                slot = tl.load(node_slots_ptr + tree * stride_ns + node, mask=n_valid, other=0).to(tl.int64)
-                n_pos = tl.load(node_pos_ptr + tree * stride_np + node, mask=n_valid,
-                                other=-1).to(tl.int32)  # [TILE_NODES]
-                vis = tl.load(visible_ptr + tree * stride_vt + r[:, None] * stride_vr + node[None, :],
-                              mask=row_valid[:, None] & n_valid[None, :], other=0) != 0  # [BLOCK_M, TILE_NODES]
-                if HAS_WINDOW:
-                    vis = vis & (n_pos[None, :] > q_pos[:, None] - window)
-                n_live = n_valid & (n_pos >= 0)
-                vis = vis & n_live[None, :]
-                block = slot // BLOCK_SIZE
-                offset = slot % BLOCK_SIZE
-                kv_mask = n_live[:, None] & dim_valid[None, :]
-                k = tl.load(k_head + block[:, None] * stride_kb + offset[:, None] * stride_ks
-                            + dim[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [TILE_NODES, HEAD_DIM_P]
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_NODES]
-                s = tl.where(vis, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_head + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                            + dim[None, :] * stride_vd, mask=kv_mask, other=0.0)  # [TILE_NODES, HEAD_DIM_P]
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                m_i = m_new
+        # Split s takes node tiles s, s + splits, ...: spread like the prefix, not all on one program, whose share
+        # would otherwise be the launch's critical path (a tree of 85 nodes is 6 tiles against a prefix split's 1).
+        for n0 in range(split * TILE_NODES, max_nodes, num_splits * TILE_NODES):
+            node = n0 + tl.arange(0, TILE_NODES)  # [TILE_NODES]
+            n_valid = node < max_nodes
+            slot = tl.load(node_slots_ptr + tree * stride_ns + node, mask=n_valid, other=0).to(tl.int64)
+            n_pos = tl.load(node_pos_ptr + tree * stride_np + node, mask=n_valid,
+                            other=-1).to(tl.int32)  # [TILE_NODES]
+            vis = tl.load(visible_ptr + tree * stride_vt + r[:, None] * stride_vr + node[None, :],
+                          mask=row_valid[:, None] & n_valid[None, :], other=0) != 0  # [BLOCK_M, TILE_NODES]
+            if HAS_WINDOW:
+                vis = vis & (n_pos[None, :] > q_pos[:, None] - window)
+            n_live = n_valid & (n_pos >= 0)
+            vis = vis & n_live[None, :]
+            block = slot // BLOCK_SIZE
+            offset = slot % BLOCK_SIZE
+            kv_mask = n_live[:, None] & dim_valid[None, :]
+            k = tl.load(k_head + block[:, None] * stride_kb + offset[:, None] * stride_ks
+                        + dim[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [TILE_NODES, HEAD_DIM_P]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_NODES]
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_head + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                        + dim[None, :] * stride_vd, mask=kv_mask, other=0.0)  # [TILE_NODES, HEAD_DIM_P]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
 
         if not SPLIT:
             # Every valid row sees itself (l_i > 0); the guard only avoids 0 / 0 on rows that are not stored.
@@ -173,7 +174,9 @@ def _combine_tree_splits_kernel(
         o_ptr, partial_ptr, partial_ml_ptr, num_heads, num_splits, stride_ot, stride_oh, stride_od,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
-    row = tl.program_id(0).to(tl.int64)  # every flat row of a tree forward is a real row (no graph padding)
+    # A padding row of a CUDA graph's bucket (engine/runner/tree_graphs.py) combines a workspace nobody wrote; its
+    # output is never read.
+    row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P)  # [SPLITS_P]
     live = splits < num_splits

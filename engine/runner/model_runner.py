@@ -20,6 +20,7 @@ from engine.parallel import get_tp_group
 from engine.runner.cuda_graphs import ForwardGraphs, GraphPool
 from engine.runner.input_buffers import InputBuffers
 from engine.runner.step_input import Chunk, DeviceTokens, PreparedForward, StepInput, build_step_input
+from engine.runner.tree_graphs import TreeGraphs
 from engine.speculation.draft_vocabulary import DraftVocabularyHead, restrict_draft_head
 
 logger = logging.getLogger("specserve")
@@ -58,6 +59,7 @@ class ModelRunner:
         self.buffers: InputBuffers | None = None
         self.graphs: ForwardGraphs | None = None
         self.graph_pool: GraphPool | None = None
+        self.tree_graphs: TreeGraphs | None = None  # speculation ahead's tree forwards (engine/runner/tree_graphs.py)
         if self.backend == "triton":
             max_reqs = engine_config.max_num_seqs
             # Verify steps may add k + 1 tokens per request beyond the scheduler's token budget.
@@ -199,7 +201,7 @@ class ModelRunner:
         """Capture decode/verify graphs for these query lengths (1: decode, k + 1: verify), and the mixed graphs
         (a prefill chunk beside other rows, one logits row per request when query_lens is empty: the draft's),
         unless eager."""
-        if self.backend != "triton" or self.config.enforce_eager or self.device.type != "cuda":
+        if not self.captures_graphs:
             return
         if self.graph_pool is None:
             self.graph_pool = GraphPool()
@@ -207,6 +209,25 @@ class ModelRunner:
                                     graph_batch_sizes(self.config), query_lens, self.graph_pool,
                                     gathered=self.execute, mixed_token_sizes=mixed_graph_token_sizes(self.config))
         self.graphs.capture()
+
+    def build_tree_graphs(self, row_buckets: list[int], max_nodes: int, max_total_rows: int,
+                          capture: bool = True) -> TreeGraphs:
+        """Padded buffers for tree forwards of up to max_num_seqs trees (graph batch-size buckets) and `row_buckets`
+        rows a tree, trees of at most max_nodes nodes, at most max_total_rows rows a forward; their CUDA graphs
+        captured where this runner captures graphs (`capture` and the kernel path on a GPU, not eager). Tree
+        forwards (engine/speculation/tree_draft.py) then run through them where they fit."""
+        max_blocks = max(-(-self.config.max_model_len // g.spec.block_size) for g in self.kv_groups)
+        graphs = TreeGraphs(self.kv_groups, torch.inference_mode()(self.forward_all), graph_batch_sizes(self.config),
+                            row_buckets, max_nodes, max_total_rows, max_blocks, self.backend, self.device)
+        if capture and self.captures_graphs:
+            graphs.capture()
+        self.tree_graphs = graphs
+        return graphs
+
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether this runner's forwards run as CUDA graphs: the kernel path on a GPU, not eager."""
+        return self.backend == "triton" and not self.config.enforce_eager and self.device.type == "cuda"
 
     @property
     def vocab_size(self) -> int:

@@ -52,6 +52,7 @@ import torch
 
 from engine.kv_cache.block_pool import NULL_BLOCK
 from engine.kv_cache.scratch_blocks import copy_slots
+from engine.runner.tree_graphs import tree_row_buckets
 from engine.sample.from_plan import DRAFT_STREAM, request_generator
 from engine.sample.logits_processors import process_target_logits
 from engine.speculation.ahead_branches import ACCEPT, REJECT
@@ -62,6 +63,8 @@ from engine.speculation.tree_roots import top_f_roots_many
 from engine.speculation.tree_schedule import TreeSchedule
 from engine.step.plan import PlannedRequest, StepPlan
 
+# Rows of a tree forward a CUDA graph covers at most: its logits ([rows, V] float32) are 311 MB at a 152k vocabulary.
+TREE_GRAPH_ROWS = 512
 # The largest q a step's trees may keep: 1 GiB (at k=4, 441 branches of a 152k vocabulary, 2048 of a 32k one).
 TREE_Q_BYTES = 1 << 30
 
@@ -92,6 +95,14 @@ class TreeAhead:
                                    self.max_rows)
         ids = runner.reserve_kv_blocks(-(-wanted // bs))
         self.slots = [b * bs + o for b in ids for o in range(bs)]  # flat scratch slots, the same in every group
+        # CUDA graphs of the tree forwards (engine/runner/tree_graphs.py): rows a tree up to its most branches,
+        # and the window's k + 1; forwards past TREE_GRAPH_ROWS rows (the graphs' logits are [rows, V] float32)
+        # run eagerly, as every tree forward does where the runner captures no graphs.
+        k = cfg.num_speculative_tokens
+        widest = max(1, min(self.schedule.max_fanout * (k + 1), self.max_rows))
+        if runner.captures_graphs:
+                runner.build_tree_graphs(tree_row_buckets(k + 1, max(widest, k + 1)), num_tree_nodes(k + 1, widest, k),
+                                     min(TREE_GRAPH_ROWS, max(self.max_rows, k + 1)))
 
     def predraft(self, plan: StepPlan, rows: list[int], host: list[list[int]], alpha: float) -> int:
         """One tree for each request of `plan` at `rows`, whose proposal was host[i] (d_1..d_k); alpha: the running

@@ -21,9 +21,10 @@ caller picks every outcome's roots from the logits after each window token, and 
 branches (the first feeds the roots). Speculation ahead's tree mode (engine/speculation/tree_ahead.py) drafts so,
 with the window led by the last committed token, so that its logits cover every outcome of the verify.
 
-Status: eager forwards on either attention path (the torch reference, or the Triton tree kernel,
-engine/kernels/tree_attention.py); no CUDA graphs of tree widths yet (see docs/ARCHITECTURE.md, "Tree pre-drafting:
-status").
+Each forward replays a CUDA graph of its (trees, rows a tree) bucket where the runner captured one
+(engine/runner/tree_graphs.py: ModelRunner.build_tree_graphs, which speculation ahead's tree mode calls at start-up),
+else runs eagerly on either attention path (the torch reference, or the Triton tree kernel,
+engine/kernels/tree_attention.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.metadata import AttentionMetadata, CommonAttentionMetadata, GroupAttentionMetadata
-from engine.attention.tree_metadata import build_tree_metadata
+from engine.attention.tree_metadata import TreeNodes
 from engine.host_copy import tensor_to_device, to_device
 from engine.kv_cache.block_pool import NULL_BLOCK
 from engine.runner.model_runner import ModelRunner
@@ -110,37 +111,57 @@ def _tree_layout(req: TreeDraftRequest, depth: int) -> tuple[list[int], list[int
     return parents, list(req.window) + root, outcome, root
 
 
-def _step(runner: ModelRunner, reqs: list[TreeDraftRequest], parents: list[list[int]], rows: list[list[int]],
-          tokens: list[torch.Tensor]) -> torch.Tensor:
-    """One forward over the given nodes of every tree -> logits [sum of rows, V]."""
-    dev = runner.device
-    slots_used = [[s[:len(p)] for s in r.scratch_slots] for r, p in zip(reqs, parents)]
-    tree = build_tree_metadata([r.prefix_len for r in reqs], parents, slots_used, rows, dev)
-    positions = tree.positions
-    num_rows = int(positions.shape[0])
-    groups = []
-    for g in runner.kv_groups:
-        bs = g.spec.block_size
-        max_blocks = max(-(-r.prefix_len // bs) for r in reqs) or 1
-        table = torch.full((len(reqs), max_blocks), NULL_BLOCK, dtype=torch.int64)
-        for i, r in enumerate(reqs):
-            own = r.block_tables[g.group_id][:max_blocks]
-            table[i, :len(own)] = torch.tensor(own, dtype=torch.int64)
-        slots = [r.scratch_slots[g.group_id][n] for r, rs in zip(reqs, rows) for n in rs]
-        groups.append(GroupAttentionMetadata(group_id=g.group_id, block_table=tensor_to_device(table, dev),
-                                             slot_mapping=to_device(slots, torch.int64, dev),
-                                             sliding_window=g.spec.sliding_window, block_size=bs))
-    counts = [len(rs) for rs in rows]
-    qsl = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)
-    common = CommonAttentionMetadata(query_start_loc=tensor_to_device(qsl, dev), seq_lens=tree.prefix_lens,
-                                     positions=positions, num_reqs=len(reqs), num_tokens=num_rows,
-                                     max_query_len=max(counts),
-                                     max_seq_len=max(r.prefix_len + len(r.window) + len(p) for r, p in
-                                                     zip(reqs, parents)))  # an upper bound, from the host
-    step = StepInput(input_ids=tensor_to_device(torch.cat(tokens), dev), positions=positions,
-                     attn=AttentionMetadata(common=common, groups=groups, backend=runner.backend, tree=tree),
-                     logits_indices=torch.arange(num_rows, device=dev), num_logits_per_req=counts)
-    return runner.execute(step)
+class _Forwards:
+    """The forwards over one layout of trees: its nodes walked once (TreeNodes), then each forward a CUDA graph's
+    replay where the runner has one that fits (engine/runner/tree_graphs.py), else eager."""
+
+    def __init__(self, runner: ModelRunner, reqs: list[TreeDraftRequest], parents: list[list[int]]) -> None:
+        self.runner, self.reqs, self.parents = runner, reqs, parents
+        self.nodes = TreeNodes([r.prefix_len for r in reqs], parents,
+                               [[s[:len(p)] for s in r.scratch_slots] for r, p in zip(reqs, parents)])
+        self.loaded = False
+
+    def __call__(self, rows: list[list[int]], tokens: list[torch.Tensor]) -> torch.Tensor:
+        """One forward over the given nodes of every tree -> logits [sum of rows, V]."""
+        runner, reqs = self.runner, self.reqs
+        feed = tensor_to_device(torch.cat(tokens), runner.device)
+        graphs = runner.tree_graphs
+        key = (graphs.bucket(len(reqs), max(len(r) for r in rows), self.nodes.seen.shape[1])
+               if graphs is not None else None)
+        if key is not None:
+            if not self.loaded:
+                graphs.load_nodes(self.nodes, [r.block_tables for r in reqs])
+                self.loaded = True
+            return graphs.run(key, rows, feed)
+        return runner.execute(self._eager_step(rows, feed))
+
+    def _eager_step(self, rows: list[list[int]], feed: torch.Tensor) -> StepInput:
+        runner, reqs, dev = self.runner, self.reqs, self.runner.device
+        tree = self.nodes.metadata(rows, dev)
+        positions = tree.positions
+        num_rows = int(positions.shape[0])
+        groups = []
+        for g in runner.kv_groups:
+            bs = g.spec.block_size
+            max_blocks = max(-(-r.prefix_len // bs) for r in reqs) or 1
+            table = torch.full((len(reqs), max_blocks), NULL_BLOCK, dtype=torch.int64)
+            for i, r in enumerate(reqs):
+                own = r.block_tables[g.group_id][:max_blocks]
+                table[i, :len(own)] = torch.tensor(own, dtype=torch.int64)
+            slots = [r.scratch_slots[g.group_id][n] for r, rs in zip(reqs, rows) for n in rs]
+            groups.append(GroupAttentionMetadata(group_id=g.group_id, block_table=tensor_to_device(table, dev),
+                                                 slot_mapping=to_device(slots, torch.int64, dev),
+                                                 sliding_window=g.spec.sliding_window, block_size=bs))
+        counts = [len(rs) for rs in rows]
+        qsl = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)
+        common = CommonAttentionMetadata(query_start_loc=tensor_to_device(qsl, dev), seq_lens=tree.prefix_lens,
+                                         positions=positions, num_reqs=len(reqs), num_tokens=num_rows,
+                                         max_query_len=max(counts),
+                                         max_seq_len=max(r.prefix_len + len(r.window) + len(p) for r, p in
+                                                         zip(reqs, self.parents)))  # an upper bound, from the host
+        return StepInput(input_ids=feed, positions=positions,
+                         attn=AttentionMetadata(common=common, groups=groups, backend=runner.backend, tree=tree),
+                         logits_indices=torch.arange(num_rows, device=dev), num_logits_per_req=counts)
 
 
 @torch.inference_mode()
@@ -170,8 +191,8 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
         chains = [[j - 1 for j in range(k)] for k in ks]
         for r, p in zip(reqs, chains):
             _check_slots(runner, r, len(p))
-        logits = _step(runner, reqs, chains, [list(range(k)) for k in ks],
-                       [to_device(r.window, torch.int64, dev) for r in reqs])
+        logits = _Forwards(runner, reqs, chains)([list(range(k)) for k in ks],
+                                                 [to_device(r.window, torch.int64, dev) for r in reqs])
         window_logits = list(logits.split(ks))
         reqs = [dataclasses.replace(r, roots=roots) for r, roots in zip(reqs, choose_roots(window_logits), strict=True)]
     layouts = [_tree_layout(r, depth) for r in reqs]
@@ -192,6 +213,7 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
     offsets = [0]
     for nb in nbs:
         offsets.append(offsets[-1] + nb)
+    forward = _Forwards(runner, reqs, parents)
     for dpt in range(depth):
         if dpt == 0 and choose_roots is None:  # the window and every root
             rows = [list(range(k + nb)) for k, nb in zip(ks, nbs)]
@@ -202,7 +224,7 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
         else:  # every branch's newest draft
             rows = [list(range(k + dpt * nb, k + (dpt + 1) * nb)) for k, nb in zip(ks, nbs)]
             feed = [tokens[offsets[i]:offsets[i + 1], dpt - 1] for i in range(len(reqs))]
-        logits = _step(runner, reqs, parents, rows, feed)
+        logits = forward(rows, feed)
         if dpt == 0 and choose_roots is None:
             per_req = logits.split([k + nb for k, nb in zip(ks, nbs)])
             window_logits = [x[:k] for x, k in zip(per_req, ks)]

@@ -1,6 +1,7 @@
 """Speculation ahead's tree mode on CUDA, on the torch attention path and on the kernel path (the Triton tree kernel;
-tree forwards run eagerly there): greedy output equals the target alone with branches hitting, in float32 and
-bfloat16; seeded sampled output equals plain speculation's on both paths (the eager draft and the draft loop)."""
+tree forwards replay CUDA graphs of their buckets there, engine/runner/tree_graphs.py): greedy output equals the
+target alone with branches hitting, in float32 and bfloat16; seeded sampled output equals plain speculation's on both
+paths (the eager draft and the draft loop)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def test_greedy_with_tree_mode_on_cuda(tiny_models, tiny_drafts, near_drafts, ta
     assert stats.trees > 0 and stats.drafted_tokens > 0
     if draft == "near":
         assert stats.hits_reject > 0, stats
+    graphs = llm.engine.executor.ahead.runner.tree_graphs
+    assert (graphs is not None and graphs.num_replays > 0) == (backend == "triton"), "tree forwards as graphs"
     assert llm.engine.target_kv.num_used_blocks() == [0] * llm.engine.target_kv.num_groups
     assert llm.engine.draft_kv.num_used_blocks() == [0] * llm.engine.draft_kv.num_groups
 
