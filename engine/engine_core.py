@@ -166,8 +166,8 @@ class EngineCore:
         return list(self.executor.workers())
 
     def check_health(self, timeout_s: float = 10.0) -> None:
-        """Raise (serving.ray_executor.WorkerDiedError) when a model worker is dead or does not answer within
-        `timeout_s`; call between steps. Models in this process have nothing to check."""
+        """Raise (serving.worker_health.WorkerDiedError) when a model worker is dead or does not answer
+        within `timeout_s`; call between steps. Models in this process have nothing to check."""
         self.executor.check_health(timeout_s)
 
     def shutdown(self) -> None:

@@ -191,6 +191,24 @@ def near_drafts(tiny_models, tmp_path_factory) -> dict[str, TinyModel]:
     return drafts
 
 
+@pytest.fixture(scope="module")
+def near_llama(tiny_models: dict[str, TinyModel], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama's weights plus 5% noise: a draft that agrees with the target often, so speculative steps
+    accept runs of tokens (4 heads and 2 KV heads: splits evenly over 2 ranks). Its shape is the target's (the
+    drafts of `near_drafts` have one layer more)."""
+    import copy
+
+    target = tiny_models["llama"]
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(target.config)).eval()
+    with torch.no_grad():
+        model.load_state_dict({n: w + 0.05 * w.std() * torch.randn_like(w) if w.dim() == 2 else w.clone()
+                               for n, w in target.hf.state_dict().items()})
+    path = tmp_path_factory.mktemp("near") / "llama"
+    model.save_pretrained(path)
+    return str(path)
+
+
 def hf_greedy_cuda(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     """HF transformers' greedy continuation of `prompt` on the GPU (the model moves there and back)."""
     model = model.to("cuda")
