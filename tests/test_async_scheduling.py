@@ -11,7 +11,6 @@ entries, bounds, deferred frees, finished ids) without Ray; tests/test_ray_execu
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import random_prompts
 from spec_support import (
     ENGINE_KW,
@@ -19,13 +18,11 @@ from spec_support import (
     NEW_TOKENS,
     PROMPTS,
     assert_kv_released,
-    chi_square_p_value,
 )
 from test_spec_distribution import (
     DIST_PROMPT,
     DIST_SAMPLES,
-    SMALL_VOCAB,
-    exact_joint,
+    assert_first_three_follow_target,
     small_vocab_pair,  # noqa: F401 - the distribution test's fixture
 )
 
@@ -227,14 +224,7 @@ def test_async_sampling_follows_target_distribution(small_vocab_pair, mode):  # 
     # of three, so the second would sit out; with six, the second step goes out open, behind the first.
     outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True))
     assert any(p.token_ids is None for plan in seen["sent"] for p in plan.requests)
-    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)
-    for o in outs:
-        counts[tuple(o.token_ids[:3])] += 1
-    target = exact_joint(target_hf, DIST_PROMPT, 1.0, 0, 1.0)
-    draft = exact_joint(draft_hf, DIST_PROMPT, 1.0, 0, 1.0)
-    assert chi_square_p_value(counts, target) > 1e-3
-    support = draft > 0
-    assert chi_square_p_value(counts[support], draft[support] / draft[support].sum()) < 1e-6
+    assert_first_three_follow_target(outs, target_hf, draft_hf)
 
 
 def test_request_table_refuses_an_open_entry_it_cannot_resolve():
