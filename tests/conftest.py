@@ -238,14 +238,25 @@ def local_ray(num_cpus: int = 4, num_gpus: int | None = None) -> Iterator[None]:
         ray.shutdown()
 
 
+def start_requests(engine: EngineCore, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                   steps: int = 0) -> list[Request]:
+    """Add one request per prompt (ids r0, r1, ...; `params` one for all, or one each) to an EngineCore and run
+    `steps` steps; returns the requests, in prompt order."""
+    from engine.request import Request
+
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    reqs = [Request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, each))]
+    for r in reqs:
+        engine.add_request(r)
+    for _ in range(steps):
+        engine.step()
+    return reqs
+
+
 def run_to_completion(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> list[Request]:
     """Add one request per prompt (ids r0, r1, ...) to an EngineCore and step it until every one has finished;
     returns the requests, in prompt order."""
-    from engine.request import Request
-
-    reqs = [Request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    for r in reqs:
-        engine.add_request(r)
+    reqs = start_requests(engine, prompts, params)
     while engine.has_unfinished():
         engine.step()
     return reqs

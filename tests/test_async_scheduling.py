@@ -11,7 +11,7 @@ entries, bounds, deferred frees, finished ids) without Ray; tests/test_ray_execu
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompts
+from conftest import random_prompts, start_requests
 from spec_support import (
     ENGINE_KW,
     GREEDY,
@@ -169,11 +169,7 @@ def test_async_abort_with_a_step_in_flight(tiny_models, near_drafts, target_gree
     path, draft = tiny_models["llama"].path, near_drafts["llama"].path
     llm = LLM(path, draft_model=draft, num_speculative_tokens=3, **ASYNC)
     engine = llm.engine
-    reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-    for r in reqs:
-        engine.add_request(r)
-    for _ in range(4):
-        engine.step()
+    reqs = start_requests(engine, PROMPTS, GREEDY, steps=4)
     victim = reqs[1]
     assert victim.inflight is not None  # a step of it is in flight now
     used_before = engine.target_kv.num_blocks_held("r1", 0)

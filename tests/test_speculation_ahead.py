@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import random_prompts, start_requests
 from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS, assert_kv_released
 from test_async_scheduling import _draft
 from test_spec_distribution import (
@@ -23,7 +23,6 @@ from test_spec_distribution import (
 )
 
 from engine import LLM, SamplingParams
-from engine.request import Request
 from engine.speculation.speculation_ahead import AheadProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,11 +91,7 @@ def _abort_after_four_steps(llm: LLM, target_greedy: Callable[[str], list[list[i
     is aborted: the next plan names it finished, so its entries are never proposed, and dropped; the others still
     equal the target alone."""
     engine, ahead = llm.engine, _ahead(llm)
-    reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-    for r in reqs:
-        engine.add_request(r)
-    for _ in range(4):
-        engine.step()
+    reqs = start_requests(engine, PROMPTS, GREEDY, steps=4)
     assert "r1" in ahead.cache.entries
     drafted(ahead.cache.entries["r1"])
     engine.abort_request("r1")
