@@ -123,20 +123,27 @@ def test_async_resolved_inputs_equal_sync_inputs(tiny_models, near_drafts):
     assert same_draft >= 0.8 * len(common)
 
 
+def stops_and_max_tokens_inside(llm: LLM, ref: list[list[int]], past: int, max_tokens: int) -> None:
+    """Greedy PROMPTS (`ref`: the target's outputs), request 0 ending on a stop token id, request 1 at `max_tokens`
+    and request 2 on a stop token id (each its first new token from position `past` on): the outputs end exactly
+    there, whatever step or proposal they land in."""
+    stops = [next(j for j in range(past, len(r)) if r[j] not in r[:j]) for r in ref]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=[r[j]], ignore_eos=True)
+              for r, j in zip(ref, stops, strict=True)]
+    params[1] = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    assert outs[0].token_ids == ref[0][:stops[0] + 1] and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == ref[1][:max_tokens] and outs[1].finish_reason == "length"
+    assert outs[2].token_ids == ref[2][:stops[2] + 1] and outs[2].stop_reason == ref[2][stops[2]]
+
+
 def test_async_stop_token_and_max_tokens_inside_a_step_in_flight(tiny_models, target_greedy):
     # A draft identical to the target accepts everything, so a request's last tokens land while its next step
     # is already in flight: that step's tokens must be dropped, and its blocks freed only after it lands.
     path = tiny_models["llama"].path
     ref = target_greedy("llama")
     llm = LLM(path, draft_model=path, num_speculative_tokens=4, **ASYNC)
-    stops = [next(j for j in range(2, len(r)) if r[j] not in r[:j]) for r in ref]
-    params = [SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=[r[j]], ignore_eos=True)
-              for r, j in zip(ref, stops, strict=True)]
-    params[1] = SamplingParams(max_tokens=7, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params)
-    assert outs[0].token_ids == ref[0][:stops[0] + 1] and outs[0].finish_reason == "stop"
-    assert outs[1].token_ids == ref[1][:7] and outs[1].finish_reason == "length"
-    assert outs[2].token_ids == ref[2][:stops[2] + 1] and outs[2].stop_reason == ref[2][stops[2]]
+    stops_and_max_tokens_inside(llm, ref, past=2, max_tokens=7)
     assert_kv_released(llm)
     _assert_released(llm)
 

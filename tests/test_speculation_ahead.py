@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import random_prompts, start_requests
 from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS, assert_kv_released
-from test_async_scheduling import _draft
+from test_async_scheduling import _draft, stops_and_max_tokens_inside
 from test_spec_distribution import (
     DIST_PROMPT,
     DIST_SAMPLES,
@@ -57,19 +57,6 @@ def _kv_at(llm: LLM, tables: list[list[int]], positions: list[int]) -> list[torc
         offsets = torch.tensor([p % bs for p in positions])
         out.append(torch.stack([t[:, blocks, offsets] for t in tensors]).clone())
     return out
-
-
-def _stops_and_max_tokens_inside(llm: LLM, ref: list[list[int]]) -> None:
-    """Greedy PROMPTS, request 0 ending on a stop token id, request 1 at max_tokens=9 and request 2 on a stop token id
-    (each its first new token past the fifth): the outputs end exactly there, whatever proposal they land in."""
-    stops = [next(j for j in range(5, len(r)) if r[j] not in r[:j]) for r in ref]
-    params = [SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=[r[j]], ignore_eos=True)
-              for r, j in zip(ref, stops, strict=True)]
-    params[1] = SamplingParams(max_tokens=9, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params)
-    assert outs[0].token_ids == ref[0][:stops[0] + 1] and outs[0].finish_reason == "stop"
-    assert outs[1].token_ids == ref[1][:9] and outs[1].finish_reason == "length"
-    assert outs[2].token_ids == ref[2][:stops[2] + 1] and outs[2].stop_reason == ref[2][stops[2]]
 
 
 def _exact_at_max_model_len(path: str, draft: str, **ahead: object) -> LLM:
@@ -206,7 +193,7 @@ def test_ahead_stop_token_and_max_tokens_inside_a_window(tiny_models, target_gre
     path = tiny_models["llama"].path
     ref = target_greedy("llama")
     llm = LLM(path, draft_model=path, num_speculative_tokens=4, async_scheduling=async_, **AHEAD)
-    _stops_and_max_tokens_inside(llm, ref)
+    stops_and_max_tokens_inside(llm, ref, past=5, max_tokens=9)
     assert _ahead(llm).stats.hits > 0
     _assert_released(llm)
 

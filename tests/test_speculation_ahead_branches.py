@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import random_prompts
 from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS
-from test_async_scheduling import _draft
+from test_async_scheduling import _draft, stops_and_max_tokens_inside
 from test_spec_distribution import (
     DIST_PROMPT,
     DIST_SAMPLES,
@@ -24,7 +24,6 @@ from test_speculation_ahead import (
     _assert_released,
     _exact_at_max_model_len,
     _kv_at,
-    _stops_and_max_tokens_inside,
 )
 
 from engine import LLM, SamplingParams
@@ -224,7 +223,7 @@ def test_branches_stop_token_and_max_tokens_inside_a_window(tiny_models, near_dr
     ref = target_greedy("llama")
     llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=4,
               async_scheduling=async_, speculation_ahead_branches=4, **AHEAD)
-    _stops_and_max_tokens_inside(llm, ref)
+    stops_and_max_tokens_inside(llm, ref, past=5, max_tokens=9)
     assert _ahead(llm).stats.hits_reject > 0
     _assert_all_released(llm)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import random_prompts
 from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS
-from test_async_scheduling import _draft
+from test_async_scheduling import _draft, stops_and_max_tokens_inside
 from test_spec_distribution import (
     DIST_PROMPT,
     DIST_SAMPLES,
@@ -23,7 +23,6 @@ from test_speculation_ahead import (
     _assert_released,
     _exact_at_max_model_len,
     _kv_at,
-    _stops_and_max_tokens_inside,
 )
 
 from engine import LLM, SamplingParams
@@ -149,7 +148,7 @@ def test_tree_stop_token_and_max_tokens_inside_a_branch(tiny_models, near_drafts
     ref = target_greedy("llama")
     llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=4,
               async_scheduling=async_, **TREE)
-    _stops_and_max_tokens_inside(llm, ref)
+    stops_and_max_tokens_inside(llm, ref, past=5, max_tokens=9)
     assert _ahead(llm).stats.hits > 0
     _assert_released(llm)
 
