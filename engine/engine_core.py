@@ -28,6 +28,7 @@ from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.speculation.ahead_budget import AheadBudget, drafts_ahead
 from engine.speculation.ahead_totals import NUM_TOTALS
+from engine.step.commit import commit_result
 from engine.step.executor import Executor
 from engine.step.inflight_steps import InFlightStep, InFlightSteps
 from engine.step.phases import COMMIT, SCHEDULE, StepStats
@@ -165,8 +166,8 @@ class EngineCore:
         return list(self.executor.workers())
 
     def check_health(self, timeout_s: float = 10.0) -> None:
-        """Raise (serving.ray_executor.WorkerDiedError) when a model worker is dead or does not answer within
-        `timeout_s`; call between steps. Models in this process have nothing to check."""
+        """Raise (serving.worker_health.WorkerDiedError) when a model worker is dead or does not answer
+        within `timeout_s`; call between steps. Models in this process have nothing to check."""
         self.executor.check_health(timeout_s)
 
     def shutdown(self) -> None:
@@ -367,46 +368,9 @@ class EngineCore:
         return plan
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
+        """Commit a collected step (engine/step/commit.py); returns the requests it gave tokens or finished."""
         if result.speculation_ahead_totals is not None:
             self._speculation_ahead_totals = result.speculation_ahead_totals
         if self.scheduler.speculation_ahead:
             self.ahead_budget.observe(result.phase_seconds, result.predraft_window)
-        touched = []
-        for n, (s, tokens, accepted) in enumerate(zip(scheduled, result.sampled, result.num_accepted)):
-            r = s.request
-            if r.status.finished:  # ended while this step was in flight: its tokens come after the end
-                continue
-            # The k the step verified: an open entry's was shrunk by the sides, from their exact counts.
-            k = result.num_draft_tokens[n] if result.num_draft_tokens is not None else s.num_draft_tokens
-            # An open input began where the step before it ended: the committed frontier now.
-            frontier = r.num_tokens if s.open_input else s.frontier
-            if result.prompt_logprobs is not None and result.prompt_logprobs[n]:
-                _add_prompt_logprobs(r, s.start, result.prompt_logprobs[n])
-            if tokens is None:  # a prefill chunk that did not reach the end of the prompt
-                r.num_computed_tokens = frontier
-                if s.draft_runs:
-                    r.num_draft_computed_tokens = frontier
-                self.scheduler.cache_committed_blocks(r)
-                continue
-            # KV of the fed last token and of the accepted drafts is valid; rejected slots get overwritten.
-            r.num_computed_tokens = frontier + accepted
-            if s.draft_runs:
-                r.num_draft_computed_tokens = frontier + min(accepted, max(k - 1, 0))
-            if k:
-                r.spec.record(k, accepted)
-            kept = self.output.append(r, tokens)
-            if result.logprobs is not None and result.logprobs[n] is not None:
-                r.output_logprobs.extend(result.logprobs[n][:kept])  # none for tokens past a stop
-            self.scheduler.cache_committed_blocks(r)  # before a finish frees the blocks
-            touched.append(r)
-            if r.status.finished:
-                self._finish(r, r.status)
-        return touched
-
-
-def _add_prompt_logprobs(r: Request, start: int, entries: list[Any]) -> None:
-    """Append a chunk's prompt logprobs (those of prompt tokens start + 1, start + 2, ...) where they extend what
-    the request has: a chunk recomputed after a preemption brings some a second time."""
-    have = len(r.prompt_logprobs)
-    if start <= have:
-        r.prompt_logprobs.extend(entries[have - start:])
+        return commit_result(self.scheduler, self.output, scheduled, result, self._finish)

@@ -1,8 +1,8 @@
 """A router's recovery from a dead model worker, and serving on the target alone while the draft group is down.
 
-A step that fails because a model worker died (serving.ray_executor.WorkerDiedError, or Ray's actor error) fails
-the requests in flight with a 503 that says so, marks the router unavailable (/health 503, new requests 503) and
-rebuilds its worker groups in the background; should that fail, the router's actor ends so that Serve's controller
+A step that fails because a model worker died (serving.worker_health.WorkerDiedError, or Ray's actor error)
+fails the requests in flight with a 503 that says so, marks the router unavailable (/health 503, new requests 503)
+and rebuilds its worker groups in the background; should that fail, the router's actor ends so that Serve's controller
 creates a new router, which builds new workers. `EngineRecovery` holds these steps; the Router (serving/router.py)
 inherits it and calls `_on_step_error` and `_declare_dead` while it holds the engine; the background tasks take the
 engine between steps themselves.
@@ -104,7 +104,7 @@ class EngineRecovery:
             self._declare_dead(error)
 
     def _declare_dead(self, error: Exception) -> None:
-        """A model worker died (serving.ray_executor.WorkerDiedError): this engine cannot step again. Say so
+        """A model worker died (serving.worker_health.WorkerDiedError): this engine cannot step again. Say so
         (/health 503, new requests 503), then rebuild the worker groups in the background; should that fail,
         end this actor so that Serve's controller creates a new router, which builds new workers."""
         if self._serve_without_draft(error):

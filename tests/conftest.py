@@ -191,6 +191,24 @@ def near_drafts(tiny_models, tmp_path_factory) -> dict[str, TinyModel]:
     return drafts
 
 
+@pytest.fixture(scope="module")
+def near_llama(tiny_models: dict[str, TinyModel], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama's weights plus 5% noise: a draft that agrees with the target often, so speculative steps
+    accept runs of tokens (4 heads and 2 KV heads: splits evenly over 2 ranks). Its shape is the target's (the
+    drafts of `near_drafts` have one layer more)."""
+    import copy
+
+    target = tiny_models["llama"]
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(target.config)).eval()
+    with torch.no_grad():
+        model.load_state_dict({n: w + 0.05 * w.std() * torch.randn_like(w) if w.dim() == 2 else w.clone()
+                               for n, w in target.hf.state_dict().items()})
+    path = tmp_path_factory.mktemp("near") / "llama"
+    model.save_pretrained(path)
+    return str(path)
+
+
 def hf_greedy_cuda(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     """HF transformers' greedy continuation of `prompt` on the GPU (the model moves there and back)."""
     model = model.to("cuda")
@@ -220,14 +238,25 @@ def local_ray(num_cpus: int = 4, num_gpus: int | None = None) -> Iterator[None]:
         ray.shutdown()
 
 
+def start_requests(engine: EngineCore, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                   steps: int = 0) -> list[Request]:
+    """Add one request per prompt (ids r0, r1, ...; `params` one for all, or one each) to an EngineCore and run
+    `steps` steps; returns the requests, in prompt order."""
+    from engine.request import Request
+
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    reqs = [Request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, each))]
+    for r in reqs:
+        engine.add_request(r)
+    for _ in range(steps):
+        engine.step()
+    return reqs
+
+
 def run_to_completion(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> list[Request]:
     """Add one request per prompt (ids r0, r1, ...) to an EngineCore and step it until every one has finished;
     returns the requests, in prompt order."""
-    from engine.request import Request
-
-    reqs = [Request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    for r in reqs:
-        engine.add_request(r)
+    reqs = start_requests(engine, prompts, params)
     while engine.has_unfinished():
         engine.step()
     return reqs

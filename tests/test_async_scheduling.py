@@ -11,21 +11,18 @@ entries, bounds, deferred frees, finished ids) without Ray; tests/test_ray_execu
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import random_prompts
+from conftest import random_prompts, start_requests
 from spec_support import (
     ENGINE_KW,
     GREEDY,
     NEW_TOKENS,
     PROMPTS,
     assert_kv_released,
-    chi_square_p_value,
 )
 from test_spec_distribution import (
     DIST_PROMPT,
     DIST_SAMPLES,
-    SMALL_VOCAB,
-    exact_joint,
+    assert_first_three_follow_target,
     small_vocab_pair,  # noqa: F401 - the distribution test's fixture
 )
 
@@ -126,20 +123,27 @@ def test_async_resolved_inputs_equal_sync_inputs(tiny_models, near_drafts):
     assert same_draft >= 0.8 * len(common)
 
 
+def stops_and_max_tokens_inside(llm: LLM, ref: list[list[int]], past: int, max_tokens: int) -> None:
+    """Greedy PROMPTS (`ref`: the target's outputs), request 0 ending on a stop token id, request 1 at `max_tokens`
+    and request 2 on a stop token id (each its first new token from position `past` on): the outputs end exactly
+    there, whatever step or proposal they land in."""
+    stops = [next(j for j in range(past, len(r)) if r[j] not in r[:j]) for r in ref]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=[r[j]], ignore_eos=True)
+              for r, j in zip(ref, stops, strict=True)]
+    params[1] = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    assert outs[0].token_ids == ref[0][:stops[0] + 1] and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == ref[1][:max_tokens] and outs[1].finish_reason == "length"
+    assert outs[2].token_ids == ref[2][:stops[2] + 1] and outs[2].stop_reason == ref[2][stops[2]]
+
+
 def test_async_stop_token_and_max_tokens_inside_a_step_in_flight(tiny_models, target_greedy):
     # A draft identical to the target accepts everything, so a request's last tokens land while its next step
     # is already in flight: that step's tokens must be dropped, and its blocks freed only after it lands.
     path = tiny_models["llama"].path
     ref = target_greedy("llama")
     llm = LLM(path, draft_model=path, num_speculative_tokens=4, **ASYNC)
-    stops = [next(j for j in range(2, len(r)) if r[j] not in r[:j]) for r in ref]
-    params = [SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=[r[j]], ignore_eos=True)
-              for r, j in zip(ref, stops, strict=True)]
-    params[1] = SamplingParams(max_tokens=7, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params)
-    assert outs[0].token_ids == ref[0][:stops[0] + 1] and outs[0].finish_reason == "stop"
-    assert outs[1].token_ids == ref[1][:7] and outs[1].finish_reason == "length"
-    assert outs[2].token_ids == ref[2][:stops[2] + 1] and outs[2].stop_reason == ref[2][stops[2]]
+    stops_and_max_tokens_inside(llm, ref, past=2, max_tokens=7)
     assert_kv_released(llm)
     _assert_released(llm)
 
@@ -172,11 +176,7 @@ def test_async_abort_with_a_step_in_flight(tiny_models, near_drafts, target_gree
     path, draft = tiny_models["llama"].path, near_drafts["llama"].path
     llm = LLM(path, draft_model=draft, num_speculative_tokens=3, **ASYNC)
     engine = llm.engine
-    reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-    for r in reqs:
-        engine.add_request(r)
-    for _ in range(4):
-        engine.step()
+    reqs = start_requests(engine, PROMPTS, GREEDY, steps=4)
     victim = reqs[1]
     assert victim.inflight is not None  # a step of it is in flight now
     used_before = engine.target_kv.num_blocks_held("r1", 0)
@@ -227,14 +227,7 @@ def test_async_sampling_follows_target_distribution(small_vocab_pair, mode):  # 
     # of three, so the second would sit out; with six, the second step goes out open, behind the first.
     outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True))
     assert any(p.token_ids is None for plan in seen["sent"] for p in plan.requests)
-    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)
-    for o in outs:
-        counts[tuple(o.token_ids[:3])] += 1
-    target = exact_joint(target_hf, DIST_PROMPT, 1.0, 0, 1.0)
-    draft = exact_joint(draft_hf, DIST_PROMPT, 1.0, 0, 1.0)
-    assert chi_square_p_value(counts, target) > 1e-3
-    support = draft > 0
-    assert chi_square_p_value(counts[support], draft[support] / draft[support].sum()) < 1e-6
+    assert_first_three_follow_target(outs, target_hf, draft_hf)
 
 
 def test_request_table_refuses_an_open_entry_it_cannot_resolve():

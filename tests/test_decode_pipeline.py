@@ -10,11 +10,10 @@ tokens on the host within the step (logprobs, penalties) run beside queued ones 
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompts
+from conftest import random_prompts, start_requests
 from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS
 
 from engine import LLM, SamplingParams
-from engine.request import Request
 from engine.step.decode_pipeline import DecodePipeline, _pending_slots
 from engine.step.plan import PlannedRequest, StepPlan
 from engine.step.request_table import PENDING_TOKEN
@@ -132,11 +131,7 @@ def test_pipelined_preemption_and_abort(tiny_models, target_greedy):
 
     llm = LLM(path, **PIPELINED)
     engine = llm.engine
-    reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-    for r in reqs:
-        engine.add_request(r)
-    for _ in range(4):
-        engine.step()
+    reqs = start_requests(engine, PROMPTS, GREEDY, steps=4)
     assert reqs[1].inflight is not None and _pipeline(llm).pending is not None
     engine.abort_request("r1")
     n_out = reqs[1].num_output_tokens

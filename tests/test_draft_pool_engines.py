@@ -17,16 +17,12 @@ import pytest
 import ray
 from conftest import TinyModel, local_ray, random_prompts
 from spec_support import run_together
+from test_ray_executor import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS  # the Ray executor tests' requests
 
 from engine import LLM, SamplingParams
 from engine.step.plan import PlannedRequest, StepPlan
 from serving.draft_pool import DraftPoolReplica
 from serving.engine_factory import build_ray_engine
-
-PROMPTS = random_prompts([3, 9, 17], seed=5)
-NEW_TOKENS = 16
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-ENGINE_KW = dict(block_size=4, max_model_len=64, max_num_batched_tokens=20)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,7 +13,7 @@ import random
 from typing import Any
 
 import pytest
-from conftest import random_prompts
+from conftest import random_prompts, start_requests
 from spec_support import ENGINE_KW, GREEDY, PROMPTS
 
 import engine.engine_core as engine_core
@@ -344,11 +344,7 @@ def test_a_new_draft_group_is_sent_everything(tiny_models, near_drafts, target_g
               block_size=4, max_model_len=64)
     engine = llm.engine
     ex = engine.executor = DraftGroupExecutor(engine.executor)
-    reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-    for r in reqs:
-        engine.add_request(r)
-    for _ in range(3):
-        engine.step()
+    reqs = start_requests(engine, PROMPTS, GREEDY, steps=3)
     assert len(engine.sent) == 3
     spec = engine.detach_draft()
     assert len(engine.sent) == 0

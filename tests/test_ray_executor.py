@@ -6,11 +6,12 @@ sums, and the tiny models' scaled-up weights give next-token distributions too p
 argmax. Sampled outputs (temperature > 0) must be identical between the compiled graph and plain calls,
 which run the same worker code on the same seeds. Small blocks, a short max_model_len and a token budget
 below the longest prompt make steps cross block boundaries and mix prefill chunks with (speculative) decodes.
+Without Ray: the workers' step methods in tests/test_worker_replay.py, how their groups are built in
+tests/test_worker_group.py.
 """
 
 from __future__ import annotations
 
-import copy
 import gc
 import sys
 import time
@@ -20,19 +21,16 @@ import pytest
 import ray
 import torch
 from conftest import TinyModel, local_ray, random_prompts, run_to_completion
-from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
 from engine.engine_core import EngineCore
 from engine.request import Request
 from engine.speculation.ahead_budget import AheadBudget
 from engine.step.plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
-from serving.ray_executor import RayExecutor, WorkerDiedError, check_tensor_parallel, launch_verify_ahead_for
+from serving.ray_executor import RayExecutor
 from serving.thread_switch import DEFAULT_GIL_SWITCH_INTERVAL_S
-from serving.worker import ModelWorker
-from serving.worker_group import speculation_ahead_for
+from serving.worker_health import WorkerDiedError
 
 PROMPTS = random_prompts([3, 9, 17], seed=5)
 NEW_TOKENS = 16
@@ -47,61 +45,12 @@ def ray_runtime() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="module")
-def near_llama(tiny_models: dict[str, TinyModel], tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny Llama's weights plus 5% noise: a draft that agrees with the target often, so speculative steps
-    accept runs of tokens (4 heads and 2 KV heads: splits evenly over 2 ranks)."""
-    target = tiny_models["llama"]
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(target.config)).eval()
-    with torch.no_grad():
-        model.load_state_dict({n: w + 0.05 * w.std() * torch.randn_like(w) if w.dim() == 2 else w.clone()
-                               for n, w in target.hf.state_dict().items()})
-    path = tmp_path_factory.mktemp("near") / "llama"
-    model.save_pretrained(path)
-    return str(path)
-
-
 def greedy_tokens(engine: EngineCore) -> list[list[int]]:
     return [r.output_token_ids for r in run_to_completion(engine, PROMPTS, [GREEDY] * len(PROMPTS))]
 
 
 def llm_greedy(path: str) -> list[list[int]]:
     return [o.token_ids for o in LLM(path, **ENGINE_KW).generate(PROMPTS, GREEDY)]
-
-
-def test_worker_methods_replay_the_local_executor(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
-    """In process, no Ray: a draft and a target ModelWorker (engine config as a plain dict) fed the plans that
-    LocalExecutor ran, through the methods the compiled graph binds (the verify input prepared from the plan alone,
-    the proposal handed over as host lists), return its results exactly, step by step, sampled tokens included."""
-    llm = LLM(tiny_models["llama"].path, draft_model=near_llama, num_speculative_tokens=3, seed=3, **ENGINE_KW)
-    executor = llm.engine.executor
-    steps: list[tuple[StepPlan, StepResult]] = []
-    run_local = executor.execute
-
-    def recording(plan: StepPlan) -> StepResult:
-        steps.append((plan, run_local(plan)))
-        return steps[-1][1]
-
-    executor.execute = recording  # type: ignore[method-assign]
-    llm.generate(PROMPTS, [GREEDY, SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True),
-                           SamplingParams(max_tokens=NEW_TOKENS, temperature=0.7, seed=9, ignore_eos=True)])
-    config = dict(device="cpu", dtype="float32", seed=3, **ENGINE_KW)
-    threads = torch.get_num_threads()  # a CPU worker pins its process to cpu_threads
-    interval = sys.getswitchinterval()  # and sets the process's thread switch interval
-    try:
-        draft = ModelWorker("draft", near_llama, config, rejection_sampling="probabilistic", cpu_threads=threads)
-        target = ModelWorker("target", tiny_models["llama"].path, config, cpu_threads=threads)
-    finally:
-        torch.set_num_threads(threads)
-        sys.setswitchinterval(interval)
-        gc.unfreeze()  # a worker freezes its process's heap once started: not the test process's
-    assert target.info().num_blocks == executor.target_num_blocks
-    assert draft.info().kv_groups == executor.draft_kv_groups
-    for plan, expected in steps:
-        result = target.target_step(target.target_prepare(plan), draft.draft_step(plan))
-        assert (result.sampled, result.num_accepted) == (expected.sampled, expected.num_accepted)
-    assert any(any(r.num_accepted) for _, r in steps)  # accepted drafts were replayed too
 
 
 def test_target_only_tp1_matches_llm(tiny_models: dict[str, TinyModel]) -> None:
@@ -396,32 +345,3 @@ def test_fan_out_across_processes(tiny_models: dict[str, TinyModel], near_llama:
         assert most > more and most_reject == more_reject
     finally:
         executor.shutdown()
-
-
-def test_speculation_ahead_only_where_the_draft_has_gpus_of_its_own() -> None:
-    whole = {"GPU": 1, "CPU": 1}
-    assert speculation_ahead_for(None, "cuda", [whole, whole])
-    assert not speculation_ahead_for(None, "cuda", [{"GPU": 0.75}, {"GPU": 0.25}])
-    assert not speculation_ahead_for(None, "cpu", [{"CPU": 1}, {"CPU": 1}])
-    assert speculation_ahead_for(True, "cpu", [{"CPU": 1}, {"CPU": 1}])
-    assert not speculation_ahead_for(False, "cuda", [whole, whole])
-
-
-def test_verify_launched_ahead_only_where_no_gpu_is_shared() -> None:
-    whole, cpu = {"GPU": 1, "CPU": 1}, {"CPU": 1}
-    assert launch_verify_ahead_for(None, "cuda", [whole, whole], use_compiled_graph=True)
-    assert not launch_verify_ahead_for(None, "cuda", [{"GPU": 0.75}, {"GPU": 0.25}], use_compiled_graph=True)
-    assert not launch_verify_ahead_for(None, "cuda", [whole], use_compiled_graph=True)  # no draft
-    assert not launch_verify_ahead_for(None, "cuda", [whole, whole], use_compiled_graph=False)  # no prepare node
-    assert not launch_verify_ahead_for(None, "cpu", [cpu, cpu], use_compiled_graph=True)
-    assert launch_verify_ahead_for(True, "cuda", [{"GPU": 0.75}, {"GPU": 0.25}], use_compiled_graph=True)
-    assert not launch_verify_ahead_for(False, "cuda", [whole, whole], use_compiled_graph=True)
-
-
-def test_tensor_parallel_sizes_are_checked_before_any_worker_starts(tiny_models: dict[str, TinyModel]) -> None:
-    cfg = ModelConfig.from_path(tiny_models["llama"].path)  # 4 heads, 2 KV heads, intermediate 128
-    check_tensor_parallel(cfg, 4, "target")  # KV heads replicated twice
-    with pytest.raises(ValueError, match=r"attention heads \(4\) is not divisible by tensor_parallel_size=3"):
-        check_tensor_parallel(cfg, 3, "target")
-    with pytest.raises(ValueError, match="attention heads"):
-        check_tensor_parallel(cfg, 8, "draft")

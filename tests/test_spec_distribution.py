@@ -73,6 +73,20 @@ def exact_joint(model: torch.nn.Module, prompt: list[int], temperature: float, t
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
+
+def assert_first_three_follow_target(outs: list, target_hf: torch.nn.Module,
+                                     draft_hf: torch.nn.Module | None) -> None:
+    """The first three tokens of `outs` (DIST_PROMPT, temperature 1, no truncation) follow the target's exact joint
+    law; given the draft, the same counts reject the draft's (the test tells the two laws apart)."""
+    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)
+    for o in outs:
+        counts[tuple(o.token_ids[:3])] += 1
+    assert chi_square_p_value(counts, exact_joint(target_hf, DIST_PROMPT, 1.0, 0, 1.0)) > P_VALUE_THRESHOLD
+    if draft_hf is not None:
+        q = exact_joint(draft_hf, DIST_PROMPT, 1.0, 0, 1.0)
+        support = q > 0  # cells it cannot produce are dropped: the helper demands they be empty
+        assert chi_square_p_value(counts[support], q[support] / q[support].sum()) < 1e-6
+
 # A one-token prompt is decoded from the first step, so with max_tokens=3 and k=2 the first verify step drafts two
 # tokens: x1 and x2 each come from an accepted draft or a recovered token, x3 from the bonus token, or after a
 # rejection from a later step (k=1, or a plain decode). The joint of (x1, x2, x3) covers all of those paths.

@@ -8,21 +8,21 @@ exact, with every block and cache entry released. tests/test_ray_executor.py run
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from conftest import random_prompts
-from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS, assert_kv_released, chi_square_p_value
-from test_async_scheduling import _draft
+from conftest import random_prompts, start_requests
+from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS, assert_kv_released
+from test_async_scheduling import _draft, stops_and_max_tokens_inside
 from test_spec_distribution import (
     DIST_PROMPT,
     DIST_SAMPLES,
-    SMALL_VOCAB,
-    exact_joint,
+    assert_first_three_follow_target,
     small_vocab_pair,  # noqa: F401 - the distribution test's fixture
 )
 
 from engine import LLM, SamplingParams
-from engine.request import Request
 from engine.speculation.speculation_ahead import AheadProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,6 +45,49 @@ def _assert_released(llm: LLM) -> None:
     gone = set(engine._finished_ids)
     assert engine.executor.table.requests.keys() <= gone
     assert _ahead(llm).cache.entries.keys() <= gone
+
+
+def _kv_at(llm: LLM, tables: list[list[int]], positions: list[int]) -> list[torch.Tensor]:
+    """Per draft KV-cache group, K and V of every layer at these positions of a request: [layers, 2, n, heads, dim]."""
+    runner = llm.engine.executor.draft
+    bs = runner.config.block_size
+    out = []
+    for g, tensors in enumerate(runner.kv_caches):
+        blocks = torch.tensor([tables[g][p // bs] for p in positions])
+        offsets = torch.tensor([p % bs for p in positions])
+        out.append(torch.stack([t[:, blocks, offsets] for t in tensors]).clone())
+    return out
+
+
+def _exact_at_max_model_len(path: str, draft: str, **ahead: object) -> LLM:
+    """Long greedy requests against max_model_len=13 with k = 2 and speculation ahead (`ahead`): the outputs equal the
+    target alone's. Returns the engine, for its counters."""
+    prompts = random_prompts([9, 7], seed=5)
+    kw = dict(block_size=4, max_model_len=13)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    ref = LLM(path, **kw).generate(prompts, params)
+    llm = LLM(path, draft_model=draft, num_speculative_tokens=2, speculation_ahead=True, **ahead, **kw)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    return llm
+
+
+def _abort_after_four_steps(llm: LLM, target_greedy: Callable[[str], list[list[int]]],
+                            drafted: Callable[[list], None] = lambda entries: None) -> None:
+    """Greedy PROMPTS; after four steps request r1 has drafted ahead, and `drafted` checks its cache entries; then r1
+    is aborted: the next plan names it finished, so its entries are never proposed, and dropped; the others still
+    equal the target alone."""
+    engine, ahead = llm.engine, _ahead(llm)
+    reqs = start_requests(engine, PROMPTS, GREEDY, steps=4)
+    assert "r1" in ahead.cache.entries
+    drafted(ahead.cache.entries["r1"])
+    engine.abort_request("r1")
+    engine.step()  # the next plan names it finished: its entries are not proposed, and dropped
+    assert "r1" not in ahead.cache.entries
+    while engine.has_unfinished():
+        engine.step()
+    ref = target_greedy("llama")
+    assert reqs[0].output_token_ids == ref[0] and reqs[2].output_token_ids == ref[2]
 
 
 @pytest.mark.parametrize("target,draft,k,mode,async_", [
@@ -140,14 +183,7 @@ def test_ahead_sampling_follows_target_distribution(small_vocab_pair, mode, asyn
     outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True))
     # Strict acceptance needs the draft's own sample to equal the target's, so fewer windows hit.
     assert _ahead(llm).stats.hits > DIST_SAMPLES // (10 if mode == "probabilistic" else 50)
-    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)
-    for o in outs:
-        counts[tuple(o.token_ids[:3])] += 1
-    target = exact_joint(target_hf, DIST_PROMPT, 1.0, 0, 1.0)
-    draft = exact_joint(draft_hf, DIST_PROMPT, 1.0, 0, 1.0)
-    assert chi_square_p_value(counts, target) > 1e-3
-    support = draft > 0
-    assert chi_square_p_value(counts[support], draft[support] / draft[support].sum()) < 1e-6
+    assert_first_three_follow_target(outs, target_hf, draft_hf)
 
 
 @pytest.mark.parametrize("async_", [False, True])
@@ -157,14 +193,7 @@ def test_ahead_stop_token_and_max_tokens_inside_a_window(tiny_models, target_gre
     path = tiny_models["llama"].path
     ref = target_greedy("llama")
     llm = LLM(path, draft_model=path, num_speculative_tokens=4, async_scheduling=async_, **AHEAD)
-    stops = [next(j for j in range(5, len(r)) if r[j] not in r[:j]) for r in ref]
-    params = [SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=[r[j]], ignore_eos=True)
-              for r, j in zip(ref, stops, strict=True)]
-    params[1] = SamplingParams(max_tokens=9, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params)
-    assert outs[0].token_ids == ref[0][:stops[0] + 1] and outs[0].finish_reason == "stop"
-    assert outs[1].token_ids == ref[1][:9] and outs[1].finish_reason == "length"
-    assert outs[2].token_ids == ref[2][:stops[2] + 1] and outs[2].stop_reason == ref[2][stops[2]]
+    stops_and_max_tokens_inside(llm, ref, past=5, max_tokens=9)
     assert _ahead(llm).stats.hits > 0
     _assert_released(llm)
 
@@ -172,13 +201,7 @@ def test_ahead_stop_token_and_max_tokens_inside_a_window(tiny_models, target_gre
 def test_ahead_max_model_len(tiny_models):
     # The window ahead never reaches past max_model_len (its KV is not allocated there).
     path = tiny_models["llama"].path
-    prompts = random_prompts([9, 7], seed=5)
-    kw = dict(block_size=4, max_model_len=13)
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
-    ref = LLM(path, **kw).generate(prompts, params)
-    llm = LLM(path, draft_model=path, num_speculative_tokens=2, speculation_ahead=True, **kw)
-    outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    llm = _exact_at_max_model_len(path, path)
     assert _ahead(llm).stats.hits > 0
     _assert_released(llm)
 
@@ -199,20 +222,7 @@ def test_ahead_preemption(tiny_models, tiny_drafts, near_drafts, target_greedy, 
 def test_ahead_abort_drops_the_window(tiny_models, target_greedy):
     path = tiny_models["llama"].path
     llm = LLM(path, draft_model=path, num_speculative_tokens=3, async_scheduling=True, **AHEAD)
-    engine, ahead = llm.engine, _ahead(llm)
-    reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-    for r in reqs:
-        engine.add_request(r)
-    for _ in range(4):
-        engine.step()
-    assert "r1" in ahead.cache.entries  # a window of it was drafted ahead
-    engine.abort_request("r1")
-    engine.step()  # the next plan names it finished: its window is not proposed, and dropped
-    assert "r1" not in ahead.cache.entries
-    while engine.has_unfinished():
-        engine.step()
-    ref = target_greedy("llama")
-    assert reqs[0].output_token_ids == ref[0] and reqs[2].output_token_ids == ref[2]
+    _abort_after_four_steps(llm, target_greedy)
     _assert_released(llm)
 
 

@@ -10,20 +10,24 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompts
-from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS, chi_square_p_value
-from test_async_scheduling import _draft
+from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS
+from test_async_scheduling import _draft, stops_and_max_tokens_inside
 from test_spec_distribution import (
     DIST_PROMPT,
     DIST_SAMPLES,
-    SMALL_VOCAB,
-    exact_joint,
+    assert_first_three_follow_target,
     small_vocab_pair,  # noqa: F401 - the distribution test's fixture
 )
-from test_speculation_ahead import _ahead, _assert_released
+from test_speculation_ahead import (
+    _abort_after_four_steps,
+    _ahead,
+    _assert_released,
+    _exact_at_max_model_len,
+    _kv_at,
+)
 
 from engine import LLM, SamplingParams
 from engine.kv_cache.scratch_blocks import copy_blocks
-from engine.request import Request
 from engine.speculation import speculation_ahead
 from engine.speculation.ahead_branches import ACCEPT, REJECT, BranchEstimates
 from engine.speculation.speculation_cache import AheadStats
@@ -61,18 +65,6 @@ def test_branches_greedy_is_lossless(tiny_models, tiny_drafts, near_drafts, targ
     assert stats.lookups > 0 and stats.drafted_tokens > 0 and stats.unused_tokens <= stats.drafted_tokens
     assert stats.hits == stats.hits_accept + stats.hits_reject and stats.hits_reject > 0, stats
     _assert_all_released(llm)
-
-
-def _kv_at(llm: LLM, tables: list[list[int]], positions: list[int]) -> list[torch.Tensor]:
-    """Per draft KV-cache group, K and V of every layer at these positions of a request: [layers, 2, n, heads, dim]."""
-    runner = llm.engine.executor.draft
-    bs = runner.config.block_size
-    out = []
-    for g, tensors in enumerate(runner.kv_caches):
-        blocks = torch.tensor([tables[g][p // bs] for p in positions])
-        offsets = torch.tensor([p % bs for p in positions])
-        out.append(torch.stack([t[:, blocks, offsets] for t in tensors]).clone())
-    return out
 
 
 def _window_positions(p, block_size: int) -> list[int]:
@@ -220,15 +212,8 @@ def test_branches_sampling_follows_target_distribution(small_vocab_pair, mode, a
     # Ten thousand requests outgrow the scratch reserve (a quarter of the draft's blocks): some windows are skipped.
     assert stats.skipped_branches > 0 and stats.hits_reject > (DIST_SAMPLES // 10 if draft == "self" else 10), stats
     assert llm.engine.speculation_ahead_stats()[4] == stats.skipped_branches  # reported with the other counters
-    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)
-    for o in outs:
-        counts[tuple(o.token_ids[:3])] += 1
-    target = exact_joint(target_hf, DIST_PROMPT, 1.0, 0, 1.0)
-    assert chi_square_p_value(counts, target) > 1e-3
-    if draft == "draft":  # the test tells the two laws apart
-        q = exact_joint(draft_hf, DIST_PROMPT, 1.0, 0, 1.0)
-        support = q > 0
-        assert chi_square_p_value(counts[support], q[support] / q[support].sum()) < 1e-6
+    # With the target as its own draft there is no other law to tell apart.
+    assert_first_three_follow_target(outs, target_hf, draft_hf if draft == "draft" else None)
 
 
 @pytest.mark.parametrize("async_", [False, True])
@@ -238,14 +223,7 @@ def test_branches_stop_token_and_max_tokens_inside_a_window(tiny_models, near_dr
     ref = target_greedy("llama")
     llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=4,
               async_scheduling=async_, speculation_ahead_branches=4, **AHEAD)
-    stops = [next(j for j in range(5, len(r)) if r[j] not in r[:j]) for r in ref]
-    params = [SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=[r[j]], ignore_eos=True)
-              for r, j in zip(ref, stops, strict=True)]
-    params[1] = SamplingParams(max_tokens=9, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params)
-    assert outs[0].token_ids == ref[0][:stops[0] + 1] and outs[0].finish_reason == "stop"
-    assert outs[1].token_ids == ref[1][:9] and outs[1].finish_reason == "length"
-    assert outs[2].token_ids == ref[2][:stops[2] + 1] and outs[2].stop_reason == ref[2][stops[2]]
+    stops_and_max_tokens_inside(llm, ref, past=5, max_tokens=9)
     assert _ahead(llm).stats.hits_reject > 0
     _assert_all_released(llm)
 
@@ -253,15 +231,7 @@ def test_branches_stop_token_and_max_tokens_inside_a_window(tiny_models, near_dr
 def test_branches_max_model_len(tiny_models, near_drafts):
     # Each window's k' is shrunk from its own outcome's token count: none reaches past max_model_len (no KV there;
     # a scratch fork beyond the request's tables is refused).
-    path = tiny_models["llama"].path
-    prompts = random_prompts([9, 7], seed=5)
-    kw = dict(block_size=4, max_model_len=13)
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
-    ref = LLM(path, **kw).generate(prompts, params)
-    llm = LLM(path, draft_model=near_drafts["llama"].path, num_speculative_tokens=2, speculation_ahead=True,
-              speculation_ahead_branches=4, **kw)
-    outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    llm = _exact_at_max_model_len(tiny_models["llama"].path, near_drafts["llama"].path, speculation_ahead_branches=4)
     assert _ahead(llm).stats.hits > 0
     _assert_all_released(llm)
 
@@ -286,21 +256,11 @@ def test_branches_preemption(tiny_models, tiny_drafts, near_drafts, target_greed
 def test_branches_abort_drops_the_windows(tiny_models, near_drafts, target_greedy):
     llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
               async_scheduling=True, speculation_ahead_branches=4, **AHEAD)
-    engine, ahead = llm.engine, _ahead(llm)
-    reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-    for r in reqs:
-        engine.add_request(r)
-    for _ in range(4):
-        engine.step()
-    assert len(ahead.cache.entries["r1"]) == 4  # its windows drafted ahead, three of them in scratch blocks
-    assert sum(e.fork is not None for e in ahead.cache.entries["r1"]) == 3
-    engine.abort_request("r1")
-    engine.step()  # the next plan names it finished: its windows are not proposed, and dropped
-    assert "r1" not in ahead.cache.entries
-    while engine.has_unfinished():
-        engine.step()
-    ref = target_greedy("llama")
-    assert reqs[0].output_token_ids == ref[0] and reqs[2].output_token_ids == ref[2]
+
+    def drafted(entries: list) -> None:  # its windows drafted ahead, three of them in scratch blocks
+        assert len(entries) == 4 and sum(e.fork is not None for e in entries) == 3
+
+    _abort_after_four_steps(llm, target_greedy, drafted)
     _assert_all_released(llm)
 
 

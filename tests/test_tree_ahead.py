@@ -9,19 +9,23 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompts
-from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS, chi_square_p_value
-from test_async_scheduling import _draft
+from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS
+from test_async_scheduling import _draft, stops_and_max_tokens_inside
 from test_spec_distribution import (
     DIST_PROMPT,
     DIST_SAMPLES,
-    SMALL_VOCAB,
-    exact_joint,
+    assert_first_three_follow_target,
     small_vocab_pair,  # noqa: F401 - the distribution test's fixture
 )
-from test_speculation_ahead import _ahead, _assert_released
+from test_speculation_ahead import (
+    _abort_after_four_steps,
+    _ahead,
+    _assert_released,
+    _exact_at_max_model_len,
+    _kv_at,
+)
 
 from engine import LLM, SamplingParams
-from engine.request import Request
 from engine.speculation import tree_ahead
 from engine.speculation.speculation_cache import NUM_TOTALS
 from engine.speculation.tree_schedule import TreeSchedule
@@ -67,18 +71,6 @@ def test_tree_identical_draft_hits_almost_every_lookup(tiny_models, target_greed
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == target_greedy("llama")
     stats = _ahead(llm).stats
     assert stats.hits >= stats.lookups - 2 * len(PROMPTS) and stats.hits_by_outcome[3] == stats.hits_accept > 0, stats
-
-
-def _kv_at(llm: LLM, tables: list[list[int]], positions: list[int]) -> list[torch.Tensor]:
-    """Per draft KV-cache group, K and V of every layer at these positions of a request: [layers, 2, n, heads, dim]."""
-    runner = llm.engine.executor.draft
-    bs = runner.config.block_size
-    out = []
-    for g, tensors in enumerate(runner.kv_caches):
-        blocks = torch.tensor([tables[g][p // bs] for p in positions])
-        offsets = torch.tensor([p % bs for p in positions])
-        out.append(torch.stack([t[:, blocks, offsets] for t in tensors]).clone())
-    return out
 
 
 def _written(p) -> list[int]:
@@ -156,14 +148,7 @@ def test_tree_stop_token_and_max_tokens_inside_a_branch(tiny_models, near_drafts
     ref = target_greedy("llama")
     llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=4,
               async_scheduling=async_, **TREE)
-    stops = [next(j for j in range(5, len(r)) if r[j] not in r[:j]) for r in ref]
-    params = [SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=[r[j]], ignore_eos=True)
-              for r, j in zip(ref, stops, strict=True)]
-    params[1] = SamplingParams(max_tokens=9, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params)
-    assert outs[0].token_ids == ref[0][:stops[0] + 1] and outs[0].finish_reason == "stop"
-    assert outs[1].token_ids == ref[1][:9] and outs[1].finish_reason == "length"
-    assert outs[2].token_ids == ref[2][:stops[2] + 1] and outs[2].stop_reason == ref[2][stops[2]]
+    stops_and_max_tokens_inside(llm, ref, past=5, max_tokens=9)
     assert _ahead(llm).stats.hits > 0
     _assert_released(llm)
 
@@ -171,14 +156,7 @@ def test_tree_stop_token_and_max_tokens_inside_a_branch(tiny_models, near_drafts
 def test_tree_max_model_len(tiny_models):
     # No branch runs past max_model_len (the draft's position tables end there): outcomes too close get none.
     path = tiny_models["llama"].path
-    prompts = random_prompts([9, 7], seed=5)
-    kw = dict(block_size=4, max_model_len=13)
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
-    ref = LLM(path, **kw).generate(prompts, params)
-    llm = LLM(path, draft_model=path, num_speculative_tokens=2, speculation_ahead=True,
-              speculation_ahead_tree_fanout=2, **kw)
-    outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    llm = _exact_at_max_model_len(path, path, speculation_ahead_tree_fanout=2)
     assert _ahead(llm).stats.hits > 0
     _assert_released(llm)
 
@@ -201,23 +179,14 @@ def test_tree_preemption(tiny_models, tiny_drafts, near_drafts, target_greedy, t
 def test_tree_abort_drops_the_branches(tiny_models, near_drafts, target_greedy):
     llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
               async_scheduling=True, **TREE)
-    engine, ahead = llm.engine, _ahead(llm)
-    reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-    for r in reqs:
-        engine.add_request(r)
-    for _ in range(4):
-        engine.step()
-    # One tree: branches for the outcomes of its verify, the likeliest (a rejection at d_1, all accepted) first,
-    # within the step's row budget (20 rows, three requests).
-    outcomes = [e.outcome for e in ahead.cache.entries["r1"]]
-    assert {0, 3} <= set(outcomes) and len(set(outcomes)) >= 3 and len(outcomes) <= 20 // 3, outcomes
-    engine.abort_request("r1")
-    engine.step()  # the next plan names it finished: its branches are not proposed, and dropped
-    assert "r1" not in ahead.cache.entries
-    while engine.has_unfinished():
-        engine.step()
-    ref = target_greedy("llama")
-    assert reqs[0].output_token_ids == ref[0] and reqs[2].output_token_ids == ref[2]
+
+    def drafted(entries: list) -> None:
+        # One tree: branches for the outcomes of its verify, the likeliest (a rejection at d_1, all accepted) first,
+        # within the step's row budget (20 rows, three requests).
+        outcomes = [e.outcome for e in entries]
+        assert {0, 3} <= set(outcomes) and len(set(outcomes)) >= 3 and len(outcomes) <= 20 // 3, outcomes
+
+    _abort_after_four_steps(llm, target_greedy, drafted)
     _assert_released(llm)
 
 
@@ -233,14 +202,7 @@ def test_tree_sampling_follows_target_distribution(small_vocab_pair, mode, async
     outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True))
     stats = _ahead(llm).stats
     assert stats.hits_reject > 10 and stats.hits_accept > 10, stats
-    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)
-    for o in outs:
-        counts[tuple(o.token_ids[:3])] += 1
-    target = exact_joint(target_hf, DIST_PROMPT, 1.0, 0, 1.0)
-    assert chi_square_p_value(counts, target) > 1e-3
-    q = exact_joint(draft_hf, DIST_PROMPT, 1.0, 0, 1.0)
-    support = q > 0  # the test tells the two laws apart
-    assert chi_square_p_value(counts[support], q[support] / q[support].sum()) < 1e-6
+    assert_first_three_follow_target(outs, target_hf, draft_hf)
 
 
 def test_tree_seeded_sampling_equals_plain_speculation(tiny_models):

@@ -136,9 +136,9 @@ class RequestTable:
         return entry
 
     def record(self, result: StepResult) -> None:
-        """Apply a step's result (matched by step id), as EngineCore.commit does on the scheduler's side. Older
-        unrecorded steps are dropped: their results never came (a failed step), and the scheduler, which did not
-        commit them either, plans the requests they held with explicit entries next."""
+        """Apply a step's result (matched by step id), as EngineCore.commit (engine/step/commit.py) does on the
+        scheduler's side. Older unrecorded steps are dropped: their results never came (a failed step), and the
+        scheduler, which did not commit them either, plans the requests they held with explicit entries next."""
         while self._unrecorded and self._unrecorded[0].step_id != result.step_id:
             self._unrecorded.popleft()
         if not self._unrecorded:
