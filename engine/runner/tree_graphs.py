@@ -236,7 +236,8 @@ class TreeGraphs:
             self._uploaded.record()
 
     def _wait_for_upload(self) -> None:
-        # SYNC: only until the previous forward's copies have read the pinned staging memory (long done: the
-        # forward that used them has been waited for by its sampling).
+        # SYNC: only until the previous forward's copies have read the pinned staging memory. They were queued
+        # behind the forward before it, so the host waits at most for that one while the GPU still has the previous
+        # forward to run: the host stays a forward ahead, and its share of a forward (well under the GPU's) is hidden.
         if self._uploaded is not None:
             self._uploaded.synchronize()
