@@ -26,7 +26,6 @@ that died makes rank 0 exit too, so the group fails as a whole and its replica i
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
@@ -44,7 +43,7 @@ from engine.step.plan_merge import merge_plans, split_proposal
 from engine.step.request_table import RequestTable
 from serving.draft_batch import DraftBatcher
 from serving.draft_shares import BlockShare, check_share_fits
-from serving.tenant_calls import CallOrder, TenantCall, TenantGone, unbox
+from serving.tenant_calls import CallOrder, CallSequence, TenantCall, TenantGone, unbox
 from serving.worker import DraftOutput, ModelWorker
 
 logger = logging.getLogger("specserve")
@@ -284,7 +283,7 @@ class TenantDraft:
         """replica: the draft replica's id (the `draft_replica` label of this target's draft metrics)."""
         self.worker, self.share, self.pool_name, self.replica = worker, share, pool_name, replica
         self._actor_id = worker._actor_id
-        sequence = itertools.count()  # the order of this target's step calls (serving/tenant_calls.py)
+        sequence = CallSequence()  # the order of this target's step calls (serving/tenant_calls.py)
         self.draft_step = TenantCall(worker, "tenant_draft_step", share.tenant_id, sequence)
         self.draft_absorb = TenantCall(worker, "tenant_absorb", share.tenant_id, sequence)
         self.ping = TenantCall(worker, "tenant_ping", share.tenant_id, None)
