@@ -53,6 +53,9 @@ __all__ = ["PooledDraftWorker", "TenantDraft", "TenantGone", "TenantShare", "ran
 # How long a tenant's call waits for the call before it in its target's order (serving/tenant_calls.py), and for the
 # target's result an absorb carries: past the longest step a target may take (the executor's step_timeout_s).
 TURN_TIMEOUT_S = 300.0
+# How long a tenant asked to move counts as moving: one that has not left by then (it found no room elsewhere, or
+# its router is busy recovering) may be asked again, or another in its place.
+MOVE_ASK_TIMEOUT_S = 30.0
 
 
 def rank0_concurrency(slots: int) -> int:
@@ -98,6 +101,8 @@ class PooledDraftWorker(ModelWorker):
         self.tenants: dict[str, Tenant] = {}
         self.peers: list[ActorHandle] = []  # ranks 1.. (rank 0 only)
         self.evicted: list[str] = []  # why tenants were dropped, newest last (bounded)
+        self.draining = False  # Serve is stopping this replica: its tenants are asked to move, none may attach
+        self.move_asked: dict[str, tuple[str, float]] = {}  # tenants asked to move: (why, time.monotonic())
         self.order = CallOrder()
         self.batcher: DraftBatcher[tuple[str, StepPlan]] = DraftBatcher(self._run_batch, self.config.max_num_seqs)
 
@@ -117,14 +122,21 @@ class PooledDraftWorker(ModelWorker):
             os._exit(1)
 
     def pool_load(self) -> dict[str, Any]:
-        """For a router choosing a draft replica: slots taken and free."""
-        return {"tenants": len(self.tenants), "slots": self.slots, "blocks_per_slot": self.blocks_per_slot}
+        """For a router choosing a draft replica, and the replicas balancing their targets: slots taken and free,
+        whether it drains, and how many of its tenants were asked to move and have not yet."""
+        now = time.monotonic()
+        moving = sum(1 for tid, (_, t) in dict(self.move_asked).items()
+                     if tid in self.tenants and now - t < MOVE_ASK_TIMEOUT_S)
+        return {"tenants": len(self.tenants), "slots": self.slots, "blocks_per_slot": self.blocks_per_slot,
+                "draining": self.draining, "moving": moving}
 
     def pool_stats(self) -> dict[str, Any]:
-        """The load, the tenants, why tenants left, and `batch_tenants`: {tenants in a draft forward: forwards}."""
+        """The load, the tenants, why tenants left, `batch_tenants` ({tenants in a draft forward: forwards}) and
+        `busy_s` (seconds spent in draft forwards in all)."""
         now = time.monotonic()
         tenants = dict(self.tenants)
         return {**self.pool_load(), "evicted": list(self.evicted), "batch_tenants": dict(self.batcher.stats.sizes),
+                "busy_s": self.batcher.stats.busy_s,
                 "by_tenant": {tid: {"slot": t.share.slot, "idle_s": now - t.last_seen, "steps": t.num_steps,
                                     "requests": len(t.table.requests)} for tid, t in tenants.items()}}
 
@@ -132,6 +144,8 @@ class PooledDraftWorker(ModelWorker):
     def attach_tenant(self, tenant_id: str, owner: ActorHandle | None = None, slot: int | None = None) -> TenantShare:
         """Give `tenant_id` a free slot (rank 0 picks it and hands it to the others). RuntimeError when full."""
         with self.batcher.lock:
+            if self.draining and slot is None:
+                raise RuntimeError("this draft replica is stopping")
             if tenant_id in self.tenants:
                 self._drop(tenant_id, "attached again")
             if slot is None:
@@ -158,6 +172,7 @@ class PooledDraftWorker(ModelWorker):
 
     def _drop(self, tenant_id: str, why: str) -> bool:
         self.order.close(tenant_id)
+        self.move_asked.pop(tenant_id, None)
         tenant = self.tenants.pop(tenant_id, None)
         if tenant is None:
             return False
@@ -165,6 +180,35 @@ class PooledDraftWorker(ModelWorker):
         self.evicted = (self.evicted + [f"{tenant_id}: {why}"])[-32:]
         logger.info("draft pool: target %s left slot %d: %s", tenant_id, tenant.share.slot, why)
         return True
+
+    # --- placement: tenants asked to move to another replica of the pool -------------------------------
+    def set_draining(self) -> None:
+        """Serve is stopping this replica: every tenant is asked to move, and no target may attach any more."""
+        self.draining = True
+
+    def ask_to_move(self, why: str) -> str | None:
+        """Ask one tenant to move to another replica (the pool's balance, serving/draft_pool.py): the one with the
+        fewest requests, whose draft state is the cheapest to rebuild there. Its id, or None if none is left
+        to ask."""
+        now = time.monotonic()
+        candidates = [(len(t.table.requests), tid) for tid, t in dict(self.tenants).items()
+                      if now - self.move_asked.get(tid, ("", -MOVE_ASK_TIMEOUT_S))[1] >= MOVE_ASK_TIMEOUT_S]
+        if not candidates:
+            return None
+        tid = min(candidates)[1]
+        self.move_asked[tid] = (why, now)
+        logger.info("draft pool: asking target %s to move to another draft replica: %s", tid, why)
+        return tid
+
+    def tenant_placement(self, tenant_id: str) -> str | None:
+        """Polled by each attached target (serving/draft_moves.py): why it should move to another replica of the
+        pool (this one drains, or holds more targets than another), or None to stay."""
+        if self.draining:
+            return "its draft replica is stopping"
+        asked = self.move_asked.get(tenant_id)
+        if asked is not None and tenant_id in self.tenants and time.monotonic() - asked[1] < MOVE_ASK_TIMEOUT_S:
+            return asked[0]
+        return None
 
     def tenant_owners(self) -> dict[str, ActorHandle]:
         """Each tenant's router actor, where it gave one: the replica's watch loop probes them."""
