@@ -17,6 +17,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+import ray
+
 if TYPE_CHECKING:
     from collections.abc import Callable
     from contextlib import AbstractAsyncContextManager
@@ -63,7 +65,10 @@ class DraftMoves:
         if self._recovering() or group is None or not group.workers:
             return
         tenant = group.workers[0]
-        why = await tenant.worker.tenant_placement.remote(tenant.share.tenant_id)
+        try:
+            why = await tenant.worker.tenant_placement.remote(tenant.share.tenant_id)
+        except ray.exceptions.RayActorError:
+            return  # the draft group died: the next step or health check finds it, and recovery attaches anew
         if why is None:
             return
         logger.info("router: moving from draft replica %s: %s", tenant.replica, why)

@@ -243,9 +243,9 @@ def test_a_new_draft_replica_takes_a_target_and_a_stopping_one_hands_it_back(ser
         for p, body in out.items():
             assert body["choices"][0]["text"] == oracle(p, 48)[1], (p, body)
         assert any("its target detached" in e for e in pool_stats_of(name)["evicted"])  # moved, not failed over
-        out = _run_all(server, 24)  # both targets busy: the moved one drafts on the new replica
+        out = _run_all(server, 12)  # both targets busy: the moved one drafts on the new replica
         for p, body in out.items():
-            assert body["choices"][0]["text"] == oracle(p, 24)[1], (p, body)
+            assert body["choices"][0]["text"] == oracle(p, 12)[1], (p, body)
         load = asyncio.run(extra.record_autoscaling_stats())
         assert load[DRAFT_TENANTS] == 1 and 0 < load[DRAFT_BUSY] <= 1, load
         drained: list[bool] = []
