@@ -192,7 +192,7 @@ class PooledDraftWorker(ModelWorker):
         to ask."""
         now = time.monotonic()
         candidates = [(len(t.table.requests), tid) for tid, t in dict(self.tenants).items()
-                      if now - self.move_asked.get(tid, ("", -MOVE_ASK_TIMEOUT_S))[1] >= MOVE_ASK_TIMEOUT_S]
+                      if tid not in self.move_asked or now - self.move_asked[tid][1] >= MOVE_ASK_TIMEOUT_S]
         if not candidates:
             return None
         tid = min(candidates)[1]
