@@ -3,8 +3,9 @@
 The share arithmetic first (no Ray); then one application serves the tests below, in order: both replicas
 speculate through the one draft group and stay exact (greedy equal to the target alone, offline), /health counts
 both kinds of replicas, bad input is a 400, an overload is refused with 429 and loses nothing of the admitted
-requests, a draft group killed mid-stream loses no request and no token, and a killed engine replica's share of the
-draft is freed.
+requests, a draft group killed mid-stream loses no request and no token, a draft replica that comes up takes a
+target (which moves while requests stream) and hands it back when it stops, and a killed engine replica's share of
+the draft is freed.
 """
 
 from __future__ import annotations
