@@ -67,12 +67,19 @@ class ServeConfig(ServingOptions, SpeculationOptions, EngineOptions):
         options.check_bounds(self)
         if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda (cuda:N), got {self.device!r}")
-        if self.draft_replicas is not None and self.resolved_draft() is None:
+        if self.draft_replicas is not None and self.draft_autoscaling_config:
+            raise ValueError("give draft_replicas (a fixed draft pool) or draft_autoscaling_config (a pool that "
+                             "scales on load), not both")
+        if self.draft_autoscaling_config:
+            from serving.draft_autoscaling import draft_autoscaling_config
+
+            draft_autoscaling_config(self.draft_autoscaling_config)  # ValueError naming what Serve would refuse
+        if self.uses_draft_pool() and self.resolved_draft() is None:
             raise ValueError("draft_replicas shares draft models between engine replicas: give a draft_model")
-        if self.draft_replicas is not None and self.draft_placement == "colocated":
+        if self.uses_draft_pool() and self.draft_placement == "colocated":
             raise ValueError("draft_replicas runs the draft in replicas of its own, so draft_placement 'colocated' "
                              "cannot apply; leave it auto or separate")
-        if self.draft_replicas is not None and (
+        if self.uses_draft_pool() and (
                 self.speculation_ahead or self.speculation_ahead_branches > 1 or self.speculation_ahead_tree_fanout
                 or self.speculation_ahead_saguaro not in (None, 1.0)):
             raise ValueError("draft_replicas: a pooled draft group drafts for several engine replicas in one "

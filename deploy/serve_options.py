@@ -209,8 +209,14 @@ class ServingOptions:
                                         help="a draft pool: this many draft replicas (each a draft group of its own "
                                              "GPUs and tensor parallelism) shared by the engine replicas, each engine "
                                              "attached to one; unset: every engine replica has a draft of its own")
+    draft_autoscaling_config: dict[str, Any] | None = option(
+        None, metavar="YAML",
+        help="a draft pool whose replicas scale on the draft's load instead of draft_replicas, e.g. "
+             "'{min_replicas: 1, max_replicas: 3}' (Serve's autoscaling_config; its policy: each replica's busy "
+             "fraction, aimed at policy_kwargs.target_busy, 0.5 unless given; targets move to new replicas and off "
+             "stopping ones)")
     draft_tenant_timeout_s: float = option(60.0, minimum=1.0,
-                                           help="with draft_replicas: a draft replica frees the share of an engine "
+                                           help="with a draft pool: a draft replica frees the share of an engine "
                                                 "replica it has not heard from for this long")
     drain_timeout_s: float = option(30.0, minimum=0.0,
                                     help="on shutdown, seconds the requests in flight may take to finish")
@@ -225,6 +231,10 @@ class ServingOptions:
                                             "the tokenizer's, for chat, /tokenize and gRPC")
     reasoning_parser: str | None = option(None, choices=tuple(REASONING_PARSERS),
                                           help="split <think>...</think> into reasoning_content, apart from content")
+
+    def uses_draft_pool(self) -> bool:
+        """Whether the draft runs as a pool of replicas of its own (draft_replicas or draft_autoscaling_config)."""
+        return self.draft_replicas is not None or bool(self.draft_autoscaling_config)
 
     def chat_options(self) -> dict[str, Any]:
         """serving.chat_options.ChatOptions.create's arguments; a template file is read here, where the path was

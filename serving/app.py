@@ -86,7 +86,7 @@ def build_application(engine_args: dict[str, Any], options: ServingOptions, *,
     max_engines = int((options.autoscaling_config or {}).get("max_replicas") or
                       (options.num_replicas if isinstance(options.num_replicas, int) else 1))
     draft_pool, continue_without_draft = None, options.continue_without_draft
-    if getattr(options, "draft_replicas", None):
+    if getattr(options, "draft_replicas", None) or getattr(options, "draft_autoscaling_config", None):
         if options.direct_streaming:
             raise ValueError("draft_replicas: the draft pool is served behind the ingress replicas; direct_streaming "
                              "cannot apply")
@@ -144,21 +144,31 @@ def build_application(engine_args: dict[str, Any], options: ServingOptions, *,
 def _draft_pool(engine_args: dict[str, Any], options: ServingOptions,
                 max_engines: int) -> tuple[Any, dict[str, Any]]:
     """The draft pool's deployment (serving/draft_pool.py) and the engine replicas' arguments that attach them to
-    it: `draft_replicas` replicas, each with room for its share of the engine replicas at their largest."""
+    it: `draft_replicas` replicas, or as many as `draft_autoscaling_config` asks for (serving/draft_autoscaling.py),
+    each with room for its share of the engine replicas at their largest when the pool is at its smallest."""
     import uuid
 
+    from serving.draft_autoscaling import draft_autoscaling_config, min_draft_replicas
     from serving.draft_pool import DraftPoolReplica, slots_per_draft
 
     if engine_args.get("draft_model") is None:
         raise ValueError("draft_replicas shares draft models between engine replicas: give a draft_model")
     pool = uuid.uuid4().hex[:12]
-    slots = slots_per_draft(max_engines, int(options.draft_replicas))
+    drain_s = float(getattr(options, "drain_timeout_s", 30.0))
     # The replica only supervises its group: the draft's ranks hold the resources (draft_resources).
     # Its health check only pings the ranks: checked often, a dead group is replaced (and its targets speculate
-    # again) sooner.
-    deployment = DraftPoolReplica.options(num_replicas=int(options.draft_replicas), health_check_period_s=3.0,
-                                          ray_actor_options={"num_cpus": 0}).bind(
-        engine_args, pool, slots, float(getattr(options, "draft_tenant_timeout_s", 60.0)))
+    # again) sooner. On scale-down it waits for its targets to move (up to drain_timeout_s) before Serve ends it.
+    pool_options: dict[str, Any] = {"health_check_period_s": 3.0, "ray_actor_options": {"num_cpus": 0},
+                                    "graceful_shutdown_timeout_s": drain_s + 15.0}
+    scaling = getattr(options, "draft_autoscaling_config", None)
+    if scaling:
+        pool_options["autoscaling_config"] = draft_autoscaling_config(scaling)
+        slots = slots_per_draft(max_engines, min_draft_replicas(pool_options["autoscaling_config"]))
+    else:
+        pool_options["num_replicas"] = int(options.draft_replicas)
+        slots = slots_per_draft(max_engines, int(options.draft_replicas))
+    deployment = DraftPoolReplica.options(**pool_options).bind(
+        engine_args, pool, slots, float(getattr(options, "draft_tenant_timeout_s", 60.0)), drain_s)
     return deployment, {**engine_args, "draft_pool": pool}
 
 

@@ -14,6 +14,7 @@ fails every item of the batch.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -31,9 +32,11 @@ class _Waiter(Generic[T]):
 
 @dataclass
 class BatchStats:
-    """How many items each batch held: {items: batches}."""
+    """How many items each batch held ({items: batches}), and the seconds batches ran in all: the draft's busy
+    time, its load signal for autoscaling (serving/draft_autoscaling.py)."""
 
     sizes: dict[int, int] = field(default_factory=dict)
+    busy_s: float = 0.0
 
     def add(self, n: int) -> None:
         self.sizes[n] = self.sizes.get(n, 0) + 1
@@ -93,10 +96,13 @@ class DraftBatcher(Generic[T]):
     def _run_batch(self, batch: list[_Waiter[T]]) -> list[Any]:
         with self.lock:
             self.stats.add(len(batch))
+            t0 = time.perf_counter()
             try:
                 outcomes = self._run([w.item for w in batch])
             except Exception as e:  # noqa: BLE001 - the batch's own failure: every item of it fails with it
                 return [e] * len(batch)
+            finally:
+                self.stats.busy_s += time.perf_counter() - t0
         if len(outcomes) != len(batch):
             err = RuntimeError(f"a draft batch of {len(batch)} calls returned {len(outcomes)} outcomes")
             return [err] * len(batch)

@@ -39,8 +39,9 @@ class DraftGroupReplacement:
     _pending_draft: WorkerGroup | None
     draft_pool: str | None
 
-    def _attach_pooled_draft(self, path: str | None, timeout_s: float) -> WorkerGroup:
-        """A share of the pool's least-loaded draft group, as this executor's draft group of one "rank"."""
+    def _attach_pooled_draft(self, path: str | None, timeout_s: float, exclude: str | None = None) -> WorkerGroup:
+        """A share of the pool's least-loaded draft group (not replica `exclude`), as this executor's draft group
+        of one "rank"."""
         from serving.draft_pool import attach_to_pool
         from serving.draft_pool_worker import TenantDraft
         from serving.worker import WorkerInfo
@@ -50,7 +51,7 @@ class DraftGroupReplacement:
             owner = ray.get_runtime_context().current_actor  # the router: the pool frees the share if it dies
         except Exception:  # noqa: BLE001 - not in an actor (a driver, a test): the pool's timeout frees it
             owner = None
-        replica, handle, share = attach_to_pool(self.draft_pool, uuid.uuid4().hex[:12], owner, timeout_s)
+        replica, handle, share = attach_to_pool(self.draft_pool, uuid.uuid4().hex[:12], owner, timeout_s, exclude)
         group = WorkerGroup("draft", path, 1, None, [TenantDraft(handle, share, self.draft_pool, replica)])
         group.info = WorkerInfo("draft", share.kv_groups, share.num_blocks, share.vocab_size, 1,
                                 str(self.engine_config.device), "", 0)
@@ -98,6 +99,18 @@ class DraftGroupReplacement:
                 "draft", path, self.engine_config, rank, size, addr, port, rejection_sampling,
                 int(bundle.get("CPU", 1)), speculation_ahead=self.speculation_ahead))
         group.info = self._gather_info(group, init_timeout_s)
+
+    def start_pooled_move(self, timeout_s: float = 10.0) -> WorkerGroup:
+        """A target of a draft pool moving to another replica of it (serving/draft_moves.py): attach to the
+        least-loaded other replica with room, as the started group that `attach_draft` puts into the step (after
+        `detach_draft` lets go of the current one). Raises when no other replica has room within `timeout_s`."""
+        if self.draft_pool is None or self.draft is None:
+            raise RuntimeError("only a target attached to a draft pool moves between its replicas")
+        current = self.draft.workers[0].replica
+        if self._pending_draft is not None:
+            release_group(self._pending_draft)
+        self._pending_draft = self._attach_pooled_draft(self._draft_args[0], timeout_s, exclude=current)
+        return self._pending_draft
 
     def attach_draft(self) -> None:
         """Put the group `start_draft_group` built into the step: the graph is rebuilt with it (between steps)."""

@@ -15,6 +15,14 @@ dead draft worker, each goes on without speculation (lossless, serving/engine_re
 live group, the replacement or another, when one has room. A target that dies (its router actor is gone) or is
 not heard from for `tenant_timeout_s` is detached by the replica's watch loop: its share and its requests' draft
 state are freed.
+
+Scaling (`draft_autoscaling_config`, serving/draft_autoscaling.py): each replica reports its draft's busy fraction
+to Serve's autoscaler. The watch loop also balances the pool: a replica holding two targets more than another
+replica with room (a replica just started, say) asks one of its targets to move, and the target moves between two
+of its steps (serving/draft_moves.py); the replica Serve stops asks all of its targets to move and waits for them
+(up to `drain_timeout_s`) before it releases its group, so a scale-down takes no step of theirs without a draft.
+A target that is still attached when the group goes fails over as from a dead draft (exact, without speculation,
+until it attaches again).
 """
 
 from __future__ import annotations
@@ -83,7 +91,9 @@ def draft_worker_config(engine_args: dict[str, Any], slots: int) -> tuple[str, A
 class DraftPoolReplica:
     """One draft group of the pool, and the loop that frees the shares of targets that left."""
 
-    def __init__(self, engine_args: dict[str, Any], pool: str, slots: int, tenant_timeout_s: float = 60.0) -> None:
+    def __init__(self, engine_args: dict[str, Any], pool: str, slots: int, tenant_timeout_s: float = 60.0,
+                 drain_timeout_s: float = 30.0) -> None:
+        """drain_timeout_s: on scale-down, how long the replica waits for its targets to move elsewhere."""
         from engine.config import ModelConfig
         from serving.draft_pool_worker import PooledDraftWorker, rank0_concurrency
         from serving.placement import actor_options, bundle_task_options, create_group_placement, make_bundle
@@ -94,7 +104,10 @@ class DraftPoolReplica:
             self.replica = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve (a test)
             self.replica = f"local-{time.monotonic_ns():x}"
-        self.tenant_timeout_s = tenant_timeout_s
+        from serving.draft_autoscaling import BusyMeter
+
+        self.pool, self.tenant_timeout_s, self.drain_timeout_s = pool, tenant_timeout_s, drain_timeout_s
+        self._busy = BusyMeter()
         self._release = release_group  # kept: __del__ may run while the interpreter shuts down
         path, config, spec = draft_worker_config(engine_args, slots)
         size = spec.draft_tensor_parallel_size
@@ -127,15 +140,35 @@ class DraftPoolReplica:
         return self.group.workers[0]
 
     async def _watch_tenants(self) -> None:
-        """Free the shares of targets whose router died, or that went silent (rank 0 checks the silence)."""
+        """Free the shares of targets whose router died, or that went silent (rank 0 checks the silence); then
+        balance the pool's targets."""
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             try:
                 owners = await self.rank0.tenant_owners.remote()
                 dead = [tid for tid, owner in owners.items() if not await _alive(owner)]
                 await self.rank0.evict.remote(self.tenant_timeout_s, dead)
+                await self._balance()
             except Exception as e:  # noqa: BLE001 - a dead rank: the health check replaces this replica
                 logger.warning("draft replica %s: tenant watch: %s", self.replica, e)
+
+    async def _balance(self) -> None:
+        """Ask one target to move when this replica holds two more (not counting those already asked) than
+        another replica of the pool with room: each move then narrows the gap, and one ask at a time per replica
+        keeps the targets from all leaving for the same new replica at once."""
+        loads = {}
+        for name, handle in await asyncio.to_thread(find_pool_ranks, self.pool):
+            try:
+                loads[name] = await asyncio.wait_for(handle.pool_load.remote(), 5.0)
+            except Exception:  # noqa: BLE001 - starting, stopping or dead: not a place to move to
+                continue
+        mine = loads.pop(self.name, None)
+        room = [load["tenants"] for load in loads.values() if not load["draining"] and load["tenants"] < load["slots"]]
+        if mine is None or mine["draining"] or mine["moving"] or not room:
+            return
+        if mine["tenants"] - min(room) >= 2:
+            await self.rank0.ask_to_move.remote(f"another draft replica of the pool has {min(room)} targets, "
+                                                f"this one {mine['tenants']}")
 
     def _ensure_watch(self) -> None:
         if self._watch is None or self._watch.done():
@@ -170,11 +203,43 @@ class DraftPoolReplica:
         self._ensure_watch()
         return {"replica": self.replica, "name": self.name, **await self.rank0.pool_stats.remote()}
 
-    def __del__(self) -> None:
-        """Serve's scale-down or shutdown: release the draft's ranks and their placement group now."""
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (called only with draft_autoscaling_config): the draft's busy
+        fraction since the last call and its targets, for DraftBusyPolicy (serving/draft_autoscaling.py)."""
+        from serving.draft_autoscaling import DRAFT_BUSY, DRAFT_TENANTS
+
+        self._ensure_watch()
+        stats = await self.rank0.pool_stats.remote()
+        return {DRAFT_BUSY: self._busy.read(stats["busy_s"]), DRAFT_TENANTS: float(stats["tenants"])}
+
+    def drain_and_release(self) -> bool:
+        """Ask the targets to move to other replicas and wait for them (up to drain_timeout_s), then release the
+        draft's ranks and their placement group. Whether every target left first."""
         group = getattr(self, "group", None)
-        if group is not None and group.workers:
+        if group is None or not group.workers:
+            return True
+        left = False
+        try:
+            # SYNC: shutdown only.
+            ray.get(self.rank0.set_draining.remote(), timeout=5.0)
+            deadline = time.monotonic() + self.drain_timeout_s
+            while not left and time.monotonic() < deadline:
+                left = ray.get(self.rank0.pool_load.remote(), timeout=5.0)["tenants"] == 0  # SYNC: as above
+                if not left:
+                    time.sleep(0.2)
+            if not left:
+                logger.warning("draft replica %s: targets still attached after %.0f s; they go on without "
+                               "speculation until they attach elsewhere", self.replica, self.drain_timeout_s)
+        except Exception as e:  # noqa: BLE001 - a dead rank, or the interpreter going down: release anyway
+            logger.warning("draft replica %s: draining: %s", self.replica, e)
+        finally:
             self._release(group)
+        return left
+
+    def __del__(self) -> None:
+        """Serve's scale-down or shutdown: drain (the targets move elsewhere), then release the group now. Serve
+        calls this on the replica's event loop, which has nothing else left to do: it waits blocking."""
+        self.drain_and_release()
 
 
 async def _alive(actor: Any, timeout_s: float = 5.0) -> bool:
@@ -190,35 +255,40 @@ async def _alive(actor: Any, timeout_s: float = 5.0) -> bool:
 
 
 def find_pool_ranks(pool: str) -> list[tuple[str, Any]]:
-    """The pool's draft groups now alive, as (name, rank 0's handle), by name."""
+    """The pool's draft groups now alive, as (name, rank 0's handle), by name. In every namespace: a pool's name is
+    its own (a uuid), and its replicas need not share the targets' namespace (Serve's, a driver's)."""
     prefix = pool_actor_prefix(pool)
     found = []
-    for entry in ray.util.list_named_actors(all_namespaces=False):
-        name = entry if isinstance(entry, str) else entry.get("name", "")
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name, namespace = entry.get("name", ""), entry.get("namespace")
         if name.startswith(prefix):
             try:
-                found.append((name, ray.get_actor(name)))
+                found.append((name, ray.get_actor(name, namespace=namespace)))
             except ValueError:  # gone since it was listed
                 continue
     return sorted(found, key=lambda f: f[0])
 
 
-def attach_to_pool(pool: str, tenant_id: str, owner: Any, timeout_s: float) -> tuple[str, Any, Any]:
-    """Attach `tenant_id` to the pool's least-loaded live draft group, waiting up to `timeout_s` for one with room
-    (a replica starting or being replaced). Returns (the draft replica's id, rank 0's handle,
+def attach_to_pool(pool: str, tenant_id: str, owner: Any, timeout_s: float,
+                   exclude: str | None = None) -> tuple[str, Any, Any]:
+    """Attach `tenant_id` to the pool's least-loaded live draft group that is not draining, waiting up to
+    `timeout_s` for one with room (a replica starting or being replaced). exclude: a replica id not to attach to
+    (the one a target moves away from). Returns (the draft replica's id, rank 0's handle,
     serving.draft_pool_worker.TenantShare)."""
     deadline = time.monotonic() + timeout_s
     last = "no draft replica of the pool is up"
     while True:
         loads = []
         for name, handle in find_pool_ranks(pool):
+            if exclude is not None and name == pool_actor_prefix(pool) + exclude:
+                continue
             try:
                 # SYNC: attaching (construction or recovery), off the step path.
                 load = ray.get(handle.pool_load.remote(), timeout=10.0)
             except Exception as e:  # noqa: BLE001 - starting, dead or hung: try the others
                 last = f"{name}: {e}"
                 continue
-            if load["tenants"] < load["slots"]:
+            if load["tenants"] < load["slots"] and not load.get("draining"):
                 loads.append((load["tenants"], name, handle))
         for _, name, handle in sorted(loads, key=lambda x: (x[0], x[1])):
             try:

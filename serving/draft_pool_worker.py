@@ -26,7 +26,6 @@ that died makes rank 0 exit too, so the group fails as a whole and its replica i
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
@@ -44,7 +43,7 @@ from engine.step.plan_merge import merge_plans, split_proposal
 from engine.step.request_table import RequestTable
 from serving.draft_batch import DraftBatcher
 from serving.draft_shares import BlockShare, check_share_fits
-from serving.tenant_calls import CallOrder, TenantCall, TenantGone, unbox
+from serving.tenant_calls import CallOrder, CallSequence, TenantCall, TenantGone, unbox
 from serving.worker import DraftOutput, ModelWorker
 
 logger = logging.getLogger("specserve")
@@ -54,6 +53,9 @@ __all__ = ["PooledDraftWorker", "TenantDraft", "TenantGone", "TenantShare", "ran
 # How long a tenant's call waits for the call before it in its target's order (serving/tenant_calls.py), and for the
 # target's result an absorb carries: past the longest step a target may take (the executor's step_timeout_s).
 TURN_TIMEOUT_S = 300.0
+# How long a tenant asked to move counts as moving: one that has not left by then (it found no room elsewhere, or
+# its router is busy recovering) may be asked again, or another in its place.
+MOVE_ASK_TIMEOUT_S = 30.0
 
 
 def rank0_concurrency(slots: int) -> int:
@@ -99,6 +101,8 @@ class PooledDraftWorker(ModelWorker):
         self.tenants: dict[str, Tenant] = {}
         self.peers: list[ActorHandle] = []  # ranks 1.. (rank 0 only)
         self.evicted: list[str] = []  # why tenants were dropped, newest last (bounded)
+        self.draining = False  # Serve is stopping this replica: its tenants are asked to move, none may attach
+        self.move_asked: dict[str, tuple[str, float]] = {}  # tenants asked to move: (why, time.monotonic())
         self.order = CallOrder()
         self.batcher: DraftBatcher[tuple[str, StepPlan]] = DraftBatcher(self._run_batch, self.config.max_num_seqs)
 
@@ -118,14 +122,21 @@ class PooledDraftWorker(ModelWorker):
             os._exit(1)
 
     def pool_load(self) -> dict[str, Any]:
-        """For a router choosing a draft replica: slots taken and free."""
-        return {"tenants": len(self.tenants), "slots": self.slots, "blocks_per_slot": self.blocks_per_slot}
+        """For a router choosing a draft replica, and the replicas balancing their targets: slots taken and free,
+        whether it drains, and how many of its tenants were asked to move and have not yet."""
+        now = time.monotonic()
+        moving = sum(1 for tid, (_, t) in dict(self.move_asked).items()
+                     if tid in self.tenants and now - t < MOVE_ASK_TIMEOUT_S)
+        return {"tenants": len(self.tenants), "slots": self.slots, "blocks_per_slot": self.blocks_per_slot,
+                "draining": self.draining, "moving": moving}
 
     def pool_stats(self) -> dict[str, Any]:
-        """The load, the tenants, why tenants left, and `batch_tenants`: {tenants in a draft forward: forwards}."""
+        """The load, the tenants, why tenants left, `batch_tenants` ({tenants in a draft forward: forwards}) and
+        `busy_s` (seconds spent in draft forwards in all)."""
         now = time.monotonic()
         tenants = dict(self.tenants)
         return {**self.pool_load(), "evicted": list(self.evicted), "batch_tenants": dict(self.batcher.stats.sizes),
+                "busy_s": self.batcher.stats.busy_s,
                 "by_tenant": {tid: {"slot": t.share.slot, "idle_s": now - t.last_seen, "steps": t.num_steps,
                                     "requests": len(t.table.requests)} for tid, t in tenants.items()}}
 
@@ -133,6 +144,8 @@ class PooledDraftWorker(ModelWorker):
     def attach_tenant(self, tenant_id: str, owner: ActorHandle | None = None, slot: int | None = None) -> TenantShare:
         """Give `tenant_id` a free slot (rank 0 picks it and hands it to the others). RuntimeError when full."""
         with self.batcher.lock:
+            if self.draining and slot is None:
+                raise RuntimeError("this draft replica is stopping")
             if tenant_id in self.tenants:
                 self._drop(tenant_id, "attached again")
             if slot is None:
@@ -159,6 +172,7 @@ class PooledDraftWorker(ModelWorker):
 
     def _drop(self, tenant_id: str, why: str) -> bool:
         self.order.close(tenant_id)
+        self.move_asked.pop(tenant_id, None)
         tenant = self.tenants.pop(tenant_id, None)
         if tenant is None:
             return False
@@ -166,6 +180,35 @@ class PooledDraftWorker(ModelWorker):
         self.evicted = (self.evicted + [f"{tenant_id}: {why}"])[-32:]
         logger.info("draft pool: target %s left slot %d: %s", tenant_id, tenant.share.slot, why)
         return True
+
+    # --- placement: tenants asked to move to another replica of the pool -------------------------------
+    def set_draining(self) -> None:
+        """Serve is stopping this replica: every tenant is asked to move, and no target may attach any more."""
+        self.draining = True
+
+    def ask_to_move(self, why: str) -> str | None:
+        """Ask one tenant to move to another replica (the pool's balance, serving/draft_pool.py): the one with the
+        fewest requests, whose draft state is the cheapest to rebuild there. Its id, or None if none is left
+        to ask."""
+        now = time.monotonic()
+        candidates = [(len(t.table.requests), tid) for tid, t in dict(self.tenants).items()
+                      if tid not in self.move_asked or now - self.move_asked[tid][1] >= MOVE_ASK_TIMEOUT_S]
+        if not candidates:
+            return None
+        tid = min(candidates)[1]
+        self.move_asked[tid] = (why, now)
+        logger.info("draft pool: asking target %s to move to another draft replica: %s", tid, why)
+        return tid
+
+    def tenant_placement(self, tenant_id: str) -> str | None:
+        """Polled by each attached target (serving/draft_moves.py): why it should move to another replica of the
+        pool (this one drains, or holds more targets than another), or None to stay."""
+        if self.draining:
+            return "its draft replica is stopping"
+        asked = self.move_asked.get(tenant_id)
+        if asked is not None and tenant_id in self.tenants and time.monotonic() - asked[1] < MOVE_ASK_TIMEOUT_S:
+            return asked[0]
+        return None
 
     def tenant_owners(self) -> dict[str, ActorHandle]:
         """Each tenant's router actor, where it gave one: the replica's watch loop probes them."""
@@ -284,7 +327,7 @@ class TenantDraft:
         """replica: the draft replica's id (the `draft_replica` label of this target's draft metrics)."""
         self.worker, self.share, self.pool_name, self.replica = worker, share, pool_name, replica
         self._actor_id = worker._actor_id
-        sequence = itertools.count()  # the order of this target's step calls (serving/tenant_calls.py)
+        sequence = CallSequence()  # the order of this target's step calls (serving/tenant_calls.py)
         self.draft_step = TenantCall(worker, "tenant_draft_step", share.tenant_id, sequence)
         self.draft_absorb = TenantCall(worker, "tenant_absorb", share.tenant_id, sequence)
         self.ping = TenantCall(worker, "tenant_ping", share.tenant_id, None)

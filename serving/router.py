@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from serving.admission_queue import AdmissionQueue
+from serving.draft_moves import DraftMoves
 
 # build_local_engine stays importable from here for configs that name serving.router:build_local_engine.
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, build_local_engine, import_builder  # noqa: F401
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("specserve")
 
 
-class Router(EngineRecovery):
+class Router(EngineRecovery, DraftMoves):
     """Owns one EngineCore. `engine_args` go to the builder (LLM's arguments for the local engine)."""
 
     FREEZE_HEAP_AT_INIT = True  # serving.gc_heap: freeze the startup heap at the end of __init__
@@ -171,7 +172,9 @@ class Router(EngineRecovery):
 
     async def health(self) -> dict[str, Any]:
         """Healthy unless the engine is broken. With worker actors, ping them too (between steps), so a worker
-        that died while the engine was idle is found by the next probe, not by the next request."""
+        that died while the engine was idle is found by the next probe, not by the next request. Serve probes
+        every replica: this also starts the watch of a draft pool's placement (serving/draft_moves.py)."""
+        self._ensure_draft_moves()
         if self._unhealthy is None:
             async with self._between_steps():
                 try:

@@ -23,7 +23,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
-OVERLAYS = ("cpu", "gpu", "gpu-draft-pool")  # gpu-draft-pool: the GPU layout with draft_replicas
+OVERLAYS = ("cpu", "gpu", "gpu-draft-pool")  # gpu-draft-pool: the GPU layout with a draft pool
 SCHEMAS = REPO / "tests" / "data" / "crds"
 DASHBOARD = K8S / "monitoring" / "dashboards" / "specserve.json"
 PROMETHEUS_RULE = K8S / "monitoring" / "prometheusrule.yaml"

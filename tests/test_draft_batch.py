@@ -3,13 +3,15 @@ batching (serving/draft_batch.py) and each target's call order (serving/tenant_c
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
+from typing import Any
 
 import pytest
 
 from serving.draft_batch import DraftBatcher
-from serving.tenant_calls import CallOrder, TenantGone
+from serving.tenant_calls import CallOrder, CallOutOfOrder, CallSequence, TenantCall, TenantGone
 
 
 def _wait(cond, what: str, timeout_s: float = 10.0) -> None:
@@ -97,6 +99,45 @@ def test_a_targets_calls_run_in_its_order_and_fail_once_it_left() -> None:
     with pytest.raises(TimeoutError):
         order.open("u")
         with order.turn("u", 1, timeout_s=0.05):
+            pass
+
+
+class _Sender:
+    """A stand-in for a rank 0 actor handle's method: `.remote()` serializes its arguments first, as Ray's does,
+    and raises where they cannot be (the call never leaves); what it sent is kept, to run on a CallOrder."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[Any, ...]] = []
+
+    def remote(self, *args: Any) -> tuple[Any, ...]:
+        pickle.dumps(args)
+        self.sent.append(args)
+        return args
+
+
+def test_a_call_that_fails_to_send_leaves_no_gap_and_a_late_number_is_out_of_order() -> None:
+    worker = type("Rank0", (), {})()
+    worker.tenant_draft_step = worker.tenant_absorb = _Sender()
+    sequence = CallSequence()
+    step = TenantCall(worker, "tenant_draft_step", "t", sequence)
+    absorb = TenantCall(worker, "tenant_absorb", "t", sequence)
+    step.remote("plan 0")
+    with pytest.raises(TypeError):
+        absorb.remote(threading.Lock())  # cannot be pickled: the call never left
+    step.remote("plan 1")
+    assert [args[:2] for args in worker.tenant_draft_step.sent] == [("t", 0), ("t", 1)]  # no number skipped
+    order = CallOrder()
+    order.open("t")
+    ran = []
+    for tenant_id, seq, _ in worker.tenant_draft_step.sent:
+        with order.turn(tenant_id, seq, timeout_s=2.0):  # a gap would time out here
+            ran.append(seq)
+    assert ran == [0, 1]
+    with pytest.raises(CallOutOfOrder, match="call 1 came after its turn: call 2 is next"):
+        with order.turn("t", 1, timeout_s=2.0):  # a duplicate: its tenant is still attached
+            pass
+    with pytest.raises(TenantGone):
+        with order.turn("gone", 0, timeout_s=2.0):
             pass
 
 

@@ -3,8 +3,9 @@
 The share arithmetic first (no Ray); then one application serves the tests below, in order: both replicas
 speculate through the one draft group and stay exact (greedy equal to the target alone, offline), /health counts
 both kinds of replicas, bad input is a 400, an overload is refused with 429 and loses nothing of the admitted
-requests, a draft group killed mid-stream loses no request and no token, and a killed engine replica's share of the
-draft is freed.
+requests, a draft group killed mid-stream loses no request and no token, a draft replica that comes up takes a
+target (which moves while requests stream) and hands it back when it stops, and a killed engine replica's share of
+the draft is freed.
 """
 
 from __future__ import annotations
@@ -53,14 +54,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return make_byte_models(tmp_path_factory.mktemp("byte"))
 
 
-@pytest.fixture(scope="module")
-def server(models: tuple[str, str]) -> Iterator[Server]:
+def _config(models: tuple[str, str]) -> dict[str, Any]:
     target, draft = models
     # Per engine replica four running and four waiting (and four in Serve's queue): past that, a request gets 429.
-    cfg = serve_config(target, draft, max_model_len=MAX_MODEL_LEN, num_replicas=2, draft_replicas=1,
-                       draft_tenant_timeout_s=30.0, drain_timeout_s=1.0, max_queued_requests=MAX_QUEUED,
-                       engine_kwargs={"num_kv_blocks": 64, "max_num_seqs": MAX_SEQS})
-    with running_server(cfg, num_cpus=8) as srv:
+    return serve_config(target, draft, max_model_len=MAX_MODEL_LEN, num_replicas=2, draft_replicas=1,
+                        draft_tenant_timeout_s=30.0, drain_timeout_s=1.0, max_queued_requests=MAX_QUEUED,
+                        engine_kwargs={"num_kv_blocks": 64, "max_num_seqs": MAX_SEQS})
+
+
+@pytest.fixture(scope="module")
+def server(models: tuple[str, str]) -> Iterator[Server]:
+    with running_server(_config(models), num_cpus=8) as srv:
         yield srv
 
 
@@ -100,7 +104,8 @@ def wait_for(cond, timeout_s: float, what: str) -> Any:
         time.sleep(0.2)
 
 
-def _run_all(server: Server, n: int) -> dict[str, dict]:
+def _run_all(server: Server, n: int, meanwhile: Any = None) -> dict[str, dict]:
+    """Every prompt at once, `n` tokens each; `meanwhile()` runs while they stream."""
     out: dict[str, dict] = {}
     with server.http(timeout=120) as c:
         def one(p: str) -> None:
@@ -109,6 +114,8 @@ def _run_all(server: Server, n: int) -> dict[str, dict]:
         threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS]
         for t in threads:
             t.start()
+        if meanwhile is not None:
+            meanwhile()
         for t in threads:
             t.join()
     return out
@@ -207,6 +214,56 @@ def test_draft_group_killed_mid_stream_loses_no_request(server: Server, oracle) 
     out = _run_all(server, 16)
     for p, body in out.items():
         assert body["choices"][0]["text"] == oracle(p, 16)[1]
+
+
+def test_a_new_draft_replica_takes_a_target_and_a_stopping_one_hands_it_back(server: Server, models, oracle) -> None:
+    """The replicas' side of scaling the pool (draft_autoscaling_config): a draft replica that comes up takes one
+    target of the replica holding both (the pool balances; the target moves between two of its steps while requests
+    stream), and one that stops drains (its target moves back before its group is released, so it never fails
+    over); every request stays exact. The new replica is built here, in the test's process, where Serve's
+    autoscaler would start one; it reports its load as Serve's autoscaler reads it."""
+    import asyncio
+
+    import ray
+
+    from deploy.config import ServeConfig
+    from serving.draft_autoscaling import DRAFT_BUSY, DRAFT_TENANTS
+    from serving.draft_pool import DraftPoolReplica
+
+    wait_for(lambda: len(pool_ranks()) == 1 and pool_stats()["tenants"] == 2, 60, "both targets on the one replica")
+    (name, _), = pool_ranks()
+    engine_args = {**ServeConfig.from_dict(_config(models)).engine_args(), "device": "cpu"}
+    extra = DraftPoolReplica.func_or_class(engine_args, name.split(":")[1], 2, 30.0, 30.0)
+    try:
+        asyncio.run(extra.record_autoscaling_stats())  # the busy meter's first reading
+
+        def tenants() -> list[int]:
+            return sorted(ray.get(h.pool_load.remote(), timeout=10)["tenants"] for _, h in pool_ranks())
+
+        out = _run_all(server, 48, lambda: wait_for(lambda: tenants() == [1, 1], 60, "a target on the new replica"))
+        for p, body in out.items():
+            assert body["choices"][0]["text"] == oracle(p, 48)[1], (p, body)
+        assert any("its target detached" in e for e in pool_stats_of(name)["evicted"])  # moved, not failed over
+        out = _run_all(server, 12)  # both targets busy: the moved one drafts on the new replica
+        for p, body in out.items():
+            assert body["choices"][0]["text"] == oracle(p, 12)[1], (p, body)
+        load = asyncio.run(extra.record_autoscaling_stats())
+        assert load[DRAFT_TENANTS] == 1 and 0 < load[DRAFT_BUSY] <= 1, load
+        drained: list[bool] = []
+        out = _run_all(server, 48, lambda: drained.append(extra.drain_and_release()))
+        assert drained == [True]  # its target left before the group went
+        for p, body in out.items():
+            assert body["choices"][0]["text"] == oracle(p, 48)[1], (p, body)
+        assert [n for n, _ in pool_ranks()] == [name] and pool_stats()["tenants"] == 2
+        assert all(h["speculation"] for h in engine_broadcast("health"))
+    finally:
+        extra.drain_and_release()  # nothing left to do once drained
+
+
+def pool_stats_of(name: str) -> dict[str, Any]:
+    import ray
+
+    return ray.get(dict(pool_ranks())[name].pool_stats.remote(), timeout=30)
 
 
 def test_a_killed_target_frees_its_share(server: Server) -> None:

@@ -210,7 +210,7 @@ def test_serve_config_imports_and_builds_the_app(rendered) -> None:
     (app_cfg,) = config.applications
     app = call_user_app_builder_with_args_if_necessary(import_attr(app_cfg.import_path), app_cfg.args)
     built = build_app(app, name=app_cfg.name, route_prefix=app_cfg.route_prefix)
-    pool = [DRAFT_DEPLOYMENT] if app_cfg.args.get("draft_replicas") else []
+    pool = [DRAFT_DEPLOYMENT] if ServeConfig.from_dict(app_cfg.args).uses_draft_pool() else []
     assert sorted(d.name for d in built.deployments) == sorted([DEPLOYMENT_NAME, ENGINE_DEPLOYMENT, *pool])
     assert built.ingress_deployment_name == DEPLOYMENT_NAME
 
@@ -234,7 +234,8 @@ def test_engine_autoscaling_has_pods_to_grow_into(rendered) -> None:
     """Serve may run up to max_replicas engine replicas, each with a target worker group and (without a draft pool)
     a draft worker group on its own pool: Ray's autoscaler must be on and every pool must be allowed the pods
     (custom resources) that many replicas ask for, and keep those that min_replicas needs. With a draft pool
-    (draft_replicas) the draft's pods follow draft_replicas, apart from the engine replicas."""
+    (draft_replicas, or draft_autoscaling_config's bounds) the draft's pods follow the draft replicas, apart from
+    the engine replicas."""
     from deploy.config import ServeConfig
 
     _, objects = rendered
@@ -253,11 +254,13 @@ def test_engine_autoscaling_has_pods_to_grow_into(rendered) -> None:
         (resource, per_rank), = engine_args[f"{role}_resources"].items()
         per_pod = ray_start_resources(group["rayStartParams"])[resource]
         pods_per_replica = -(-ranks[role] * per_rank // per_pod)
-        if role == "draft" and cfg.draft_replicas:
-            lo = hi = cfg.draft_replicas
-            # The draft's pods scale apart: none more than draft_replicas needs at min, as many as it needs at most.
+        if role == "draft" and cfg.uses_draft_pool():
+            draft_scaling = cfg.draft_autoscaling_config or {}
+            lo = draft_scaling.get("min_replicas", 1) if draft_scaling else cfg.draft_replicas
+            hi = draft_scaling.get("max_replicas", 1) if draft_scaling else cfg.draft_replicas
+            # The draft's pods scale apart: none more than the pool needs at its smallest, as many as at its largest.
             assert group["minReplicas"] == lo * pods_per_replica, (role, group["minReplicas"])
-            assert scaling["max_replicas"] > cfg.draft_replicas, "a pool shares each draft between several targets"
+            assert scaling["max_replicas"] > lo, "a pool shares each draft between several targets"
         else:
             lo, hi = scaling["min_replicas"], scaling["max_replicas"]
         assert group["maxReplicas"] >= hi * pods_per_replica, (role, group["maxReplicas"])
