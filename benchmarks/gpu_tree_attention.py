@@ -40,7 +40,7 @@ def tree_step(runner: ModelRunner, prefix_len: int, tables: list[list[int]], row
     first = runner.num_blocks - (-(-rows // bs))  # scratch slots in blocks of their own, past the prefix's
     slots = list(range(first * bs, first * bs + rows))
     req = tree_draft.TreeDraftRequest(prefix_len, tables, [], [[]], [list(slots) for _ in runner.kv_groups])
-    return tree_draft._Forwards(runner, [req], [parents])._eager_step([list(range(rows))],
+    return tree_draft.TreeForwards(runner, [req], [parents]).eager_step([list(range(rows))],
                                                                        torch.arange(rows, device=runner.device))
 
 

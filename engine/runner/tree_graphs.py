@@ -167,9 +167,10 @@ class TreeGraphs:
             table = h["block_tables"][gid, :num_trees * nb].reshape(num_trees, nb)
             table[:] = NULL_BLOCK
             for t in range(num_trees):
-                own = block_tables[t][gid]
+                # Only the blocks that hold the prefix are read (a table may run a block past max_model_len).
+                own = block_tables[t][gid][:-(-int(nodes.prefix_lens[t]) // g.spec.block_size)]
                 if len(own) > nb:
-                    raise ValueError(f"a block table of {len(own)} blocks exceeds the tree graphs' {nb}")
+                    raise ValueError(f"a prefix of {len(own)} blocks exceeds the tree graphs' {nb}")
                 table[t, :len(own)] = own
         h["prefix_lens"][num_trees:] = 0  # padding trees of a bucket: nothing of an earlier batch
         h["node_positions"][num_trees * n:] = -1

@@ -101,7 +101,7 @@ class TreeAhead:
         k = cfg.num_speculative_tokens
         widest = max(1, min(self.schedule.max_fanout * (k + 1), self.max_rows))
         if runner.captures_graphs:
-                runner.build_tree_graphs(tree_row_buckets(k + 1, max(widest, k + 1)), num_tree_nodes(k + 1, widest, k),
+            runner.build_tree_graphs(tree_row_buckets(k + 1, max(widest, k + 1)), num_tree_nodes(k + 1, widest, k),
                                      min(TREE_GRAPH_ROWS, max(self.max_rows, k + 1)))
 
     def predraft(self, plan: StepPlan, rows: list[int], host: list[list[int]], alpha: float) -> int:

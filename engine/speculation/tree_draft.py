@@ -111,7 +111,7 @@ def _tree_layout(req: TreeDraftRequest, depth: int) -> tuple[list[int], list[int
     return parents, list(req.window) + root, outcome, root
 
 
-class _Forwards:
+class TreeForwards:
     """The forwards over one layout of trees: its nodes walked once (TreeNodes), then each forward a CUDA graph's
     replay where the runner has one that fits (engine/runner/tree_graphs.py), else eager."""
 
@@ -133,9 +133,9 @@ class _Forwards:
                 graphs.load_nodes(self.nodes, [r.block_tables for r in reqs])
                 self.loaded = True
             return graphs.run(key, rows, feed)
-        return runner.execute(self._eager_step(rows, feed))
+        return runner.execute(self.eager_step(rows, feed))
 
-    def _eager_step(self, rows: list[list[int]], feed: torch.Tensor) -> StepInput:
+    def eager_step(self, rows: list[list[int]], feed: torch.Tensor) -> StepInput:
         runner, reqs, dev = self.runner, self.reqs, self.runner.device
         tree = self.nodes.metadata(rows, dev)
         positions = tree.positions
@@ -191,7 +191,7 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
         chains = [[j - 1 for j in range(k)] for k in ks]
         for r, p in zip(reqs, chains):
             _check_slots(runner, r, len(p))
-        logits = _Forwards(runner, reqs, chains)([list(range(k)) for k in ks],
+        logits = TreeForwards(runner, reqs, chains)([list(range(k)) for k in ks],
                                                  [to_device(r.window, torch.int64, dev) for r in reqs])
         window_logits = list(logits.split(ks))
         reqs = [dataclasses.replace(r, roots=roots) for r, roots in zip(reqs, choose_roots(window_logits), strict=True)]
@@ -213,7 +213,7 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
     offsets = [0]
     for nb in nbs:
         offsets.append(offsets[-1] + nb)
-    forward = _Forwards(runner, reqs, parents)
+    forward = TreeForwards(runner, reqs, parents)
     for dpt in range(depth):
         if dpt == 0 and choose_roots is None:  # the window and every root
             rows = [list(range(k + nb)) for k, nb in zip(ks, nbs)]
