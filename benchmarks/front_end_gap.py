@@ -81,21 +81,21 @@ class LoopLag:
 
 
 async def _closed_loop(concurrency: int, seconds: float, warmup: int, one: Any) -> tuple[list[dict[str, Any]], float]:
-    """`concurrency` workers each sending requests (`one(i)`, a dict with ttft/latency/chunks) back to back: the
-    first `warmup` results of each worker are dropped; stops starting requests after `seconds`."""
+    """`concurrency` workers each sending requests (`one(i)`, a dict with ttft/latency/chunks) back to back: first
+    `warmup` requests each, not counted, then requests until `seconds` have passed (the results, the seconds)."""
     results: list[dict[str, Any]] = []
-    deadline = time.perf_counter() + seconds
 
-    async def worker(w: int) -> None:
+    async def worker(w: int, deadline: float | None) -> None:
         n = 0
-        while time.perf_counter() < deadline or n < warmup:
-            r = await one(w * 100_000 + n)
-            if n >= warmup:
+        while (n < warmup) if deadline is None else (time.perf_counter() < deadline):
+            r = await one(w * 100_000 + n + (0 if deadline is None else 50_000))
+            if deadline is not None:
                 results.append(r)
             n += 1
 
+    await asyncio.gather(*(worker(w, None) for w in range(concurrency)))
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    await asyncio.gather(*(worker(w, t0 + seconds) for w in range(concurrency)))
     return results, time.perf_counter() - t0
 
 

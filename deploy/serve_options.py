@@ -191,7 +191,8 @@ class ServingOptions:
     stream_interval_ms: float = option(STREAM_INTERVAL_MS, minimum=0.0,
                                        help="after a stream's first tokens, an engine replica sends its tokens at "
                                             "most this often (the last ones at once): fewer, larger chunks through "
-                                            "the handle, the ingress and the proxy under load; 0: every step's")
+                                            "the handle, the ingress and the proxy under load; 0: every step's "
+                                            "tokens as they come")
     ray_actor_options: dict[str, Any] | None = option(None, metavar="YAML",
                                                       help="Ray actor options of each HTTP/gRPC replica")
     request_router: str = option("power_of_two", choices=REQUEST_ROUTER_NAMES,
