@@ -246,6 +246,8 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
         extra["http_proxy"] = layout.proxy
     if layout.direct:
         extra["direct_streaming"] = True
+    if getattr(args, "stream_interval_ms", None) is not None:  # else the served default
+        extra["stream_interval_ms"] = args.stream_interval_ms
     # Serve's fields, not the engine's: each engine replica takes whole GPUs of its own (every rank's bundle is one
     # GPU on CUDA unless `shared` splits it), and the pool's draft replicas one per draft rank.
     if layout.replicas is not None:

@@ -236,6 +236,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest concurrency (64 without)")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--stream-interval-ms", type=float, default=None,
+                    help="served layouts' stream_interval_ms (0: a delta every step); unset: the served default")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--work-dir", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny random models, two short points")
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {k: getattr(args, k) for k in ("concurrency", "rates", "min_seconds", "min_requests", "warmup",
                                               "input_len", "output_len", "length_sigma", "k", "acceptance",
                                               "bonus_agreement", "agreement_profile", "max_model_len", "seed",
-                                              "per_target")}
+                                              "per_target", "stream_interval_ms")}
     doc: dict[str, Any] = {"benchmark": "load_sweep", "pair": pair.name, "command": " ".join(sys.argv),
                            "env": environment(), "settings": settings, "layouts": {}}
     if args.append and out.is_file():

@@ -15,6 +15,7 @@ from engine.config import REJECTION_MODES, EngineConfig
 from serving.chat_options import load_chat_template
 from serving.engine_builders import DRAFT_PLACEMENTS
 from serving.reasoning_parser import REASONING_PARSERS
+from serving.request_stream import STREAM_INTERVAL_MS
 from serving.serve_process_env import HTTP_PROXIES
 from serving.tool_parsers import TOOL_PARSERS
 
@@ -187,6 +188,11 @@ class ServingOptions:
                                   "installed and host is every interface")
     direct_streaming: bool = option(False, help="the engine replicas answer HTTP and gRPC themselves: no ingress "
                                                 "replicas, no handle hop (the HTTP proxy picks the replica)")
+    stream_interval_ms: float = option(STREAM_INTERVAL_MS, minimum=0.0,
+                                       help="after a stream's first tokens, an engine replica sends its tokens at "
+                                            "most this often (the last ones at once): fewer, larger chunks through "
+                                            "the handle, the ingress and the proxy under load; 0: every step's "
+                                            "tokens as they come")
     ray_actor_options: dict[str, Any] | None = option(None, metavar="YAML",
                                                       help="Ray actor options of each HTTP/gRPC replica")
     request_router: str = option("power_of_two", choices=REQUEST_ROUTER_NAMES,

@@ -119,14 +119,15 @@ def build_application(engine_args: dict[str, Any], options: ServingOptions, *,
     name = options.served_model_name or model
     security = {"api_key": options.api_key, "max_request_body_bytes": options.max_request_body_bytes,
                 "auth_health_metrics": options.auth_health_metrics}
+    stream_interval = float(getattr(options, "stream_interval_ms", 0.0))
     if options.direct_streaming:
         from serving.engine_ingress import EngineIngressReplica
 
         return EngineIngressReplica.options(**engine_options).bind(
             engine_args, engine_builder, name, options.max_queued_requests, options.continue_without_draft, security,
-            options.generation_config, options.chat_options())
+            options.generation_config, options.chat_options(), stream_interval)
     engine = EngineReplica.options(**engine_options).bind(
-        engine_args, engine_builder, name, options.max_queued_requests, continue_without_draft)
+        engine_args, engine_builder, name, options.max_queued_requests, continue_without_draft, stream_interval)
 
     per_engine = options.max_ongoing_requests or 100
     ingress_options: dict[str, Any] = {"ray_actor_options": options.ray_actor_options or {"num_cpus": 1},

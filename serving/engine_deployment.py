@@ -46,9 +46,10 @@ class EngineReplica(Router):
 
     def __init__(self, engine_args: dict[str, Any], engine_builder: str = DEFAULT_ENGINE_BUILDER,
                  model_name: str | None = None, max_queued_requests: int | None = None,
-                 continue_without_draft: bool = False) -> None:
+                 continue_without_draft: bool = False, stream_interval_ms: float = 0.0) -> None:
         self.replica = replica_label()
-        super().__init__(engine_args, engine_builder, model_name, max_queued_requests, continue_without_draft)
+        super().__init__(engine_args, engine_builder, model_name, max_queued_requests, continue_without_draft,
+                         stream_interval_ms)
         logger.info("engine replica %s is serving", self.replica)
 
     async def check_health(self) -> None:

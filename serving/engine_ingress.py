@@ -77,10 +77,12 @@ class EngineIngressReplica(EngineReplica.func_or_class):
     def __init__(self, engine_args: dict[str, Any], engine_builder: str = DEFAULT_ENGINE_BUILDER,
                  model_name: str | None = None, max_queued_requests: int | None = None,
                  continue_without_draft: bool = False, security: dict[str, Any] | None = None,
-                 generation_config: str = "auto", chat: dict[str, Any] | None = None) -> None:
+                 generation_config: str = "auto", chat: dict[str, Any] | None = None,
+                 stream_interval_ms: float = 0.0) -> None:
         """The engine replica's arguments, then the front end's (serving.front_end.FrontEnd); `model_name` is the
         served model name, as for the engine replica."""
-        super().__init__(engine_args, engine_builder, model_name, max_queued_requests, continue_without_draft)
+        super().__init__(engine_args, engine_builder, model_name, max_queued_requests, continue_without_draft,
+                         stream_interval_ms)
         ctx = serve.get_replica_context()
         deployment = serve.get_deployment_handle(ENGINE_DEPLOYMENT, ctx.app_name)
         self.front = FrontEnd(ReplicaEngine(self, deployment), str(engine_args["model"]), model_name,

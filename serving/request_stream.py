@@ -12,6 +12,11 @@ from typing import Any
 
 # Seconds a refused client is told to wait (HTTP Retry-After) before it tries again.
 RETRY_AFTER_S = 1
+# The served default of `stream_interval_ms` (after a stream's first delta, at most one delta per this many ms; the
+# last at once): off. Each delta is a streamed item through the handle and an SSE chunk through the ingress and the
+# proxy, whatever it carries; merging them saves the proxy's and the ingress's CPU, but on CPU it did not measurably
+# move the TTFT gap (benchmarks/RESULTS.md, "Where the served TTFT gap goes, CPU"): a GPU sweep decides the default.
+STREAM_INTERVAL_MS = 0.0
 
 
 class Rejected(Exception):

@@ -57,10 +57,12 @@ class Router(EngineRecovery, DraftMoves):
 
     def __init__(self, engine_args: dict[str, Any], engine_builder: str = DEFAULT_ENGINE_BUILDER,
                  model_name: str | None = None, max_queued_requests: int | None = None,
-                 continue_without_draft: bool = False) -> None:
+                 continue_without_draft: bool = False, stream_interval_ms: float = 0.0) -> None:
         """max_queued_requests: requests that may wait for a batch slot; more are refused with 429 (None: no
         bound). continue_without_draft: when the draft's workers die, serve on the target alone (lossless,
-        slower) and attach a rebuilt draft group, instead of failing the requests in flight."""
+        slower) and attach a rebuilt draft group, instead of failing the requests in flight.
+        stream_interval_ms: after a stream's first delta, yield at most one delta per this many ms, the tokens of
+        the steps between merged into it (the final delta and errors at once); 0: one a step."""
         from serving.metrics import EngineMetrics
         from serving.thread_switch import set_gil_switch_interval
 
@@ -82,6 +84,9 @@ class Router(EngineRecovery, DraftMoves):
             raise ValueError(f"max_queued_requests must be >= 0 (or None: no bound), got {max_queued_requests}")
         self.max_queued_requests = max_queued_requests
         self.continue_without_draft = continue_without_draft
+        if stream_interval_ms < 0:
+            raise ValueError(f"stream_interval_ms must be >= 0, got {stream_interval_ms}")
+        self.stream_interval_s = stream_interval_ms / 1e3
         logger.info("router: building the engine with %s(%s)", engine_builder, engine_args)
         self.engine = import_builder(engine_builder)(**engine_args)
         self.metrics = EngineMetrics()
@@ -135,6 +140,11 @@ class Router(EngineRecovery, DraftMoves):
             yield {"error": str(e), "status": 503}
             return
         finished = False
+        loop = asyncio.get_running_loop()
+        # Coalescing (stream_interval_ms): a delta that is neither the first, the last nor an error waits until
+        # `next_send` (loop time), the steps meanwhile adding to it; a timer wakes the stream then. Each delta
+        # costs the same through the handle, the ingress and the proxy whatever it carries.
+        next_send, timer = 0.0, None
         try:
             while True:
                 await stream.event.wait()
@@ -143,13 +153,23 @@ class Router(EngineRecovery, DraftMoves):
                     finished = True
                     yield {"error": stream.error[0], "status": stream.error[1]}
                     return
+                if stream.finish_reason is None and loop.time() < next_send:
+                    if timer is None:
+                        timer = loop.call_at(next_send, stream.event.set)
+                    continue
+                if timer is not None:
+                    timer.cancel()
+                    timer = None
                 delta = stream.take_delta()
                 finished = delta["finish_reason"] is not None
                 if delta["token_ids"] or delta["text"] or finished:
                     yield delta
+                    next_send = loop.time() + self.stream_interval_s
                 if finished:
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             self._streams.pop(request_id, None)
             if not finished:  # the caller went away (client disconnect): free the KV blocks now
                 asyncio.get_running_loop().create_task(self.abort(request_id))

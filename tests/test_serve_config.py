@@ -248,3 +248,20 @@ def test_a_draft_pool_refuses_speculation_ahead(ahead):
     with pytest.raises(ValueError, match="draft_replicas"):
         ServeConfig(draft_model="some-draft", draft_replicas=1, **ahead).validate()
     ServeConfig(draft_model="some-draft", draft_replicas=1).validate()
+
+
+def test_stream_interval_reaches_the_engine_replicas() -> None:
+    """stream_interval_ms is each engine replica's router's, behind an ingress or with direct streaming; a negative
+    one is refused naming it."""
+    from deploy.serve_options import ServingOptions
+    from serving.app import build_application
+
+    engine_args = {"model": "m", "device": "cpu"}
+    app = build_application(engine_args, ServingOptions(stream_interval_ms=15.0))
+    engine = app._bound_deployment.init_args[0]._bound_deployment  # the ingress is bound to the engines' handle
+    assert engine.init_args[-1] == 15.0
+    direct = build_application(engine_args, ServingOptions(stream_interval_ms=15.0, direct_streaming=True))
+    assert direct._bound_deployment.init_args[-1] == 15.0
+    assert ServingOptions().stream_interval_ms == 0.0
+    with pytest.raises(ValueError, match="stream_interval_ms"):
+        ServeConfig.from_dict({"stream_interval_ms": -1}).validate()

@@ -1,0 +1,51 @@
+"""The router's stream coalescing (`stream_interval_ms`): after a stream's first delta, the tokens of the steps
+within the interval come as one delta; the first and the last are never held back, and the tokens are the
+engine's own. A Router in this process over the local engine (tests/test_admission_queue.py's)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine.llm import LLM
+from engine.request import SamplingParams
+from tests.test_admission_queue import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS, _router
+
+
+async def _deltas(router, rid: str, prompt: list[int]) -> list[list[int]]:  # noqa: ANN001
+    out = []
+    async for delta in router.generate(rid, prompt, GREEDY):
+        assert "error" not in delta, delta
+        out.append(delta["token_ids"])
+    return out
+
+
+def test_coalesced_stream_holds_back_neither_first_nor_last(tiny_models) -> None:
+    path = tiny_models["llama"].path
+    ref = LLM(path, **ENGINE_KW).generate(PROMPTS[:2], SamplingParams(**GREEDY))
+
+    async def scenario() -> None:
+        every_step = _router(path)
+        deltas = await _deltas(every_step, "a", PROMPTS[0])
+        assert [t for d in deltas for t in d] == ref[0].token_ids
+        assert len(deltas) == NEW_TOKENS  # no draft: one token a step, one delta a step
+
+        coalesced = _router(path, stream_interval_ms=60_000)
+        t0 = time.perf_counter()
+        deltas = await _deltas(coalesced, "b", PROMPTS[1])
+        # The first token at once, the rest in the final delta as soon as the request finished: not a minute later.
+        assert time.perf_counter() - t0 < 30
+        assert [len(d) for d in deltas] == [1, NEW_TOKENS - 1]
+        assert [t for d in deltas for t in d] == ref[1].token_ids
+
+        # A consumer that leaves while its stream is held back aborts the request.
+        stream = coalesced.generate("c", PROMPTS[0], dict(GREEDY, max_tokens=40))
+        assert len((await anext(stream))["token_ids"]) == 1
+        await stream.aclose()
+        for _ in range(200):
+            if not coalesced.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        assert not coalesced.engine.has_unfinished() and not coalesced._streams
+
+    asyncio.run(scenario())
