@@ -80,36 +80,49 @@ class TreeNodes:
         # [num_trees, max_nodes]; padding -> -1
         self.node_positions = np.where(valid, depth + self.prefix_lens[:, None], -1)
 
-    def rows(self, rows: list[list[int]], max_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(node of each tree row [num_trees, R] int64 with -1 for padding, rows of each tree [num_trees]); R: the
-        longest row list, or max_rows."""
+    def fed(self, rows: list[list[int]], width: int | None = None) -> FedRows:
+        """The rows of one forward feeding rows[t] of tree t, padded to `width` rows a tree (None: the longest)."""
+        if len(rows) != len(self.prefix_lens):
+            raise ValueError(f"{len(rows)} row lists for {len(self.prefix_lens)} trees")
         counts = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-        width = max(int(counts.max(initial=0)), 1) if max_rows is None else max_rows
+        width = max(int(counts.max(initial=0)), 1) if width is None else width
         node = np.full((len(rows), width), -1, dtype=np.int64)
         for t, r in enumerate(rows):
             node[t, :len(r)] = r
-        return node, counts
-
-    def metadata(self, rows: list[list[int]], device: torch.device) -> TreeAttentionMetadata:
-        """The metadata of one forward feeding rows[t] of tree t (its flat rows: tree 0's first, then tree 1's...)."""
-        if len(rows) != len(self.prefix_lens):
-            raise ValueError(f"{len(rows)} row lists for {len(self.prefix_lens)} trees")
-        node, counts = self.rows(rows)
-        num_trees, width = node.shape
         valid = node >= 0
-        t_idx = np.broadcast_to(np.arange(num_trees)[:, None], node.shape)
+        t_idx = np.broadcast_to(np.arange(len(rows))[:, None], node.shape)
         safe = np.maximum(node, 0)
-        row_pos = np.where(valid, self.node_positions[t_idx, safe], -1)  # [num_trees, R]
-        visible = self.seen[t_idx, safe] & valid[:, :, None]  # [num_trees, R, max_nodes]
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        return FedRows(counts=counts, valid=valid,
+                       positions=np.where(valid, self.node_positions[t_idx, safe], -1),
+                       visible=self.seen[t_idx, safe] & valid[:, :, None],
+                       slots=np.where(valid, self.node_slots[:, t_idx, safe], -1))
+
+    def metadata(self, fed: FedRows, device: torch.device) -> TreeAttentionMetadata:
+        """The metadata of one forward feeding `fed` (its flat rows: tree 0's first, then tree 1's...)."""
+        valid = fed.valid
+        num_trees, width = valid.shape
+        starts = np.concatenate([[0], np.cumsum(fed.counts)[:-1]])
         row_index = np.where(valid, starts[:, None] + np.arange(width)[None, :], 0)
         row_flat = (np.arange(num_trees * width).reshape(num_trees, width))[valid]
         # Built on the host, then queued behind the GPU's work (no sync: engine/host_copy.py).
         return TreeAttentionMetadata(
-            row_index=_dev(row_index, device), row_valid=_dev(valid, device), row_positions=_dev(row_pos, device),
-            row_flat=_dev(row_flat, device), positions=_dev(row_pos[valid], device),
-            prefix_lens=_dev(self.prefix_lens, device), node_positions=_dev(self.node_positions, device),
-            node_slots=_dev(self.node_slots, device), visible=_dev(visible, device))
+            row_index=_dev(row_index, device), row_valid=_dev(valid, device),
+            row_positions=_dev(fed.positions, device), row_flat=_dev(row_flat, device),
+            positions=_dev(fed.positions[valid], device), prefix_lens=_dev(self.prefix_lens, device),
+            node_positions=_dev(self.node_positions, device), node_slots=_dev(self.node_slots, device),
+            visible=_dev(fed.visible, device))
+
+
+@dataclass
+class FedRows:
+    """The rows one forward feeds, tree by tree, padded to a width R (host NumPy; left-packed: a tree's real rows
+    first). What both the eager metadata and the CUDA graphs' buffers (engine/runner/tree_graphs.py) are built from."""
+
+    counts: np.ndarray  # [num_trees] int64; real rows of each tree
+    valid: np.ndarray  # [num_trees, R] bool
+    positions: np.ndarray  # [num_trees, R] int64; the row's sequence position, padding -> -1
+    visible: np.ndarray  # [num_trees, R, max_nodes] bool; the row's ancestors and itself
+    slots: np.ndarray  # [num_kv_groups, num_trees, R] int64; the row's scratch slot, padding -> -1
 
 
 def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -121,4 +134,5 @@ def build_tree_metadata(prefix_lens: list[int], parents: list[list[int]], slots:
     """Metadata of one forward over several trees. Per tree t: parents[t] (every node of the tree, fed or not, in
     an order where parents come first), slots[t] ([num_kv_groups][num_nodes] flat scratch slots) and rows[t] (the
     nodes this forward feeds, in the order of its flattened rows: tree 0's rows first, then tree 1's...)."""
-    return TreeNodes(prefix_lens, parents, slots).metadata(rows, device)
+    nodes = TreeNodes(prefix_lens, parents, slots)
+    return nodes.metadata(nodes.fed(rows), device)

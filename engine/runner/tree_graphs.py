@@ -186,34 +186,30 @@ class TreeGraphs:
         if nodes is None or len(rows) != self._num_trees:
             raise ValueError("load_nodes first, with the trees these rows belong to")
         t_b, r_b = key
-        node, counts = nodes.rows(rows, max_rows=r_b)
-        num_trees = node.shape[0]
+        fed = nodes.fed(rows, width=r_b)
+        num_trees, num_real = len(rows), int(fed.counts.sum())
+        if feed.shape[0] != num_real:
+            raise ValueError(f"{feed.shape[0]} input ids for {num_real} rows")
         self._wait_for_upload()
         h, n, tr = self._np, self.max_nodes, t_b * r_b
-        valid = np.zeros((t_b, r_b), dtype=bool)
-        valid[:num_trees] = node >= 0
-        safe = np.maximum(node, 0)
-        t_idx = np.broadcast_to(np.arange(num_trees)[:, None], node.shape)
-        pos = np.full((t_b, r_b), -1, dtype=np.int64)
-        pos[:num_trees] = np.where(node >= 0, nodes.node_positions[t_idx, safe], -1)
-        h["row_positions"][:tr] = pos.reshape(-1)
-        h["row_valid"][:tr] = valid.reshape(-1)
+        # The bucket's trees past the batch's are padding: no row valid, nothing stored.
+        pos = h["row_positions"][:tr].reshape(t_b, r_b)
+        pos[:] = -1
+        pos[:num_trees] = fed.positions
+        valid = h["row_valid"][:tr].reshape(t_b, r_b)
+        valid[:] = False
+        valid[:num_trees] = fed.valid
         h["positions"][:tr] = np.maximum(pos, 0).reshape(-1)
         vis = h["visible"][:tr * n].reshape(t_b, r_b, n)
         vis[:] = False
-        m = nodes.seen.shape[2]
-        vis[:num_trees, :, :m] = nodes.seen[t_idx, safe] & (node >= 0)[:, :, None]
+        vis[:num_trees, :, :fed.visible.shape[2]] = fed.visible
         for g in self.groups:
-            slots = np.full((t_b, r_b), -1, dtype=np.int64)
-            slots[:num_trees] = np.where(node >= 0, nodes.node_slots[g.group_id][t_idx, safe], -1)
-            h["slot_mappings"][g.group_id, :tr] = slots.reshape(-1)
-        gather = np.flatnonzero(valid.reshape(-1))
-        num_real = int(counts.sum())
-        h["gather"][:num_real] = gather
+            slots = h["slot_mappings"][g.group_id, :tr].reshape(t_b, r_b)
+            slots[:] = -1
+            slots[:num_trees] = fed.slots[g.group_id]
+        h["gather"][:num_real] = np.flatnonzero(valid)
         self._copy(["row_positions", "row_valid", "positions", "visible", "slot_mappings", "gather"],
                    [tr, tr, tr, tr * n, tr, num_real])
-        if feed.shape[0] != num_real:
-            raise ValueError(f"{feed.shape[0]} input ids for {num_real} rows")
         idx = self._dev["gather"][:num_real]
         step = self._step(key)
         step.input_ids.index_copy_(0, idx, feed.to(torch.int64))

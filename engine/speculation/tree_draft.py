@@ -137,7 +137,8 @@ class TreeForwards:
 
     def eager_step(self, rows: list[list[int]], feed: torch.Tensor) -> StepInput:
         runner, reqs, dev = self.runner, self.reqs, self.runner.device
-        tree = self.nodes.metadata(rows, dev)
+        fed = self.nodes.fed(rows)
+        tree = self.nodes.metadata(fed, dev)
         positions = tree.positions
         num_rows = int(positions.shape[0])
         groups = []
@@ -148,9 +149,9 @@ class TreeForwards:
             for i, r in enumerate(reqs):
                 own = r.block_tables[g.group_id][:max_blocks]
                 table[i, :len(own)] = torch.tensor(own, dtype=torch.int64)
-            slots = [r.scratch_slots[g.group_id][n] for r, rs in zip(reqs, rows) for n in rs]
+            slots = torch.from_numpy(fed.slots[g.group_id][fed.valid])
             groups.append(GroupAttentionMetadata(group_id=g.group_id, block_table=tensor_to_device(table, dev),
-                                                 slot_mapping=to_device(slots, torch.int64, dev),
+                                                 slot_mapping=tensor_to_device(slots, dev),
                                                  sliding_window=g.spec.sliding_window, block_size=bs))
         counts = [len(rs) for rs in rows]
         qsl = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)
