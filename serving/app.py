@@ -86,7 +86,7 @@ def build_application(engine_args: dict[str, Any], options: ServingOptions, *,
     max_engines = int((options.autoscaling_config or {}).get("max_replicas") or
                       (options.num_replicas if isinstance(options.num_replicas, int) else 1))
     draft_pool, continue_without_draft = None, options.continue_without_draft
-    if getattr(options, "draft_replicas", None) or getattr(options, "draft_autoscaling_config", None):
+    if options.uses_draft_pool():
         if options.direct_streaming:
             raise ValueError("draft_replicas: the draft pool is served behind the ingress replicas; direct_streaming "
                              "cannot apply")
@@ -119,7 +119,7 @@ def build_application(engine_args: dict[str, Any], options: ServingOptions, *,
     name = options.served_model_name or model
     security = {"api_key": options.api_key, "max_request_body_bytes": options.max_request_body_bytes,
                 "auth_health_metrics": options.auth_health_metrics}
-    stream_interval = float(getattr(options, "stream_interval_ms", 0.0))
+    stream_interval = float(options.stream_interval_ms)
     if options.direct_streaming:
         from serving.engine_ingress import EngineIngressReplica
 
