@@ -7,6 +7,7 @@ controller, which creates the router actor, never needs this module.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,7 @@ class RequestStream:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_cached_tokens: int = 0
+    ended: bool = False  # its last delta or its error went out (else its consumer left early)
 
     def snapshot(self, req: Any) -> StepDelta:
         """Copy what a step gave `req` (an engine Request). Runs on the step thread, between two steps."""
@@ -121,6 +123,40 @@ class RequestStream:
         self.spec = {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
                      "accepted_per_position": per_pos}
         return inc
+
+    async def deltas(self, interval_s: float) -> AsyncIterator[dict[str, Any]]:
+        """What the caller is sent, as the steps publish it: deltas up to the finished one, or an error (a dict of
+        `error` and `status`). interval_s > 0 (stream_interval_ms): a delta that is neither the first, the last
+        nor an error waits until `interval_s` after the one before, the steps meanwhile adding to it, and a timer
+        wakes the stream then: each delta costs the same through the handle, the ingress and the proxy whatever
+        it carries."""
+        loop = asyncio.get_running_loop()
+        next_send, timer = 0.0, None
+        try:
+            while True:
+                await self.event.wait()
+                self.event.clear()
+                if self.error is not None:
+                    self.ended = True
+                    yield {"error": self.error[0], "status": self.error[1]}
+                    return
+                if self.finish_reason is None and loop.time() < next_send:
+                    if timer is None:
+                        timer = loop.call_at(next_send, self.event.set)
+                    continue
+                if timer is not None:
+                    timer.cancel()
+                    timer = None
+                delta = self.take_delta()
+                self.ended = delta["finish_reason"] is not None
+                if delta["token_ids"] or delta["text"] or self.ended:
+                    yield delta
+                    next_send = loop.time() + interval_s
+                if self.ended:
+                    return
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def take_delta(self) -> dict[str, Any]:
         done = self.finish_reason is not None

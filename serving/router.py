@@ -139,39 +139,13 @@ class Router(EngineRecovery, DraftMoves):
         except RuntimeError as e:
             yield {"error": str(e), "status": 503}
             return
-        finished = False
-        loop = asyncio.get_running_loop()
-        # Coalescing (stream_interval_ms): a delta that is neither the first, the last nor an error waits until
-        # `next_send` (loop time), the steps meanwhile adding to it; a timer wakes the stream then. Each delta
-        # costs the same through the handle, the ingress and the proxy whatever it carries.
-        next_send, timer = 0.0, None
         try:
-            while True:
-                await stream.event.wait()
-                stream.event.clear()
-                if stream.error is not None:
-                    finished = True
-                    yield {"error": stream.error[0], "status": stream.error[1]}
-                    return
-                if stream.finish_reason is None and loop.time() < next_send:
-                    if timer is None:
-                        timer = loop.call_at(next_send, stream.event.set)
-                    continue
-                if timer is not None:
-                    timer.cancel()
-                    timer = None
-                delta = stream.take_delta()
-                finished = delta["finish_reason"] is not None
-                if delta["token_ids"] or delta["text"] or finished:
+            async with contextlib.aclosing(stream.deltas(self.stream_interval_s)) as deltas:
+                async for delta in deltas:
                     yield delta
-                    next_send = loop.time() + self.stream_interval_s
-                if finished:
-                    return
         finally:
-            if timer is not None:
-                timer.cancel()
             self._streams.pop(request_id, None)
-            if not finished:  # the caller went away (client disconnect): free the KV blocks now
+            if not stream.ended:  # the caller went away (client disconnect): free the KV blocks now
                 asyncio.get_running_loop().create_task(self.abort(request_id))
 
     async def abort(self, request_id: str) -> bool:
