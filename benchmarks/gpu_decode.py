@@ -5,7 +5,8 @@ bandwidth measured in the same run) and HF transformers eager decoding in the sa
 Columns: graph_ms = input build + graph replay through the runner; replay_ms = the graph alone; load_ms = the input
 build alone; eager_ms = the runner's eager forward; engine_step_ms = the whole engine step per decoded token
 (schedule, input build, replay, sampling, commit), timed on engine.step() itself after a warm-up
-(`engine_step_ms`); engine_phases_ms (JSON only) = the median of each phase the engine records.
+(`engine_step_ms`); engine_phases_ms (JSON only) = the median of each phase the engine records; floor_kv_ms = the
+weights and every request's KV of its context (`--context`) over the copy bandwidth: the floor at long context.
 
     python benchmarks/gpu_decode.py --out results/gpu_decode.json
 """
@@ -19,7 +20,7 @@ import time
 
 import torch
 from common import environment, markdown_table, save_json
-from gpu_shapes import copy_bandwidth, hf_config, shape_dir, weight_bytes
+from gpu_shapes import copy_bandwidth, hf_config, kv_bytes_per_token, kv_memory_bytes, prefill, shape_dir, weight_bytes
 
 from engine import LLM, SamplingParams
 from engine.kernels.triton_compat import set_pdl
@@ -142,16 +143,19 @@ def main() -> None:
     hf = {} if args.skip_hf else {b: hf_decode_ms(args.shape, b, args.context, args.steps) for b in batches}
     max_len = args.context + engine_tokens(args.steps, args.repeats) + 64
     llm = LLM(shape_dir(args.shape), load_format="dummy", device="cuda", max_model_len=max_len,
-              max_num_seqs=max(batches), kv_cache_memory_bytes=8 << 30, cuda_graph_batch_sizes=tuple(batches),
+              max_num_seqs=max(batches),
+              kv_cache_memory_bytes=kv_memory_bytes(args.shape, max(batches), max_len, 8 << 30),
+              cuda_graph_batch_sizes=tuple(batches),
               **({} if args.small_m_rows is None else {"small_m_rows": args.small_m_rows}))
     runner = llm.executor.target
-    floor_ms = weight_bytes(runner.model) / bw * 1e3
+    weights, kv_per_token = weight_bytes(runner.model), kv_bytes_per_token(args.shape)
+    floor_ms = weights / bw * 1e3
     per_req = -(-max_len // llm.engine_config.block_size)
     for b in batches:
         tables = [[list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for _ in runner.kv_groups] for i in range(b)]
         prompt = torch.randint(0, runner.vocab_size, (args.context,)).tolist()
-        for i in range(b):  # one request per prefill step: the step's token budget holds one context
-            runner.forward_chunks([Chunk(prompt, 0, 0, tables[i])])
+        for i in range(b):  # one request at a time, in chunks: a long context does not fit one forward
+            prefill(runner, prompt, tables[i])
         pos = [args.context]
 
         def step(graph: bool, b: int = b, tables: list = tables, pos: list = pos) -> None:
@@ -175,9 +179,12 @@ def main() -> None:
         rows.append({"batch": b, "graph_ms": graph_ms, "replay_ms": replay_ms, "load_ms": load_ms, "eager_ms": eager_ms,
                      "engine_step_ms": engine_ms, "engine_vs_floor": engine_ms / floor_ms, "engine_phases_ms": phases,
                      "floor_ms": floor_ms, "graph_vs_floor": graph_ms / floor_ms, "hf_eager_ms": hf.get(b),
-                     "speedup_vs_hf": hf[b] / graph_ms if b in hf else None})
+                     "speedup_vs_hf": hf[b] / graph_ms if b in hf else None,
+                     # What a step must read: the weights and, per request, every layer's KV of its context.
+                     "floor_kv_ms": (weights + b * args.context * kv_per_token) / bw * 1e3})
+        rows[-1]["engine_vs_floor_kv"] = engine_ms / rows[-1]["floor_kv_ms"]
     cols = ["batch", "graph_ms", "replay_ms", "load_ms", "eager_ms", "engine_step_ms", "floor_ms", "graph_vs_floor",
-            "engine_vs_floor", "hf_eager_ms", "speedup_vs_hf"]
+            "engine_vs_floor", "floor_kv_ms", "engine_vs_floor_kv", "hf_eager_ms", "speedup_vs_hf"]
     table = markdown_table(rows, cols)
     print(f"small_m_rows {llm.engine_config.small_m_rows}")
     print(f"{args.shape}: weights {weight_bytes(runner.model) / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s, "

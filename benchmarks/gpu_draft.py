@@ -14,7 +14,7 @@ import time
 import torch
 from common import environment, markdown_table, prefix_token_map, save_json
 from gpu_decode import cuda_median_ms, hf_decode_ms
-from gpu_shapes import shape_dir
+from gpu_shapes import copy_bandwidth, kv_bytes_per_token, kv_memory_bytes, prefill, shape_dir, weight_bytes
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kernels.triton_compat import set_pdl
@@ -26,13 +26,15 @@ from engine.speculation.draft_loop import DraftLoop
 
 def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: bool, steps: int,
             small_m_rows: int = EngineConfig.small_m_rows, token_map: str | None = None,
-            phases: dict | None = None, catch_up: int = 2) -> float:
+            phases: dict | None = None, catch_up: int = 2, bandwidth: float | None = None) -> float:
     """ms per draft token; with phases (a dict, graphs only) also the first step's graph replay alone (catch-up of
     two tokens a request: 2 x batch rows) and a later step's (batch rows), as `first_step_ms` and `next_step_ms`,
-    and the host's time to queue a loop, `loop_host_ms`."""
+    the host's time to queue a loop, `loop_host_ms`, and with `bandwidth` (bytes/s) the floor of a draft token,
+    `floor_kv_ms`: the weights and every request's KV of its context read once."""
     max_len = context + 64 + (2 * (steps + 5) if phases is not None else 0)  # room for the replays alone (below)
     cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=max_len, max_num_seqs=batch,
-                       kv_cache_memory_bytes=2 << 30, enforce_eager=not graphs, num_speculative_tokens=k,
+                       kv_cache_memory_bytes=kv_memory_bytes(name, batch, max_len, 2 << 30), enforce_eager=not graphs,
+                       num_speculative_tokens=k,
                        load_format="dummy", cuda_graph_batch_sizes=(batch,), small_m_rows=small_m_rows)
     mc = ModelConfig.from_path(shape_dir(name))
     mc.max_model_len = max_len
@@ -43,7 +45,7 @@ def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: b
     tables = [[list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for _ in runner.kv_groups] for i in range(batch)]
     prompt = torch.randint(0, runner.vocab_size, (context,)).tolist()
     for i in range(batch):
-        runner.forward_chunks([Chunk(prompt, 0, 0, tables[i])])
+        prefill(runner, prompt, tables[i])
     temp = 0.0 if greedy else 0.8
     md = SamplingMetadata.from_lists([temp] * batch, [1.0] * batch, [0] * batch, device="cuda")
     gen = torch.Generator(device="cuda")
@@ -61,6 +63,10 @@ def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: b
         phases["first_step_ms"] = cuda_median_ms(lambda: replay(loop.first_graphs[(batch, greedy)]), steps)
         phases["next_step_ms"] = cuda_median_ms(lambda: replay(loop.next_graphs[(batch, greedy)]), steps)
         phases["loop_host_ms"] = host_ms(lambda: loop.run(chunks, [k] * batch, md, {}, gen), steps)
+        if bandwidth:
+            read = weight_bytes(runner.model) + batch * context * kv_bytes_per_token(name)
+            phases["floor_kv_ms"] = read / bandwidth * 1e3
+            phases["vs_floor_kv"] = per_token / phases["floor_kv_ms"]
     return per_token
 
 
@@ -102,6 +108,7 @@ def main() -> None:
     set_pdl(not args.no_pdl)
     token_map = prefix_token_map(args.draft_vocab)
     rows = []
+    bandwidth = copy_bandwidth()
     t0 = time.perf_counter()
     settings = [(name, b) for _ in range(args.rounds) for name in args.shapes.split(",")
                 for b in (int(x) for x in args.batch.split(","))]
@@ -112,7 +119,8 @@ def main() -> None:
             tag = "greedy" if greedy else "sampled"
             phases: dict = {}
             row[f"graph_{tag}_ms"] = loop_ms(name, b, args.k, args.context, True, greedy, args.steps,
-                                             args.small_m_rows, token_map, phases, args.catch_up)
+                                             args.small_m_rows, token_map, phases, args.catch_up,
+                                             bandwidth)
             if greedy:
                 row.update(phases)
             if args.eager:
@@ -125,7 +133,7 @@ def main() -> None:
             row["hf_eager_ms"] = hf_decode_ms(name, b, args.context, args.steps)
         rows.append(row)
     cols = ["shape", "batch", "k", "catch_up", "small_m_rows", "draft_vocab", "graph_greedy_ms", "first_step_ms",
-            "next_step_ms", "loop_host_ms", "eager_greedy_ms",
+            "next_step_ms", "loop_host_ms", "floor_kv_ms", "vs_floor_kv", "eager_greedy_ms",
             "graph_speedup", "graph_sampled_ms", "eager_sampled_ms", "hf_eager_ms"]
     print(f"draft step time (ms per draft token, loop of k={args.k} from a {args.context}-token context); "
           f"{time.perf_counter() - t0:.0f} s")

@@ -66,3 +66,26 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+def kv_bytes_per_token(name: str, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes one token of context takes in every layer (keys and values; these shapes have no sliding
+    window, so a decode step reads all of it): what a step reads beyond the weights at long context."""
+    cfg = SHAPES[name]()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * dtype_bytes
+
+
+def kv_memory_bytes(name: str, batch: int, max_len: int, least: int) -> int:
+    """KV-cache memory for `batch` requests of `max_len` tokens (with a margin for partly filled blocks), at least
+    `least` bytes."""
+    return max(least, int(1.1 * batch * (max_len + 64) * kv_bytes_per_token(name)))
+
+
+def prefill(runner, prompt: list[int], tables: list[list[int]], chunk: int = 8192) -> None:
+    """Write a prompt's KV through the runner in chunks of at most `chunk` tokens (a long context does not fit
+    one forward's token buffers)."""
+    from engine.runner.step_input import Chunk
+
+    for start in range(0, len(prompt), chunk):
+        runner.forward_chunks([Chunk(prompt[start:start + chunk], start, 0, tables)])
