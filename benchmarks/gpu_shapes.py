@@ -82,10 +82,11 @@ def kv_memory_bytes(name: str, batch: int, max_len: int, least: int) -> int:
     return max(least, int(1.1 * batch * (max_len + 64) * kv_bytes_per_token(name)))
 
 
-def prefill(runner, prompt: list[int], tables: list[list[int]], chunk: int = 8192) -> None:
-    """Write a prompt's KV through the runner in chunks of at most `chunk` tokens (a long context does not fit
-    one forward's token buffers)."""
+def prefill(runner, prompt: list[int], tables: list[list[int]]) -> None:
+    """Write a prompt's KV through the runner in chunks its input buffers hold (a long context does not fit one
+    forward's token buffers)."""
     from engine.runner.step_input import Chunk
 
+    chunk = runner.buffers.max_num_tokens
     for start in range(0, len(prompt), chunk):
         runner.forward_chunks([Chunk(prompt[start:start + chunk], start, 0, tables)])
