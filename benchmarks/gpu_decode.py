@@ -69,14 +69,17 @@ ENGINE_WARM_TOKENS = 4  # decode steps every request takes before the engine ste
 _REQUEST_IDS = itertools.count()
 
 
-ENGINE_PREFILL_MARGIN = 64  # tokens the first requests may decode while the last ones' prompts are still prefilled
+def prefill_margin(batch: int, context: int) -> int:
+    """Tokens the first requests may decode while the last ones' prompts are still prefilled: a step prefills at
+    least 1024 tokens (the engine's token budget is larger), so the wave's prefill takes at most this many steps."""
+    return 64 + batch * context // 1024
 
 
-def engine_tokens(steps: int, repeats: int) -> int:
+def engine_tokens(steps: int, repeats: int, batch: int = 1, context: int = 0) -> int:
     """Output tokens per request of engine_step_ms's timed requests: warm-up, the timed runs, a margin for the
     step in flight and for the decode steps that early requests take while later prompts are still prefilled
     in chunks (none may finish before the last timed step)."""
-    return ENGINE_WARM_TOKENS + steps * repeats + 8 + ENGINE_PREFILL_MARGIN
+    return ENGINE_WARM_TOKENS + steps * repeats + 8 + prefill_margin(batch, context)
 
 
 def engine_step_ms(llm: LLM, batch: int, context: int, steps: int, repeats: int) -> tuple[float, dict[str, float]]:
@@ -94,7 +97,7 @@ def engine_step_ms(llm: LLM, batch: int, context: int, steps: int, repeats: int)
     for _ in range(2):
         prompts = [torch.randint(0, vocab, (context,)).tolist() for _ in range(batch)]
         llm.generate(prompts, SamplingParams(max_tokens=ENGINE_WARM_TOKENS + 4, ignore_eos=True))
-    params = SamplingParams(max_tokens=engine_tokens(steps, repeats), ignore_eos=True)
+    params = SamplingParams(max_tokens=engine_tokens(steps, repeats, batch, context), ignore_eos=True)
     reqs = [Request(f"engine-step-{next(_REQUEST_IDS)}", torch.randint(0, vocab, (context,)).tolist(), params)
             for _ in range(batch)]
     for r in reqs:
@@ -102,9 +105,9 @@ def engine_step_ms(llm: LLM, batch: int, context: int, steps: int, repeats: int)
     while min(len(r.output_token_ids) for r in reqs) < ENGINE_WARM_TOKENS:
         engine.step()
     ahead = max(len(r.output_token_ids) for r in reqs) - ENGINE_WARM_TOKENS
-    if ahead > ENGINE_PREFILL_MARGIN:
+    if ahead > prefill_margin(batch, context):
         raise RuntimeError(f"the first requests decoded {ahead} tokens while the last were prefilled: raise "
-                           "ENGINE_PREFILL_MARGIN")
+                           "prefill_margin")
     means, phases = [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -141,7 +144,7 @@ def main() -> None:
     bw = copy_bandwidth()
     rows = []
     hf = {} if args.skip_hf else {b: hf_decode_ms(args.shape, b, args.context, args.steps) for b in batches}
-    max_len = args.context + engine_tokens(args.steps, args.repeats) + 64
+    max_len = args.context + engine_tokens(args.steps, args.repeats, max(batches), args.context) + 64
     llm = LLM(shape_dir(args.shape), load_format="dummy", device="cuda", max_model_len=max_len,
               max_num_seqs=max(batches),
               kv_cache_memory_bytes=kv_memory_bytes(args.shape, max(batches), max_len, 8 << 30),
