@@ -1,0 +1,73 @@
+"""How many programs share one request's keys (paged attention's flash-decoding splits) at long context: the draft
+loop of a Qwen3-0.6B shape (gpu_draft.loop_ms: ms per draft token, CUDA graphs, greedy) at each context and batch,
+under the engine's split rule and under alternatives, with the floor (weights and every request's KV read once).
+
+A rule is (most splits, waves of programs per SM, fewest key tiles per split); the engine's is
+engine/kernels/paged_attention.py's `_auto_splits`. Graphs choose their splits from the block table's width (the
+model's longest context), so each context here runs with max_model_len just above it, as a long-context
+deployment would.
+
+    python benchmarks/gpu_kv_splits.py --contexts 512,8192,32768 --batch 1,8 --rules 16:1:1,64:4:4 --out out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import environment, markdown_table, save_json
+from gpu_draft import loop_ms
+from gpu_shapes import copy_bandwidth
+
+import engine.kernels.paged_attention as pa
+
+
+def split_rule(max_splits: int, waves: int, min_tiles: int):
+    """A replacement for paged_attention._auto_splits: double the splits while the grid stays within `waves`
+    programs per SM, each split keeps at least `min_tiles` key tiles, and at most `max_splits`."""
+    def auto_splits(programs: int, max_tiles: int, device: torch.device) -> int:
+        if device.type != "cuda":
+            return 1
+        splits = 1
+        while (splits < max_splits and programs * splits * 2 <= waves * pa._num_sms(device)
+               and splits * 2 * min_tiles <= max_tiles):
+            splits *= 2
+        return splits
+    return auto_splits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--contexts", default="512,8192,32768")
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rules", default="engine,16:1:1,64:4:4,64:8:8",
+                    help="comma-separated; 'engine' is the engine's own rule, else max_splits:waves:min_tiles")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    engine_rule = pa._auto_splits
+    bandwidth = copy_bandwidth()
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        for batch in (int(b) for b in args.batch.split(",")):
+            row = {"context": context, "batch": batch}
+            for rule in args.rules.split(","):
+                pa._auto_splits = engine_rule if rule == "engine" else split_rule(*map(int, rule.split(":")))
+                phases: dict = {}
+                row[f"{rule}_ms"] = loop_ms(args.shape, batch, args.k, context, True, True, args.steps,
+                                            phases=phases, bandwidth=bandwidth)
+                row["floor_kv_ms"] = phases["floor_kv_ms"]
+                torch.cuda.empty_cache()
+            pa._auto_splits = engine_rule
+            rows.append(row)
+            print(row, flush=True)
+    cols = ["context", "batch", "floor_kv_ms"] + [f"{r}_ms" for r in args.rules.split(",")]
+    print(f"{args.shape} draft loop (k={args.k}), ms per draft token; rules max_splits:waves:min_tiles")
+    print(markdown_table(rows, cols))
+    save_json(args.out, {"env": environment(), "args": vars(args), "bandwidth_Bps": bandwidth, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
