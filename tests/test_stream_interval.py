@@ -28,19 +28,23 @@ def test_coalesced_stream_holds_back_neither_first_nor_last(tiny_models) -> None
         every_step = _router(path)
         deltas = await _deltas(every_step, "a", PROMPTS[0])
         assert [t for d in deltas for t in d] == ref[0].token_ids
-        assert len(deltas) == NEW_TOKENS  # no draft: one token a step, one delta a step
+        # No draft: one token a step, one delta a step, unless this consumer fell behind the steps (a loaded CPU)
+        # and took several steps' tokens at once; never held back to the end as the coalesced stream below is.
+        assert 2 < len(deltas) <= NEW_TOKENS
 
         coalesced = _router(path, stream_interval_ms=60_000)
         t0 = time.perf_counter()
         deltas = await _deltas(coalesced, "b", PROMPTS[1])
         # The first token at once, the rest in the final delta as soon as the request finished: not a minute later.
         assert time.perf_counter() - t0 < 30
-        assert [len(d) for d in deltas] == [1, NEW_TOKENS - 1]
+        # Two deltas: the first as soon as it is published (a consumer that fell behind may find a second step's
+        # token with it), the rest held back until the request finished.
+        assert len(deltas) == 2 and len(deltas[0]) <= 2, [len(d) for d in deltas]
         assert [t for d in deltas for t in d] == ref[1].token_ids
 
         # A consumer that leaves while its stream is held back aborts the request.
         stream = coalesced.generate("c", PROMPTS[0], dict(GREEDY, max_tokens=40))
-        assert len((await anext(stream))["token_ids"]) == 1
+        assert len((await anext(stream))["token_ids"]) <= 2  # the first delta, not the held-back rest
         await stream.aclose()
         for _ in range(200):
             if not coalesced.engine.has_unfinished():
