@@ -31,13 +31,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.activation import ACTIVATIONS, act_and_mul_ref
+from engine.kernels.arrival_counters import arrival_counters
 from engine.kernels.rms_norm import rms_norm_ref, use_fused_kernels
 from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["FMA_MAX_ROWS", "MAX_ROWS", "takes_rows", "rows_limit", "norm_linear", "norm_linear_ref", "act_linear",
            "act_linear_ref", "linear_add", "linear_add_ref"]
 
-MAX_ROWS = 16  # rows the kernel takes; larger batches are matrix-bound enough for cuBLAS
+MAX_ROWS = 64  # rows the kernel takes (split-K DOT form beyond 4); larger batches are matrix-bound enough for cuBLAS
 FMA_MAX_ROWS = 4  # up to this many rows the FMA form or the row loop (or tl.dot, by shape); above it tl.dot
 _NONE, _NORM, _ACT = 0, 1, 2  # prologues
 
@@ -109,58 +110,9 @@ def _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, str
 
 
 @triton.jit
-def _small_m_linear_kernel(
-        x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, out_ptr,
-        M, N, K, stride_x, stride_r, stride_ro, stride_w, stride_a, stride_o, eps, offset,
-        PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
-        ROW_LOOP: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M)
-    m_mask = rows < M
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = cols < N
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-    w_mask0 = n_mask[:, None] & (offs_k < K)[None, :]
-    # The first weight tile is requested before the wait: no kernel writes the weights, so that is safe, and under
-    # dependent launch its HBM round trip then overlaps the previous kernel's tail instead of following it (at one
-    # row most programs own one or two tiles). Everything else this kernel reads comes after the wait.
-    w = tl.load(w_rows + offs_k[None, :], mask=w_mask0, other=0.0)
-    wait_for_previous_kernel(USE_PDL)  # see triton_compat (programmatic dependent launch)
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PROLOGUE == 1:
-        # Row statistics of the norm's input: every program computes them (the rows are a few KB, in L2); the
-        # first also writes the residual sum out.
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        k_written = tl.where(pid == 0, K, 0)  # columns the residual sum is stored for: all in program 0 only
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            k_mask = kk < K
-            mask = m_mask[:, None] & k_mask[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0)
-            if HAS_RES:
-                x = (x + tl.load(res_ptr + rows[:, None] * stride_r + kk[None, :], mask=mask, other=0.0)).to(x.dtype)
-                out_mask = mask & (kk < k_written)[None, :]
-                tl.store(res_out_ptr + rows[:, None] * stride_ro + kk[None, :], x, mask=out_mask)
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
-    if USE_DOT or ROW_LOOP:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, offs_k, m_mask, offs_k < K, stride_x, stride_r, K, rstd,
-                      offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        kk = k0 + offs_k
-        k_mask = kk < K
-        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, K, rstd,
-                          offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
-    if not USE_DOT and not ROW_LOOP:
-        acc = tl.sum(acc, axis=2)
+def _store_output(acc, b_ptr, add_ptr, out_ptr, rows, cols, m_mask, n_mask, stride_a, stride_o,
+                  HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr):
+    """The float32 product acc [BLOCK_M, BLOCK_N] plus the bias, rounded, plus the epilogue's add, stored."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -169,6 +121,89 @@ def _small_m_linear_kernel(
         add = tl.load(add_ptr + rows[:, None] * stride_a + cols[None, :], mask=out_mask, other=0.0)
         y = (y.to(tl.float32) + add.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y, mask=out_mask)
+
+
+@triton.jit
+def _small_m_linear_kernel(
+        x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, out_ptr, part_ptr, count_ptr,
+        M, N, K, K_SPLIT, stride_x, stride_r, stride_ro, stride_w, stride_a, stride_o, eps, offset,
+        PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
+        ROW_LOOP: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    m_mask = rows < M
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+        first = pid == 0
+    else:  # this program's K range: K_SPLIT columns (a multiple of BLOCK_K) from k_lo
+        k_lo = tl.program_id(1) * K_SPLIT
+        k_hi = tl.minimum(K, k_lo + K_SPLIT)
+        first = (pid == 0) & (tl.program_id(1) == 0)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    kk = k_lo + offs_k
+    k_mask = kk < k_hi
+    # The first weight tile is requested before the wait: no kernel writes the weights, so that is safe, and under
+    # dependent launch its HBM round trip then overlaps the previous kernel's tail instead of following it (at one
+    # row most programs own one or two tiles). Everything else this kernel reads or writes (the split-K partials
+    # and counters included) comes after the wait.
+    w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    wait_for_previous_kernel(USE_PDL)  # see triton_compat (programmatic dependent launch)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 1:
+        # Row statistics of the norm's input, over the whole K whatever the split: every program computes them (the
+        # rows are a few KB, in L2); the first also writes the residual sum out, so each element is written once.
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        k_written = tl.where(first, K, 0)  # columns the residual sum is stored for: all in the first program only
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            ks_mask = ks < K
+            mask = m_mask[:, None] & ks_mask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=mask, other=0.0)
+            if HAS_RES:
+                x = (x + tl.load(res_ptr + rows[:, None] * stride_r + ks[None, :], mask=mask, other=0.0)).to(x.dtype)
+                out_mask = mask & (ks < k_written)[None, :]
+                tl.store(res_out_ptr + rows[:, None] * stride_ro + ks[None, :], x, mask=out_mask)
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    if USE_DOT or ROW_LOOP:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, K, rstd,
+                      offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < k_hi
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, K, rstd,
+                          offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
+    if not USE_DOT and not ROW_LOOP:
+        acc = tl.sum(acc, axis=2)
+    if SPLIT_K == 1:
+        _store_output(acc, b_ptr, add_ptr, out_ptr, rows, cols, m_mask, n_mask, stride_a, stride_o, HAS_BIAS, HAS_ADD)
+    else:
+        # Split K: the partial sums go to the workspace [SPLIT_K, M, N]; the program that arrives last at this
+        # column tile's counter sums them, in split order whichever arrived last (so a result does not depend on
+        # the arrival order), finishes the output and sets the counter back to 0 for the next launch.
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        parts = part_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(parts + tl.program_id(1) * M * N, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partials stored before the (one-thread) release below
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # from L2 (.cg): another SM's writes, never a stale L1 line
+                acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            _store_output(acc, b_ptr, add_ptr, out_ptr, rows, cols, m_mask, n_mask, stride_a, stride_o, HAS_BIAS,
+                          HAS_ADD)
+            tl.atomic_xchg(count_ptr + pid, 0)
 
 
 def takes_rows(x: torch.Tensor, limit: int) -> bool:
@@ -203,8 +238,9 @@ def _config(m: int, n: int, k: int, device: torch.device) -> dict:
     - other K up to 1024 (a 0.6B gate_up): the row loop with 4-feature tiles at 2 rows (8.0 us against 8.3), the
       DOT form with 64 x 256 tiles and five pipeline stages at 3-4 (8.3 us against 9.9 in the row loop and 14.3
       in the FMA form).
-    Rows 5-16 take the DOT form with the tiles below; there, and for wide layers (K of 4096 and more) at more than
-    one row, cuBLAS was faster (benchmarks/RESULTS.md), so the engine sends them elsewhere (`rows_limit`)."""
+    Rows 5-64 take the DOT form with split K (`_dot_config`). Without the split, rows 5-16 were slower than cuBLAS,
+    as were wide layers (K of 4096 and more) at more than one row (benchmarks/RESULTS.md): the engine sends the
+    latter elsewhere (`rows_limit`), and rows beyond 4 only where EngineConfig.small_m_rows asks."""
     sms = _num_sms(device)
     narrow = triton.cdiv(n, 8) <= 4 * sms  # 8-feature tiles give at most four programs per SM
     if 2 <= m <= FMA_MAX_ROWS and k <= 1024 and (m == 2 or narrow):
@@ -227,10 +263,40 @@ def _config(m: int, n: int, k: int, device: torch.device) -> dict:
     if m <= FMA_MAX_ROWS:
         return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=min(256, max(16, triton.next_power_of_2(k))),
                     num_warps=4, num_stages=5)
-    want = 2 * sms
-    block_n = 32 if triton.cdiv(n, 32) >= want else 16
-    return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=min(256, max(16, triton.next_power_of_2(k))),
-                num_warps=4)
+    return _dot_config(m, n, k, sms)
+
+
+# The DOT form at 5-64 rows, per row tile (the rows padded to a power of two, at least 16): a measured tiling per
+# (BLOCK_M, N, K), or else the rule's (BLOCK_N, BLOCK_K, num_warps, num_stages) and DOT_PROGRAMS_PER_SM. Not yet
+# measured: fill DOT_MEASURED from benchmarks/gpu_small_m.py --sweep splitk (its "best" column is such a dict).
+DOT_MEASURED: dict[tuple[int, int, int], dict] = {}
+DOT_TILES = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 128, 4, 3)}
+DOT_PROGRAMS_PER_SM = 2
+
+
+def _dot_config(m: int, n: int, k: int, sms: int) -> dict:
+    """Rows 5-64: tl.dot on BLOCK_M-row tiles, K split so that the grid has about DOT_PROGRAMS_PER_SM programs per
+    SM. Without the split a program owns BLOCK_N features and the whole K, and a 1024-wide projection (a 0.6B
+    model's o_proj and down) gets 32-64 programs on 132 SMs: most of the GPU idles while they stream the weights.
+    Each split streams a contiguous K range; the splits are made equal (a multiple of BLOCK_K each), none empty."""
+    block_m = max(16, triton.next_power_of_2(m))
+    measured = DOT_MEASURED.get((block_m, n, k))
+    if measured is not None:
+        return {"USE_DOT": True, "BLOCK_M": block_m, "SPLIT_K": 1, **measured}
+    block_n, block_k, warps, stages = DOT_TILES[block_m]
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    split = min(triton.cdiv(k, block_k), max(1, triton.cdiv(DOT_PROGRAMS_PER_SM * sms, triton.cdiv(n, block_n))))
+    return dict(USE_DOT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps,
+                num_stages=stages)
+
+
+def split_k_range(k: int, block_k: int, split: int) -> tuple[int, int]:
+    """(splits, columns per split) for `split` programs over K: the K tiles shared out equally (the last split
+    may be shorter), so no split is empty; (1, k) when the split is 1."""
+    tiles = triton.cdiv(k, block_k)
+    per = triton.cdiv(tiles, max(1, min(split, tiles)))
+    splits = triton.cdiv(tiles, per)
+    return (1, k) if splits == 1 else (splits, per * block_k)
 
 
 def rows_limit(setting: int, hidden_size: int) -> int:
@@ -262,13 +328,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else None
     if m:
-        cfg = {"ROW_LOOP": False, **_config(m, n, k, x.device), **(config or {})}
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
-        launch(_small_m_linear_kernel, grid, x.device,
+        cfg = {"ROW_LOOP": False, "SPLIT_K": 1, **_config(m, n, k, x.device), **(config or {})}
+        tiles = triton.cdiv(n, cfg["BLOCK_N"])
+        cfg["SPLIT_K"], k_split = split_k_range(k, cfg["BLOCK_K"], cfg["SPLIT_K"])
+        if cfg["SPLIT_K"] > 1:  # fp32 partials [SPLIT_K, rows, N] (from the graph pool under capture)
+            parts = torch.empty(cfg["SPLIT_K"], m, n, dtype=torch.float32, device=x.device)
+            counts = arrival_counters(x.device, tiles)
+        else:
+            parts, counts = out, out  # not read: the plain path
+        launch(_small_m_linear_kernel, (tiles, cfg["SPLIT_K"]), x.device,
                x, residual if residual is not None else x, res_out if res_out is not None else out,
                norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
-               add if add is not None else out, out,
-               m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
+               add if add is not None else out, out, parts, counts,
+               m, n, k, k_split, x.stride(0), residual.stride(0) if residual is not None else 0,
                res_out.stride(0) if res_out is not None else 0, weight.stride(0),
                add.stride(0) if add is not None else 0, out.stride(0), eps, offset,
                PROLOGUE=prologue, HAS_RES=residual is not None, HAS_OFFSET=bool(offset),
