@@ -1,6 +1,6 @@
-"""Matrix products of a few rows (1-16: a batch-1 decode, a draft step, a small verify) with the layer's elementwise
-work folded in: an RMSNorm (and the residual add before it) as the prologue, act(gate) * up as the prologue, or a
-residual add as the epilogue (Triton kernel + typed wrappers + torch references).
+"""Matrix products of a few rows (1-64: a batch-1 decode, a draft step, a verify, tree drafting's forwards) with
+the layer's elementwise work folded in: an RMSNorm (and the residual add before it) as the prologue, act(gate) * up
+as the prologue, or a residual add as the epilogue (Triton kernel + typed wrappers + torch references).
 
 At batch 1 a decoder layer of a 0.6B model reads about 15 MB of weights, 5 us at the copy bandwidth, yet an unfused
 layer is about ten launches: norm, qkv, attention's prologue, attention, o_proj, add+norm, gate_up, act*mul, down.
@@ -15,14 +15,24 @@ form) the products are plain fp32 multiply-adds into a [rows, BLOCK_N, BLOCK_K] 
 end, so BLOCK_N can be as small as 2 and even a 1024-wide projection spreads over enough programs to fill the
 GPU without split-K; that accumulator grows with the rows, so at 2-4 rows the row loop (ROW_LOOP) takes one row at
 a time into a [rows, BLOCK_N] accumulator, the weight tile as large as at one row; with more rows (DOT form)
-tl.dot on 16-row tiles keeps the arithmetic off the CUDA cores. `_config` picks the form per shape.
+tl.dot on 16-64-row tiles keeps the arithmetic off the CUDA cores. `small_m_tiles.tiles_for` picks the form per shape.
+
+Split K (DOT form at 5-64 rows): a tl.dot tile of 16+ rows wants 32-64 output features, so a 1024-wide projection
+would get 16-32 programs owning the whole K each, on a GPU of 132 SMs. The grid is (column tiles, SPLIT_K) instead:
+each program takes a contiguous K range, writes its float32 partials to a workspace and increments its column
+tile's arrival counter (engine/kernels/arrival_counters.py: zero between launches, so no memset per call and the
+launch replays in a CUDA graph); the program that arrives last sums the SPLIT_K partials in split order, adds the
+bias, rounds, applies the epilogue and sets the counter back to 0. The norm's row statistics still span the whole
+K in every program, and one program writes the residual sum. SPLIT_K=1 is the plain path, without partials or
+atomics.
 
 Rounding is that of the unfused layers: the residual sum is rounded to the activation dtype; the norm's
 statistics are float32 and its output is rounded to the dtype (Llama form: the normalised row is rounded before
 the weight multiplies it; Gemma's offset form multiplies by (offset + w) in float32); act(gate) is rounded before
 it multiplies up, the product rounded again; the product accumulates in float32 (fp32 operands: IEEE, never
 TF32), the bias is added in float32, the result is rounded, and the epilogue's residual add rounds once more.
-Only the order of the float32 sums differs from a BLAS library's.
+Only the order of the float32 sums differs from a BLAS library's (split K changes that order only: each split sums
+its K range, then the splits are added in order; the result does not depend on which program arrived last).
 """
 
 from __future__ import annotations
@@ -33,13 +43,13 @@ import torch.nn.functional as F
 from engine.kernels.activation import ACTIVATIONS, act_and_mul_ref
 from engine.kernels.arrival_counters import arrival_counters
 from engine.kernels.rms_norm import rms_norm_ref, use_fused_kernels
+from engine.kernels.small_m_tiles import FMA_MAX_ROWS, split_k_range, tiles_for
 from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["FMA_MAX_ROWS", "MAX_ROWS", "takes_rows", "rows_limit", "norm_linear", "norm_linear_ref", "act_linear",
            "act_linear_ref", "linear_add", "linear_add_ref"]
 
 MAX_ROWS = 64  # rows the kernel takes (split-K DOT form beyond 4); larger batches are matrix-bound enough for cuBLAS
-FMA_MAX_ROWS = 4  # up to this many rows the FMA form or the row loop (or tl.dot, by shape); above it tl.dot
 _NONE, _NORM, _ACT = 0, 1, 2  # prologues
 
 
@@ -212,93 +222,6 @@ def takes_rows(x: torch.Tensor, limit: int) -> bool:
     return 0 < x.shape[0] <= min(limit, MAX_ROWS) and use_fused_kernels(x)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: small blocks, so CPU tests cover several programs and the masks
-
-
-def _config(m: int, n: int, k: int, device: torch.device) -> dict:
-    """Tile sizes. FMA form: a weight tile of 64 fp32 accumulators a thread per row (8192 elements at 4 warps and
-    one row, 16 KB of bf16), as wide in K as the rule below allows, narrowed in N (more programs) until the grid has
-    enough programs. At one row on an H100 a sweep (benchmarks/gpu_small_m.py --sweep) found, with the first tile
-    requested before the dependent-launch wait:
-    - K of 1025-4095 (a 0.6B model's o_proj and down): 2048-wide tiles at 8 warps, one program per SM enough: 2.4
-      and 3.5 us against 2.9 and 5.5 with 1024-wide tiles at 4 warps;
-    - K up to 1024: the whole K in one tile, unless the grid would exceed four programs per SM (a 0.6B gate_up:
-      768), where half of K keeps every program resident (6.7 against 7.6 us);
-    - K of 4096 and more (an 8B model's projections): 2048-wide tiles at 4 warps, two programs per SM.
-    At 2-4 rows (a draft's catch-up step, speculation-ahead branches) the same sweep at 2 and 4 rows on the 0.6B
-    shape found:
-    - K of 1025-4095: FMA still, 2048-wide tiles at 2 rows and 1024-wide at 3-4 (the accumulator grows with the
-      rows; o_proj 2.9 and 3.8 us, down 4.8 and 5.7);
-    - K up to 1024 where 8-feature tiles make at most four programs per SM (a 0.6B qkv): the row loop (one row at
-      a time, the weight tile as at one row) with the whole K in one tile, 4.8 and 6.9 us against 6.0 and 7.5 in
-      the FMA or DOT form;
-    - other K up to 1024 (a 0.6B gate_up): the row loop with 4-feature tiles at 2 rows (8.0 us against 8.3), the
-      DOT form with 64 x 256 tiles and five pipeline stages at 3-4 (8.3 us against 9.9 in the row loop and 14.3
-      in the FMA form).
-    Rows 5-64 take the DOT form with split K (`_dot_config`). Without the split, rows 5-16 were slower than cuBLAS,
-    as were wide layers (K of 4096 and more) at more than one row (benchmarks/RESULTS.md): the engine sends the
-    latter elsewhere (`rows_limit`), and rows beyond 4 only where EngineConfig.small_m_rows asks."""
-    sms = _num_sms(device)
-    narrow = triton.cdiv(n, 8) <= 4 * sms  # 8-feature tiles give at most four programs per SM
-    if 2 <= m <= FMA_MAX_ROWS and k <= 1024 and (m == 2 or narrow):
-        return dict(USE_DOT=False, ROW_LOOP=True, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=8 if narrow else 4,
-                    BLOCK_K=triton.next_power_of_2(k), num_warps=4)
-    if m == 1 or (m <= FMA_MAX_ROWS and k > 1024):
-        block_m = triton.next_power_of_2(m)
-        if k >= 4096 and m == 1:
-            block_k, warps, per_sm = 2048, 4, 2
-        elif k > 1024:
-            block_k, warps, per_sm = (2048 if m <= 2 else 1024), 8, 1
-        else:
-            block_k, warps, per_sm = triton.next_power_of_2(k), 4, 2
-        block_n = max(1, 64 * 32 * warps // (block_k * block_m))
-        while block_n > 2 and triton.cdiv(n, block_n) < per_sm * sms:
-            block_n //= 2
-        if k <= 1024 and block_k > 256 and triton.cdiv(n, block_n) > 4 * sms:  # (K <= 1024: one row only here)
-            block_k //= 2
-        return dict(USE_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-    if m <= FMA_MAX_ROWS:
-        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=min(256, max(16, triton.next_power_of_2(k))),
-                    num_warps=4, num_stages=5)
-    return _dot_config(m, n, k, sms)
-
-
-# The DOT form at 5-64 rows, per row tile (the rows padded to a power of two, at least 16): a measured tiling per
-# (BLOCK_M, N, K), or else the rule's (BLOCK_N, BLOCK_K, num_warps, num_stages) and DOT_PROGRAMS_PER_SM. Not yet
-# measured: fill DOT_MEASURED from benchmarks/gpu_small_m.py --sweep splitk (its "best" column is such a dict).
-DOT_MEASURED: dict[tuple[int, int, int], dict] = {}
-DOT_TILES = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 128, 4, 3)}
-DOT_PROGRAMS_PER_SM = 2
-
-
-def _dot_config(m: int, n: int, k: int, sms: int) -> dict:
-    """Rows 5-64: tl.dot on BLOCK_M-row tiles, K split so that the grid has about DOT_PROGRAMS_PER_SM programs per
-    SM. Without the split a program owns BLOCK_N features and the whole K, and a 1024-wide projection (a 0.6B
-    model's o_proj and down) gets 32-64 programs on 132 SMs: most of the GPU idles while they stream the weights.
-    Each split streams a contiguous K range; the splits are made equal (a multiple of BLOCK_K each), none empty."""
-    block_m = max(16, triton.next_power_of_2(m))
-    measured = DOT_MEASURED.get((block_m, n, k))
-    if measured is not None:
-        return {"USE_DOT": True, "BLOCK_M": block_m, "SPLIT_K": 1, **measured}
-    block_n, block_k, warps, stages = DOT_TILES[block_m]
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    split = min(triton.cdiv(k, block_k), max(1, triton.cdiv(DOT_PROGRAMS_PER_SM * sms, triton.cdiv(n, block_n))))
-    return dict(USE_DOT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps,
-                num_stages=stages)
-
-
-def split_k_range(k: int, block_k: int, split: int) -> tuple[int, int]:
-    """(splits, columns per split) for `split` programs over K: the K tiles shared out equally (the last split
-    may be shorter), so no split is empty; (1, k) when the split is 1."""
-    tiles = triton.cdiv(k, block_k)
-    per = triton.cdiv(tiles, max(1, min(split, tiles)))
-    splits = triton.cdiv(tiles, per)
-    return (1, k) if splits == 1 else (splits, per * block_k)
-
-
 def rows_limit(setting: int, hidden_size: int) -> int:
     """Up to how many rows a layer of this width runs its products here, under the engine's setting
     (EngineConfig.small_m_rows): wide layers (hidden size 4096 and more, an 8B model) only single rows, where at two
@@ -328,7 +251,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else None
     if m:
-        cfg = {"ROW_LOOP": False, "SPLIT_K": 1, **_config(m, n, k, x.device), **(config or {})}
+        cfg = {"ROW_LOOP": False, "SPLIT_K": 1, **tiles_for(m, n, k, x.device), **(config or {})}
         tiles = triton.cdiv(n, cfg["BLOCK_N"])
         cfg["SPLIT_K"], k_split = split_k_range(k, cfg["BLOCK_K"], cfg["SPLIT_K"])
         if cfg["SPLIT_K"] > 1:  # fp32 partials [SPLIT_K, rows, N] (from the graph pool under capture)
