@@ -136,10 +136,10 @@ def _store_output(acc, b_ptr, add_ptr, out_ptr, rows, cols, m_mask, n_mask, stri
 @triton.jit
 def _small_m_linear_kernel(
         x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, out_ptr, part_ptr, count_ptr,
-        M, N, K, K_SPLIT, stride_x, stride_r, stride_ro, stride_w, stride_a, stride_o, eps, offset,
+        M, N, K, K_SPLIT, NUM_SPLITS, stride_x, stride_r, stride_ro, stride_w, stride_a, stride_o, eps, offset,
         PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
-        ROW_LOOP: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+        ROW_LOOP: tl.constexpr, USE_PDL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -147,11 +147,11 @@ def _small_m_linear_kernel(
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < N
     offs_k = tl.arange(0, BLOCK_K)
-    if SPLIT_K == 1:
+    if not SPLIT:
         k_lo = 0
         k_hi = K
         first = pid == 0
-    else:  # this program's K range: K_SPLIT columns (a multiple of BLOCK_K) from k_lo
+    else:  # this program's K range: K_SPLIT columns (a multiple of BLOCK_K) from k_lo, one of NUM_SPLITS
         k_lo = tl.program_id(1) * K_SPLIT
         k_hi = tl.minimum(K, k_lo + K_SPLIT)
         first = (pid == 0) & (tl.program_id(1) == 0)
@@ -196,10 +196,10 @@ def _small_m_linear_kernel(
                           offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
     if not USE_DOT and not ROW_LOOP:
         acc = tl.sum(acc, axis=2)
-    if SPLIT_K == 1:
+    if not SPLIT:
         _store_output(acc, b_ptr, add_ptr, out_ptr, rows, cols, m_mask, n_mask, stride_a, stride_o, HAS_BIAS, HAS_ADD)
     else:
-        # Split K: the partial sums go to the workspace [SPLIT_K, M, N]; the program that arrives last at this
+        # Split K: the partial sums go to the workspace [NUM_SPLITS, M, N]; the program that arrives last at this
         # column tile's counter sums them, in split order whichever arrived last (so a result does not depend on
         # the arrival order), finishes the output and sets the counter back to 0 for the next launch.
         out_mask = m_mask[:, None] & n_mask[None, :]
@@ -207,9 +207,9 @@ def _small_m_linear_kernel(
         tl.store(parts + tl.program_id(1) * M * N, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partials stored before the (one-thread) release below
         arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+        if arrived == NUM_SPLITS - 1:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # from L2 (.cg): another SM's writes, never a stale L1 line
+            for s in range(NUM_SPLITS):  # from L2 (.cg): another SM's writes, never a stale L1 line
                 acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
             _store_output(acc, b_ptr, add_ptr, out_ptr, rows, cols, m_mask, n_mask, stride_a, stride_o, HAS_BIAS,
                           HAS_ADD)
@@ -253,22 +253,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
     if m:
         cfg = {"ROW_LOOP": False, "SPLIT_K": 1, **tiles_for(m, n, k, x.device), **(config or {})}
         tiles = triton.cdiv(n, cfg["BLOCK_N"])
-        cfg["SPLIT_K"], k_split = split_k_range(k, cfg["BLOCK_K"], cfg["SPLIT_K"])
-        if cfg["SPLIT_K"] > 1:  # fp32 partials [SPLIT_K, rows, N] (from the graph pool under capture)
-            parts = torch.empty(cfg["SPLIT_K"], m, n, dtype=torch.float32, device=x.device)
+        # The split count is a run-time argument (one compiled kernel whatever the split), SPLIT whether there is one.
+        splits, k_split = split_k_range(k, cfg["BLOCK_K"], cfg.pop("SPLIT_K"))
+        if splits > 1:  # fp32 partials [splits, rows, N] (from the graph pool under capture)
+            parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
             counts = arrival_counters(x.device, tiles)
         else:
             parts, counts = out, out  # not read: the plain path
-        launch(_small_m_linear_kernel, (tiles, cfg["SPLIT_K"]), x.device,
+        launch(_small_m_linear_kernel, (tiles, splits), x.device,
                x, residual if residual is not None else x, res_out if res_out is not None else out,
                norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
                add if add is not None else out, out, parts, counts,
-               m, n, k, k_split, x.stride(0), residual.stride(0) if residual is not None else 0,
+               m, n, k, k_split, splits, x.stride(0), residual.stride(0) if residual is not None else 0,
                res_out.stride(0) if res_out is not None else 0, weight.stride(0),
                add.stride(0) if add is not None else 0, out.stride(0), eps, offset,
                PROLOGUE=prologue, HAS_RES=residual is not None, HAS_OFFSET=bool(offset),
                GELU_TANH=act == "gelu_pytorch_tanh", HAS_BIAS=bias is not None, HAS_ADD=add is not None,
-               DOT_IEEE=x.dtype == torch.float32, **cfg)
+               DOT_IEEE=x.dtype == torch.float32, SPLIT=splits > 1, **cfg)
     return out, res_out
 
 
