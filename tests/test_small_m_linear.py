@@ -105,6 +105,16 @@ def test_rows_limit_keeps_wide_layers_at_one_row():
     assert sml.rows_limit(0, 4096) == 0 and sml.rows_limit(0, 1024) == 0
 
 
+def test_small_m_rows_setting_goes_up_to_the_kernels_rows():
+    """EngineConfig.small_m_rows takes 0..MAX_ROWS (64: the split-K DOT form); beyond it the kernels refuse."""
+    from engine.config import EngineConfig
+
+    base = dict(device=torch.device("cpu"), dtype=torch.float32, max_model_len=64)
+    EngineConfig(**base, small_m_rows=sml.MAX_ROWS).validate()
+    with pytest.raises(ValueError, match=r"small_m_rows must be in \[0, 64\]"):
+        EngineConfig(**base, small_m_rows=sml.MAX_ROWS + 1).validate()
+
+
 def check_small_m_linear(device: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 2, 3, 5),
                          shapes: tuple[tuple[int, int], ...] = ((96, 200),), config: dict | None = None) -> None:
     """Every prologue and epilogue against its reference in each of the kernel's forms (on the interpreter's 4
