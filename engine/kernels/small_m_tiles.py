@@ -73,7 +73,8 @@ def tiles_for(m: int, n: int, k: int, device: torch.device) -> dict:
 # (BLOCK_M, N, K), or else the rule's (BLOCK_N, BLOCK_K, num_warps, num_stages) and DOT_PROGRAMS_PER_SM. Not yet
 # measured: fill DOT_MEASURED from benchmarks/gpu_small_m.py --sweep splitk (its "best" column is such a dict).
 DOT_MEASURED: dict[tuple[int, int, int], dict] = {}
-DOT_TILES = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 128, 4, 3)}
+# (64-row tiles: BLOCK_K 64 keeps three float32 stages of both operands at 96 KB of shared memory.)
+DOT_TILES = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3)}
 DOT_PROGRAMS_PER_SM = 2
 
 

@@ -67,7 +67,7 @@ def test_split_k_on_a_draft_layer_matches_references(dtype):
         t = _layer_inputs(m, dtype, seed=m)
         want = _products(t, ref=True)
         bm = max(16, 1 << (m - 1).bit_length())
-        cfgs = [None, dict(USE_DOT=True, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+        cfgs = [None, dict(USE_DOT=True, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=3),
                 dict(USE_DOT=True, BLOCK_M=bm, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)]
         for cfg in cfgs:
             got = _products(t, config=cfg)
