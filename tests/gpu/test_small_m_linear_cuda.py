@@ -10,7 +10,7 @@ from conftest import random_prompts
 from test_small_m_linear import QWEN3_PROJECTIONS, check_small_m_linear
 
 from engine import LLM, SamplingParams
-from engine.kernels import arrival_counters
+from engine.kernels import arrival_counters, small_m_tiles
 from engine.kernels import small_m_linear as sml
 from engine.kernels.small_m_tiles import split_k_range, tiles_for
 
@@ -110,17 +110,22 @@ def test_split_k_replays_from_a_cuda_graph():
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_small_m_graphs_equal_eager_without_them(tiny_models, tiny_drafts, family):
-    """float32, with a draft: graph replays through the few-row kernels (the default, single rows; and decode,
-    verify and draft steps up to 16 rows) give the tokens of eager steps on cuBLAS and the separate kernels."""
+def test_small_m_graphs_equal_eager_without_them(tiny_models, tiny_drafts, family, monkeypatch):
+    """float32, with a draft: graph replays through the few-row kernels (the default, single rows; decode, verify
+    and draft steps up to 16 rows; and up to 64 rows, prefill chunks included, with 16-column K tiles so that the
+    tiny layers' K splits too and the captured graphs run the split-K form) give the tokens of eager steps on
+    cuBLAS and the separate kernels."""
     target = tiny_models[family]
     draft = tiny_drafts["gemma3-2l" if family == "gemma3" else "qwen3-1l"]
     prompts = random_prompts([5, 17, 30], seed=3)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     runs = {}
-    for rows, eager in ((0, True), (1, False), (16, False)):
+    for rows, eager in ((0, True), (1, False), (16, False), (64, False)):
+        if rows == 64:
+            monkeypatch.setattr(small_m_tiles, "DOT_TILES", {m: (32, 16, 4, 3) for m in (16, 32, 64)})
         llm = LLM(model=target.path, draft_model=draft.path, num_speculative_tokens=3, device="cuda",
                   dtype="float32", enforce_eager=eager, max_model_len=256, block_size=16, num_kv_blocks=256,
                   max_num_seqs=4, cuda_graph_batch_sizes=(1, 2, 4), small_m_rows=rows)
         runs[rows] = [o.token_ids for o in llm.generate(prompts, params)]
-    assert runs[1] == runs[0] and runs[16] == runs[0]
+    assert runs[1] == runs[0] and runs[16] == runs[0] and runs[64] == runs[0]
+    assert split_k_range(64, 16, small_m_tiles.tiles_for(16, 64, 64, torch.device("cuda"))["SPLIT_K"])[0] > 1
