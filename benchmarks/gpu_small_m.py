@@ -264,8 +264,27 @@ def sweep_splitk(shape: str, m: int, name: str, fn, calls: int, n: int, k: int, 
            for u, c in results[:5]]
     print(f"splitk {shape} rows={m} {name}: best {us:.2f} us {cfg}; rule {rule_us and round(rule_us, 2)} us; "
           f"top5 (us, BLOCK_N, BLOCK_K, splits) {top}", flush=True)
-    return {"shape": shape, "rows": m, "proj": name, "best_us": us, "best": cfg, "top5": top, "rule": rule,
-            "rule_us": rule_us, "rule_vs_best": rule_us / us if rule_us else None}
+    return {"shape": shape, "rows": m, "proj": name, "n": n, "k": k, "best_us": us, "best": cfg, "top5": top,
+            "rule": rule, "rule_us": rule_us, "rule_vs_best": rule_us / us if rule_us else None,
+            "results": [(u, c) for u, c in results if c is not rule]}
+
+
+def measured_table(best: list[dict]) -> dict[tuple[int, int, int], dict]:
+    """small_m_tiles.DOT_MEASURED from a split-K sweep: per (BLOCK_M, N, K) the tiling with the least time summed
+    over the row counts swept with that row tile (5, 8 and 16 rows share the 16-row tile)."""
+    sums: dict[tuple, dict[str, list]] = {}
+    for b in best:
+        for us, cfg in b.get("results", ()):
+            key = (cfg["BLOCK_M"], b["n"], b["k"])
+            entry = sums.setdefault(key, {}).setdefault(repr(sorted(cfg.items())), [0.0, set(), cfg])
+            entry[0] += us
+            entry[1].add(b["rows"])
+    table = {}
+    for key, by_cfg in sums.items():
+        rows = set().union(*(e[1] for e in by_cfg.values()))
+        full = [e for e in by_cfg.values() if e[1] == rows]  # timed at every row count of this tile
+        table[key] = {x: v for x, v in min(full, key=lambda e: e[0])[2].items() if x not in ("USE_DOT", "BLOCK_M")}
+    return table
 
 
 def layer_summary(shape: str, m: int, best: list[dict]) -> None:
@@ -362,6 +381,7 @@ def main() -> None:
     if split:
         print(markdown_table(split, ["shape", "rows", "proj", "one_row_us", "default_us", "best_us", "unfused_us",
                                      "floor_us", "best_vs_one_row", "best_vs_unfused", "rule_vs_best", "best"]))
+        print("DOT_MEASURED =", measured_table(split))  # for engine/kernels/small_m_tiles.py
     if counts:
         print(markdown_table(counts, ["shape", "step", "batch", "small_m_rows", "kernels", "per_layer", "copies"]))
     save_json(args.out, {"env": environment(), "args": vars(args), "bandwidth_Bps": bw, "rows": rows, "sweep": best,

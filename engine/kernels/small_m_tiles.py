@@ -71,7 +71,8 @@ def tiles_for(m: int, n: int, k: int, device: torch.device) -> dict:
 
 # The DOT form at 5-64 rows, per row tile (the rows padded to a power of two, at least 16): a measured tiling per
 # (BLOCK_M, N, K), or else the rule's (BLOCK_N, BLOCK_K, num_warps, num_stages) and DOT_PROGRAMS_PER_SM. Not yet
-# measured: fill DOT_MEASURED from benchmarks/gpu_small_m.py --sweep splitk (its "best" column is such a dict).
+# measured: benchmarks/gpu_small_m.py --sweep splitk ends with a `DOT_MEASURED = {...}` line for here (per row tile
+# and shape the tiling of least time summed over the row counts swept; SPLIT_K as the kernel runs it).
 DOT_MEASURED: dict[tuple[int, int, int], dict] = {}
 # (64-row tiles: BLOCK_K 64 keeps three float32 stages of both operands at 96 KB of shared memory.)
 DOT_TILES = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3)}
