@@ -95,6 +95,11 @@ def test_split_k_rule_fills_the_gpu_at_five_to_sixty_four_rows(monkeypatch):
     assert small_m_tiles.split_k_range(300, 128, 4) == (3, 128)  # three K tiles: at most three splits
     assert small_m_tiles.split_k_range(3072, 128, 9) == (8, 384)  # 24 tiles: 8 splits of 3 rather than 9 of 2-3
     assert small_m_tiles.split_k_range(1024, 256, 1) == (1, 1024)
+    # a measured tiling (what the sweep prints) replaces the rule for its row tile and shape only
+    measured = dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_warps=8, num_stages=4)
+    monkeypatch.setitem(small_m_tiles.DOT_MEASURED, (32, 1024, 2048), measured)
+    assert small_m_tiles.tiles_for(20, 1024, 2048, torch.device("cuda")) == dict(USE_DOT=True, BLOCK_M=32, **measured)
+    assert small_m_tiles.tiles_for(16, 1024, 2048, torch.device("cuda"))["BLOCK_N"] == 32
 
 
 def test_rows_limit_keeps_wide_layers_at_one_row():
