@@ -1,15 +1,21 @@
-"""A decoder layer's products at 1-16 rows on one GPU: the few-row kernels with norms, activation and residual adds
+"""A decoder layer's products at 1-64 rows on one GPU: the few-row kernels with norms, activation and residual adds
 folded in (engine/kernels/small_m_linear.py) against cuBLAS with the separate elementwise kernels, plus the number
 of kernels one step launches either way.
 
-    python benchmarks/gpu_small_m.py --shapes qwen3-0.6b,qwen3-8b --rows 1,2,5,8,16 [--sweep] --out small_m.json
+    python benchmarks/gpu_small_m.py --shapes qwen3-0.6b,qwen3-8b --rows 1,2,5,8,16,32,64 [--sweep] --out small_m.json
+    python benchmarks/gpu_small_m.py --shapes qwen3-0.6b,qwen3-8b --rows 1,5,8,16,32,64 --rows-for qwen3-8b=1,5 \
+        --skip-count --sweep splitk --out small_m_splitk.json
 
 Per shape and row count, `layer`: one layer's product work in a CUDA graph, old chain (add+norm, qkv, o_proj,
 add+norm, gate_up, act*mul, down: 7 kernels) against the new one (norm+qkv, o_proj+add, norm+gate_up, act+down: 4
 kernels); per projection the new kernel alone and cuBLAS alone. `new_no_pdl`: the new chain launched without
 programmatic dependent launch. Weights rotate over enough copies that they do not sit in L2 (50 MB on an H100)
 between calls, as in a real step. Floor: the weight bytes over the copy bandwidth measured in the same run. --sweep
-also times other tile sizes at each row count and prints the fastest per projection. `kernels`: CUDA kernels of one
+also times other tile sizes at each row count and prints the fastest per projection. `--sweep splitk`: at 5 rows and
+more the split-K DOT tilings (rows padded to 16, 32 or 64; BLOCK_N, BLOCK_K and the split), each projection's best
+against its time at one row (the tuned one-row rule; 1 is added to the rows) and against cuBLAS with the separate
+elementwise kernel it replaces (`unfused`), and per layer the sum of the four: the goal is a 16-row layer within
+1.2x and a 64-row layer within 1.6x of a one-row one. `kernels`: CUDA kernels of one
 eager forward under torch.profiler (a draft step for the draft shape: forward, argmax and the draft loop's input
 rebuild).
 """
@@ -27,7 +33,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine.kernels import small_m_linear as sml
 from engine.kernels.activation import act_and_mul
-from engine.kernels.rms_norm import add_rms_norm
+from engine.kernels.rms_norm import add_rms_norm, rms_norm
+from engine.kernels.small_m_tiles import split_k_range, tiles_for
 from engine.kernels.triton_compat import set_pdl
 
 L2_BYTES = 200 << 20  # rotate weights over at least this much memory
@@ -51,8 +58,11 @@ def layer_weights(shape: str) -> list[dict[str, torch.Tensor]]:
 def bench_shape(shape: str, rows: list[int], bw: float, sweep: str | None) -> tuple[list[dict], list[dict]]:
     ws = layer_weights(shape)
     out, best = [], []
+    if sweep and "splitk" in sweep:
+        rows = sorted(set(rows) | {1})  # one row first: the split-K sweep's reference
+    one_row: dict[str, float] = {}
     for m in rows:
-        row, b = bench_rows(shape, m, ws, bw, sweep)
+        row, b = bench_rows(shape, m, ws, bw, sweep, one_row)
         out.append(row)
         best += b
         print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
@@ -61,8 +71,10 @@ def bench_shape(shape: str, rows: list[int], bw: float, sweep: str | None) -> tu
     return out, best
 
 
-def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float, sweep: str | None
-               ) -> tuple[dict, list[dict]]:
+def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float, sweep: str | None,
+               one_row: dict[str, float]) -> tuple[dict, list[dict]]:
+    """One row count: the layer chains, each projection alone; with sweep also other tilings. one_row: each
+    projection's time at one row, filled at m = 1 (the split-K sweep's reference)."""
     p = projections(shape)
     h, attn_width, inter = p["qkv_proj"][0], p["o_proj"][0], p["down_proj"][0]
     layer_bytes = sum(t.numel() * 2 for name, t in ws[0].items() if name not in ("n1", "n2"))
@@ -104,6 +116,13 @@ def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float,
                                                        config=cfg), x),
         "down": (lambda i, cfg=None: sml.act_linear(gu, "silu", w(i, "down"), config=cfg), act_and_mul(gu, "silu")),
     }
+    # cuBLAS with the separate elementwise kernel each fused product replaces
+    unfused = {
+        "qkv": lambda i: F.linear(rms_norm(x, w(i, "n1"), 1e-6), w(i, "qkv")),
+        "o": lambda i: F.linear(a, w(i, "o")) + res,
+        "gate_up": lambda i: F.linear(rms_norm(x, w(i, "n2"), 1e-6), w(i, "gate_up")),
+        "down": lambda i: F.linear(act_and_mul(gu, "silu"), w(i, "down")),
+    }
     row["max_rel_err"] = max_rel_err(x, res, a, gu, ws[0])
     best = []
     for name, (fn, inp) in kernels.items():
@@ -111,10 +130,20 @@ def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float,
         row[f"{name}_new_us"] = graph_us(fn, calls)
         row[f"{name}_cublas_us"] = graph_us(lambda i, inp=inp, name=name: F.linear(inp, w(i, name)), calls)
         row[f"{name}_floor_us"] = floor
-        if sweep:
-            n, k = ws[0][name].shape
-            rule = sml._config(m, n, k, ws[0][name].device)
-            best.append(sweep_one(shape, m, name, fn, calls, floor, row[f"{name}_new_us"], rule, sweep))
+        if m == 1:
+            one_row[name] = row[f"{name}_new_us"]
+        n, k = ws[0][name].shape
+        rule = tiles_for(m, n, k, ws[0][name].device)
+        if sweep and "splitk" in sweep and m > sml.FMA_MAX_ROWS:
+            b = sweep_splitk(shape, m, name, fn, calls, n, k, rule)
+            b.update(default_us=row[f"{name}_new_us"], floor_us=floor, one_row_us=one_row.get(name),
+                     unfused_us=graph_us(unfused[name], calls))
+            best.append(b)
+        elif sweep and set(sweep.split(",")) - {"splitk"}:
+            forms = ",".join(f for f in sweep.split(",") if f != "splitk")
+            best.append(sweep_one(shape, m, name, fn, calls, floor, row[f"{name}_new_us"], rule, forms))
+    if any(b["rows"] == m and "one_row_us" in b for b in best):
+        layer_summary(shape, m, [b for b in best if b["rows"] == m])
     return row, best
 
 
@@ -163,8 +192,8 @@ def sweep_grid(m: int, forms: str = "fma,dot,row") -> list[dict]:
         for bn in (16, 32, 64):
             for bk in (64, 128, 256):
                 for stages in (3, 5):
-                    grid.append(dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
-                                     num_stages=stages))
+                    grid.append(dict(USE_DOT=True, BLOCK_M=max(16, triton_pow2(m)), BLOCK_N=bn, BLOCK_K=bk,
+                                     num_warps=4, num_stages=stages))
     return grid
 
 
@@ -193,6 +222,82 @@ def sweep_one(shape: str, m: int, name: str, fn, calls: int, floor: float, defau
     return {"shape": shape, "rows": m, "proj": name, "default_us": default_us, "best_us": us, "floor_us": floor,
             "best": cfg, "top5": top, "rule": {x: rule[x] for x in key}, "rule_rank": rank,
             "rule_vs_best": rule_us / us if rule_us else None}
+
+
+def splitk_grid(m: int, n: int, k: int, sms: int) -> list[dict]:
+    """Split-K DOT tilings at m rows (5-64): the row tile is the rows padded to a power of two (16 at least);
+    BLOCK_N 32 or 64; BLOCK_K 128/256 (64/128 for 64-row tiles, whose operand tiles are larger); the splits that
+    give between half a program and four programs per SM (the plain path, split 1, among them where in range), each
+    as the kernel runs it (equal K ranges: split counts that share one are timed once). Four warps, three stages:
+    the kernel compiles once per tiling and prologue (the split is a run-time argument), which keeps the sweep's
+    compile time in its budget."""
+    bm = max(16, triton_pow2(m))
+    grid, seen = [], set()
+    for bn in (32, 64):
+        for bk in (128, 256) if bm < 64 else (64, 128):
+            tiles = -(-n // bn)
+            for split in (1, 2, 3, 4, 6, 8, 12, 16):
+                splits, k_split = split_k_range(k, bk, split)
+                if (bn, bk, splits) in seen or not sms // 2 <= tiles * splits <= 4 * sms and splits > 1:
+                    continue
+                seen.add((bn, bk, splits))
+                grid.append(dict(USE_DOT=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=splits, num_warps=4,
+                                 num_stages=3))
+    return grid
+
+
+def sweep_splitk(shape: str, m: int, name: str, fn, calls: int, n: int, k: int, rule: dict) -> dict:
+    """Time the split-K tilings of splitk_grid; the rule's pick (`tiles_for`) among them, as in sweep_one."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    results = []
+    for cfg in splitk_grid(m, n, k, sms) + [rule]:
+        try:
+            us = graph_us(lambda i, cfg=cfg: fn(i, cfg), calls, replays=10)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
+            print("skip", cfg, type(e).__name__, flush=True)
+            continue
+        results.append((us, cfg))
+    rule_us = results[-1][0] if results and results[-1][1] is rule else None
+    results.sort(key=lambda r: r[0])
+    us, cfg = results[0]
+    top = [(round(u, 2), c["BLOCK_N"], c["BLOCK_K"], split_k_range(k, c["BLOCK_K"], c.get("SPLIT_K", 1))[0])
+           for u, c in results[:5]]
+    print(f"splitk {shape} rows={m} {name}: best {us:.2f} us {cfg}; rule {rule_us and round(rule_us, 2)} us; "
+          f"top5 (us, BLOCK_N, BLOCK_K, splits) {top}", flush=True)
+    return {"shape": shape, "rows": m, "proj": name, "n": n, "k": k, "best_us": us, "best": cfg, "top5": top,
+            "rule": rule, "rule_us": rule_us, "rule_vs_best": rule_us / us if rule_us else None,
+            "results": [(u, c) for u, c in results if c is not rule]}
+
+
+def measured_table(best: list[dict]) -> dict[tuple[int, int, int], dict]:
+    """small_m_tiles.DOT_MEASURED from a split-K sweep: per (BLOCK_M, N, K) the tiling with the least time summed
+    over the row counts swept with that row tile (5, 8 and 16 rows share the 16-row tile)."""
+    sums: dict[tuple, dict[str, list]] = {}
+    for b in best:
+        for us, cfg in b.get("results", ()):
+            key = (cfg["BLOCK_M"], b["n"], b["k"])
+            entry = sums.setdefault(key, {}).setdefault(repr(sorted(cfg.items())), [0.0, set(), cfg])
+            entry[0] += us
+            entry[1].add(b["rows"])
+    table = {}
+    for key, by_cfg in sums.items():
+        rows = set().union(*(e[1] for e in by_cfg.values()))
+        full = [e for e in by_cfg.values() if e[1] == rows]  # timed at every row count of this tile
+        table[key] = {x: v for x, v in min(full, key=lambda e: e[0])[2].items() if x not in ("USE_DOT", "BLOCK_M")}
+    return table
+
+
+def layer_summary(shape: str, m: int, best: list[dict]) -> None:
+    """One layer's four products at m rows (the best split-K tilings, the rule's, cuBLAS with the separate
+    elementwise kernels) against the same at one row (the tuned one-row kernels)."""
+    one = sum(b["one_row_us"] for b in best)
+    for b in best:
+        b["best_vs_one_row"] = b["best_us"] / b["one_row_us"]
+        b["best_vs_unfused"] = b["best_us"] / b["unfused_us"]
+    tot = {key: sum(b[key] or float("nan") for b in best) for key in ("best_us", "rule_us", "unfused_us")}
+    print(f"splitk layer {shape} rows={m}: one row {one:.2f} us; best {tot['best_us']:.2f} us "
+          f"({tot['best_us'] / one:.2f}x one row); rule {tot['rule_us']:.2f} us ({tot['rule_us'] / one:.2f}x); "
+          f"cuBLAS+elementwise {tot['unfused_us']:.2f} us ({tot['unfused_us'] / one:.2f}x)", flush=True)
 
 
 def form(cfg: dict) -> str:
@@ -242,9 +347,12 @@ def count_kernels(shape: str, rows_setting: int, batch: int, draft: bool) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")
-    ap.add_argument("--rows", default="1,2,5,8,16")
+    ap.add_argument("--rows", default="1,2,5,8,16,32,64")
+    ap.add_argument("--rows-for", action="append", default=[], metavar="SHAPE=ROWS",
+                    help="other rows for one shape (e.g. qwen3-8b=1,5: the target's verify at 5 rows); repeatable")
     ap.add_argument("--sweep", nargs="?", const="fma,dot,row", default=None,
-                    help="also time other tilings; optionally only some forms (comma-separated: fma, dot, row)")
+                    help="also time other tilings; optionally only some forms (comma-separated: fma, dot, row, "
+                         "splitk: the split-K tilings at 5 rows and more, against one row and cuBLAS)")
     ap.add_argument("--skip-count", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -255,8 +363,9 @@ def main() -> None:
         print(c, flush=True)
     bw = copy_bandwidth()
     rows, best = [], []
+    rows_for = dict(item.split("=", 1) for item in args.rows_for)
     for shape in args.shapes.split(","):
-        r, b = bench_shape(shape, [int(x) for x in args.rows.split(",")], bw, args.sweep)
+        r, b = bench_shape(shape, [int(x) for x in rows_for.get(shape, args.rows).split(",")], bw, args.sweep)
         rows += r
         best += b
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -264,9 +373,15 @@ def main() -> None:
                                 "old_vs_floor", "new_vs_floor", "max_rel_err"]))
     print(markdown_table(rows, ["shape", "rows"] + [f"{p}_{w}_us" for p in ("qkv", "o", "gate_up", "down")
                                                      for w in ("new", "cublas", "floor")]))
-    if best:
-        print(markdown_table(best, ["shape", "rows", "proj", "default_us", "best_us", "floor_us", "best", "rule_rank",
-                                    "rule_vs_best"]))
+    split = [b for b in best if "one_row_us" in b]
+    if len(split) < len(best):
+        print(markdown_table([b for b in best if "one_row_us" not in b],
+                             ["shape", "rows", "proj", "default_us", "best_us", "floor_us", "best", "rule_rank",
+                              "rule_vs_best"]))
+    if split:
+        print(markdown_table(split, ["shape", "rows", "proj", "one_row_us", "default_us", "best_us", "unfused_us",
+                                     "floor_us", "best_vs_one_row", "best_vs_unfused", "rule_vs_best", "best"]))
+        print("DOT_MEASURED =", measured_table(split))  # for engine/kernels/small_m_tiles.py
     if counts:
         print(markdown_table(counts, ["shape", "step", "batch", "small_m_rows", "kernels", "per_layer", "copies"]))
     save_json(args.out, {"env": environment(), "args": vars(args), "bandwidth_Bps": bw, "rows": rows, "sweep": best,

@@ -7,6 +7,7 @@ graph of 20 launches); the ordinary one-row decode forward (paged attention, eag
 warm-up; ratios to one tree row.
 
     python benchmarks/gpu_tree_attention.py --out results/gpu_tree_attention.json
+    python benchmarks/gpu_tree_attention.py --prefixes 512 --rows 1,5,16,32,64 --small-m-rows 64  # split-K products
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,5,15,30,60")
     ap.add_argument("--k", type=int, default=4, help="window drafts in the tree (a chain), the rest are roots")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--small-m-rows", type=int, default=EngineConfig.small_m_rows,
+                    help="EngineConfig.small_m_rows: forwards of up to this many rows (at most 64) take the few-row "
+                         "products (split K from 5 rows); 0: cuBLAS and the separate norm/activation kernels")
     ap.add_argument("--out")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -87,7 +91,7 @@ def main() -> None:
     num_blocks = 1 + per_req + -(-max_rows // EngineConfig.block_size)
     cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=max_len, max_num_seqs=1,
                        max_num_batched_tokens=max_len, num_kv_blocks=num_blocks, enforce_eager=True,
-                       load_format="dummy")
+                       load_format="dummy", small_m_rows=args.small_m_rows)
     mc = ModelConfig.from_path(shape_dir(args.shape))
     mc.max_model_len = max_len
     runner = ModelRunner(mc, cfg, "draft")
@@ -113,7 +117,8 @@ def main() -> None:
     cols = ["prefix", "rows", "eager_fwd_ms", "eager_ratio", "graph_fwd_ms", "graph_ratio", "kernel_us",
             "kernel_ratio", "decode_eager_ms"]
     env = environment()
-    print(f"{args.shape} tree forward, kernel path, bf16, k={args.k} ({env['device']}); "
+    print(f"{args.shape} tree forward, kernel path, bf16, k={args.k}, small_m_rows {args.small_m_rows} "
+          f"({env['device']}); "
           f"{time.perf_counter() - t0:.0f} s in all")
     print(markdown_table(results, cols))
     save_json(args.out, {"env": env, "args": vars(args), "rows": results})

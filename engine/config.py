@@ -233,8 +233,10 @@ class EngineConfig:
     # norms, activation and residual adds folded in: fewer launches where a step is launch-bound (a batch-1 decode
     # or draft step, a draft's catch-up of two tokens, speculation-ahead branches). 4 by default, and 1 for layers
     # of hidden size 4096 and more (small_m_linear.rows_limit): beyond those the kernels were slower than cuBLAS on
-    # an H100 (benchmarks/RESULTS.md). 0: never. Only on the kernel devices (CUDA, or Triton's interpreter) and
-    # without tensor parallelism.
+    # an H100 (benchmarks/RESULTS.md). At most 64 (small_m_linear.MAX_ROWS): from 5 rows the products split K over
+    # the GPU's SMs (the tl.dot tiles of 16-64 rows leave a 1024-wide projection too few column tiles), aimed at a
+    # tree's pre-drafting forwards and verifies of up to 64 tokens; beyond that cuBLAS. 0: never. Only on the kernel
+    # devices (CUDA, or Triton's interpreter) and without tensor parallelism.
     small_m_rows: int = 4
     # A file of token ids (a JSON list, or a 1-D integer tensor saved with torch.save) the draft's LM head is
     # restricted to (engine/speculation/draft_vocabulary.py): a smaller head for a faster draft step; exact whatever the
@@ -278,8 +280,8 @@ class EngineConfig:
             if rate is not None:
                 raise ValueError("synthetic_bonus_agreement (one rate) and synthetic_top_f_agreement (a measured "
                                  "profile) both set how a synthetic draft agrees: set one")
-        if not 0 <= self.small_m_rows <= 16:
-            raise ValueError(f"small_m_rows must be in [0, 16], got {self.small_m_rows}")
+        if not 0 <= self.small_m_rows <= 64:  # small_m_linear.MAX_ROWS
+            raise ValueError(f"small_m_rows must be in [0, 64], got {self.small_m_rows}")
         if self.draft_token_map is not None and not isinstance(self.draft_token_map, str):
             raise ValueError(f"draft_token_map must be the path of a token-id file, got {self.draft_token_map!r}")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from interpreter_children import assert_pytest_children_pass, split_by
 
+from engine.kernels import arrival_counters, small_m_tiles
 from engine.kernels import small_m_linear as sml
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 
@@ -35,12 +36,12 @@ QWEN3_PROJECTIONS = {
 
 
 def test_config_picks_at_one_row_on_an_h100(monkeypatch):
-    """The tiles `_config` picks at one row on an H100 (132 SMs) for the eight projections of the Qwen3-0.6B and 8B
+    """The tiles `tiles_for` picks at one row on an H100 (132 SMs) for the eight projections of the Qwen3-0.6B and 8B
     shapes: (BLOCK_N, BLOCK_K, num_warps). For the 0.6B shape a sweep (benchmarks/gpu_small_m.py --sweep, with the
     first weight tile requested before the dependent-launch wait) found these the fastest or within 3% of it; the
     8B picks are those of the earlier sweep, the fastest or within 3.3%. A change of the rule must show here which
     picks it moves."""
-    monkeypatch.setattr(sml, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(small_m_tiles, "num_sms", lambda device: 132)
     expected = {
         ("qwen3-0.6b", "qkv"): (8, 1024, 4), ("qwen3-0.6b", "o"): (4, 2048, 8),
         ("qwen3-0.6b", "gate_up"): (8, 512, 4), ("qwen3-0.6b", "down"): (4, 2048, 8),
@@ -49,16 +50,16 @@ def test_config_picks_at_one_row_on_an_h100(monkeypatch):
     }
     for (shape, proj), tiles in expected.items():
         k, n = QWEN3_PROJECTIONS[shape][proj]
-        cfg = sml._config(1, n, k, torch.device("cuda"))
+        cfg = small_m_tiles.tiles_for(1, n, k, torch.device("cuda"))
         assert (cfg["USE_DOT"], cfg["BLOCK_M"]) == (False, 1), (shape, proj)
         assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == tiles, (shape, proj, cfg)
 
 
 def test_config_picks_at_two_to_four_rows_on_an_h100(monkeypatch):
-    """The tiles `_config` picks at 2 and 4 rows on an H100 for the Qwen3-0.6B shape (a draft's catch-up step and
+    """The tiles `tiles_for` picks at 2 and 4 rows on an H100 for the Qwen3-0.6B shape (a draft's catch-up step and
     speculation-ahead branches): (form, BLOCK_N, BLOCK_K, num_warps), each the fastest of two sweeps
     (benchmarks/gpu_small_m.py --sweep, then --sweep row for the row loop) or within 2% of it."""
-    monkeypatch.setattr(sml, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(small_m_tiles, "num_sms", lambda device: 132)
     expected = {
         (2, "qkv"): ("row", 8, 1024, 4), (2, "o"): ("fma", 4, 2048, 8), (2, "gate_up"): ("row", 4, 1024, 4),
         (2, "down"): ("fma", 4, 2048, 8),
@@ -67,11 +68,38 @@ def test_config_picks_at_two_to_four_rows_on_an_h100(monkeypatch):
     }
     for (m, proj), tiles in expected.items():
         k, n = QWEN3_PROJECTIONS["qwen3-0.6b"][proj]
-        cfg = sml._config(m, n, k, torch.device("cuda"))
+        cfg = small_m_tiles.tiles_for(m, n, k, torch.device("cuda"))
         form = "dot" if cfg["USE_DOT"] else "row" if cfg.get("ROW_LOOP") else "fma"
         assert (form, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == tiles, (m, proj, cfg)
         assert cfg["BLOCK_M"] == (16 if cfg["USE_DOT"] else m)
         assert cfg.get("num_stages", 5) == 5  # the DOT tiles were measured with five pipeline stages
+
+
+def test_split_k_rule_fills_the_gpu_at_five_to_sixty_four_rows(monkeypatch):
+    """Rows 5-64 on an H100 (132 SMs), Qwen3-0.6B and 8B shapes: the DOT form on a row tile of the rows padded to a
+    power of two (16 at least), K split into equal, non-empty, BLOCK_K-aligned ranges so that the grid has at least
+    one program per SM (the 1024-wide projections had 32-64 programs without the split), and no split where the
+    column tiles alone fill the GPU twice over."""
+    monkeypatch.setattr(small_m_tiles, "num_sms", lambda device: 132)
+    for shape, projections in QWEN3_PROJECTIONS.items():
+        for proj, (k, n) in projections.items():
+            for m in (5, 8, 16, 17, 32, 33, 64):
+                cfg = small_m_tiles.tiles_for(m, n, k, torch.device("cuda"))
+                assert cfg["USE_DOT"] and cfg["BLOCK_M"] == max(16, 1 << (m - 1).bit_length()), (shape, proj, m)
+                splits, k_split = small_m_tiles.split_k_range(k, cfg["BLOCK_K"], cfg["SPLIT_K"])
+                programs = -(-n // cfg["BLOCK_N"]) * splits
+                assert programs >= 132, (shape, proj, m, cfg)
+                assert k_split % cfg["BLOCK_K"] == 0 and (splits - 1) * k_split < k <= splits * k_split
+                if -(-n // cfg["BLOCK_N"]) >= 2 * 132:
+                    assert splits == 1, (shape, proj, m, cfg)
+    assert small_m_tiles.split_k_range(300, 128, 4) == (3, 128)  # three K tiles: at most three splits
+    assert small_m_tiles.split_k_range(3072, 128, 9) == (8, 384)  # 24 tiles: 8 splits of 3 rather than 9 of 2-3
+    assert small_m_tiles.split_k_range(1024, 256, 1) == (1, 1024)
+    # a measured tiling (what the sweep prints) replaces the rule for its row tile and shape only
+    measured = dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_warps=8, num_stages=4)
+    monkeypatch.setitem(small_m_tiles.DOT_MEASURED, (32, 1024, 2048), measured)
+    assert small_m_tiles.tiles_for(20, 1024, 2048, torch.device("cuda")) == dict(USE_DOT=True, BLOCK_M=32, **measured)
+    assert small_m_tiles.tiles_for(16, 1024, 2048, torch.device("cuda"))["BLOCK_N"] == 32
 
 
 def test_rows_limit_keeps_wide_layers_at_one_row():
@@ -80,6 +108,16 @@ def test_rows_limit_keeps_wide_layers_at_one_row():
     assert sml.rows_limit(4, 4096) == 1 and sml.rows_limit(16, 5120) == 1
     assert sml.rows_limit(4, 1024) == 4 and sml.rows_limit(16, 576) == 16
     assert sml.rows_limit(0, 4096) == 0 and sml.rows_limit(0, 1024) == 0
+
+
+def test_small_m_rows_setting_goes_up_to_the_kernels_rows():
+    """EngineConfig.small_m_rows takes 0..MAX_ROWS (64: the split-K DOT form); beyond it the kernels refuse."""
+    from engine.config import EngineConfig
+
+    base = dict(device=torch.device("cpu"), dtype=torch.float32, max_model_len=64)
+    EngineConfig(**base, small_m_rows=sml.MAX_ROWS).validate()
+    with pytest.raises(ValueError, match=r"small_m_rows must be in \[0, 64\]"):
+        EngineConfig(**base, small_m_rows=sml.MAX_ROWS + 1).validate()
 
 
 def check_small_m_linear(device: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 2, 3, 5),
@@ -128,6 +166,39 @@ def check_small_m_linear(device: str, dtype: torch.dtype, rows: tuple[int, ...] 
 def test_small_m_linear_matches_references(dtype):
     check_small_m_linear("cpu", dtype)
     check_small_m_linear("cpu", dtype, shapes=((300, 40),), config={"BLOCK_K": 128})  # three K tiles
+
+
+@interpreted
+def test_split_k_matches_references(monkeypatch):
+    """5, 17 and 64 rows (row tiles of 16, 32, 64) with K split in three (the last program to arrive at a column
+    tile sums the partials) and unsplit, each prologue and the epilogue once, float32 and float16 (the interpreter's
+    bf16 tl.dot is wrong: bf16 runs in the CUDA test): the references' results up to the sum order, the residual
+    sum exact, and every arrival counter back at zero after each launch (the next launch reuses them)."""
+    g = torch.Generator().manual_seed(1)
+    k, n = 96, 40  # three K tiles of 32; three column tiles of 16, the last partly masked
+    used = []
+    monkeypatch.setattr(sml, "arrival_counters", lambda device, t: used.append(t) or arrival_counters.arrival_counters(
+        device, t))
+    assert small_m_tiles.split_k_range(k, 32, 3) == (3, 32)
+    for dtype, tol in ((torch.float32, dict(atol=1e-4, rtol=1e-4)), (torch.float16, dict(atol=3e-2, rtol=3e-2))):
+        def rand(*shape: int, scale: float = 1.0, dtype: torch.dtype = dtype) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+        w, bias, nw = rand(n, k, scale=k ** -0.5), rand(n), rand(k, scale=0.1) + 1.0
+        for m, split in ((5, 3), (17, 1), (64, 3)):
+            cfg = dict(USE_DOT=True, BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=16, BLOCK_K=32,
+                       SPLIT_K=split)
+            x, res, add, gate_up = rand(m, k, scale=2.0), rand(m, k), rand(m, n), rand(m, 2 * k, scale=2.0)
+            out, s = sml.norm_linear(x, res, nw, 1e-6, 0.0, w, bias, config=cfg)
+            ref, ref_s = sml.norm_linear_ref(x, res, nw, 1e-6, 0.0, w, bias)
+            torch.testing.assert_close(out, ref, **tol)
+            assert torch.equal(s, ref_s)  # written once, by the first program
+            torch.testing.assert_close(sml.act_linear(gate_up, "silu", w, config=cfg),
+                                       sml.act_linear_ref(gate_up, "silu", w), **tol)
+            torch.testing.assert_close(sml.linear_add(x, w, bias, add, config=cfg),
+                                       sml.linear_add_ref(x, w, bias, add), **tol)
+            assert all(not c.any() for c in arrival_counters._buffers.values())
+    assert used == [3] * 12  # the split launches (and only those) took counters, one per column tile
 
 
 @interpreted

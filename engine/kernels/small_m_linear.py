@@ -1,6 +1,6 @@
-"""Matrix products of a few rows (1-16: a batch-1 decode, a draft step, a small verify) with the layer's elementwise
-work folded in: an RMSNorm (and the residual add before it) as the prologue, act(gate) * up as the prologue, or a
-residual add as the epilogue (Triton kernel + typed wrappers + torch references).
+"""Matrix products of a few rows (1-64: a batch-1 decode, a draft step, a verify, tree drafting's forwards) with
+the layer's elementwise work folded in: an RMSNorm (and the residual add before it) as the prologue, act(gate) * up
+as the prologue, or a residual add as the epilogue (Triton kernel + typed wrappers + torch references).
 
 At batch 1 a decoder layer of a 0.6B model reads about 15 MB of weights, 5 us at the copy bandwidth, yet an unfused
 layer is about ten launches: norm, qkv, attention's prologue, attention, o_proj, add+norm, gate_up, act*mul, down.
@@ -15,14 +15,24 @@ form) the products are plain fp32 multiply-adds into a [rows, BLOCK_N, BLOCK_K] 
 end, so BLOCK_N can be as small as 2 and even a 1024-wide projection spreads over enough programs to fill the
 GPU without split-K; that accumulator grows with the rows, so at 2-4 rows the row loop (ROW_LOOP) takes one row at
 a time into a [rows, BLOCK_N] accumulator, the weight tile as large as at one row; with more rows (DOT form)
-tl.dot on 16-row tiles keeps the arithmetic off the CUDA cores. `_config` picks the form per shape.
+tl.dot on 16-64-row tiles keeps the arithmetic off the CUDA cores. `small_m_tiles.tiles_for` picks the form per shape.
+
+Split K (DOT form at 5-64 rows): a tl.dot tile of 16+ rows wants 32-64 output features, so a 1024-wide projection
+would get 16-32 programs owning the whole K each, on a GPU of 132 SMs. The grid is (column tiles, SPLIT_K) instead:
+each program takes a contiguous K range, writes its float32 partials to a workspace and increments its column
+tile's arrival counter (engine/kernels/arrival_counters.py: zero between launches, so no memset per call and the
+launch replays in a CUDA graph); the program that arrives last sums the SPLIT_K partials in split order, adds the
+bias, rounds, applies the epilogue and sets the counter back to 0. The norm's row statistics still span the whole
+K in every program, and one program writes the residual sum. SPLIT_K=1 is the plain path, without partials or
+atomics.
 
 Rounding is that of the unfused layers: the residual sum is rounded to the activation dtype; the norm's
 statistics are float32 and its output is rounded to the dtype (Llama form: the normalised row is rounded before
 the weight multiplies it; Gemma's offset form multiplies by (offset + w) in float32); act(gate) is rounded before
 it multiplies up, the product rounded again; the product accumulates in float32 (fp32 operands: IEEE, never
 TF32), the bias is added in float32, the result is rounded, and the epilogue's residual add rounds once more.
-Only the order of the float32 sums differs from a BLAS library's.
+Only the order of the float32 sums differs from a BLAS library's (split K changes that order only: each split sums
+its K range, then the splits are added in order; the result does not depend on which program arrived last).
 """
 
 from __future__ import annotations
@@ -31,14 +41,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.activation import ACTIVATIONS, act_and_mul_ref
+from engine.kernels.arrival_counters import arrival_counters
 from engine.kernels.rms_norm import rms_norm_ref, use_fused_kernels
+from engine.kernels.small_m_tiles import FMA_MAX_ROWS, split_k_range, tiles_for
 from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["FMA_MAX_ROWS", "MAX_ROWS", "takes_rows", "rows_limit", "norm_linear", "norm_linear_ref", "act_linear",
            "act_linear_ref", "linear_add", "linear_add_ref"]
 
-MAX_ROWS = 16  # rows the kernel takes; larger batches are matrix-bound enough for cuBLAS
-FMA_MAX_ROWS = 4  # up to this many rows the FMA form or the row loop (or tl.dot, by shape); above it tl.dot
+MAX_ROWS = 64  # rows the kernel takes (split-K DOT form beyond 4); larger batches are matrix-bound enough for cuBLAS
 _NONE, _NORM, _ACT = 0, 1, 2  # prologues
 
 
@@ -109,58 +120,9 @@ def _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, str
 
 
 @triton.jit
-def _small_m_linear_kernel(
-        x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, out_ptr,
-        M, N, K, stride_x, stride_r, stride_ro, stride_w, stride_a, stride_o, eps, offset,
-        PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
-        ROW_LOOP: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M)
-    m_mask = rows < M
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = cols < N
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-    w_mask0 = n_mask[:, None] & (offs_k < K)[None, :]
-    # The first weight tile is requested before the wait: no kernel writes the weights, so that is safe, and under
-    # dependent launch its HBM round trip then overlaps the previous kernel's tail instead of following it (at one
-    # row most programs own one or two tiles). Everything else this kernel reads comes after the wait.
-    w = tl.load(w_rows + offs_k[None, :], mask=w_mask0, other=0.0)
-    wait_for_previous_kernel(USE_PDL)  # see triton_compat (programmatic dependent launch)
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PROLOGUE == 1:
-        # Row statistics of the norm's input: every program computes them (the rows are a few KB, in L2); the
-        # first also writes the residual sum out.
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        k_written = tl.where(pid == 0, K, 0)  # columns the residual sum is stored for: all in program 0 only
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            k_mask = kk < K
-            mask = m_mask[:, None] & k_mask[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0)
-            if HAS_RES:
-                x = (x + tl.load(res_ptr + rows[:, None] * stride_r + kk[None, :], mask=mask, other=0.0)).to(x.dtype)
-                out_mask = mask & (kk < k_written)[None, :]
-                tl.store(res_out_ptr + rows[:, None] * stride_ro + kk[None, :], x, mask=out_mask)
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
-    if USE_DOT or ROW_LOOP:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, offs_k, m_mask, offs_k < K, stride_x, stride_r, K, rstd,
-                      offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        kk = k0 + offs_k
-        k_mask = kk < K
-        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, K, rstd,
-                          offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
-    if not USE_DOT and not ROW_LOOP:
-        acc = tl.sum(acc, axis=2)
+def _store_output(acc, b_ptr, add_ptr, out_ptr, rows, cols, m_mask, n_mask, stride_a, stride_o,
+                  HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr):
+    """The float32 product acc [BLOCK_M, BLOCK_N] plus the bias, rounded, plus the epilogue's add, stored."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -171,66 +133,93 @@ def _small_m_linear_kernel(
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y, mask=out_mask)
 
 
+@triton.jit
+def _small_m_linear_kernel(
+        x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, out_ptr, part_ptr, count_ptr,
+        M, N, K, K_SPLIT, NUM_SPLITS, stride_x, stride_r, stride_ro, stride_w, stride_a, stride_o, eps, offset,
+        PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
+        ROW_LOOP: tl.constexpr, USE_PDL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    m_mask = rows < M
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    if not SPLIT:
+        k_lo = 0
+        k_hi = K
+        first = pid == 0
+    else:  # this program's K range: K_SPLIT columns (a multiple of BLOCK_K) from k_lo, one of NUM_SPLITS
+        k_lo = tl.program_id(1) * K_SPLIT
+        k_hi = tl.minimum(K, k_lo + K_SPLIT)
+        first = (pid == 0) & (tl.program_id(1) == 0)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    kk = k_lo + offs_k
+    k_mask = kk < k_hi
+    # The first weight tile is requested before the wait: no kernel writes the weights, so that is safe, and under
+    # dependent launch its HBM round trip then overlaps the previous kernel's tail instead of following it (at one
+    # row most programs own one or two tiles). Everything else this kernel reads or writes (the split-K partials
+    # and counters included) comes after the wait.
+    w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    wait_for_previous_kernel(USE_PDL)  # see triton_compat (programmatic dependent launch)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 1:
+        # Row statistics of the norm's input, over the whole K whatever the split: every program computes them (the
+        # rows are a few KB, in L2); the first also writes the residual sum out, so each element is written once.
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        k_written = tl.where(first, K, 0)  # columns the residual sum is stored for: all in the first program only
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            ks_mask = ks < K
+            mask = m_mask[:, None] & ks_mask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=mask, other=0.0)
+            if HAS_RES:
+                x = (x + tl.load(res_ptr + rows[:, None] * stride_r + ks[None, :], mask=mask, other=0.0)).to(x.dtype)
+                out_mask = mask & (ks < k_written)[None, :]
+                tl.store(res_out_ptr + rows[:, None] * stride_ro + ks[None, :], x, mask=out_mask)
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    if USE_DOT or ROW_LOOP:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, K, rstd,
+                      offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < k_hi
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, K, rstd,
+                          offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
+    if not USE_DOT and not ROW_LOOP:
+        acc = tl.sum(acc, axis=2)
+    if not SPLIT:
+        _store_output(acc, b_ptr, add_ptr, out_ptr, rows, cols, m_mask, n_mask, stride_a, stride_o, HAS_BIAS, HAS_ADD)
+    else:
+        # Split K: the partial sums go to the workspace [NUM_SPLITS, M, N]; the program that arrives last at this
+        # column tile's counter sums them, in split order whichever arrived last (so a result does not depend on
+        # the arrival order), finishes the output and sets the counter back to 0 for the next launch.
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        parts = part_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(parts + tl.program_id(1) * M * N, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partials stored before the (one-thread) release below
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(NUM_SPLITS):  # from L2 (.cg): another SM's writes, never a stale L1 line
+                acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            _store_output(acc, b_ptr, add_ptr, out_ptr, rows, cols, m_mask, n_mask, stride_a, stride_o, HAS_BIAS,
+                          HAS_ADD)
+            tl.atomic_xchg(count_ptr + pid, 0)
+
+
 def takes_rows(x: torch.Tensor, limit: int) -> bool:
     """Whether a layer should run x ([rows, ...]) through these kernels: at most `limit` rows (the engine's
     setting, capped at MAX_ROWS) on a device the kernels run on."""
     return 0 < x.shape[0] <= min(limit, MAX_ROWS) and use_fused_kernels(x)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: small blocks, so CPU tests cover several programs and the masks
-
-
-def _config(m: int, n: int, k: int, device: torch.device) -> dict:
-    """Tile sizes. FMA form: a weight tile of 64 fp32 accumulators a thread per row (8192 elements at 4 warps and
-    one row, 16 KB of bf16), as wide in K as the rule below allows, narrowed in N (more programs) until the grid has
-    enough programs. At one row on an H100 a sweep (benchmarks/gpu_small_m.py --sweep) found, with the first tile
-    requested before the dependent-launch wait:
-    - K of 1025-4095 (a 0.6B model's o_proj and down): 2048-wide tiles at 8 warps, one program per SM enough: 2.4
-      and 3.5 us against 2.9 and 5.5 with 1024-wide tiles at 4 warps;
-    - K up to 1024: the whole K in one tile, unless the grid would exceed four programs per SM (a 0.6B gate_up:
-      768), where half of K keeps every program resident (6.7 against 7.6 us);
-    - K of 4096 and more (an 8B model's projections): 2048-wide tiles at 4 warps, two programs per SM.
-    At 2-4 rows (a draft's catch-up step, speculation-ahead branches) the same sweep at 2 and 4 rows on the 0.6B
-    shape found:
-    - K of 1025-4095: FMA still, 2048-wide tiles at 2 rows and 1024-wide at 3-4 (the accumulator grows with the
-      rows; o_proj 2.9 and 3.8 us, down 4.8 and 5.7);
-    - K up to 1024 where 8-feature tiles make at most four programs per SM (a 0.6B qkv): the row loop (one row at
-      a time, the weight tile as at one row) with the whole K in one tile, 4.8 and 6.9 us against 6.0 and 7.5 in
-      the FMA or DOT form;
-    - other K up to 1024 (a 0.6B gate_up): the row loop with 4-feature tiles at 2 rows (8.0 us against 8.3), the
-      DOT form with 64 x 256 tiles and five pipeline stages at 3-4 (8.3 us against 9.9 in the row loop and 14.3
-      in the FMA form).
-    Rows 5-16 take the DOT form with the tiles below; there, and for wide layers (K of 4096 and more) at more than
-    one row, cuBLAS was faster (benchmarks/RESULTS.md), so the engine sends them elsewhere (`rows_limit`)."""
-    sms = _num_sms(device)
-    narrow = triton.cdiv(n, 8) <= 4 * sms  # 8-feature tiles give at most four programs per SM
-    if 2 <= m <= FMA_MAX_ROWS and k <= 1024 and (m == 2 or narrow):
-        return dict(USE_DOT=False, ROW_LOOP=True, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=8 if narrow else 4,
-                    BLOCK_K=triton.next_power_of_2(k), num_warps=4)
-    if m == 1 or (m <= FMA_MAX_ROWS and k > 1024):
-        block_m = triton.next_power_of_2(m)
-        if k >= 4096 and m == 1:
-            block_k, warps, per_sm = 2048, 4, 2
-        elif k > 1024:
-            block_k, warps, per_sm = (2048 if m <= 2 else 1024), 8, 1
-        else:
-            block_k, warps, per_sm = triton.next_power_of_2(k), 4, 2
-        block_n = max(1, 64 * 32 * warps // (block_k * block_m))
-        while block_n > 2 and triton.cdiv(n, block_n) < per_sm * sms:
-            block_n //= 2
-        if k <= 1024 and block_k > 256 and triton.cdiv(n, block_n) > 4 * sms:  # (K <= 1024: one row only here)
-            block_k //= 2
-        return dict(USE_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-    if m <= FMA_MAX_ROWS:
-        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=min(256, max(16, triton.next_power_of_2(k))),
-                    num_warps=4, num_stages=5)
-    want = 2 * sms
-    block_n = 32 if triton.cdiv(n, 32) >= want else 16
-    return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=min(256, max(16, triton.next_power_of_2(k))),
-                num_warps=4)
 
 
 def rows_limit(setting: int, hidden_size: int) -> int:
@@ -262,18 +251,25 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else None
     if m:
-        cfg = {"ROW_LOOP": False, **_config(m, n, k, x.device), **(config or {})}
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
-        launch(_small_m_linear_kernel, grid, x.device,
+        cfg = {"ROW_LOOP": False, "SPLIT_K": 1, **tiles_for(m, n, k, x.device), **(config or {})}
+        tiles = triton.cdiv(n, cfg["BLOCK_N"])
+        # The split count is a run-time argument (one compiled kernel whatever the split), SPLIT whether there is one.
+        splits, k_split = split_k_range(k, cfg["BLOCK_K"], cfg.pop("SPLIT_K"))
+        if splits > 1:  # fp32 partials [splits, rows, N] (from the graph pool under capture)
+            parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+            counts = arrival_counters(x.device, tiles)
+        else:
+            parts, counts = out, out  # not read: the plain path
+        launch(_small_m_linear_kernel, (tiles, splits), x.device,
                x, residual if residual is not None else x, res_out if res_out is not None else out,
                norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
-               add if add is not None else out, out,
-               m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
+               add if add is not None else out, out, parts, counts,
+               m, n, k, k_split, splits, x.stride(0), residual.stride(0) if residual is not None else 0,
                res_out.stride(0) if res_out is not None else 0, weight.stride(0),
                add.stride(0) if add is not None else 0, out.stride(0), eps, offset,
                PROLOGUE=prologue, HAS_RES=residual is not None, HAS_OFFSET=bool(offset),
                GELU_TANH=act == "gelu_pytorch_tanh", HAS_BIAS=bias is not None, HAS_ADD=add is not None,
-               DOT_IEEE=x.dtype == torch.float32, **cfg)
+               DOT_IEEE=x.dtype == torch.float32, SPLIT=splits > 1, **cfg)
     return out, res_out
 
 

@@ -1,35 +1,131 @@
 """The few-row products with folded norms, activation and residual adds on CUDA against their torch references
-(see tests/test_small_m_linear.py), and graph replays through them equal to eager steps without them."""
+(see tests/test_small_m_linear.py), the split-K form at 5-64 rows on a Qwen3-0.6B layer's shapes, eagerly and
+replayed from a CUDA graph, and graph replays through them equal to eager steps without them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import random_prompts
-from test_small_m_linear import check_small_m_linear
+from test_small_m_linear import QWEN3_PROJECTIONS, check_small_m_linear
 
 from engine import LLM, SamplingParams
+from engine.kernels import arrival_counters, small_m_tiles
+from engine.kernels import small_m_linear as sml
+from engine.kernels.small_m_tiles import split_k_range, tiles_for
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_m_linear_matches_references_on_cuda(dtype):
-    check_small_m_linear("cuda", dtype, rows=(1, 5), shapes=((64, 40), (3072, 1024)))
+    check_small_m_linear("cuda", dtype, rows=(1, 5, 17, 64), shapes=((64, 40), (3072, 1024)))
+
+
+def _layer_inputs(m: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Inputs and weights of a Qwen3-0.6B layer's four products at m rows."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    p = QWEN3_PROJECTIONS["qwen3-0.6b"]
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+
+    t = {name: rand(n, k, scale=k ** -0.5) for name, (k, n) in p.items()}
+    h, inter = p["qkv"][0], p["down"][0]
+    t.update(x=rand(m, h, scale=2.0), res=rand(m, h), nw=rand(h, scale=0.1) + 1.0, a=rand(m, p["o"][0]),
+             gu=rand(m, 2 * inter, scale=2.0), bias=rand(p["qkv"][1]))
+    return t
+
+
+def _products(t: dict[str, torch.Tensor], ref: bool = False, config: dict | None = None) -> list[torch.Tensor]:
+    """norm+qkv (residual and bias), o_proj+residual, Gemma-form norm+gate_up, act+down: kernels or references."""
+    if ref:
+        qkv, s = sml.norm_linear_ref(t["x"], t["res"], t["nw"], 1e-6, 0.0, t["qkv"], t["bias"])
+        return [qkv, s, sml.linear_add_ref(t["a"], t["o"], None, s),
+                sml.norm_linear_ref(t["x"], None, t["nw"], 1e-6, 1.0, t["gate_up"])[0],
+                sml.act_linear_ref(t["gu"], "silu", t["down"])]
+    qkv, s = sml.norm_linear(t["x"], t["res"], t["nw"], 1e-6, 0.0, t["qkv"], t["bias"], config=config)
+    return [qkv, s, sml.linear_add(t["a"], t["o"], None, s, config=config),
+            sml.norm_linear(t["x"], None, t["nw"], 1e-6, 1.0, t["gate_up"], config=config)[0],
+            sml.act_linear(t["gu"], "silu", t["down"], config=config)]
+
+
+def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor], dtype: torch.dtype) -> None:
+    tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    assert torch.equal(got[1], want[1])  # the residual sum, written once
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_on_a_draft_layer_matches_references(dtype):
+    """5-64 rows on a Qwen3-0.6B layer: the rule's tiles (split K for the 1024-wide o_proj and down), a forced
+    split of every product and the unsplit DOT form, against the references; a split result is the same bits
+    launch after launch (the partials are summed in split order whoever arrives last), and every arrival counter
+    is back at zero."""
+    for m in (5, 8, 16, 32, 64):
+        t = _layer_inputs(m, dtype, seed=m)
+        want = _products(t, ref=True)
+        bm = max(16, 1 << (m - 1).bit_length())
+        cfgs = [None, dict(USE_DOT=True, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=3),
+                dict(USE_DOT=True, BLOCK_M=bm, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)]
+        for cfg in cfgs:
+            got = _products(t, config=cfg)
+            _assert_close(got, want, dtype)
+            again = _products(t, config=cfg)
+            assert all(torch.equal(a, b) for a, b in zip(got, again)), (m, cfg)
+        torch.cuda.synchronize()
+        assert all(not c.any() for c in arrival_counters._buffers.values())
+    k, n = QWEN3_PROJECTIONS["qwen3-0.6b"]["down"]
+    rule = tiles_for(16, n, k, torch.device("cuda"))
+    assert split_k_range(k, rule["BLOCK_K"], rule["SPLIT_K"])[0] > 1  # the rule splits the 1024-wide products
+
+
+def test_split_k_replays_from_a_cuda_graph():
+    """A layer's products at 64 and 16 rows with K split, captured in one CUDA graph (after an eager call, as the
+    engine's warm-up makes) and replayed twice on new inputs: each replay equals the references, so the arrival
+    counters were back at zero for the next launch and the graph's workspace served every replay."""
+    dtype = torch.bfloat16
+    cfg = dict(USE_DOT=True, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3)
+    ins = {m: _layer_inputs(m, dtype, seed=m) for m in (64, 16)}
+
+    def step() -> list[torch.Tensor]:
+        return [o for m, t in ins.items() for o in _products(t, config={**cfg, "BLOCK_M": m})]
+
+    step()  # compiles; allocates the counters outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for seed in (100, 200):
+        for m, t in ins.items():
+            for name, v in _layer_inputs(m, dtype, seed=seed + m).items():
+                t[name].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = [o for t in ins.values() for o in _products(t, ref=True)]
+        _assert_close(outs[:5], want[:5], dtype)
+        _assert_close(outs[5:], want[5:], dtype)
+        assert all(not c.any() for c in arrival_counters._buffers.values())
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_small_m_graphs_equal_eager_without_them(tiny_models, tiny_drafts, family):
-    """float32, with a draft: graph replays through the few-row kernels (the default, single rows; and decode,
-    verify and draft steps up to 16 rows) give the tokens of eager steps on cuBLAS and the separate kernels."""
+def test_small_m_graphs_equal_eager_without_them(tiny_models, tiny_drafts, family, monkeypatch):
+    """float32, with a draft: graph replays through the few-row kernels (the default, single rows; decode, verify
+    and draft steps up to 16 rows; and up to 64 rows, prefill chunks included, with 16-column K tiles so that the
+    tiny layers' K splits too and the captured graphs run the split-K form) give the tokens of eager steps on
+    cuBLAS and the separate kernels."""
     target = tiny_models[family]
     draft = tiny_drafts["gemma3-2l" if family == "gemma3" else "qwen3-1l"]
     prompts = random_prompts([5, 17, 30], seed=3)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     runs = {}
-    for rows, eager in ((0, True), (1, False), (16, False)):
+    for rows, eager in ((0, True), (1, False), (16, False), (64, False)):
+        if rows == 64:
+            monkeypatch.setattr(small_m_tiles, "DOT_TILES", {m: (32, 16, 4, 3) for m in (16, 32, 64)})
         llm = LLM(model=target.path, draft_model=draft.path, num_speculative_tokens=3, device="cuda",
                   dtype="float32", enforce_eager=eager, max_model_len=256, block_size=16, num_kv_blocks=256,
                   max_num_seqs=4, cuda_graph_batch_sizes=(1, 2, 4), small_m_rows=rows)
         runs[rows] = [o.token_ids for o in llm.generate(prompts, params)]
-    assert runs[1] == runs[0] and runs[16] == runs[0]
+    assert runs[1] == runs[0] and runs[16] == runs[0] and runs[64] == runs[0]
+    assert split_k_range(64, 16, small_m_tiles.tiles_for(16, 64, 64, torch.device("cuda"))["SPLIT_K"])[0] > 1

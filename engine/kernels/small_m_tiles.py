@@ -1,0 +1,104 @@
+"""Form, tile sizes and K split of the few-row products (engine/kernels/small_m_linear.py) per shape. The rules
+for 1-4 rows come from sweeps on an H100 (benchmarks/gpu_small_m.py --sweep, figures in benchmarks/RESULTS.md);
+those for 5-64 rows (the split-K DOT form) are a first rule, not yet measured, in a table a sweep
+(benchmarks/gpu_small_m.py --sweep splitk) is meant to replace."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.triton_compat import triton
+
+__all__ = ["FMA_MAX_ROWS", "DOT_MEASURED", "DOT_TILES", "DOT_PROGRAMS_PER_SM", "num_sms", "tiles_for",
+           "split_k_range"]
+
+FMA_MAX_ROWS = 4  # up to this many rows the FMA form or the row loop (or tl.dot, by shape); above it tl.dot
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: small blocks, so CPU tests cover several programs and the masks
+
+
+def tiles_for(m: int, n: int, k: int, device: torch.device) -> dict:
+    """Tile sizes. FMA form: a weight tile of 64 fp32 accumulators a thread per row (8192 elements at 4 warps and
+    one row, 16 KB of bf16), as wide in K as the rule below allows, narrowed in N (more programs) until the grid has
+    enough programs. At one row on an H100 a sweep (benchmarks/gpu_small_m.py --sweep) found, with the first tile
+    requested before the dependent-launch wait:
+    - K of 1025-4095 (a 0.6B model's o_proj and down): 2048-wide tiles at 8 warps, one program per SM enough: 2.4
+      and 3.5 us against 2.9 and 5.5 with 1024-wide tiles at 4 warps;
+    - K up to 1024: the whole K in one tile, unless the grid would exceed four programs per SM (a 0.6B gate_up:
+      768), where half of K keeps every program resident (6.7 against 7.6 us);
+    - K of 4096 and more (an 8B model's projections): 2048-wide tiles at 4 warps, two programs per SM.
+    At 2-4 rows (a draft's catch-up step, speculation-ahead branches) the same sweep at 2 and 4 rows on the 0.6B
+    shape found:
+    - K of 1025-4095: FMA still, 2048-wide tiles at 2 rows and 1024-wide at 3-4 (the accumulator grows with the
+      rows; o_proj 2.9 and 3.8 us, down 4.8 and 5.7);
+    - K up to 1024 where 8-feature tiles make at most four programs per SM (a 0.6B qkv): the row loop (one row at
+      a time, the weight tile as at one row) with the whole K in one tile, 4.8 and 6.9 us against 6.0 and 7.5 in
+      the FMA or DOT form;
+    - other K up to 1024 (a 0.6B gate_up): the row loop with 4-feature tiles at 2 rows (8.0 us against 8.3), the
+      DOT form with 64 x 256 tiles and five pipeline stages at 3-4 (8.3 us against 9.9 in the row loop and 14.3
+      in the FMA form).
+    Rows 5-64 take the DOT form with split K (`_dot_config`). Without the split, rows 5-16 were slower than cuBLAS,
+    as were wide layers (K of 4096 and more) at more than one row (benchmarks/RESULTS.md): the engine sends the
+    latter elsewhere (`rows_limit`), and rows beyond 4 only where EngineConfig.small_m_rows asks."""
+    sms = num_sms(device)
+    narrow = triton.cdiv(n, 8) <= 4 * sms  # 8-feature tiles give at most four programs per SM
+    if 2 <= m <= FMA_MAX_ROWS and k <= 1024 and (m == 2 or narrow):
+        return dict(USE_DOT=False, ROW_LOOP=True, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=8 if narrow else 4,
+                    BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+    if m == 1 or (m <= FMA_MAX_ROWS and k > 1024):
+        block_m = triton.next_power_of_2(m)
+        if k >= 4096 and m == 1:
+            block_k, warps, per_sm = 2048, 4, 2
+        elif k > 1024:
+            block_k, warps, per_sm = (2048 if m <= 2 else 1024), 8, 1
+        else:
+            block_k, warps, per_sm = triton.next_power_of_2(k), 4, 2
+        block_n = max(1, 64 * 32 * warps // (block_k * block_m))
+        while block_n > 2 and triton.cdiv(n, block_n) < per_sm * sms:
+            block_n //= 2
+        if k <= 1024 and block_k > 256 and triton.cdiv(n, block_n) > 4 * sms:  # (K <= 1024: one row only here)
+            block_k //= 2
+        return dict(USE_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    if m <= FMA_MAX_ROWS:
+        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=min(256, max(16, triton.next_power_of_2(k))),
+                    num_warps=4, num_stages=5)
+    return _dot_config(m, n, k, sms)
+
+
+# The DOT form at 5-64 rows, per row tile (the rows padded to a power of two, at least 16): a measured tiling per
+# (BLOCK_M, N, K), or else the rule's (BLOCK_N, BLOCK_K, num_warps, num_stages) and DOT_PROGRAMS_PER_SM. Not yet
+# measured: benchmarks/gpu_small_m.py --sweep splitk ends with a `DOT_MEASURED = {...}` line for here (per row tile
+# and shape the tiling of least time summed over the row counts swept; SPLIT_K as the kernel runs it).
+DOT_MEASURED: dict[tuple[int, int, int], dict] = {}
+# (64-row tiles: BLOCK_K 64 keeps three float32 stages of both operands at 96 KB of shared memory.)
+DOT_TILES = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3)}
+DOT_PROGRAMS_PER_SM = 2
+
+
+def _dot_config(m: int, n: int, k: int, sms: int) -> dict:
+    """Rows 5-64: tl.dot on BLOCK_M-row tiles, K split so that the grid has about DOT_PROGRAMS_PER_SM programs per
+    SM. Without the split a program owns BLOCK_N features and the whole K, and a 1024-wide projection (a 0.6B
+    model's o_proj and down) gets 32-64 programs on 132 SMs: most of the GPU idles while they stream the weights.
+    Each split streams a contiguous K range; the splits are made equal (a multiple of BLOCK_K each), none empty."""
+    block_m = max(16, triton.next_power_of_2(m))
+    measured = DOT_MEASURED.get((block_m, n, k))
+    if measured is not None:
+        return {"USE_DOT": True, "BLOCK_M": block_m, "SPLIT_K": 1, **measured}
+    block_n, block_k, warps, stages = DOT_TILES[block_m]
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    split = min(triton.cdiv(k, block_k), max(1, triton.cdiv(DOT_PROGRAMS_PER_SM * sms, triton.cdiv(n, block_n))))
+    return dict(USE_DOT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps,
+                num_stages=stages)
+
+
+def split_k_range(k: int, block_k: int, split: int) -> tuple[int, int]:
+    """(splits, columns per split) for `split` programs over K: the K tiles shared out equally (the last split
+    may be shorter), so no split is empty; (1, k) when the split is 1."""
+    tiles = triton.cdiv(k, block_k)
+    per = triton.cdiv(tiles, max(1, min(split, tiles)))
+    splits = triton.cdiv(tiles, per)
+    return (1, k) if splits == 1 else (splits, per * block_k)
