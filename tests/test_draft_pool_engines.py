@@ -82,6 +82,60 @@ def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
         own.shutdown()
 
 
+@pytest.mark.parametrize("ahead", [dict(speculation_ahead_tree_fanout=2), dict(speculation_ahead_branches=2)],
+                         ids=["tree", "branches"])
+def test_two_engines_draft_ahead_through_one_pooled_draft(tiny_models: dict[str, TinyModel], near_llama: str,
+                                                          ahead: dict) -> None:
+    """Speculation ahead on a pooled draft (serving/draft_pool_ahead.py): two engines with the same request ids,
+    stepped at once, one draft group drafting ahead for both (tree mode, and two windows a request). Greedy equals
+    the target alone; each engine's windows hit (its own counters, as its proposals report them, and the pool's);
+    each engine learns the pool's runs ahead for its fan-out budget (held at the configured fan-out here: on CPU
+    the adaptive budget would find no room for a tree beside a tiny verify); once the requests finish each engine's
+    share of the draft's KV blocks is free again, and a target that leaves frees the scratch its windows held."""
+    target = tiny_models["llama"].path
+    args = dict(model=target, draft_model=near_llama, device="cpu", num_speculative_tokens=3, seed=5,
+                speculation_ahead=True, speculation_ahead_adaptive=False, **ahead, **ENGINE_KW)
+    pool_name = "ahead-" + "-".join(f"{k}{v}" for k, v in ahead.items())
+    pool = DraftPoolReplica.func_or_class(args, pool_name, 2, 60.0)
+    rank0 = pool.rank0
+    engines = [build_ray_engine(**args, draft_pool=pool_name) for _ in range(2)]
+    try:
+        assert all(e.executor.speculation_ahead and e.scheduler.speculation_ahead and e.executor.ahead_overlaps_verify
+                   for e in engines)
+        free = [[kv.num_free for kv in e.draft_kv.pools] for e in engines]
+        greedy = _at_once(engines, PROMPTS, [GREEDY] * len(PROMPTS))
+        expected = [o.token_ids for o in LLM(target, **ENGINE_KW).generate(PROMPTS, GREEDY)]
+        assert greedy == [expected, expected]
+        stats = ray.get(rank0.pool_stats.remote())
+        assert stats["speculation_ahead"]["hits"] > 0 and stats["speculation_ahead"]["predrafts"] > 0, stats
+        by_tenant = stats["by_tenant"]
+        assert len(by_tenant) == 2 and all(t["ahead_hits"] > 0 for t in by_tenant.values()), by_tenant
+        # Each engine reports its own target's counters (its metrics), and together they are the pool's.
+        totals = [e.speculation_ahead_stats() for e in engines]
+        assert all(t[1] > 0 for t in totals), totals
+        assert sum(t[1] for t in totals) <= stats["speculation_ahead"]["hits"]
+        if "speculation_ahead_tree_fanout" in ahead:
+            assert stats["speculation_ahead"]["trees"] > 0
+            assert all(e.ahead_budget.node_seconds is not None for e in engines)
+        else:
+            assert all(e.ahead_budget.windows for e in engines)
+        assert [[kv.num_free for kv in e.draft_kv.pools] for e in engines] == free
+        # A target that leaves frees its windows' scratch (held until its next step otherwise).
+        gone = engines.pop()
+        gone_id = gone.executor.draft.workers[0].share.tenant_id
+        gone.shutdown()
+        deadline = time.monotonic() + 30
+        while gone_id in (stats := ray.get(rank0.pool_stats.remote()))["by_tenant"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone_id not in stats["by_tenant"]
+        held = ray.get(rank0.__ray_call__.remote(lambda self: self.pool_ahead.ahead.scratch_held(gone_id)))
+        assert held == 0
+    finally:
+        for e in engines:
+            e.shutdown()
+        pool.__del__()
+
+
 def _at_once(engines: list, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[list[int]]]:
     """As run_together (the same request ids, each engine in another order, so that the same ids and local block ids
     hold different tokens in each), but each engine stepped in a thread of its own, all at once."""
