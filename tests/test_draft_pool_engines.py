@@ -1,9 +1,10 @@
 """Two engines sharing one pooled draft group, on a real local Ray without Serve: a Llama target with a Gemma 3
-hybrid draft (two KV-cache groups in each target's share) at tensor parallel 2, the two engines run with the same
-request ids. Greedy output equals the target alone in process, with the engines stepped at once beside a third
-target that keeps the draft busy, so that their draft steps meet in batches; seeded sampling equals an engine with
-a draft group of its own (each target's proposals drawn from its requests' own generators, seeded alike); an engine
-that shuts down frees its share.
+hybrid draft (two KV-cache groups in each target's share) at tensor parallel 2 drafting ahead, the two engines run
+with the same request ids. Greedy output equals the target alone in process, with the engines stepped at once
+beside a third target that keeps the draft busy, so that their draft steps meet in batches; seeded sampling equals
+an engine with a draft group of its own (each target's proposals drawn from its requests' own generators, seeded
+alike); an engine that shuts down frees its share. Then speculation ahead's tree mode through a pool: windows hit
+per target, and a target's draft blocks and scratch are freed.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ def ray_runtime() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def engine_args(tiny_models: dict[str, TinyModel], tiny_drafts: dict[str, TinyModel]) -> dict:
-    # The draft split over two ranks: rank 0 forwards each target's calls to rank 1 in the order it runs them.
+    # The draft split over two ranks: rank 0 forwards each target's calls to rank 1 in the order it runs them. It
+    # drafts ahead, two windows a request (serving/draft_pool_ahead.py): both ranks draft the same windows ahead.
     return dict(model=tiny_models["llama"].path, draft_model=tiny_drafts["gemma3-2l"].path, device="cpu",
                 num_speculative_tokens=3, rejection_sampling="probabilistic", draft_tensor_parallel_size=2,
-                **ENGINE_KW)
+                speculation_ahead=True, speculation_ahead_branches=2, **ENGINE_KW)
 
 
 def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
@@ -60,6 +62,7 @@ def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
         assert len(steps) == 2 and min(steps) > 0  # both speculated, through the one group
         assert busy.steps > 0 and not busy.errors, busy.errors
         assert any(size > 1 for size in stats["batch_tenants"]), stats["batch_tenants"]
+        assert stats["speculation_ahead"]["predrafts"] > 0 and stats["speculation_ahead"]["lookups"] > 0, stats
 
         sampled = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
                    for i in range(len(PROMPTS))]
@@ -82,20 +85,19 @@ def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
         own.shutdown()
 
 
-@pytest.mark.parametrize("ahead", [dict(speculation_ahead_tree_fanout=2), dict(speculation_ahead_branches=2)],
-                         ids=["tree", "branches"])
-def test_two_engines_draft_ahead_through_one_pooled_draft(tiny_models: dict[str, TinyModel], near_llama: str,
-                                                          ahead: dict) -> None:
+def test_two_engines_draft_ahead_through_one_pooled_draft(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
     """Speculation ahead on a pooled draft (serving/draft_pool_ahead.py): two engines with the same request ids,
-    stepped at once, one draft group drafting ahead for both (tree mode, and two windows a request). Greedy equals
+    stepped at once, one draft group drafting ahead for both in tree mode (the window mode, two windows a request,
+    drafts ahead in the test above, at tensor parallel 2 beside a busy third target). Greedy equals
     the target alone; each engine's windows hit (its own counters, as its proposals report them, and the pool's);
     each engine learns the pool's runs ahead for its fan-out budget (held at the configured fan-out here: on CPU
     the adaptive budget would find no room for a tree beside a tiny verify); once the requests finish each engine's
-    share of the draft's KV blocks is free again, and a target that leaves frees the scratch its windows held."""
+    share of the draft's KV blocks is free again, and a target that leaves frees the scratch its windows held.
+    Seeded sampling equals an engine with a draft group of its own drafting ahead alike."""
     target = tiny_models["llama"].path
     args = dict(model=target, draft_model=near_llama, device="cpu", num_speculative_tokens=3, seed=5,
-                speculation_ahead=True, speculation_ahead_adaptive=False, **ahead, **ENGINE_KW)
-    pool_name = "ahead-" + "-".join(f"{k}{v}" for k, v in ahead.items())
+                speculation_ahead=True, speculation_ahead_tree_fanout=2, speculation_ahead_adaptive=False, **ENGINE_KW)
+    pool_name = "ahead-tree"
     pool = DraftPoolReplica.func_or_class(args, pool_name, 2, 60.0)
     rank0 = pool.rank0
     engines = [build_ray_engine(**args, draft_pool=pool_name) for _ in range(2)]
@@ -114,12 +116,12 @@ def test_two_engines_draft_ahead_through_one_pooled_draft(tiny_models: dict[str,
         totals = [e.speculation_ahead_stats() for e in engines]
         assert all(t[1] > 0 for t in totals), totals
         assert sum(t[1] for t in totals) <= stats["speculation_ahead"]["hits"]
-        if "speculation_ahead_tree_fanout" in ahead:
-            assert stats["speculation_ahead"]["trees"] > 0
-            assert all(e.ahead_budget.node_seconds is not None for e in engines)
-        else:
-            assert all(e.ahead_budget.windows for e in engines)
+        assert stats["speculation_ahead"]["trees"] > 0
+        assert all(e.ahead_budget.node_seconds is not None for e in engines)
         assert [[kv.num_free for kv in e.draft_kv.pools] for e in engines] == free
+        sampled = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
+                   for i in range(len(PROMPTS))]
+        pooled = run_together(engines, PROMPTS, sampled)
         # A target that leaves frees its windows' scratch (held until its next step otherwise).
         gone = engines.pop()
         gone_id = gone.executor.draft.workers[0].share.tenant_id
@@ -134,6 +136,12 @@ def test_two_engines_draft_ahead_through_one_pooled_draft(tiny_models: dict[str,
         for e in engines:
             e.shutdown()
         pool.__del__()
+    assert pooled[0] == pooled[1]
+    own = build_ray_engine(**args)  # a draft group of its own
+    try:
+        assert run_together([own], PROMPTS, sampled) == [pooled[0]]
+    finally:
+        own.shutdown()
 
 
 def _at_once(engines: list, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[list[int]]]:
