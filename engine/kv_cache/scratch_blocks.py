@@ -68,14 +68,13 @@ class ScratchReserve:
 
     def take(self, n: int, scope: str | None = None) -> list[int] | None:
         """n free indices (held under `scope` where one is given), or None when fewer are left."""
-        if len(self._freed) >= n:
-            idx = self._freed[len(self._freed) - n:]
-            del self._freed[len(self._freed) - n:]
-        elif self._next + n <= self.capacity:
-            idx = list(range(self._next, self._next + n))
-            self._next += n
-        else:
+        if len(self._freed) + self.capacity - self._next < n:
             return None
+        reused = min(n, len(self._freed))  # released indices first, then fresh ones
+        idx = self._freed[len(self._freed) - reused:]
+        del self._freed[len(self._freed) - reused:]
+        idx += range(self._next, self._next + n - reused)
+        self._next += n - reused
         if scope is not None:
             self._held.setdefault(scope, []).extend(idx)
         return idx

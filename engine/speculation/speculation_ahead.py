@@ -51,6 +51,7 @@ import torch
 from engine.kv_cache.scratch_blocks import ScratchBlocks, ScratchFork, copy_blocks, scratch_blocks_wanted
 from engine.speculation.ahead_branches import ACCEPT, Branch, BranchEstimates
 from engine.speculation.ahead_budget import drafts_ahead
+from engine.speculation.ahead_merge import merge_hits
 from engine.speculation.proposer import DraftProposal, DraftProposer
 from engine.speculation.speculation_cache import AheadCounters, AheadEntry, AheadStats, SpeculationCache, request_scope
 from engine.speculation.synthetic_agreement import AgreementProfile, SyntheticAgreement
@@ -198,7 +199,7 @@ class AheadProposer:
         rest = [i for i in range(len(plan.requests)) if i not in hits]
         drafted = (self.proposer.propose(dataclasses.replace(plan, requests=[plan.requests[i] for i in rest]))
                    if rest else None)
-        return self._merge(plan, hits, rest, drafted)
+        return merge_hits(self.proposer, plan, hits, rest, drafted)
 
     def _lookup(self, entries: list[AheadEntry], p: PlannedRequest, plan: StepPlan) -> AheadEntry | None:
         """The window drafted for exactly this draft input (position and catch-up tokens), if its k suffices."""
@@ -244,50 +245,6 @@ class AheadProposer:
         else:
             guess = v.reject_guesses[accepted] if v.reject_guesses is not None else None
             self.estimates.observe(v.k, accepted, (None, None), guess, toks[0])
-
-    def _merge(self, plan: StepPlan, hits: dict[int, AheadEntry], rest: list[int],
-               drafted: DraftProposal | None) -> DraftProposal:
-        dev = self.runner.device
-        reqs = plan.requests
-        max_k = plan.max_draft_tokens
-        ids = torch.full((len(reqs), max_k), -1, dtype=torch.int64, device=dev)
-        # q wherever the verify reads it: a sampled request of the plan makes it (even one that drafts nothing this
-        # step, beside greedy hits), as it makes the proposer's own.
-        want_probs = self.proposer.keep_probs and (
-            any(e.probs is not None for e in hits.values())
-            or (drafted is not None and drafted.draft_probs is not None)
-            or any(r.sample and r.temperature > 0 for r in reqs))
-        probs = (torch.zeros(len(reqs), max_k, self.runner.vocab_size, dtype=torch.float32, device=dev)
-                 if want_probs else None)
-        alt = torch.zeros(len(reqs), max_k, dtype=torch.int64, device=dev) if self.proposer.alternatives else None
-        for i, e in hits.items():
-            k = reqs[i].num_draft_tokens
-            ids[i, :k] = e.token_ids[:k]
-            if alt is not None and e.alt is not None:
-                alt[i, :k] = e.alt[:k]
-            if probs is not None:
-                if e.probs is not None:
-                    probs[i, :k] = e.probs[:k]
-                else:  # drafted greedily: q is one-hot at each token
-                    probs[i, torch.arange(k, device=dev), e.token_ids[:k]] = 1.0
-        if drafted is not None and rest:
-            sub_ids = drafted.draft_token_ids
-            if isinstance(sub_ids, list):
-                raise TypeError("the draft's own proposal is expected on its device here")
-            row = torch.tensor(rest, dtype=torch.int64, device=dev)
-            width = sub_ids.shape[1]
-            if width:
-                ids[row, :width] = sub_ids
-                if alt is not None and drafted.alt_token_ids is not None:
-                    alt[row, :width] = drafted.alt_token_ids
-            if probs is not None and width:
-                if drafted.draft_probs is not None:
-                    probs[row, :width] = drafted.draft_probs
-                else:
-                    for n, i in enumerate(rest):
-                        k = reqs[i].num_draft_tokens
-                        probs[i, torch.arange(k, device=dev), sub_ids[n, :k]] = 1.0
-        return DraftProposal(ids, probs, alt)
 
     def drop_all(self) -> None:
         """Empty the cache (and so the scratch blocks, and the guesses kept to score)."""
