@@ -53,7 +53,7 @@ class PoolAhead:
         # Per target, the last pre-draft it was part of as (rows, seconds), until its next proposal reports it
         # (StepResult.predraft_window: its engine's ahead budget, engine/speculation/ahead_budget.py).
         self._windows: dict[str, tuple[int, float]] = {}
-        self.predrafts = 0  # pre-draft passes run (each for every target of one draft step)
+        self.predrafts: dict[int, int] = {}  # pre-draft passes run, by the targets each served: {targets: passes}
 
     @property
     def on(self) -> bool:
@@ -76,7 +76,8 @@ class PoolAhead:
         pending, self._pending = self._pending, None
         if pending is None or self.ahead is None:
             return
-        self.predrafts += 1
+        n = len(pending.tenants)
+        self.predrafts[n] = self.predrafts.get(n, 0) + 1
         try:
             self.ahead.predraft(pending.plan, pending.proposal, pending.tenants)
             window = self.ahead.take_window()
@@ -119,4 +120,4 @@ class PoolAhead:
         s = self.ahead.stats
         return {"lookups": s.lookups, "hits": s.hits, "drafted_tokens": s.drafted_tokens,
                 "unused_tokens": s.unused_tokens, "skipped_branches": s.skipped_branches, "trees": s.trees,
-                "predrafts": self.predrafts}
+                "predrafts": sum(self.predrafts.values()), "predraft_tenants": dict(self.predrafts)}

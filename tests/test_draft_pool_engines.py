@@ -63,6 +63,8 @@ def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
         assert busy.steps > 0 and not busy.errors, busy.errors
         assert any(size > 1 for size in stats["batch_tenants"]), stats["batch_tenants"]
         assert stats["speculation_ahead"]["predrafts"] > 0 and stats["speculation_ahead"]["lookups"] > 0, stats
+        # Batched draft steps draft ahead for all of their targets in one pass.
+        assert any(n > 1 for n in stats["speculation_ahead"]["predraft_tenants"]), stats["speculation_ahead"]
 
         sampled = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
                    for i in range(len(PROMPTS))]
