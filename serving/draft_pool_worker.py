@@ -21,7 +21,9 @@ drafts for all of them in one forward, and the proposal is cut back into each te
 call waited for a batch, or whose plan its table cannot resolve, fails alone; the others' step runs. Rank 0
 forwards every call that touches state (each batch whole, absorbs, attaches, detaches) to the other ranks before
 running it itself, so that every rank runs the same batches in the same order (their collectives pair up); a rank
-that died makes rank 0 exit too, so the group fails as a whole and its replica is replaced.
+that died makes rank 0 exit too, so the group fails as a whole and its replica is replaced. With speculation ahead,
+a target's `draft_predraft` (after its proposal) drafts ahead for every target of its draft step at once, and each
+target's windows stay its own (serving/draft_pool_ahead.py).
 """
 
 from __future__ import annotations
