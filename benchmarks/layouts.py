@@ -16,10 +16,11 @@ PROXY_OPTIONS = {"hap": "haproxy", "sp": "serve"}
 # Options of the served app alone: the offline engine is one engine in this process, with no HTTP in front.
 SERVED_ONLY = "i<N>, r<N>, p<M>, hap, sp and ds"
 # What a draft pool (`p<M>`) does not take: its draft replicas serve their targets through plain actor calls (the
-# draft steps of targets waiting at once batched into one) and never draft ahead (deploy/config.py refuses
-# speculation ahead's settings with draft_replicas; the executor turns the compiled graph and the NCCL transport off
-# for a pooled draft), and they hold GPUs of their own.
-POOL_EXCLUDES = ("plain", "shared", "colocated", "nccl", "ahead", "noahead", "predraft", "nopredraft", "ds")
+# draft steps of targets waiting at once batched into one; the executor turns the compiled graph, the NCCL transport
+# and the verify launched ahead off for a pooled draft), behind the ingress, and they hold GPUs of their own. It
+# drafts ahead as a draft group of one target does (predraft / nopredraft, b<N>, f<N>, sg<C>, fixed), for all of
+# its targets at once (serving/draft_pool_ahead.py).
+POOL_EXCLUDES = ("plain", "shared", "colocated", "nccl", "ahead", "noahead", "ds")
 
 
 def _numbered(text: str, opts: list[str], prefix: str) -> tuple[int | None, list[str]]:
@@ -151,13 +152,10 @@ class Layout:
             raise ValueError(f"layout {text!r}: ahead or noahead, not both")
         if pool is not None:
             clash = sorted(set(opts + ["ds"] * direct) & set(POOL_EXCLUDES))
-            clash += [name for name, given in (("b<N>", branches), ("f<N>", fanout), ("sg<C>", saguaro),
-                                               ("fixed", fixed or None)) if given is not None]
             if clash:
                 raise ValueError(
                     f"layout {text!r}: p<M> takes none of {', '.join(clash)}: the pool's draft replicas have GPUs of "
-                    "their own, answer their targets through plain actor calls behind the ingress, and never draft "
-                    "ahead")
+                    "their own and answer their targets through plain actor calls behind the ingress")
             if pool > (replicas or 1):
                 raise ValueError(f"layout {text!r}: p{pool} is more draft replicas than the {replicas or 1} engine "
                                  "replicas (r<N>) they would serve: the extra ones would hold GPUs and serve none")

@@ -26,9 +26,9 @@ turns speculation ahead on, not with b<N>; trees cut to what fits in the verify 
 sampling at factor C in (0, 1) with b<N>, N >= 2, or f<N>: speculation_ahead_saguaro; probabilistic rejection only,
 so the smollm2 pair), `r<N>` (N engine replicas, each a router with the layout's target and draft on GPUs of their
 own: num_replicas; served only), `p<M>` (a draft pool: the engine replicas' drafts come from M draft replicas of D
-GPUs each, shared between them: draft_replicas, M <= N; served only; a pooled draft never drafts ahead, so p<M>
-takes none of b<N>, f<N>, sg<C>, predraft / nopredraft, and none of plain, shared, colocated, nccl, ahead / noahead,
-ds), `i<N>` (N ingress replicas, the HTTP shims
+GPUs each, shared between them: draft_replicas, M <= N; served only; p<M> takes none of plain, shared, colocated,
+nccl, ahead / noahead, ds; a pool drafts ahead as a draft of one target does, for all of its targets at once:
+`t1+d1/r3/p1/predraft`, `t1+d1/r3/p1/f4`), `i<N>` (N ingress replicas, the HTTP shims
 that tokenize, template and stream back: ingress_replicas; served layouts only), `hap` / `sp` (HAProxy or Serve's
 Python proxy takes the client connections: http_proxy; served layouts only; by default HAProxy on GPUs), `ds`
 (direct streaming: the engine replica answers HTTP itself, no ingress replicas: direct_streaming; served only).

@@ -79,12 +79,6 @@ class ServeConfig(ServingOptions, SpeculationOptions, EngineOptions):
         if self.uses_draft_pool() and self.draft_placement == "colocated":
             raise ValueError("draft_replicas runs the draft in replicas of its own, so draft_placement 'colocated' "
                              "cannot apply; leave it auto or separate")
-        if self.uses_draft_pool() and (
-                self.speculation_ahead or self.speculation_ahead_branches > 1 or self.speculation_ahead_tree_fanout
-                or self.speculation_ahead_saguaro not in (None, 1.0)):
-            raise ValueError("draft_replicas: a pooled draft group drafts for several engine replicas in one "
-                             "step and does not draft ahead, so speculation_ahead and its branches, tree fan-out and "
-                             "Saguaro factor cannot apply; leave them unset")
         if self.direct_streaming and self.request_router != "power_of_two":
             raise ValueError(f"direct_streaming: the HTTP proxy picks each request's engine replica, so request_router "
                              f"{self.request_router!r} cannot apply; use power_of_two")

@@ -120,6 +120,10 @@ class DraftPoolReplica:
             # SYNC: construction only.
             addr, port = ray.get(ray.remote(node_ip_and_free_port).options(**bundle_task_options(pg, 0)).remote())
         self.name = pool_actor_prefix(pool) + self.replica
+        # Speculation ahead (serving/draft_pool_ahead.py): as asked, else on where the draft has GPUs of its own (the
+        # targets always do: their windows ahead run beside their verifies), as for a draft group of one target.
+        ahead = (bool(config.speculation_ahead) if config.speculation_ahead is not None
+                 else config.device.type == "cuda" and bundle.get("GPU", 0) >= 1)
         actor_cls = ray.remote(PooledDraftWorker)
         for rank in range(size):
             opts = actor_options(pg, rank, bundle)
@@ -128,7 +132,8 @@ class DraftPoolReplica:
                 # Threads: the targets' calls meet there, to be batched (the other ranks run rank 0's order).
                 opts["max_concurrency"] = rank0_concurrency(slots)
             self.group.workers.append(actor_cls.options(**opts).remote(
-                path, config, rank, size, addr, port, spec.rejection_sampling, int(bundle.get("CPU", 1)), slots))
+                path, config, rank, size, addr, port, spec.rejection_sampling, int(bundle.get("CPU", 1)), slots,
+                speculation_ahead=ahead))
         # SYNC: construction only; waits for the model to load (a share too small for max_model_len raises here).
         ray.get([w.ping.remote() for w in self.group.workers], timeout=900.0)
         ray.get(self.rank0.set_peers.remote(self.group.workers[1:]))

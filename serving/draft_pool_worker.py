@@ -21,7 +21,9 @@ drafts for all of them in one forward, and the proposal is cut back into each te
 call waited for a batch, or whose plan its table cannot resolve, fails alone; the others' step runs. Rank 0
 forwards every call that touches state (each batch whole, absorbs, attaches, detaches) to the other ranks before
 running it itself, so that every rank runs the same batches in the same order (their collectives pair up); a rank
-that died makes rank 0 exit too, so the group fails as a whole and its replica is replaced.
+that died makes rank 0 exit too, so the group fails as a whole and its replica is replaced. With speculation ahead,
+a target's `draft_predraft` (after its proposal) drafts ahead for every target of its draft step at once, and each
+target's windows stay its own (serving/draft_pool_ahead.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from engine.step.plan import StepPlan, StepResult
 from engine.step.plan_merge import merge_plans, split_proposal
 from engine.step.request_table import RequestTable
 from serving.draft_batch import DraftBatcher
+from serving.draft_pool_ahead import PoolAhead
 from serving.draft_shares import BlockShare, check_share_fits
 from serving.tenant_calls import CallOrder, CallSequence, TenantCall, TenantGone, unbox
 from serving.worker import DraftOutput, ModelWorker
@@ -82,19 +85,23 @@ class TenantShare:
     num_blocks: int  # its share, the null block included (local ids 0..num_blocks-1)
     kv_groups: list[Any]  # the draft's KVCacheGroupSpecs
     vocab_size: int
+    speculation_ahead: bool = False  # the group drafts ahead: the target calls `draft_predraft` after each proposal
 
 
 class PooledDraftWorker(ModelWorker):
-    """A draft rank serving the tenants' calls (`tenant_*`). Speculation ahead stays off: its scratch blocks are
-    reserved per proposer, outside any tenant's share."""
+    """A draft rank serving the tenants' calls (`tenant_*`), drafting ahead for them where `speculation_ahead`
+    (serving/draft_pool_ahead.py)."""
 
     def __init__(self, model_path: str, engine_config: EngineConfig | dict[str, Any], rank: int, world_size: int,
                  master_addr: str, master_port: int, rejection_sampling: str | None, cpu_threads: int,
-                 slots: int) -> None:
+                 slots: int, speculation_ahead: bool = False) -> None:
         super().__init__("draft", model_path, engine_config, rank, world_size, master_addr, master_port,
-                         rejection_sampling, cpu_threads)
+                         rejection_sampling, cpu_threads, speculation_ahead=speculation_ahead)
         # The side ModelWorker built: its proposer drafts for every tenant; the tenants keep tables of their own.
         self.base_side, self.draft_side = self.draft_side, None
+        # Speculation ahead: one AheadProposer for every tenant (its scratch reserved once, sized for the pool's
+        # batch), each tenant's windows kept apart by its name (AheadProposer.use_scopes).
+        self.pool_ahead = PoolAhead(self.base_side.ahead)
         self.slots = slots
         self.blocks_per_slot = check_share_fits(self.runner.num_blocks, slots, self.config.block_size,
                                                 self.config.max_model_len)
@@ -136,9 +143,10 @@ class PooledDraftWorker(ModelWorker):
         now = time.monotonic()
         tenants = dict(self.tenants)
         return {**self.pool_load(), "evicted": list(self.evicted), "batch_tenants": dict(self.batcher.stats.sizes),
-                "busy_s": self.batcher.stats.busy_s,
+                "busy_s": self.batcher.stats.busy_s, "speculation_ahead": self.pool_ahead.totals(),
                 "by_tenant": {tid: {"slot": t.share.slot, "idle_s": now - t.last_seen, "steps": t.num_steps,
-                                    "requests": len(t.table.requests)} for tid, t in tenants.items()}}
+                                    "requests": len(t.table.requests), **self.pool_ahead.tenant_stats(tid)}
+                              for tid, t in tenants.items()}}
 
     # --- tenancy (under the batcher's lock: never while a batch runs) ---------------------------------
     def attach_tenant(self, tenant_id: str, owner: ActorHandle | None = None, slot: int | None = None) -> TenantShare:
@@ -160,7 +168,8 @@ class PooledDraftWorker(ModelWorker):
             self.order.open(tenant_id)
             self._join(refs)
         logger.info("draft pool: target %s attached in slot %d (%d blocks)", tenant_id, slot, self.blocks_per_slot)
-        return TenantShare(tenant_id, slot, self.blocks_per_slot + 1, self.runner.kv_groups, self.runner.vocab_size)
+        return TenantShare(tenant_id, slot, self.blocks_per_slot + 1, self.runner.kv_groups, self.runner.vocab_size,
+                           self.pool_ahead.on)
 
     def detach_tenant(self, tenant_id: str, why: str = "detached") -> bool:
         """Drop a tenant's state and free its slot; False if it was not attached."""
@@ -177,6 +186,7 @@ class PooledDraftWorker(ModelWorker):
         if tenant is None:
             return False
         grammar_matchers.forget(list(tenant.table.requests))  # ids under the tenant's name
+        self.pool_ahead.forget(tenant_id)  # its windows, their scratch blocks, its counters
         self.evicted = (self.evicted + [f"{tenant_id}: {why}"])[-32:]
         logger.info("draft pool: target %s left slot %d: %s", tenant_id, tenant.share.slot, why)
         return True
@@ -266,6 +276,20 @@ class PooledDraftWorker(ModelWorker):
             self.peer_absorb(tenant_id, result)
             self._join(refs)
 
+    def tenant_predraft(self, tenant_id: str, seq: int) -> None:
+        """Rank 0: speculation ahead, after the tenant's proposal went out: draft ahead for the draft step it was
+        part of, for every tenant of that step at once (serving/draft_pool_ahead.py); nothing if another of them,
+        or the next draft step, already did."""
+        self._tenant(tenant_id)
+        with self.order.turn(tenant_id, seq, TURN_TIMEOUT_S), self.batcher.lock:
+            refs = self._forward("peer_predraft")
+            self.peer_predraft()
+            self._join(refs)
+
+    def peer_predraft(self) -> None:
+        """Every rank: the pending pre-draft, in the order rank 0 ran it."""
+        self.pool_ahead.run_pending()
+
     def peer_absorb(self, tenant_id: str, result: StepResult) -> None:
         """Every rank: record the result in the tenant's table (only the tenant's own calls touch its table)."""
         self._tenant(tenant_id).table.record(result)
@@ -283,39 +307,42 @@ class PooledDraftWorker(ModelWorker):
         plan fails only that tenant (every rank fails alike, and retries alike)."""
         t0 = time.perf_counter()
         outcomes: list[Any] = [None] * len(calls)
-        parts: list[tuple[int, StepPlan]] = []
+        parts: list[tuple[int, str, StepPlan]] = []
         for i, (tenant_id, plan) in enumerate(calls):
             try:
                 tenant = self._tenant(tenant_id)
                 tenant.num_steps += 1
-                parts.append((i, tenant.table.resolve(self._own_plan(tenant_id, tenant, plan))))
+                parts.append((i, tenant_id, tenant.table.resolve(self._own_plan(tenant_id, tenant, plan))))
             except Exception as e:  # noqa: BLE001 - evicted while it waited, or a plan its table cannot resolve
                 outcomes[i] = e
         if not parts:
             return outcomes
         try:
-            self._propose([i for i, _ in parts], [p for _, p in parts], outcomes, t0)
+            self._propose(parts, outcomes, t0)
         except Exception:  # noqa: BLE001
             if len(parts) == 1:
                 raise
             logger.warning("draft pool: a batch of %d targets failed; drafting for each alone", len(parts))
-            for i, plan in parts:
+            for part in parts:
                 try:
-                    self._propose([i], [plan], outcomes, time.perf_counter())
+                    self._propose([part], outcomes, time.perf_counter())
                 except Exception as e:  # noqa: BLE001 - this tenant's alone
-                    outcomes[i] = e
+                    outcomes[part[0]] = e
         return outcomes
 
-    def _propose(self, rows: list[int], plans: list[StepPlan], outcomes: list[Any], t0: float) -> None:
-        """Draft for resolved plans in one step; rank 0 puts each one's DraftOutput at its row of `outcomes`."""
-        merged = merge_plans(plans)
-        proposal = self.base_side.propose(merged.plan)
+    def _propose(self, parts: list[tuple[int, str, StepPlan]], outcomes: list[Any], t0: float) -> None:
+        """Draft for resolved plans (row, tenant, plan) in one step; rank 0 puts each one's DraftOutput at its row
+        of `outcomes`."""
+        merged = merge_plans([p for *_, p in parts])
+        tenants = [tid for _, tid, _ in parts]
+        proposal = self.pool_ahead.propose(self.base_side, merged.plan, tenants)
         if self.rank != 0:
             return
         proposal = proposal.to_host([r.num_draft_tokens for r in merged.plan.requests])
         now = time.perf_counter()
-        for i, part in zip(rows, split_proposal(proposal, merged)):
-            outcomes[i] = DraftOutput(part, now - t0, now, HOST)
+        for (i, tid, _), part in zip(parts, split_proposal(proposal, merged)):
+            outcomes[i] = DraftOutput(part, now - t0, now, HOST, self.pool_ahead.tenant_totals(tid),
+                                      self.pool_ahead.take_window(tid))
 
 
 class TenantDraft:
@@ -330,6 +357,7 @@ class TenantDraft:
         sequence = CallSequence()  # the order of this target's step calls (serving/tenant_calls.py)
         self.draft_step = TenantCall(worker, "tenant_draft_step", share.tenant_id, sequence)
         self.draft_absorb = TenantCall(worker, "tenant_absorb", share.tenant_id, sequence)
+        self.draft_predraft = TenantCall(worker, "tenant_predraft", share.tenant_id, sequence)
         self.ping = TenantCall(worker, "tenant_ping", share.tenant_id, None)
 
     def release(self) -> None:

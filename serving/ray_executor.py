@@ -89,7 +89,7 @@ class RayExecutor(DraftGroupReplacement, WorkerHealth):
         draft_pool: the name of a draft pool (serving/draft_pool.py) whose draft groups serve several targets: this
         executor attaches to one of them as a tenant instead of starting a draft group of its own, and runs its
         steps as plain actor calls (a compiled graph would hold the shared draft ranks for itself); speculation
-        ahead stays off."""
+        ahead is the pool's (serving/draft_pool_ahead.py)."""
         if not ray.is_initialized():
             raise RuntimeError("RayExecutor needs a Ray runtime: call ray.init() (or run inside Ray Serve) first")
         self.engine_config = engine_config
@@ -203,6 +203,11 @@ class RayExecutor(DraftGroupReplacement, WorkerHealth):
             group.info = self._gather_info(group, init_timeout_s)
         if self.draft_pool is not None:
             self.draft = self._attach_pooled_draft(draft_model_path, init_timeout_s)
+            # The pool's group drafts ahead for its targets where its configuration says (serving/draft_pool_ahead.py):
+            # this target then calls `draft_predraft` after each proposal, and its runs ahead, on the draft's own
+            # GPUs, overlap this target's verify (the engine sizes its fan-out from what the draft reports).
+            self.speculation_ahead = bool(self.draft.workers[0].share.speculation_ahead)
+            self.ahead_overlaps_verify = self.speculation_ahead
 
     def _gather_info(self, group: WorkerGroup, timeout_s: float) -> WorkerInfo:
         try:

@@ -80,6 +80,10 @@ def test_layout_names_parse_to_their_settings() -> None:
     ("t1+d1/r3/p1", 4, {"num_replicas": 3, "draft_replicas": 1}),
     ("t2+d2/r4/p2", 12, {"num_replicas": 4, "draft_replicas": 2}),
     ("t1+d1/p1", 2, {"draft_replicas": 1}),
+    # ... drafting ahead, as a draft group of one target does
+    ("t1+d1/r3/p1/predraft", 4, {"num_replicas": 3, "draft_replicas": 1, "speculation_ahead": True}),
+    ("t1+d1/r3/p1/f4/fixed", 4, {"num_replicas": 3, "draft_replicas": 1, "speculation_ahead_tree_fanout": 4,
+                                 "speculation_ahead_adaptive": False}),
 ])
 def test_tree_replica_and_pool_layouts(name: str, gpus: int, fields: dict[str, object]) -> None:
     lay = Layout.parse(name)
@@ -91,7 +95,7 @@ def test_tree_replica_and_pool_layouts(name: str, gpus: int, fields: dict[str, o
         assert serve_field not in cfg["engine_kwargs"]
         if serve_field not in fields:
             assert serve_field not in cfg
-    if lay.pool is not None:  # the pool never drafts ahead: nothing may ask it to
+    if lay.pool is not None and lay.predraft is None and lay.fanout is None:  # the pool drafts ahead as asked only
         assert not {"speculation_ahead", "speculation_ahead_tree_fanout"} & set(cfg["engine_kwargs"])
     assert lay.target_replicas == fields.get("num_replicas", 1)
 
@@ -139,7 +143,7 @@ def test_served_configs_of_the_new_options_pass_the_serve_config_checks() -> Non
     from engine.config import EngineConfig
 
     real = Pair("real pair", "target", "draft", "probabilistic")
-    for name in ("t1+d1/r3/p1", "t1+d1/colocated/r4", "t1+d1/f4/sg0.5/r2", "t2+d1/shared/r2"):
+    for name in ("t1+d1/r3/p1", "t1+d1/colocated/r4", "t1+d1/f4/sg0.5/r2", "t2+d1/shared/r2", "t1+d1/r3/p1/f4/sg0.5"):
         cfg = serve_config(real, Layout.parse(name), _args())
         config = ServeConfig.from_dict({k: v for k, v in cfg.items() if k != "engine_kwargs"})
         config.validate()
@@ -187,8 +191,6 @@ def test_served_configs_of_the_new_options_pass_the_serve_config_checks() -> Non
     ("t1+d1/p2", "more draft replicas than the 1 engine replicas"),
     ("t1+d1/colocated/r2/p1", "p<M> takes none of colocated"),
     ("t2+d1/shared/r2/p1", "p<M> takes none of shared"),
-    ("t1+d1/r2/p1/f4", "p<M> takes none of f<N>"),
-    ("t1+d1/r2/p1/predraft", "p<M> takes none of predraft"),
     ("t1+d1/r2/p1/ds", "p<M> takes none of ds"),
     ("t1/i2/ds", "neither the offline engine nor i<N>"),
     ("t1+d1/fast", "unknown options"),

@@ -57,9 +57,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def _config(models: tuple[str, str]) -> dict[str, Any]:
     target, draft = models
     # Per engine replica four running and four waiting (and four in Serve's queue): past that, a request gets 429.
+    # The pool drafts ahead for its targets (serving/draft_pool_ahead.py; one window a request, no scratch blocks):
+    # every test below, faults and moves included, runs with it.
     return serve_config(target, draft, max_model_len=MAX_MODEL_LEN, num_replicas=2, draft_replicas=1,
                         draft_tenant_timeout_s=30.0, drain_timeout_s=1.0, max_queued_requests=MAX_QUEUED,
-                        engine_kwargs={"num_kv_blocks": 64, "max_num_seqs": MAX_SEQS})
+                        speculation_ahead=True, engine_kwargs={"num_kv_blocks": 64, "max_num_seqs": MAX_SEQS})
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +148,12 @@ def test_two_targets_share_one_draft_and_stay_exact(server: Server, oracle) -> N
               if s.name == "specserve_spec_decode_num_drafts_total"]
     assert {s.labels["draft_replica"] for s in drafts} == {pool_ranks()[0][0].rsplit(":", 1)[1]}, drafts
     assert len({s.labels["replica"] for s in drafts if s.value > 0}) == 2, drafts
+    # Speculation ahead's series, each target's own lookups, labelled alike.
+    lookups = [s for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "specserve_spec_ahead_lookups_total"]
+    assert {s.labels["draft_replica"] for s in lookups} == {pool_ranks()[0][0].rsplit(":", 1)[1]}, lookups
+    assert len({s.labels["replica"] for s in lookups if s.value > 0}) == 2, lookups
+    assert pool_stats()["speculation_ahead"]["predrafts"] > 0
 
 
 def test_bad_input_is_a_400(server: Server) -> None:

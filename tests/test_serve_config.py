@@ -243,11 +243,12 @@ def test_http_proxy_auto_resolution_and_its_environment(monkeypatch) -> None:
 
 @pytest.mark.parametrize("ahead", [dict(speculation_ahead=True), dict(speculation_ahead_branches=3),
                                    dict(speculation_ahead_tree_fanout=4), dict(speculation_ahead_saguaro=0.5)])
-def test_a_draft_pool_refuses_speculation_ahead(ahead):
-    """A pooled draft does not draft ahead: the settings that would ask it to are refused, never dropped."""
-    with pytest.raises(ValueError, match="draft_replicas"):
-        ServeConfig(draft_model="some-draft", draft_replicas=1, **ahead).validate()
-    ServeConfig(draft_model="some-draft", draft_replicas=1).validate()
+def test_a_draft_pool_takes_speculation_ahead(ahead):
+    """A pooled draft drafts ahead for its targets (serving/draft_pool_ahead.py): its settings pass with a pool as
+    without one, and reach the engine replicas and the pool's draft alike."""
+    config = ServeConfig(draft_model="some-draft", draft_replicas=1, **ahead)
+    config.validate()
+    assert all(config.engine_args()[k] == v for k, v in ahead.items())
 
 
 def test_stream_interval_reaches_the_engine_replicas() -> None:

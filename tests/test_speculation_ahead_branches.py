@@ -27,7 +27,7 @@ from test_speculation_ahead import (
 )
 
 from engine import LLM, SamplingParams
-from engine.kv_cache.scratch_blocks import copy_blocks
+from engine.kv_cache.scratch_blocks import ScratchBlocks, copy_blocks
 from engine.speculation import speculation_ahead
 from engine.speculation.ahead_branches import ACCEPT, REJECT, BranchEstimates
 from engine.speculation.speculation_cache import AheadStats
@@ -35,6 +35,26 @@ from engine.speculation.speculation_cache import AheadStats
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 AHEAD = dict(ENGINE_KW, speculation_ahead=True)
+
+
+def test_scratch_blocks_release_one_scope_and_keep_the_others() -> None:
+    """A pooled draft's targets hold scratch blocks under their names (ScratchReserve): releasing one target's frees
+    its blocks alone, for any scope to take again; the other's stay held and are never handed out twice; once none is
+    held the reserve starts over in order, as an engine's own draft (unscoped) takes it at every pre-draft."""
+    scratch = ScratchBlocks([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])  # two KV-cache groups, the same slots
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    a, _ = scratch.fork(tables, 4, 11, 4, "a")  # positions 4..11: blocks 1..2 of the request's tables
+    b, b_tables = scratch.fork(tables, 8, 8, 4, "b")
+    assert (a.first_block, a.blocks, b.blocks) == (1, [[10, 11], [20, 21]], [[12], [22]])
+    assert b_tables == [[1, 2, 12], [5, 6, 22]] and scratch.num_used == 3
+    assert scratch.fork(tables, 0, 11, 4, "c") is None  # three blocks wanted, two left
+    scratch.release({"a"})
+    assert scratch.num_used == 1 and scratch.reserve.held("a") == 0 and scratch.reserve.held("b") == 1
+    c, _ = scratch.fork(tables, 0, 11, 4, "c")
+    assert sorted(c.blocks[0]) == [10, 11, 13] and 12 not in c.blocks[0]  # b's block is still b's
+    scratch.release({"b", "c"})
+    assert scratch.num_used == 0
+    assert scratch.fork(tables, 0, 3, 4)[0].blocks == [[10], [20]]  # in order again, unscoped
 
 
 def _assert_all_released(llm: LLM) -> None:

@@ -43,36 +43,86 @@ class ScratchFork:
     blocks: list[list[int]]  # [num_groups][n] scratch ids standing for tables[g][first_block:first_block + n]
 
 
-class ScratchBlocks:
-    """The reserved ids, handed out in order by `fork` and all taken back by `reset` (every window drafted ahead
-    lives until the next proposal, which consumes or drops them all)."""
+class ScratchReserve:
+    """Indices 0..capacity-1 of a reserve (scratch blocks, or a tree's scratch slots) handed out by `take` until
+    `reset` takes them all back. Unscoped (one engine's draft) they are handed out in order: every window drafted
+    ahead lives until the next proposal, which consumes or drops them all. Scoped (a pooled draft serving several
+    targets, serving/draft_pool_worker.py), each take is held under its scope (a target) and `release` gives back
+    one scope's alone: the other targets' windows, for steps of theirs still to come, keep theirs."""
 
-    def __init__(self, ids: list[list[int]]) -> None:
-        self.ids = ids  # [num_groups][capacity] scratch block ids (the same ids in every group)
-        self._used = 0
-
-    @property
-    def capacity(self) -> int:
-        return len(self.ids[0]) if self.ids else 0
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._next = 0  # indices below it have been handed out since the last reset ...
+        self._freed: list[int] = []  # ... and of those, these came back (released scopes)
+        self._held: dict[str, list[int]] = {}  # scope -> the indices it holds
 
     @property
     def num_used(self) -> int:
-        return self._used
+        return self._next - len(self._freed)
+
+    def held(self, scope: str) -> int:
+        return len(self._held.get(scope, ()))
 
     def reset(self) -> None:
-        self._used = 0
+        self._next, self._freed, self._held = 0, [], {}
 
-    def fork(self, tables: list[list[int]], first_pos: int, last_pos: int,
-             block_size: int) -> tuple[ScratchFork, list[list[int]]] | None:
+    def take(self, n: int, scope: str | None = None) -> list[int] | None:
+        """n free indices (held under `scope` where one is given), or None when fewer are left."""
+        if len(self._freed) + self.capacity - self._next < n:
+            return None
+        reused = min(n, len(self._freed))  # released indices first, then fresh ones
+        idx = self._freed[len(self._freed) - reused:]
+        del self._freed[len(self._freed) - reused:]
+        idx += range(self._next, self._next + n - reused)
+        self._next += n - reused
+        if scope is not None:
+            self._held.setdefault(scope, []).extend(idx)
+        return idx
+
+    def release(self, scopes: set[str]) -> None:
+        """Give back what these scopes hold; once no scope holds anything the reserve starts over in order."""
+        for s in scopes:
+            self._freed.extend(self._held.pop(s, ()))
+        if not self._held:
+            self.reset()
+
+
+class ScratchBlocks:
+    """The reserved ids, handed out by `fork` and taken back by `reset` (all) or `release` (a scope's: the windows of
+    one target of a pooled draft, ScratchReserve)."""
+
+    def __init__(self, ids: list[list[int]]) -> None:
+        self.ids = ids  # [num_groups][capacity] scratch block ids (the same ids in every group)
+        self.reserve = ScratchReserve(len(ids[0]) if ids else 0)
+
+    @property
+    def capacity(self) -> int:
+        return self.reserve.capacity
+
+    @property
+    def num_used(self) -> int:
+        return self.reserve.num_used
+
+    def reset(self) -> None:
+        self.reserve.reset()
+
+    def release(self, scopes: set[str]) -> None:
+        self.reserve.release(scopes)
+
+    def fork(self, tables: list[list[int]], first_pos: int, last_pos: int, block_size: int,
+             scope: str | None = None) -> tuple[ScratchFork, list[list[int]]] | None:
         """A branch of the request with these tables ([num_groups][num_blocks]) that writes positions
         [first_pos, last_pos]: its scratch blocks and its own tables. None when the reserve is used up or the
-        request's tables do not cover the positions (its own blocks must be there for a hit's copy back)."""
+        request's tables do not cover the positions (its own blocks must be there for a hit's copy back). scope:
+        what holds the blocks until it is released (None: until the next reset)."""
         first, last = first_pos // block_size, last_pos // block_size
         n = last - first + 1
-        if self._used + n > self.capacity or any(len(t) <= last for t in tables):
+        if any(len(t) <= last for t in tables):
             return None
-        blocks = [g_ids[self._used:self._used + n] for g_ids in self.ids]
-        self._used += n
+        idx = self.reserve.take(n, scope)
+        if idx is None:
+            return None
+        blocks = [[g_ids[i] for i in idx] for g_ids in self.ids]
         return ScratchFork(first, blocks), [t[:first] + b for t, b in zip(tables, blocks)]
 
 

@@ -51,8 +51,9 @@ import torch
 from engine.kv_cache.scratch_blocks import ScratchBlocks, ScratchFork, copy_blocks, scratch_blocks_wanted
 from engine.speculation.ahead_branches import ACCEPT, Branch, BranchEstimates
 from engine.speculation.ahead_budget import drafts_ahead
+from engine.speculation.ahead_merge import merge_hits
 from engine.speculation.proposer import DraftProposal, DraftProposer
-from engine.speculation.speculation_cache import AheadEntry, AheadStats, SpeculationCache
+from engine.speculation.speculation_cache import AheadCounters, AheadEntry, AheadStats, SpeculationCache, request_scope
 from engine.speculation.synthetic_agreement import AgreementProfile, SyntheticAgreement
 from engine.speculation.tree_ahead import TreeAhead
 from engine.step.plan import PlannedRequest, StepPlan
@@ -99,6 +100,7 @@ class AheadProposer:
         self.proposer = proposer
         self.cache = SpeculationCache()
         self.stats = AheadStats()
+        self.counters = AheadCounters(self.stats)
         self.agreement = (SyntheticAgreement(bonus_agreement, agreement_profile, seed)
                           if bonus_agreement is not None or agreement_profile is not None else None)
         cfg = proposer.runner.config
@@ -114,18 +116,47 @@ class AheadProposer:
             self.num_branches, cfg.max_num_seqs, cfg.num_speculative_tokens + 1, cfg.block_size))
             if self.num_branches > 1 else [])
         self.scratch = ScratchBlocks([list(ids) for _ in groups])  # [num_groups][n], the same ids in each group
-        self.tree = (TreeAhead(proposer, self.cache, self.stats) if cfg.speculation_ahead_tree_fanout > 0
+        self.tree = (TreeAhead(proposer, self.cache, self.counters) if cfg.speculation_ahead_tree_fanout > 0
                      else None)
+
+    # ---- scopes: a pooled draft's targets -------------------------------------------------------------
+    @property
+    def scoped(self) -> bool:
+        return self.counters.scoped
+
+    def use_scopes(self) -> None:
+        """Keep each target's windows apart (a pooled draft, serving/draft_pool_worker.py): request ids are
+        `<target>/<id>`, a proposal or pre-draft names the targets whose step it is (`scopes`) and drops only their
+        windows, scratch blocks and guesses, and each target's counters are kept too (`stats_of`). Targets' steps
+        come at any times: one target's proposal must not drop the windows another's next step is to hit."""
+        self.counters.scoped = True
+
+    def stats_of(self, scope: str) -> AheadStats:
+        """A target's own counters (scoped)."""
+        return self.counters.of(scope)
+
+    def scratch_held(self, scope: str) -> int:
+        """Scratch blocks and tree slots a target's windows hold now (scoped)."""
+        return self.scratch.reserve.held(scope) + (self.tree.reserve.held(scope) if self.tree is not None else 0)
+
+    def forget(self, scope: str) -> None:
+        """A target left: drop its windows (freeing their scratch) and its counters."""
+        self.drop({scope})
+        self.counters.forget({scope})
+
+    def _in(self, request_id: str, scopes: set[str] | None) -> bool:
+        return scopes is None or request_scope(request_id) in scopes
 
     @property
     def runner(self):  # noqa: ANN201 - the proposer's ModelRunner
         return self.proposer.runner
 
     # ---- the proposal ---------------------------------------------------------------------------------
-    def propose(self, plan: StepPlan) -> DraftProposal:
-        """The step's proposal (plan resolved): cached windows for hits, the draft's forwards for the rest."""
+    def propose(self, plan: StepPlan, scopes: set[str] | None = None) -> DraftProposal:
+        """The step's proposal (plan resolved): cached windows for hits, the draft's forwards for the rest. scopes
+        (scoped): the targets whose step this is; their windows are consumed or dropped, the others' kept."""
         hits: dict[int, AheadEntry] = {}
-        used = 0
+        used: dict[str, int] = {}  # tokens of a hit window proposed, by request
         groups = range(len(self.runner.kv_groups))
         src: list[list[int]] = [[] for _ in groups]  # [num_groups][n] scratch blocks of hit windows ...
         dst: list[list[int]] = [[] for _ in groups]  # ... and the request's own blocks they stand for
@@ -133,21 +164,18 @@ class AheadProposer:
         for i, p in enumerate(plan.requests):
             if not (p.draft_runs and p.num_draft_tokens):
                 continue
-            self.stats.lookups += 1
+            self.counters.add(p.request_id, "lookups")
             self._observe(p, plan)
             entries = self.cache.entries.get(p.request_id)
             entry = self._lookup(entries, p, plan) if entries and p.request_id not in plan.finished_ids else None
             if entry is None:
                 continue
             hits[i] = entry
-            self.stats.hits += 1
-            if entry.kind == ACCEPT:
-                self.stats.hits_accept += 1
-            else:
-                self.stats.hits_reject += 1
-            used += p.num_draft_tokens
+            self.counters.add(p.request_id, "hits")
+            self.counters.add(p.request_id, "hits_accept" if entry.kind == ACCEPT else "hits_reject")
+            used[p.request_id] = p.num_draft_tokens
             if entry.outcome is not None:
-                self.stats.hits_by_outcome[entry.outcome] += 1
+                self.counters.add_outcome(p.request_id, entry.outcome)
             if entry.slots is not None:
                 tree_hits.append((p, entry))
             if entry.fork is not None:
@@ -164,14 +192,14 @@ class AheadProposer:
         if tree_hits:  # as above, a tree branch's slots
             assert self.tree is not None
             self.tree.copy_hits(tree_hits)
-        # Every entry was for this step: what did not hit is stale from now on.
-        self.drop_all(used)
+        # Every entry (of these targets, scoped) was for this step: what did not hit is stale from now on.
+        self.drop(scopes, used)
         if not hits:
             return self.proposer.propose(plan)
         rest = [i for i in range(len(plan.requests)) if i not in hits]
         drafted = (self.proposer.propose(dataclasses.replace(plan, requests=[plan.requests[i] for i in rest]))
                    if rest else None)
-        return self._merge(plan, hits, rest, drafted)
+        return merge_hits(self.proposer, plan, hits, rest, drafted)
 
     def _lookup(self, entries: list[AheadEntry], p: PlannedRequest, plan: StepPlan) -> AheadEntry | None:
         """The window drafted for exactly this draft input (position and catch-up tokens), if its k suffices."""
@@ -218,57 +246,28 @@ class AheadProposer:
             guess = v.reject_guesses[accepted] if v.reject_guesses is not None else None
             self.estimates.observe(v.k, accepted, (None, None), guess, toks[0])
 
-    def _merge(self, plan: StepPlan, hits: dict[int, AheadEntry], rest: list[int],
-               drafted: DraftProposal | None) -> DraftProposal:
-        dev = self.runner.device
-        reqs = plan.requests
-        max_k = plan.max_draft_tokens
-        ids = torch.full((len(reqs), max_k), -1, dtype=torch.int64, device=dev)
-        # q wherever the verify reads it: a sampled request of the plan makes it (even one that drafts nothing this
-        # step, beside greedy hits), as it makes the proposer's own.
-        want_probs = self.proposer.keep_probs and (
-            any(e.probs is not None for e in hits.values())
-            or (drafted is not None and drafted.draft_probs is not None)
-            or any(r.sample and r.temperature > 0 for r in reqs))
-        probs = (torch.zeros(len(reqs), max_k, self.runner.vocab_size, dtype=torch.float32, device=dev)
-                 if want_probs else None)
-        alt = torch.zeros(len(reqs), max_k, dtype=torch.int64, device=dev) if self.proposer.alternatives else None
-        for i, e in hits.items():
-            k = reqs[i].num_draft_tokens
-            ids[i, :k] = e.token_ids[:k]
-            if alt is not None and e.alt is not None:
-                alt[i, :k] = e.alt[:k]
-            if probs is not None:
-                if e.probs is not None:
-                    probs[i, :k] = e.probs[:k]
-                else:  # drafted greedily: q is one-hot at each token
-                    probs[i, torch.arange(k, device=dev), e.token_ids[:k]] = 1.0
-        if drafted is not None and rest:
-            sub_ids = drafted.draft_token_ids
-            if isinstance(sub_ids, list):
-                raise TypeError("the draft's own proposal is expected on its device here")
-            row = torch.tensor(rest, dtype=torch.int64, device=dev)
-            width = sub_ids.shape[1]
-            if width:
-                ids[row, :width] = sub_ids
-                if alt is not None and drafted.alt_token_ids is not None:
-                    alt[row, :width] = drafted.alt_token_ids
-            if probs is not None and width:
-                if drafted.draft_probs is not None:
-                    probs[row, :width] = drafted.draft_probs
-                else:
-                    for n, i in enumerate(rest):
-                        k = reqs[i].num_draft_tokens
-                        probs[i, torch.arange(k, device=dev), sub_ids[n, :k]] = 1.0
-        return DraftProposal(ids, probs, alt)
+    def drop_all(self) -> None:
+        """Empty the cache (and so the scratch blocks, and the guesses kept to score)."""
+        self.drop(None)
 
-    def drop_all(self, used: int = 0) -> None:
-        """Empty the cache (and so the scratch blocks, and the guesses kept to score); `used` of its tokens were
-        proposed, the rest count as unused."""
-        self.stats.unused_tokens += sum(e.token_ids.shape[0] for v in self.cache.entries.values() for e in v) - used
-        self.cache.clear()
-        self.scratch.reset()
-        self._pending.clear()  # the guesses were for this step's verify outcomes too
+    def drop(self, scopes: set[str] | None, used: dict[str, int] | None = None) -> None:
+        """Drop the windows (their scratch blocks and tree slots, and the guesses kept to score) of these scopes'
+        requests (None: every request); used[request id]: of its tokens, those proposed, the rest count as
+        unused."""
+        used = used or {}
+        for rid in [r for r in self.cache.entries if self._in(r, scopes)]:
+            tokens = sum(e.token_ids.shape[0] for e in self.cache.entries.pop(rid))
+            self.counters.add(rid, "unused_tokens", tokens - used.get(rid, 0))
+        for rid in [r for r in self._pending if self._in(r, scopes)]:
+            del self._pending[rid]  # the guesses were for this step's verify outcomes too
+        if scopes is None:
+            self.scratch.reset()
+            if self.tree is not None:
+                self.tree.reserve.reset()
+        else:
+            self.scratch.release(scopes)
+            if self.tree is not None:
+                self.tree.reserve.release(scopes)
 
     # ---- drafting ahead -------------------------------------------------------------------------------
     def take_window(self) -> tuple[int, float] | None:
@@ -276,13 +275,14 @@ class AheadProposer:
         window, self._window = self._window, None
         return window
 
-    def predraft(self, plan: StepPlan, proposal: DraftProposal) -> int:
+    def predraft(self, plan: StepPlan, proposal: DraftProposal, scopes: set[str] | None = None) -> int:
         """Draft the next windows of every speculating request of `plan` (resolved) whose proposal is `proposal`:
         for the likeliest outcomes of its verify, up to `plan.ahead_branches` a request (0: the configured count;
-        one: every draft accepted and the bonus token the draft's argmax). Returns the number of windows drafted."""
+        one: every draft accepted and the bonus token the draft's argmax). scopes (scoped): the targets whose step
+        `plan` is (every request of it is theirs). Returns the number of windows drafted."""
         started = time.perf_counter()
         # Windows of a pre-draft no proposal came after (none, in the executors' order): the scratch is reused now.
-        self.drop_all()
+        self.drop(scopes)
         rows = [i for i, p in enumerate(plan.requests)
                 if p.draft_runs and p.num_draft_tokens and drafts_ahead(p.sample, p.logits_params is not None,
                                                                         self.tree is not None)]
@@ -300,7 +300,7 @@ class AheadProposer:
                                                   host_alt[i] if host_alt is not None else None, [None, None])
         if self.tree is not None:
             nodes = self.stats.tree_nodes
-            n = self.tree.predraft(plan, rows, host, self.estimates.alpha)
+            n = self.tree.predraft(plan, rows, host, self.estimates.alpha, scoped=self.scoped)
             nodes = self.stats.tree_nodes - nodes
             # Tree mode reports its nodes (the rows its forwards fed): a tree's cost grows with them, not its
             # branches alone (engine/speculation/ahead_budget.py). None where no tree ran.
@@ -346,7 +346,7 @@ class AheadProposer:
                 position=w.entry.draft_start_pos, tokens=tokens, token_ids=chain_ids[n, cols],
                 probs=chain_probs[n, cols] if chain_probs is not None and p.temperature > 0 else None,
                 alt=chain_alt[n, cols] if chain_alt is not None else None, kind=w.branch.kind, fork=w.fork))
-            self.stats.drafted_tokens += w.k_next
+            self.counters.add(p.request_id, "drafted_tokens", w.k_next)
         # Timed to the sync above, which waits for the run's last kernel: its cost as the draft's GPU sees it.
         self._window = (len(windows), time.perf_counter() - started)
         return len(windows)
@@ -383,14 +383,15 @@ class AheadProposer:
                 else:  # a proposal without runner-ups (none recorded): no guess for the target's token
                     continue
                 if len(windows) >= max_rows:
-                    self.stats.skipped_branches += 1
+                    self.counters.add(p.request_id, "skipped_branches")
                     continue
                 tables, fork = p.draft_block_tables, None
                 if not branch.own_blocks:
                     # It writes positions start .. start + width - 1 (the catch-up, then all but its last token).
-                    forked = self.scratch.fork(tables, start, start + width - 1, bs)
+                    forked = self.scratch.fork(tables, start, start + width - 1, bs,
+                                               request_scope(p.request_id) if self.scoped else None)
                     if forked is None:
-                        self.stats.skipped_branches += 1
+                        self.counters.add(p.request_id, "skipped_branches")
                         continue
                     fork, tables = forked
                 entry = dataclasses.replace(

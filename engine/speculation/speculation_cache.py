@@ -79,3 +79,41 @@ class SpeculationCache:
 
     def clear(self) -> None:
         self.entries.clear()
+
+
+def request_scope(request_id: str) -> str:
+    """The scope of a request id under a pooled draft: its target's name, before the first "/" (the pool puts every
+    target's request ids under its name, serving/draft_pool_worker.py)."""
+    return request_id.split("/", 1)[0]
+
+
+class AheadCounters:
+    """Where speculation ahead counts: `stats`, the proposer's totals, and under a pooled draft (scoped) each target's
+    own as well, so that each target reports its own hits (its engine's metrics) while the pool reports them all."""
+
+    def __init__(self, stats: AheadStats) -> None:
+        self.stats = stats
+        self.scoped = False
+        self.by_scope: dict[str, AheadStats] = {}
+
+    def _each(self, request_id: str) -> tuple[AheadStats, ...]:
+        if not self.scoped:
+            return (self.stats,)
+        return self.stats, self.by_scope.setdefault(request_scope(request_id), AheadStats())
+
+    def add(self, request_id: str, name: str, n: int = 1) -> None:
+        """Counter `name` of AheadStats up by n, for the request's scope too."""
+        for s in self._each(request_id):
+            setattr(s, name, getattr(s, name) + n)
+
+    def add_outcome(self, request_id: str, accepted: int) -> None:
+        for s in self._each(request_id):
+            s.hits_by_outcome[accepted] += 1
+
+    def of(self, scope: str) -> AheadStats:
+        """A scope's counters (zeros for one that never counted)."""
+        return self.by_scope.get(scope) or AheadStats()
+
+    def forget(self, scopes: set[str]) -> None:
+        for s in scopes:
+            self.by_scope.pop(s, None)

@@ -51,13 +51,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache.block_pool import NULL_BLOCK
-from engine.kv_cache.scratch_blocks import copy_slots
+from engine.kv_cache.scratch_blocks import ScratchReserve, copy_slots
 from engine.runner.tree_graphs import tree_row_buckets
 from engine.sample.from_plan import DRAFT_STREAM, request_generator
 from engine.sample.logits_processors import process_target_logits
 from engine.speculation.ahead_branches import ACCEPT, REJECT
 from engine.speculation.proposer import DraftProposer
-from engine.speculation.speculation_cache import AheadEntry, AheadStats, SpeculationCache
+from engine.speculation.speculation_cache import AheadCounters, AheadEntry, SpeculationCache, request_scope
 from engine.speculation.tree_draft import TreeDraftRequest, draft_tree, num_tree_nodes
 from engine.speculation.tree_roots import top_f_roots_many
 from engine.speculation.tree_schedule import TreeSchedule
@@ -80,10 +80,10 @@ class TreeAhead:
     """Tree-mode pre-drafting for an AheadProposer: `predraft` fills its cache with branches, `copy_hits` moves a
     hit branch's KV into the request's own blocks."""
 
-    def __init__(self, proposer: DraftProposer, cache: SpeculationCache, stats: AheadStats) -> None:
+    def __init__(self, proposer: DraftProposer, cache: SpeculationCache, counters: AheadCounters) -> None:
         runner = proposer.runner
         cfg = runner.config
-        self.proposer, self.cache, self.stats = proposer, cache, stats
+        self.proposer, self.cache, self.counters = proposer, cache, counters
         self.schedule = TreeSchedule(cfg.speculation_ahead_tree_fanout, runner.vocab_size)
         # Branches (rows of a forward past the first) per step at most: the step's token budget, which the draft's
         # forwards are sized for, and no more than keeps the q of sampled branches ([branches, k, V] float32) within
@@ -95,6 +95,7 @@ class TreeAhead:
                                    self.max_rows)
         ids = runner.reserve_kv_blocks(-(-wanted // bs))
         self.slots = [b * bs + o for b in ids for o in range(bs)]  # flat scratch slots, the same in every group
+        self.reserve = ScratchReserve(len(self.slots))  # which of them the trees drafted ahead hold
         # CUDA graphs of the tree forwards (engine/runner/tree_graphs.py): rows a tree up to its most branches,
         # and the window's k + 1; forwards past TREE_GRAPH_ROWS rows (the graphs' logits are [rows, V] float32)
         # run eagerly, as every tree forward does where the runner captures no graphs.
@@ -104,9 +105,12 @@ class TreeAhead:
             runner.build_tree_graphs(tree_row_buckets(k + 1, max(widest, k + 1)), num_tree_nodes(k + 1, widest, k),
                                      min(TREE_GRAPH_ROWS, max(self.max_rows, k + 1)))
 
-    def predraft(self, plan: StepPlan, rows: list[int], host: list[list[int]], alpha: float) -> int:
+    def predraft(self, plan: StepPlan, rows: list[int], host: list[list[int]], alpha: float,
+                 scoped: bool = False) -> int:
         """One tree for each request of `plan` at `rows`, whose proposal was host[i] (d_1..d_k); alpha: the running
-        per-token acceptance (the schedule's). Returns the branches drafted."""
+        per-token acceptance (the schedule's). scoped: each tree's slots are held under its request's scope (its
+        target, under a pooled draft) until that scope is released (AheadProposer.drop); otherwise until the next
+        reset. Returns the branches drafted."""
         runner = self.proposer.runner
         cfg = runner.config
         depth = plan.max_draft_tokens
@@ -116,12 +120,13 @@ class TreeAhead:
         own = max(1, self.max_rows // len(rows))  # branches a request within the draft's own row cap
         per_req = self._branch_budget(plan, rows, host, depth, own)
         if per_req < 1:  # the engine's ahead budget leaves no room for even one branch a request: no tree
-            self.stats.skipped_trees += len(rows)
-            self.stats.skipped_branches += sum(sum(self.schedule.fanout(len(host[i]), alpha, own)) for i in rows)
+            for i in rows:
+                rid = plan.requests[i].request_id
+                self.counters.add(rid, "skipped_trees")
+                self.counters.add(rid, "skipped_branches", sum(self.schedule.fanout(len(host[i]), alpha, own)))
             return 0
         reqs: list[TreeDraftRequest] = []
         metas: list[_Tree] = []
-        used = 0
         fans: dict[int, list[int]] = {}  # k -> the schedule's F_a (the same for every request of that k)
         cut: dict[int, int] = {}  # k -> branches of a request the budget cut
         for i in rows:
@@ -137,7 +142,7 @@ class TreeAhead:
                 # Branches the engine's budget took away (against the draft's own cap) count as skipped.
                 cut[k] = sum(self.schedule.fanout(k, alpha, own)) - sum(fans[k]) if per_req < own else 0
             fan = list(fans[k])
-            self.stats.skipped_branches += cut[k]
+            self.counters.add(p.request_id, "skipped_branches", cut[k])
             k_next = [min(depth, p.token_limit - (frontier + a + 1) - 1) if p.token_limit else depth
                       for a in range(k + 1)]  # the k the next step drafts after outcome a, as the scheduler shrinks it
             for a in range(k + 1):
@@ -147,11 +152,11 @@ class TreeAhead:
             if nb == 0:
                 continue
             nodes = num_tree_nodes(k + 1, nb, depth)
-            if used + nodes > len(self.slots):
-                self.stats.skipped_branches += nb
+            taken = self.reserve.take(nodes, request_scope(p.request_id) if scoped else None)
+            if taken is None:
+                self.counters.add(p.request_id, "skipped_branches", nb)
                 continue
-            slots = self.slots[used:used + nodes]
-            used += nodes
+            slots = [self.slots[x] for x in taken]
             reqs.append(TreeDraftRequest(prefix_len=frontier - 1, block_tables=p.draft_block_tables,
                                          window=[p.draft_token_ids[-1], *d], roots=[], scratch_slots=[slots] * groups,
                                          temperature=p.temperature, top_p=p.top_p, top_k=p.top_k))
@@ -200,8 +205,8 @@ class TreeAhead:
             exact = not eager and p.seed is not None and p.temperature > 0
             token_rows = tree.tokens.unbind(0)
             prob_rows = tree.probs.unbind(0) if tree.probs is not None and p.temperature > 0 else None
-            self.stats.trees += 1
-            self.stats.tree_nodes += num_tree_nodes(k + 1, nb, depth)
+            self.counters.add(p.request_id, "trees")
+            self.counters.add(p.request_id, "tree_nodes", num_tree_nodes(k + 1, nb, depth))
             for b, (where, t) in enumerate(zip(tree.outcome, tree.root)):
                 a = where - 1  # roots[a + 1] hang off window node a (c, d_1, ..): outcome a
                 nodes = [k + 1 + b] + [k + 1 + j * nb + b for j in range(1, depth)]  # root, e_1..e_{depth-1}
@@ -213,7 +218,7 @@ class TreeAhead:
                     position=position, tokens=tokens, token_ids=token_rows[b],
                     probs=prob_rows[b] if prob_rows is not None else None, kind=ACCEPT if a == k else REJECT,
                     slots=[slots[x] for x in nodes], outcome=a, exact_k=m.k_next[a] if exact else None))
-                self.stats.drafted_tokens += depth
+                self.counters.add(p.request_id, "drafted_tokens", depth)
                 drafted += 1
         return drafted
 
