@@ -70,10 +70,26 @@ def tiles_for(m: int, n: int, k: int, device: torch.device) -> dict:
 
 
 # The DOT form at 5-64 rows, per row tile (the rows padded to a power of two, at least 16): a measured tiling per
-# (BLOCK_M, N, K), or else the rule's (BLOCK_N, BLOCK_K, num_warps, num_stages) and DOT_PROGRAMS_PER_SM. Not yet
-# measured: benchmarks/gpu_small_m.py --sweep splitk ends with a `DOT_MEASURED = {...}` line for here (per row tile
-# and shape the tiling of least time summed over the row counts swept; SPLIT_K as the kernel runs it).
-DOT_MEASURED: dict[tuple[int, int, int], dict] = {}
+# (BLOCK_M, N, K), or else the rule's (BLOCK_N, BLOCK_K, num_warps, num_stages) and DOT_PROGRAMS_PER_SM.
+# DOT_MEASURED is the `DOT_MEASURED = {...}` line of `benchmarks/gpu_small_m.py --shapes qwen3-0.6b,qwen3-8b --rows
+# 5,16,64 --rows-for qwen3-8b=5 --skip-count --sweep splitk` on one H100 (2026-11-28; per row tile and shape the
+# tiling of least time summed over the row counts swept): Qwen3-0.6B's four projections at 16- and 64-row tiles, and
+# Qwen3-8B's at 16. Even so a 0.6B layer is level with cuBLAS and the separate elementwise kernels at 5-16 rows and
+# slower at 64 (benchmarks/RESULTS.md, "Split K at 5-64 rows"), so EngineConfig.small_m_rows stays at 4.
+DOT_MEASURED: dict[tuple[int, int, int], dict] = {
+    (16, 4096, 1024): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3),
+    (16, 1024, 2048): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, num_warps=4, num_stages=3),
+    (16, 6144, 1024): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=3),
+    (16, 1024, 3072): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=12, num_warps=4, num_stages=3),
+    (64, 4096, 1024): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+    (64, 1024, 2048): dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+    (64, 6144, 1024): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3),
+    (64, 1024, 3072): dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=16, num_warps=4, num_stages=3),
+    (16, 6144, 4096): dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3),
+    (16, 4096, 4096): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3),
+    (16, 24576, 4096): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=3),
+    (16, 4096, 12288): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+}
 # (64-row tiles: BLOCK_K 64 keeps three float32 stages of both operands at 96 KB of shared memory.)
 DOT_TILES = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3)}
 DOT_PROGRAMS_PER_SM = 2
