@@ -31,6 +31,21 @@ def one_gpu_ray() -> Iterator[None]:
         yield
 
 
+def _target_alone(args: dict) -> list[list[int]]:
+    """Greedy output of the target alone, in process."""
+    llm = LLM(args["model"], device="cuda", dtype="float32", seed=3, **KW)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def _samples_as_a_group_of_its_own(args: dict, pooled: list[list[int]]) -> None:
+    """Seeded sampling through the pool equals an engine whose draft group is its own (same settings)."""
+    own = build_ray_engine(**args, draft_placement="separate")
+    try:
+        assert run_together([own], PROMPTS, SAMPLED) == [pooled]
+    finally:
+        own.shutdown()
+
+
 def test_two_engines_share_one_draft_on_cuda(tiny_models, tiny_drafts) -> None:
     args = dict(model=tiny_models["gemma3"].path, draft_model=tiny_drafts["gemma3-2l"].path, device="cuda",
                 dtype="float32", seed=3, num_speculative_tokens=3, rejection_sampling="probabilistic",
@@ -39,9 +54,7 @@ def test_two_engines_share_one_draft_on_cuda(tiny_models, tiny_drafts) -> None:
     engines = [build_ray_engine(**args, draft_pool="cuda") for _ in range(2)]
     try:
         greedy = run_together(engines, PROMPTS, [GREEDY] * len(PROMPTS))
-        expected = [o.token_ids for o in LLM(args["model"], device="cuda", dtype="float32", seed=3, **KW)
-                    .generate(PROMPTS, GREEDY)]
-        assert greedy == [expected, expected]
+        assert greedy == [_target_alone(args)] * 2
         steps = [t["steps"] for t in ray.get(pool.rank0.pool_stats.remote())["by_tenant"].values()]
         assert len(steps) == 2 and min(steps) > 0
         pooled = run_together(engines, PROMPTS, SAMPLED)
@@ -50,11 +63,7 @@ def test_two_engines_share_one_draft_on_cuda(tiny_models, tiny_drafts) -> None:
         for e in engines:
             e.shutdown()
         pool.__del__()
-    own = build_ray_engine(**args, draft_placement="separate")
-    try:
-        assert run_together([own], PROMPTS, SAMPLED) == [pooled[0]]
-    finally:
-        own.shutdown()
+    _samples_as_a_group_of_its_own(args, pooled[0])
 
 
 @pytest.mark.parametrize("ahead", [dict(speculation_ahead_branches=2), dict(speculation_ahead_tree_fanout=3)],
@@ -75,9 +84,7 @@ def test_two_engines_draft_ahead_through_one_pool_on_cuda(tiny_models, near_draf
         assert all(e.executor.speculation_ahead for e in engines)
         free = [[kv.num_free for kv in e.draft_kv.pools] for e in engines]
         greedy = run_together(engines, PROMPTS, [GREEDY] * len(PROMPTS))
-        expected = [o.token_ids for o in LLM(args["model"], device="cuda", dtype="float32", seed=3, **KW)
-                    .generate(PROMPTS, GREEDY)]
-        assert greedy == [expected, expected]
+        assert greedy == [_target_alone(args)] * 2
         stats = ray.get(pool.rank0.pool_stats.remote())
         assert all(t["ahead_hits"] > 0 for t in stats["by_tenant"].values()), stats["by_tenant"]
         assert all(e.speculation_ahead_stats()[1] > 0 for e in engines)
@@ -88,8 +95,4 @@ def test_two_engines_draft_ahead_through_one_pool_on_cuda(tiny_models, near_draf
         for e in engines:
             e.shutdown()
         pool.__del__()
-    own = build_ray_engine(**args, draft_placement="separate")
-    try:
-        assert run_together([own], PROMPTS, SAMPLED) == [pooled[0]]
-    finally:
-        own.shutdown()
+    _samples_as_a_group_of_its_own(args, pooled[0])
