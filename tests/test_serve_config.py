@@ -263,6 +263,8 @@ def test_stream_interval_reaches_the_engine_replicas() -> None:
     assert engine.init_args[-1] == 15.0
     direct = build_application(engine_args, ServingOptions(stream_interval_ms=15.0, direct_streaming=True))
     assert direct._bound_deployment.init_args[-1] == 15.0
-    assert ServingOptions().stream_interval_ms == 0.0
+    # Unset, the replicas coalesce at the served default (20 ms: the interval measured to halve the TTFT gap).
+    default = build_application(engine_args, ServingOptions())._bound_deployment.init_args[0]._bound_deployment
+    assert default.init_args[-1] == ServingOptions().stream_interval_ms == 20.0
     with pytest.raises(ValueError, match="stream_interval_ms"):
         ServeConfig.from_dict({"stream_interval_ms": -1}).validate()
