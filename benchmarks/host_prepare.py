@@ -10,7 +10,8 @@ Two measurements per (context, batch), decode steps of one token per request:
   phases once every request decodes at that context. On CPU this is a tiny random Llama on the torch reference path
   (its `prepare` builds fresh metadata tensors, not the kernel path's buffers); with --device cuda it is --shape
   with random weights, the Triton kernels and CUDA graphs (the same engine phases benchmarks/gpu_decode.py reports).
-  The batch's requests share one prompt (prefix caching), so one prefill serves them all.
+  The batch's requests share one prompt (prefix caching), so one prefill serves them all. With --sliding-window the
+  CPU engine's model is a Mistral whose only KV-cache group slides (its scheduler releases blocks every step).
 
     python benchmarks/host_prepare.py                       # CPU, tiny model
     python benchmarks/host_prepare.py --device cuda --shape qwen3-8b
@@ -74,13 +75,15 @@ def load_ms(device: torch.device, context: int, batch: int, steps: int, sliding_
     return statistics.median(times) * 1e3
 
 
-def tiny_model_dir(max_len: int) -> str:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def tiny_model_dir(max_len: int, sliding_window: int | None) -> str:
+    """A 1-layer random Llama, or with a sliding window a 1-layer random Mistral (its one KV-cache group sliding)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, max_position_embeddings=max_len, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0)
-    path = Path(tempfile.mkdtemp()) / "tiny-llama"
+    kw = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=16, max_position_embeddings=max_len, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+    cfg = LlamaConfig(**kw) if sliding_window is None else MistralConfig(sliding_window=sliding_window, **kw)
+    path = Path(tempfile.mkdtemp()) / "tiny-model"
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     return str(path)
@@ -115,7 +118,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps per load_ms measurement")
     ap.add_argument("--engine-steps", type=int, default=16, help="timed engine steps per measurement")
     ap.add_argument("--sliding-window", type=int, default=None,
-                    help="load_ms: add a sliding-window KV-cache group of this window")
+                    help="load_ms: add a sliding-window KV-cache group of this window; the CPU engine: a Mistral "
+                    "whose one group slides with it")
     ap.add_argument("--no-engine", action="store_true", help="load_ms only")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -133,7 +137,7 @@ def main() -> None:
                       kv_cache_memory_bytes=kv_memory_bytes(args.shape, max(batches), max_len, 8 << 30),
                       cuda_graph_batch_sizes=tuple(batches))
         else:
-            llm = LLM(tiny_model_dir(max_len), max_model_len=max_len, max_num_seqs=max(batches),
+            llm = LLM(tiny_model_dir(max_len, args.sliding_window), max_model_len=max_len, max_num_seqs=max(batches),
                       enable_prefix_caching=True, max_num_batched_tokens=4096)
     rows = []
     for c in contexts:
