@@ -130,10 +130,10 @@ class InputBuffers:
             bt = h["block_tables"][gid, :r]
             kept = self._rows[gid]
             for i, c in enumerate(chunks):
-                _update_row(bt[i], kept[i], c.block_tables[gid], self.max_blocks)
+                update_block_table_row(bt[i], kept[i], c.block_tables[gid], self.max_blocks)
             for i in range(n_real, r):  # padding requests read the null block
                 if kept[i]:
-                    _update_row(bt[i], kept[i], [], self.max_blocks)
+                    update_block_table_row(bt[i], kept[i], [], self.max_blocks)
             blk = bt[req_of_tok, np.minimum(real_pos // bs, self.max_blocks - 1)]
             if (blk == NULL_BLOCK).any():
                 raise RuntimeError(f"a new token maps to a released or unallocated block in group {gid}")
@@ -223,7 +223,7 @@ class InputBuffers:
             self._uploaded.record()
 
 
-def _update_row(staged: np.ndarray, kept: list[int], row: list[int], max_blocks: int) -> None:
+def update_block_table_row(staged: np.ndarray, kept: list[int], row: list[int], max_blocks: int) -> None:
     """Make a staging row (`staged`, [max_blocks] int32, holding `kept` then NULL_BLOCK) hold `row` instead, writing
     only what differs in the usual cases: the same request with blocks appended (a decode step: nothing or one new
     block), or nothing changed. Any other change (a different request in the slot, a sliding-window group's released
