@@ -122,3 +122,47 @@ def test_mixed_graph_bucket_choice():
     step = graphs.load([prefill] + decode, (8, 128, 128))
     assert step.input_ids.shape == (128,) and step.logits_indices.shape == (32,)
     assert step.logits_indices[:4].tolist() == [39, 40, 41, 42]
+
+
+def test_block_tables_written_incrementally_match_a_fresh_build():
+    """The staging rows keep each slot's block table across steps and write only what changed: after every step of a
+    random sequence (tables growing in place, requests changing slots, a slot taken by a request with a shorter table,
+    preemption and resume with new blocks, a sliding-window group releasing blocks, padding rows, padding-only steps
+    in between) the uploaded tables and slots must equal those of buffers that never saw an earlier step."""
+    import random
+
+    rng = random.Random(0)
+    max_len = 64
+    buffers = InputBuffers(GROUPS, max_num_reqs=6, max_num_tokens=32, max_model_len=max_len, device=torch.device("cpu"))
+    next_block = iter(range(1, 10_000))
+    tables: dict[int, list[list[int]]] = {}  # request -> [group][blocks], changed in place as a KV manager does
+
+    def grow(rid: int, n: int) -> None:
+        t = tables.setdefault(rid, [[], []])
+        for _ in range(n):
+            for g in t:
+                g.append(next(next_block))
+        t[1][:max(0, len(t[1]) - 2)] = [NULL_BLOCK] * max(0, len(t[1]) - 2)  # the window keeps the last 2 blocks
+
+    active: list[int] = []
+    for step in range(80):
+        if step % 17 == 16:
+            # A padding-only step nulls the rows; then the last step again, unchanged, must write them back.
+            buffers.load_padding(4, 8, 2, 4) if step % 2 else buffers.load_dummy(3, 2)
+        else:
+            active = rng.sample(range(8), rng.randint(1, 4))  # a new order every step: requests change slots
+        for rid in active if step % 17 != 16 else []:
+            if rid not in tables or len(tables[rid][0]) >= max_len // BLOCK or rng.random() < 0.1:
+                tables.pop(rid, None)  # preempted (or new): resumes with fresh, fewer blocks
+                grow(rid, rng.randint(1, 3))
+            else:
+                grow(rid, rng.choice([0, 0, 1]))
+        chunks = [Chunk([rid], len(tables[rid][0]) * BLOCK - 1, 1, tables[rid]) for rid in active]
+        r = len(chunks) + rng.randint(0, 2)
+        step_in = buffers.load(chunks, num_reqs=r, num_tokens=r, max_query_len=1)
+        fresh = InputBuffers(GROUPS, max_num_reqs=6, max_num_tokens=32, max_model_len=max_len,
+                             device=torch.device("cpu"))
+        want = fresh.load(chunks, num_reqs=r, num_tokens=r, max_query_len=1)
+        for got_g, want_g in zip(step_in.attn.groups, want.attn.groups, strict=True):  # padding rows included
+            assert torch.equal(got_g.block_table, want_g.block_table), f"step {step}, group {got_g.group_id}"
+            assert torch.equal(got_g.slot_mapping, want_g.slot_mapping), f"step {step}, group {got_g.group_id}"

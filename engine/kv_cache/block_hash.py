@@ -41,9 +41,13 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
     Tokens never change once committed, so hashes are computed once per block."""
     hashes = request.block_hashes
     n_full = request.num_tokens // block_size
-    if len(hashes) < n_full:
-        tokens = request.all_token_ids
-        for i in range(len(hashes), n_full):
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash_block(parent, tokens[i * block_size:(i + 1) * block_size], extra_keys(request, i)))
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    n = len(prompt)
+    for i in range(len(hashes), n_full):
+        # The block's tokens sliced from prompt and output, not from their join: a decode step fills a block every
+        # block_size steps, and joining a long context's tokens for it would copy them all.
+        start, end = i * block_size, (i + 1) * block_size
+        tokens = prompt[start:end] if end <= n else prompt[start:end] + output[max(0, start - n):end - n]
+        parent = hashes[i - 1] if i else None
+        hashes.append(hash_block(parent, tokens, extra_keys(request, i)))
     return hashes

@@ -7,7 +7,9 @@ past the real ones have slot -1, which the KV-store kernel skips.
 
 The host's share sits between two graph replays with the GPU idle (at batch 1 an 8B model's step is 6.5 ms of GPU
 time), so it is kept lean: NumPy views of the pinned staging memory are made once, and the step views and copy pairs
-are built once per step shape and reused.
+are built once per step shape and reused. Block tables, which grow with the context (a 32k-token request holds 2048
+blocks of 16 per KV-cache group), persist in the staging rows across steps: a step writes only the entries that
+changed since the slot's last step, so its host work grows with the blocks added, not with the context.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class InputBuffers:
                                    "slot_mappings", "logits_indices")}
         # NumPy views of the staging tensors, made once: the host fills them every step.
         self._np = {name: t.numpy() for name, t in self._host.items()}
+        self._np["block_tables"][:] = NULL_BLOCK
+        # [num_groups][max_num_reqs] -> the blocks the staging row of that request slot holds (NULL_BLOCK after
+        # them): our own lists, never the chunks', which their owners may change in place. A step compares a
+        # chunk's table with its slot's (a C-level list compare, no conversion) and writes only the difference.
+        self._rows: list[list[list[int]]] = [[[] for _ in range(r)] for _ in range(g)]
         # Recorded after each upload: the staging memory may be rewritten only once the copies have read it.
         self._uploaded = torch.cuda.Event() if pin else None
         # Step views by (num_reqs, num_tokens, max_query_len, num_logits): views of fixed buffers, so they are
@@ -121,12 +128,12 @@ class InputBuffers:
         for g in self.groups:
             gid, bs = g.group_id, g.spec.block_size
             bt = h["block_tables"][gid, :r]
-            bt[:] = NULL_BLOCK
+            kept = self._rows[gid]
             for i, c in enumerate(chunks):
-                row = c.block_tables[gid]
-                if len(row) > self.max_blocks:
-                    raise ValueError(f"block table of {len(row)} blocks exceeds max_model_len")
-                bt[i, :len(row)] = row
+                update_block_table_row(bt[i], kept[i], c.block_tables[gid], self.max_blocks)
+            for i in range(n_real, r):  # padding requests read the null block
+                if kept[i]:
+                    update_block_table_row(bt[i], kept[i], [], self.max_blocks)
             blk = bt[req_of_tok, np.minimum(real_pos // bs, self.max_blocks - 1)]
             if (blk == NULL_BLOCK).any():
                 raise RuntimeError(f"a new token maps to a released or unallocated block in group {gid}")
@@ -156,7 +163,7 @@ class InputBuffers:
         h["seq_lens"][:r] = query_len
         h["input_ids"][:t] = 0
         h["positions"][:t] = torch.arange(query_len).repeat(r)
-        h["block_tables"][:, :r] = NULL_BLOCK
+        self._null_rows(r)
         h["slot_mappings"][:, :t] = -1
         h["logits_indices"][:t] = torch.arange(t)
         self._upload(r, t, t)
@@ -177,13 +184,20 @@ class InputBuffers:
         h["seq_lens"][:r] = 0
         h["input_ids"][:t] = 0
         h["positions"][:t] = 0
-        h["block_tables"][:, :r] = NULL_BLOCK
+        self._null_rows(r)
         h["slot_mappings"][:, :t] = -1
         h["logits_indices"][:num_logits] = 0
         self._upload(r, t, num_logits)
         step = self.view(r, t, max_query_len, 1, num_logits)
         step.num_logits_per_req = [num_logits] + [0] * (r - 1)
         return step
+
+    def _null_rows(self, r: int) -> None:
+        """Every group's first r block-table rows read the null block (a padding-only step)."""
+        self._host["block_tables"][:, :r] = NULL_BLOCK
+        for kept in self._rows:
+            for i in range(r):
+                kept[i] = []
 
     def _wait_for_upload(self) -> None:
         # SYNC: only until the previous step's copies have run. A step that samples nothing (mid-prefill) does
@@ -207,3 +221,24 @@ class InputBuffers:
             dst.copy_(src, non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
+
+
+def update_block_table_row(staged: np.ndarray, kept: list[int], row: list[int], max_blocks: int) -> None:
+    """Make a staging row (`staged`, [max_blocks] int32, holding `kept` then NULL_BLOCK) hold `row` instead, writing
+    only what differs in the usual cases: the same request with blocks appended (a decode step: nothing or one new
+    block), or nothing changed. Any other change (a different request in the slot, a sliding-window group's released
+    blocks, a table that shrank) rewrites the row and nulls what the old one held past the new one's end."""
+    n, m = len(kept), len(row)
+    if m > max_blocks:
+        raise ValueError(f"block table of {m} blocks exceeds max_model_len")
+    if m == n and row == kept:
+        return
+    if m > n and row[:n] == kept:
+        new = row[n:]
+        staged[n:m] = new
+        kept.extend(new)
+        return
+    staged[:m] = row
+    if n > m:
+        staged[m:n] = NULL_BLOCK
+    kept[:] = row

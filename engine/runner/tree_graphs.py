@@ -34,6 +34,7 @@ from engine.attention.tree_metadata import TreeAttentionMetadata, TreeNodes
 from engine.kv_cache.block_pool import NULL_BLOCK
 from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.runner.cuda_graphs import GraphPool, no_gc_while_capturing
+from engine.runner.input_buffers import update_block_table_row
 from engine.runner.step_input import StepInput
 
 logger = logging.getLogger("specserve")
@@ -84,6 +85,11 @@ class TreeGraphs:
         self._host = {k: (torch.zeros_like(v, device="cpu").pin_memory() if pin else torch.zeros_like(v, device="cpu"))
                       for k, v in self._dev.items()}
         self._np = {k: v.numpy() for k, v in self._host.items()}
+        self._np["block_tables"][:] = NULL_BLOCK
+        # [num_groups][max_trees] -> the prefix blocks the staging row of that tree slot holds (NULL_BLOCK after
+        # them), so a load writes only what changed (input_buffers.update_block_table_row): a prefix grows by a
+        # block every block_size tokens while it holds thousands at long context
+        self._rows: list[list[list[int]]] = [[[] for _ in range(tm)] for _ in groups]
         self._uploaded = torch.cuda.Event() if pin else None
         self._steps: dict[tuple[int, int], StepInput] = {}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -165,13 +171,12 @@ class TreeGraphs:
             slots[:] = 0
             slots[:, :n_used] = nodes.node_slots[gid]
             table = h["block_tables"][gid, :num_trees * nb].reshape(num_trees, nb)
-            table[:] = NULL_BLOCK
             for t in range(num_trees):
                 # Only the blocks that hold the prefix are read (a table may run a block past max_model_len).
                 own = block_tables[t][gid][:-(-int(nodes.prefix_lens[t]) // g.spec.block_size)]
                 if len(own) > nb:
                     raise ValueError(f"a prefix of {len(own)} blocks exceeds the tree graphs' {nb}")
-                table[t, :len(own)] = own
+                update_block_table_row(table[t], self._rows[gid][t], own, nb)
         h["prefix_lens"][num_trees:] = 0  # padding trees of a bucket: nothing of an earlier batch
         h["node_positions"][num_trees * n:] = -1
         self._copy(["prefix_lens", "node_positions", "node_slots", "block_tables"],

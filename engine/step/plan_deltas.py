@@ -79,16 +79,24 @@ class SentState:
 def _delta(sent: list[list[int]] | None, now: list[list[int]]
            ) -> tuple[list[list[int]], list[int] | None, list[list[int]]]:
     """(what to send per group, start index per group or None for whole tables, the tables as now sent)."""
-    kept = [t[:] for t in now]
-    if sent is None or len(sent) != len(kept):
+    if sent is None or len(sent) != len(now):
+        kept = [t[:] for t in now]
         return kept, None, kept  # shared: neither the entry's nor the kept lists are ever changed in place
-    starts, tails = [], []
-    for old, cur in zip(sent, kept):
+    starts, tails, kept = [], [], []
+    for old, cur in zip(sent, now):
         n = len(old)
+        if len(cur) == n and cur == old:
+            # Unchanged, as in most steps (a block holds block_size tokens): keep the list sent, no copy of a table
+            # that holds thousands of blocks at long context.
+            starts.append(n)
+            tails.append([])
+            kept.append(old)
+            continue
         if n > len(cur) or cur[:n] != old:  # not only appended to: a block released or replaced (sliding window)
             n = _common_prefix(old, cur)
         starts.append(n)
         tails.append(cur[n:])
+        kept.append(cur[:])  # a copy: the KV manager appends to its own list in place
     return tails, starts, kept
 
 
@@ -114,7 +122,8 @@ def fill_settings(request_id: str, known: SamplingSettings | None,
 def splice_tables(request_id: str, model: str, known: list[list[int]] | None, starts: list[int] | None,
                   sent: list[list[int]]) -> list[list[int]]:
     """The whole block tables per group: `sent` if it is whole (starts None), else the tails in `sent` after the
-    first starts[g] blocks of the tables this side kept. New lists: earlier entries may still hold the old ones."""
+    first starts[g] blocks of the tables this side kept. New lists where a table changed (earlier entries may still
+    hold the old ones), the kept list where it did not: no table is ever changed in place."""
     if starts is None:
         return sent
     if known is None:
@@ -125,8 +134,8 @@ def splice_tables(request_id: str, model: str, known: list[list[int]] | None, st
                            f"groups, but this side has {len(known)}")
     tables = []
     for g, (have, start, tail) in enumerate(zip(known, starts, sent)):
-        if start == len(have):  # the usual case, blocks appended
-            tables.append(have + tail)
+        if start == len(have):  # the usual case, blocks appended (or none: then the same list, not a copy)
+            tables.append(have + tail if tail else have)
         elif start < len(have):
             tables.append(have[:start] + tail)
         else:
