@@ -26,7 +26,8 @@ from engine.speculation.draft_loop import DraftLoop
 
 def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: bool, steps: int,
             small_m_rows: int = EngineConfig.small_m_rows, token_map: str | None = None,
-            phases: dict | None = None, catch_up: int = 2, bandwidth: float | None = None) -> float:
+            phases: dict | None = None, catch_up: int = 2, bandwidth: float | None = None,
+            persistent_rows: int = 0) -> float:
     """ms per draft token; with phases (a dict, graphs only) also the first step's graph replay alone (catch-up of
     two tokens a request: 2 x batch rows) and a later step's (batch rows), as `first_step_ms` and `next_step_ms`,
     the host's time to queue a loop, `loop_host_ms`, and with `bandwidth` (bytes/s) the floor of a draft token,
@@ -35,7 +36,8 @@ def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: b
     cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=max_len, max_num_seqs=batch,
                        kv_cache_memory_bytes=kv_memory_bytes(name, batch, max_len, 2 << 30), enforce_eager=not graphs,
                        num_speculative_tokens=k,
-                       load_format="dummy", cuda_graph_batch_sizes=(batch,), small_m_rows=small_m_rows)
+                       load_format="dummy", cuda_graph_batch_sizes=(batch,), small_m_rows=small_m_rows,
+                       persistent_decode_rows=persistent_rows)
     mc = ModelConfig.from_path(shape_dir(name))
     mc.max_model_len = max_len
     runner = ModelRunner(mc, cfg, "draft", draft_token_map=token_map)
@@ -92,6 +94,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--small-m-rows", type=int, default=EngineConfig.small_m_rows,
                     help="EngineConfig.small_m_rows (0: cuBLAS products and separate norm/activation kernels)")
+    ap.add_argument("--persistent-rows", default="0",
+                    help="EngineConfig.persistent_decode_rows, comma-separated to time each (0: the layers' own "
+                         "kernels; N: decode steps of up to N rows in one persistent launch)")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True, help="also time eager loops")
     ap.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True, help="also time sampling")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="also time HF eager")
@@ -110,29 +115,32 @@ def main() -> None:
     rows = []
     bandwidth = copy_bandwidth()
     t0 = time.perf_counter()
-    settings = [(name, b) for _ in range(args.rounds) for name in args.shapes.split(",")
-                for b in (int(x) for x in args.batch.split(","))]
-    for name, b in settings:
+    settings = [(name, b, p) for _ in range(args.rounds) for name in args.shapes.split(",")
+                for b in (int(x) for x in args.batch.split(",")) for p in (int(x) for x in
+                                                                          args.persistent_rows.split(","))]
+    for name, b, persistent in settings:
         row = {"shape": name, "batch": b, "k": args.k, "catch_up": args.catch_up, "small_m_rows": args.small_m_rows,
-               "draft_vocab": args.draft_vocab or "all"}
+               "persistent_rows": persistent, "draft_vocab": args.draft_vocab or "all"}
         for greedy in (True, False) if args.sampled else (True,):
             tag = "greedy" if greedy else "sampled"
             phases: dict = {}
             row[f"graph_{tag}_ms"] = loop_ms(name, b, args.k, args.context, True, greedy, args.steps,
                                              args.small_m_rows, token_map, phases, args.catch_up,
-                                             bandwidth)
+                                             bandwidth, persistent)
             if greedy:
                 row.update(phases)
             if args.eager:
                 row[f"eager_{tag}_ms"] = loop_ms(name, b, args.k, args.context, False, greedy, args.steps,
-                                                 args.small_m_rows, token_map, None, args.catch_up)
+                                                 args.small_m_rows, token_map, None, args.catch_up,
+                                                 persistent_rows=persistent)
             torch.cuda.empty_cache()
         if args.eager:
             row["graph_speedup"] = row["eager_greedy_ms"] / row["graph_greedy_ms"]
         if args.hf:
             row["hf_eager_ms"] = hf_decode_ms(name, b, args.context, args.steps)
         rows.append(row)
-    cols = ["shape", "batch", "k", "catch_up", "small_m_rows", "draft_vocab", "graph_greedy_ms", "first_step_ms",
+    cols = ["shape", "batch", "k", "catch_up", "small_m_rows", "persistent_rows", "draft_vocab", "graph_greedy_ms",
+            "first_step_ms",
             "next_step_ms", "loop_host_ms", "floor_kv_ms", "vs_floor_kv", "eager_greedy_ms",
             "graph_speedup", "graph_sampled_ms", "eager_sampled_ms", "hf_eager_ms"]
     print(f"draft step time (ms per draft token, loop of k={args.k} from a {args.context}-token context); "

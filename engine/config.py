@@ -238,6 +238,13 @@ class EngineConfig:
     # tree's pre-drafting forwards and verifies of up to 64 tokens; beyond that cuBLAS. 0: never. Only on the kernel
     # devices (CUDA, or Triton's interpreter) and without tensor parallelism.
     small_m_rows: int = 4
+    # Decode steps of at most this many requests of one token each (a draft's steps at batch 1-8) run every decoder
+    # layer in one persistent launch (engine/kernels/persistent_decoder.py): one program per SM walks the layers,
+    # meeting at grid barriers on the device, and streams the next stage's weights while it waits, instead of seven
+    # launches a layer that each pay a ramp-up and a tail. Llama-family models (Llama, SmolLM2, Qwen2, Qwen3,
+    # Mistral) of one KV-cache group, hidden size below 4096, without tensor parallelism, on CUDA; other steps and
+    # models run the ordinary layers. 0: never. At most 8.
+    persistent_decode_rows: int = 0
     # A file of token ids (a JSON list, or a 1-D integer tensor saved with torch.save) the draft's LM head is
     # restricted to (engine/speculation/draft_vocabulary.py): a smaller head for a faster draft step; exact whatever the
     # map holds, as the draft's q gives every other token probability 0. None: the whole vocabulary.
@@ -282,6 +289,9 @@ class EngineConfig:
                                  "profile) both set how a synthetic draft agrees: set one")
         if not 0 <= self.small_m_rows <= 64:  # small_m_linear.MAX_ROWS
             raise ValueError(f"small_m_rows must be in [0, 64], got {self.small_m_rows}")
+        rows = self.persistent_decode_rows
+        if not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= 8:
+            raise ValueError(f"persistent_decode_rows must be an integer in [0, 8], got {rows!r}")
         if self.draft_token_map is not None and not isinstance(self.draft_token_map, str):
             raise ValueError(f"draft_token_map must be the path of a token-id file, got {self.draft_token_map!r}")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -52,6 +52,17 @@ def main(root: str, families: list[str]) -> dict:
         res["triton+ahead4"] = [o.token_ids for o in llm.generate(prompts, params)]
         st = llm.engine.executor.ahead.stats
         res["triton+ahead4:hits"] = [st.hits_accept, st.hits_reject]
+        if fam == "mistral":
+            # Every decoder layer of a decode step in one persistent launch (target and draft), staged on the
+            # interpreter: the same tokens; the counts say the path ran on both models.
+            calls = []
+            for d in (None, draft.path):
+                llm = LLM(target.path, draft_model=d, num_speculative_tokens=3, attention_backend="triton",
+                          persistent_decode_rows=4, **kw)
+                res[f"triton{'+spec' if d else ''}+persistent"] = [o.token_ids for o in llm.generate(prompts, params)]
+                runner = llm.engine.executor.draft if d else llm.engine.executor.target
+                calls.append(runner.model.model.persistent.calls)
+            res["persistent_calls"] = calls  # the target alone's decode steps, the draft's steps
         out["generate"][fam] = res
         # The draft loop alone, k = 6 steps from positions that cross block (4) and window (5-7) boundaries.
         runner = draft_runner(draft, "cpu", 6, 4, graphs=False)

@@ -52,6 +52,10 @@ def test_kernel_path_greedy_equals_torch_path(results, family):
     assert res["triton+ahead4"] == ref
     hits_accept, hits_reject = res["triton+ahead4:hits"]
     assert hits_accept > 0 and (hits_reject > 0 or family == "gemma3"), res["triton+ahead4:hits"]
+    if family == "mistral":  # the persistent decoder (engine/kernels/persistent_decoder.py), window shorter than
+        # the sequences: a target's decode steps and a draft's steps ran through it
+        assert res["triton+persistent"] == res["triton+spec+persistent"] == ref
+        assert all(n > 0 for n in res["persistent_calls"]), res["persistent_calls"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,6 +10,7 @@ from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kernels.activation import ACTIVATIONS, act_and_mul
+from engine.kernels.persistent_plan import DecoderShape, LayerWeights, PersistentDecoder
 from engine.kernels.rms_norm import use_fused_kernels
 from engine.kernels.small_m_linear import act_linear, linear_add, norm_linear, takes_rows
 from engine.models.layers import (
@@ -119,9 +120,16 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.hf_config.rms_norm_eps)
+        # Every layer of a few-row decode step in one launch (engine/kernels/persistent_plan.py); the runner sets it.
+        self.persistent: PersistentDecoder | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        pd, c = self.persistent, md.common
+        if (pd is not None and md.backend == "triton" and md.tree is None
+                and pd.takes(c.num_tokens, c.num_reqs, c.max_query_len)):
+            g = md.groups[0]
+            return self.norm(pd(x.contiguous(), positions, g.slot_mapping, c.seq_lens, g.block_table))
         for layer in self.layers:
             x, residual = layer(positions, x, residual, md)
         return self.norm.forward_with_residual(x, residual)[0]
@@ -153,3 +161,29 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def persistent_layers(self) -> tuple[DecoderShape, list[LayerWeights]] | None:
+        """The layers as the persistent decoder reads them (after the KV cache is bound), or None where it does not
+        apply: an o_proj bias, a model whose layers differ in window, an activation it lacks."""
+        layers = self.model.layers
+        a0, m0 = layers[0].self_attn, layers[0].mlp
+        windows = {layer.self_attn.attn.sliding_window for layer in layers}
+        if len(windows) != 1 or a0.o_proj.bias is not None or m0.act_name not in ACTIVATIONS:
+            return None
+        n0 = layers[0].input_layernorm
+        shape = DecoderShape(hidden=self.config.hidden_size, num_heads=a0.num_heads, num_kv_heads=a0.num_kv_heads,
+                             head_dim=a0.head_dim, inter=m0.down_proj.weight.shape[1], eps=n0.eps,
+                             qk_eps=a0.q_norm.eps if a0.qk_norm else n0.eps, scale=a0.attn.scale,
+                             window=windows.pop(), act=m0.act_name)
+        weights = []
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            kv = a.attn.kv_cache
+            if kv is None:
+                return None
+            weights.append(LayerWeights(
+                qkv=a.qkv_proj.weight, qkv_bias=a.qkv_proj.bias, o=a.o_proj.weight, gate_up=m.gate_up_proj.weight,
+                down=m.down_proj.weight, input_norm=layer.input_layernorm.weight,
+                post_norm=layer.post_attention_layernorm.weight, q_norm=a.q_norm.weight if a.qk_norm else None,
+                k_norm=a.k_norm.weight if a.qk_norm else None, key_cache=kv[0], value_cache=kv[1]))
+        return shape, weights

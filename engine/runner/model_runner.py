@@ -66,6 +66,7 @@ class ModelRunner:
             per_req = engine_config.num_speculative_tokens + 2
             max_tokens = engine_config.max_num_batched_tokens + max_reqs * per_req
             self.buffers = InputBuffers(self.kv_groups, max_reqs, max_tokens, engine_config.max_model_len, self.device)
+            self._build_persistent_decoder(engine_config.persistent_decode_rows)
             self.warm_up_attention()
         logger.info("%s: %d KV-cache group(s) %s, %d blocks of %d tokens", name, len(self.kv_groups),
                     [(len(g.layer_ids), g.spec.sliding_window) for g in self.kv_groups], self.num_blocks,
@@ -105,6 +106,27 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "small_m_rows"):
                 module.small_m_rows = rows
+
+    def _build_persistent_decoder(self, rows: int) -> None:
+        """Give the model its persistent decoder (engine/kernels/persistent_plan.py) where EngineConfig asks for one
+        and it applies: one KV-cache group, no tensor parallelism, a layer narrower than 4096, a model that lays its
+        layers out for it. Otherwise its layers run as they are."""
+        from engine.kernels.triton_compat import interpreting
+
+        on_kernels = self.device.type == "cuda" or interpreting()
+        if not rows or not on_kernels or get_tp_group().size != 1 or len(self.kv_groups) != 1:
+            return
+        if self.model_config.hidden_size >= 4096 or not hasattr(self.model, "persistent_layers"):
+            return
+        laid_out = self.model.persistent_layers()
+        if laid_out is None:
+            return
+        from engine.kernels.persistent_plan import PersistentDecoder
+
+        shape, weights = laid_out
+        rotary = self.model.model.layers[0].self_attn.rotary
+        self.model.model.persistent = PersistentDecoder(shape, weights, rotary.cos, rotary.sin, max_rows=rows)
+        logger.info("%s: decode steps of up to %d rows run every layer in one persistent launch", self.name, rows)
 
     def _num_blocks(self) -> int:
         cfg = self.config
