@@ -39,7 +39,7 @@ from transformers.utils import logging as hf_logging
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agreement_profile import profile_doc  # noqa: E402
 from common import environment, markdown_table, save_json  # noqa: E402
-from tree_hit_stats import HitTable, Lookup, root_rank  # noqa: E402
+from tree_hit_stats import NO_RANK, HitTable, Lookup, ngram_candidates, root_rank  # noqa: E402
 
 from engine.config import ModelConfig  # noqa: E402
 from engine.distill.data import encode_prompt, load_prompts  # noqa: E402
@@ -50,6 +50,7 @@ from engine.speculation.rejection_sampler import rejection_sample_from_noise  # 
 MAX_FANOUT = 8  # the cumulative agreement table's columns, and the most roots a capped schedule gives one outcome
 REACH_FANOUT, REACH_BRANCHES = 64, 320  # the search for the smallest tree that reaches --reach
 QUANTILES = (0.5, 0.8, 0.9)
+NGRAM_ROOTS = (1, 2, 4)  # prompt-lookup roots added per outcome (tree_hit_stats.ngram_candidates)
 
 
 def load_model(name: str, device: str) -> torch.nn.Module:
@@ -101,8 +102,9 @@ class Request:
         x = torch.tensor([tokens], device=self.device)
         return model(input_ids=x, cache=self.caches[which], use_cache=True).logits[0].float()
 
-    def step(self, k: int, temperature: float, gen: torch.Generator) -> tuple[int, int, int]:
-        """One propose + verify: (a, t_a, rank of t_a among the draft's roots for outcome a)."""
+    def step(self, k: int, temperature: float, gen: torch.Generator) -> tuple[int, int, int, int, tuple[int, ...]]:
+        """One propose + verify: (a, t_a, rank of t_a among the draft's roots for outcome a, its place among the
+        n-gram candidates there, and those candidates' ranks among the draft's roots)."""
         vocab = self.target.config.vocab_size
         drafts: list[int] = []
         draft_logits = []  # k + 1 rows: the draft's logits at positions len(tokens) .. len(tokens) + k
@@ -134,13 +136,17 @@ class Request:
                                               None, uniforms, noise)
         a = int(out.num_accepted[0])  # SYNC: offline simulation
         token = int(out.output_token_ids[0, a])
-        rank = root_rank(draft_logits[a], drafts[a] if a < k else None, token)
+        excluded = drafts[a] if a < k else None
+        rank = root_rank(draft_logits[a], excluded, token)
+        cands = ngram_candidates(self.tokens + drafts[:a], excluded)
+        ngram_rank = cands.index(token) if token in cands else NO_RANK
+        ngram_draft_ranks = tuple(root_rank(draft_logits[a], excluded, c) for c in cands)
         self.tokens += drafts[:a] + [token]
         for cache in self.caches:
             extra = cache.get_seq_length() - (len(self.tokens) - 1)
             if extra:
                 cache.crop(-extra)  # this transformers' crop takes the tokens to remove, negated
-        return a, token, rank
+        return a, token, rank, ngram_rank, ngram_draft_ranks
 
 
 def kept_tokens(step_tokens: list[int], stop: set[int], room: int) -> tuple[int, bool]:
@@ -165,14 +171,14 @@ def simulate(target: torch.nn.Module, draft: torch.nn.Module, prompts: Sequence[
             req = Request(target, draft, prompt, device)
             new = 0
             while True:
-                a, _, rank = req.step(k, temperature, gen)
+                a, _, rank, ngram_rank, ngram_draft_ranks = req.step(k, temperature, gen)
                 take, finished = kept_tokens(req.tokens[len(req.tokens) - a - 1:], stop, max_new_tokens - new)
                 steps += 1
                 emitted += take
                 new += take
                 if finished:
                     break  # the request ends here: no next proposal looks this outcome up
-                lookups.append(Lookup(i, a, rank))
+                lookups.append(Lookup(i, a, rank, ngram_rank, ngram_draft_ranks))
             outputs.append(req.tokens[len(prompt):len(prompt) + new])
     return {"table": HitTable(k, lookups), "steps": steps, "acceptance_length": emitted / max(steps, 1),
             "outputs": outputs}
@@ -206,10 +212,15 @@ def report(table: HitTable, temperature: float, fanouts: Sequence[int], caps: Se
                        "hit_rate": table.hit_rate(sched), "hit_rate_by_outcome": table.hit_rate_by_outcome(sched),
                        "unused_share": table.unused_share(sched, k), "schedule_fit_on_even_prompts": fitted,
                        "held_out_hit_rate": table.subset(odd).hit_rate(fitted) if odd else None})
+    ngram = [{"T": temperature, "F": f, "ngram_roots": g, "hit_rate": table.hit_rate_with_ngram([f] * (k + 1), g),
+              "draft_only_hit_rate": table.hit_rate([f] * (k + 1)),
+              "added_roots_per_lookup": table.ngram_roots_per_lookup([f] * (k + 1), g)}
+             for f in fanouts for g in NGRAM_ROOTS]
     smallest = table.smallest_tree(reach, REACH_FANOUT, REACH_BRANCHES)
     return {"T": temperature, "lookups": len(table.lookups), "uniform": uniform, "positions": positions,
-            "capped": capped, "reach": {"rate": reach, "schedule": smallest, "branches": sum(smallest or [0]) or None,
-                                        "max_fanout": REACH_FANOUT, "max_branches": REACH_BRANCHES}}
+            "capped": capped, "ngram": ngram,
+            "reach": {"rate": reach, "schedule": smallest, "branches": sum(smallest or [0]) or None,
+                      "max_fanout": REACH_FANOUT, "max_branches": REACH_BRANCHES}}
 
 
 def print_tables(results: list[dict], k: int) -> None:
@@ -229,6 +240,11 @@ def print_tables(results: list[dict], k: int) -> None:
     print("\nThe schedule F_0..F_k with the most hits under a cap on branches (at most 8 roots an outcome):")
     print(markdown_table(capped, ["T", "cap", "schedule", "predrafted_per_lookup", "hit_rate", "hit_rate_by_outcome",
                                   "unused", "schedule_fit_on_even_prompts", "held_out_hit_rate"]))
+    ngram = [r for res in results for r in res.get("ngram", [])]
+    if ngram:
+        print("\nThe draft's top-F roots plus the first G prompt-lookup (n-gram) candidates of each outcome:")
+        print(markdown_table(ngram, ["T", "F", "ngram_roots", "draft_only_hit_rate", "hit_rate",
+                                     "added_roots_per_lookup"]))
     for res in results:
         r = res["reach"]
         print(f"\nT={res['T']}: the smallest tree with hit rate >= {r['rate']}: "
@@ -302,8 +318,10 @@ def run(args: argparse.Namespace, results: list[dict]) -> int:
         res = report(sim["table"], t, args.fanout, args.caps, args.reach)
         res.update(steps=sim["steps"], acceptance_length=sim["acceptance_length"],
                    seconds=time.perf_counter() - start,
-                   # every lookup as [prompt, a, rank]: any other schedule can be scored from the JSON alone
-                   lookup_ranks=[[x.prompt, x.outcome, x.rank] for x in sim["table"].lookups])
+                   # every lookup as [prompt, a, rank, n-gram rank, n-gram candidates' draft ranks]: any other
+                   # schedule can be scored from the JSON alone
+                   lookup_ranks=[[x.prompt, x.outcome, x.rank, x.ngram_rank, list(x.ngram_draft_ranks)]
+                                 for x in sim["table"].lookups])
         results.append(res)
         print(f"T={t}: {len(prompts)} prompts, {sim['steps']} verifies, acceptance length "
               f"{sim['acceptance_length']:.2f}, {res['seconds']:.0f} s", file=sys.stderr, flush=True)
@@ -316,7 +334,7 @@ def rescore(args: argparse.Namespace) -> dict:
     k = old["args"]["k"]
     results = []
     for res in old["results"]:
-        table = HitTable(k, [Lookup(*x) for x in res["lookup_ranks"]])
+        table = HitTable(k, [Lookup(*x[:4], tuple(x[4])) if len(x) > 4 else Lookup(*x) for x in res["lookup_ranks"]])
         new = report(table, res["T"], args.fanout, args.caps, args.reach)
         new.update({key: res[key] for key in ("steps", "acceptance_length", "seconds", "lookup_ranks")})
         results.append(new)

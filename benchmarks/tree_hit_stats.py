@@ -33,11 +33,35 @@ def root_rank(logits: torch.Tensor, excluded: int | None, token: int) -> int:
     return int(ahead.sum())  # SYNC: offline bookkeeping
 
 
+NO_RANK = 1 << 30  # t_a is not among the n-gram candidates (or a run that did not record them)
+
+
+def ngram_candidates(context: Sequence[int], excluded: int | None, max_n: int = 3, limit: int = 4) -> list[int]:
+    """Prompt-lookup candidates for the token after `context`: for n = max_n..1, the tokens that followed earlier
+    occurrences of the context's last n tokens, most recent first, without repeats and without `excluded` (d_{a+1}:
+    a root is never the token the window drafted there); at most `limit`. Costs no forward: a root source beside
+    the draft's top-F."""
+    out: list[int] = []
+    end = len(context)
+    for n in range(min(max_n, end - 1), 0, -1):
+        suffix = list(context[end - n:])
+        for start in range(end - n - 1, -1, -1):
+            if list(context[start:start + n]) == suffix:
+                nxt = context[start + n]
+                if nxt != excluded and nxt not in out:
+                    out.append(nxt)
+                    if len(out) == limit:
+                        return out
+    return out
+
+
 @dataclass
 class Lookup:
     prompt: int  # which prompt's request (for splitting fit and evaluation sets)
     outcome: int  # a: drafts accepted, 0..k
     rank: int  # t_a's rank among the draft's candidates at position a (0: its top candidate)
+    ngram_rank: int = NO_RANK  # t_a's place among the n-gram candidates there (ngram_candidates), NO_RANK if absent
+    ngram_draft_ranks: tuple[int, ...] = ()  # each n-gram candidate's rank among the draft's candidates
 
 
 class HitTable:
@@ -92,6 +116,19 @@ class HitTable:
         for x in self.lookups:
             hit[x.outcome] += x.rank < schedule[x.outcome]
         return [h / c if c else None for h, c in zip(hit, counts)]
+
+    def hit_rate_with_ngram(self, schedule: Sequence[int], extra: int) -> float:
+        """Hit rate of the draft's top-F_a roots plus the first `extra` n-gram candidates of each outcome."""
+        self._check(schedule)
+        hits = sum(x.rank < schedule[x.outcome] or x.ngram_rank < extra for x in self.lookups)
+        return hits / max(len(self.lookups), 1)
+
+    def ngram_roots_per_lookup(self, schedule: Sequence[int], extra: int) -> float:
+        """Roots the n-gram candidates add per lookup: those of the first `extra` not already among the draft's
+        top-F_a (each such root is one more branch to draft)."""
+        self._check(schedule)
+        added = sum(sum(r >= schedule[x.outcome] for r in x.ngram_draft_ranks[:extra]) for x in self.lookups)
+        return added / max(len(self.lookups), 1)
 
     def predrafted_per_lookup(self, schedule: Sequence[int], depth: int) -> int:
         """Tokens a tree drafts per lookup: every branch `depth` deep."""

@@ -14,7 +14,7 @@ from conftest import hf_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from tree_hit_rate import kept_tokens, load_model, main, simulate  # noqa: E402
-from tree_hit_stats import HitTable, Lookup, percentiles, root_rank  # noqa: E402
+from tree_hit_stats import HitTable, Lookup, ngram_candidates, percentiles, root_rank  # noqa: E402
 
 from engine.speculation.tree_roots import top_f_roots  # noqa: E402
 
@@ -33,6 +33,29 @@ def test_root_rank_is_the_place_in_top_f_roots():
     for a, excluded in ((0, 1), (1, None)):
         for place, token in enumerate(roots[a]):
             assert root_rank(logits[a], excluded, token) == place
+
+
+def test_ngram_candidates_follow_earlier_occurrences():
+    ctx = [5, 6, 7, 5, 6, 8, 9, 5, 6]
+    # the suffix (5, 6) was followed by 8 (most recent) and 7; then the suffix (6,) adds nothing new, nor (5, 6, ...)
+    assert ngram_candidates(ctx, None) == [8, 7]
+    assert ngram_candidates(ctx, 8) == [7]  # d_{a+1} is never a root
+    assert ngram_candidates(ctx, None, limit=1) == [8]
+    assert ngram_candidates([1, 2, 3], None) == []  # nothing repeats
+    # a longer match first: (9, 5, 6) occurs nowhere earlier, (5, 6) twice
+    assert ngram_candidates([5, 6, 1, 9, 5, 6, 2, 5, 6], None, max_n=3) == [2, 1]
+
+
+def test_ngram_roots_add_hits_and_count_their_branches():
+    # k = 1; the draft misses both lookups with F = 1; the n-gram's first candidate is t_a in the first, and its
+    # candidates rank 0 (already a root) and 3 (a new branch) among the draft's
+    t = HitTable(1, [Lookup(0, 0, 2, 0, (3, 0)), Lookup(0, 1, 5, 1, (0, 3))])
+    assert t.hit_rate([1, 1]) == 0
+    assert t.hit_rate_with_ngram([1, 1], 1) == 0.5
+    assert t.hit_rate_with_ngram([1, 1], 2) == 1.0
+    assert t.ngram_roots_per_lookup([1, 1], 1) == 0.5  # 3 >= 1 is new; 0 < 1 is already a root
+    assert t.ngram_roots_per_lookup([1, 1], 2) == 1.0
+    assert t.hit_rate_with_ngram([1, 1], 0) == t.hit_rate([1, 1])
 
 
 def test_hand_computed_table():
