@@ -116,6 +116,9 @@ def test_refusals():
     odd = DecoderShape(**{**case["shape"].__dict__, "head_dim": 12})
     with pytest.raises(ValueError, match="head_dim"):
         PersistentDecoder(odd, case["weights"], case["cos"], case["sin"], max_rows=4, programs=4)
+    with pytest.raises(ValueError, match="rotary tables"):
+        PersistentDecoder(case["shape"], case["weights"], case["cos"][:, :4], case["sin"][:, :4], max_rows=4,
+                          programs=4)
     bad = [case["weights"][0], LayerWeights(**{**case["weights"][1].__dict__, "qkv_bias": torch.zeros(128)})]
     with pytest.raises(ValueError, match="biases"):
         PersistentDecoder(case["shape"], bad, case["cos"], case["sin"], max_rows=4, programs=4)

@@ -85,6 +85,10 @@ class PersistentDecoder:
             raise ValueError(f"persistent decoder: activation {shape.act!r} is not supported")
         if not 1 <= max_rows <= 8:
             raise ValueError(f"persistent decoder: max_rows must be in [1, 8], got {max_rows}")
+        half = shape.head_dim // 2
+        if cos.dtype != torch.float32 or cos.dim() != 2 or cos.shape[1] != half or sin.shape != cos.shape:
+            raise ValueError(f"persistent decoder: the rotary tables must be float32 [positions, head_dim / 2 = "
+                             f"{half}] (rotary over the whole head), got {tuple(cos.shape)} {cos.dtype}")
         self.shape, self.layers, self.max_rows = shape, layers, max_rows
         nqkv = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
         self._check_layers(nqkv)
@@ -108,14 +112,15 @@ class PersistentDecoder:
             w.qkv, w.qkv_bias, w.o, w.gate_up, w.down, w.input_norm, w.post_norm, w.q_norm, w.k_norm,
             w.key_cache, w.value_cache)] for w in layers], dtype=torch.int64, device=dev)
         assert self.table.shape[1] == NUM_PTRS
+        # The stages' activations and the splits' partials, at fixed addresses (graphs capture them).
         r, f32 = max_rows, torch.float32
-        self.qkv = torch.empty(r, nqkv, dtype=self.dtype, device=dev)
-        self.attn = torch.empty(r, s.num_heads * s.head_dim, dtype=self.dtype, device=dev)
-        self.act = torch.empty(r, s.inter, dtype=self.dtype, device=dev)
-        self.partial_ml = torch.empty(r, s.num_heads, self.splits, 2, dtype=f32, device=dev)
+        self.qkv = torch.empty(r, nqkv, dtype=self.dtype, device=dev)  # [max_rows, (nq + 2 nkv) * head_dim]
+        self.attn = torch.empty(r, s.num_heads * s.head_dim, dtype=self.dtype, device=dev)  # [max_rows, nq * hd]
+        self.act = torch.empty(r, s.inter, dtype=self.dtype, device=dev)  # [max_rows, inter] act(gate) * up
+        self.partial_ml = torch.empty(r, s.num_heads, self.splits, 2, dtype=f32, device=dev)  # running max, sum
         self.partial_acc = torch.empty(r, s.num_heads, self.splits, s.head_dim, dtype=f32, device=dev)
-        self.barrier = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.error = torch.zeros(1, dtype=torch.int32, device=dev)  # 1: a barrier wait gave up (read by tests)
+        self.barrier = torch.zeros(1, dtype=torch.int32, device=dev)  # [1] zeroed before each launch
+        self.error = torch.zeros(1, dtype=torch.int32, device=dev)  # [1] 1: a barrier wait gave up (tests read it)
         self.calls = 0  # forwards run here (captures count once; tests read it)
         self.timing = timing
         self.times = torch.zeros(len(layers) * 12 + 1, dtype=torch.int64, device=dev)  # [layers * 12 + 1] ns
@@ -184,7 +189,7 @@ class PersistentDecoder:
         _persistent_decoder_kernel[(self.programs,)](
             self.table, h, self.qkv, self.attn, self.act, self.partial_ml, self.partial_acc,
             positions, slot_mapping, seq_lens, block_table, self.cos, self.sin, self.barrier, self.error, self.times,
-            h.shape[0], begin, end, self.layers_eps, self.qk_eps, s.scale * 1.4426950408889634, s.window or 0,
+            h.shape[0], begin, end, s.eps, s.qk_eps, s.scale * 1.4426950408889634, s.window or 0,
             bn["qkv"], bn["o"], bn["gu"], bn["down"],
             block_table.stride(0), *self.strides,
             H=s.hidden, NQ=s.num_heads, NKV=s.num_kv_heads, HALF=half, INTER=s.inter,
@@ -195,14 +200,6 @@ class PersistentDecoder:
             HAS_QK_NORM=self.layers[0].q_norm is not None, HAS_WINDOW=s.window is not None,
             GELU_TANH=s.act != "silu", ONLY_STAGE=only_stage, GRID_SYNC=only_stage < 0,
             TIMING=self.timing and only_stage < 0, num_warps=self.num_warps)
-
-    @property
-    def layers_eps(self) -> float:
-        return self.shape.eps
-
-    @property
-    def qk_eps(self) -> float:
-        return self.shape.qk_eps
 
 
 def persistent_decode_ref(shape: DecoderShape, layers: list[LayerWeights], h: torch.Tensor, positions: torch.Tensor,
