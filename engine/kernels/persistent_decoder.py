@@ -39,6 +39,7 @@ from __future__ import annotations
 from engine.kernels.grid_barrier import arrive as _arrive
 from engine.kernels.grid_barrier import stamp as _stamp
 from engine.kernels.grid_barrier import wait as _wait
+from engine.kernels.qk_norm_rope_store import _norm_half
 from engine.kernels.triton_compat import tl, triton
 
 # Columns of the per-layer pointer table (int64 addresses; 0 for an absent bias or norm), in this order: qkv, qkv
@@ -98,12 +99,7 @@ def _head_half_norm_rope(src, d, HALF: tl.constexpr, nw_ptr, eps, cos, sin, HAS_
     x2 = tl.load(src + HALF + d, cache_modifier=".cg")
     dt = x1.dtype
     if HAS_QK_NORM:
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / (2 * HALF) + eps)
-        w1 = tl.load(nw_ptr + d).to(tl.float32)
-        w2 = tl.load(nw_ptr + HALF + d).to(tl.float32)
-        x1 = ((f1 * rstd).to(dt).to(tl.float32) * w1).to(dt)
-        x2 = ((f2 * rstd).to(dt).to(tl.float32) * w2).to(dt)
+        x1, x2 = _norm_half(x1, x2, nw_ptr, d, d < HALF, eps, 0.0, HALF, False)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     return (f1 * cos - f2 * sin).to(dt), (f2 * cos + f1 * sin).to(dt)
 
@@ -217,7 +213,8 @@ def _persistent_decoder_kernel(
                         tl.store(kc_ptr + off + HALF + d, k2)
                         tl.store(vc_ptr + off + d, v1)
                         tl.store(vc_ptr + off + HALF + d, v2)
-                    # this head group's q rows: [GROUP_P, HALF] halves, normalised and rotated
+                    # this head group's q rows: [GROUP_P, HALF] halves, normalised (_norm_half's arithmetic, a row
+                    # a head) and rotated
                     q_rows = row + (kvh * GROUP + g_idx)[:, None] * D
                     q1 = tl.load(q_rows + d[None, :], mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
                     q2 = tl.load(q_rows + HALF + d[None, :], mask=g_mask[:, None], other=0.0, cache_modifier=".cg")

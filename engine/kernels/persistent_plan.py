@@ -164,12 +164,9 @@ class PersistentDecoder:
         self.calls += 1
         if interpreting() or h.device.type != "cuda":
             # The interpreter runs programs one after another: a spinning barrier would never open.
-            for layer in range(len(self.layers)):
-                for stage in range(NUM_STAGES):
-                    self._launch(h, positions, slot_mapping, seq_lens, block_table, layer, layer + 1, stage)
-        else:
-            self.barrier.zero_()
-            self._launch(h, positions, slot_mapping, seq_lens, block_table, 0, len(self.layers), -1)
+            return self.run_staged(h, positions, slot_mapping, seq_lens, block_table)
+        self.barrier.zero_()
+        self._launch(h, positions, slot_mapping, seq_lens, block_table, 0, len(self.layers), -1)
         return h
 
     def run_staged(self, h: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
