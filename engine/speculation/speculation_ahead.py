@@ -19,16 +19,17 @@ produced them (cloned out of the draft loop's static buffers, which the next pro
 sampling then keeps the target's distribution whatever the draft proposed. Greedy drafts are identical to what
 the next step would draft, so greedy outputs do not change at all.
 
-Fan-out (EngineConfig.speculation_ahead_branches = B > 1): the draft drafts up to B windows per request, for the
-likeliest outcomes of its verify (engine/speculation/ahead_branches.py: a second bonus guess, rejections after a
-accepted drafts with the draft's runner-up there as the target's token). Each window is exactly what the next proposal
-would draft after its outcome: its own catch-up and start position (a rejection's is the single token t at the frontier
-plus a), its own k' (shrunk from its own token count), a seeded request's generator at its own output position
-(num_output_tokens + a + 1), the same settings; its key is that catch-up, and a hit needs an exact match. Every window
-but the argmax bonus one runs in scratch KV blocks (engine/kv_cache/scratch_blocks.py), forked copy-on-write from the
-request's blocks and copied back over them on a hit, before anything reads them. All windows of all requests are one
-draft-loop run (a row per window, capped at the largest batch the loop runs as a graph); windows past that cap or past
-the scratch reserve are skipped and counted.
+Fan-out (EngineConfig.speculation_ahead_branches = B > 1; the windows' choice and run: engine/speculation/
+window_ahead.py): the draft drafts up to B windows per request, for the likeliest outcomes of its verify
+(engine/speculation/ahead_branches.py: a second bonus guess, rejections after a accepted drafts with the draft's
+runner-up there as the target's token). Each window is exactly what the next proposal would draft after its outcome:
+its own catch-up and start position (a rejection's is the single token t at the frontier plus a), its own k' (shrunk
+from its own token count), a seeded request's generator at its own output position (num_output_tokens + a + 1), the
+same settings; its key is that catch-up, and a hit needs an exact match. Every window but the argmax bonus one runs
+in scratch KV blocks (engine/kv_cache/scratch_blocks.py), forked copy-on-write from the request's blocks and copied
+back over them on a hit, before anything reads them. All windows of all requests are one draft-loop run (a row per
+window, capped at the largest batch the loop runs as a graph); windows past that cap or past the scratch reserve are
+skipped and counted.
 
 Tree mode (EngineConfig.speculation_ahead_tree_fanout = F > 0, engine/speculation/tree_ahead.py): one tree per
 request over every outcome of its verify instead of windows, in scratch slots; the cache, the lookup and the
@@ -46,16 +47,15 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-import torch
-
-from engine.kv_cache.scratch_blocks import ScratchBlocks, ScratchFork, copy_blocks, scratch_blocks_wanted
-from engine.speculation.ahead_branches import ACCEPT, Branch, BranchEstimates
+from engine.kv_cache.scratch_blocks import ScratchBlocks, copy_blocks, scratch_blocks_wanted
+from engine.speculation.ahead_branches import ACCEPT, BranchEstimates
 from engine.speculation.ahead_budget import drafts_ahead
 from engine.speculation.ahead_merge import merge_hits
 from engine.speculation.proposer import DraftProposal, DraftProposer
 from engine.speculation.speculation_cache import AheadCounters, AheadEntry, AheadStats, SpeculationCache, request_scope
 from engine.speculation.synthetic_agreement import AgreementProfile, SyntheticAgreement
 from engine.speculation.tree_ahead import TreeAhead
+from engine.speculation.window_ahead import WindowAhead
 from engine.step.plan import PlannedRequest, StepPlan
 
 
@@ -68,18 +68,6 @@ class _Verify:
     last_draft: int  # d_k
     reject_guesses: list[int] | None  # [k] the runner-up at each draft (None without branches)
     bonus_guesses: list[int | None]  # [2] argmax and runner-up after d_k, where a window learnt them
-
-
-@dataclass
-class _Window:
-    """A branch chosen for drafting: its row of the draft-loop run."""
-
-    row: int  # the request's index in the plan
-    branch: Branch
-    entry: PlannedRequest  # the next step's draft input for this outcome, as the proposal would get it
-    guess: int  # the row's column 0: 0 drawn, 1 argmax, 2 runner-up
-    k_next: int
-    fork: ScratchFork | None
 
 
 class AheadProposer:
@@ -118,6 +106,7 @@ class AheadProposer:
         self.scratch = ScratchBlocks([list(ids) for _ in groups])  # [num_groups][n], the same ids in each group
         self.tree = (TreeAhead(proposer, self.cache, self.counters) if cfg.speculation_ahead_tree_fanout > 0
                      else None)
+        self.windows = WindowAhead(proposer, self.cache, self.counters, self.scratch, self.num_branches)
 
     # ---- scopes: a pooled draft's targets -------------------------------------------------------------
     @property
@@ -308,105 +297,8 @@ class AheadProposer:
             return n
         budget = min(plan.ahead_branches, self.num_branches) if plan.ahead_branches > 0 else self.num_branches
         ranked = {i: self.estimates.ranked(counts[i], budget) for i in rows}
-        windows = self._choose(plan, rows, ranked, host, host_alt)
-        if not windows:
-            return 0
-        groups = range(len(self.runner.kv_groups))
-        # Forks: each scratch window's first block starts as a copy of the request's own block it stands for.
-        fork_src = [[plan.requests[w.row].draft_block_tables[g][w.fork.first_block] for w in windows if w.fork]
-                    for g in groups]
-        fork_dst = [[w.fork.blocks[g][0] for w in windows if w.fork] for g in groups]
-        if any(fork_src):
-            copy_blocks(self.runner.kv_caches, fork_src, fork_dst)
-        chain_plan = dataclasses.replace(plan, requests=[w.entry for w in windows], finished_ids=[])
-        chain = self.proposer.propose(chain_plan, guesses=[w.guess for w in windows])
-        chain_ids = chain.draft_token_ids
-        assert isinstance(chain_ids, torch.Tensor)
-        # Clones (one each): the draft loop's buffers are overwritten by the next proposal (stale q otherwise).
-        chain_ids = chain_ids.clone()
-        chain_probs = chain.draft_probs.clone() if chain.draft_probs is not None else None
-        chain_alt = chain.alt_token_ids.clone() if chain.alt_token_ids is not None else None
-        # SYNC: the guessed bonus tokens (and the draft's runner-up there) key the cache (host-side lookups).
-        first = (torch.stack([chain_ids[:, 0], chain_alt[:, 0]]) if chain_alt is not None
-                 else chain_ids[:, :1].T).tolist()
-        for n, w in enumerate(windows):
-            p = plan.requests[w.row]
-            accept = w.branch.kind == ACCEPT
-            off = 1 if accept else 0  # an all-accepted window's column 0 is its guessed bonus token
-            cols = slice(off, off + w.k_next)
-            if accept:
-                tokens: tuple[int, ...] = (w.entry.draft_token_ids[0], first[0][n])
-                bonus = self._pending[p.request_id].bonus_guesses
-                bonus[w.branch.index - 1] = first[0][n]
-                if w.branch.index == 1 and chain_alt is not None:
-                    bonus[1] = first[1][n]
-            else:
-                tokens = (w.entry.draft_token_ids[0],)
-            self.cache.entries.setdefault(p.request_id, []).append(AheadEntry(
-                position=w.entry.draft_start_pos, tokens=tokens, token_ids=chain_ids[n, cols],
-                probs=chain_probs[n, cols] if chain_probs is not None and p.temperature > 0 else None,
-                alt=chain_alt[n, cols] if chain_alt is not None else None, kind=w.branch.kind, fork=w.fork))
-            self.counters.add(p.request_id, "drafted_tokens", w.k_next)
-        # Timed to the sync above, which waits for the run's last kernel: its cost as the draft's GPU sees it.
-        self._window = (len(windows), time.perf_counter() - started)
-        return len(windows)
-
-    def _choose(self, plan: StepPlan, rows: list[int], ranked: dict[int, list[Branch]], host: list[list[int]],
-                host_alt: list[list[int]] | None) -> list[_Window]:
-        """The windows to draft, in rank order across requests (every request's likeliest, then its second, ...),
-        as long as the draft loop's rows and the scratch reserve last."""
-        max_rows = self._max_rows(len(rows))
-        bs = self.runner.config.block_size
-        k_step = plan.max_draft_tokens
-        windows: list[_Window] = []
-        for rank in range(max(len(b) for b in ranked.values())):
-            for i in rows:
-                if rank >= len(ranked[i]):
-                    continue
-                branch = ranked[i][rank]
-                p = plan.requests[i]
-                assert p.token_ids is not None
-                k = p.num_draft_tokens
-                frontier = p.start_pos + len(p.token_ids)
-                accepted = branch.accepted(k)
-                num_tokens_next = frontier + accepted + 1  # after the accepted drafts and the target's token
-                # The k the next step drafts after this outcome, shrunk as the scheduler would (max_tokens,
-                # max_model_len).
-                k_next = min(k_step, p.token_limit - num_tokens_next - 1) if p.token_limit else k_step
-                if k_next <= 0:
-                    continue
-                start = frontier + branch.start_offset(k)
-                if branch.kind == ACCEPT:
-                    catch_up, guess, width = [host[i][k - 1]], branch.index, 1 + k_next
-                elif host_alt is not None:
-                    catch_up, guess, width = [host_alt[i][branch.index]], 0, k_next
-                else:  # a proposal without runner-ups (none recorded): no guess for the target's token
-                    continue
-                if len(windows) >= max_rows:
-                    self.counters.add(p.request_id, "skipped_branches")
-                    continue
-                tables, fork = p.draft_block_tables, None
-                if not branch.own_blocks:
-                    # It writes positions start .. start + width - 1 (the catch-up, then all but its last token).
-                    forked = self.scratch.fork(tables, start, start + width - 1, bs,
-                                               request_scope(p.request_id) if self.scoped else None)
-                    if forked is None:
-                        self.counters.add(p.request_id, "skipped_branches")
-                        continue
-                    fork, tables = forked
-                entry = dataclasses.replace(
-                    p, token_ids=[], num_draft_tokens=width, draft_token_ids=catch_up, draft_start_pos=start,
-                    draft_block_tables=tables, num_output_tokens=p.num_output_tokens + accepted + 1, logprobs=None,
-                    output_token_ids=None)
-                windows.append(_Window(i, branch, entry, guess, k_next, fork))
-        return windows
-
-    def _max_rows(self, num_requests: int) -> int:
-        """Rows of one run drafting ahead: the largest batch the draft loop runs as a graph (a run beyond it would
-        run eagerly), never fewer than one per request (fan-out 1 as before), at most what its buffers hold. The
-        eager torch path (no loop) has no buffers to outgrow: there the scratch reserve alone bounds the rows."""
-        loop = self.proposer.loop
-        if loop is None:
-            return num_requests * self.num_branches
-        cap = max(loop.batch_sizes, default=loop.buffers.max_num_reqs)
-        return min(max(cap, num_requests), loop.buffers.max_num_reqs)
+        n = self.windows.predraft(plan, rows, ranked, host, host_alt,
+                                  {rid: v.bonus_guesses for rid, v in self._pending.items()}, self.scoped)
+        if n:  # timed to the run's sync (its last kernel): its cost as the draft's GPU sees it
+            self._window = (n, time.perf_counter() - started)
+        return n
