@@ -242,6 +242,18 @@ def test_roots_chosen_from_the_window_logits(tiny_drafts, one_thread, model, blo
     for r, tree in zip(reqs, chosen):
         r.roots = [[], *[[t for a, t in zip(tree.outcome, tree.root) if a == j] for j in range(1, len(r.window) + 1)]]
     given = draft_tree(runner, reqs, depth)
+    # The same roots picked on the device (root_fanouts: the layout loaded once, no host round trip between the
+    # window's forward and the branches') give the same tree.
+    on_device = draft_tree(runner, reqs, depth, root_fanouts=fans)
+    for c, d in zip(chosen, on_device):
+        assert d.root == c.root and d.outcome == c.outcome
+        assert torch.equal(d.tokens, c.tokens)
+        torch.testing.assert_close(d.logits, c.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(d.window_logits, c.window_logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="root_fanouts"):
+        draft_tree(runner, reqs, depth, root_fanouts=[f[:-1] for f in fans])
+    with pytest.raises(ValueError, match="give one"):
+        draft_tree(runner, reqs, depth, choose_roots=choose, root_fanouts=fans)
     for c, g, w, f in zip(chosen, given, windows, fans):
         assert c.root == g.root and len(c.root) == sum(f) and all(a >= 1 for a in c.outcome)
         assert torch.equal(c.tokens, g.tokens)

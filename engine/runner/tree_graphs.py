@@ -90,7 +90,13 @@ class TreeGraphs:
         # them), so a load writes only what changed (input_buffers.update_block_table_row): a prefix grows by a
         # block every block_size tokens while it holds thousands at long context
         self._rows: list[list[list[int]]] = [[[] for _ in range(tm)] for _ in groups]
-        self._uploaded = torch.cuda.Event() if pin else None
+        # Per staging set (the batch's nodes, a forward's rows): when its last copies have read the pinned memory.
+        # Two events, not one: a forward's rows must not wait for the nodes' copies, queued behind the forward
+        # before it (a tree's first branch forward would otherwise wait for the whole window forward).
+        self._uploaded = {"nodes": torch.cuda.Event(), "rows": torch.cuda.Event()} if pin else None
+        # name -> [(device row, host row)] of each buffer, per group for the grouped ones (contiguous rows)
+        self._pairs = {k: list(zip(v.view(-1, v.shape[-1]).unbind(0), self._host[k].view(-1, v.shape[-1]).unbind(0)))
+                       for k, v in self._dev.items()}
         self._steps: dict[tuple[int, int], StepInput] = {}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: GraphPool | None = None
@@ -159,7 +165,7 @@ class TreeGraphs:
         num_trees, n_used = nodes.node_positions.shape
         if num_trees > self.max_trees or n_used > self.max_nodes:
             raise ValueError(f"{num_trees} trees of {n_used} nodes exceed the tree graphs' buffers")
-        self._wait_for_upload()
+        self._wait_for_upload("nodes")
         h, n, nb = self._np, self.max_nodes, self.max_blocks
         h["prefix_lens"][:num_trees] = nodes.prefix_lens
         pos = h["node_positions"][:num_trees * n].reshape(num_trees, n)
@@ -179,7 +185,7 @@ class TreeGraphs:
                 update_block_table_row(table[t], self._rows[gid][t], own, nb)
         h["prefix_lens"][num_trees:] = 0  # padding trees of a bucket: nothing of an earlier batch
         h["node_positions"][num_trees * n:] = -1
-        self._copy(["prefix_lens", "node_positions", "node_slots", "block_tables"],
+        self._copy("nodes", ["prefix_lens", "node_positions", "node_slots", "block_tables"],
                    [self.max_trees, self.max_trees * n, num_trees * n, num_trees * nb])
         self._nodes, self._num_trees = nodes, num_trees
 
@@ -195,7 +201,7 @@ class TreeGraphs:
         num_trees, num_real = len(rows), int(fed.counts.sum())
         if feed.shape[0] != num_real:
             raise ValueError(f"{feed.shape[0]} input ids for {num_real} rows")
-        self._wait_for_upload()
+        self._wait_for_upload("rows")
         h, n, tr = self._np, self.max_nodes, t_b * r_b
         # The bucket's trees past the batch's are padding: no row valid, nothing stored.
         pos = h["row_positions"][:tr].reshape(t_b, r_b)
@@ -213,7 +219,7 @@ class TreeGraphs:
             slots[:] = -1
             slots[:num_trees] = fed.slots[g.group_id]
         h["gather"][:num_real] = np.flatnonzero(valid)
-        self._copy(["row_positions", "row_valid", "positions", "visible", "slot_mappings", "gather"],
+        self._copy("rows", ["row_positions", "row_valid", "positions", "visible", "slot_mappings", "gather"],
                    [tr, tr, tr, tr * n, tr, num_real])
         idx = self._dev["gather"][:num_real]
         step = self._step(key)
@@ -228,18 +234,19 @@ class TreeGraphs:
             out = self.forward(step)
         return out.index_select(0, idx)
 
-    def _copy(self, names: list[str], lengths: list[int]) -> None:
-        """Queue host -> device copies of each buffer's first `length` entries (per group for the grouped ones)."""
+    def _copy(self, staging: str, names: list[str], lengths: list[int]) -> None:
+        """Queue host -> device copies of each buffer's first `length` entries (per group for the grouped ones), and
+        mark when the copies of this staging set ("nodes" or "rows") have read it."""
         for name, length in zip(names, lengths):
-            dst, src = self._dev[name], self._host[name]
-            for d, s in zip(dst.view(-1, dst.shape[-1]), src.view(-1, src.shape[-1])):  # per group: contiguous
+            for d, s in self._pairs[name]:
                 d[:length].copy_(s[:length], non_blocking=True)
         if self._uploaded is not None:
-            self._uploaded.record()
+            self._uploaded[staging].record()
 
-    def _wait_for_upload(self) -> None:
-        # SYNC: only until the previous forward's copies have read the pinned staging memory. They were queued
-        # behind the forward before it, so the host waits at most for that one while the GPU still has the previous
-        # forward to run: the host stays a forward ahead, and its share of a forward (well under the GPU's) is hidden.
+    def _wait_for_upload(self, staging: str) -> None:
+        # SYNC: only until the last copies from this staging set have read its pinned memory. A forward's rows were
+        # queued behind the forward before it, so the host waits at most for that one while the GPU still has the
+        # previous forward to run: the host stays a forward ahead, and its share of a forward (well under the GPU's)
+        # is hidden. The nodes are staged apart, so the first forward over a new batch of nodes does not wait.
         if self._uploaded is not None:
-            self._uploaded.synchronize()
+            self._uploaded[staging].synchronize()

@@ -190,9 +190,14 @@ class TreeAhead:
         sampled = self.proposer.keep_probs and any(r.temperature > 0 for r in reqs)
         seeded = any(m.p.seed is not None and m.p.temperature > 0 for m in metas)
         noise = _SeededNoise(branches, eager, runner.device) if seeded else None
-        trees = draft_tree(runner, reqs, depth, self.proposer.generator, choose_roots=choose_roots,
-                           keep_logits=False, keep_probs=sampled, saguaro=self.proposer.saguaro,
-                           process=_BranchProcessing(branches) if process else None, noise=noise)
+        # Roots picked on the device where no hook needs them on the host (logits processing masks candidates and
+        # walks each branch's history; a seeded row's noise follows its branch's outcome): no host round trip
+        # between the window's forward and the branches'.
+        picks = (dict(root_fanouts=[m.fan for m in metas]) if not process and noise is None
+                 else dict(choose_roots=choose_roots))
+        trees = draft_tree(runner, reqs, depth, self.proposer.generator, keep_logits=False, keep_probs=sampled,
+                           saguaro=self.proposer.saguaro, process=_BranchProcessing(branches) if process else None,
+                           noise=noise, **picks)
         if plan.ahead_tree_nodes is not None and runner.device.type == "cuda":
             # SYNC: an engine that sizes the trees (plan.ahead_tree_nodes) times them; the draft's own GPU, after its
             # proposal went to the target: it waits for its own tree, which the next proposal would wait for anyway.

@@ -45,6 +45,7 @@ from engine.sample.metadata import SamplingMetadata
 from engine.sample.processing import logits_to_probs
 from engine.sample.saguaro import SaguaroSampling, saguaro_probs, sample_saguaro
 from engine.sample.sampler import exponential_race, random_exponential, sample_from_probs
+from engine.speculation.tree_roots import top_f_roots_on_device
 
 # process(depth, logits [branches, V], drafts so far [branches, depth] int64, columns < depth valid) -> the logits the
 # branches draw from at that depth (a request's logits processing along its branch).
@@ -169,6 +170,7 @@ class TreeForwards:
 def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
                generator: torch.Generator | None = None,
                choose_roots: Callable[[list[torch.Tensor]], list[list[list[int]]]] | None = None,
+               root_fanouts: list[list[int]] | None = None,
                keep_logits: bool = True, keep_probs: bool = True,
                saguaro: SaguaroSampling | None = None, process: ProcessHook | None = None,
                noise: NoiseHook | None = None) -> list[TreeDraft]:
@@ -178,24 +180,40 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
     choose_roots None: each request's `roots` are given; `depth` batched forwards in all, the first feeding the
     windows and the roots. Else choose_roots(logits) gives every request's roots ([len(window) + 1][F] each, as
     `roots`) from the logits after each of its window tokens (per request [len(window), V] float32): a first
-    forward feeds the windows alone, then `depth` forwards draft the branches. keep_logits / keep_probs False: those
-    outputs are None (two [branches, depth, V] float32 tensors a caller may not need). saguaro: sampled rows draw
-    from q' (engine/sample/saguaro.py) and `probs` holds q'. process: applied to each depth's logits before q (and
-    `logits` holds its result). noise: sampled rows race with Exp(1) noise from `generator` that this hook may
+    forward feeds the windows alone, then `depth` forwards draft the branches. root_fanouts (instead of
+    choose_roots): the same, with request i's roots off window node j its top root_fanouts[i][j] tokens there,
+    window[j + 1] excluded (tree_roots.top_f_roots_on_device), picked on the device: nothing waits for the host
+    between the forwards, and the host builds the branches' layout while the window's forward runs. For logits no
+    processing masks (a -inf candidate would still be drafted). keep_logits / keep_probs False: those outputs are
+    None (two [branches, depth, V] float32 tensors a caller may not need). saguaro: sampled rows draw from q'
+    (engine/sample/saguaro.py) and `probs` holds q'. process: applied to each depth's logits before q (and `logits`
+    holds its result). noise: sampled rows race with Exp(1) noise from `generator` that this hook may
     overwrite row by row (per-branch generators); None: `generator` for every row."""
     if depth < 1:
         raise ValueError("depth must be at least 1")
     dev = runner.device
     ks = [len(r.window) for r in reqs]
+    if choose_roots is not None and root_fanouts is not None:
+        raise ValueError("choose_roots and root_fanouts are two ways to pick the roots: give one")
     window_logits: list[torch.Tensor] = []
-    if choose_roots is not None:
+    device_roots: torch.Tensor | None = None
+    if root_fanouts is not None and any(len(f) != k for f, k in zip(root_fanouts, ks, strict=True)):
+        raise ValueError("root_fanouts: one count a window node")
+    if choose_roots is not None or root_fanouts is not None:
         chains = [[j - 1 for j in range(k)] for k in ks]
         for r, p in zip(reqs, chains):
             _check_slots(runner, r, len(p))
         logits = TreeForwards(runner, reqs, chains)([list(range(k)) for k in ks],
                                                  [to_device(r.window, torch.int64, dev) for r in reqs])
         window_logits = list(logits.split(ks))
-        reqs = [dataclasses.replace(r, roots=roots) for r, roots in zip(reqs, choose_roots(window_logits), strict=True)]
+        if choose_roots is not None:
+            roots = choose_roots(window_logits)
+        else:
+            # Queued behind the window's forward, with no wait for it: the layout needs only the counts (placeholder
+            # roots), so the host builds it while the GPU runs that forward.
+            device_roots = top_f_roots_on_device(window_logits, [r.window[1:] for r in reqs], root_fanouts)
+            roots = [[[], *[[0] * n for n in f]] for f in root_fanouts]
+        reqs = [dataclasses.replace(r, roots=rs) for r, rs in zip(reqs, roots, strict=True)]
     layouts = [_tree_layout(r, depth) for r in reqs]
     parents = [lay[0] for lay in layouts]
     for r, p in zip(reqs, parents):
@@ -215,18 +233,20 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
     for nb in nbs:
         offsets.append(offsets[-1] + nb)
     forward = TreeForwards(runner, reqs, parents)
+    windows_fed = choose_roots is not None or root_fanouts is not None
     for dpt in range(depth):
-        if dpt == 0 and choose_roots is None:  # the window and every root
+        if dpt == 0 and not windows_fed:  # the window and every root
             rows = [list(range(k + nb)) for k, nb in zip(ks, nbs)]
             feed = [to_device(lay[1], torch.int64, dev) for lay in layouts]
         elif dpt == 0:  # every root (the window was fed above)
             rows = [list(range(k, k + nb)) for k, nb in zip(ks, nbs)]
-            feed = [to_device(lay[3], torch.int64, dev) for lay in layouts]
+            feed = (list(device_roots.split(nbs)) if device_roots is not None
+                    else [to_device(lay[3], torch.int64, dev) for lay in layouts])
         else:  # every branch's newest draft
             rows = [list(range(k + dpt * nb, k + (dpt + 1) * nb)) for k, nb in zip(ks, nbs)]
             feed = [tokens[offsets[i]:offsets[i + 1], dpt - 1] for i in range(len(reqs))]
         logits = forward(rows, feed)
-        if dpt == 0 and choose_roots is None:
+        if dpt == 0 and not windows_fed:
             per_req = logits.split([k + nb for k, nb in zip(ks, nbs)])
             window_logits = [x[:k] for x, k in zip(per_req, ks)]
             logits = torch.cat([x[k:] for x, k in zip(per_req, ks)])
@@ -254,6 +274,11 @@ def draft_tree(runner: ModelRunner, reqs: list[TreeDraftRequest], depth: int,
     def part(x: torch.Tensor | None, i: int) -> torch.Tensor | None:
         return x[offsets[i]:offsets[i + 1]] if x is not None else None
 
+    if device_roots is not None:
+        # SYNC: the roots are the cache's keys, kept on the host; queued after the last forward, so the host waits
+        # for the whole tree (what the next proposal would wait for anyway), not between its forwards.
+        host_roots = device_roots.tolist()
+        layouts = [(lay[0], lay[1], lay[2], host_roots[offsets[i]:offsets[i + 1]]) for i, lay in enumerate(layouts)]
     return [TreeDraft(outcome=lay[2], root=lay[3], tokens=tokens[offsets[i]:offsets[i + 1]],
                       logits=part(logits_out, i), probs=part(probs_out, i), window_logits=window_logits[i])
             for i, lay in enumerate(layouts)]
