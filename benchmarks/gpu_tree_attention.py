@@ -21,6 +21,7 @@ from gpu_decode import cuda_median_ms
 from gpu_shapes import shape_dir
 
 from engine.config import EngineConfig, ModelConfig
+from engine.kernels import tree_attention as tree_attention_kernels
 from engine.kernels.tree_attention import tree_attention
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, StepInput
@@ -79,6 +80,10 @@ def main() -> None:
     ap.add_argument("--small-m-rows", type=int, default=EngineConfig.small_m_rows,
                     help="EngineConfig.small_m_rows: forwards of up to this many rows (at most 64) take the few-row "
                          "products (split K from 5 rows); 0: cuBLAS and the separate norm/activation kernels")
+    ap.add_argument("--max-block-m", default=str(tree_attention_kernels.MAX_BLOCK_M),
+                    help="tree_attention.MAX_BLOCK_M values to compare, e.g. 64,128: (row, head) pairs a program "
+                         "takes at most; a wider tree reads the prefix once per block of them")
+    ap.add_argument("--no-eager", action="store_true", help="graph and kernel times only")
     ap.add_argument("--out")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -103,18 +108,21 @@ def main() -> None:
         decode_ms = cuda_median_ms(lambda d=decode: runner.forward_chunks([d]), args.steps)
         base: dict = {}
         for rows in row_counts:
-            step = tree_step(runner, prefix_len, tables, rows, args.k)
-            fwd = cuda_median_ms(lambda s=step: runner.execute(s), args.steps)
-            gfwd = graph_forward_ms(runner, step)
-            kern = kernel_us(runner, step)
-            base = base or {"fwd": fwd, "gfwd": gfwd, "kern": kern}
-            results.append({"prefix": prefix_len, "rows": rows, "eager_fwd_ms": fwd, "eager_ratio": fwd / base["fwd"],
-                            "graph_fwd_ms": gfwd,
-                            "graph_ratio": gfwd / base["gfwd"] if gfwd and base["gfwd"] else None,
-                            "kernel_us": kern, "kernel_ratio": kern / base["kern"],
-                            "decode_eager_ms": decode_ms})
-            torch.cuda.empty_cache()
-    cols = ["prefix", "rows", "eager_fwd_ms", "eager_ratio", "graph_fwd_ms", "graph_ratio", "kernel_us",
+            for block_m in (int(x) for x in args.max_block_m.split(",")):
+                tree_attention_kernels.MAX_BLOCK_M = block_m
+                step = tree_step(runner, prefix_len, tables, rows, args.k)
+                fwd = None if args.no_eager else cuda_median_ms(lambda s=step: runner.execute(s), args.steps)
+                gfwd = graph_forward_ms(runner, step)
+                kern = kernel_us(runner, step)
+                base = base or {"fwd": fwd, "gfwd": gfwd, "kern": kern}
+                results.append({"prefix": prefix_len, "rows": rows, "max_block_m": block_m, "eager_fwd_ms": fwd,
+                                "eager_ratio": fwd / base["fwd"] if fwd and base["fwd"] else None,
+                                "graph_fwd_ms": gfwd,
+                                "graph_ratio": gfwd / base["gfwd"] if gfwd and base["gfwd"] else None,
+                                "kernel_us": kern, "kernel_ratio": kern / base["kern"],
+                                "decode_eager_ms": decode_ms})
+                torch.cuda.empty_cache()
+    cols = ["prefix", "rows", "max_block_m", "eager_fwd_ms", "eager_ratio", "graph_fwd_ms", "graph_ratio", "kernel_us",
             "kernel_ratio", "decode_eager_ms"]
     env = environment()
     print(f"{args.shape} tree forward, kernel path, bf16, k={args.k}, small_m_rows {args.small_m_rows} "

@@ -3,8 +3,12 @@
 What speculation ahead's tree mode runs after each proposal (engine/speculation/tree_ahead.py): for T requests, a
 forward over each request's window [c, d_1..d_k], the roots chosen from its logits (top-F_a a outcome), then k
 forwards over every branch, greedy. Timed from the call to the drafts on the host (what the next proposal waits
-for), medians after warm-up, for T trees of B branches each, on a draft with random weights in bf16. Beside it,
-the draft's ordinary k-token proposal at the same T (its draft loop's graphs), for scale.
+for), medians after warm-up, for T trees of B branches each, on a draft with random weights in bf16. `--roots`:
+`device` picks the roots on the GPU (draft_tree's root_fanouts, what tree mode does for requests without logits
+processing or seeds: the layout loaded once, no host round trip inside a tree), `host` through the host
+(choose_roots, the path of requests with logits processing or seeds). `--no-pdl` turns programmatic dependent
+launch off, so that a profile's kernel times are each kernel's own (with it, a kernel's time includes its wait for
+the one before).
 
     python benchmarks/gpu_tree_draft.py --out results/gpu_tree_draft.json
 """
@@ -20,6 +24,7 @@ from gpu_decode import cuda_median_ms
 from gpu_shapes import shape_dir
 
 from engine.config import EngineConfig, ModelConfig
+from engine.kernels.triton_compat import set_pdl
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.runner.tree_graphs import tree_row_buckets
@@ -37,11 +42,18 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--alpha", type=float, default=0.7, help="acceptance the schedule's F_a follow")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--roots", default="device,host", help="where the roots are picked: device, host, or both")
+    ap.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch (profiles)")
+    ap.add_argument("--no-eager", action="store_true", help="graphs only (an eager tree takes ~0.1 s)")
     ap.add_argument("--profile", action="store_true", help="also profile one graph-mode configuration (the last): the "
                     "host's functions by own time, and the GPU's busy time against the wall")
+    ap.add_argument("--host-breakdown", action="store_true", help="the last configuration's host time: in each "
+                    "forward's buffer updates, in graph replays, and in all, against the draft's wall time")
     ap.add_argument("--out")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.no_pdl:
+        set_pdl(False)
     trees = [int(x) for x in args.trees.split(",")]
     fanouts = [int(x) for x in args.fanouts.split(",")]
     k, max_t, max_f = args.k, max(trees), max(fanouts)
@@ -79,27 +91,68 @@ def main() -> None:
                 # SYNC: the roots on the host, as tree mode takes them
                 return [[[], *r] for r in top_f_roots_many(logits, [w[1:] for w in window], [fan] * len(logits))]
 
-            def run(reqs: list[TreeDraftRequest] = reqs, choose=choose) -> None:  # noqa: ANN001
-                out = draft_tree(runner, reqs, k, choose_roots=choose, keep_logits=False, keep_probs=False)
-                out[-1].tokens.cpu()  # the drafts on the host: what the next proposal's lookup waits for
+            for where in args.roots.split(","):
+                picks = dict(root_fanouts=[fan] * t) if where == "device" else dict(choose_roots=choose)
 
-            row = {"F": f, "branches": sum(fan), "trees": t}
-            runner.tree_graphs = None
-            row["eager_ms"] = cuda_median_ms(run, args.steps)
-            runner.tree_graphs = graphs
-            before = graphs.num_replays
-            row["graph_ms"] = cuda_median_ms(run, args.steps)
-            row["replays_per_draft"] = (graphs.num_replays - before) / (args.steps + 5)
-            row["speedup"] = row["eager_ms"] / row["graph_ms"]
-            results.append(row)
+                def run(reqs: list[TreeDraftRequest] = reqs, picks: dict = picks) -> None:
+                    out = draft_tree(runner, reqs, k, keep_logits=False, keep_probs=False, **picks)
+                    out[-1].tokens.cpu()  # the drafts on the host: what the next proposal's lookup waits for
+
+                row = {"F": f, "branches": sum(fan), "trees": t, "roots": where}
+                if not args.no_eager:
+                    runner.tree_graphs = None
+                    row["eager_ms"] = cuda_median_ms(run, args.steps)
+                runner.tree_graphs = graphs
+                before = graphs.num_replays
+                row["graph_ms"] = cuda_median_ms(run, args.steps)
+                row["replays_per_draft"] = (graphs.num_replays - before) / (args.steps + 5)
+                if "eager_ms" in row:
+                    row["speedup"] = row["eager_ms"] / row["graph_ms"]
+                results.append(row)
+    if args.host_breakdown:
+        host_breakdown(run, graphs)
     if args.profile:
         profile(run)
-    cols = ["F", "branches", "trees", "eager_ms", "graph_ms", "speedup", "replays_per_draft"]
+    cols = ["F", "branches", "trees", "roots", "eager_ms", "graph_ms", "speedup", "replays_per_draft"]
     env = environment()
     print(f"{args.shape} tree pre-draft, k={k}, prefix {args.prefix}, bf16 ({env['device']}); {len(graphs.graphs)} "
           f"tree graphs; {time.perf_counter() - t0:.0f} s in all")
     print(markdown_table(results, cols))
     save_json(args.out, {"env": env, "args": vars(args), "rows": results})
+
+
+def host_breakdown(run, graphs) -> None:  # noqa: ANN001 - the last configuration's draft and its TreeGraphs
+    """Where the host's time of a draft goes: if the host's own work a forward outlasts the GPU's, the host bounds
+    the tree (the GPU waits between forwards)."""
+    spent = {"run": 0.0, "replay": 0.0}
+    inner_run, inner_replay = graphs.run, torch.cuda.CUDAGraph.replay
+
+    def timed_run(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        t = time.perf_counter()
+        try:
+            return inner_run(*a, **kw)
+        finally:
+            spent["run"] += time.perf_counter() - t
+
+    def timed_replay(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        t = time.perf_counter()
+        try:
+            return inner_replay(self, *a, **kw)
+        finally:
+            spent["replay"] += time.perf_counter() - t
+
+    n = 10
+    graphs.run, torch.cuda.CUDAGraph.replay = timed_run, timed_replay
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            run()
+        wall = (time.perf_counter() - t0) / n
+    finally:
+        graphs.run, torch.cuda.CUDAGraph.replay = inner_run, inner_replay
+    print(f"per draft: wall {wall * 1e3:.2f} ms; host in TreeGraphs.run {spent['run'] / n * 1e3:.2f} ms, of which "
+          f"graph replays {spent['replay'] / n * 1e3:.2f} ms")
 
 
 def profile(run) -> None:  # noqa: ANN001 - the last configuration's draft

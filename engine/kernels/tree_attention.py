@@ -23,9 +23,9 @@ them), every length is read from device memory, so a launch is captured in a CUD
 (engine/runner/tree_graphs.py).
 
 Faster variants, should profiles ask for them: a tree wider than 64 (row, head) pairs re-reads the prefix once per
-M block (a larger BLOCK_M, or an M loop inside the program over K/V tiles held in shared memory, would read it
-once); the node pass visits every node tile of the tree for every M block, visible or not (a per-row-block node
-range would skip the branches a block's rows never see).
+M block (an M loop inside the program over K/V tiles held in shared memory would read it once; a BLOCK_M of 128
+did not pay, see MAX_BLOCK_M); the node pass visits every node tile of the tree for every M block, visible or
+not (a per-row-block node range would skip the branches a block's rows never see).
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl,
 __all__ = ["HAS_TRITON", "tree_attention", "tree_attention_ref", "tree_kernel_variant"]
 
 TILE_NODES = 16  # nodes per tile of the node pass (tl.dot's minimum width)
+# (row, head) pairs a program takes at most; a wider tree takes several M blocks, each reading the prefix. 128 (one
+# pass for a 64-row tree of a Qwen3-0.6B draft) measured no faster on an H200: the blocks run side by side and the
+# second reads the prefix from L2 (benchmarks/gpu_tree_attention.py --max-block-m 64,128).
+MAX_BLOCK_M = 64
 
 
 @triton.jit(do_not_specialize=["num_splits", "max_rows", "max_nodes"])
@@ -263,7 +267,7 @@ def tree_kernel_variant(num_trees: int, max_rows: int, heads_per_kv: int, num_kv
                         num_kv_splits: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_M, M blocks, splits) of a launch, from host ints only."""
     pairs = max_rows * heads_per_kv  # (row, head) pairs of one tree per KV head
-    block_m = 16 if pairs <= 16 else 32 if pairs <= 32 else 64
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(pairs)))
     m_blocks = triton.cdiv(pairs, block_m)
     splits = num_kv_splits
     if splits is None:
