@@ -16,9 +16,10 @@ newest draft at once. The prefix's KV is read in place from the request's own pa
 sliding windows included); every node's KV goes to a scratch slot the caller gives, so nothing of the request's own
 KV changes. So a request costs `depth` forwards whatever its number of branches.
 
-Roots chosen from the window's own logits (`choose_roots`): the first forward then feeds the window alone, the
-caller picks every outcome's roots from the logits after each window token, and `depth` more forwards draft the
-branches (the first feeds the roots). Speculation ahead's tree mode (engine/speculation/tree_ahead.py) drafts so,
+Roots chosen from the window's own logits (`choose_roots` on the host, or `root_fanouts`: each outcome's top-F
+picked on the device, with no wait for the host inside a tree): the first forward then feeds the window alone, the
+roots come from the logits after each window token, and `depth` more forwards draft the branches (the first feeds
+the roots). Speculation ahead's tree mode (engine/speculation/tree_ahead.py) drafts so,
 with the window led by the last committed token, so that its logits cover every outcome of the verify.
 
 Each forward replays a CUDA graph of its (trees, rows a tree) bucket where the runner captured one
