@@ -5,7 +5,7 @@ forward over each request's window [c, d_1..d_k], the roots chosen from its logi
 forwards over every branch, greedy. Timed from the call to the drafts on the host (what the next proposal waits
 for), medians after warm-up, for T trees of B branches each, on a draft with random weights in bf16. `--roots`:
 `device` picks the roots on the GPU (draft_tree's root_fanouts, what tree mode does for requests without logits
-processing or seeds: the layout loaded once, no host round trip inside a tree), `host` through the host
+processing or seeds: no host round trip inside a tree), `host` through the host
 (choose_roots, the path of requests with logits processing or seeds). `--no-pdl` turns programmatic dependent
 launch off, so that a profile's kernel times are each kernel's own (with it, a kernel's time includes its wait for
 the one before).
