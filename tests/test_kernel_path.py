@@ -54,7 +54,9 @@ def test_kernel_path_greedy_equals_torch_path(results, family):
     assert hits_accept > 0 and (hits_reject > 0 or family == "gemma3"), res["triton+ahead4:hits"]
     if family == "mistral":  # the persistent decoder (engine/kernels/persistent_decoder.py), window shorter than
         # the sequences: a target's decode steps and a draft's steps ran through it
-        assert res["triton+persistent"] == res["triton+spec+persistent"] == ref
+        n_short = res["persistent_tokens"]  # fewer tokens than above, still past the window (greedy: a prefix of ref)
+        assert n_short > 7
+        assert res["triton+persistent"] == res["triton+spec+persistent"] == [ids[:n_short] for ids in ref]
         assert all(n > 0 for n in res["persistent_calls"]), res["persistent_calls"]
 
 

@@ -42,6 +42,7 @@ def test_config_picks_at_one_row_on_an_h100(monkeypatch):
     8B picks are those of the earlier sweep, the fastest or within 3.3%. A change of the rule must show here which
     picks it moves."""
     monkeypatch.setattr(small_m_tiles, "num_sms", lambda device: 132)
+    monkeypatch.setattr(small_m_tiles, "_cuda_name", lambda index: "NVIDIA H100 80GB HBM3")
     expected = {
         ("qwen3-0.6b", "qkv"): (8, 1024, 4), ("qwen3-0.6b", "o"): (4, 2048, 8),
         ("qwen3-0.6b", "gate_up"): (8, 512, 4), ("qwen3-0.6b", "down"): (4, 2048, 8),
@@ -53,6 +54,28 @@ def test_config_picks_at_one_row_on_an_h100(monkeypatch):
         cfg = small_m_tiles.tiles_for(1, n, k, torch.device("cuda"))
         assert (cfg["USE_DOT"], cfg["BLOCK_M"]) == (False, 1), (shape, proj)
         assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == tiles, (shape, proj, cfg)
+
+
+def test_one_row_exceptions_per_gpu_model(monkeypatch):
+    """On a GPU model with measured one-row exceptions (an H200) an 8B model's qkv and gate_up go to cuBLAS and its
+    o_proj and down take the measured tiles; the 0.6B shapes, two rows, and a GPU model without exceptions keep
+    the rule; a CPU device never looks a name up."""
+    monkeypatch.setattr(small_m_tiles, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    for name, want in (("NVIDIA H200", {"qkv": "cublas", "o": (8, 1024, 4), "gate_up": "cublas",
+                                        "down": (8, 1024, 4)}),
+                       ("NVIDIA H100 80GB HBM3", {p: (4, 2048, 4) for p in ("qkv", "o", "gate_up", "down")})):
+        monkeypatch.setattr(small_m_tiles, "_cuda_name", lambda index, name=name: name)
+        for proj, tiles in want.items():
+            k, n = QWEN3_PROJECTIONS["qwen3-8b"][proj]
+            cfg = small_m_tiles.tiles_for(1, n, k, cuda)
+            got = "cublas" if cfg.get("CUBLAS") else (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"])
+            assert got == tiles, (name, proj, cfg)
+            assert not small_m_tiles.tiles_for(2, n, k, cuda).get("CUBLAS")
+        for k, n in QWEN3_PROJECTIONS["qwen3-0.6b"].values():
+            assert small_m_tiles.tiles_for(1, n, k, cuda) == small_m_tiles.tiles_for(1, n, k, torch.device("meta"))
+    monkeypatch.setattr(small_m_tiles, "_cuda_name", lambda index: pytest.fail("looked up off CUDA"))
+    assert small_m_tiles.device_name(torch.device("cpu")) == ""
 
 
 def test_config_picks_at_two_to_four_rows_on_an_h100(monkeypatch):
@@ -167,6 +190,8 @@ def check_small_m_linear(device: str, dtype: torch.dtype, rows: tuple[int, ...] 
 def test_small_m_linear_matches_references(dtype):
     check_small_m_linear("cpu", dtype)
     check_small_m_linear("cpu", dtype, shapes=((300, 40),), config={"BLOCK_K": 128})  # three K tiles
+    # cuBLAS with the separate norm / activation / add, where ONE_ROW_MEASURED sends a product
+    check_small_m_linear("cpu", dtype, rows=(1, 3), config=small_m_tiles.CUBLAS)
 
 
 @interpreted

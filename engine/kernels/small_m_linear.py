@@ -40,9 +40,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.activation import ACTIVATIONS, act_and_mul_ref
+from engine.kernels.activation import ACTIVATIONS, act_and_mul, act_and_mul_ref
 from engine.kernels.arrival_counters import arrival_counters
-from engine.kernels.rms_norm import rms_norm_ref, use_fused_kernels
+from engine.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_ref, use_fused_kernels
 from engine.kernels.small_m_tiles import FMA_MAX_ROWS, split_k_range, tiles_for
 from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
 
@@ -248,10 +248,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         if t is not None and (tuple(t.shape) != shape or t.stride(-1) != 1):
             raise ValueError(f"expected a tensor of shape {shape}, contiguous in its last dimension, got "
                              f"{tuple(t.shape)}")
+    cfg = {"ROW_LOOP": False, "SPLIT_K": 1, **tiles_for(m, n, k, x.device), **(config or {})} if m else {}
+    if cfg.get("CUBLAS"):
+        return _unfused(x, weight, bias, prologue, residual, norm_weight, eps, offset, act, add)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else None
     if m:
-        cfg = {"ROW_LOOP": False, "SPLIT_K": 1, **tiles_for(m, n, k, x.device), **(config or {})}
         tiles = triton.cdiv(n, cfg["BLOCK_N"])
         # The split count is a run-time argument (one compiled kernel whatever the split), SPLIT whether there is one.
         splits, k_split = split_k_range(k, cfg["BLOCK_K"], cfg.pop("SPLIT_K"))
@@ -271,6 +273,24 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
                GELU_TANH=act == "gelu_pytorch_tanh", HAS_BIAS=bias is not None, HAS_ADD=add is not None,
                DOT_IEEE=x.dtype == torch.float32, SPLIT=splits > 1, **cfg)
     return out, res_out
+
+
+def _unfused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int,
+             residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, offset: float, act: str,
+             add: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The product through cuBLAS, its prologue or epilogue a kernel of its own (the engine's norm and activation
+    kernels, a plain add): what small_m_tiles.CUBLAS asks for where that measured faster. Rounding as the fused
+    form's, which is the unfused layers'."""
+    res_out = None
+    if prologue == _NORM:
+        if residual is not None:
+            x, res_out = add_rms_norm(x, residual, norm_weight, eps, offset)
+        else:
+            x = rms_norm(x, norm_weight, eps, offset)
+    elif prologue == _ACT:
+        x = act_and_mul(x, act)
+    out = F.linear(x, weight, bias)
+    return (out + add if add is not None else out), res_out
 
 
 def norm_linear(x: torch.Tensor,  # [rows, K], rows <= MAX_ROWS

@@ -1,24 +1,55 @@
 """Form, tile sizes and K split of the few-row products (engine/kernels/small_m_linear.py) per shape. The rules
-for 1-4 rows come from sweeps on an H100 (benchmarks/gpu_small_m.py --sweep, figures in benchmarks/RESULTS.md);
-those for 5-64 rows (the split-K DOT form) are a first rule, not yet measured, in a table a sweep
-(benchmarks/gpu_small_m.py --sweep splitk) is meant to replace."""
+for 1-4 rows come from sweeps on an H100 (benchmarks/gpu_small_m.py --sweep, figures in benchmarks/RESULTS.md); one
+row's measured exceptions per GPU model are in ONE_ROW_MEASURED (an entry may send a product to cuBLAS); rows 5-64
+(the split-K DOT form) take DOT_MEASURED's tilings (an H100 sweep, `--sweep splitk`) or else a rule."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from engine.kernels.triton_compat import triton
 
-__all__ = ["FMA_MAX_ROWS", "DOT_MEASURED", "DOT_TILES", "DOT_PROGRAMS_PER_SM", "num_sms", "tiles_for",
-           "split_k_range"]
+__all__ = ["FMA_MAX_ROWS", "CUBLAS", "ONE_ROW_MEASURED", "DOT_MEASURED", "DOT_TILES", "DOT_PROGRAMS_PER_SM",
+           "num_sms", "device_name", "tiles_for", "split_k_range"]
 
 FMA_MAX_ROWS = 4  # up to this many rows the FMA form or the row loop (or tl.dot, by shape); above it tl.dot
+
+# A "tiling" that sends the product to cuBLAS, with the separate norm / activation / add kernel the fused form folds
+# in (small_m_linear's torch path): where that measured faster on a device.
+CUBLAS = {"CUBLAS": True}
+
+# One row, per GPU model (torch.cuda.get_device_name) and (N, K): the measured tiling of the FMA form, or CUBLAS.
+# The rule below was swept on an H100. On an H200 (`python3 benchmarks/gpu_small_m.py --shapes qwen3-8b,qwen3-0.6b
+# --rows 1 --sweep fma --skip-count`, 2026-11-28, benchmarks/RESULTS.md "One row on an H200") the rule's tiles were
+# 1.15-1.21x the best on an 8B model's o_proj and down, and cuBLAS beat every tiling on its qkv and gate_up (15.1
+# and 49.7 us against 18.7 and 55.1; the norm kernel then costs about 1.5 us). The 0.6B shapes: the rule's tiles
+# within 4% of the best, so they keep the rule.
+ONE_ROW_MEASURED: dict[str, dict[tuple[int, int], dict]] = {
+    "NVIDIA H200": {
+        (6144, 4096): CUBLAS,  # Qwen3-8B qkv
+        (4096, 4096): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4),  # Qwen3-8B o_proj: 10.6 us against 12.7
+        (24576, 4096): CUBLAS,  # Qwen3-8B gate_up
+        (4096, 12288): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4),  # Qwen3-8B down: 26.3 us against 30.6
+    },
+}
 
 
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: small blocks, so CPU tests cover several programs and the masks
+
+
+@functools.cache
+def _cuda_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)  # None: the current device
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU model ONE_ROW_MEASURED is keyed by; "" off CUDA (the interpreter keeps the rule)."""
+    return _cuda_name(device.index) if device.type == "cuda" else ""
 
 
 def tiles_for(m: int, n: int, k: int, device: torch.device) -> dict:
@@ -44,6 +75,10 @@ def tiles_for(m: int, n: int, k: int, device: torch.device) -> dict:
     Rows 5-64 take the DOT form with split K (`_dot_config`). Without the split, rows 5-16 were slower than cuBLAS,
     as were wide layers (K of 4096 and more) at more than one row (benchmarks/RESULTS.md): the engine sends the
     latter elsewhere (`rows_limit`), and rows beyond 4 only where EngineConfig.small_m_rows asks."""
+    if m == 1:
+        measured = ONE_ROW_MEASURED.get(device_name(device), {}).get((n, k))
+        if measured is not None:
+            return measured if measured is CUBLAS else dict(USE_DOT=False, BLOCK_M=1, **measured)
     sms = num_sms(device)
     narrow = triton.cdiv(n, 8) <= 4 * sms  # 8-feature tiles give at most four programs per SM
     if 2 <= m <= FMA_MAX_ROWS and k <= 1024 and (m == 2 or narrow):

@@ -114,18 +114,32 @@ def test_small_m_graphs_equal_eager_without_them(tiny_models, tiny_drafts, famil
     """float32, with a draft: graph replays through the few-row kernels (the default, single rows; decode, verify
     and draft steps up to 16 rows; and up to 64 rows, prefill chunks included, with 16-column K tiles so that the
     tiny layers' K splits too and the captured graphs run the split-K form) give the tokens of eager steps on
-    cuBLAS and the separate kernels."""
+    cuBLAS and the separate kernels. "mixed": single rows with qkv and gate_up sent to cuBLAS (as an H200's
+    ONE_ROW_MEASURED sends an 8B model's) and o_proj and down fused."""
     target = tiny_models[family]
     draft = tiny_drafts["gemma3-2l" if family == "gemma3" else "qwen3-1l"]
     prompts = random_prompts([5, 17, 30], seed=3)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     runs = {}
-    for rows, eager in ((0, True), (1, False), (16, False), (64, False)):
+    rule, sent = sml.tiles_for, []
+
+    def mixed(m: int, n: int, k: int, device: torch.device) -> dict:
+        if m == 1 and n > k:  # qkv and gate_up: wider out than in
+            sent.append((n, k))
+            return small_m_tiles.CUBLAS
+        return rule(m, n, k, device)
+
+    for rows, eager in ((0, True), (1, False), ("mixed", False), (16, False), (64, False)):
+        if rows == "mixed":
+            monkeypatch.setattr(sml, "tiles_for", mixed)
+        if rows == 16:
+            monkeypatch.setattr(sml, "tiles_for", rule)
         if rows == 64:
             monkeypatch.setattr(small_m_tiles, "DOT_TILES", {m: (32, 16, 4, 3) for m in (16, 32, 64)})
         llm = LLM(model=target.path, draft_model=draft.path, num_speculative_tokens=3, device="cuda",
                   dtype="float32", enforce_eager=eager, max_model_len=256, block_size=16, num_kv_blocks=256,
-                  max_num_seqs=4, cuda_graph_batch_sizes=(1, 2, 4), small_m_rows=rows)
+                  max_num_seqs=4, cuda_graph_batch_sizes=(1, 2, 4), small_m_rows=1 if rows == "mixed" else rows)
         runs[rows] = [o.token_ids for o in llm.generate(prompts, params)]
-    assert runs[1] == runs[0] and runs[16] == runs[0] and runs[64] == runs[0]
+    assert len(set(sent)) >= 2  # both products of both models took cuBLAS at least once
+    assert runs[1] == runs[0] and runs["mixed"] == runs[0] and runs[16] == runs[0] and runs[64] == runs[0]
     assert split_k_range(64, 16, small_m_tiles.tiles_for(16, 64, 64, torch.device("cuda"))["SPLIT_K"])[0] > 1
