@@ -85,9 +85,11 @@ def run(case: dict, programs: int, max_rows: int = 4, staged: bool = False) -> t
 @interpreted
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_matches_reference(variant):
-    """Output and stored keys/values equal the reference's (float32), with one split (3 programs) and with the
-    context split over several programs (37: 4 splits a KV head, ragged tiles and more programs than tiles)."""
-    for programs in (3, 37):
+    """Output and stored keys/values equal the reference's (float32), with one split (3 programs) and, for the
+    variants whose attention differs (q/k norm, a window), with the context split over several programs (37: 4
+    splits a KV head, ragged tiles and more programs than tiles). Bias and GELU live in the products, whose tiles
+    spread over the programs the same way in every variant; 37 interpreted programs cost about 9 s a variant."""
+    for programs in (3, 37) if variant in ("qwen3", "mistral-window") else (3,):
         case = make_case("cpu", torch.float32, variant, seed=programs)
         want, want_cache = reference(case)
         got, pd = run(case, programs)
@@ -104,7 +106,7 @@ def test_a_broken_stage_is_caught():
     case = make_case("cpu", torch.float32, "qwen3")
     want, _ = reference(case)
     case["weights"][1].o.mul_(1.01)
-    got, _ = run(case, 16)
+    got, _ = run(case, 3)
     assert (got - want).abs().max() > 1e-3
 
 
