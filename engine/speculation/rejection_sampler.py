@@ -32,7 +32,8 @@ from torch import Tensor
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.processing import logits_to_probs
 from engine.sample.sampler import exponential_race, random_exponential, random_uniform
-from engine.speculation.rejection_output import MODES, RejectionOutput, synthetic_position_rate  # noqa: F401 - public here
+# public here too
+from engine.speculation.rejection_output import MODES, RejectionOutput, synthetic_position_rate  # noqa: F401
 
 
 def rejection_sample(draft_token_ids: Tensor,  # [num_reqs, max_k] int64, -1 beyond num_draft_tokens
