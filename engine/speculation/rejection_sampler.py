@@ -32,8 +32,11 @@ from torch import Tensor
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.processing import logits_to_probs
 from engine.sample.sampler import exponential_race, random_exponential, random_uniform
-# public here too
-from engine.speculation.rejection_output import MODES, RejectionOutput, synthetic_position_rate  # noqa: F401
+from engine.speculation.rejection_output import (  # noqa: F401 - public here
+    MODES,
+    RejectionOutput,
+    synthetic_position_rate,
+)
 
 
 def rejection_sample(draft_token_ids: Tensor,  # [num_reqs, max_k] int64, -1 beyond num_draft_tokens
