@@ -133,7 +133,7 @@ def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float,
         if m == 1:
             one_row[name] = row[f"{name}_new_us"]
         n, k = ws[0][name].shape
-        rule = tiles_for(m, n, k, ws[0][name].device)
+        rule = tiles_for(m, n, k, ws[0][name].device, measured=False)  # the rule, not this GPU's exceptions
         if sweep and "splitk" in sweep and m > sml.FMA_MAX_ROWS:
             b = sweep_splitk(shape, m, name, fn, calls, n, k, rule)
             b.update(default_us=row[f"{name}_new_us"], floor_us=floor, one_row_us=one_row.get(name),

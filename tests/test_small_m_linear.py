@@ -72,6 +72,9 @@ def test_one_row_exceptions_per_gpu_model(monkeypatch):
             got = "cublas" if cfg.get("CUBLAS") else (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"])
             assert got == tiles, (name, proj, cfg)
             assert not small_m_tiles.tiles_for(2, n, k, cuda).get("CUBLAS")
+            # without the exceptions: the rule (what a sweep ranks, what an explicit config overrides)
+            rule = small_m_tiles.tiles_for(1, n, k, torch.device("meta"))
+            assert small_m_tiles.tiles_for(1, n, k, cuda, measured=False) == rule
         for k, n in QWEN3_PROJECTIONS["qwen3-0.6b"].values():
             assert small_m_tiles.tiles_for(1, n, k, cuda) == small_m_tiles.tiles_for(1, n, k, torch.device("meta"))
     monkeypatch.setattr(small_m_tiles, "_cuda_name", lambda index: pytest.fail("looked up off CUDA"))
@@ -192,6 +195,27 @@ def test_small_m_linear_matches_references(dtype):
     check_small_m_linear("cpu", dtype, shapes=((300, 40),), config={"BLOCK_K": 128})  # three K tiles
     # cuBLAS with the separate norm / activation / add, where ONE_ROW_MEASURED sends a product
     check_small_m_linear("cpu", dtype, rows=(1, 3), config=small_m_tiles.CUBLAS)
+
+
+@interpreted
+def test_a_gpu_models_cublas_entry_and_an_explicit_config(monkeypatch):
+    """Where a GPU model's table sends a shape to cuBLAS, the wrappers run the unfused form at one row and the kernel
+    at two; an explicit config still runs the kernel (sweeps and tests time tilings with it); both match the
+    references."""
+    k, n = 96, 40
+    monkeypatch.setattr(small_m_tiles, "device_name", lambda device: "a GPU model")
+    monkeypatch.setitem(small_m_tiles.ONE_ROW_MEASURED, "a GPU model", {(n, k): small_m_tiles.CUBLAS})
+    unfused, calls = sml._unfused, []
+    monkeypatch.setattr(sml, "_unfused", lambda *a: calls.append(a[0].shape[0]) or unfused(*a))
+    g = torch.Generator().manual_seed(2)
+    w, nw = torch.randn(n, k, generator=g) * k ** -0.5, torch.rand(k, generator=g) + 0.5
+    for m, config, want in ((1, None, [1]), (2, None, []), (1, {"BLOCK_K": 32}, [])):
+        calls.clear()
+        x, res = torch.randn(m, k, generator=g), torch.randn(m, k, generator=g)
+        out, s = sml.norm_linear(x, res, nw, 1e-6, 0.0, w, config=config)
+        ref, ref_s = sml.norm_linear_ref(x, res, nw, 1e-6, 0.0, w)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        assert torch.equal(s, ref_s) and calls == want, (m, config, calls)
 
 
 @interpreted

@@ -52,11 +52,12 @@ def device_name(device: torch.device) -> str:
     return _cuda_name(device.index) if device.type == "cuda" else ""
 
 
-def tiles_for(m: int, n: int, k: int, device: torch.device) -> dict:
-    """Tile sizes. FMA form: a weight tile of 64 fp32 accumulators a thread per row (8192 elements at 4 warps and
-    one row, 16 KB of bf16), as wide in K as the rule below allows, narrowed in N (more programs) until the grid has
-    enough programs. At one row on an H100 a sweep (benchmarks/gpu_small_m.py --sweep) found, with the first tile
-    requested before the dependent-launch wait:
+def tiles_for(m: int, n: int, k: int, device: torch.device, measured: bool = True) -> dict:
+    """Tile sizes: with `measured`, one row's exceptions for this GPU model first (ONE_ROW_MEASURED); without, the
+    rule alone (what an explicit config overrides, and what a sweep ranks). FMA form: a weight tile of 64 fp32
+    accumulators a thread per row (8192 elements at 4 warps and one row, 16 KB of bf16), as wide in K as the rule
+    below allows, narrowed in N (more programs) until the grid has enough programs. At one row on an H100 a sweep
+    (benchmarks/gpu_small_m.py --sweep) found, with the first tile requested before the dependent-launch wait:
     - K of 1025-4095 (a 0.6B model's o_proj and down): 2048-wide tiles at 8 warps, one program per SM enough: 2.4
       and 3.5 us against 2.9 and 5.5 with 1024-wide tiles at 4 warps;
     - K up to 1024: the whole K in one tile, unless the grid would exceed four programs per SM (a 0.6B gate_up:
@@ -75,10 +76,10 @@ def tiles_for(m: int, n: int, k: int, device: torch.device) -> dict:
     Rows 5-64 take the DOT form with split K (`_dot_config`). Without the split, rows 5-16 were slower than cuBLAS,
     as were wide layers (K of 4096 and more) at more than one row (benchmarks/RESULTS.md): the engine sends the
     latter elsewhere (`rows_limit`), and rows beyond 4 only where EngineConfig.small_m_rows asks."""
-    if m == 1:
-        measured = ONE_ROW_MEASURED.get(device_name(device), {}).get((n, k))
-        if measured is not None:
-            return measured if measured is CUBLAS else dict(USE_DOT=False, BLOCK_M=1, **measured)
+    if m == 1 and measured:
+        tiles = ONE_ROW_MEASURED.get(device_name(device), {}).get((n, k))
+        if tiles is not None:
+            return tiles if tiles is CUBLAS else dict(USE_DOT=False, BLOCK_M=1, **tiles)
     sms = num_sms(device)
     narrow = triton.cdiv(n, 8) <= 4 * sms  # 8-feature tiles give at most four programs per SM
     if 2 <= m <= FMA_MAX_ROWS and k <= 1024 and (m == 2 or narrow):
