@@ -15,9 +15,10 @@ also times other tile sizes at each row count and prints the fastest per project
 more the split-K DOT tilings (rows padded to 16, 32 or 64; BLOCK_N, BLOCK_K and the split), each projection's best
 against its time at one row (the tuned one-row rule; 1 is added to the rows) and against cuBLAS with the separate
 elementwise kernel it replaces (`unfused`), and per layer the sum of the four: the goal is a 16-row layer within
-1.2x and a 64-row layer within 1.6x of a one-row one. `kernels`: CUDA kernels of one
-eager forward under torch.profiler (a draft step for the draft shape: forward, argmax and the draft loop's input
-rebuild).
+1.2x and a 64-row layer within 1.6x of a one-row one. `--sweep fma --rows 1` also times each projection's cuBLAS
+form with its separate kernel and prints this GPU model's ONE_ROW_MEASURED entry (`one_row_table`). `kernels`: CUDA
+kernels of one eager forward under torch.profiler (a draft step for the draft shape: forward, argmax and the draft
+loop's input rebuild).
 """
 
 from __future__ import annotations
@@ -141,7 +142,10 @@ def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float,
             best.append(b)
         elif sweep and set(sweep.split(",")) - {"splitk"}:
             forms = ",".join(f for f in sweep.split(",") if f != "splitk")
-            best.append(sweep_one(shape, m, name, fn, calls, floor, row[f"{name}_new_us"], rule, forms))
+            b = sweep_one(shape, m, name, fn, calls, floor, row[f"{name}_new_us"], rule, forms)
+            if m == 1:  # what ONE_ROW_MEASURED weighs the best tiling against
+                b.update(n=n, k=k, unfused_us=graph_us(unfused[name], calls))
+            best.append(b)
     if any(b["rows"] == m and "one_row_us" in b for b in best):
         layer_summary(shape, m, [b for b in best if b["rows"] == m])
     return row, best
@@ -287,6 +291,19 @@ def measured_table(best: list[dict]) -> dict[tuple[int, int, int], dict]:
     return table
 
 
+def one_row_table(best: list[dict], margin: float = 0.05) -> dict[tuple[int, int], dict | str]:
+    """This GPU model's entry of small_m_tiles.ONE_ROW_MEASURED from a one-row sweep: per (N, K) "CUBLAS" where
+    cuBLAS with its separate norm / activation / add kernel beats the best tiling by more than `margin`, else the
+    best tiling where the rule's is more than `margin` slower than it; shapes where the rule holds are left out."""
+    table: dict[tuple[int, int], dict | str] = {}
+    for b in best:
+        if b["unfused_us"] < b["best_us"] * (1 - margin):
+            table[(b["n"], b["k"])] = "CUBLAS"
+        elif (b["rule_vs_best"] or float("inf")) > 1 + margin:  # None: the rule's tiling is not in the grid
+            table[(b["n"], b["k"])] = {x: b["best"][x] for x in ("BLOCK_N", "BLOCK_K", "num_warps")}
+    return table
+
+
 def layer_summary(shape: str, m: int, best: list[dict]) -> None:
     """One layer's four products at m rows (the best split-K tilings, the rule's, cuBLAS with the separate
     elementwise kernels) against the same at one row (the tuned one-row kernels)."""
@@ -382,6 +399,9 @@ def main() -> None:
         print(markdown_table(split, ["shape", "rows", "proj", "one_row_us", "default_us", "best_us", "unfused_us",
                                      "floor_us", "best_vs_one_row", "best_vs_unfused", "rule_vs_best", "best"]))
         print("DOT_MEASURED =", measured_table(split))  # for engine/kernels/small_m_tiles.py
+    one_row = [b for b in best if "unfused_us" in b and b["rows"] == 1]
+    if one_row:  # for engine/kernels/small_m_tiles.py ("CUBLAS" stands for small_m_tiles.CUBLAS)
+        print(f"ONE_ROW_MEASURED[{torch.cuda.get_device_name()!r}] =", one_row_table(one_row))
     if counts:
         print(markdown_table(counts, ["shape", "step", "batch", "small_m_rows", "kernels", "per_layer", "copies"]))
     save_json(args.out, {"env": environment(), "args": vars(args), "bandwidth_Bps": bw, "rows": rows, "sweep": best,

@@ -81,6 +81,28 @@ def test_one_row_exceptions_per_gpu_model(monkeypatch):
     assert small_m_tiles.device_name(torch.device("cpu")) == ""
 
 
+def test_one_row_sweep_writes_the_table_entry():
+    """benchmarks/gpu_small_m.py's one_row_table on the H200 sweep's figures (benchmarks/RESULTS.md, "One row on an
+    H200"; that sweep timed bare cuBLAS, so the unfused times here add the ~1.5 us of the separate kernel): the
+    entry engine/kernels/small_m_tiles.py holds for that GPU model, nothing for the 0.6B shapes (the rule within 4%
+    of the best)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from gpu_small_m import one_row_table
+
+    def row(n, k, best_us, rule_vs_best, unfused_us, bn, bk, warps):
+        return {"n": n, "k": k, "best_us": best_us, "rule_vs_best": rule_vs_best, "unfused_us": unfused_us,
+                "best": {"USE_DOT": False, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}}
+
+    sweep = [row(6144, 4096, 18.66, 1.01, 16.6, 4, 1024, 4), row(4096, 4096, 10.60, 1.21, 14.4, 8, 1024, 4),
+             row(24576, 4096, 55.10, 1.06, 51.2, 8, 1024, 4), row(4096, 12288, 26.31, 1.15, 29.8, 8, 1024, 4),
+             row(4096, 1024, 4.45, 1.0, 6.4, 8, 1024, 4), row(1024, 2048, 2.27, 1.04, 13.8, 8, 2048, 8)]
+    table = one_row_table(sweep)
+    entry = small_m_tiles.ONE_ROW_MEASURED["NVIDIA H200"]
+    assert table == {key: "CUBLAS" if tiles is small_m_tiles.CUBLAS else tiles for key, tiles in entry.items()}
+
+
 def test_config_picks_at_two_to_four_rows_on_an_h100(monkeypatch):
     """The tiles `tiles_for` picks at 2 and 4 rows on an H100 for the Qwen3-0.6B shape (a draft's catch-up step and
     speculation-ahead branches): (form, BLOCK_N, BLOCK_K, num_warps), each the fastest of two sweeps
