@@ -82,14 +82,14 @@ def test_one_row_exceptions_per_gpu_model(monkeypatch):
 
 
 def test_one_row_sweep_writes_the_table_entry():
-    """benchmarks/gpu_small_m.py's one_row_table on the H200 sweep's figures (benchmarks/RESULTS.md, "One row on an
+    """benchmarks/small_m_sweep.py's one_row_table on the H200 sweep's figures (benchmarks/RESULTS.md, "One row on an
     H200"; that sweep timed bare cuBLAS, so the unfused times here add the ~1.5 us of the separate kernel): the
     entry engine/kernels/small_m_tiles.py holds for that GPU model, nothing for the 0.6B shapes (the rule within 4%
     of the best)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from gpu_small_m import one_row_table
+    from small_m_sweep import one_row_table
 
     def row(n, k, best_us, rule_vs_best, unfused_us, bn, bk, warps):
         return {"n": n, "k": k, "best_us": best_us, "rule_vs_best": rule_vs_best, "unfused_us": unfused_us,
