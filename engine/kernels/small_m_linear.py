@@ -248,10 +248,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         if t is not None and (tuple(t.shape) != shape or t.stride(-1) != 1):
             raise ValueError(f"expected a tensor of shape {shape}, contiguous in its last dimension, got "
                              f"{tuple(t.shape)}")
-    # An explicit config (tests, sweeps) overrides the rule's tiles, never a GPU model's exceptions: it asks for the
-    # kernel, unless it is CUBLAS itself.
-    rule = tiles_for(m, n, k, x.device, measured=config is None) if m else {}
-    cfg = {"ROW_LOOP": False, "SPLIT_K": 1, **rule, **(config or {})} if m else {}
+    cfg = {}
+    if m:  # an explicit config (tests, sweeps) overrides the rule's tiles, not this GPU model's exceptions: it asks
+        # for the kernel, unless it is CUBLAS itself
+        cfg = {"ROW_LOOP": False, "SPLIT_K": 1, **tiles_for(m, n, k, x.device, measured=config is None),
+               **(config or {})}
     if cfg.get("CUBLAS"):
         return _unfused(x, weight, bias, prologue, residual, norm_weight, eps, offset, act, add)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
