@@ -74,14 +74,9 @@ def main(root: str, families: list[str]) -> dict:
         lp = random_prompts([6, 7, 10], seed=5)
         ks = [6, 4, 6]
         ids, _ = run_draft_loop(runner, loop, lp, ks)
-        # Again from two tokens a request to catch up (after a fully accepted window): the first step's two-token
-        # rows, built on the device as the one-token ones are.
-        ids2, _ = run_draft_loop(runner, loop, lp, ks, catch_up=2)
         out["draft_loop"][fam] = {"loop": [row[:k] for row, k in zip(ids.tolist(), ks)],
-                                  "loop_catch_up_2": [row[:k] for row, k in zip(ids2.tolist(), ks)],
                                   "padding": [row[k:] for row, k in zip(ids.tolist(), ks)],
-                                  "hf": hf_draft_tokens(draft, lp, ks),
-                                  "device_built_first_steps": loop.num_device_built_first_steps}
+                                  "hf": hf_draft_tokens(draft, lp, ks)}
     return out
 
 

@@ -134,13 +134,6 @@ def test_draft_advance_matches_reference():
     check_draft_advance("cpu")
 
 
-@interpreted
-def test_catch_up_inputs_kernel_equals_load():
-    from test_catch_up_inputs import check_catch_up_inputs
-
-    check_catch_up_inputs("cpu", kernel=True)
-
-
 def test_cpu_without_interpreter_keeps_the_torch_path():
     """Plain CPU tensors never reach a kernel: the layers use the references (exact HF comparisons rely on it)."""
     assert rms_norm.use_fused_kernels(torch.zeros(1)) == interpreting()

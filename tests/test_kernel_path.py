@@ -66,6 +66,5 @@ def test_draft_loop_rebuilds_metadata_every_step(results, family):
     block boundaries and moves the window start. A step that reused stale slots or positions would store K/V
     over an earlier token or rotate by the wrong angle, and its tokens would leave HF's greedy ones."""
     res = results["draft_loop"][family]
-    assert res["loop"] == res["hf"] and res["loop_catch_up_2"] == res["hf"]
-    assert res["device_built_first_steps"] == 2  # both first steps built on the device (catch_up_inputs.py)
+    assert res["loop"] == res["hf"]
     assert res["padding"] == [[], [-1, -1], []]  # a row with fewer drafts reports only its own

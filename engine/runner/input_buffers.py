@@ -127,8 +127,16 @@ class InputBuffers:
         real_pos = pos[:t_real]
         for g in self.groups:
             gid, bs = g.group_id, g.spec.block_size
-            self._stage_rows(gid, chunks, r)
-            blk = self._blocks_of(gid, req_of_tok, real_pos, bs)
+            bt = h["block_tables"][gid, :r]
+            kept = self._rows[gid]
+            for i, c in enumerate(chunks):
+                update_block_table_row(bt[i], kept[i], c.block_tables[gid], self.max_blocks)
+            for i in range(n_real, r):  # padding requests read the null block
+                if kept[i]:
+                    update_block_table_row(bt[i], kept[i], [], self.max_blocks)
+            blk = bt[req_of_tok, np.minimum(real_pos // bs, self.max_blocks - 1)]
+            if (blk == NULL_BLOCK).any():
+                raise RuntimeError(f"a new token maps to a released or unallocated block in group {gid}")
             slots = h["slot_mappings"][gid, :t]
             slots[:t_real] = blk.astype(np.int64) * bs + real_pos % bs
             slots[t_real:] = -1
@@ -143,45 +151,6 @@ class InputBuffers:
                          int(seq.max()), padded)
         step.num_logits_per_req = nlog.tolist()
         return step
-
-    def load_block_tables(self, chunks: list[Chunk], num_reqs: int) -> None:
-        """Only the block tables of a step of num_reqs rows (the chunks', then padding rows of the null block), for a
-        step whose other inputs are built on the device (engine/kernels/catch_up_inputs.py): staged as `load` stages
-        them, and copied only when a row changed. The device rows always equal the staging rows (every change is
-        copied), so an unchanged step copies nothing. Raises as `load` does where a token maps to no block."""
-        if len(chunks) > num_reqs or num_reqs > self.max_num_reqs:
-            raise ValueError(f"{len(chunks)} requests (padded {num_reqs}) do not fit the input buffers "
-                             f"({self.max_num_reqs})")
-        self._wait_for_upload()
-        changed = False
-        qlens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))
-        req_of_tok = np.repeat(np.arange(len(chunks)), qlens)
-        first = np.repeat(np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=len(chunks)), qlens)
-        pos = first + np.arange(len(req_of_tok)) - np.repeat(np.cumsum(qlens) - qlens, qlens)
-        for g in self.groups:
-            changed |= self._stage_rows(g.group_id, chunks, num_reqs)
-            self._blocks_of(g.group_id, req_of_tok, pos, g.spec.block_size)
-        if changed:
-            self.block_tables[:, :num_reqs].copy_(self._host["block_tables"][:, :num_reqs], non_blocking=True)
-            if self._uploaded is not None:
-                self._uploaded.record()
-
-    def _stage_rows(self, gid: int, chunks: list[Chunk], r: int) -> bool:
-        """Group gid's staging rows [:r] hold the chunks' tables, then the null block; whether any row changed."""
-        bt, kept, changed = self._np["block_tables"][gid], self._rows[gid], False
-        for i, c in enumerate(chunks):
-            changed |= update_block_table_row(bt[i], kept[i], c.block_tables[gid], self.max_blocks)
-        for i in range(len(chunks), r):  # padding requests read the null block
-            if kept[i]:
-                changed |= update_block_table_row(bt[i], kept[i], [], self.max_blocks)
-        return changed
-
-    def _blocks_of(self, gid: int, req_of_tok: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
-        """The staged blocks of tokens (request row, position) in group gid; a token in no block is an error."""
-        blk = self._np["block_tables"][gid][req_of_tok, np.minimum(pos // block_size, self.max_blocks - 1)]
-        if (blk == NULL_BLOCK).any():
-            raise RuntimeError(f"a new token maps to a released or unallocated block in group {gid}")
-        return blk
 
     def load_dummy(self, num_reqs: int, query_len: int) -> StepInput:
         """A padding-only step of num_reqs requests with query_len tokens each, reading the null block and
@@ -254,24 +223,22 @@ class InputBuffers:
             self._uploaded.record()
 
 
-def update_block_table_row(staged: np.ndarray, kept: list[int], row: list[int], max_blocks: int) -> bool:
+def update_block_table_row(staged: np.ndarray, kept: list[int], row: list[int], max_blocks: int) -> None:
     """Make a staging row (`staged`, [max_blocks] int32, holding `kept` then NULL_BLOCK) hold `row` instead, writing
     only what differs in the usual cases: the same request with blocks appended (a decode step: nothing or one new
     block), or nothing changed. Any other change (a different request in the slot, a sliding-window group's released
-    blocks, a table that shrank) rewrites the row and nulls what the old one held past the new one's end. Returns
-    whether the row changed."""
+    blocks, a table that shrank) rewrites the row and nulls what the old one held past the new one's end."""
     n, m = len(kept), len(row)
     if m > max_blocks:
         raise ValueError(f"block table of {m} blocks exceeds max_model_len")
     if m == n and row == kept:
-        return False
+        return
     if m > n and row[:n] == kept:
         new = row[n:]
         staged[n:m] = new
         kept.extend(new)
-        return True
+        return
     staged[:m] = row
     if n > m:
         staged[m:n] = NULL_BLOCK
     kept[:] = row
-    return True

@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
 import torch
 
 from engine.config import graph_batch_sizes
 from engine.host_copy import to_device
-from engine.kernels.catch_up_inputs import ROW_FIELDS, build_catch_up_inputs, build_catch_up_inputs_ref
 from engine.kernels.draft_advance import advance_draft_inputs, advance_draft_inputs_ref
 from engine.kernels.rms_norm import use_fused_kernels
 from engine.runner.cuda_graphs import GraphPool, no_gc_while_capturing
@@ -77,15 +75,6 @@ class DraftLoop:
         self.alt = torch.zeros(r, self.max_k, dtype=torch.int64, device=dev) if alternatives else None
         # [max_num_reqs] int64: column 0 is drawn as usual (0), the argmax (1, via noise 1) or the runner-up (2).
         self.guess = torch.zeros(r, dtype=torch.int64, device=dev)
-        # A first step of one or two tokens a request is built on the device from one row a request (qlen, start,
-        # tok0, tok1, num_draft, guess; engine/kernels/catch_up_inputs.py), staged in pinned memory and copied once:
-        # the host's share before the GPU has work drops from NumPy passes and a dozen copies to that one.
-        pin = dev.type == "cuda"
-        self._rows = torch.zeros(r, ROW_FIELDS, dtype=torch.int64, device=dev)  # [max_num_reqs, 6] int64
-        self._rows_host = torch.zeros(r, ROW_FIELDS, dtype=torch.int64, pin_memory=pin)  # [max_num_reqs, 6] int64
-        self._rows_np = self._rows_host.numpy()
-        self._rows_copied = torch.cuda.Event() if pin else None
-        self.num_device_built_first_steps = 0
         sizes = {g.spec.block_size for g in runner.buffers.groups}
         if len(sizes) != 1:  # the engine gives every KV-cache group its block_size
             raise ValueError(f"the draft loop needs one block size for all KV-cache groups, got {sorted(sizes)}")
@@ -136,34 +125,6 @@ class DraftLoop:
     def _next_step(self, b: int, greedy: bool) -> torch.Tensor:
         step = self.buffers.view(b, b, 1, self.runner.config.max_model_len, b)
         return self._sample_and_advance(self.runner.execute(step), b, greedy)
-
-    def _build_catch_up(self, chunks: list[Chunk], ks: list[int], guesses: list[int], b: int,
-                        num_tokens: int) -> None:
-        """The first step's inputs, the rows' draft counts and guess modes, and the step index, for chunks of one
-        or two tokens padded to b rows and num_tokens tokens: one staged row a request, one copy, one kernel."""
-        n = len(chunks)
-        if self._rows_copied is not None:
-            # SYNC: only until the previous loop's copy of these rows has run (long done: a loop's outputs are
-            # read back before the next one starts); the pinned rows must not be rewritten before.
-            self._rows_copied.synchronize()
-        rows = self._rows_np
-        rows[:n] = np.fromiter((v for c, k, g in zip(chunks, ks, guesses) for v in (
-            len(c.token_ids), c.start_pos, c.token_ids[0], c.token_ids[-1], k, g)), dtype=np.int64,
-            count=n * ROW_FIELDS).reshape(n, ROW_FIELDS)
-        rows[n:b] = 0
-        self.buffers.load_block_tables(chunks, b)
-        self._rows[:b].copy_(self._rows_host[:b], non_blocking=True)
-        if self._rows_copied is not None:
-            self._rows_copied.record()
-        bufs = self.buffers
-        args = (self._rows[:b], num_tokens, bufs.input_ids, bufs.positions, bufs.seq_lens, bufs.query_start_loc,
-                bufs.logits_indices, bufs.block_tables, bufs.slot_mappings, self.num_draft, self.guess,
-                self.step_idx, self.block_size)
-        if use_fused_kernels(self._rows):
-            build_catch_up_inputs(*args)
-        else:
-            build_catch_up_inputs_ref(*args)
-        self.num_device_built_first_steps += 1
 
     # ---- graphs -----------------------------------------------------------------------------------------
     def capture(self) -> None:
@@ -227,27 +188,18 @@ class DraftLoop:
         b = self._bucket(n) if self.next_graphs else None
         graphed = b is not None
         b = b if graphed else n
-        # One or two tokens a request, one logits row each: the first step's inputs (and the per-row settings)
-        # are built on the device; a prefill chunk among them goes through the host's `load`.
-        catch_up = all(1 <= len(c.token_ids) <= FIRST_QUERY_LEN and c.num_logits == 1 for c in chunks)
-        first_graph = graphed and catch_up
+        first_graph = graphed and all(len(c.token_ids) <= FIRST_QUERY_LEN for c in chunks)
         # After a rejection every request catches up one token (the target's correction), not two: the step is then
         # a later step's shape, so the later step's graph runs it: rows of one token, not two padded.
         one_token = first_graph and all(len(c.token_ids) == 1 for c in chunks)
         dev = self.runner.device
-        if catch_up:
-            num_tokens = b if one_token else b * FIRST_QUERY_LEN if first_graph else sum(len(c.token_ids)
-                                                                                        for c in chunks)
-            self._build_catch_up(chunks, ks, guesses, b, num_tokens)
-        else:
-            # Per-row settings (padding rows: no drafts, greedy).
-            k_t = torch.zeros(b, dtype=torch.int64)
-            k_t[:n] = torch.tensor(ks, dtype=torch.int64)
-            self.num_draft[:b].copy_(k_t, non_blocking=True)
-            g_t = torch.zeros(b, dtype=torch.int64)
-            g_t[:n] = torch.tensor(guesses, dtype=torch.int64)
-            self.guess[:b].copy_(g_t, non_blocking=True)
-            self.step_idx.zero_()
+        # Per-row settings (padding rows: no drafts, greedy).
+        k_t = torch.zeros(b, dtype=torch.int64)
+        k_t[:n] = torch.tensor(ks, dtype=torch.int64)
+        self.num_draft[:b].copy_(k_t, non_blocking=True)
+        g_t = torch.zeros(b, dtype=torch.int64)
+        g_t[:n] = torch.tensor(guesses, dtype=torch.int64)
+        self.guess[:b].copy_(g_t, non_blocking=True)
         if not greedy:
             self.temperature[:n].copy_(md.temperature)
             self.top_p[:n].copy_(md.top_p)
@@ -265,15 +217,17 @@ class DraftLoop:
                 noise[:, 0] = 1.0
             elif guess_rows:
                 noise[to_device(guess_rows, torch.int64, dev), 0] = 1.0
+        self.step_idx.zero_()
         if one_token:
+            self.buffers.load(chunks, num_reqs=b, num_tokens=b, max_query_len=1, num_logits_padded=b)
             self.next_graphs[(b, greedy)].replay()
             self.num_graph_replays += 1
             self.num_one_token_first_steps += 1
         elif first_graph:
+            self.buffers.load(chunks, num_reqs=b, num_tokens=b * FIRST_QUERY_LEN, max_query_len=FIRST_QUERY_LEN,
+                              num_logits_padded=b)
             self.first_graphs[(b, greedy)].replay()
             self.num_graph_replays += 1
-        elif catch_up:
-            self._first_step(b, num_tokens, max(len(c.token_ids) for c in chunks), greedy)
         else:
             mixed = self._mixed_key(chunks) if graphed else None
             if mixed is not None:

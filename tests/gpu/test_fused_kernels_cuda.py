@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_catch_up_inputs import check_catch_up_inputs
 from test_fused_kernels import check_draft_advance, check_fused_kernels
 
 pytestmark = pytest.mark.gpu
@@ -17,8 +16,3 @@ def test_fused_kernels_match_references_on_cuda(dtype):
 
 def test_draft_advance_matches_reference_on_cuda():
     check_draft_advance("cuda")
-
-
-@pytest.mark.parametrize("kernel", [True, False])
-def test_catch_up_inputs_equal_load_on_cuda(kernel):
-    check_catch_up_inputs("cuda", kernel)
