@@ -59,7 +59,8 @@ class Layout:
     sync: bool = False  # async_scheduling off
     predraft: bool | None = None  # speculation_ahead forced on / off; None: the executor's default
     branches: int | None = None  # speculation_ahead_branches (`b<N>`); None: the engine's default
-    fixed: bool = False  # `fixed`: every step drafts all b<N> windows / f<N> trees (speculation_ahead_adaptive off)
+    fixed: bool = False  # `fixed`: every step drafts all b<N> windows / f<N> trees (speculation_ahead_adaptive off:
+    # no fan-out budget, no on/off gate by load)
     ingress: int | None = None  # ingress_replicas (`i<N>`): HTTP shims in front of the engine; None: the default
     proxy: str | None = None  # http_proxy (`hap`: HAProxy, `sp`: Serve's proxy); None: the default ("auto")
     direct: bool = False  # direct_streaming (`ds`): the engine replica is the HTTP server, no ingress replicas

@@ -143,7 +143,8 @@ class SpeculationOptions:
     speculation_ahead_adaptive: bool = option(
         _engine("speculation_ahead_adaptive"), engine="extra",
         help="with several branches, draft only as many windows as measured to fit in the target's verify; in "
-             "tree mode, only as many tree nodes (down to one branch a request, or no tree for the step)")
+             "tree mode, only as many tree nodes (down to one branch a request, or no tree for the step); and at "
+             "each load draft ahead only while it measures faster than not drafting ahead")
     speculation_ahead_saguaro: float | None = option(
         _engine("speculation_ahead_saguaro"), engine="extra", minimum=0.0, maximum=1.0, metavar="C",
         help="Saguaro sampling, with several branches or tree mode and probabilistic rejection: the draft's two "

@@ -207,8 +207,10 @@ class EngineConfig:
     # Where the draft has GPUs of its own: with more than one branch, draft at most as many windows a request as
     # measured to fit in the target's verify (engine/speculation/ahead_budget.py), so a fan-out that would hold the next
     # step up is cut back; in tree mode, cap each step's tree nodes at what fits there (down to one branch a request,
-    # or no tree for the step). False: every step drafts speculation_ahead_branches windows a request, or trees of
-    # speculation_ahead_tree_fanout (within max_num_batched_tokens branches).
+    # or no tree for the step); and at each load (speculating requests a step, by powers of two) draft ahead only
+    # while it measures faster than not drafting ahead (engine/speculation/ahead_gate.py). False: every step drafts
+    # speculation_ahead_branches windows a request, or trees of speculation_ahead_tree_fanout (within
+    # max_num_batched_tokens branches).
     speculation_ahead_adaptive: bool = True
     # Saguaro sampling (engine/sample/saguaro.py) with speculation ahead's rejection windows: the draft draws each
     # draft token from its q with the two likeliest tokens there (a rejection window's root, the draft's runner-up,

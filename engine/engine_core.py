@@ -27,6 +27,7 @@ from engine.sample.logits_params import logits_params_of
 from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.speculation.ahead_budget import AheadBudget, drafts_ahead
+from engine.speculation.ahead_gate import AheadGate
 from engine.speculation.ahead_totals import NUM_TOTALS
 from engine.step.commit import commit_result
 from engine.step.executor import Executor
@@ -78,14 +79,16 @@ class EngineCore:
                              f"{'on' if self.scheduler.speculation_ahead else 'off'}) and "
                              "rejection_sampling='probabilistic'")
         self._speculation_ahead_totals: tuple[int, ...] = (0,) * NUM_TOTALS  # the draft's, as its last result said
-        self.ahead_budget = self._new_speculation_ahead_budget()
+        self._new_speculation_ahead_budget()
 
-    def _new_speculation_ahead_budget(self) -> AheadBudget:
-        """Speculation ahead's per-step fan-out (engine/speculation/ahead_budget.py): adaptive only where the draft's
-        runs ahead overlap the verify (a draft on GPUs of its own) and the configuration asks for it."""
-        return AheadBudget(self.config.speculation_ahead_branches,
-                           adaptive=self.config.speculation_ahead_adaptive and self.executor.ahead_overlaps_verify,
-                           tree=self.config.speculation_ahead_tree_fanout > 0)
+    def _new_speculation_ahead_budget(self) -> None:
+        """Speculation ahead's per-step fan-out (engine/speculation/ahead_budget.py) and its on/off gate by load
+        (engine/speculation/ahead_gate.py): adaptive only where the draft's runs ahead overlap the verify (a draft on
+        GPUs of its own) and the configuration asks for it."""
+        adaptive = self.config.speculation_ahead_adaptive and self.executor.ahead_overlaps_verify
+        self.ahead_budget = AheadBudget(self.config.speculation_ahead_branches, adaptive=adaptive,
+                                        tree=self.config.speculation_ahead_tree_fanout > 0)
+        self.ahead_gate = AheadGate(enabled=adaptive)
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -210,7 +213,7 @@ class EngineCore:
         self.scheduler.kv_managers = [self.target_kv, self.draft_kv]
         self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
         self.spec_config = spec
-        self.ahead_budget = self._new_speculation_ahead_budget()  # the new group's runs ahead are measured anew
+        self._new_speculation_ahead_budget()  # the new group's runs ahead are measured anew
 
     def _restart_draft_progress(self) -> None:
         for req in self.scheduler.requests.values():
@@ -242,8 +245,14 @@ class EngineCore:
         return {f"{model}/{g}": n for model, kv in self.kv_managers() for g, n in enumerate(kv.num_used_blocks())}
 
     def speculation_ahead_branches(self) -> int:
-        """Windows a request the last plan asked the draft to draft ahead (engine/speculation/ahead_budget.py)."""
-        return self.ahead_budget.last
+        """Windows a request the last plan asked the draft to draft ahead (engine/speculation/ahead_budget.py); 0 where
+        the gate found drafting ahead slower at that load (engine/speculation/ahead_gate.py)."""
+        return self.ahead_budget.last if self.ahead_gate.last else 0
+
+    def speculation_ahead_off_steps(self) -> int:
+        """Steps planned without drafting ahead by the gate (engine/speculation/ahead_gate.py), since the draft group
+        was last set up."""
+        return self.ahead_gate.steps_off
 
     def speculation_ahead_stats(self) -> tuple[int, ...]:
         """The draft's speculation-ahead running totals (AheadStats.as_tuple): lookups, hits, tokens drafted ahead, of
@@ -362,9 +371,13 @@ class EngineCore:
             tree = self.ahead_budget.tree
             ahead = [s for s in scheduled if s.num_draft_tokens
                      and drafts_ahead(s.samples, s.request.logits_params is not None, tree)]
-            plan.ahead_branches = self.ahead_budget.branches(len(ahead))
-            if tree:
-                plan.ahead_tree_nodes = self.ahead_budget.tree_nodes([s.num_draft_tokens for s in ahead])
+            plan.ahead_off = not self.ahead_gate.plan(plan.step_id, len(ahead))
+            if plan.ahead_off:
+                plan.ahead_tree_nodes = 0 if tree else None  # no tree (a merged plan sums the parts' caps)
+            else:
+                plan.ahead_branches = self.ahead_budget.branches(len(ahead))
+                if tree:
+                    plan.ahead_tree_nodes = self.ahead_budget.tree_nodes([s.num_draft_tokens for s in ahead])
         return plan
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
@@ -373,4 +386,5 @@ class EngineCore:
             self._speculation_ahead_totals = result.speculation_ahead_totals
         if self.scheduler.speculation_ahead:
             self.ahead_budget.observe(result.phase_seconds, result.predraft_window)
+            self.ahead_gate.observe(result.step_id, sum(len(t) for t in result.sampled if t))
         return commit_result(self.scheduler, self.output, scheduled, result, self._finish)

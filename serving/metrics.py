@@ -90,8 +90,13 @@ class EngineMetrics:
         self._ahead_seen: tuple[int, ...] = (0,) * NUM_TOTALS  # the engine's totals at the last sync
         self.ahead_branches = Gauge(p + "spec_ahead_branches",
                                     "Windows a request the last step asked the draft to draft ahead (the fan-out, "
-                                    "cut to what fits in the verify where the draft has GPUs of its own)",
+                                    "cut to what fits in the verify where the draft has GPUs of its own; 0 while "
+                                    "the gate has drafting ahead off)",
                                     registry=r)
+        self.ahead_off_steps = Counter(p + "spec_ahead_off_steps",
+                                       "Steps planned without drafting ahead: the gate measured it slower than not "
+                                       "drafting ahead at their load (speculation_ahead_adaptive)", registry=r)
+        self._ahead_off_seen = 0  # the engine's total at the last sync
         # --- latencies ---------------------------------------------------------------------------
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival at the router to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -168,6 +173,13 @@ class EngineMetrics:
                     accepted=str(n - len(counters)))
                 counter.inc(t - s)
         self._ahead_seen = tuple(totals)
+
+    def on_ahead_off_steps(self, total: int) -> None:
+        """Bring the off-steps counter up to the engine's running total (below the last one: a new count)."""
+        seen = 0 if total < self._ahead_off_seen else self._ahead_off_seen
+        if total > seen:
+            self.ahead_off_steps.inc(total - seen)
+        self._ahead_off_seen = total
 
     def set_queue(self, num_running: int, num_waiting: int) -> None:
         self.running.set(num_running)

@@ -196,6 +196,7 @@ class Router(EngineRecovery, DraftMoves):
         self.metrics.on_prefix_cache(self.engine.prefix_cache_stats())
         self.metrics.on_speculation_ahead(self.engine.speculation_ahead_stats())
         self.metrics.ahead_branches.set(self.engine.speculation_ahead_branches())
+        self.metrics.on_ahead_off_steps(self.engine.speculation_ahead_off_steps())
         text = self.metrics.exposition()
         executor = self.engine.executor
         if getattr(executor, "draft_pool", None) is not None:  # the draft replica this engine is attached to

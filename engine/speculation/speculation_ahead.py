@@ -272,6 +272,8 @@ class AheadProposer:
         started = time.perf_counter()
         # Windows of a pre-draft no proposal came after (none, in the executors' order): the scratch is reused now.
         self.drop(scopes)
+        if plan.ahead_off:  # the engine's gate: drafting ahead measured slower at this load (ahead_gate.py)
+            return 0
         rows = [i for i, p in enumerate(plan.requests)
                 if p.draft_runs and p.num_draft_tokens and drafts_ahead(p.sample, p.logits_params is not None,
                                                                         self.tree is not None)]

@@ -135,6 +135,9 @@ class StepPlan:
     # this step's proposal (engine/speculation/ahead_budget.py); None: the draft side's own cap (its configured
     # fan-out within max_num_batched_tokens branches), 0: no tree this step.
     ahead_tree_nodes: int | None = None
+    # Speculation ahead off for this step: the gate measured drafting ahead slower at this load
+    # (engine/speculation/ahead_gate.py); the next proposal is drafted just in time.
+    ahead_off: bool = False
 
     @property
     def max_draft_tokens(self) -> int:

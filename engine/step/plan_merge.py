@@ -58,7 +58,8 @@ def merge_plans(plans: list[StepPlan]) -> MergedPlan:
         finished_ids=finished,  # [sum of parts' finished ids]
         sent_at=min(p.sent_at for p in plans),
         ahead_branches=max(p.ahead_branches for p in plans),
-        ahead_tree_nodes=None if any(n is None for n in tree_nodes) else sum(tree_nodes))
+        ahead_tree_nodes=None if any(n is None for n in tree_nodes) else sum(tree_nodes),
+        ahead_off=all(p.ahead_off for p in plans))
     return MergedPlan(merged, spans)
 
 

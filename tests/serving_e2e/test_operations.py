@@ -26,7 +26,7 @@ DESIGN_METRICS = [
     "specserve_spec_ahead_lookups_total", "specserve_spec_ahead_hits_total",
     "specserve_spec_ahead_drafted_tokens_total", "specserve_spec_ahead_unused_tokens_total",
     "specserve_spec_ahead_skipped_branches_total", "specserve_spec_ahead_branches",
-    "specserve_spec_ahead_trees_total", "specserve_spec_ahead_tree_nodes_total",
+    "specserve_spec_ahead_trees_total", "specserve_spec_ahead_tree_nodes_total", "specserve_spec_ahead_off_steps_total",
 ]
 
 
