@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from spec_support import GREEDY, PROMPTS
-from test_ahead_budget import AHEAD
+from test_ahead_budget import AHEAD, record_predrafts
 from test_speculation_ahead import _ahead
 from test_speculation_ahead_branches import SEEDED, SEEDED_PROMPTS, seeded_near  # noqa: F401 - fixture
 
@@ -115,25 +115,11 @@ class _Script(AheadGate):
         return self.last
 
 
-def _record(llm: LLM) -> list[tuple[bool, int]]:
-    """(the plan's ahead_off, windows drafted) of every run ahead."""
-    ahead, seen = _ahead(llm), []
-    predraft = ahead.predraft
-
-    def recording(plan, proposal):
-        n = predraft(plan, proposal)
-        seen.append((plan.ahead_off, n))
-        return n
-
-    ahead.predraft = recording
-    return seen
-
-
 def test_off_steps_draft_nothing_ahead_and_greedy_stays_exact(tiny_models, near_drafts, target_greedy):
     llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
               speculation_ahead_branches=3, **AHEAD)
     llm.engine.ahead_gate = _Script([True, False, False, True, True])
-    seen = _record(llm)
+    seen = record_predrafts(llm, lambda plan, n: (plan.ahead_off, n))
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == target_greedy("llama")
     assert {off for off, _ in seen} == {True, False}
     assert all(n == 0 for off, n in seen if off) and any(n > 0 for off, n in seen if not off)
