@@ -1,4 +1,4 @@
-"""A short bounded soak (benchmarks/soak.py for 60 s): mixed streaming, non-streaming, chat, gRPC, abandoned and
+"""A short bounded soak (benchmarks/soak.py for 45 s): mixed streaming, non-streaming, chat, gRPC, abandoned and
 invalid requests against a real server with tiny models, then the leak checks: no unexpected answer, the router
 idle with no KV block held by either model, and resident memory after warm-up growing by less than the bound.
 """
@@ -19,7 +19,7 @@ from soak import run_soak  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-DURATION_S = 60.0
+DURATION_S = 45.0
 # Growth of resident memory from the end of warm-up to the end of the run: all server processes, and the router
 # alone (it holds every request's state). Measured growth is far smaller (benchmarks/RESULTS.md, "Soak").
 MAX_GROWTH_MB = 150.0
