@@ -373,7 +373,8 @@ class EngineCore:
                      and drafts_ahead(s.samples, s.request.logits_params is not None, tree)]
             plan.ahead_off = not self.ahead_gate.plan(plan.step_id, len(ahead))
             if plan.ahead_off:
-                plan.ahead_tree_nodes = 0 if tree else None  # no tree (a merged plan sums the parts' caps)
+                if tree:
+                    plan.ahead_tree_nodes = 0  # no tree (a merged plan sums the parts' caps)
             else:
                 plan.ahead_branches = self.ahead_budget.branches(len(ahead))
                 if tree:

@@ -84,7 +84,7 @@ class AheadGate:
         st = self.buckets.setdefault(b, _Bucket())
         st.steps += 1
         best = st.best()
-        if st.probe_left == 0 and (st.steps == FIRST_PROBE or st.steps % PROBE_EVERY == FIRST_PROBE):
+        if st.probe_left == 0 and st.steps % PROBE_EVERY == FIRST_PROBE:  # steps 48, 368, 688, ...
             st.probe_left = PROBE_STEPS
         if st.probe_left > 0:
             st.probe_left -= 1
