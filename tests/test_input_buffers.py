@@ -18,6 +18,13 @@ BLOCK = 4
 GROUPS = group_layers([AttentionSpec(2, 8, torch.float32, BLOCK, w) for w in (None, 6, None, 6)])
 
 
+@pytest.fixture(params=["python", "numpy"])
+def fill(request, monkeypatch):
+    """Every step through one staging form: plain Python (`_fill_few`) or NumPy passes (`_fill_many`)."""
+    monkeypatch.setattr(InputBuffers, "few_tokens", 10 ** 9 if request.param == "python" else -1)
+    return request.param
+
+
 def chunk(tokens: list[int], start: int, num_logits: int, first_block: int) -> Chunk:
     blocks = -(-(start + len(tokens)) // BLOCK)
     # Group 1 released the blocks that left its window: they are null, as the KV manager leaves them.
@@ -58,13 +65,13 @@ def check(buffers: InputBuffers, chunks: list[Chunk], r: int, t: int) -> None:
 
 
 @pytest.mark.parametrize("pad", [0, 2])
-def test_buffers_hold_what_the_torch_path_builds(pad):
+def test_buffers_hold_what_the_torch_path_builds(pad, fill):
     buffers = InputBuffers(GROUPS, max_num_reqs=8, max_num_tokens=32, max_model_len=64, device=torch.device("cpu"))
     for chunks in STEPS:
         check(buffers, chunks, len(chunks) + pad, sum(len(c.token_ids) for c in chunks) + 3 * pad)
 
 
-def test_a_reused_step_view_shows_the_latest_step():
+def test_a_reused_step_view_shows_the_latest_step(fill):
     buffers = InputBuffers(GROUPS, max_num_reqs=4, max_num_tokens=16, max_model_len=64, device=torch.device("cpu"))
     first = buffers.load([chunk([5], 3, 1, 1)], num_reqs=2, num_tokens=2, max_query_len=1, num_logits_padded=2)
     ids, max_seq = first.input_ids.tolist(), first.attn.common.max_seq_len
@@ -76,14 +83,48 @@ def test_a_reused_step_view_shows_the_latest_step():
     assert other is not first and other.input_ids.shape == (1,)
 
 
-def test_a_token_in_a_released_block_is_refused():
+def test_a_token_in_a_released_block_is_refused(fill):
     buffers = InputBuffers(GROUPS, max_num_reqs=4, max_num_tokens=16, max_model_len=64, device=torch.device("cpu"))
     bad = Chunk([1], 9, 1, [[1, 2, 3], [NULL_BLOCK, NULL_BLOCK, NULL_BLOCK]])
     with pytest.raises(RuntimeError, match="released or unallocated block in group 1"):
         buffers.load([bad])
+    past_table = Chunk([1, 2], 11, 1, [[1, 2, 3], [4, 5, 6]])  # position 12 needs a fourth block
+    with pytest.raises(RuntimeError, match="released or unallocated block in group 0"):
+        buffers.load([past_table])
+    with pytest.raises(ValueError, match="num_logits"):
+        buffers.load([Chunk([1], 3, 2, [[1], [2]])])
+    good = buffers.load([chunk([5], 3, 1, 1)])  # a refused step leaves nothing behind that the next one reads
+    assert good.input_ids.tolist() == [5] and good.attn.groups[0].slot_mapping.tolist() == [1 * BLOCK + 3]
 
 
-def test_padding_step_of_a_mixed_graph_reads_nothing_and_writes_nothing():
+def test_both_staging_forms_write_the_same_bytes():
+    """Random steps (1-6 requests of 1-9 tokens, 0 to all logits rows, padding rows and tokens) loaded through the
+    Python and the NumPy form into two buffers: every staged tensor equal after every step."""
+    import random
+
+    rng = random.Random(1)
+    pair = [InputBuffers(GROUPS, max_num_reqs=8, max_num_tokens=64, max_model_len=64, device=torch.device("cpu"))
+            for _ in range(2)]
+    for _ in range(60):
+        chunks = []
+        for _ in range(rng.randint(1, 6)):
+            q = rng.randint(1, 9)
+            chunks.append(chunk(list(rng.sample(range(1000), q)), rng.randint(0, 40), rng.randint(0, q),
+                                rng.randint(1, 30)))
+        r, t = len(chunks) + rng.randint(0, 2), sum(len(c.token_ids) for c in chunks) + rng.randint(0, 3)
+        steps = []
+        for buffers, few in zip(pair, (10 ** 9, -1)):
+            buffers.few_tokens = few
+            steps.append(buffers.load(chunks, num_reqs=r, num_tokens=t, num_logits_padded=t))
+        for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "block_tables", "slot_mappings",
+                     "logits_indices"):
+            assert torch.equal(getattr(pair[0], name), getattr(pair[1], name)), name
+        a, b = steps
+        assert (a.attn.common.max_query_len, a.attn.common.max_seq_len, a.num_logits_per_req) == (
+            b.attn.common.max_query_len, b.attn.common.max_seq_len, b.num_logits_per_req)
+
+
+def test_padding_step_of_a_mixed_graph_reads_nothing_and_writes_nothing(fill):
     """What mixed-batch graphs are captured with (and the kernel warm-up runs): requests holding no token, so no
     block table entry is read even where the longest query exceeds max_model_len, no slot written, every logits row
     on token 0; a real step loaded after it shows its own contents."""
@@ -124,7 +165,7 @@ def test_mixed_graph_bucket_choice():
     assert step.logits_indices[:4].tolist() == [39, 40, 41, 42]
 
 
-def test_block_tables_written_incrementally_match_a_fresh_build():
+def test_block_tables_written_incrementally_match_a_fresh_build(fill):
     """The staging rows keep each slot's block table across steps and write only what changed: after every step of a
     random sequence (tables growing in place, requests changing slots, a slot taken by a request with a shorter table,
     preemption and resume with new blocks, a sliding-window group releasing blocks, padding rows, padding-only steps

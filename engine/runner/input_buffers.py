@@ -26,6 +26,11 @@ from engine.runner.step_input import Chunk, StepInput
 class InputBuffers:
     """Device tensors a step reads, sized for the largest step; the KV-cache group is their first dim."""
 
+    # Steps of up to this many tokens are staged in plain Python (`_fill_few`), larger ones in NumPy passes
+    # (`_fill_many`): a NumPy call costs 1-4 us of fixed host time, and a batch-1 draft step made two dozen of them
+    # (70-90 us of its 140-170 us `load` on an H200 machine's host) to write a few ints.
+    few_tokens = 64
+
     def __init__(self, groups: list[KVCacheGroupSpec], max_num_reqs: int, max_num_tokens: int,
                  max_model_len: int, device: torch.device) -> None:
         self.groups = groups
@@ -96,18 +101,32 @@ class InputBuffers:
         if not chunks:
             raise ValueError("a step needs at least one request")
         n_real = len(chunks)
-        qlens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=n_real)
-        starts = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=n_real)
-        nlog = np.fromiter((c.num_logits for c in chunks), dtype=np.int64, count=n_real)
-        if (nlog < 0).any() or (nlog > qlens).any():
-            raise ValueError("each chunk needs 0 <= num_logits <= its number of tokens")
-        t_real = int(qlens.sum())
+        t_real = sum(len(c.token_ids) for c in chunks)
+        for c in chunks:
+            if not 0 <= c.num_logits <= len(c.token_ids):
+                raise ValueError("each chunk needs 0 <= num_logits <= its number of tokens")
         r = n_real if num_reqs is None else num_reqs
         t = t_real if num_tokens is None else num_tokens
         if r > self.max_num_reqs or t > self.max_num_tokens or r < n_real or t < t_real:
             raise ValueError(f"step of {n_real} requests / {t_real} tokens (padded {r} / {t}) does not fit the "
                              f"input buffers ({self.max_num_reqs} / {self.max_num_tokens})")
         self._wait_for_upload()
+        num_logits = sum(c.num_logits for c in chunks)
+        padded = max(num_logits, num_logits_padded or 0)
+        fill = self._fill_few if t_real <= self.few_tokens else self._fill_many
+        max_q, max_seq = fill(chunks, r, t, t_real, num_logits, padded)
+        self._upload(r, t, padded)
+        step = self.view(r, t, max_query_len if max_query_len is not None else max_q, max_seq, padded)
+        step.num_logits_per_req = [c.num_logits for c in chunks]
+        return step
+
+    def _fill_many(self, chunks: list[Chunk], r: int, t: int, t_real: int, num_logits: int,
+                   padded: int) -> tuple[int, int]:
+        """`load`'s staging writes in NumPy passes over the tokens; returns (longest query, longest KV)."""
+        n_real = len(chunks)
+        qlens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=n_real)
+        starts = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=n_real)
+        nlog = np.fromiter((c.num_logits for c in chunks), dtype=np.int64, count=n_real)
         h = self._np
         qsl = h["query_start_loc"][:r + 1]
         qsl[0] = 0
@@ -127,30 +146,74 @@ class InputBuffers:
         real_pos = pos[:t_real]
         for g in self.groups:
             gid, bs = g.group_id, g.spec.block_size
-            bt = h["block_tables"][gid, :r]
-            kept = self._rows[gid]
-            for i, c in enumerate(chunks):
-                update_block_table_row(bt[i], kept[i], c.block_tables[gid], self.max_blocks)
-            for i in range(n_real, r):  # padding requests read the null block
-                if kept[i]:
-                    update_block_table_row(bt[i], kept[i], [], self.max_blocks)
+            bt = self._stage_block_tables(chunks, r, gid)
             blk = bt[req_of_tok, np.minimum(real_pos // bs, self.max_blocks - 1)]
             if (blk == NULL_BLOCK).any():
                 raise RuntimeError(f"a new token maps to a released or unallocated block in group {gid}")
             slots = h["slot_mappings"][gid, :t]
             slots[:t_real] = blk.astype(np.int64) * bs + real_pos % bs
             slots[t_real:] = -1
-        num_logits = int(nlog.sum())
-        padded = max(num_logits, num_logits_padded or 0)
         li = h["logits_indices"][:padded]
         # a chunk's logits rows are its last num_logits tokens: ends - num_logits + 0 .. num_logits - 1
         li[:num_logits] = np.repeat(qsl[1:n_real + 1] - np.cumsum(nlog), nlog) + np.arange(num_logits)
         li[num_logits:] = 0
-        self._upload(r, t, padded)
-        step = self.view(r, t, max_query_len if max_query_len is not None else int(qlens.max()),
-                         int(seq.max()), padded)
-        step.num_logits_per_req = nlog.tolist()
-        return step
+        return int(qlens.max()), int(seq.max())
+
+    def _fill_few(self, chunks: list[Chunk], r: int, t: int, t_real: int, num_logits: int,
+                  padded: int) -> tuple[int, int]:
+        """What `_fill_many` writes, in plain Python over the tokens: for the few tokens of a decode, verify or draft
+        step, where each of _fill_many's two dozen NumPy calls costs more than the arithmetic it does."""
+        ends, seqs, ids, pos, rows = [], [], [], [], []
+        end = 0
+        for c in chunks:
+            q = len(c.token_ids)
+            ids += c.token_ids
+            pos += range(c.start_pos, c.start_pos + q)
+            rows += range(end + q - c.num_logits, end + q)
+            end += q
+            ends.append(end)
+            seqs.append(c.start_pos + q)
+        h, n_real = self._np, len(chunks)
+        qsl = h["query_start_loc"]
+        qsl[0] = 0
+        qsl[1:n_real + 1] = ends
+        qsl[n_real + 1:r + 1] = t_real
+        seq = h["seq_lens"]
+        seq[:n_real] = seqs
+        seq[n_real:r] = 0
+        h["input_ids"][:t_real] = ids
+        h["input_ids"][t_real:t] = 0
+        h["positions"][:t_real] = pos
+        h["positions"][t_real:t] = 0
+        for g in self.groups:
+            gid, bs = g.group_id, g.spec.block_size
+            self._stage_block_tables(chunks, r, gid)
+            slots = []
+            for c in chunks:
+                table = c.block_tables[gid]
+                for p in range(c.start_pos, c.start_pos + len(c.token_ids)):
+                    i = p // bs
+                    blk = table[i] if i < len(table) and i < self.max_blocks else NULL_BLOCK
+                    if blk == NULL_BLOCK:
+                        raise RuntimeError(f"a new token maps to a released or unallocated block in group {gid}")
+                    slots.append(blk * bs + p % bs)
+            h["slot_mappings"][gid, :t_real] = slots
+            h["slot_mappings"][gid, t_real:t] = -1
+        li = h["logits_indices"]
+        li[:num_logits] = rows
+        li[num_logits:padded] = 0
+        return max(len(c.token_ids) for c in chunks), max(seqs)
+
+    def _stage_block_tables(self, chunks: list[Chunk], r: int, gid: int) -> np.ndarray:
+        """Group gid's staging rows [r, max_blocks] holding the chunks' block tables, then null rows for padding."""
+        bt = self._np["block_tables"][gid, :r]
+        kept = self._rows[gid]
+        for i, c in enumerate(chunks):
+            update_block_table_row(bt[i], kept[i], c.block_tables[gid], self.max_blocks)
+        for i in range(len(chunks), r):  # padding requests read the null block
+            if kept[i]:
+                update_block_table_row(bt[i], kept[i], [], self.max_blocks)
+        return bt
 
     def load_dummy(self, num_reqs: int, query_len: int) -> StepInput:
         """A padding-only step of num_reqs requests with query_len tokens each, reading the null block and

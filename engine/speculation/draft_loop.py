@@ -64,7 +64,15 @@ class DraftLoop:
         # [max_num_reqs, max_k, V] float32 Exp(1) noise, drawn before the loop (seeded rows from their own
         # generator), so graph replays need no random-number state.
         self.noise = torch.ones(r, self.max_k, v, dtype=torch.float32, device=dev)
-        self.num_draft = torch.zeros(r, dtype=torch.int64, device=dev)  # [max_num_reqs] int64
+        # [2, max_num_reqs] int64: per row its draft count (num_draft) and column-0 guess mode (guess, below),
+        # staged in pinned memory and uploaded in one copy, and only when they differ from the last proposal's.
+        self._row_settings = torch.zeros(2, r, dtype=torch.int64, device=dev)
+        pin = dev.type == "cuda"
+        self._row_settings_host = torch.zeros(2, r, dtype=torch.int64, pin_memory=pin)
+        self._row_settings_np = self._row_settings_host.numpy()
+        self._row_settings_key: tuple | None = None  # (batch, ks, guesses) now on the device
+        self._row_settings_copied = torch.cuda.Event() if pin else None
+        self.num_draft = self._row_settings[0]  # [max_num_reqs] int64
         self.temperature = torch.zeros(r, dtype=torch.float32, device=dev)  # [max_num_reqs] float32
         self.top_p = torch.ones(r, dtype=torch.float32, device=dev)  # [max_num_reqs] float32
         self.top_k = torch.zeros(r, dtype=torch.int64, device=dev)  # [max_num_reqs] int64
@@ -74,7 +82,8 @@ class DraftLoop:
         # [max_num_reqs, max_k] int64: per row and step, the most likely token other than the one drawn there.
         self.alt = torch.zeros(r, self.max_k, dtype=torch.int64, device=dev) if alternatives else None
         # [max_num_reqs] int64: column 0 is drawn as usual (0), the argmax (1, via noise 1) or the runner-up (2).
-        self.guess = torch.zeros(r, dtype=torch.int64, device=dev)
+        self.guess = self._row_settings[1]
+        self._cols = torch.arange(self.max_k, device=dev)  # [max_k] int64: column numbers, to mask past a row's k
         sizes = {g.spec.block_size for g in runner.buffers.groups}
         if len(sizes) != 1:  # the engine gives every KV-cache group its block_size
             raise ValueError(f"the draft loop needs one block size for all KV-cache groups, got {sorted(sizes)}")
@@ -153,6 +162,25 @@ class DraftLoop:
                             else self._next_step(b, greedy)), warmup=0)
                         (self.first_graphs if first else self.next_graphs)[(b, greedy)] = graph
 
+    def _set_row_settings(self, b: int, ks: list[int], guesses: list[int]) -> None:
+        """Rows [:b] of num_draft and guess hold ks and guesses, then 0 for padding rows (no drafts, greedy): one
+        copy, skipped when the last proposal left the same (successive proposals mostly share both)."""
+        key = (b, tuple(ks), tuple(guesses))
+        if key == self._row_settings_key:
+            return
+        if self._row_settings_copied is not None:
+            # SYNC: only until the last upload of these rows has run (long done: a proposal's outputs are read
+            # back before its settings change); the pinned rows must not be rewritten before the DMA read them.
+            self._row_settings_copied.synchronize()
+        rows, n = self._row_settings_np, len(ks)
+        rows[0, :n] = ks
+        rows[1, :n] = guesses
+        rows[:, n:b] = 0
+        self._row_settings.copy_(self._row_settings_host, non_blocking=True)
+        if self._row_settings_copied is not None:
+            self._row_settings_copied.record()
+        self._row_settings_key = key
+
     def _mixed_key(self, chunks: list[Chunk]) -> tuple[int, int, int] | None:
         """The runner's mixed graph for a first step of these chunks (one logits row each), if one holds them. Its
         rows are the largest batch bucket, from the same config as the loop's, so they cover the loop's bucket."""
@@ -193,13 +221,7 @@ class DraftLoop:
         # a later step's shape, so the later step's graph runs it: rows of one token, not two padded.
         one_token = first_graph and all(len(c.token_ids) == 1 for c in chunks)
         dev = self.runner.device
-        # Per-row settings (padding rows: no drafts, greedy).
-        k_t = torch.zeros(b, dtype=torch.int64)
-        k_t[:n] = torch.tensor(ks, dtype=torch.int64)
-        self.num_draft[:b].copy_(k_t, non_blocking=True)
-        g_t = torch.zeros(b, dtype=torch.int64)
-        g_t[:n] = torch.tensor(guesses, dtype=torch.int64)
-        self.guess[:b].copy_(g_t, non_blocking=True)
+        self._set_row_settings(b, ks, guesses)
         if not greedy:
             self.temperature[:n].copy_(md.temperature)
             self.top_p[:n].copy_(md.top_p)
@@ -249,8 +271,7 @@ class DraftLoop:
             else:
                 self._next_step(b, greedy)
         ids = self.ids[:n, :max_k].clone()
-        cols = torch.arange(max_k, device=dev)
-        ids.masked_fill_(cols[None, :] >= self.num_draft[:n, None], -1)
+        ids.masked_fill_(self._cols[None, :max_k] >= self.num_draft[:n, None], -1)
         probs = self.probs[:n, :max_k] if (self.probs is not None and not greedy) else None
         return ids, probs
 
