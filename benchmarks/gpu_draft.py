@@ -28,12 +28,14 @@ from engine.speculation.draft_loop import DraftLoop
 def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: bool, steps: int,
             small_m_rows: int = EngineConfig.small_m_rows, token_map: str | None = None,
             phases: dict | None = None, catch_up: int = 2, bandwidth: float | None = None,
-            persistent_rows: int = 0, host_profile: int = 0) -> float:
+            persistent_rows: int = 0, host_profile: int = 0, max_model_len: int = 0) -> float:
     """ms per draft token; with phases (a dict, graphs only) also the first step's graph replay alone (catch-up of
     two tokens a request: 2 x batch rows) and a later step's (batch rows), as `first_step_ms` and `next_step_ms`,
     the host's time to queue a loop, `loop_host_ms`, and with `bandwidth` (bytes/s) the floor of a draft token,
-    `floor_kv_ms`: the weights and every request's KV of its context read once."""
+    `floor_kv_ms`: the weights and every request's KV of its context read once. max_model_len: the model's longest
+    context if above the run's own (graphs size the attention's splits from it)."""
     max_len = context + 64 + ((2 + k) * (steps + 5) if phases is not None else 0)  # room for the replays alone
+    max_len = max(max_len, max_model_len)
     cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=max_len, max_num_seqs=batch,
                        kv_cache_memory_bytes=kv_memory_bytes(name, batch, max_len, 2 << 30), enforce_eager=not graphs,
                        num_speculative_tokens=k,

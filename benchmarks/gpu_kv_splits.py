@@ -5,7 +5,8 @@ under the engine's split rule and under alternatives, with the floor (weights an
 A rule is (most splits, waves of programs per SM, fewest key tiles per split); the engine's is
 engine/kernels/paged_attention.py's `_auto_splits`. Graphs choose their splits from the block table's width (the
 model's longest context), so each context here runs with max_model_len just above it, as a long-context
-deployment would.
+deployment would; `--max-model-len` instead sizes every run for that longest context (short requests served by a
+long-context deployment).
 
     python benchmarks/gpu_kv_splits.py --contexts 512,8192,32768 --batch 1,8 --rules 16:1:1,64:4:4 --out out.json
 """
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rules", default="engine,16:1:1,64:4:4,64:8:8",
                     help="comma-separated; 'engine' is the engine's own rule, else max_splits:waves:min_tiles")
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="the model's longest context for every run (0: just above each run's context)")
     ap.add_argument("--out")
     args = ap.parse_args()
     engine_rule = pa._auto_splits
@@ -52,18 +55,18 @@ def main() -> None:
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batch.split(",")):
-            row = {"context": context, "batch": batch}
+            row = {"context": context, "batch": batch, "max_model_len": args.max_model_len or "context"}
             for rule in args.rules.split(","):
                 pa._auto_splits = engine_rule if rule == "engine" else split_rule(*map(int, rule.split(":")))
                 phases: dict = {}
                 row[f"{rule}_ms"] = loop_ms(args.shape, batch, args.k, context, True, True, args.steps,
-                                            phases=phases, bandwidth=bandwidth)
+                                            phases=phases, bandwidth=bandwidth, max_model_len=args.max_model_len)
                 row["floor_kv_ms"] = phases["floor_kv_ms"]
                 torch.cuda.empty_cache()
             pa._auto_splits = engine_rule
             rows.append(row)
             print(row, flush=True)
-    cols = ["context", "batch", "floor_kv_ms"] + [f"{r}_ms" for r in args.rules.split(",")]
+    cols = ["context", "batch", "max_model_len", "floor_kv_ms"] + [f"{r}_ms" for r in args.rules.split(",")]
     print(f"{args.shape} draft loop (k={args.k}), ms per draft token; rules max_splits:waves:min_tiles")
     print(markdown_table(rows, cols))
     save_json(args.out, {"env": environment(), "args": vars(args), "bandwidth_Bps": bandwidth, "rows": rows})

@@ -45,6 +45,8 @@ MIXED = ([1, 3, 0, 17, 1, 5], [40, 14, 0, 29, 0, 59])
 DECODE = ([1, 1, 0, 1], [33, 16, 5, 70])
 VERIFY = ([5, 5, 5], [12, 31, 0])
 LONG = ([1, 4, 0, 1], [300, 190, 0, 64])  # several key tiles per request: for splits of the keys
+# More key tiles than one chunk of the combine's splits (16): a grid of 32 splits has 18-35 live ones here.
+LONGER = ([1, 2], [1100, 20])
 
 
 def _check_attention(case, atol: float, rtol: float, splits: int | None = None) -> None:
@@ -72,9 +74,11 @@ def test_paged_attention_matches_reference(num_heads, num_kv_heads, head_dim):
             case = attention_case(num_heads, num_kv_heads, head_dim, block_size, *MIXED, window, torch.float32,
                                   seed=block_size + (window or 0))
             _check_attention(case, atol=2e-5, rtol=1e-4)
-    # fp16; and flash-decoding splits of the keys (some splits of the short requests see no key at all).
+    # fp16; and flash-decoding splits of the keys: some splits of the short requests see no key at all, and a grid
+    # of more splits than a request has tiles leaves most of them idle (the combine must read the live ones only).
     for lens, window, splits in ((DECODE, None, 1), (DECODE, 7, 4), (VERIFY, None, 4), (VERIFY, 9, 1),
-                                 (LONG, None, 4), (LONG, 100, 8)):
+                                 (LONG, None, 4), (LONG, 100, 8), (LONG, None, 32), (LONGER, None, 32),
+                                 (LONGER, 300, 32)):
         case = attention_case(num_heads, num_kv_heads, head_dim, 16, *lens, window, torch.float16, seed=head_dim)
         _check_attention(case, atol=2e-3, rtol=2e-3, splits=splits)
 
@@ -108,6 +112,18 @@ def test_paged_attention_rejects_bad_shapes():
     case.sliding_window = 0
     with pytest.raises(ValueError, match="sliding_window"):
         paged_attention.paged_attention_ref(*case.args(torch.empty_like(case.query)))
+
+
+def test_split_rule_goes_wide_for_a_tiny_grid_only(monkeypatch):
+    """Batch 1 (8 programs on 132 SMs) splits its keys up to 64 ways, never into more splits than key tiles; a grid of
+    a batch of 8 keeps the one-rule-for-all `_auto_splits`; off CUDA nothing is split."""
+    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert paged_attention._decode_splits(8, 512, cuda) == 64
+    assert paged_attention._decode_splits(8, 8, cuda) == 8
+    assert paged_attention._auto_splits(8, 512, cuda) == 16
+    assert paged_attention._decode_splits(64, 512, cuda) == paged_attention._auto_splits(64, 512, cuda) == 4
+    assert paged_attention._decode_splits(8, 512, torch.device("cpu")) == 1
 
 
 @pytest.mark.skipif(INTERPRETED, reason="checks the error outside the interpreter")

@@ -18,7 +18,9 @@ them): inside a CUDA graph the per-request lengths change between replays, so ev
 device memory. Small decode / verify batches would leave most SMs idle (batch 1 of an 8-KV-head model: 8
 programs), so their keys are split over several programs (flash-decoding) whose partial results a small
 second kernel combines; measured on an H100 (bf16, 32q/8kv heads, d128, 1024 keys, in a CUDA graph): batch 1
-22.4 -> 6.2 us, batch 8 25.4 -> 12.8 us (1.13x the KV-read floor), batch 32 51 us unsplit (1.12x).
+22.4 -> 6.2 us, batch 8 25.4 -> 12.8 us (1.13x the KV-read floor), batch 32 51 us unsplit (1.12x). The split count is
+fixed by the grid (sized for the longest context); each request uses as many splits as its key tiles fill and the
+combine reads only those, so a grid wide enough for 32k tokens costs a short request little.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ __all__ = ["HAS_TRITON", "compiled_variant", "kernel_variant", "paged_attention"
 @triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-        partial_ptr, partial_ml_ptr,  # split-KV workspace (read only when SPLIT)
+        partial_ptr, partial_ml_ptr, partial_live_ptr,  # split-KV workspace (read only when SPLIT)
         num_heads,
         num_splits,  # programs sharing one request's keys (1 unless SPLIT)
         scale_log2,  # softmax scale * log2(e): the kernel uses exp2
@@ -88,8 +90,15 @@ def _paged_attention_kernel(
         tile_lo = kv_start // TILE_N
         tile_hi = tl.cdiv(kv_end, TILE_N)
         if SPLIT:
-            # Flash-decoding: this program takes one contiguous share of the tiles (possibly none).
-            per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
+            # Flash-decoding: this program takes one contiguous share of the tiles. The split count is the grid's,
+            # sized for the longest context the graph may see; a shorter context has fewer shares (`live` splits)
+            # and the programs past them load no key and write nothing: the combine reads the live ones alone.
+            per_split = tl.maximum(tl.cdiv(tile_hi - tile_lo, num_splits), 1)
+            live = tl.cdiv(tile_hi - tile_lo, per_split)
+            if split == 0:
+                tl.store(partial_live_ptr + q_rows * num_heads + head, live.to(tl.int32), mask=row_valid)
+            # [BLOCK_M] bool, the same for every row: past the live splits a share is empty (tile_lo >= tile_hi).
+            go = tl.full([BLOCK_M], split, dtype=tl.int32) < live
             tile_lo = tile_lo + split * per_split
             tile_hi = tl.minimum(tile_hi, tile_lo + per_split)
 
@@ -132,36 +141,58 @@ def _paged_attention_kernel(
             tl.store(o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dim[None, :] * stride_od,
                      acc.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
         else:
-            # Unnormalised partial results; a split that saw no key writes m = floor, l = 0, acc = 0.
+            # Unnormalised partial results of a live split (each sees at least one tile).
             slot = (q_rows * num_heads + head) * num_splits + split  # [BLOCK_M] workspace row
-            tl.store(partial_ptr + slot[:, None] * HEAD_DIM_P + dim[None, :], acc, mask=row_valid[:, None])
-            tl.store(partial_ml_ptr + slot * 2, m_i, mask=row_valid)
-            tl.store(partial_ml_ptr + slot * 2 + 1, l_i, mask=row_valid)
+            stored = row_valid & go
+            tl.store(partial_ptr + slot[:, None] * HEAD_DIM_P + dim[None, :], acc, mask=stored[:, None])
+            tl.store(partial_ml_ptr + slot * 2, m_i, mask=stored)
+            tl.store(partial_ml_ptr + slot * 2 + 1, l_i, mask=stored)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _combine_splits_kernel(
-        o_ptr, partial_ptr, partial_ml_ptr, query_start_loc_ptr, num_reqs, num_heads, num_splits,
+        o_ptr, partial_ptr, partial_ml_ptr, partial_live_ptr, query_start_loc_ptr, num_reqs, num_heads, num_splits,
         stride_ot, stride_oh, stride_od,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr):
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLIT_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     token = tl.program_id(0)
     head = tl.program_id(1)
     # Tokens past the last request's are graph padding: their workspace rows were never written.
     if token < tl.load(query_start_loc_ptr + num_reqs):
-        splits = tl.arange(0, SPLITS_P)  # [SPLITS_P]
-        live = splits < num_splits
+        row = token.to(tl.int64) * num_heads + head
+        live = tl.load(partial_live_ptr + row)  # splits that wrote a partial result for this (token, head)
+        first = row * num_splits
+        lanes = tl.arange(0, SPLIT_CHUNK)  # [SPLIT_CHUNK]
         dim = tl.arange(0, HEAD_DIM_P)  # [HEAD_DIM_P]
-        slot = (token.to(tl.int64) * num_heads + head) * num_splits + splits  # [SPLITS_P]
-        # Lanes past num_splits weigh exp2(floor - max) = 0 and add nothing.
-        m = tl.load(partial_ml_ptr + slot * 2, mask=live, other=-1.0e30)  # [SPLITS_P] log2-domain maxima
-        weight = tl.exp2(m - tl.max(m, 0))  # [SPLITS_P]
-        denom = tl.sum(weight * tl.load(partial_ml_ptr + slot * 2 + 1, mask=live, other=0.0), 0)
-        acc = tl.load(partial_ptr + slot[:, None] * HEAD_DIM_P + dim[None, :], mask=live[:, None],
-                      other=0.0)  # [SPLITS_P, HEAD_DIM_P]
-        out = tl.sum(acc * weight[:, None], 0) / denom  # [HEAD_DIM_P]
+        # The first SPLIT_CHUNK splits are loaded without waiting for `live` (every lane below num_splits exists in
+        # the workspace), and lanes past it, stale or never written, are dropped after the load: a short request
+        # combines in one round trip, as before splits could outnumber its tiles.
+        exists = lanes < num_splits  # [SPLIT_CHUNK]
+        slot = first + lanes  # [SPLIT_CHUNK]
+        m = tl.load(partial_ml_ptr + slot * 2, mask=exists, other=-1.0e30)  # [SPLIT_CHUNK] log2-domain maxima
+        l_sum = tl.load(partial_ml_ptr + slot * 2 + 1, mask=exists, other=0.0)  # [SPLIT_CHUNK]
+        part = tl.load(partial_ptr + slot[:, None] * HEAD_DIM_P + dim[None, :], mask=exists[:, None],
+                       other=0.0)  # [SPLIT_CHUNK, HEAD_DIM_P]
+        ok = lanes < live
+        m = tl.where(ok, m, -1.0e30)
+        m_run = tl.max(m, 0)
+        weight = tl.exp2(m - m_run)  # [SPLIT_CHUNK]; 0 past live
+        denom = tl.sum(weight * tl.where(ok, l_sum, 0.0), 0)
+        acc = tl.sum(tl.where(ok[:, None], part, 0.0) * weight[:, None], 0)  # [HEAD_DIM_P]; garbage past live dropped
+        # A wide grid's long request: the further splits SPLIT_CHUNK at a time, rescaled online.
+        for c in range(SPLIT_CHUNK, live, SPLIT_CHUNK):
+            ok = c + lanes < live
+            slot = first + c + lanes
+            m = tl.load(partial_ml_ptr + slot * 2, mask=ok, other=-1.0e30)
+            m_new = tl.maximum(m_run, tl.max(m, 0))
+            rescale = tl.exp2(m_run - m_new)
+            weight = tl.exp2(m - m_new)
+            denom = denom * rescale + tl.sum(weight * tl.load(partial_ml_ptr + slot * 2 + 1, mask=ok, other=0.0), 0)
+            part = tl.load(partial_ptr + slot[:, None] * HEAD_DIM_P + dim[None, :], mask=ok[:, None], other=0.0)
+            acc = acc * rescale + tl.sum(part * weight[:, None], 0)
+            m_run = m_new
         tl.store(o_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dim * stride_od,
-                 out.to(o_ptr.dtype.element_ty), mask=dim < HEAD_DIM)
+                 (acc / denom).to(o_ptr.dtype.element_ty), mask=dim < HEAD_DIM)
 
 
 def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf16/fp16/fp32
@@ -202,15 +233,17 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
     block_m, m_blocks, splits = kernel_variant(num_reqs, max_query_len, heads_per_kv, num_kv_heads, head_dim,
                                                block_table.shape[1] * block_size, query.device, num_kv_splits)
     tile_n = _tile_n(head_dim)
-    partial = partial_ml = out  # never read with one split
+    partial = partial_ml = partial_live = out  # never read with one split
     if splits > 1:
         num_tokens = query.shape[0]
         partial = torch.empty(num_tokens, num_heads, splits, head_dim_p, dtype=torch.float32, device=out.device)
         partial_ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=out.device)
+        partial_live = torch.empty(num_tokens, num_heads, dtype=torch.int32, device=out.device)
     grid = (m_blocks, num_reqs, num_kv_heads * splits)
     launch(
         _paged_attention_kernel, grid, query.device,
-        query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, partial, partial_ml, num_heads,
+        query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, partial, partial_ml, partial_live,
+        num_heads,
         splits, scale * math.log2(math.e), sliding_window or 0,
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, HEADS_PER_KV=heads_per_kv, BLOCK_SIZE=block_size,
@@ -221,8 +254,8 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
     if splits > 1:
         launch(
             _combine_splits_kernel, (query.shape[0], num_heads), query.device,
-            out, partial, partial_ml, query_start_loc, num_reqs, num_heads, splits, *out.stride(),
-            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=max(MAX_AUTO_SPLITS, splits),
+            out, partial, partial_ml, partial_live, query_start_loc, num_reqs, num_heads, splits, *out.stride(),
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLIT_CHUNK=16,
             num_warps=1 if head_dim_p <= 128 else 2)
 
 
@@ -237,7 +270,7 @@ def kernel_variant(num_reqs: int, max_query_len: int, heads_per_kv: int, num_kv_
     max_tiles = triton.cdiv(max_keys, _tile_n(head_dim))  # host-side bound of any request's tiles
     splits = num_kv_splits
     if splits is None:
-        splits = _auto_splits(m_blocks * num_reqs * num_kv_heads, max_tiles, device)
+        splits = _decode_splits(m_blocks * num_reqs * num_kv_heads, max_tiles, device)
     return block_m, m_blocks, splits
 
 
@@ -263,6 +296,25 @@ def _auto_splits(programs: int, max_tiles: int, device: torch.device) -> int:
         return 1
     splits = 1
     while splits < MAX_AUTO_SPLITS and programs * splits * 2 <= 2 * _num_sms(device) and splits * 2 <= max_tiles:
+        splits *= 2
+    return splits
+
+
+# A grid of at most one program per 16 SMs before splitting (batch 1 of an 8-KV-head model: 8 programs) splits its keys
+# up to WIDE_SPLITS ways, four programs an SM. On one H200 a Qwen3-0.6B draft token at batch 1 took 1.39 -> 1.19 ms at
+# 8k tokens of context and 2.95 -> 2.15 ms at 32k against `_auto_splits`' 16 splits, and the Qwen3-8B decode step at
+# 32k 6.89 -> 6.29 ms; at batch 8 the wide rule was 3-4% slower, so larger grids keep `_auto_splits`
+# (benchmarks/RESULTS.md, "Flash-decoding splits at batch 1").
+WIDE_SPLITS = 64
+
+
+def _decode_splits(programs: int, max_tiles: int, device: torch.device) -> int:
+    """Paged attention's splits: `_auto_splits`, or for a tiny grid up to WIDE_SPLITS within four programs an SM.
+    A request shorter than the grid's longest context uses only the splits its tiles fill (the kernel's `live`)."""
+    if device.type != "cuda" or programs * 16 > _num_sms(device):
+        return _auto_splits(programs, max_tiles, device)
+    splits = 1
+    while splits < WIDE_SPLITS and programs * splits * 2 <= 4 * _num_sms(device) and splits * 2 <= max_tiles:
         splits *= 2
     return splits
 

@@ -100,6 +100,50 @@ def test_paged_attention_in_cuda_graph_follows_inputs_changed_in_place():
         assert float(out[:n].abs().sum()) > 0
 
 
+def test_wide_split_grid_in_cuda_graph_uses_each_requests_own_splits():
+    """Batch 1 of an 8-KV-head model gets a wide grid (more than 16 splits, sized for a 4096-key block table). Replays
+    over 3000, 40, 1500 and again 40 keys use 47, 1, 24 and 1 of its splits: each must equal the reference, the short
+    ones reading none of the partial results a longer replay left in the workspace."""
+    from engine.kernels.paged_attention import kernel_variant
+
+    dtype, shape = torch.bfloat16, dict(num_heads=16, num_kv_heads=8, head_dim=128, block_size=16)
+    kv = torch.zeros(2, 300, 16, 8, 128, dtype=dtype, device="cuda")
+    q = torch.zeros(1, 16, 128, dtype=dtype, device="cuda")
+    out = torch.zeros_like(q)
+    qsl = torch.zeros(2, dtype=torch.int32, device="cuda")
+    seq_lens = torch.zeros(1, dtype=torch.int32, device="cuda")
+    table = torch.zeros(1, 256, dtype=torch.int32, device="cuda")
+    splits = kernel_variant(1, 1, 2, 8, 128, 256 * 16, q.device)[2]
+    assert splits > 16, splits
+
+    def load(ctx: int, seed: int) -> None:
+        case = attention_case(**shape, query_lens=[1], context_lens=[ctx], sliding_window=None, dtype=dtype,
+                              device="cuda", seed=seed, padding_tokens=0)
+        kv.zero_()
+        kv[:, :case.kv_cache.shape[1]].copy_(case.kv_cache)
+        table.zero_()
+        table[:, :case.block_table.shape[1]].copy_(case.block_table)
+        q.copy_(case.query)
+        qsl.copy_(case.query_start_loc)
+        seq_lens.copy_(case.seq_lens)
+
+    args = (q, kv[0], kv[1], out, qsl, seq_lens, table, 128 ** -0.5, None, 1)
+    load(3000, seed=1)
+    paged_attention(*args)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(*args)
+    for seed, ctx in enumerate([2999, 39, 1499, 39]):
+        load(ctx, seed=10 + seed)
+        out.zero_()
+        graph.replay()
+        ref = torch.zeros_like(q)
+        paged_attention_ref(*args[:3], ref, *args[4:])
+        torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[dtype])
+        assert float(out.abs().sum()) > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_store_kv_sweep_and_graph_replay(dtype, slot_dtype):
