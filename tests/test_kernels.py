@@ -116,7 +116,7 @@ def test_paged_attention_rejects_bad_shapes():
 
 def test_split_rule_goes_wide_for_a_tiny_grid_only(monkeypatch):
     """Batch 1 (8 programs on 132 SMs) splits its keys up to 64 ways, never into more splits than key tiles; a grid of
-    a batch of 8 keeps the one-rule-for-all `_auto_splits`; off CUDA nothing is split."""
+    a batch of 8 keeps `_auto_splits` (two programs an SM, 4 splits); off CUDA nothing is split."""
     monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
     cuda = torch.device("cuda")
     assert paged_attention._decode_splits(8, 512, cuda) == 64

@@ -59,6 +59,18 @@ def test_paged_attention_sweep(dtype, block_size, shape):
                 raise AssertionError(f"{name}, window {window}: {e}") from e
 
 
+def _copy_case(case, q: torch.Tensor, kv: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,
+               table: torch.Tensor) -> None:
+    """Write an attention case into the fixed buffers a captured graph reads (caches and tables zero past it)."""
+    kv.zero_()
+    kv[:, :case.kv_cache.shape[1]].copy_(case.kv_cache)
+    table.zero_()
+    table[:, :case.block_table.shape[1]].copy_(case.block_table)
+    q.copy_(case.query)
+    qsl.copy_(case.query_start_loc)
+    seq_lens.copy_(case.seq_lens)
+
+
 def test_paged_attention_in_cuda_graph_follows_inputs_changed_in_place():
     """Captured once over fixed buffers (the grid comes from max_query_len alone); replays after other
     lengths, block tables, keys and queries were copied into those buffers must equal the reference."""
@@ -74,13 +86,7 @@ def test_paged_attention_in_cuda_graph_follows_inputs_changed_in_place():
     def load(q_lens: list[int], ctx: list[int], seed: int) -> None:
         case = attention_case(**shape, query_lens=q_lens, context_lens=ctx, sliding_window=None, dtype=dtype,
                               device="cuda", seed=seed, padding_tokens=num_tokens - sum(q_lens))
-        kv.zero_()
-        kv[:, :case.kv_cache.shape[1]].copy_(case.kv_cache)
-        table.zero_()
-        table[:, :case.block_table.shape[1]].copy_(case.block_table)
-        q.copy_(case.query)
-        qsl.copy_(case.query_start_loc)
-        seq_lens.copy_(case.seq_lens)
+        _copy_case(case, q, kv, qsl, seq_lens, table)
 
     args = (q, kv[0], kv[1], out, qsl, seq_lens, table, 128 ** -0.5, None, max_q)
     load([5, 1, 3, 0], [10, 200, 47, 0], seed=1)
@@ -119,13 +125,7 @@ def test_wide_split_grid_in_cuda_graph_uses_each_requests_own_splits():
     def load(ctx: int, seed: int) -> None:
         case = attention_case(**shape, query_lens=[1], context_lens=[ctx], sliding_window=None, dtype=dtype,
                               device="cuda", seed=seed, padding_tokens=0)
-        kv.zero_()
-        kv[:, :case.kv_cache.shape[1]].copy_(case.kv_cache)
-        table.zero_()
-        table[:, :case.block_table.shape[1]].copy_(case.block_table)
-        q.copy_(case.query)
-        qsl.copy_(case.query_start_loc)
-        seq_lens.copy_(case.seq_lens)
+        _copy_case(case, q, kv, qsl, seq_lens, table)
 
     args = (q, kv[0], kv[1], out, qsl, seq_lens, table, 128 ** -0.5, None, 1)
     load(3000, seed=1)
