@@ -193,7 +193,7 @@ class InputBuffers:
                 table = c.block_tables[gid]
                 for p in range(c.start_pos, c.start_pos + len(c.token_ids)):
                     i = p // bs
-                    blk = table[i] if i < len(table) and i < self.max_blocks else NULL_BLOCK
+                    blk = table[i] if i < len(table) else NULL_BLOCK  # tables past max_blocks were refused above
                     if blk == NULL_BLOCK:
                         raise RuntimeError(f"a new token maps to a released or unallocated block in group {gid}")
                     slots.append(blk * bs + p % bs)
