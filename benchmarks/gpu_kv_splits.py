@@ -3,7 +3,7 @@ loop of a Qwen3-0.6B shape (gpu_draft.loop_ms: ms per draft token, CUDA graphs, 
 under the engine's split rule and under alternatives, with the floor (weights and every request's KV read once).
 
 A rule is (most splits, waves of programs per SM, fewest key tiles per split); the engine's is
-engine/kernels/paged_attention.py's `_auto_splits`. Graphs choose their splits from the block table's width (the
+engine/kernels/attention_launch.py's `_auto_splits`. Graphs choose their splits from the block table's width (the
 model's longest context), so each context here runs with max_model_len just above it, as a long-context
 deployment would; `--max-model-len` instead sizes every run for that longest context (short requests served by a
 long-context deployment).
@@ -20,17 +20,17 @@ from common import environment, markdown_table, save_json
 from gpu_draft import loop_ms
 from gpu_shapes import copy_bandwidth
 
-import engine.kernels.paged_attention as pa
+import engine.kernels.attention_launch as al
 
 
 def split_rule(max_splits: int, waves: int, min_tiles: int):
-    """A replacement for paged_attention._auto_splits: double the splits while the grid stays within `waves`
+    """A replacement for attention_launch._auto_splits: double the splits while the grid stays within `waves`
     programs per SM, each split keeps at least `min_tiles` key tiles, and at most `max_splits`."""
     def auto_splits(programs: int, max_tiles: int, device: torch.device) -> int:
         if device.type != "cuda":
             return 1
         splits = 1
-        while (splits < max_splits and programs * splits * 2 <= waves * pa._num_sms(device)
+        while (splits < max_splits and programs * splits * 2 <= waves * al._num_sms(device)
                and splits * 2 * min_tiles <= max_tiles):
             splits *= 2
         return splits
@@ -50,20 +50,20 @@ def main() -> None:
                     help="the model's longest context for every run (0: just above each run's context)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    engine_rule = pa._auto_splits
+    engine_rule = al._auto_splits
     bandwidth = copy_bandwidth()
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batch.split(",")):
             row = {"context": context, "batch": batch, "max_model_len": args.max_model_len or "context"}
             for rule in args.rules.split(","):
-                pa._auto_splits = engine_rule if rule == "engine" else split_rule(*map(int, rule.split(":")))
+                al._auto_splits = engine_rule if rule == "engine" else split_rule(*map(int, rule.split(":")))
                 phases: dict = {}
                 row[f"{rule}_ms"] = loop_ms(args.shape, batch, args.k, context, True, True, args.steps,
                                             phases=phases, bandwidth=bandwidth, max_model_len=args.max_model_len)
                 row["floor_kv_ms"] = phases["floor_kv_ms"]
                 torch.cuda.empty_cache()
-            pa._auto_splits = engine_rule
+            al._auto_splits = engine_rule
             rows.append(row)
             print(row, flush=True)
     cols = ["context", "batch", "max_model_len", "floor_kv_ms"] + [f"{r}_ms" for r in args.rules.split(",")]

@@ -17,7 +17,7 @@ import torch
 from interpreter_children import assert_pytest_children_pass, split_by
 from kernel_support import attention_case, poison_outside_window, rejection_case
 
-from engine.kernels import kv_store, paged_attention, rejection
+from engine.kernels import attention_launch, kv_store, paged_attention, rejection
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.speculation import rejection_sampler
 
@@ -76,11 +76,17 @@ def test_paged_attention_matches_reference(num_heads, num_kv_heads, head_dim):
             _check_attention(case, atol=2e-5, rtol=1e-4)
     # fp16; and flash-decoding splits of the keys: some splits of the short requests see no key at all, and a grid
     # of more splits than a request has tiles leaves most of them idle (the combine must read the live ones only).
+    # At head dim 128 the launch picks 64- or 128-key tiles by a split's share of keys (attention_launch); both occur.
+    tiles = set()
     for lens, window, splits in ((DECODE, None, 1), (DECODE, 7, 4), (VERIFY, None, 4), (VERIFY, 9, 1),
                                  (LONG, None, 4), (LONG, 100, 8), (LONG, None, 32), (LONGER, None, 32),
-                                 (LONGER, 300, 32)):
+                                 (LONGER, 300, 32), (LONG, 100, 1), (LONGER, 300, 4)):
         case = attention_case(num_heads, num_kv_heads, head_dim, 16, *lens, window, torch.float16, seed=head_dim)
         _check_attention(case, atol=2e-3, rtol=2e-3, splits=splits)
+        tiles.add(attention_launch.kernel_variant(len(lens[0]), max(lens[0]), num_heads // num_kv_heads, num_kv_heads,
+                                                  head_dim, case.block_table.shape[1] * 16, case.query.device,
+                                                  splits).tile_n)
+    assert tiles == ({64, 128} if head_dim == 128 else {64} if head_dim == 64 else {32}), tiles
 
 
 @interpreted
@@ -117,13 +123,37 @@ def test_paged_attention_rejects_bad_shapes():
 def test_split_rule_goes_wide_for_a_tiny_grid_only(monkeypatch):
     """Batch 1 (8 programs on 132 SMs) splits its keys up to 64 ways, never into more splits than key tiles; a grid of
     a batch of 8 keeps `_auto_splits` (two programs an SM, 4 splits); off CUDA nothing is split."""
-    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(attention_launch, "_num_sms", lambda device: 132)
     cuda = torch.device("cuda")
-    assert paged_attention._decode_splits(8, 512, cuda) == 64
-    assert paged_attention._decode_splits(8, 8, cuda) == 8
-    assert paged_attention._auto_splits(8, 512, cuda) == 16
-    assert paged_attention._decode_splits(64, 512, cuda) == paged_attention._auto_splits(64, 512, cuda) == 4
-    assert paged_attention._decode_splits(8, 512, torch.device("cpu")) == 1
+    assert attention_launch._decode_splits(8, 512, cuda) == 64
+    assert attention_launch._decode_splits(8, 8, cuda) == 8
+    assert attention_launch._auto_splits(8, 512, cuda) == 16
+    assert attention_launch._decode_splits(64, 512, cuda) == attention_launch._auto_splits(64, 512, cuda) == 4
+    assert attention_launch._decode_splits(8, 512, torch.device("cpu")) == 1
+
+
+def test_key_tiles_follow_programs_an_sm(monkeypatch):
+    """A decode or verify launch (up to 32 rows a program) at head dim 128 picks its key tile and warps from how many
+    programs share an SM: four (a tiny grid's wide splits) whose splits hold 256 keys or more take 64 keys with 2 warps
+    (32 keys for 32 rows), about two take 128 keys with 4 warps (64 where a split's share of keys is shorter). Prefill
+    rows and other head dims keep 64 keys (32 at head dim 256); off CUDA the grid counts as one program an SM. The
+    tile and warps select the compiled kernel, so a runner's warm-up compiles each."""
+    monkeypatch.setattr(attention_launch, "_num_sms", lambda device: 132)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    variant = attention_launch.kernel_variant
+    qwen = dict(num_kv_heads=8, head_dim=128, max_keys=32768)
+    assert variant(1, 1, 2, device=cuda, **qwen)[2:] == (64, 64, 2)  # 512 programs of 512 keys
+    assert variant(1, 1, 2, 8, 128, 8192, cuda)[2:] == (64, 64, 4)  # 512 programs of 128 keys
+    assert variant(8, 1, 2, device=cuda, **qwen)[2:] == (4, 128, 4)  # 256
+    assert variant(1, 5, 4, device=cuda, **qwen)[2:] == (64, 32, 2)  # the 8B verify: 32 rows, 512 programs
+    assert variant(8, 5, 4, device=cuda, **qwen)[2:] == (4, 128, 4)
+    assert variant(2, 1, 2, 8, 128, 512, cuda)[2:] == (8, 64, 4)  # a split's share, 64 keys, under one wide tile
+    assert variant(1, 64, 2, device=cuda, **qwen).tile_n == 64  # 128 rows: a prefill's tiles
+    assert variant(1, 1, 2, device=cpu, **qwen)[2:] == (1, 128, 4)
+    assert variant(1, 1, 4, 1, 256, 32768, cuda)[3:] == (32, 4)  # head dim 256
+    assert variant(1, 1, 3, 3, 64, 32768, cuda)[3:] == (64, 4)  # head dim 64
+    tiny, batch8 = (attention_launch.compiled_variant(b, 1, 2, 8, 128, 32768, cuda) for b in (1, 8))
+    assert tiny == (16, True, 64, 2) and batch8 == (16, True, 128, 4)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="checks the error outside the interpreter")

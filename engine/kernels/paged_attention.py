@@ -25,14 +25,14 @@ combine reads only those, so a grid wide enough for 32k tokens costs a short req
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
+from engine.kernels.attention_launch import kernel_variant
 from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton, wait_for_previous_kernel
 
-__all__ = ["HAS_TRITON", "compiled_variant", "kernel_variant", "paged_attention", "paged_attention_ref"]
+__all__ = ["HAS_TRITON", "paged_attention", "paged_attention_ref"]
 
 
 # A value that changes from step to step must not pick a compiled variant (Triton specializes an int argument on
@@ -230,9 +230,9 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
         raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
     heads_per_kv = num_heads // num_kv_heads
     head_dim_p = triton.next_power_of_2(head_dim)
-    block_m, m_blocks, splits = kernel_variant(num_reqs, max_query_len, heads_per_kv, num_kv_heads, head_dim,
-                                               block_table.shape[1] * block_size, query.device, num_kv_splits)
-    tile_n = _tile_n(head_dim)
+    block_m, m_blocks, splits, tile_n, num_warps = kernel_variant(num_reqs, max_query_len, heads_per_kv, num_kv_heads,
+                                                                  head_dim, block_table.shape[1] * block_size,
+                                                                  query.device, num_kv_splits)
     partial = partial_ml = partial_live = out  # never read with one split
     if splits > 1:
         num_tokens = query.shape[0]
@@ -250,78 +250,13 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
         BLOCK_M=block_m, TILE_N=tile_n, HAS_WINDOW=sliding_window is not None,
         # fp32 caches: full-precision products (tl.dot would use TF32 on tensor cores otherwise).
         DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
-        num_warps=4 if block_m * head_dim_p <= 64 * 128 else 8)
+        num_warps=num_warps)
     if splits > 1:
         launch(
             _combine_splits_kernel, (query.shape[0], num_heads), query.device,
             out, partial, partial_ml, partial_live, query_start_loc, num_reqs, num_heads, splits, *out.stride(),
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLIT_CHUNK=16,
             num_warps=1 if head_dim_p <= 128 else 2)
-
-
-def kernel_variant(num_reqs: int, max_query_len: int, heads_per_kv: int, num_kv_heads: int, head_dim: int,
-                   max_keys: int, device: torch.device, num_kv_splits: int | None = None) -> tuple[int, int, int]:
-    """(BLOCK_M, M blocks, splits) of a launch, from host ints only. Compiled variants differ by BLOCK_M and by
-    whether the keys are split (the split count itself is a runtime argument), so `compiled_variant` of every
-    shape a runner may see is a small set that a warm-up can compile before the first request."""
-    rows = max_query_len * heads_per_kv  # upper bound of one request's (token, head) rows per KV head
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    m_blocks = triton.cdiv(rows, block_m)
-    max_tiles = triton.cdiv(max_keys, _tile_n(head_dim))  # host-side bound of any request's tiles
-    splits = num_kv_splits
-    if splits is None:
-        splits = _decode_splits(m_blocks * num_reqs * num_kv_heads, max_tiles, device)
-    return block_m, m_blocks, splits
-
-
-def compiled_variant(num_reqs: int, max_query_len: int, heads_per_kv: int, num_kv_heads: int, head_dim: int,
-                     max_keys: int, device: torch.device) -> tuple[int, bool]:
-    """What selects a compiled kernel for this launch shape: (BLOCK_M, keys split)."""
-    block_m, _, splits = kernel_variant(num_reqs, max_query_len, heads_per_kv, num_kv_heads, head_dim, max_keys,
-                                        device)
-    return block_m, splits > 1
-
-
-def _tile_n(head_dim: int) -> int:
-    return 64 if triton.next_power_of_2(head_dim) <= 128 else 32
-
-
-MAX_AUTO_SPLITS = 16
-
-
-def _auto_splits(programs: int, max_tiles: int, device: torch.device) -> int:
-    """Split keys while the grid fits in two waves of the GPU's SMs (decided from host-side shapes only, so
-    a captured graph keeps its grid); at most MAX_AUTO_SPLITS, and no more than there can be tiles."""
-    if device.type != "cuda":
-        return 1
-    splits = 1
-    while splits < MAX_AUTO_SPLITS and programs * splits * 2 <= 2 * _num_sms(device) and splits * 2 <= max_tiles:
-        splits *= 2
-    return splits
-
-
-# A grid of at most one program per 16 SMs before splitting (batch 1 of an 8-KV-head model: 8 programs) splits its keys
-# up to WIDE_SPLITS ways, four programs an SM. On one H200 a Qwen3-0.6B draft token at batch 1 took 1.39 -> 1.19 ms at
-# 8k tokens of context and 2.95 -> 2.15 ms at 32k against `_auto_splits`' 16 splits, and the Qwen3-8B decode step at
-# 32k 6.89 -> 6.29 ms; at batch 8 the wide rule was 3-4% slower, so larger grids keep `_auto_splits`
-# (benchmarks/RESULTS.md, "Flash-decoding splits at batch 1").
-WIDE_SPLITS = 64
-
-
-def _decode_splits(programs: int, max_tiles: int, device: torch.device) -> int:
-    """Paged attention's splits: `_auto_splits`, or for a tiny grid up to WIDE_SPLITS within four programs an SM.
-    A request shorter than the grid's longest context uses only the splits its tiles fill (the kernel's `live`)."""
-    if device.type != "cuda" or programs * 16 > _num_sms(device):
-        return _auto_splits(programs, max_tiles, device)
-    splits = 1
-    while splits < WIDE_SPLITS and programs * splits * 2 <= 4 * _num_sms(device) and splits * 2 <= max_tiles:
-        splits *= 2
-    return splits
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,

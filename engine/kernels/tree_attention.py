@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from engine.kernels.paged_attention import MAX_AUTO_SPLITS, _auto_splits, _tile_n
+from engine.kernels.attention_launch import MAX_AUTO_SPLITS, _auto_splits, _tile_n
 from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["HAS_TRITON", "tree_attention", "tree_attention_ref", "tree_kernel_variant"]

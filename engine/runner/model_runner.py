@@ -80,7 +80,7 @@ class ModelRunner:
         query) shapes run."""
         if self.buffers is None or self.device.type != "cuda":
             return []
-        from engine.kernels.paged_attention import compiled_variant
+        from engine.kernels.attention_launch import compiled_variant
 
         b = self.buffers
         max_keys = b.max_blocks * self.config.block_size

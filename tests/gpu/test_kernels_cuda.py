@@ -110,7 +110,7 @@ def test_wide_split_grid_in_cuda_graph_uses_each_requests_own_splits():
     """Batch 1 of an 8-KV-head model gets a wide grid (more than 16 splits, sized for a 4096-key block table). Replays
     over 3000, 40, 1500 and again 40 keys use 47, 1, 24 and 1 of its splits: each must equal the reference, the short
     ones reading none of the partial results a longer replay left in the workspace."""
-    from engine.kernels.paged_attention import kernel_variant
+    from engine.kernels.attention_launch import kernel_variant
 
     dtype, shape = torch.bfloat16, dict(num_heads=16, num_kv_heads=8, head_dim=128, block_size=16)
     kv = torch.zeros(2, 300, 16, 8, 128, dtype=dtype, device="cuda")
