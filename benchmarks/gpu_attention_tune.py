@@ -95,7 +95,7 @@ def sweep_shape(args: argparse.Namespace, context: int, batch: int, bandwidth: f
                                                         _choices(args.stages), _choices(args.splits)):
         undo = with_launch_params(tile, warps, stages or 3)
         try:
-            launch = al.kernel_variant(batch, args.query_len, heads // kv_heads, kv_heads, head_dim,
+            chosen = al.kernel_variant(batch, args.query_len, heads // kv_heads, kv_heads, head_dim,
                                        table.shape[1] * BLOCK_SIZE, q.device, splits)
             graph = graph_of(lambda s=splits: launch_all(s), 1)
             us = gpu_ms(graph.replay, args.repeats) / launches * 1e3
@@ -108,8 +108,8 @@ def sweep_shape(args: argparse.Namespace, context: int, batch: int, bandwidth: f
             undo()
         engine = tile is None and warps is None and stages is None and splits is None
         results.append({"context": context, "batch": batch, "query_len": args.query_len, "engine": engine,
-                        "tile": launch.tile_n, "warps": launch.num_warps, "stages": stages or 3,
-                        "splits": launch.splits, "us": us, "floor_us": floor_us, "vs_floor": us / floor_us})
+                        "tile": chosen.tile_n, "warps": chosen.num_warps, "stages": stages or 3,
+                        "splits": chosen.splits, "us": us, "floor_us": floor_us, "vs_floor": us / floor_us})
     return results
 
 

@@ -14,7 +14,8 @@ import torch
 
 from engine.kernels.triton_compat import triton
 
-__all__ = ["MAX_AUTO_SPLITS", "WIDE_SPLITS", "AttentionLaunch", "compiled_variant", "kernel_variant"]
+__all__ = ["MAX_AUTO_SPLITS", "WIDE_SPLITS", "AttentionLaunch", "compiled_variant", "default_tile_and_warps",
+           "kernel_variant"]
 
 
 class AttentionLaunch(NamedTuple):
@@ -54,6 +55,11 @@ def compiled_variant(num_reqs: int, max_query_len: int, heads_per_kv: int, num_k
 
 def _tile_n(head_dim: int) -> int:
     return 64 if triton.next_power_of_2(head_dim) <= 128 else 32
+
+
+def default_tile_and_warps(block_m: int, head_dim: int) -> tuple[int, int]:
+    """(TILE_N, num_warps) where no measured rule applies: prefill rows, other head dims, and tree attention."""
+    return _tile_n(head_dim), 4 if block_m * triton.next_power_of_2(head_dim) <= 64 * 128 else 8
 
 
 MAX_AUTO_SPLITS = 16
@@ -106,9 +112,8 @@ def _tile_and_warps(block_m: int, head_dim: int, grid_programs: int, split_keys:
                     device: torch.device) -> tuple[int, int]:
     """(TILE_N, num_warps) of a launch of `grid_programs` programs (splits included) whose splits take up to
     `split_keys` keys each. Off CUDA (Triton's interpreter) the grid counts as one program an SM."""
-    head_dim_p = triton.next_power_of_2(head_dim)
-    usual = _tile_n(head_dim), 4 if block_m * head_dim_p <= 64 * 128 else 8
-    if block_m > 32 or head_dim_p != 128:
+    usual = default_tile_and_warps(block_m, head_dim)
+    if block_m > 32 or triton.next_power_of_2(head_dim) != 128:
         return usual
     per_sm = grid_programs / _num_sms(device) if device.type == "cuda" else 1.0
     if per_sm >= 3:

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from engine.kernels.attention_launch import MAX_AUTO_SPLITS, _auto_splits, _tile_n
+from engine.kernels.attention_launch import MAX_AUTO_SPLITS, _auto_splits, _tile_n, default_tile_and_warps
 from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["HAS_TRITON", "tree_attention", "tree_attention_ref", "tree_kernel_variant"]
@@ -241,6 +241,7 @@ def tree_attention(query: torch.Tensor,  # [num_rows, num_heads, head_dim] bf16/
         partial = torch.empty(num_rows, num_heads, splits, head_dim_p, dtype=torch.float32, device=out.device)
         partial_ml = torch.empty(num_rows, num_heads, splits, 2, dtype=torch.float32, device=out.device)
     grid = (m_blocks, num_trees, num_kv_heads * splits)
+    tile_n, num_warps = default_tile_and_warps(block_m, head_dim)
     launch(
         _tree_attention_kernel, grid, query.device,
         query, key_cache, value_cache, out, block_table, row_index, row_positions, prefix_lens, node_positions,
@@ -250,10 +251,10 @@ def tree_attention(query: torch.Tensor,  # [num_rows, num_heads, head_dim] bf16/
         block_table.stride(0), row_index.stride(0), row_positions.stride(0), node_positions.stride(0),
         node_slots.stride(0), visible.stride(0), visible.stride(1),
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, HEADS_PER_KV=heads_per_kv, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, TILE_N=_tile_n(head_dim), TILE_NODES=TILE_NODES, HAS_WINDOW=sliding_window is not None,
+        BLOCK_M=block_m, TILE_N=tile_n, TILE_NODES=TILE_NODES, HAS_WINDOW=sliding_window is not None,
         # fp32 caches: full-precision products (tl.dot would use TF32 on tensor cores otherwise).
         DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
-        num_warps=4 if block_m * head_dim_p <= 64 * 128 else 8)
+        num_warps=num_warps)
     if splits > 1:
         launch(
             _combine_tree_splits_kernel, (query.shape[0], num_heads), query.device,
