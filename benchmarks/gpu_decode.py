@@ -6,7 +6,8 @@ Columns: graph_ms = input build + graph replay through the runner; replay_ms = t
 build alone; eager_ms = the runner's eager forward; engine_step_ms = the whole engine step per decoded token
 (schedule, input build, replay, sampling, commit), timed on engine.step() itself after a warm-up
 (`engine_step_ms`); engine_phases_ms (JSON only) = the median of each phase the engine records; floor_kv_ms = the
-weights and every request's KV of its context (`--context`) over the copy bandwidth: the floor at long context.
+weights and every request's KV of its context (`--context`; a window layer's within its window) over the copy
+bandwidth: the floor at long context.
 
     python benchmarks/gpu_decode.py --out results/gpu_decode.json
 """
@@ -20,7 +21,7 @@ import time
 
 import torch
 from common import environment, markdown_table, save_json
-from gpu_shapes import copy_bandwidth, hf_config, kv_bytes_per_token, kv_memory_bytes, prefill, shape_dir, weight_bytes
+from gpu_shapes import copy_bandwidth, hf_config, kv_bytes_read, kv_memory_bytes, prefill, shape_dir, weight_bytes
 
 from engine import LLM, SamplingParams
 from engine.kernels.triton_compat import set_pdl
@@ -151,7 +152,7 @@ def main() -> None:
               cuda_graph_batch_sizes=tuple(batches),
               **({} if args.small_m_rows is None else {"small_m_rows": args.small_m_rows}))
     runner = llm.executor.target
-    weights, kv_per_token = weight_bytes(runner.model), kv_bytes_per_token(args.shape)
+    weights, kv_read = weight_bytes(runner.model), kv_bytes_read(args.shape, args.context)
     floor_ms = weights / bw * 1e3
     per_req = -(-max_len // llm.engine_config.block_size)
     for b in batches:
@@ -184,7 +185,7 @@ def main() -> None:
                      "floor_ms": floor_ms, "graph_vs_floor": graph_ms / floor_ms, "hf_eager_ms": hf.get(b),
                      "speedup_vs_hf": hf[b] / graph_ms if b in hf else None,
                      # What a step must read: the weights and, per request, every layer's KV of its context.
-                     "floor_kv_ms": (weights + b * args.context * kv_per_token) / bw * 1e3})
+                     "floor_kv_ms": (weights + b * kv_read) / bw * 1e3})
         rows[-1]["engine_vs_floor_kv"] = engine_ms / rows[-1]["floor_kv_ms"]
     cols = ["batch", "graph_ms", "replay_ms", "load_ms", "eager_ms", "engine_step_ms", "floor_ms", "graph_vs_floor",
             "engine_vs_floor", "floor_kv_ms", "engine_vs_floor_kv", "hf_eager_ms", "speedup_vs_hf"]

@@ -15,7 +15,7 @@ import time
 import torch
 from common import environment, markdown_table, prefix_token_map, save_json
 from gpu_decode import cuda_median_ms, hf_decode_ms
-from gpu_shapes import copy_bandwidth, kv_bytes_per_token, kv_memory_bytes, prefill, shape_dir, weight_bytes
+from gpu_shapes import copy_bandwidth, kv_bytes_read, kv_memory_bytes, prefill, shape_dir, weight_bytes
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kernels.triton_compat import set_pdl
@@ -32,8 +32,8 @@ def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: b
     """ms per draft token; with phases (a dict, graphs only) also the first step's graph replay alone (catch-up of
     two tokens a request: 2 x batch rows) and a later step's (batch rows), as `first_step_ms` and `next_step_ms`,
     the host's time to queue a loop, `loop_host_ms`, and with `bandwidth` (bytes/s) the floor of a draft token,
-    `floor_kv_ms`: the weights and every request's KV of its context read once. max_model_len: the model's longest
-    context if above the run's own (graphs size the attention's splits from it)."""
+    `floor_kv_ms`: the weights and every request's KV of its context (a window layer's within its window) read once.
+    max_model_len: the model's longest context if above the run's own (graphs size the attention's splits from it)."""
     max_len = context + 64 + ((2 + k) * (steps + 5) if phases is not None else 0)  # room for the replays alone
     max_len = max(max_len, max_model_len)
     cfg = EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=max_len, max_num_seqs=batch,
@@ -76,7 +76,7 @@ def loop_ms(name: str, batch: int, k: int, context: int, graphs: bool, greedy: b
             print_host_profile(lambda: loop.run(chunks, [k] * batch, md, {}, gen), steps, host_profile)
             phases.update(loop_timeline(lambda: loop.run(chunks, [k] * batch, md, {}, gen), steps))
         if bandwidth:
-            read = weight_bytes(runner.model) + batch * context * kv_bytes_per_token(name)
+            read = weight_bytes(runner.model) + batch * kv_bytes_read(name, context)
             phases["floor_kv_ms"] = read / bandwidth * 1e3
             phases["vs_floor_kv"] = per_token / phases["floor_kv_ms"]
     return per_token

@@ -2,8 +2,9 @@
 loop of a Qwen3-0.6B shape (gpu_draft.loop_ms: ms per draft token, CUDA graphs, greedy) at each context and batch,
 under the engine's split rule and under alternatives, with the floor (weights and every request's KV read once).
 
-A rule is (most splits, waves of programs per SM, fewest key tiles per split); the engine's is
-engine/kernels/attention_launch.py's `_auto_splits`. Graphs choose their splits from the block table's width (the
+A rule is (most splits, waves of programs per SM, fewest key tiles per split) replacing
+engine/kernels/attention_launch.py's `_auto_splits`, or `wide:N`: the engine's rules with a tiny grid split up to N
+ways (`WIDE_SPLITS`) instead of its own cap. Graphs choose their splits from the block table's width (the
 model's longest context), so each context here runs with max_model_len just above it, as a long-context
 deployment would; `--max-model-len` instead sizes every run for that longest context (short requests served by a
 long-context deployment).
@@ -45,29 +46,34 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rules", default="engine,16:1:1,64:4:4,64:8:8",
-                    help="comma-separated; 'engine' is the engine's own rule, else max_splits:waves:min_tiles")
+                    help="comma-separated; 'engine' is the engine's own rule, 'wide:N' it with WIDE_SPLITS N, "
+                    "else max_splits:waves:min_tiles")
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="the model's longest context for every run (0: just above each run's context)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    engine_rule = al._auto_splits
+    engine_rule, engine_wide = al._auto_splits, al.WIDE_SPLITS
     bandwidth = copy_bandwidth()
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batch.split(",")):
             row = {"context": context, "batch": batch, "max_model_len": args.max_model_len or "context"}
             for rule in args.rules.split(","):
-                al._auto_splits = engine_rule if rule == "engine" else split_rule(*map(int, rule.split(":")))
+                al._auto_splits, al.WIDE_SPLITS = engine_rule, engine_wide
+                if rule.startswith("wide:"):
+                    al.WIDE_SPLITS = int(rule[len("wide:"):])
+                elif rule != "engine":
+                    al._auto_splits = split_rule(*map(int, rule.split(":")))
                 phases: dict = {}
                 row[f"{rule}_ms"] = loop_ms(args.shape, batch, args.k, context, True, True, args.steps,
                                             phases=phases, bandwidth=bandwidth, max_model_len=args.max_model_len)
                 row["floor_kv_ms"] = phases["floor_kv_ms"]
                 torch.cuda.empty_cache()
-            al._auto_splits = engine_rule
+            al._auto_splits, al.WIDE_SPLITS = engine_rule, engine_wide
             rows.append(row)
             print(row, flush=True)
     cols = ["context", "batch", "max_model_len", "floor_kv_ms"] + [f"{r}_ms" for r in args.rules.split(",")]
-    print(f"{args.shape} draft loop (k={args.k}), ms per draft token; rules max_splits:waves:min_tiles")
+    print(f"{args.shape} draft loop (k={args.k}), ms per draft token; rules max_splits:waves:min_tiles or wide:N")
     print(markdown_table(rows, cols))
     save_json(args.out, {"env": environment(), "args": vars(args), "bandwidth_Bps": bandwidth, "rows": rows})
 

@@ -18,7 +18,7 @@ import time
 import torch
 from common import environment, markdown_table, save_json
 from gpu_decode import cuda_median_ms
-from gpu_shapes import copy_bandwidth, kv_bytes_per_token, kv_memory_bytes, prefill, shape_dir
+from gpu_shapes import copy_bandwidth, kv_bytes_read, kv_memory_bytes, prefill, shape_dir
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kernels.persistent_plan import PersistentDecoder
@@ -98,7 +98,7 @@ def bench(name: str, rows: int, context: int, steps: int, bw: float, settings: l
     step = runner.buffers.load([Chunk([7], context, 1, tables[i]) for i in range(rows)])
     model, inner = runner.model, runner.model.model
     layer_bytes = sum(p.numel() * p.element_size() for p in inner.layers.parameters())
-    floor_ms = (layer_bytes + rows * context * kv_bytes_per_token(name)) / bw * 1e3
+    floor_ms = (layer_bytes + rows * kv_bytes_read(name, context)) / bw * 1e3
     fwd = lambda: model(step.input_ids, step.positions, step.attn)  # noqa: E731
     inner.persistent = None
     base_out = fwd().float()

@@ -8,10 +8,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, Qwen3Config
+from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 
 SHAPES = {
-    # Qwen3-8B and Qwen3-0.6B (their published configs), SmolLM2-135M(-Instruct).
+    # Qwen3-8B and Qwen3-0.6B (their published configs), SmolLM2-135M(-Instruct), Gemma 3 270M and 1B (five
+    # 512-token sliding-window layers to one full-attention layer, one KV head of 256 dims).
     "qwen3-8b": lambda: Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                                     max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1e6),
@@ -21,8 +22,15 @@ SHAPES = {
     "smollm2-135m": lambda: LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                                         max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=1e5),
+    "gemma3-270m": lambda: Gemma3TextConfig(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                            num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                            vocab_size=262144, sliding_window=512, max_position_embeddings=32768),
+    "gemma3-1b": lambda: Gemma3TextConfig(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                                          num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                          vocab_size=262144, sliding_window=512, max_position_embeddings=32768),
 }
-ARCH = {"qwen3-8b": "Qwen3ForCausalLM", "qwen3-0.6b": "Qwen3ForCausalLM", "smollm2-135m": "LlamaForCausalLM"}
+ARCH = {"qwen3-8b": "Qwen3ForCausalLM", "qwen3-0.6b": "Qwen3ForCausalLM", "smollm2-135m": "LlamaForCausalLM",
+        "gemma3-270m": "Gemma3ForCausalLM", "gemma3-1b": "Gemma3ForCausalLM"}
 
 
 def shape_dir(name: str, root: str | Path | None = None) -> str:
@@ -69,11 +77,20 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def kv_bytes_per_token(name: str, dtype_bytes: int = 2) -> int:
-    """KV-cache bytes one token of context takes in every layer (keys and values; these shapes have no sliding
-    window, so a decode step reads all of it): what a step reads beyond the weights at long context."""
+    """KV-cache bytes one token of context takes in every layer (keys and values): what sizes the cache."""
     cfg = SHAPES[name]()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * dtype_bytes
+
+
+def kv_bytes_read(name: str, context: int, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes one request's decode step reads at `context` tokens: every key and value of a full-attention
+    layer, at most the window's in a sliding-window layer. What a step reads beyond the weights at long context."""
+    cfg = SHAPES[name]()
+    per_layer = kv_bytes_per_token(name, dtype_bytes) // cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    return sum(per_layer * (min(context, window) if t == "sliding_attention" and window else context) for t in types)
 
 
 def kv_memory_bytes(name: str, batch: int, max_len: int, least: int) -> int:

@@ -76,7 +76,8 @@ def test_paged_attention_matches_reference(num_heads, num_kv_heads, head_dim):
             _check_attention(case, atol=2e-5, rtol=1e-4)
     # fp16; and flash-decoding splits of the keys: some splits of the short requests see no key at all, and a grid
     # of more splits than a request has tiles leaves most of them idle (the combine must read the live ones only).
-    # At head dim 128 the launch picks 64- or 128-key tiles by a split's share of keys (attention_launch); both occur.
+    # At head dims 64 and 128 the launch picks 64- or 128-key tiles by a split's share of keys (attention_launch); both
+    # occur. Head dim 256 reads 64 keys here, 32 in the prefill rows of the cases above.
     tiles = set()
     for lens, window, splits in ((DECODE, None, 1), (DECODE, 7, 4), (VERIFY, None, 4), (VERIFY, 9, 1),
                                  (LONG, None, 4), (LONG, 100, 8), (LONG, None, 32), (LONGER, None, 32),
@@ -86,7 +87,7 @@ def test_paged_attention_matches_reference(num_heads, num_kv_heads, head_dim):
         tiles.add(attention_launch.kernel_variant(len(lens[0]), max(lens[0]), num_heads // num_kv_heads, num_kv_heads,
                                                   head_dim, case.block_table.shape[1] * 16, case.query.device,
                                                   splits).tile_n)
-    assert tiles == ({64, 128} if head_dim == 128 else {64} if head_dim == 64 else {32}), tiles
+    assert tiles == ({64, 128} if head_dim in (64, 128) else {64}), tiles
 
 
 @interpreted
@@ -122,7 +123,8 @@ def test_paged_attention_rejects_bad_shapes():
 
 def test_split_rule_goes_wide_for_a_tiny_grid_only(monkeypatch):
     """Batch 1 (8 programs on 132 SMs) splits its keys up to 64 ways, never into more splits than key tiles; a grid of
-    a batch of 8 keeps `_auto_splits` (two programs an SM, 4 splits); off CUDA nothing is split."""
+    a batch of 8 keeps `_auto_splits` (two programs an SM, 4 splits); off CUDA nothing is split. A grid of one to three
+    programs (a model of few KV heads) goes past 64 splits only where each keeps four tiles."""
     monkeypatch.setattr(attention_launch, "_num_sms", lambda device: 132)
     cuda = torch.device("cuda")
     assert attention_launch._decode_splits(8, 512, cuda) == 64
@@ -130,30 +132,48 @@ def test_split_rule_goes_wide_for_a_tiny_grid_only(monkeypatch):
     assert attention_launch._auto_splits(8, 512, cuda) == 16
     assert attention_launch._decode_splits(64, 512, cuda) == attention_launch._auto_splits(64, 512, cuda) == 4
     assert attention_launch._decode_splits(8, 512, torch.device("cpu")) == 1
+    assert attention_launch._decode_splits(3, 512, cuda) == 128  # 32k tokens in 64-key tiles: 256 keys a split
+    assert attention_launch._decode_splits(3, 128, cuda) == 64  # 8k tokens: 128 splits would hold one tile each
+    assert attention_launch._decode_splits(1, 1024, cuda) == 128
+    assert attention_launch._decode_splits(1, 256, cuda) == 64
 
 
 def test_key_tiles_follow_programs_an_sm(monkeypatch):
-    """A decode or verify launch (up to 32 rows a program) at head dim 128 picks its key tile and warps from how many
-    programs share an SM: four (a tiny grid's wide splits) whose splits hold 256 keys or more take 64 keys with 2 warps
-    (32 keys for 32 rows), about two take 128 keys with 4 warps (64 where a split's share of keys is shorter). Prefill
-    rows and other head dims keep 64 keys (32 at head dim 256); off CUDA the grid counts as one program an SM. The
-    tile and warps select the compiled kernel, so a runner's warm-up compiles each."""
+    """A decode or verify launch (up to 32 rows a program) picks its key tile and warps from its head dim, how many
+    programs share an SM and a split's share of keys. At head dim 128: four programs an SM (a tiny grid's wide splits)
+    whose splits hold 256 keys or more take 64 keys with 2 warps (32 keys for 32 rows), about two take 128 keys with 4
+    warps (64 where a split's share of keys is shorter). Head dim 64 takes 128 keys (8 warps from 1024 keys a split),
+    head dim 256 64 keys with 8 warps, or 32 with 2 at four programs an SM. A tile whose pipeline would not fit the
+    GPU's shared memory (a float32 cache) is not taken. Prefill rows keep 64 keys (32 at head dim 256); off CUDA the
+    grid counts as one program an SM. The tile and warps select the compiled kernel, so a runner's warm-up compiles
+    each."""
     monkeypatch.setattr(attention_launch, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(attention_launch, "_shared_memory", lambda device: 232448)  # an H100's or H200's
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     variant = attention_launch.kernel_variant
     qwen = dict(num_kv_heads=8, head_dim=128, max_keys=32768)
     assert variant(1, 1, 2, device=cuda, **qwen)[2:] == (64, 64, 2)  # 512 programs of 512 keys
     assert variant(1, 1, 2, 8, 128, 8192, cuda)[2:] == (64, 64, 4)  # 512 programs of 128 keys
     assert variant(8, 1, 2, device=cuda, **qwen)[2:] == (4, 128, 4)  # 256
+    assert variant(8, 1, 2, device=cuda, kv_bytes=4, **qwen)[2:] == (4, 64, 4)  # float32: 128 keys do not fit
     assert variant(1, 5, 4, device=cuda, **qwen)[2:] == (64, 32, 2)  # the 8B verify: 32 rows, 512 programs
     assert variant(8, 5, 4, device=cuda, **qwen)[2:] == (4, 128, 4)
     assert variant(2, 1, 2, 8, 128, 512, cuda)[2:] == (8, 64, 4)  # a split's share, 64 keys, under one wide tile
     assert variant(1, 64, 2, device=cuda, **qwen).tile_n == 64  # 128 rows: a prefill's tiles
     assert variant(1, 1, 2, device=cpu, **qwen)[2:] == (1, 128, 4)
-    assert variant(1, 1, 4, 1, 256, 32768, cuda)[3:] == (32, 4)  # head dim 256
-    assert variant(1, 1, 3, 3, 64, 32768, cuda)[3:] == (64, 4)  # head dim 64
+    gemma = dict(heads_per_kv=4, num_kv_heads=1, head_dim=256, device=cuda)
+    assert variant(1, 1, max_keys=32768, **gemma)[2:] == (128, 64, 8)  # 128 programs
+    assert variant(8, 1, max_keys=32768, **gemma)[2:] == (64, 32, 2)  # 512 programs
+    assert variant(8, 1, max_keys=2048, **gemma)[2:] == (64, 64, 4)  # 32 keys a split
+    assert variant(1, 1, max_keys=32768, kv_bytes=4, **gemma)[2:] == (128, 32, 4)  # float32 keeps 32 keys
+    smollm2 = dict(heads_per_kv=3, num_kv_heads=3, head_dim=64, device=cuda)
+    assert variant(1, 1, max_keys=32768, **smollm2)[2:] == (128, 128, 4)  # 256 keys a split
+    assert variant(8, 1, max_keys=32768, **smollm2)[2:] == (8, 128, 8)  # 4096
+    assert variant(1, 1, max_keys=2048, **smollm2)[2:] == (32, 64, 4)  # 64 keys a split
     tiny, batch8 = (attention_launch.compiled_variant(b, 1, 2, 8, 128, 32768, cuda) for b in (1, 8))
     assert tiny == (16, True, 64, 2) and batch8 == (16, True, 128, 4)
+    monkeypatch.setattr(attention_launch, "_shared_memory", lambda device: 0)  # not reported: no wider tile
+    assert variant(8, 1, 2, device=cuda, **qwen)[2:] == (4, 64, 4)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="checks the error outside the interpreter")

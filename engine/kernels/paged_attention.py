@@ -232,7 +232,8 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
     head_dim_p = triton.next_power_of_2(head_dim)
     block_m, m_blocks, splits, tile_n, num_warps = kernel_variant(num_reqs, max_query_len, heads_per_kv, num_kv_heads,
                                                                   head_dim, block_table.shape[1] * block_size,
-                                                                  query.device, num_kv_splits)
+                                                                  query.device, num_kv_splits,
+                                                                  kv_bytes=key_cache.element_size())
     partial = partial_ml = partial_live = out  # never read with one split
     if splits > 1:
         num_tokens = query.shape[0]

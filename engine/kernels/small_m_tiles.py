@@ -25,13 +25,21 @@ CUBLAS = {"CUBLAS": True}
 # --rows 1 --sweep fma --skip-count`, 2026-11-28, benchmarks/RESULTS.md "One row on an H200") the rule's tiles were
 # 1.15-1.21x the best on an 8B model's o_proj and down, and cuBLAS beat every tiling on its qkv and gate_up (15.1
 # and 49.7 us against 18.7 and 55.1; the norm kernel then costs about 1.5 us). The 0.6B shapes: the rule's tiles
-# within 4% of the best, so they keep the rule.
+# within 4% of the best, so they keep the rule. Gemma 3 (the same command with --shapes gemma3-1b,gemma3-270m,
+# "Gemma 3's products at one row"): a hidden size of 1152 is no power of two, and the rule's 2048-wide K tile left the
+# 1B model's gate_up at 30.4 us (cuBLAS 10.6, floor 7.6); the entries are the sweep's `one_row_table`.
 ONE_ROW_MEASURED: dict[str, dict[tuple[int, int], dict]] = {
     "NVIDIA H200": {
         (6144, 4096): CUBLAS,  # Qwen3-8B qkv
         (4096, 4096): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4),  # Qwen3-8B o_proj: 10.6 us against 12.7
         (24576, 4096): CUBLAS,  # Qwen3-8B gate_up
         (4096, 12288): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4),  # Qwen3-8B down: 26.3 us against 30.6
+        (1536, 1152): dict(BLOCK_N=4, BLOCK_K=2048, num_warps=8),  # Gemma 3 1B qkv: 3.03 us against 4.52
+        (1152, 1024): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),  # Gemma 3 1B o_proj: 2.08 us against 2.15
+        (13824, 1152): CUBLAS,  # Gemma 3 1B gate_up: 10.6 us and the norm kernel, against 30.4 (best tiling 16.6)
+        (1152, 6912): dict(BLOCK_N=2, BLOCK_K=2048, num_warps=4),  # Gemma 3 1B down: 7.99 us against 9.49
+        (1536, 640): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8),  # Gemma 3 270M qkv: 2.53 us against 2.68
+        (640, 1024): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8),  # Gemma 3 270M o_proj: 1.66 us against 1.89
     },
 }
 

@@ -89,7 +89,8 @@ class ModelRunner:
         for num_reqs in range(1, b.max_num_reqs + 1):
             for query_len in range(1, min(b.max_num_tokens // num_reqs, self.config.max_model_len) + 1):
                 for h in heads:
-                    key = (h, compiled_variant(num_reqs, query_len, *h, max_keys, self.device))
+                    key = (h, compiled_variant(num_reqs, query_len, *h, max_keys, self.device,
+                                               kv_bytes=self.dtype.itemsize))
                     shapes.setdefault(key, (num_reqs, query_len))
         runs = sorted(set(shapes.values()))
         for num_reqs, query_len in runs:

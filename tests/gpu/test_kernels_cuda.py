@@ -145,6 +145,27 @@ def test_wide_split_grid_in_cuda_graph_uses_each_requests_own_splits():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("batch,context", [(1, 20000), (8, 10000)], ids=["b1-20k", "b8-10k"])
+@pytest.mark.parametrize("shape", [(16, 8, 128), (4, 1, 256), (9, 3, 64)], ids=lambda s: "x".join(map(str, s)))
+def test_long_context_launches_match_reference(shape, batch, context, dtype):
+    """Decode steps at long context take the launches measured for each head dim (attention_launch: wide splits, 128-
+    key tiles at head dims 64 and 128, 64-key tiles with 8 warps or 32 with 2 at head dim 256; float32 caches the
+    tiles their shared memory holds): each against the reference."""
+    from engine.kernels.attention_launch import kernel_variant
+
+    num_heads, num_kv_heads, head_dim = shape
+    case = attention_case(num_heads, num_kv_heads, head_dim, 16, [1] * batch, [context - 1 - i for i in range(batch)],
+                          None, dtype, device="cuda", seed=batch + head_dim, padding_tokens=0)
+    launch = kernel_variant(batch, 1, num_heads // num_kv_heads, num_kv_heads, head_dim,
+                            case.block_table.shape[1] * 16, case.query.device, kv_bytes=dtype.itemsize)
+    assert launch.splits > 1, launch
+    try:
+        _check(case, dtype)
+    except AssertionError as e:
+        raise AssertionError(f"{launch}: {e}") from e
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_store_kv_sweep_and_graph_replay(dtype, slot_dtype):
     g = torch.Generator().manual_seed(0)
