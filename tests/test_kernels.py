@@ -123,7 +123,7 @@ def test_paged_attention_rejects_bad_shapes():
 
 def test_split_rule_goes_wide_for_a_tiny_grid_only(monkeypatch):
     """Batch 1 (8 programs on 132 SMs) splits its keys up to 64 ways, never into more splits than key tiles; a grid of
-    a batch of 8 keeps `_auto_splits` (two programs an SM, 4 splits); off CUDA nothing is split. A grid of one to three
+    a batch of 8 keeps `_auto_splits` (two programs an SM, 4 splits); off CUDA nothing is split. A grid of one to four
     programs (a model of few KV heads) goes past 64 splits only where each keeps four tiles."""
     monkeypatch.setattr(attention_launch, "_num_sms", lambda device: 132)
     cuda = torch.device("cuda")

@@ -98,7 +98,7 @@ def test_one_row_sweep_writes_the_table_entry():
     sweep = [row(6144, 4096, 18.66, 1.01, 16.6, 4, 1024, 4), row(4096, 4096, 10.60, 1.21, 14.4, 8, 1024, 4),
              row(24576, 4096, 55.10, 1.06, 51.2, 8, 1024, 4), row(4096, 12288, 26.31, 1.15, 29.8, 8, 1024, 4),
              row(4096, 1024, 4.45, 1.0, 6.4, 8, 1024, 4), row(1024, 2048, 2.27, 1.04, 13.8, 8, 2048, 8)]
-    # Gemma 3 1B and 270M ("Gemma 3's products at one row": cuBLAS timed with its separate kernel): the 270M's
+    # Gemma 3 1B and 270M ("Attention at head dims 64 and 256": cuBLAS timed with its separate kernel): the 270M's
     # gate_up and down keep the rule, the 1B's gate_up goes to cuBLAS.
     sweep += [row(1536, 1152, 3.03, 1.47, 6.48, 4, 2048, 8), row(1152, 1024, 2.08, 1.10, 5.04, 2, 1024, 4),
               row(13824, 1152, 16.57, 1.87, 12.77, 8, 512, 4), row(1152, 6912, 7.99, 1.19, 10.15, 2, 2048, 4),

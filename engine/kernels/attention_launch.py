@@ -83,7 +83,7 @@ def _auto_splits(programs: int, max_tiles: int, device: torch.device) -> int:
 # up to WIDE_SPLITS ways, four programs an SM. On one H200 a Qwen3-0.6B draft token at batch 1 took 1.39 -> 1.19 ms at
 # 8k tokens of context and 2.95 -> 2.15 ms at 32k against `_auto_splits`' 16 splits, and the Qwen3-8B decode step at
 # 32k 6.89 -> 6.29 ms; at batch 8 the wide rule was 3-4% slower, so larger grids keep `_auto_splits`
-# (benchmarks/RESULTS.md, "Flash-decoding splits at batch 1"). Past 64 splits (models of one to three KV heads) a
+# (benchmarks/RESULTS.md, "Flash-decoding splits at batch 1"). Past 64 splits (batch 1 of one to four KV heads) a
 # split keeps at least WIDE_MIN_TILES tiles: SmolLM2's 3 KV heads at 32k tokens took 15.7 -> 14.5 us a layer with 128
 # splits of 256 keys, but 128 splits of 64 keys (8k tokens) were slower than 64 (8.5 against 7.7 us), as were Gemma
 # 3's at 8k (22.5 against 16.5 us; "Attention at head dims 64 and 256").
@@ -118,7 +118,7 @@ def _decode_splits(programs: int, max_tiles: int, device: torch.device) -> int:
 #   128 keys (a short longest context split many ways): 512 tokens at batch 1-4 lost 0.4-1.1 us a layer with the
 #   wider tile, half of it empty;
 # - head dim 64 (SmolLM2: 3 KV heads) reads 128 keys an iteration where a split holds 128 or more, with 8 warps from
-#   1024 keys a split: 20.1 -> 15.7 us a layer at batch 1 and 32k tokens, 117 -> 82 us at batch 8;
+#   1024 keys a split: 20.1 -> 14.5 us a layer at batch 1 and 32k tokens (with 128 splits), 117 -> 82 us at batch 8;
 # - head dim 256 (Gemma 3: one KV head) reads 64 keys with 8 warps below three programs an SM (batch 1: 38.7 -> 33.6
 #   us at 32k tokens, 12.3 -> 9.1 at 2k), and 32 keys with 2 warps at four (batch 8: 91.1 -> 79.1 us at 32k).
 # A wider tile is taken only where its pipeline (three stages of a key and a value tile) fits the GPU's shared memory,

@@ -26,8 +26,8 @@ CUBLAS = {"CUBLAS": True}
 # 1.15-1.21x the best on an 8B model's o_proj and down, and cuBLAS beat every tiling on its qkv and gate_up (15.1
 # and 49.7 us against 18.7 and 55.1; the norm kernel then costs about 1.5 us). The 0.6B shapes: the rule's tiles
 # within 4% of the best, so they keep the rule. Gemma 3 (the same command with --shapes gemma3-1b,gemma3-270m,
-# "Gemma 3's products at one row"): a hidden size of 1152 is no power of two, and the rule's 2048-wide K tile left the
-# 1B model's gate_up at 30.4 us (cuBLAS 10.6, floor 7.6); the entries are the sweep's `one_row_table`.
+# "Attention at head dims 64 and 256"): a hidden size of 1152 is no power of two, and the rule's 2048-wide K tile
+# left the 1B model's gate_up at 30.4 us (cuBLAS 10.6, floor 7.6); the entries are the sweep's `one_row_table`.
 ONE_ROW_MEASURED: dict[str, dict[tuple[int, int], dict]] = {
     "NVIDIA H200": {
         (6144, 4096): CUBLAS,  # Qwen3-8B qkv
