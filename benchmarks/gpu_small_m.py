@@ -15,10 +15,11 @@ also times other tile sizes at each row count and prints the fastest per project
 more the split-K DOT tilings (rows padded to 16, 32 or 64; BLOCK_N, BLOCK_K and the split), each projection's best
 against its time at one row (the tuned one-row rule; 1 is added to the rows) and against cuBLAS with the separate
 elementwise kernel it replaces (`unfused`), and per layer the sum of the four: the goal is a 16-row layer within
-1.2x and a 64-row layer within 1.6x of a one-row one. `--sweep fma --rows 1` also times each projection's cuBLAS
-form with its separate kernel and prints this GPU model's ONE_ROW_MEASURED entry (the sweeps and the tables they
-print: benchmarks/small_m_sweep.py). `kernels`: CUDA kernels of one eager forward under torch.profiler (a draft
-step for the draft shape: forward, argmax and the draft loop's input rebuild).
+1.2x and a 64-row layer within 1.6x of a one-row one. At 1-4 rows (`--sweep fma,row,dot --rows 1,2,4`) the sweep
+also times each projection's cuBLAS form with its separate kernel and prints this GPU model's FEW_ROWS_MEASURED
+entry (the sweeps and the tables they print: benchmarks/small_m_sweep.py). `--compile-workers N` compiles the
+tilings in N processes first: a sweep is bound by Triton's compiles. `kernels`: CUDA kernels of one eager forward
+under torch.profiler (a draft step for the draft shape: forward, argmax and the draft loop's input rebuild).
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ import torch.nn.functional as F
 from common import environment, graph_us, markdown_table, save_json
 from gpu_linear import projections
 from gpu_shapes import copy_bandwidth, shape_dir
-from small_m_sweep import layer_summary, measured_table, one_row_table, sweep_one, sweep_splitk
+from small_m_sweep import (
+    few_rows_table,
+    layer_summary,
+    measured_table,
+    splitk_grid,
+    sweep_grid,
+    sweep_one,
+    sweep_splitk,
+)
 from torch.profiler import ProfilerActivity, profile
 
 from engine.kernels import small_m_linear as sml
@@ -42,11 +51,12 @@ from engine.kernels.triton_compat import set_pdl
 L2_BYTES = 200 << 20  # rotate weights over at least this much memory
 
 
-def layer_weights(shape: str) -> list[dict[str, torch.Tensor]]:
+def layer_weights(shape: str, copies: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """Copies of one layer's weights, by default enough that together they exceed L2_BYTES."""
     p = projections(shape)
     h = p["qkv_proj"][0]
     one = sum(n * k for k, n in (p[x] for x in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))) * 2
-    copies = max(2, -(-L2_BYTES // one))
+    copies = copies or max(2, -(-L2_BYTES // one))
 
     def w(name: str) -> torch.Tensor:
         k, n = p[name]
@@ -57,11 +67,14 @@ def layer_weights(shape: str) -> list[dict[str, torch.Tensor]]:
                  n2=torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5) for _ in range(copies)]
 
 
-def bench_shape(shape: str, rows: list[int], bw: float, sweep: str | None) -> tuple[list[dict], list[dict]]:
+def bench_shape(shape: str, rows: list[int], bw: float, sweep: str | None,
+                workers: int = 0) -> tuple[list[dict], list[dict]]:
     ws = layer_weights(shape)
     out, best = [], []
     if sweep and "splitk" in sweep:
         rows = sorted(set(rows) | {1})  # one row first: the split-K sweep's reference
+    if sweep and workers:
+        precompile(shape, sweep_tasks(shape, rows, sweep), workers)
     one_row: dict[str, float] = {}
     for m in rows:
         row, b = bench_rows(shape, m, ws, bw, sweep, one_row)
@@ -73,17 +86,90 @@ def bench_shape(shape: str, rows: list[int], bw: float, sweep: str | None) -> tu
     return out, best
 
 
-def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float, sweep: str | None,
-               one_row: dict[str, float]) -> tuple[dict, list[dict]]:
-    """One row count: the layer chains, each projection alone; with sweep also other tilings. one_row: each
-    projection's time at one row, filled at m = 1 (the split-K sweep's reference)."""
+def projection_calls(shape: str, m: int, ws: list[dict[str, torch.Tensor]]) -> tuple[dict, dict, tuple]:
+    """One layer's four products at m rows on random inputs: per projection (the fused kernel as fn(i, config),
+    its input), the same through cuBLAS with the separate elementwise kernel it replaces, and the inputs (x, res, a,
+    gu). Call i reads the weights of copy i of ws (rotated, so they come from HBM)."""
     p = projections(shape)
     h, attn_width, inter = p["qkv_proj"][0], p["o_proj"][0], p["down_proj"][0]
-    layer_bytes = sum(t.numel() * 2 for name, t in ws[0].items() if name not in ("n1", "n2"))
     x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(m, attn_width, device="cuda", dtype=torch.bfloat16)
     gu = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
+
+    def w(i: int, name: str) -> torch.Tensor:
+        return ws[i % len(ws)][name]
+
+    kernels = {
+        "qkv": (lambda i, cfg=None: sml.norm_linear(x, None, w(i, "n1"), 1e-6, 0.0, w(i, "qkv"), config=cfg), x),
+        "o": (lambda i, cfg=None: sml.linear_add(a, w(i, "o"), None, res, config=cfg), a),
+        "gate_up": (lambda i, cfg=None: sml.norm_linear(x, None, w(i, "n2"), 1e-6, 0.0, w(i, "gate_up"),
+                                                       config=cfg), x),
+        "down": (lambda i, cfg=None: sml.act_linear(gu, "silu", w(i, "down"), config=cfg), act_and_mul(gu, "silu")),
+    }
+    unfused = {
+        "qkv": lambda i: F.linear(rms_norm(x, w(i, "n1"), 1e-6), w(i, "qkv")),
+        "o": lambda i: F.linear(a, w(i, "o")) + res,
+        "gate_up": lambda i: F.linear(rms_norm(x, w(i, "n2"), 1e-6), w(i, "gate_up")),
+        "down": lambda i: F.linear(act_and_mul(gu, "silu"), w(i, "down")),
+    }
+    return kernels, unfused, (x, res, a, gu)
+
+
+_WORKER: dict = {}
+
+
+def _compile_init(shape: str) -> None:
+    _WORKER.update(shape=shape, ws=layer_weights(shape, copies=1))
+
+
+def _compile_one(m: int, name: str, cfg: dict) -> None:
+    """Run one tiling once in a worker process: Triton compiles it into its on-disk cache, where the timing process
+    finds it. (The same code path and inputs of the same shapes give the same specialization, so the same entry.)"""
+    kernels, _, _ = projection_calls(_WORKER["shape"], m, _WORKER["ws"])
+    try:
+        kernels[name][0](0, cfg)
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - the timing process reports what does not compile
+        pass
+
+
+def precompile(shape: str, tasks: list[tuple[int, str, dict]], workers: int) -> None:
+    """Compile the sweep's tilings in `workers` processes before they are timed: the sweep is bound by Triton's
+    compiles (several seconds a tiling), the timing by the GPU."""
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_compile_init,
+                             initargs=(shape,)) as pool:
+        list(pool.map(_compile_one, *zip(*tasks)))
+    print(f"precompiled {len(tasks)} tilings of {shape} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def sweep_tasks(shape: str, rows: list[int], sweep: str) -> list[tuple[int, str, dict]]:
+    """(rows, projection, tiling) of every tiling the sweep will time for this shape."""
+    p = projections(shape)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    forms = ",".join(f for f in sweep.split(",") if f != "splitk")
+    tasks = []
+    for m in rows:
+        for name, key in (("qkv", "qkv_proj"), ("o", "o_proj"), ("gate_up", "gate_up_proj"), ("down", "down_proj")):
+            k, n = p[key]
+            if "splitk" in sweep and m > sml.FMA_MAX_ROWS:
+                tasks += [(m, name, cfg) for cfg in splitk_grid(m, n, k, sms)]
+            elif forms:
+                tasks += [(m, name, cfg) for cfg in sweep_grid(m, forms)]
+    return tasks
+
+
+def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float, sweep: str | None,
+               one_row: dict[str, float]) -> tuple[dict, list[dict]]:
+    """One row count: the layer chains, each projection alone; with sweep also other tilings. one_row: each
+    projection's time at one row, filled at m = 1 (the split-K sweep's reference)."""
+    layer_bytes = sum(t.numel() * 2 for name, t in ws[0].items() if name not in ("n1", "n2"))
+    kernels, unfused, (x, res, a, gu) = projection_calls(shape, m, ws)
 
     def old(i: int) -> None:
         w = ws[i % len(ws)]
@@ -111,20 +197,6 @@ def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float,
     def w(i: int, name: str) -> torch.Tensor:
         return ws[i % len(ws)][name]
 
-    kernels = {
-        "qkv": (lambda i, cfg=None: sml.norm_linear(x, None, w(i, "n1"), 1e-6, 0.0, w(i, "qkv"), config=cfg), x),
-        "o": (lambda i, cfg=None: sml.linear_add(a, w(i, "o"), None, res, config=cfg), a),
-        "gate_up": (lambda i, cfg=None: sml.norm_linear(x, None, w(i, "n2"), 1e-6, 0.0, w(i, "gate_up"),
-                                                       config=cfg), x),
-        "down": (lambda i, cfg=None: sml.act_linear(gu, "silu", w(i, "down"), config=cfg), act_and_mul(gu, "silu")),
-    }
-    # cuBLAS with the separate elementwise kernel each fused product replaces
-    unfused = {
-        "qkv": lambda i: F.linear(rms_norm(x, w(i, "n1"), 1e-6), w(i, "qkv")),
-        "o": lambda i: F.linear(a, w(i, "o")) + res,
-        "gate_up": lambda i: F.linear(rms_norm(x, w(i, "n2"), 1e-6), w(i, "gate_up")),
-        "down": lambda i: F.linear(act_and_mul(gu, "silu"), w(i, "down")),
-    }
     row["max_rel_err"] = max_rel_err(x, res, a, gu, ws[0])
     best = []
     for name, (fn, inp) in kernels.items():
@@ -144,8 +216,8 @@ def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float,
         elif sweep and set(sweep.split(",")) - {"splitk"}:
             forms = ",".join(f for f in sweep.split(",") if f != "splitk")
             b = sweep_one(shape, m, name, fn, calls, floor, row[f"{name}_new_us"], rule, forms)
-            if m == 1:  # what ONE_ROW_MEASURED weighs the best tiling against
-                b.update(n=n, k=k, unfused_us=graph_us(unfused[name], calls))
+            # what FEW_ROWS_MEASURED weighs the best tiling against
+            b.update(n=n, k=k, unfused_us=graph_us(unfused[name], calls))
             best.append(b)
     if any(b["rows"] == m and "one_row_us" in b for b in best):
         layer_summary(shape, m, [b for b in best if b["rows"] == m])
@@ -221,6 +293,8 @@ def main() -> None:
                     help="also time other tilings; optionally only some forms (comma-separated: fma, dot, row, "
                          "splitk: the split-K tilings at 5 rows and more, against one row and cuBLAS)")
     ap.add_argument("--skip-count", action="store_true")
+    ap.add_argument("--compile-workers", type=int, default=0,
+                    help="compile the sweep's tilings in this many processes first (Triton's compiles bound it)")
     ap.add_argument("--out")
     args = ap.parse_args()
     counts = [] if args.skip_count else [
@@ -232,7 +306,8 @@ def main() -> None:
     rows, best = [], []
     rows_for = dict(item.split("=", 1) for item in args.rows_for)
     for shape in args.shapes.split(","):
-        r, b = bench_shape(shape, [int(x) for x in rows_for.get(shape, args.rows).split(",")], bw, args.sweep)
+        r, b = bench_shape(shape, [int(x) for x in rows_for.get(shape, args.rows).split(",")], bw, args.sweep,
+                           args.compile_workers)
         rows += r
         best += b
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -249,9 +324,9 @@ def main() -> None:
         print(markdown_table(split, ["shape", "rows", "proj", "one_row_us", "default_us", "best_us", "unfused_us",
                                      "floor_us", "best_vs_one_row", "best_vs_unfused", "rule_vs_best", "best"]))
         print("DOT_MEASURED =", measured_table(split))  # for engine/kernels/small_m_tiles.py
-    one_row = [b for b in best if "unfused_us" in b and b["rows"] == 1]
-    if one_row:  # for engine/kernels/small_m_tiles.py ("CUBLAS" stands for small_m_tiles.CUBLAS)
-        print(f"ONE_ROW_MEASURED[{torch.cuda.get_device_name()!r}] =", one_row_table(one_row))
+    few = [b for b in best if "one_row_us" not in b and b["rows"] <= sml.FMA_MAX_ROWS]
+    if few:  # for engine/kernels/small_m_tiles.py ("CUBLAS" stands for small_m_tiles.CUBLAS)
+        print(f"FEW_ROWS_MEASURED[{torch.cuda.get_device_name()!r}] =", few_rows_table(few))
     if counts:
         print(markdown_table(counts, ["shape", "step", "batch", "small_m_rows", "kernels", "per_layer", "copies"]))
     save_json(args.out, {"env": environment(), "args": vars(args), "bandwidth_Bps": bw, "rows": rows, "sweep": best,

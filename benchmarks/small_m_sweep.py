@@ -1,7 +1,7 @@
 """The tiling sweeps of benchmarks/gpu_small_m.py, and the tables they print for engine/kernels/small_m_tiles.py:
 `sweep_one` times the FMA, row-loop and DOT tilings of one projection at some rows, `sweep_splitk` the split-K DOT
-tilings at 5-64 rows; `measured_table` turns a split-K sweep into DOT_MEASURED, `one_row_table` a one-row sweep
-into a GPU model's ONE_ROW_MEASURED entry."""
+tilings at 5-64 rows; `measured_table` turns a split-K sweep into DOT_MEASURED, `few_rows_table` a sweep at 1-4
+rows into a GPU model's FEW_ROWS_MEASURED entry."""
 
 from __future__ import annotations
 
@@ -128,16 +128,22 @@ def measured_table(best: list[dict]) -> dict[tuple[int, int, int], dict]:
     return table
 
 
-def one_row_table(best: list[dict], margin: float = 0.05) -> dict[tuple[int, int], dict | str]:
-    """This GPU model's entry of small_m_tiles.ONE_ROW_MEASURED from a one-row sweep: per (N, K) "CUBLAS" where
-    cuBLAS with its separate norm / activation / add kernel beats the best tiling by more than `margin`, else the
-    best tiling where the rule's is more than `margin` slower than it; shapes where the rule holds are left out."""
-    table: dict[tuple[int, int], dict | str] = {}
+def few_rows_table(best: list[dict], margin: float = 0.05) -> dict[tuple[int, int, int], dict | str]:
+    """This GPU model's entry of small_m_tiles.FEW_ROWS_MEASURED from a sweep at 1-4 rows: per (rows padded to a
+    power of two, N, K) "CUBLAS" where cuBLAS with its separate norm / activation / add kernel beats the best tiling
+    by more than `margin`, else the best tiling (its form's flag where it is not the FMA form, its pipeline stages
+    for the DOT form) where the rule's is more than `margin` slower than it; shapes where the rule holds are left
+    out."""
+    table: dict[tuple[int, int, int], dict | str] = {}
     for b in best:
+        key = (triton_pow2(b["rows"]), b["n"], b["k"])
         if b["unfused_us"] < b["best_us"] * (1 - margin):
-            table[(b["n"], b["k"])] = "CUBLAS"
+            table[key] = "CUBLAS"
         elif (b["rule_vs_best"] or float("inf")) > 1 + margin:  # None: the rule's tiling is not in the grid
-            table[(b["n"], b["k"])] = {x: b["best"][x] for x in ("BLOCK_N", "BLOCK_K", "num_warps")}
+            cfg = b["best"]
+            flags = {"USE_DOT": True} if cfg["USE_DOT"] else {"ROW_LOOP": True} if cfg.get("ROW_LOOP") else {}
+            stages = {"num_stages": cfg["num_stages"]} if cfg["USE_DOT"] else {}
+            table[key] = {**flags, **{x: cfg[x] for x in ("BLOCK_N", "BLOCK_K", "num_warps")}, **stages}
     return table
 
 

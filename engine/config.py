@@ -238,8 +238,8 @@ class EngineConfig:
     # an H100 (benchmarks/RESULTS.md). At most 64 (small_m_linear.MAX_ROWS): from 5 rows the products split K over
     # the GPU's SMs (the tl.dot tiles of 16-64 rows leave a 1024-wide projection too few column tiles), aimed at a
     # tree's pre-drafting forwards and verifies of up to 64 tokens; beyond that cuBLAS. 0: never. Only on the kernel
-    # devices (CUDA, or Triton's interpreter) and without tensor parallelism. Per GPU model, single rows of some
-    # shapes go to cuBLAS where that measured faster (small_m_tiles.ONE_ROW_MEASURED).
+    # devices (CUDA, or Triton's interpreter) and without tensor parallelism. Per GPU model, 1-4 rows of some
+    # shapes take measured tiles, or cuBLAS, where that measured faster (small_m_tiles.FEW_ROWS_MEASURED).
     small_m_rows: int = 4
     # Decode steps of at most this many requests of one token each (a draft's steps at batch 1-8) run every decoder
     # layer in one persistent launch (engine/kernels/persistent_decoder.py): one program per SM walks the layers,

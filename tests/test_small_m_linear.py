@@ -81,32 +81,85 @@ def test_one_row_exceptions_per_gpu_model(monkeypatch):
     assert small_m_tiles.device_name(torch.device("cpu")) == ""
 
 
-def test_one_row_sweep_writes_the_table_entry():
-    """benchmarks/small_m_sweep.py's one_row_table on the H200 sweep's figures (benchmarks/RESULTS.md, "One row on an
-    H200"; that sweep timed bare cuBLAS, so the unfused times here add the ~1.5 us of the separate kernel): the
-    entry engine/kernels/small_m_tiles.py holds for that GPU model, nothing for the 0.6B shapes (the rule within 4%
-    of the best)."""
+def test_few_rows_sweeps_write_the_table_entry():
+    """benchmarks/small_m_sweep.py's few_rows_table on the H200 sweeps' figures (benchmarks/RESULTS.md, "One row on
+    an H200", "Attention at head dims 64 and 256" and "Two and four rows on an H200"; the first timed bare cuBLAS, so
+    its unfused times here add the ~1.5 us of the separate kernel): the entry engine/kernels/small_m_tiles.py holds
+    for that GPU model, with the row loop's and the DOT form's flags, and nothing where the rule is within 5% of the
+    best (Qwen3-0.6B at one and two rows, the 270M model's gate_up and down), less the entries a draft loop measured
+    level or slower with than without (SmolLM2 at one and two rows, the 270M model at two and four, Qwen3-0.6B at
+    four: "Two and four rows on an H200")."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from small_m_sweep import one_row_table
+    from small_m_sweep import few_rows_table
 
-    def row(n, k, best_us, rule_vs_best, unfused_us, bn, bk, warps):
-        return {"n": n, "k": k, "best_us": best_us, "rule_vs_best": rule_vs_best, "unfused_us": unfused_us,
-                "best": {"USE_DOT": False, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}}
+    def row(rows, n, k, best_us, rule_vs_best, unfused_us, bn, bk, warps, form="fma"):
+        best = {"USE_DOT": form == "dot", "BLOCK_M": 16 if form == "dot" else rows, "BLOCK_N": bn, "BLOCK_K": bk,
+                "num_warps": warps, "num_stages": 3, **({"ROW_LOOP": True} if form == "row" else {})}
+        return {"rows": rows, "n": n, "k": k, "best_us": best_us, "rule_vs_best": rule_vs_best,
+                "unfused_us": unfused_us, "best": best}
 
-    sweep = [row(6144, 4096, 18.66, 1.01, 16.6, 4, 1024, 4), row(4096, 4096, 10.60, 1.21, 14.4, 8, 1024, 4),
-             row(24576, 4096, 55.10, 1.06, 51.2, 8, 1024, 4), row(4096, 12288, 26.31, 1.15, 29.8, 8, 1024, 4),
-             row(4096, 1024, 4.45, 1.0, 6.4, 8, 1024, 4), row(1024, 2048, 2.27, 1.04, 13.8, 8, 2048, 8)]
-    # Gemma 3 1B and 270M ("Attention at head dims 64 and 256": cuBLAS timed with its separate kernel): the 270M's
-    # gate_up and down keep the rule, the 1B's gate_up goes to cuBLAS.
-    sweep += [row(1536, 1152, 3.03, 1.47, 6.48, 4, 2048, 8), row(1152, 1024, 2.08, 1.10, 5.04, 2, 1024, 4),
-              row(13824, 1152, 16.57, 1.87, 12.77, 8, 512, 4), row(1152, 6912, 7.99, 1.19, 10.15, 2, 2048, 4),
-              row(1536, 640, 2.53, 1.06, 5.27, 8, 1024, 8), row(640, 1024, 1.66, 1.11, 5.08, 8, 1024, 8),
-              row(4096, 640, 3.63, 1.0, 5.68, 8, 1024, 4), row(640, 2048, 1.96, 1.0, 7.07, 4, 2048, 8)]
-    table = one_row_table(sweep)
-    entry = small_m_tiles.ONE_ROW_MEASURED["NVIDIA H200"]
-    assert table == {key: "CUBLAS" if tiles is small_m_tiles.CUBLAS else tiles for key, tiles in entry.items()}
+    sweep = [row(1, 6144, 4096, 18.66, 1.01, 16.6, 4, 1024, 4), row(1, 4096, 4096, 10.60, 1.21, 14.4, 8, 1024, 4),
+             row(1, 24576, 4096, 55.10, 1.06, 51.2, 8, 1024, 4), row(1, 4096, 12288, 26.31, 1.15, 29.8, 8, 1024, 4),
+             row(1, 4096, 1024, 4.45, 1.0, 6.4, 8, 1024, 4), row(1, 1024, 2048, 2.27, 1.04, 13.8, 8, 2048, 8)]
+    # Gemma 3 1B and 270M at one row (cuBLAS timed with its separate kernel)
+    sweep += [row(1, 1536, 1152, 3.03, 1.47, 6.48, 4, 2048, 8), row(1, 1152, 1024, 2.08, 1.10, 5.04, 2, 1024, 4),
+              row(1, 13824, 1152, 16.57, 1.87, 12.77, 8, 512, 4), row(1, 1152, 6912, 7.99, 1.19, 10.15, 2, 2048, 4),
+              row(1, 1536, 640, 2.53, 1.06, 5.27, 8, 1024, 8), row(1, 640, 1024, 1.66, 1.11, 5.08, 8, 1024, 8),
+              row(1, 4096, 640, 3.63, 1.0, 5.68, 8, 1024, 4), row(1, 640, 2048, 1.96, 1.0, 7.07, 4, 2048, 8)]
+    # two and four rows (and SmolLM2 at one): (rows, N, K, best, rule / best, unfused, BLOCK_N, BLOCK_K, warps, form)
+    figures = [
+        (2, 1536, 1152, 3.29, 1.48, 6.56, 4, 2048, 4, "row"), (2, 1152, 1024, 2.34, 1.02, 5.04, 4, 1024, 4, "row"),
+        (2, 13824, 1152, 12.69, 2.56, 11.89, 64, 256, 4, "dot"), (2, 1152, 6912, 9.63, 1.54, 9.97, 4, 1024, 8, "fma"),
+        (4, 1536, 1152, 4.96, 1.48, 6.25, 4, 2048, 4, "row"), (4, 1152, 1024, 3.76, 1.04, 5.19, 2, 1024, 8, "fma"),
+        (4, 13824, 1152, 12.88, 4.37, 12.57, 64, 256, 4, "dot"), (4, 1152, 6912, 15.96, 1.07, 10.24, 8, 512, 8, "fma"),
+        (1, 960, 576, 2.26, 1.14, 4.78, 16, 1024, 8, "fma"), (1, 576, 576, 1.51, 1.24, 4.32, 8, 1024, 8, "fma"),
+        (1, 3072, 576, 3.08, 1.03, 5.39, 4, 1024, 4, "fma"), (1, 576, 1536, 1.92, 1.0, 5.76, 4, 2048, 8, "fma"),
+        (2, 960, 576, 2.9, 1.16, 4.83, 4, 2048, 4, "row"), (2, 576, 576, 1.96, 1.0, 4.03, 8, 1024, 4, "row"),
+        (2, 3072, 576, 3.49, 1.06, 5.37, 4, 1024, 4, "row"), (2, 576, 1536, 2.37, 1.07, 5.69, 8, 2048, 8, "row"),
+        (4, 960, 576, 4.57, 1.05, 4.74, 4, 2048, 4, "row"), (4, 576, 576, 3.12, 1.06, 4.01, 2, 1024, 8, "fma"),
+        (4, 3072, 576, 4.98, 1.0, 5.37, 8, 1024, 4, "row"), (4, 576, 1536, 3.67, 1.12, 5.82, 8, 2048, 8, "row"),
+        (2, 1536, 640, 3.01, 1.18, 5.15, 4, 2048, 4, "row"), (2, 640, 1024, 1.94, 1.09, 5.04, 2, 1024, 4, "fma"),
+        (2, 4096, 640, 3.84, 1.0, 5.76, 8, 1024, 4, "row"), (2, 640, 2048, 2.67, 1.01, 6.93, 8, 2048, 8, "row"),
+        (4, 1536, 640, 4.69, 1.08, 5.0, 2, 1024, 4, "fma"), (4, 640, 1024, 3.02, 1.13, 4.79, 2, 1024, 4, "fma"),
+        (4, 4096, 640, 5.45, 1.0, 5.67, 8, 1024, 4, "row"), (4, 640, 2048, 4.15, 1.0, 6.43, 4, 1024, 8, "fma"),
+        (2, 4096, 1024, 4.46, 1.0, 6.49, 8, 1024, 4, "row"), (2, 1024, 2048, 2.73, 1.0, 10.95, 4, 2048, 8, "fma"),
+        (2, 6144, 1024, 6.98, 1.0, 7.19, 4, 1024, 4, "row"), (2, 1024, 3072, 4.64, 1.0, 7.63, 4, 2048, 8, "fma"),
+        (4, 4096, 1024, 6.41, 1.0, 6.56, 8, 1024, 4, "row"), (4, 1024, 2048, 3.45, 1.07, 11.05, 2, 1024, 4, "fma"),
+        (4, 6144, 1024, 7.7, 1.0, 7.21, 64, 256, 4, "dot"), (4, 1024, 3072, 5.65, 1.0, 7.65, 4, 1024, 8, "fma"),
+    ]
+    sweep += [row(*f) for f in figures]
+    table = few_rows_table(sweep)
+    left_out = {(1, 960, 576), (1, 576, 576), (2, 960, 576), (2, 3072, 576), (2, 576, 1536), (2, 1536, 640),
+                (2, 640, 1024), (4, 1536, 640), (4, 640, 1024), (4, 1024, 2048), (4, 6144, 1024)}
+    assert left_out <= table.keys()
+    entry = small_m_tiles.FEW_ROWS_MEASURED["NVIDIA H200"]
+    assert {key: tiles for key, tiles in table.items() if key not in left_out} == {
+        key: "CUBLAS" if tiles is small_m_tiles.CUBLAS else tiles for key, tiles in entry.items()}
+
+
+def test_few_rows_entries_give_the_form_and_row_tile(monkeypatch):
+    """An H200's measured entries at 1-4 rows on Gemma 3 1B's shapes: three rows take the four-row entry, the DOT
+    form's 16-row tile, the row loop's flag; a GPU model without entries keeps the rule; `measured=False` is the
+    rule (what a sweep ranks and an explicit config overrides)."""
+    monkeypatch.setattr(small_m_tiles, "num_sms", lambda device: 132)
+    monkeypatch.setattr(small_m_tiles, "_cuda_name", lambda index: "NVIDIA H200")
+    cuda = torch.device("cuda", 0)
+    qkv, gate_up, down = (1536, 1152), (13824, 1152), (1152, 6912)
+    for m, (n, k), want in ((2, qkv, ("row", 2, 4, 2048, 4)), (3, qkv, ("row", 4, 4, 2048, 4)),
+                            (4, qkv, ("row", 4, 4, 2048, 4)), (2, gate_up, "cublas"),
+                            (3, gate_up, ("dot", 16, 64, 256, 4)), (4, gate_up, ("dot", 16, 64, 256, 4)),
+                            (2, down, ("fma", 2, 4, 1024, 8)), (4, down, "cublas")):
+        cfg = small_m_tiles.tiles_for(m, n, k, cuda)
+        got = "cublas" if cfg.get("CUBLAS") else (
+            "dot" if cfg["USE_DOT"] else "row" if cfg.get("ROW_LOOP") else "fma", cfg["BLOCK_M"], cfg["BLOCK_N"],
+            cfg["BLOCK_K"], cfg["num_warps"])
+        assert got == want, (m, n, k, cfg)
+        rule = small_m_tiles.tiles_for(m, n, k, torch.device("meta"))
+        assert small_m_tiles.tiles_for(m, n, k, cuda, measured=False) == rule != cfg
+    monkeypatch.setattr(small_m_tiles, "_cuda_name", lambda index: "NVIDIA H100 80GB HBM3")
+    assert small_m_tiles.tiles_for(4, *gate_up, cuda) == small_m_tiles.tiles_for(4, *gate_up, torch.device("meta"))
 
 
 def test_config_picks_at_two_to_four_rows_on_an_h100(monkeypatch):
@@ -114,6 +167,7 @@ def test_config_picks_at_two_to_four_rows_on_an_h100(monkeypatch):
     speculation-ahead branches): (form, BLOCK_N, BLOCK_K, num_warps), each the fastest of two sweeps
     (benchmarks/gpu_small_m.py --sweep, then --sweep row for the row loop) or within 2% of it."""
     monkeypatch.setattr(small_m_tiles, "num_sms", lambda device: 132)
+    monkeypatch.setattr(small_m_tiles, "_cuda_name", lambda index: "NVIDIA H100 80GB HBM3")
     expected = {
         (2, "qkv"): ("row", 8, 1024, 4), (2, "o"): ("fma", 4, 2048, 8), (2, "gate_up"): ("row", 4, 1024, 4),
         (2, "down"): ("fma", 4, 2048, 8),
@@ -221,23 +275,24 @@ def check_small_m_linear(device: str, dtype: torch.dtype, rows: tuple[int, ...] 
 def test_small_m_linear_matches_references(dtype):
     check_small_m_linear("cpu", dtype)
     check_small_m_linear("cpu", dtype, shapes=((300, 40),), config={"BLOCK_K": 128})  # three K tiles
-    # cuBLAS with the separate norm / activation / add, where ONE_ROW_MEASURED sends a product
+    # cuBLAS with the separate norm / activation / add, where FEW_ROWS_MEASURED sends a product
     check_small_m_linear("cpu", dtype, rows=(1, 3), config=small_m_tiles.CUBLAS)
 
 
 @interpreted
 def test_a_gpu_models_cublas_entry_and_an_explicit_config(monkeypatch):
-    """Where a GPU model's table sends a shape to cuBLAS, the wrappers run the unfused form at one row and the kernel
-    at two; an explicit config still runs the kernel (sweeps and tests time tilings with it); both match the
-    references."""
+    """Where a GPU model's table sends a shape to cuBLAS at one row and at three to four (the four-row entry), the
+    wrappers run the unfused form there and the kernel at two; an explicit config still runs the kernel (sweeps and
+    tests time tilings with it); all match the references."""
     k, n = 96, 40
     monkeypatch.setattr(small_m_tiles, "device_name", lambda device: "a GPU model")
-    monkeypatch.setitem(small_m_tiles.ONE_ROW_MEASURED, "a GPU model", {(n, k): small_m_tiles.CUBLAS})
+    monkeypatch.setitem(small_m_tiles.FEW_ROWS_MEASURED, "a GPU model",
+                        {(1, n, k): small_m_tiles.CUBLAS, (4, n, k): small_m_tiles.CUBLAS})
     unfused, calls = sml._unfused, []
     monkeypatch.setattr(sml, "_unfused", lambda *a: calls.append(a[0].shape[0]) or unfused(*a))
     g = torch.Generator().manual_seed(2)
     w, nw = torch.randn(n, k, generator=g) * k ** -0.5, torch.rand(k, generator=g) + 0.5
-    for m, config, want in ((1, None, [1]), (2, None, []), (1, {"BLOCK_K": 32}, [])):
+    for m, config, want in ((1, None, [1]), (2, None, []), (3, None, [3]), (4, None, [4]), (1, {"BLOCK_K": 32}, [])):
         calls.clear()
         x, res = torch.randn(m, k, generator=g), torch.randn(m, k, generator=g)
         out, s = sml.norm_linear(x, res, nw, 1e-6, 0.0, w, config=config)

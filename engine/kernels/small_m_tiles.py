@@ -1,6 +1,6 @@
 """Form, tile sizes and K split of the few-row products (engine/kernels/small_m_linear.py) per shape. The rules
-for 1-4 rows come from sweeps on an H100 (benchmarks/gpu_small_m.py --sweep, figures in benchmarks/RESULTS.md); one
-row's measured exceptions per GPU model are in ONE_ROW_MEASURED (an entry may send a product to cuBLAS); rows 5-64
+for 1-4 rows come from sweeps on an H100 (benchmarks/gpu_small_m.py --sweep, figures in benchmarks/RESULTS.md); 1-4
+rows' measured exceptions per GPU model are in FEW_ROWS_MEASURED (an entry may send a product to cuBLAS); rows 5-64
 (the split-K DOT form) take DOT_MEASURED's tilings (an H100 sweep, `--sweep splitk`) or else a rule."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from engine.kernels.triton_compat import triton
 
-__all__ = ["FMA_MAX_ROWS", "CUBLAS", "ONE_ROW_MEASURED", "DOT_MEASURED", "DOT_TILES", "DOT_PROGRAMS_PER_SM",
+__all__ = ["FMA_MAX_ROWS", "CUBLAS", "FEW_ROWS_MEASURED", "DOT_MEASURED", "DOT_TILES", "DOT_PROGRAMS_PER_SM",
            "num_sms", "device_name", "tiles_for", "split_k_range"]
 
 FMA_MAX_ROWS = 4  # up to this many rows the FMA form or the row loop (or tl.dot, by shape); above it tl.dot
@@ -20,26 +20,43 @@ FMA_MAX_ROWS = 4  # up to this many rows the FMA form or the row loop (or tl.dot
 # in (small_m_linear's torch path): where that measured faster on a device.
 CUBLAS = {"CUBLAS": True}
 
-# One row, per GPU model (torch.cuda.get_device_name) and (N, K): the measured tiling of the FMA form, or CUBLAS.
-# The rule below was swept on an H100. On an H200 (`python3 benchmarks/gpu_small_m.py --shapes qwen3-8b,qwen3-0.6b
-# --rows 1 --sweep fma --skip-count`, 2026-11-28, benchmarks/RESULTS.md "One row on an H200") the rule's tiles were
-# 1.15-1.21x the best on an 8B model's o_proj and down, and cuBLAS beat every tiling on its qkv and gate_up (15.1
-# and 49.7 us against 18.7 and 55.1; the norm kernel then costs about 1.5 us). The 0.6B shapes: the rule's tiles
-# within 4% of the best, so they keep the rule. Gemma 3 (the same command with --shapes gemma3-1b,gemma3-270m,
-# "Attention at head dims 64 and 256"): a hidden size of 1152 is no power of two, and the rule's 2048-wide K tile
-# left the 1B model's gate_up at 30.4 us (cuBLAS 10.6, floor 7.6); the entries are the sweep's `one_row_table`.
-ONE_ROW_MEASURED: dict[str, dict[tuple[int, int], dict]] = {
+# Rows 1-4, per GPU model (torch.cuda.get_device_name) and (rows padded to a power of two: 1, 2 or 4; N; K): the
+# measured tiling (the FMA form unless it says ROW_LOOP or USE_DOT), or CUBLAS; measured in bf16, taken for every
+# dtype (tests/gpu run them in float32 too). The rule below was swept on an H100. On an H200, one row (`python3
+# benchmarks/gpu_small_m.py --shapes qwen3-8b,qwen3-0.6b --rows 1 --sweep fma --skip-count`, 2026-11-28,
+# benchmarks/RESULTS.md "One row on an H200"): the rule's tiles were 1.15-1.21x the best on an 8B model's o_proj
+# and down, and cuBLAS beat every tiling on its qkv and gate_up (15.1 and 49.7 us against 18.7 and 55.1; the norm
+# kernel then costs about 1.5 us); the 0.6B shapes' within 4% of the best. Gemma 3 at one row (the same command
+# with --shapes gemma3-1b,gemma3-270m, "Attention at head dims 64 and 256"): a hidden size of 1152 is no power of
+# two, and the rule's 2048-wide K tile left the 1B model's gate_up at 30.4 us (cuBLAS 10.6, floor 7.6). Two and
+# four rows (`--shapes S --rows 2,4 --sweep fma,row,dot --skip-count --compile-workers 14`, SmolLM2 also at one
+# row, 2026-11-29, "Two and four rows on an H200"): the same K of 1152 left the 1B model's gate_up at 32.5 and 56.4
+# us (cuBLAS with the norm 11.9, the DOT form 12.9) and its down at 14.8 and 17.1. The entries are the sweeps'
+# `few_rows_table`, kept where a draft loop measured no slower with them than without (benchmarks/gpu_draft.py):
+# Gemma 3 1B's draft token 1.6-1.85x faster at batch 2 and 4, SmolLM2's 5% at batch 4. Those a loop measured level
+# or slower were left out: SmolLM2 at one and two rows (2-9% slower), the 270M model at two and four rows, and
+# Qwen3-0.6B at four rows, though each product alone was 5-16% faster.
+_ROW = {"ROW_LOOP": True}
+FEW_ROWS_MEASURED: dict[str, dict[tuple[int, int, int], dict]] = {
     "NVIDIA H200": {
-        (6144, 4096): CUBLAS,  # Qwen3-8B qkv
-        (4096, 4096): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4),  # Qwen3-8B o_proj: 10.6 us against 12.7
-        (24576, 4096): CUBLAS,  # Qwen3-8B gate_up
-        (4096, 12288): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4),  # Qwen3-8B down: 26.3 us against 30.6
-        (1536, 1152): dict(BLOCK_N=4, BLOCK_K=2048, num_warps=8),  # Gemma 3 1B qkv: 3.03 us against 4.52
-        (1152, 1024): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),  # Gemma 3 1B o_proj: 2.08 us against 2.15
-        (13824, 1152): CUBLAS,  # Gemma 3 1B gate_up: 10.6 us and the norm kernel, against 30.4 (best tiling 16.6)
-        (1152, 6912): dict(BLOCK_N=2, BLOCK_K=2048, num_warps=4),  # Gemma 3 1B down: 7.99 us against 9.49
-        (1536, 640): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8),  # Gemma 3 270M qkv: 2.53 us against 2.68
-        (640, 1024): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8),  # Gemma 3 270M o_proj: 1.66 us against 1.89
+        (1, 6144, 4096): CUBLAS,  # Qwen3-8B qkv
+        (1, 4096, 4096): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4),  # Qwen3-8B o_proj: 10.6 us against 12.7
+        (1, 24576, 4096): CUBLAS,  # Qwen3-8B gate_up
+        (1, 4096, 12288): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4),  # Qwen3-8B down: 26.3 us against 30.6
+        (1, 1536, 1152): dict(BLOCK_N=4, BLOCK_K=2048, num_warps=8),  # Gemma 3 1B qkv: 3.03 us against 4.52
+        (2, 1536, 1152): dict(**_ROW, BLOCK_N=4, BLOCK_K=2048, num_warps=4),  # 3.29 against 4.85
+        (4, 1536, 1152): dict(**_ROW, BLOCK_N=4, BLOCK_K=2048, num_warps=4),  # 4.96 against 7.22
+        (1, 1152, 1024): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),  # Gemma 3 1B o_proj: 2.08 us against 2.15
+        (1, 13824, 1152): CUBLAS,  # Gemma 3 1B gate_up: 10.6 us and the norm kernel, against 30.4 (best tiling 16.6)
+        (2, 13824, 1152): CUBLAS,  # 11.9 us against 32.5
+        (4, 13824, 1152): dict(USE_DOT=True, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),  # 12.9 against 56.4
+        (1, 1152, 6912): dict(BLOCK_N=2, BLOCK_K=2048, num_warps=4),  # Gemma 3 1B down: 7.99 us against 9.49
+        (2, 1152, 6912): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=8),  # 9.63 against 14.8
+        (4, 1152, 6912): CUBLAS,  # 10.2 against 17.1
+        (1, 1536, 640): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8),  # Gemma 3 270M qkv: 2.53 us against 2.68
+        (1, 640, 1024): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8),  # Gemma 3 270M o_proj: 1.66 us against 1.89
+        (4, 576, 576): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=8),  # SmolLM2-135M o_proj: 3.12 us against 3.41
+        (4, 576, 1536): dict(**_ROW, BLOCK_N=8, BLOCK_K=2048, num_warps=8),  # SmolLM2-135M down: 3.67 against 4.10
     },
 }
 
@@ -56,13 +73,13 @@ def _cuda_name(index: int | None) -> str:
 
 
 def device_name(device: torch.device) -> str:
-    """The GPU model ONE_ROW_MEASURED is keyed by; "" off CUDA (the interpreter keeps the rule)."""
+    """The GPU model FEW_ROWS_MEASURED is keyed by; "" off CUDA (the interpreter keeps the rule)."""
     return _cuda_name(device.index) if device.type == "cuda" else ""
 
 
 def tiles_for(m: int, n: int, k: int, device: torch.device, measured: bool = True) -> dict:
-    """Tile sizes: with `measured`, one row's exceptions for this GPU model first (ONE_ROW_MEASURED); without, the
-    rule alone (what an explicit config overrides, and what a sweep ranks). FMA form: a weight tile of 64 fp32
+    """Tile sizes: with `measured`, this GPU model's measured tilings of 1-4 rows first (FEW_ROWS_MEASURED); without,
+    the rule alone (what an explicit config overrides, and what a sweep ranks). FMA form: a weight tile of 64 fp32
     accumulators a thread per row (8192 elements at 4 warps and one row, 16 KB of bf16), as wide in K as the rule
     below allows, narrowed in N (more programs) until the grid has enough programs. At one row on an H100 a sweep
     (benchmarks/gpu_small_m.py --sweep) found, with the first tile requested before the dependent-launch wait:
@@ -84,10 +101,13 @@ def tiles_for(m: int, n: int, k: int, device: torch.device, measured: bool = Tru
     Rows 5-64 take the DOT form with split K (`_dot_config`). Without the split, rows 5-16 were slower than cuBLAS,
     as were wide layers (K of 4096 and more) at more than one row (benchmarks/RESULTS.md): the engine sends the
     latter elsewhere (`rows_limit`), and rows beyond 4 only where EngineConfig.small_m_rows asks."""
-    if m == 1 and measured:
-        tiles = ONE_ROW_MEASURED.get(device_name(device), {}).get((n, k))
+    if m <= FMA_MAX_ROWS and measured:
+        tiles = FEW_ROWS_MEASURED.get(device_name(device), {}).get((triton.next_power_of_2(m), n, k))
         if tiles is not None:
-            return tiles if tiles is CUBLAS else dict(USE_DOT=False, BLOCK_M=1, **tiles)
+            if tiles is CUBLAS:
+                return tiles
+            block_m = 16 if tiles.get("USE_DOT") else triton.next_power_of_2(m)  # the DOT form's tile is 16 rows
+            return {"USE_DOT": False, "BLOCK_M": block_m, **tiles}
     sms = num_sms(device)
     narrow = triton.cdiv(n, 8) <= 4 * sms  # 8-feature tiles give at most four programs per SM
     if 2 <= m <= FMA_MAX_ROWS and k <= 1024 and (m == 2 or narrow):

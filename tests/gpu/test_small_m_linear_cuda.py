@@ -81,6 +81,35 @@ def test_split_k_on_a_draft_layer_matches_references(dtype):
     assert split_k_range(k, rule["BLOCK_K"], rule["SPLIT_K"])[0] > 1  # the rule splits the 1024-wide products
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_this_gpus_measured_tilings_match_references(dtype):
+    """Every tiling this GPU model's FEW_ROWS_MEASURED entry holds (measured in bf16; the engine takes them for every
+    dtype), at its rows and at three rows for a four-row entry, through the norm and the activation prologues
+    and the residual epilogue, against the references."""
+    entry = small_m_tiles.FEW_ROWS_MEASURED.get(small_m_tiles.device_name(torch.device("cuda")))
+    if not entry:
+        pytest.skip("no measured tilings for this GPU model")
+    g = torch.Generator(device="cuda").manual_seed(5)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+
+    tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for (rows, n, k), tiles in entry.items():
+        w, nw = rand(n, k, scale=k ** -0.5), rand(k, scale=0.1) + 1.0
+        for m in {rows, 3} if rows == 4 else {rows}:
+            cfg = tiles_for(m, n, k, torch.device("cuda"))  # the entry is what the wrappers run
+            assert cfg is tiles if tiles is small_m_tiles.CUBLAS else {x: cfg[x] for x in tiles} == tiles
+            x, res, add, gu = rand(m, k, scale=2.0), rand(m, k), rand(m, n), rand(m, 2 * k)
+            got, s = sml.norm_linear(x, res, nw, 1e-6, 0.0, w)
+            want, want_s = sml.norm_linear_ref(x, res, nw, 1e-6, 0.0, w)
+            torch.testing.assert_close(got, want, **tol)
+            assert torch.equal(s, want_s), (rows, n, k)
+            torch.testing.assert_close(sml.act_linear(gu, "gelu_pytorch_tanh", w),
+                                       sml.act_linear_ref(gu, "gelu_pytorch_tanh", w), **tol)
+            torch.testing.assert_close(sml.linear_add(x, w, None, add), sml.linear_add_ref(x, w, None, add), **tol)
+
+
 def test_split_k_replays_from_a_cuda_graph():
     """A layer's products at 64 and 16 rows with K split, captured in one CUDA graph (after an eager call, as the
     engine's warm-up makes) and replayed twice on new inputs: each replay equals the references, so the arrival
@@ -115,7 +144,7 @@ def test_small_m_graphs_equal_eager_without_them(tiny_models, tiny_drafts, famil
     and draft steps up to 16 rows; and up to 64 rows, prefill chunks included, with 16-column K tiles so that the
     tiny layers' K splits too and the captured graphs run the split-K form) give the tokens of eager steps on
     cuBLAS and the separate kernels. "mixed": single rows with qkv and gate_up sent to cuBLAS (as an H200's
-    ONE_ROW_MEASURED sends an 8B model's) and o_proj and down fused."""
+    FEW_ROWS_MEASURED sends an 8B model's) and o_proj and down fused."""
     target = tiny_models[family]
     draft = tiny_drafts["gemma3-2l" if family == "gemma3" else "qwen3-1l"]
     prompts = random_prompts([5, 17, 30], seed=3)
