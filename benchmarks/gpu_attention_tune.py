@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table, save_json  # noqa: E402
-from gpu_kernels import copy_bandwidth, gpu_ms, graph_of  # noqa: E402
+from gpu_kernels import gpu_ms, graph_of  # noqa: E402
+from gpu_shapes import copy_bandwidth  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import engine.kernels.attention_launch as al  # noqa: E402
@@ -96,7 +97,7 @@ def sweep_shape(args: argparse.Namespace, context: int, batch: int, bandwidth: f
         undo = with_launch_params(tile, warps, stages or 3)
         try:
             chosen = al.kernel_variant(batch, args.query_len, heads // kv_heads, kv_heads, head_dim,
-                                       table.shape[1] * BLOCK_SIZE, q.device, splits)
+                                       table.shape[1] * BLOCK_SIZE, q.device, splits, kv_bytes=kv.element_size())
             graph = graph_of(lambda s=splits: launch_all(s), 1)
             us = gpu_ms(graph.replay, args.repeats) / launches * 1e3
             torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)

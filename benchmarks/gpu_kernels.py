@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table, save_json  # noqa: E402
+from gpu_shapes import copy_bandwidth  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.kernels.kv_store import store_kv  # noqa: E402
@@ -50,14 +51,6 @@ def gpu_ms(fn: Callable[[], object], repeats: int, warmup: int = 5) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + written), 1 GiB buffers."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = gpu_ms(lambda: dst.copy_(src), repeats=20)
-    return 2 * (1 << 30) / (ms / 1e3)
 
 
 def graph_of(fn: Callable[[], object], launches: int) -> torch.cuda.CUDAGraph:

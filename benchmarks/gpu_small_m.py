@@ -17,9 +17,11 @@ against its time at one row (the tuned one-row rule; 1 is added to the rows) and
 elementwise kernel it replaces (`unfused`), and per layer the sum of the four: the goal is a 16-row layer within
 1.2x and a 64-row layer within 1.6x of a one-row one. At 1-4 rows (`--sweep fma,row,dot --rows 1,2,4`) the sweep
 also times each projection's cuBLAS form with its separate kernel and prints this GPU model's FEW_ROWS_MEASURED
-entry (the sweeps and the tables they print: benchmarks/small_m_sweep.py). `--compile-workers N` compiles the
-tilings in N processes first: a sweep is bound by Triton's compiles. `kernels`: CUDA kernels of one eager forward
-under torch.profiler (a draft step for the draft shape: forward, argmax and the draft loop's input rebuild).
+entry (the sweeps and the tables they print: benchmarks/small_m_sweep.py); `--in-chain` times each tiling inside
+the layer's chain of four products instead of alone (on the small models its spread was the measurement's own).
+`--compile-workers N` compiles the tilings in N processes first: a sweep is bound by Triton's compiles. `kernels`:
+CUDA kernels of one eager forward under torch.profiler (a draft step for the draft shape: forward, argmax and the
+draft loop's input rebuild).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from small_m_sweep import (
 from torch.profiler import ProfilerActivity, profile
 
 from engine.kernels import small_m_linear as sml
+from engine.kernels import small_m_tiles
 from engine.kernels.activation import act_and_mul
 from engine.kernels.rms_norm import add_rms_norm, rms_norm
 from engine.kernels.small_m_tiles import tiles_for
@@ -67,8 +70,8 @@ def layer_weights(shape: str, copies: int | None = None) -> list[dict[str, torch
                  n2=torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5) for _ in range(copies)]
 
 
-def bench_shape(shape: str, rows: list[int], bw: float, sweep: str | None,
-                workers: int = 0) -> tuple[list[dict], list[dict]]:
+def bench_shape(shape: str, rows: list[int], bw: float, sweep: str | None, workers: int = 0,
+                in_chain: bool = False) -> tuple[list[dict], list[dict]]:
     ws = layer_weights(shape)
     out, best = [], []
     if sweep and "splitk" in sweep:
@@ -77,7 +80,7 @@ def bench_shape(shape: str, rows: list[int], bw: float, sweep: str | None,
         precompile(shape, sweep_tasks(shape, rows, sweep), workers)
     one_row: dict[str, float] = {}
     for m in rows:
-        row, b = bench_rows(shape, m, ws, bw, sweep, one_row)
+        row, b = bench_rows(shape, m, ws, bw, sweep, one_row, in_chain)
         out.append(row)
         best += b
         print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
@@ -165,9 +168,10 @@ def sweep_tasks(shape: str, rows: list[int], sweep: str) -> list[tuple[int, str,
 
 
 def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float, sweep: str | None,
-               one_row: dict[str, float]) -> tuple[dict, list[dict]]:
+               one_row: dict[str, float], in_chain: bool = False) -> tuple[dict, list[dict]]:
     """One row count: the layer chains, each projection alone; with sweep also other tilings. one_row: each
-    projection's time at one row, filled at m = 1 (the split-K sweep's reference)."""
+    projection's time at one row, filled at m = 1 (the split-K sweep's reference). in_chain: a 1-4-row sweep times
+    each tiling in the layer's chain of four products, the other three as the engine runs them."""
     layer_bytes = sum(t.numel() * 2 for name, t in ws[0].items() if name not in ("n1", "n2"))
     kernels, unfused, (x, res, a, gu) = projection_calls(shape, m, ws)
 
@@ -180,12 +184,14 @@ def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float,
         F.linear(hh, w["gate_up"])
         F.linear(act_and_mul(gu, "silu"), w["down"])
 
-    def new(i: int, cfg: dict | None = None) -> None:
+    def new(i: int, cfg: dict | None = None, only: str | None = None) -> None:
+        """The four fused products; cfg for every product, or with `only` for that one alone."""
         w = ws[i % len(ws)]
-        _, s = sml.norm_linear(x, res, w["n1"], 1e-6, 0.0, w["qkv"], config=cfg)
-        s = sml.linear_add(a, w["o"], None, s, config=cfg)
-        sml.norm_linear(s, None, w["n2"], 1e-6, 0.0, w["gate_up"], config=cfg)
-        sml.act_linear(gu, "silu", w["down"], config=cfg)
+        c = {p: cfg if only in (None, p) else None for p in ("qkv", "o", "gate_up", "down")}
+        _, s = sml.norm_linear(x, res, w["n1"], 1e-6, 0.0, w["qkv"], config=c["qkv"])
+        s = sml.linear_add(a, w["o"], None, s, config=c["o"])
+        sml.norm_linear(s, None, w["n2"], 1e-6, 0.0, w["gate_up"], config=c["gate_up"])
+        sml.act_linear(gu, "silu", w["down"], config=c["down"])
 
     calls = 4 * len(ws)
     row = {"shape": shape, "rows": m, "floor_us": layer_bytes / bw * 1e6,
@@ -215,9 +221,15 @@ def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float,
             best.append(b)
         elif sweep and set(sweep.split(",")) - {"splitk"}:
             forms = ",".join(f for f in sweep.split(",") if f != "splitk")
-            b = sweep_one(shape, m, name, fn, calls, floor, row[f"{name}_new_us"], rule, forms)
-            # what FEW_ROWS_MEASURED weighs the best tiling against
-            b.update(n=n, k=k, unfused_us=graph_us(unfused[name], calls))
+            if in_chain:  # each tiling, and cuBLAS with its separate kernel, between the engine's other products
+                b = sweep_one(shape, m, name, lambda i, cfg, name=name: new(i, cfg, name), calls, floor,
+                              row["new_layer_us"], rule, forms)
+                b.update(n=n, k=k, in_chain=True,
+                         unfused_us=graph_us(lambda i, name=name: new(i, small_m_tiles.CUBLAS, name), calls))
+            else:
+                b = sweep_one(shape, m, name, fn, calls, floor, row[f"{name}_new_us"], rule, forms)
+                # what FEW_ROWS_MEASURED weighs the best tiling against
+                b.update(n=n, k=k, unfused_us=graph_us(unfused[name], calls))
             best.append(b)
     if any(b["rows"] == m and "one_row_us" in b for b in best):
         layer_summary(shape, m, [b for b in best if b["rows"] == m])
@@ -293,6 +305,9 @@ def main() -> None:
                     help="also time other tilings; optionally only some forms (comma-separated: fma, dot, row, "
                          "splitk: the split-K tilings at 5 rows and more, against one row and cuBLAS)")
     ap.add_argument("--skip-count", action="store_true")
+    ap.add_argument("--in-chain", action="store_true",
+                    help="at 1-4 rows time each tiling in the layer's chain of four products (the others as the engine "
+                         "runs them) rather than alone; the table's margin is then 2% of the chain")
     ap.add_argument("--compile-workers", type=int, default=0,
                     help="compile the sweep's tilings in this many processes first (Triton's compiles bound it)")
     ap.add_argument("--out")
@@ -307,7 +322,7 @@ def main() -> None:
     rows_for = dict(item.split("=", 1) for item in args.rows_for)
     for shape in args.shapes.split(","):
         r, b = bench_shape(shape, [int(x) for x in rows_for.get(shape, args.rows).split(",")], bw, args.sweep,
-                           args.compile_workers)
+                           args.compile_workers, args.in_chain)
         rows += r
         best += b
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -326,7 +341,8 @@ def main() -> None:
         print("DOT_MEASURED =", measured_table(split))  # for engine/kernels/small_m_tiles.py
     few = [b for b in best if "one_row_us" not in b and b["rows"] <= sml.FMA_MAX_ROWS]
     if few:  # for engine/kernels/small_m_tiles.py ("CUBLAS" stands for small_m_tiles.CUBLAS)
-        print(f"FEW_ROWS_MEASURED[{torch.cuda.get_device_name()!r}] =", few_rows_table(few))
+        print(f"FEW_ROWS_MEASURED[{torch.cuda.get_device_name()!r}] =",
+              few_rows_table(few, margin=0.02 if args.in_chain else 0.05))
     if counts:
         print(markdown_table(counts, ["shape", "step", "batch", "small_m_rows", "kernels", "per_layer", "copies"]))
     save_json(args.out, {"env": environment(), "args": vars(args), "bandwidth_Bps": bw, "rows": rows, "sweep": best,

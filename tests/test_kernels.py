@@ -12,6 +12,8 @@ tests/gpu/test_kernels_cuda.py.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from interpreter_children import assert_pytest_children_pass, split_by
@@ -86,7 +88,7 @@ def test_paged_attention_matches_reference(num_heads, num_kv_heads, head_dim):
         _check_attention(case, atol=2e-3, rtol=2e-3, splits=splits)
         tiles.add(attention_launch.kernel_variant(len(lens[0]), max(lens[0]), num_heads // num_kv_heads, num_kv_heads,
                                                   head_dim, case.block_table.shape[1] * 16, case.query.device,
-                                                  splits).tile_n)
+                                                  splits, kv_bytes=case.kv_cache.element_size()).tile_n)
     assert tiles == ({64, 128} if head_dim in (64, 128) else {64}), tiles
 
 
@@ -150,7 +152,7 @@ def test_key_tiles_follow_programs_an_sm(monkeypatch):
     monkeypatch.setattr(attention_launch, "_num_sms", lambda device: 132)
     monkeypatch.setattr(attention_launch, "_shared_memory", lambda device: 232448)  # an H100's or H200's
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    variant = attention_launch.kernel_variant
+    variant = functools.partial(attention_launch.kernel_variant, kv_bytes=2)  # a bf16 / fp16 cache unless named
     qwen = dict(num_kv_heads=8, head_dim=128, max_keys=32768)
     assert variant(1, 1, 2, device=cuda, **qwen)[2:] == (64, 64, 2)  # 512 programs of 512 keys
     assert variant(1, 1, 2, 8, 128, 8192, cuda)[2:] == (64, 64, 4)  # 512 programs of 128 keys
@@ -170,7 +172,7 @@ def test_key_tiles_follow_programs_an_sm(monkeypatch):
     assert variant(1, 1, max_keys=32768, **smollm2)[2:] == (128, 128, 4)  # 256 keys a split
     assert variant(8, 1, max_keys=32768, **smollm2)[2:] == (8, 128, 8)  # 4096
     assert variant(1, 1, max_keys=2048, **smollm2)[2:] == (32, 64, 4)  # 64 keys a split
-    tiny, batch8 = (attention_launch.compiled_variant(b, 1, 2, 8, 128, 32768, cuda) for b in (1, 8))
+    tiny, batch8 = (attention_launch.compiled_variant(b, 1, 2, 8, 128, 32768, cuda, kv_bytes=2) for b in (1, 8))
     assert tiny == (16, True, 64, 2) and batch8 == (16, True, 128, 4)
     monkeypatch.setattr(attention_launch, "_shared_memory", lambda device: 0)  # not reported: no wider tile
     assert variant(8, 1, 2, device=cuda, **qwen)[2:] == (4, 64, 4)

@@ -28,8 +28,8 @@ class AttentionLaunch(NamedTuple):
 
 
 def kernel_variant(num_reqs: int, max_query_len: int, heads_per_kv: int, num_kv_heads: int, head_dim: int,
-                   max_keys: int, device: torch.device, num_kv_splits: int | None = None,
-                   kv_bytes: int = 2) -> AttentionLaunch:
+                   max_keys: int, device: torch.device, num_kv_splits: int | None = None, *,
+                   kv_bytes: int) -> AttentionLaunch:
     """The launch of this shape (`kv_bytes`: the KV cache's element size). Compiled variants differ by BLOCK_M,
     TILE_N, warps and whether the keys are split (the split count itself is a runtime argument), so
     `compiled_variant` of every shape a runner may see is a small set that a warm-up can compile before the first
@@ -49,7 +49,7 @@ def kernel_variant(num_reqs: int, max_query_len: int, heads_per_kv: int, num_kv_
 
 
 def compiled_variant(num_reqs: int, max_query_len: int, heads_per_kv: int, num_kv_heads: int, head_dim: int,
-                     max_keys: int, device: torch.device, kv_bytes: int = 2) -> tuple[int, bool, int, int]:
+                     max_keys: int, device: torch.device, *, kv_bytes: int) -> tuple[int, bool, int, int]:
     """What selects a compiled kernel for this launch shape: (BLOCK_M, keys split, TILE_N, warps)."""
     v = kernel_variant(num_reqs, max_query_len, heads_per_kv, num_kv_heads, head_dim, max_keys, device,
                        kv_bytes=kv_bytes)
@@ -124,7 +124,7 @@ def _decode_splits(programs: int, max_tiles: int, device: torch.device) -> int:
 # A wider tile is taken only where its pipeline (three stages of a key and a value tile) fits the GPU's shared memory,
 # so float32 caches and GPUs of less shared memory keep the narrower one.
 def _tile_and_warps(block_m: int, head_dim: int, grid_programs: int, split_keys: int, device: torch.device,
-                    kv_bytes: int = 2) -> tuple[int, int]:
+                    kv_bytes: int) -> tuple[int, int]:
     """(TILE_N, num_warps) of a launch of `grid_programs` programs (splits included) whose splits take up to
     `split_keys` keys each. Off CUDA (Triton's interpreter) the grid counts as one program an SM and every tile
     fits."""

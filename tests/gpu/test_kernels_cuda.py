@@ -119,7 +119,7 @@ def test_wide_split_grid_in_cuda_graph_uses_each_requests_own_splits():
     qsl = torch.zeros(2, dtype=torch.int32, device="cuda")
     seq_lens = torch.zeros(1, dtype=torch.int32, device="cuda")
     table = torch.zeros(1, 256, dtype=torch.int32, device="cuda")
-    splits = kernel_variant(1, 1, 2, 8, 128, 256 * 16, q.device)[2]
+    splits = kernel_variant(1, 1, 2, 8, 128, 256 * 16, q.device, kv_bytes=q.element_size())[2]
     assert splits > 16, splits
 
     def load(ctx: int, seed: int) -> None:
