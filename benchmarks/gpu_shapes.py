@@ -8,11 +8,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
 SHAPES = {
     # Qwen3-8B and Qwen3-0.6B (their published configs), SmolLM2-135M(-Instruct), Gemma 3 270M and 1B (five
-    # 512-token sliding-window layers to one full-attention layer, one KV head of 256 dims).
+    # 512-token sliding-window layers to one full-attention layer, one KV head of 256 dims), Qwen2.5-0.5B (a common
+    # draft; hidden and intermediate sizes of 896 and 4864, no powers of two).
     "qwen3-8b": lambda: Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                                     max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1e6),
@@ -28,9 +29,12 @@ SHAPES = {
     "gemma3-1b": lambda: Gemma3TextConfig(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
                                           num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                                           vocab_size=262144, sliding_window=512, max_position_embeddings=32768),
+    "qwen2.5-0.5b": lambda: Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                        num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                        max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6),
 }
 ARCH = {"qwen3-8b": "Qwen3ForCausalLM", "qwen3-0.6b": "Qwen3ForCausalLM", "smollm2-135m": "LlamaForCausalLM",
-        "gemma3-270m": "Gemma3ForCausalLM", "gemma3-1b": "Gemma3ForCausalLM"}
+        "gemma3-270m": "Gemma3ForCausalLM", "gemma3-1b": "Gemma3ForCausalLM", "qwen2.5-0.5b": "Qwen2ForCausalLM"}
 
 
 def shape_dir(name: str, root: str | Path | None = None) -> str:

@@ -55,8 +55,9 @@ def sweep_one(shape: str, m: int, name: str, fn, calls: int, floor: float, defau
     top = [(round(u, 2), form(c), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"],
             c["num_stages"]) for u, c in results[:5]]
     key = ("USE_DOT", "BLOCK_N", "BLOCK_K", "num_warps")
-    rank = next((i + 1 for i, (_, c) in enumerate(results)
-                 if all(c[x] == rule[x] for x in key) and form(c) == form(rule)), None)
+    rank = next((i + 1 for i, (_, c) in enumerate(results)  # (Triton's default pipeline depth is 3 stages)
+                 if all(c[x] == rule[x] for x in key) and form(c) == form(rule)
+                 and c.get("num_stages", 3) == rule.get("num_stages", 3)), None)
     rule_us = results[rank - 1][0] if rank else None
     print(f"sweep {shape} rows={m} {name}: default {default_us:.2f} us, best {us:.2f} us {cfg} "
           f"(floor {floor:.2f}); rule {[rule[x] for x in key]} rank {rank} of {len(results)}; top5 {top}", flush=True)

@@ -29,13 +29,14 @@ CUBLAS = {"CUBLAS": True}
 # kernel then costs about 1.5 us); the 0.6B shapes' within 4% of the best. Gemma 3 at one row (the same command
 # with --shapes gemma3-1b,gemma3-270m, "Attention at head dims 64 and 256"): a hidden size of 1152 is no power of
 # two, and the rule's 2048-wide K tile left the 1B model's gate_up at 30.4 us (cuBLAS 10.6, floor 7.6). Two and
-# four rows (`--shapes S --rows 2,4 --sweep fma,row,dot --skip-count --compile-workers 14`, SmolLM2 also at one
-# row, 2026-11-29, "Two and four rows on an H200"): the same K of 1152 left the 1B model's gate_up at 32.5 and 56.4
+# four rows (`--shapes S --rows 2,4 --sweep fma,row,dot --skip-count --compile-workers 14`, SmolLM2 and
+# Qwen2.5-0.5B also at one row, 2026-11-29, "Two and four rows on an H200"): the same K of 1152 left the 1B model's gate_up at 32.5 and 56.4
 # us (cuBLAS with the norm 11.9, the DOT form 12.9) and its down at 14.8 and 17.1. The entries are the sweeps'
 # `few_rows_table`, kept where a draft loop measured no slower with them than without (benchmarks/gpu_draft.py):
-# Gemma 3 1B's draft token 1.6-1.85x faster at batch 2 and 4, SmolLM2's 5% at batch 4. Those a loop measured level
-# or slower were left out: SmolLM2 at one and two rows (2-9% slower), the 270M model at two and four rows, and
-# Qwen3-0.6B at four rows, though each product alone was 5-16% faster.
+# Gemma 3 1B's draft token 1.6-1.85x faster at batch 2 and 4, SmolLM2's 2-5% at batch 4, Qwen2.5-0.5B's (a shape
+# added for this) 3% at batch 1 and 8-10% at batch 4. Those a loop measured level or slower were left out: SmolLM2
+# at one and two rows (2-9% slower), the 270M model at two and four rows, and Qwen3-0.6B at four rows, though each
+# product alone was 5-16% faster.
 _ROW = {"ROW_LOOP": True}
 FEW_ROWS_MEASURED: dict[str, dict[tuple[int, int, int], dict]] = {
     "NVIDIA H200": {
@@ -57,6 +58,11 @@ FEW_ROWS_MEASURED: dict[str, dict[tuple[int, int, int], dict]] = {
         (1, 640, 1024): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8),  # Gemma 3 270M o_proj: 1.66 us against 1.89
         (4, 576, 576): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=8),  # SmolLM2-135M o_proj: 3.12 us against 3.41
         (4, 576, 1536): dict(**_ROW, BLOCK_N=8, BLOCK_K=2048, num_warps=8),  # SmolLM2-135M down: 3.67 against 4.10
+        (1, 1152, 896): dict(BLOCK_N=16, BLOCK_K=1024, num_warps=8),  # Qwen2.5-0.5B qkv: 2.42 us against 2.61
+        (1, 9728, 896): CUBLAS,  # Qwen2.5-0.5B gate_up: 8.40 us against 9.26
+        (2, 9728, 896): dict(**_ROW, BLOCK_N=8, BLOCK_K=1024, num_warps=4),  # 8.38 against 9.53
+        (4, 9728, 896): CUBLAS,  # 8.45 against 14.3 (the rule's DOT form at 5 stages; 9.54 at 3)
+        (1, 896, 4864): dict(BLOCK_N=4, BLOCK_K=2048, num_warps=8),  # Qwen2.5-0.5B down: 4.88 against 6.08
     },
 }
 
