@@ -30,13 +30,13 @@ CUBLAS = {"CUBLAS": True}
 # with --shapes gemma3-1b,gemma3-270m, "Attention at head dims 64 and 256"): a hidden size of 1152 is no power of
 # two, and the rule's 2048-wide K tile left the 1B model's gate_up at 30.4 us (cuBLAS 10.6, floor 7.6). Two and
 # four rows (`--shapes S --rows 2,4 --sweep fma,row,dot --skip-count --compile-workers 14`, SmolLM2 and
-# Qwen2.5-0.5B also at one row, 2026-11-29, "Two and four rows on an H200"): the same K of 1152 left the 1B model's gate_up at 32.5 and 56.4
-# us (cuBLAS with the norm 11.9, the DOT form 12.9) and its down at 14.8 and 17.1. The entries are the sweeps'
-# `few_rows_table`, kept where a draft loop measured no slower with them than without (benchmarks/gpu_draft.py):
-# Gemma 3 1B's draft token 1.6-1.85x faster at batch 2 and 4, SmolLM2's 2-5% at batch 4, Qwen2.5-0.5B's (a shape
-# added for this) 3% at batch 1 and 8-10% at batch 4. Those a loop measured level or slower were left out: SmolLM2
-# at one and two rows (2-9% slower), the 270M model at two and four rows, and Qwen3-0.6B at four rows, though each
-# product alone was 5-16% faster.
+# Qwen2.5-0.5B also at one row, 2026-11-29, "Two and four rows on an H200"): the rule's FMA form left the 1B
+# model's gate_up at 32.5 and 56.4 us (cuBLAS with the norm 11.9, the DOT form 12.9) and its down at 14.8 and 17.1.
+# The entries are the sweeps' `few_rows_table`, kept where a draft loop measured no slower with them than without
+# (benchmarks/gpu_draft.py): Gemma 3 1B's draft token 1.6-1.85x faster at batch 2 and 4, SmolLM2's 2-5% at batch 4,
+# Qwen2.5-0.5B's (a shape added for this) 3% at batch 1 and 8-10% at batch 4. Those a loop measured level or slower
+# were left out: SmolLM2 at one and two rows (2-9% slower), the 270M model at two and four rows, and Qwen3-0.6B at
+# four rows, though each product alone was 5-16% faster.
 _ROW = {"ROW_LOOP": True}
 FEW_ROWS_MEASURED: dict[str, dict[tuple[int, int, int], dict]] = {
     "NVIDIA H200": {
