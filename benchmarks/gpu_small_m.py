@@ -52,20 +52,22 @@ from engine.kernels.small_m_tiles import tiles_for
 from engine.kernels.triton_compat import set_pdl
 
 L2_BYTES = 200 << 20  # rotate weights over at least this much memory
+# The four products this benchmark times, by its names for them, and gpu_linear.projections' names
+PROJECTIONS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 
 
 def layer_weights(shape: str, copies: int | None = None) -> list[dict[str, torch.Tensor]]:
     """Copies of one layer's weights, by default enough that together they exceed L2_BYTES."""
     p = projections(shape)
     h = p["qkv_proj"][0]
-    one = sum(n * k for k, n in (p[x] for x in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))) * 2
+    one = sum(n * k for k, n in (p[x] for x in PROJECTIONS.values())) * 2
     copies = copies or max(2, -(-L2_BYTES // one))
 
     def w(name: str) -> torch.Tensor:
         k, n = p[name]
         return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
 
-    return [dict(qkv=w("qkv_proj"), o=w("o_proj"), gate_up=w("gate_up_proj"), down=w("down_proj"),
+    return [dict(**{name: w(key) for name, key in PROJECTIONS.items()},
                  n1=torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5,
                  n2=torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5) for _ in range(copies)]
 
@@ -158,7 +160,7 @@ def sweep_tasks(shape: str, rows: list[int], sweep: str) -> list[tuple[int, str,
     forms = ",".join(f for f in sweep.split(",") if f != "splitk")
     tasks = []
     for m in rows:
-        for name, key in (("qkv", "qkv_proj"), ("o", "o_proj"), ("gate_up", "gate_up_proj"), ("down", "down_proj")):
+        for name, key in PROJECTIONS.items():
             k, n = p[key]
             if "splitk" in sweep and m > sml.FMA_MAX_ROWS:
                 tasks += [(m, name, cfg) for cfg in splitk_grid(m, n, k, sms)]
