@@ -105,6 +105,8 @@ def projection_calls(shape: str, m: int, ws: list[dict[str, torch.Tensor]]) -> t
     def w(i: int, name: str) -> torch.Tensor:
         return ws[i % len(ws)][name]
 
+    if m > sml.FMA_MAX_ROWS:  # the wide path (engine/models/llama.py _forward_wide)
+        return _wide_calls(m, w, x, res, a, gu)
     kernels = {
         "qkv": (lambda i, cfg=None: sml.norm_linear(x, None, w(i, "n1"), 1e-6, 0.0, w(i, "qkv"), config=cfg), x),
         "o": (lambda i, cfg=None: sml.linear_add(a, w(i, "o"), None, res, config=cfg), a),
@@ -117,6 +119,31 @@ def projection_calls(shape: str, m: int, ws: list[dict[str, torch.Tensor]]) -> t
         "o": lambda i: F.linear(a, w(i, "o")) + res,
         "gate_up": lambda i: F.linear(rms_norm(x, w(i, "n2"), 1e-6), w(i, "gate_up")),
         "down": lambda i: F.linear(act_and_mul(gu, "silu"), w(i, "down")),
+    }
+    return kernels, unfused, (x, res, a, gu)
+
+
+def _wide_calls(m: int, w, x: torch.Tensor, res: torch.Tensor, a: torch.Tensor, gu: torch.Tensor
+                ) -> tuple[dict, dict, tuple]:
+    """projection_calls at 5-64 rows, the products as the wide path runs them: the norms read their rows' sums of
+    squares (16 column tiles' worth, as a 1024-wide product of 64-feature tiles writes them), the activation is
+    gate_up's epilogue, the residual adds are o_proj's and down's epilogues; cuBLAS with the same elementwise work
+    as separate kernels."""
+    ss = x.float().square().view(m, 16, -1).sum(-1).T.contiguous()  # [16, m] float32
+    act = act_and_mul(gu, "silu")
+    kernels = {
+        "qkv": (lambda i, cfg=None: sml.norm_linear(x, None, w(i, "n1"), 1e-6, 0.0, w(i, "qkv"), config=cfg,
+                                                   row_ss=ss), x),
+        "o": (lambda i, cfg=None: sml.linear_add_ss(a, w(i, "o"), None, res, config=cfg), a),
+        "gate_up": (lambda i, cfg=None: sml.norm_linear(x, None, w(i, "n2"), 1e-6, 0.0, w(i, "gate_up"), config=cfg,
+                                                       row_ss=ss, glu="silu"), x),
+        "down": (lambda i, cfg=None: sml.linear_add_ss(act, w(i, "down"), None, res, config=cfg), act),
+    }
+    unfused = {
+        "qkv": lambda i: F.linear(rms_norm(x, w(i, "n1"), 1e-6), w(i, "qkv")),
+        "o": lambda i: F.linear(a, w(i, "o")) + res,
+        "gate_up": lambda i: act_and_mul(F.linear(rms_norm(x, w(i, "n2"), 1e-6), w(i, "gate_up")), "silu"),
+        "down": lambda i: F.linear(act, w(i, "down")) + res,
     }
     return kernels, unfused, (x, res, a, gu)
 
@@ -163,7 +190,7 @@ def sweep_tasks(shape: str, rows: list[int], sweep: str) -> list[tuple[int, str,
         for name, key in PROJECTIONS.items():
             k, n = p[key]
             if "splitk" in sweep and m > sml.FMA_MAX_ROWS:
-                tasks += [(m, name, cfg) for cfg in splitk_grid(m, n, k, sms)]
+                tasks += [(m, name, cfg) for cfg in splitk_grid(m, n, k, sms, allow_split=name != "gate_up")]
             elif forms:
                 tasks += [(m, name, cfg) for cfg in sweep_grid(m, forms)]
     return tasks
@@ -190,6 +217,10 @@ def bench_rows(shape: str, m: int, ws: list[dict[str, torch.Tensor]], bw: float,
         """The four fused products; cfg for every product, or with `only` for that one alone."""
         w = ws[i % len(ws)]
         c = {p: cfg if only in (None, p) else None for p in ("qkv", "o", "gate_up", "down")}
+        if m > sml.FMA_MAX_ROWS:  # the wide path's four products
+            for p, (fn, _) in kernels.items():
+                fn(i, c[p])
+            return
         _, s = sml.norm_linear(x, res, w["n1"], 1e-6, 0.0, w["qkv"], config=c["qkv"])
         s = sml.linear_add(a, w["o"], None, s, config=c["o"])
         sml.norm_linear(s, None, w["n2"], 1e-6, 0.0, w["gate_up"], config=c["gate_up"])
@@ -340,7 +371,7 @@ def main() -> None:
     if split:
         print(markdown_table(split, ["shape", "rows", "proj", "one_row_us", "default_us", "best_us", "unfused_us",
                                      "floor_us", "best_vs_one_row", "best_vs_unfused", "rule_vs_best", "best"]))
-        print("DOT_MEASURED =", measured_table(split))  # for engine/kernels/small_m_tiles.py
+        print(f"DOT_MEASURED[{torch.cuda.get_device_name()!r}] =", measured_table(split))  # small_m_tiles.py
     few = [b for b in best if "one_row_us" not in b and b["rows"] <= sml.FMA_MAX_ROWS]
     if few:  # for engine/kernels/small_m_tiles.py ("CUBLAS" stands for small_m_tiles.CUBLAS)
         print(f"FEW_ROWS_MEASURED[{torch.cuda.get_device_name()!r}] =", few_rows_table(few))

@@ -19,6 +19,7 @@ from gpu_shapes import shape_dir
 from torch.profiler import ProfilerActivity, profile
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.runner.step_input import Chunk
 
 
@@ -78,6 +79,8 @@ def main() -> None:
     ap.add_argument("--draft", help="profile a speculative engine step with this draft shape")
     ap.add_argument("--k", type=int, default=4, help="with --draft; 0: the target alone")
     ap.add_argument("--rate", type=float, default=0.8)
+    ap.add_argument("--small-m-rows", type=int, default=EngineConfig.small_m_rows,
+                    help="EngineConfig.small_m_rows of the decode forward (5-64: the wide path at batch 5-64)")
     args = ap.parse_args()
     if args.draft:
         profile_spec(args)
@@ -85,7 +88,7 @@ def main() -> None:
     max_len = args.context + 64
     llm = LLM(shape_dir(args.shape), load_format="dummy", device="cuda", max_model_len=max_len,
               max_num_seqs=args.batch, kv_cache_memory_bytes=4 << 30, cuda_graph_batch_sizes=(args.batch,),
-              enforce_eager=args.eager)
+              enforce_eager=args.eager, small_m_rows=args.small_m_rows)
     runner = llm.executor.target
     per_req = -(-max_len // llm.engine_config.block_size)
     tables = [[list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for _ in runner.kv_groups]

@@ -66,25 +66,27 @@ def sweep_one(shape: str, m: int, name: str, fn, calls: int, floor: float, defau
             "rule_vs_best": rule_us / us if rule_us else None}
 
 
-def splitk_grid(m: int, n: int, k: int, sms: int) -> list[dict]:
+def splitk_grid(m: int, n: int, k: int, sms: int, allow_split: bool = True) -> list[dict]:
     """Split-K DOT tilings at m rows (5-64): the row tile is the rows padded to a power of two (16 at least);
-    BLOCK_N 32 or 64; BLOCK_K 128/256 (64/128 for 64-row tiles, whose operand tiles are larger); the splits that
-    give between half a program and four programs per SM (the plain path, split 1, among them where in range), each
-    as the kernel runs it (equal K ranges: split counts that share one are timed once). Four warps, three stages:
-    the kernel compiles once per tiling and prologue (the split is a run-time argument), which keeps the sweep's
-    compile time in its budget."""
+    BLOCK_N 16, 32 or 64 (16 only for 16-row tiles: a square tile, the most programs without a split); BLOCK_K
+    128/256/512 (64/128 for 64-row tiles, whose operand tiles are larger); the splits that give between half a program
+    and four programs per SM (the plain path, split 1, among them where in range), each as the kernel runs it (equal
+    K ranges: split counts that share one are timed once). Four warps (two too for 16 x 16 tiles, one mma each),
+    three stages: the kernel compiles once per tiling and prologue (the split is a run-time argument), which keeps
+    the sweep's compile time in its budget. allow_split False: no split (the gated epilogue takes none)."""
     bm = max(16, triton_pow2(m))
     grid, seen = [], set()
-    for bn in (32, 64):
-        for bk in (128, 256) if bm < 64 else (64, 128):
+    for bn in (16, 32, 64) if bm == 16 else (32, 64):
+        for bk in (128, 256, 512) if bm == 16 else (128, 256) if bm < 64 else (64, 128):
             tiles = -(-n // bn)
-            for split in (1, 2, 3, 4, 6, 8, 12, 16):
+            for split in (1, 2, 3, 4, 6, 8, 12, 16) if allow_split else (1,):
                 splits, k_split = split_k_range(k, bk, split)
                 if (bn, bk, splits) in seen or not sms // 2 <= tiles * splits <= 4 * sms and splits > 1:
                     continue
                 seen.add((bn, bk, splits))
-                grid.append(dict(USE_DOT=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=splits, num_warps=4,
-                                 num_stages=3))
+                for warps in (2, 4) if bn == 16 else (4,):
+                    grid.append(dict(USE_DOT=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=splits,
+                                     num_warps=warps, num_stages=3))
     return grid
 
 
@@ -92,7 +94,7 @@ def sweep_splitk(shape: str, m: int, name: str, fn, calls: int, n: int, k: int, 
     """Time the split-K tilings of splitk_grid; the rule's pick (`tiles_for`) among them, as in sweep_one."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
-    for cfg in splitk_grid(m, n, k, sms) + [rule]:
+    for cfg in splitk_grid(m, n, k, sms, allow_split=name != "gate_up") + [rule]:
         try:
             us = graph_us(lambda i, cfg=cfg: fn(i, cfg), calls, replays=10)
         except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
@@ -112,8 +114,9 @@ def sweep_splitk(shape: str, m: int, name: str, fn, calls: int, n: int, k: int, 
 
 
 def measured_table(best: list[dict]) -> dict[tuple[int, int, int], dict]:
-    """small_m_tiles.DOT_MEASURED from a split-K sweep: per (BLOCK_M, N, K) the tiling with the least time summed
-    over the row counts swept with that row tile (5, 8 and 16 rows share the 16-row tile)."""
+    """This GPU model's entry of small_m_tiles.DOT_MEASURED from a split-K sweep: per (BLOCK_M, N, K) the tiling
+    with the least time summed over the row counts swept with that row tile (5, 8 and 16 rows share the 16-row
+    tile)."""
     sums: dict[tuple, dict[str, list]] = {}
     for b in best:
         for us, cfg in b.get("results", ()):

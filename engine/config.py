@@ -235,11 +235,12 @@ class EngineConfig:
     # norms, activation and residual adds folded in: fewer launches where a step is launch-bound (a batch-1 decode
     # or draft step, a draft's catch-up of two tokens, speculation-ahead branches). 4 by default, and 1 for layers
     # of hidden size 4096 and more (small_m_linear.rows_limit): beyond those the kernels were slower than cuBLAS on
-    # an H100 (benchmarks/RESULTS.md). At most 64 (small_m_linear.MAX_ROWS): from 5 rows the products split K over
-    # the GPU's SMs (the tl.dot tiles of 16-64 rows leave a 1024-wide projection too few column tiles), aimed at a
-    # tree's pre-drafting forwards and verifies of up to 64 tokens; beyond that cuBLAS. 0: never. Only on the kernel
-    # devices (CUDA, or Triton's interpreter) and without tensor parallelism. Per GPU model, 1-4 rows of some
-    # shapes take measured tiles, or cuBLAS, where that measured faster (small_m_tiles.FEW_ROWS_MEASURED).
+    # an H100 (benchmarks/RESULTS.md). At most 64 (small_m_linear.MAX_ROWS): from 5 rows the wide path, aimed at a
+    # tree's pre-drafting forwards and verifies of up to 64 tokens (tl.dot tiles, K split over the SMs where a
+    # projection has too few column tiles; each norm's statistics written by the product before it, the activation
+    # in gate_up's epilogue), measured no faster than cuBLAS there on an H200; beyond 64 cuBLAS. 0: never. Only on
+    # the kernel devices (CUDA, or Triton's interpreter) and without tensor parallelism. Per GPU model, 1-4 rows of
+    # some shapes take measured tiles, or cuBLAS, where that measured faster (small_m_tiles.FEW_ROWS_MEASURED).
     small_m_rows: int = 4
     # Decode steps of at most this many requests of one token each (a draft's steps at batch 1-8) run every decoder
     # layer in one persistent launch (engine/kernels/persistent_decoder.py): one program per SM walks the layers,

@@ -196,7 +196,7 @@ def test_split_k_rule_fills_the_gpu_at_five_to_sixty_four_rows(monkeypatch):
     one program per SM (the 1024-wide projections had 32-64 programs without the split), and no split where the
     column tiles alone fill the GPU twice over."""
     monkeypatch.setattr(small_m_tiles, "num_sms", lambda device: 132)
-    monkeypatch.setattr(small_m_tiles, "DOT_MEASURED", {})  # the rule itself, not the tilings measured for these shapes
+    monkeypatch.setattr(small_m_tiles, "device_name", lambda device: "")  # the rule itself: no GPU model's tilings
     for shape, projections in QWEN3_PROJECTIONS.items():
         for proj, (k, n) in projections.items():
             for m in (5, 8, 16, 17, 32, 33, 64):
@@ -213,9 +213,30 @@ def test_split_k_rule_fills_the_gpu_at_five_to_sixty_four_rows(monkeypatch):
     assert small_m_tiles.split_k_range(1024, 256, 1) == (1, 1024)
     # a measured tiling (what the sweep prints) replaces the rule for its row tile and shape only
     measured = dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_warps=8, num_stages=4)
-    monkeypatch.setitem(small_m_tiles.DOT_MEASURED, (32, 1024, 2048), measured)
+    monkeypatch.setattr(small_m_tiles, "device_name", lambda device: "a GPU model")
+    monkeypatch.setitem(small_m_tiles.DOT_MEASURED, "a GPU model", {(32, 1024, 2048): measured})
     assert small_m_tiles.tiles_for(20, 1024, 2048, torch.device("cuda")) == dict(USE_DOT=True, BLOCK_M=32, **measured)
     assert small_m_tiles.tiles_for(16, 1024, 2048, torch.device("cuda"))["BLOCK_N"] == 32
+
+
+def test_dot_pipelines_cut_to_the_shared_memory_of_their_element_size(monkeypatch):
+    """Tables measured in bf16 keep their stages in bf16; in float32, and with the gated epilogue's two weight
+    tiles, a pipeline past the device's shared memory (227 KB, an H100's or H200's) loses stages until it fits (not
+    below two); the FMA form, devices off CUDA and GPUs that report no size are left alone."""
+    monkeypatch.setattr(small_m_tiles, "_shared_memory", lambda index: 227 * 1024)
+    cuda = torch.device("cuda", 0)
+    gate_up = dict(USE_DOT=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
+    assert small_m_tiles.fit_stages(gate_up, 2, 2, cuda) is gate_up  # bf16: 3 x 40 KB
+    assert small_m_tiles.fit_stages(gate_up, 4, 2, cuda)["num_stages"] == 2  # float32: 3 x 80 KB > 227 KB
+    assert small_m_tiles.fit_stages(gate_up, 4, 1, cuda) is gate_up  # one weight tile: 3 x 48 KB
+    rule = dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=5)
+    assert small_m_tiles.fit_stages(rule, 4, 1, cuda)["num_stages"] == 2  # 80 KB a stage in float32
+    assert small_m_tiles.fit_stages(rule, 2, 1, cuda)["num_stages"] == 5
+    fma = dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4)
+    assert small_m_tiles.fit_stages(fma, 4, 1, cuda) is fma
+    assert small_m_tiles.fit_stages(gate_up, 4, 2, torch.device("cpu")) is gate_up
+    monkeypatch.setattr(small_m_tiles, "_shared_memory", lambda index: 0)
+    assert small_m_tiles.fit_stages(gate_up, 4, 2, cuda) is gate_up
 
 
 def test_rows_limit_keeps_wide_layers_at_one_row():
@@ -295,8 +316,8 @@ def test_a_gpu_models_cublas_entry_and_an_explicit_config(monkeypatch):
     monkeypatch.setattr(small_m_tiles, "device_name", lambda device: "a GPU model")
     monkeypatch.setitem(small_m_tiles.FEW_ROWS_MEASURED, "a GPU model",
                         {(1, n, k): small_m_tiles.CUBLAS, (4, n, k): small_m_tiles.CUBLAS})
-    unfused, calls = sml._unfused, []
-    monkeypatch.setattr(sml, "_unfused", lambda *a: calls.append(a[0].shape[0]) or unfused(*a))
+    unfused, calls = sml.unfused_product, []
+    monkeypatch.setattr(sml, "unfused_product", lambda *a: calls.append(a[0].shape[0]) or unfused(*a))
     g = torch.Generator().manual_seed(2)
     w, nw = torch.randn(n, k, generator=g) * k ** -0.5, torch.rand(k, generator=g) + 0.5
     for m, config, want in ((1, None, [1]), (2, None, []), (3, None, [3]), (4, None, [4]), (1, {"BLOCK_K": 32}, [])):
@@ -339,6 +360,48 @@ def test_split_k_matches_references(monkeypatch):
                                        sml.linear_add_ref(x, w, bias, add), **tol)
             assert all(not c.any() for c in arrival_counters._buffers.values())
     assert used == [3] * 12  # the split launches (and only those) took counters, one per column tile
+
+
+@interpreted
+def test_row_squares_and_gated_epilogue_match_references():
+    """The wide path's forms (5-64 rows): linear_add_ss's output and its rows' sums of squares per column tile (split
+    K and not), the norm reading them (row_ss) instead of x's rows, and gate_up with the activation as its epilogue
+    (glu; SiLU, and GELU with Gemma's offset norm), float32 and float16, against the references; and what they
+    refuse, named."""
+    g = torch.Generator().manual_seed(3)
+    k, n, inter = 96, 40, 24
+    for dtype, tol in ((torch.float32, dict(atol=1e-4, rtol=1e-4)), (torch.float16, dict(atol=3e-2, rtol=3e-2))):
+        def rand(*shape: int, scale: float = 1.0, dtype: torch.dtype = dtype) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+        w, bias, nw = rand(n, k, scale=k ** -0.5), rand(n), rand(n, scale=0.1) + 1.0
+        w_q, w_gu = rand(32, n, scale=n ** -0.5), rand(2 * inter, n, scale=n ** -0.5)
+        for m, split in ((5, 3), (17, 1), (64, 2)):
+            cfg = dict(USE_DOT=True, BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=16, BLOCK_K=32,
+                       SPLIT_K=split)
+            x, add = rand(m, k), rand(m, n, scale=2.0)
+            y, ss = sml.linear_add_ss(x, w, bias, add, config=cfg)
+            ref_y, ref_ss = sml.linear_add_ss_ref(x, w, bias, add)
+            torch.testing.assert_close(y, ref_y, **tol)
+            assert ss.shape == (3, m) and ss.dtype == torch.float32  # three column tiles of 16
+            torch.testing.assert_close(ss.sum(0), y.float().square().sum(-1), atol=1e-3, rtol=1e-5)
+            for act, offset in (("silu", 0.0), ("gelu_pytorch_tanh", 1.0)):
+                plain = dict(cfg, SPLIT_K=1)
+                out, s = sml.norm_linear(y, None, nw, 1e-6, offset, w_q, config=plain, row_ss=ss)
+                torch.testing.assert_close(out, sml.norm_linear_ref(y, None, nw, 1e-6, offset, w_q)[0], **tol)
+                assert s is y
+                gated, _ = sml.norm_linear(y, None, nw, 1e-6, offset, w_gu, config=plain, row_ss=ss, glu=act)
+                ref = sml.norm_linear_ref(y, None, nw, 1e-6, offset, w_gu, glu=act)[0]
+                assert gated.shape == (m, inter)
+                torch.testing.assert_close(gated, ref, **tol)
+    x, w_gu, nw = torch.randn(5, 64), torch.randn(6, 64), torch.ones(64)
+    with pytest.raises(ValueError, match="without split K"):
+        sml.norm_linear(x, None, nw, 1e-6, 0.0, w_gu, glu="silu", config=dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16,
+                                                                               BLOCK_K=16, SPLIT_K=2))
+    with pytest.raises(ValueError, match="glu takes"):
+        sml.norm_linear(x, None, nw, 1e-6, 0.0, torch.randn(5, 64), glu="silu")
+    with pytest.raises(ValueError, match="row_ss"):
+        sml.norm_linear(x, torch.randn(5, 64), nw, 1e-6, 0.0, w_gu, row_ss=torch.zeros(1, 5))
 
 
 @interpreted

@@ -23,8 +23,15 @@ each program takes a contiguous K range, writes its float32 partials to a worksp
 tile's arrival counter (engine/kernels/arrival_counters.py: zero between launches, so no memset per call and the
 launch replays in a CUDA graph); the program that arrives last sums the SPLIT_K partials in split order, adds the
 bias, rounds, applies the epilogue and sets the counter back to 0. The norm's row statistics still span the whole
-K in every program, and one program writes the residual sum. SPLIT_K=1 is the plain path, without partials or
-atomics.
+K in every program (unless given, below), and one program writes the residual sum. SPLIT_K=1 is the plain path,
+without partials or atomics.
+
+The wide path (5-64 rows, engine/models/llama.py `_forward_wide`): a norm's full-K statistics cost every program a
+pass over its rows, so the product before the norm writes them instead. linear_add_ss (o_proj, down: the residual
+add as the epilogue) also stores each column tile's float32 sum of squares of the rounded rows it wrote ([tiles,
+rows], SS_OUT), and the next norm_linear sums those in one load (row_ss, SS_IN). gate_up may take the activation
+as its epilogue (glu, GLU): a program owns BLOCK_N features of the gate and the same of the up half, two
+accumulators over one input tile, and stores act(gate) * up, so down needs no prologue.
 
 Rounding is that of the unfused layers: the residual sum is rounded to the activation dtype; the norm's
 statistics are float32 and its output is rounded to the dtype (Llama form: the normalised row is rounded before
@@ -37,110 +44,43 @@ its K range, then the splits are added in order; the result does not depend on w
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from dataclasses import dataclass
 
-from engine.kernels.activation import ACTIVATIONS, act_and_mul, act_and_mul_ref
+import torch
+
+from engine.kernels.activation import ACTIVATIONS
 from engine.kernels.arrival_counters import arrival_counters
-from engine.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_ref, use_fused_kernels
-from engine.kernels.small_m_tiles import FMA_MAX_ROWS, split_k_range, tiles_for
+from engine.kernels.rms_norm import use_fused_kernels
+from engine.kernels.small_m_parts import accumulate_pair, store_output
+from engine.kernels.small_m_reference import (
+    PROLOGUE_ACT,
+    PROLOGUE_NONE,
+    PROLOGUE_NORM,
+    act_linear_ref,
+    linear_add_ref,
+    linear_add_ss_ref,
+    norm_linear_ref,
+    unfused_product,
+)
+from engine.kernels.small_m_tiles import FMA_MAX_ROWS, fit_stages, split_k_range, tiles_for
 from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["FMA_MAX_ROWS", "MAX_ROWS", "takes_rows", "rows_limit", "norm_linear", "norm_linear_ref", "act_linear",
-           "act_linear_ref", "linear_add", "linear_add_ref"]
+           "act_linear_ref", "linear_add", "linear_add_ref", "linear_add_ss", "linear_add_ss_ref", "RowSquares"]
 
 MAX_ROWS = 64  # rows the kernel takes (split-K DOT form beyond 4); larger batches are matrix-bound enough for cuBLAS
-_NONE, _NORM, _ACT = 0, 1, 2  # prologues
-
-
-@triton.jit
-def _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, m_mask, k_mask, stride_x, stride_r, inter, rstd, offset,
-                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr):
-    """The product's input at rows x columns kk, in the activation dtype (see the module docstring)."""
-    mask = m_mask[:, None] & k_mask[None, :]
-    ptrs = x_ptr + rows[:, None] * stride_x + kk[None, :]
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    dt = x.dtype
-    if PROLOGUE == 1:
-        if HAS_RES:
-            x = (x + tl.load(res_ptr + rows[:, None] * stride_r + kk[None, :], mask=mask, other=0.0)).to(dt)
-        nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-        xf = x.to(tl.float32) * rstd[:, None]
-        if HAS_OFFSET:
-            x = (xf * (offset + nw[None, :])).to(dt)
-        else:
-            x = (xf.to(dt).to(tl.float32) * nw[None, :]).to(dt)
-    elif PROLOGUE == 2:
-        gate = x.to(tl.float32)
-        up = tl.load(ptrs + inter, mask=mask, other=0.0).to(tl.float32)
-        if GELU_TANH:
-            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-            act = 0.5 * gate * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))  # tanh(z) = 2 sigmoid(2z) - 1
-        else:
-            act = gate / (1.0 + tl.exp(-gate))
-        x = (act.to(dt).to(tl.float32) * up).to(dt)
-    return x
-
-
-@triton.jit
-def _multiply_add(acc, a, w, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr):
-    """acc + a @ w.T for an input tile a [BLOCK_M, BLOCK_K] and a weight tile w [BLOCK_N, BLOCK_K]: into acc
-    [BLOCK_M, BLOCK_N] with tl.dot, or into acc [BLOCK_M, BLOCK_N, BLOCK_K] (FMA form, summed over K at the end)."""
-    if USE_DOT:
-        if DOT_IEEE:
-            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(a.to(w.dtype), tl.trans(w))
-    else:
-        acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    return acc
-
-
-@triton.jit
-def _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, inter, rstd, offset,
-                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
-                USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr, ROW_LOOP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """acc plus the product of the input's columns kk with the weight tile w [BLOCK_N, BLOCK_K]. ROW_LOOP: one row
-    at a time into acc [BLOCK_M, BLOCK_N], each row's products summed over the tile at once, so the weight tile
-    keeps its one-row size whatever the rows (the FMA form's accumulator grows with them)."""
-    if ROW_LOOP:
-        wf = w.to(tl.float32)
-        for i in tl.static_range(BLOCK_M):
-            row = i + tl.arange(0, 1)
-            rstd_i = tl.sum(tl.where(rows == i, rstd, 0.0), axis=0) + tl.zeros([1], dtype=tl.float32)
-            a = _input_tile(x_ptr, res_ptr, nw_ptr, row, kk, row < M, k_mask, stride_x, stride_r, inter, rstd_i,
-                            offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH)
-            part = tl.sum(a.to(tl.float32) * wf, axis=1)  # [BLOCK_N]
-            acc = tl.where((rows == i)[:, None], acc + part[None, :], acc)
-    else:
-        a = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, m_mask, k_mask, stride_x, stride_r, inter, rstd, offset,
-                        PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH)
-        acc = _multiply_add(acc, a, w, USE_DOT, DOT_IEEE)
-    return acc
-
-
-@triton.jit
-def _store_output(acc, b_ptr, add_ptr, out_ptr, rows, cols, m_mask, n_mask, stride_a, stride_o,
-                  HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr):
-    """The float32 product acc [BLOCK_M, BLOCK_N] plus the bias, rounded, plus the epilogue's add, stored."""
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    y = acc.to(out_ptr.dtype.element_ty)
-    if HAS_ADD:
-        add = tl.load(add_ptr + rows[:, None] * stride_a + cols[None, :], mask=out_mask, other=0.0)
-        y = (y.to(tl.float32) + add.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y, mask=out_mask)
 
 
 @triton.jit
 def _small_m_linear_kernel(
-        x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, out_ptr, part_ptr, count_ptr,
-        M, N, K, K_SPLIT, NUM_SPLITS, stride_x, stride_r, stride_ro, stride_w, stride_a, stride_o, eps, offset,
+        x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, out_ptr, part_ptr, count_ptr, ss_in_ptr,
+        ss_out_ptr, M, N, K, K_SPLIT, NUM_SPLITS, SS_TILES, stride_x, stride_r, stride_ro, stride_w, stride_a,
+        stride_o, eps, offset,
         PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
-        ROW_LOOP: tl.constexpr, USE_PDL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        ROW_LOOP: tl.constexpr, USE_PDL: tl.constexpr, SPLIT: tl.constexpr, GLU: tl.constexpr, SS_IN: tl.constexpr,
+        SS_OUT: tl.constexpr, SS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     m_mask = rows < M
@@ -156,16 +96,28 @@ def _small_m_linear_kernel(
         k_hi = tl.minimum(K, k_lo + K_SPLIT)
         first = (pid == 0) & (tl.program_id(1) == 0)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    w_up_rows = w_rows + N * stride_w  # GLU: the up half's rows, N below the gate's
     kk = k_lo + offs_k
     k_mask = kk < k_hi
     # The first weight tile is requested before the wait: no kernel writes the weights, so that is safe, and under
     # dependent launch its HBM round trip then overlaps the previous kernel's tail instead of following it (at one
     # row most programs own one or two tiles). Everything else this kernel reads or writes (the split-K partials
     # and counters included) comes after the wait.
-    w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    w_mask = n_mask[:, None] & k_mask[None, :]
+    w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+    w_up = w
+    if GLU:
+        w_up = tl.load(w_up_rows + kk[None, :], mask=w_mask, other=0.0)
     wait_for_previous_kernel(USE_PDL)  # see triton_compat (programmatic dependent launch)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PROLOGUE == 1:
+    if PROLOGUE == 1 and SS_IN:
+        # The row statistics from the kernel that wrote x: its column tiles' sums of squares [SS_TILES, M], a few KB,
+        # summed here in one load instead of reading every row's whole K.
+        t = tl.arange(0, SS_BLOCK)
+        ss_mask = (t < SS_TILES)[:, None] & m_mask[None, :]
+        ss = tl.sum(tl.load(ss_in_ptr + t[:, None] * M + rows[None, :], mask=ss_mask, other=0.0), axis=0)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    elif PROLOGUE == 1:
         # Row statistics of the norm's input, over the whole K whatever the split: every program computes them (the
         # rows are a few KB, in L2); the first also writes the residual sum out, so each element is written once.
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -186,18 +138,25 @@ def _small_m_linear_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, K, rstd,
-                      offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
+    acc_up = acc
+    acc, acc_up = accumulate_pair(acc, acc_up, w, w_up, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask,
+                                   stride_x, stride_r, K, rstd, offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH,
+                                   USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M, GLU)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k_hi
-        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, K, rstd,
-                          offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+        if GLU:
+            w_up = tl.load(w_up_rows + kk[None, :], mask=w_mask, other=0.0)
+        acc, acc_up = accumulate_pair(acc, acc_up, w, w_up, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask,
+                                       stride_x, stride_r, K, rstd, offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH,
+                                       USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M, GLU)
     if not USE_DOT and not ROW_LOOP:
         acc = tl.sum(acc, axis=2)
     if not SPLIT:
-        _store_output(acc, b_ptr, add_ptr, out_ptr, rows, cols, m_mask, n_mask, stride_a, stride_o, HAS_BIAS, HAS_ADD)
+        store_output(acc, acc_up, b_ptr, add_ptr, out_ptr, ss_out_ptr, rows, cols, m_mask, n_mask, M, stride_a,
+                      stride_o, HAS_BIAS, HAS_ADD, GLU, GELU_TANH, SS_OUT)
     else:
         # Split K: the partial sums go to the workspace [NUM_SPLITS, M, N]; the program that arrives last at this
         # column tile's counter sums them, in split order whichever arrived last (so a result does not depend on
@@ -211,9 +170,16 @@ def _small_m_linear_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(NUM_SPLITS):  # from L2 (.cg): another SM's writes, never a stale L1 line
                 acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _store_output(acc, b_ptr, add_ptr, out_ptr, rows, cols, m_mask, n_mask, stride_a, stride_o, HAS_BIAS,
-                          HAS_ADD)
+            store_output(acc, acc, b_ptr, add_ptr, out_ptr, ss_out_ptr, rows, cols, m_mask, n_mask, M, stride_a,
+                          stride_o, HAS_BIAS, HAS_ADD, False, GELU_TANH, SS_OUT)
             tl.atomic_xchg(count_ptr + pid, 0)
+
+
+@dataclass
+class RowSquares:
+    """In a layer's residual slot: the layer's input x is already the residual stream (the kernel that wrote it did
+    the add), and these are its rows' sums of squares, so the next norm reads them instead of x's rows."""
+    ss: torch.Tensor  # [column tiles, rows] float32, from linear_add_ss
 
 
 def takes_rows(x: torch.Tensor, limit: int) -> bool:
@@ -232,11 +198,13 @@ def rows_limit(setting: int, hidden_size: int) -> int:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int, k: int,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-            offset: float = 0.0, act: str = "silu", add: torch.Tensor | None = None,
-            config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    tensors = [t for t in (x, weight, bias, residual, norm_weight, add) if t is not None]
+            offset: float = 0.0, act: str = "silu", add: torch.Tensor | None = None, config: dict | None = None,
+            glu: bool = False, ss_in: torch.Tensor | None = None, ss_out: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(output, residual sum or None, the output rows' sums of squares per column tile or None)."""
+    tensors = [t for t in (x, weight, bias, residual, norm_weight, add, ss_in) if t is not None]
     require_triton("small_m_linear", *tensors)
-    m, n = x.shape[0], weight.shape[0]
+    m, n = x.shape[0], weight.shape[0] // (2 if glu else 1)
     if x.dim() != 2 or x.stride(-1) != 1 or weight.dim() != 2 or weight.stride(-1) != 1 or weight.shape[1] != k:
         raise ValueError(f"x [rows, {k}] and weight [out, {k}] must be contiguous in their last dimension, got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
@@ -244,68 +212,71 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         raise ValueError(f"small_m_linear takes at most {MAX_ROWS} rows, got {m}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x and weight dtypes differ: {x.dtype} and {weight.dtype}")
-    for t, shape in ((residual, (m, k)), (add, (m, n)), (bias, (n,)), (norm_weight, (k,))):
+    for t, shape in ((residual, (m, k)), (add, (m, n)), (bias, (weight.shape[0],)), (norm_weight, (k,))):
         if t is not None and (tuple(t.shape) != shape or t.stride(-1) != 1):
             raise ValueError(f"expected a tensor of shape {shape}, contiguous in its last dimension, got "
                              f"{tuple(t.shape)}")
+    if ss_in is not None and (ss_in.dim() != 2 or ss_in.shape[1] != m or ss_in.dtype != torch.float32
+                              or not ss_in.is_contiguous() or residual is not None):
+        raise ValueError(f"row_ss must be float32 [column tiles, {m}], contiguous, with no residual to add; got "
+                         f"{tuple(ss_in.shape)} {ss_in.dtype}")
     cfg = {}
     if m:  # an explicit config (tests, sweeps) overrides the rule's tiles, not this GPU model's exceptions: it asks
         # for the kernel, unless it is CUBLAS itself
-        cfg = {"ROW_LOOP": False, "SPLIT_K": 1, **tiles_for(m, n, k, x.device, measured=config is None),
-               **(config or {})}
+        cfg = {"ROW_LOOP": False, "SPLIT_K": 1, **tiles_for(m, weight.shape[0], k, x.device, measured=config is None),
+               **({"SPLIT_K": 1} if glu else {}), **(config or {})}  # the gated epilogue takes no split
+    if m and config is None:
+        cfg = fit_stages(cfg, x.element_size(), 2 if glu else 1, x.device)
     if cfg.get("CUBLAS"):
-        return _unfused(x, weight, bias, prologue, residual, norm_weight, eps, offset, act, add)
+        return unfused_product(x, weight, bias, prologue, residual, norm_weight, eps, offset, act, add, glu, ss_out)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else None
+    tiles = triton.cdiv(n, cfg["BLOCK_N"]) if m else 0
+    ss = torch.empty(tiles, m, dtype=torch.float32, device=x.device) if ss_out else None
     if m:
-        tiles = triton.cdiv(n, cfg["BLOCK_N"])
         # The split count is a run-time argument (one compiled kernel whatever the split), SPLIT whether there is one.
         splits, k_split = split_k_range(k, cfg["BLOCK_K"], cfg.pop("SPLIT_K"))
+        if glu and (splits > 1 or not cfg["USE_DOT"]):
+            raise ValueError(f"the gated epilogue (glu) takes the DOT form without split K, got {cfg}")
         if splits > 1:  # fp32 partials [splits, rows, N] (from the graph pool under capture)
             parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
             counts = arrival_counters(x.device, tiles)
         else:
             parts, counts = out, out  # not read: the plain path
+        ss_tiles = ss_in.shape[0] if ss_in is not None else 1
         launch(_small_m_linear_kernel, (tiles, splits), x.device,
                x, residual if residual is not None else x, res_out if res_out is not None else out,
                norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
-               add if add is not None else out, out, parts, counts,
-               m, n, k, k_split, splits, x.stride(0), residual.stride(0) if residual is not None else 0,
+               add if add is not None else out, out, parts, counts, ss_in if ss_in is not None else out,
+               ss if ss is not None else out,
+               m, n, k, k_split, splits, ss_tiles, x.stride(0), residual.stride(0) if residual is not None else 0,
                res_out.stride(0) if res_out is not None else 0, weight.stride(0),
                add.stride(0) if add is not None else 0, out.stride(0), eps, offset,
                PROLOGUE=prologue, HAS_RES=residual is not None, HAS_OFFSET=bool(offset),
                GELU_TANH=act == "gelu_pytorch_tanh", HAS_BIAS=bias is not None, HAS_ADD=add is not None,
-               DOT_IEEE=x.dtype == torch.float32, SPLIT=splits > 1, **cfg)
-    return out, res_out
-
-
-def _unfused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int,
-             residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, offset: float, act: str,
-             add: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The product through cuBLAS, its prologue or epilogue a kernel of its own (the engine's norm and activation
-    kernels, a plain add): what small_m_tiles.CUBLAS asks for where that measured faster. Rounding as the fused
-    form's, which is the unfused layers'."""
-    res_out = None
-    if prologue == _NORM:
-        if residual is not None:
-            x, res_out = add_rms_norm(x, residual, norm_weight, eps, offset)
-        else:
-            x = rms_norm(x, norm_weight, eps, offset)
-    elif prologue == _ACT:
-        x = act_and_mul(x, act)
-    out = F.linear(x, weight, bias)
-    return (out + add if add is not None else out), res_out
+               DOT_IEEE=x.dtype == torch.float32, SPLIT=splits > 1, GLU=glu, SS_IN=ss_in is not None,
+               SS_OUT=ss_out, SS_BLOCK=triton.next_power_of_2(ss_tiles), **cfg)
+    return out, res_out, ss
 
 
 def norm_linear(x: torch.Tensor,  # [rows, K], rows <= MAX_ROWS
                 residual: torch.Tensor | None,  # [rows, K] or None
                 norm_weight: torch.Tensor,  # [K]
                 eps: float, offset: float,
-                weight: torch.Tensor,  # [N, K]
+                weight: torch.Tensor,  # [N, K]; with glu [2 * I, K]: gate then up
                 bias: torch.Tensor | None = None,  # [N]
-                config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual) @ weight.T + bias, x + residual), x itself as the second when residual is None."""
-    out, res = _launch(x, weight, bias, _NORM, x.shape[-1], residual, norm_weight, eps, offset, config=config)
+                config: dict | None = None,
+                row_ss: torch.Tensor | None = None,  # [column tiles, rows] float32, from linear_add_ss; residual None
+                glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ weight.T + bias, x + residual), x itself as the second when residual is None.
+    row_ss: x's rows' sums of squares as linear_add_ss wrote x, so the norm reads them instead of x's whole rows.
+    glu: an activation of ACTIVATIONS; the output is act_and_mul of the product, [rows, I] (a gated MLP's gate_up
+    with the activation in its epilogue; the DOT form at 5-64 rows)."""
+    if glu is not None and (glu not in ACTIVATIONS or weight.shape[0] % 2):
+        raise ValueError(f"glu takes an activation of {ACTIVATIONS} and a [2 * I, K] weight, got {glu!r} and "
+                         f"{tuple(weight.shape)}")
+    out, res, _ = _launch(x, weight, bias, PROLOGUE_NORM, x.shape[-1], residual, norm_weight, eps, offset,
+                          act=glu or "silu", config=config, glu=glu is not None, ss_in=row_ss)
     return out, (res if res is not None else x)
 
 
@@ -318,7 +289,7 @@ def act_linear(gate_up: torch.Tensor,  # [rows, 2 * I]: gate then up
         raise ValueError(f"act_linear supports {ACTIVATIONS}, got {act!r}")
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [rows, 2 * I], got {tuple(gate_up.shape)}")
-    return _launch(gate_up, weight, None, _ACT, gate_up.shape[1] // 2, act=act, config=config)[0]
+    return _launch(gate_up, weight, None, PROLOGUE_ACT, gate_up.shape[1] // 2, act=act, config=config)[0]
 
 
 def linear_add(x: torch.Tensor,  # [rows, K]
@@ -327,20 +298,17 @@ def linear_add(x: torch.Tensor,  # [rows, K]
                add: torch.Tensor,  # [rows, N]
                config: dict | None = None) -> torch.Tensor:
     """x @ weight.T + bias, rounded, + add: a projection and the residual add after it."""
-    return _launch(x, weight, bias, _NONE, x.shape[-1], add=add, config=config)[0]
+    return _launch(x, weight, bias, PROLOGUE_NONE, x.shape[-1], add=add, config=config)[0]
 
 
-def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    offset: float, weight: torch.Tensor, bias: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    s = x + residual if residual is not None else x
-    return F.linear(rms_norm_ref(s, norm_weight, eps, offset), weight, bias), s
+def linear_add_ss(x: torch.Tensor,  # [rows, K]
+                  weight: torch.Tensor,  # [N, K]
+                  bias: torch.Tensor | None,  # [N]
+                  add: torch.Tensor,  # [rows, N]
+                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear_add's output y, y's rows' sums of squares per column tile: float32 [column tiles, rows]), the
+    second for the next norm (norm_linear's row_ss), whose statistics then cost no pass over y."""
+    out, _, ss = _launch(x, weight, bias, PROLOGUE_NONE, x.shape[-1], add=add, config=config, ss_out=True)
+    return out, ss
 
 
-def act_linear_ref(gate_up: torch.Tensor, act: str, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(act_and_mul_ref(gate_up, act), weight)
-
-
-def linear_add_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   add: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight, bias) + add

@@ -1,7 +1,7 @@
 """Form, tile sizes and K split of the few-row products (engine/kernels/small_m_linear.py) per shape. The rules
 for 1-4 rows come from sweeps on an H100 (benchmarks/gpu_small_m.py --sweep, figures in benchmarks/RESULTS.md); 1-4
 rows' measured exceptions per GPU model are in FEW_ROWS_MEASURED (an entry may send a product to cuBLAS); rows 5-64
-(the split-K DOT form) take DOT_MEASURED's tilings (an H100 sweep, `--sweep splitk`) or else a rule."""
+(the split-K DOT form) take this GPU model's DOT_MEASURED tilings (`--sweep splitk`) or else a rule."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from engine.kernels.triton_compat import triton
 
 __all__ = ["FMA_MAX_ROWS", "CUBLAS", "FEW_ROWS_MEASURED", "DOT_MEASURED", "DOT_TILES", "DOT_PROGRAMS_PER_SM",
-           "num_sms", "device_name", "tiles_for", "split_k_range"]
+           "num_sms", "device_name", "tiles_for", "fit_stages", "split_k_range"]
 
 FMA_MAX_ROWS = 4  # up to this many rows the FMA form or the row loop (or tl.dot, by shape); above it tl.dot
 
@@ -136,42 +136,62 @@ def tiles_for(m: int, n: int, k: int, device: torch.device, measured: bool = Tru
     if m <= FMA_MAX_ROWS:
         return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=min(256, max(16, triton.next_power_of_2(k))),
                     num_warps=4, num_stages=5)
-    return _dot_config(m, n, k, sms)
+    return _dot_config(m, n, k, device)
 
 
-# The DOT form at 5-64 rows, per row tile (the rows padded to a power of two, at least 16): a measured tiling per
-# (BLOCK_M, N, K), or else the rule's (BLOCK_N, BLOCK_K, num_warps, num_stages) and DOT_PROGRAMS_PER_SM.
-# DOT_MEASURED is the `DOT_MEASURED = {...}` line of `benchmarks/gpu_small_m.py --shapes qwen3-0.6b,qwen3-8b --rows
-# 5,16,64 --rows-for qwen3-8b=5 --skip-count --sweep splitk` on one H100 (2026-11-28; per row tile and shape the
-# tiling of least time summed over the row counts swept): Qwen3-0.6B's four projections at 16- and 64-row tiles, and
-# Qwen3-8B's at 16. Even so a 0.6B layer is level with cuBLAS and the separate elementwise kernels at 5-16 rows and
-# slower at 64 (benchmarks/RESULTS.md, "Split K at 5-64 rows"), so EngineConfig.small_m_rows stays at 4.
-DOT_MEASURED: dict[tuple[int, int, int], dict] = {
-    (16, 4096, 1024): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3),
-    (16, 1024, 2048): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, num_warps=4, num_stages=3),
-    (16, 6144, 1024): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=3),
-    (16, 1024, 3072): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=12, num_warps=4, num_stages=3),
-    (64, 4096, 1024): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
-    (64, 1024, 2048): dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
-    (64, 6144, 1024): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3),
-    (64, 1024, 3072): dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=16, num_warps=4, num_stages=3),
-    (16, 6144, 4096): dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3),
-    (16, 4096, 4096): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3),
-    (16, 24576, 4096): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=3),
-    (16, 4096, 12288): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+# The DOT form at 5-64 rows, per GPU model and row tile (the rows padded to a power of two, at least 16): a measured
+# tiling per (BLOCK_M, N, K), or else the rule's (BLOCK_N, BLOCK_K, num_warps, num_stages) and DOT_PROGRAMS_PER_SM.
+# An entry is the `DOT_MEASURED = {...}` line of `benchmarks/gpu_small_m.py --shapes S --rows 16,64 --skip-count
+# --sweep splitk` (per row tile and shape the tiling of least time summed over the row counts swept):
+# - H100 (2026-11-28, `--shapes qwen3-0.6b,qwen3-8b --rows 5,16,64 --rows-for qwen3-8b=5`): Qwen3-0.6B's four
+#   projections at 16- and 64-row tiles, Qwen3-8B's at 16; measured before the wide path, with the norm and
+#   activation prologues that read every row whole (benchmarks/RESULTS.md, "Split K at 5-64 rows").
+# - H200 (2026-11-29, `--shapes qwen3-0.6b --rows 16,32,64`): the wide path's forms (the norms reading their
+#   statistics, gate_up with the activation as its epilogue, o_proj and down writing them; "The wide path").
+# With either a draft's tree forward at 16-64 rows is no faster than through cuBLAS and the separate elementwise
+# kernels, so EngineConfig.small_m_rows stays at 4.
+DOT_MEASURED: dict[str, dict[tuple[int, int, int], dict]] = {
+    "NVIDIA H200": {
+        (16, 4096, 1024): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3),
+        (16, 1024, 2048): dict(BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, num_warps=2, num_stages=3),
+        (16, 6144, 1024): dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=3),
+        (16, 1024, 3072): dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=4, num_warps=2, num_stages=3),
+        (32, 4096, 1024): dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=3),
+        (32, 1024, 2048): dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=3),
+        (32, 6144, 1024): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3),
+        (32, 1024, 3072): dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=12, num_warps=4, num_stages=3),
+        (64, 4096, 1024): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+        (64, 1024, 2048): dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+        (64, 6144, 1024): dict(BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=3),
+        (64, 1024, 3072): dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=6, num_warps=4, num_stages=3),
+    },
+    "NVIDIA H100 80GB HBM3": {
+        (16, 4096, 1024): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3),
+        (16, 1024, 2048): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, num_warps=4, num_stages=3),
+        (16, 6144, 1024): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=3),
+        (16, 1024, 3072): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=12, num_warps=4, num_stages=3),
+        (64, 4096, 1024): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+        (64, 1024, 2048): dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
+        (64, 6144, 1024): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3),
+        (64, 1024, 3072): dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=16, num_warps=4, num_stages=3),
+        (16, 6144, 4096): dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3),
+        (16, 4096, 4096): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3),
+        (16, 24576, 4096): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=3),
+        (16, 4096, 12288): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+    },
 }
 # (64-row tiles: BLOCK_K 64 keeps three float32 stages of both operands at 96 KB of shared memory.)
 DOT_TILES = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3)}
 DOT_PROGRAMS_PER_SM = 2
 
 
-def _dot_config(m: int, n: int, k: int, sms: int) -> dict:
+def _dot_config(m: int, n: int, k: int, device: torch.device) -> dict:
     """Rows 5-64: tl.dot on BLOCK_M-row tiles, K split so that the grid has about DOT_PROGRAMS_PER_SM programs per
     SM. Without the split a program owns BLOCK_N features and the whole K, and a 1024-wide projection (a 0.6B
     model's o_proj and down) gets 32-64 programs on 132 SMs: most of the GPU idles while they stream the weights.
     Each split streams a contiguous K range; the splits are made equal (a multiple of BLOCK_K each), none empty."""
-    block_m = max(16, triton.next_power_of_2(m))
-    measured = DOT_MEASURED.get((block_m, n, k))
+    block_m, sms = max(16, triton.next_power_of_2(m)), num_sms(device)
+    measured = DOT_MEASURED.get(device_name(device), {}).get((block_m, n, k))
     if measured is not None:
         return {"USE_DOT": True, "BLOCK_M": block_m, "SPLIT_K": 1, **measured}
     block_n, block_k, warps, stages = DOT_TILES[block_m]
@@ -179,6 +199,27 @@ def _dot_config(m: int, n: int, k: int, sms: int) -> dict:
     split = min(triton.cdiv(k, block_k), max(1, triton.cdiv(DOT_PROGRAMS_PER_SM * sms, triton.cdiv(n, block_n))))
     return dict(USE_DOT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps,
                 num_stages=stages)
+
+
+@functools.cache
+def _shared_memory(index: int | None) -> int:
+    """Shared memory a block may opt into on CUDA device `index` (0 where torch does not report it)."""
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
+
+
+def fit_stages(cfg: dict, elem_bytes: int, weight_tiles: int, device: torch.device) -> dict:
+    """cfg with the DOT form's pipeline cut to stages that fit the device's shared memory at this element size. The
+    tables were measured in bf16; a float32 product needs twice a stage's bytes, and gate_up with the gated epilogue
+    streams two weight tiles (weight_tiles 2). The count is an upper bound (every stage's input and weight tiles),
+    so a fitting tiling is never cut; one that does not fit at two stages is left to Triton's own error."""
+    smem = _shared_memory(device.index) if device.type == "cuda" and cfg.get("USE_DOT") else 0
+    if not smem:
+        return cfg
+    per_stage = (cfg["BLOCK_M"] + weight_tiles * cfg["BLOCK_N"]) * cfg["BLOCK_K"] * elem_bytes
+    stages = cfg.get("num_stages", 3)
+    while stages > 2 and stages * per_stage > smem:
+        stages -= 1
+    return cfg if stages == cfg.get("num_stages", 3) else {**cfg, "num_stages": stages}
 
 
 def split_k_range(k: int, block_k: int, split: int) -> tuple[int, int]:

@@ -12,7 +12,15 @@ from engine.config import ModelConfig
 from engine.kernels.activation import ACTIVATIONS, act_and_mul
 from engine.kernels.persistent_plan import DecoderShape, LayerWeights, PersistentDecoder
 from engine.kernels.rms_norm import use_fused_kernels
-from engine.kernels.small_m_linear import act_linear, linear_add, norm_linear, takes_rows
+from engine.kernels.small_m_linear import (
+    FMA_MAX_ROWS,
+    RowSquares,
+    act_linear,
+    linear_add,
+    linear_add_ss,
+    norm_linear,
+    takes_rows,
+)
 from engine.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -86,12 +94,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.small_m_rows = 0  # as GatedMLP.small_m_rows, for the whole layer
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | RowSquares | None,
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | RowSquares]:
         """x: this layer's input before the residual add (the previous layer's MLP output, or the embeddings
-        with residual None). Returns (MLP output, residual stream): the add lands in the next norm's kernel."""
+        with residual None). Returns (MLP output, residual stream): the add lands in the next norm's kernel. On the
+        wide few-row path (5-64 rows) the layer returns (residual stream, RowSquares): the add done already."""
         if takes_rows(x, self.small_m_rows):
+            if x.shape[0] > FMA_MAX_ROWS and self.mlp.act_name in ACTIVATIONS:
+                return self._forward_wide(positions, x, residual, md)
             return self._forward_small_m(positions, x, residual, md)
+        if isinstance(residual, RowSquares):  # not reached while every layer takes the same rows; x is the stream
+            residual = None
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -111,6 +124,28 @@ class LlamaDecoderLayer(nn.Module):
         residual = linear_add(o, attn.o_proj.weight, attn.o_proj.bias, residual)
         gate_up, _ = norm_linear(residual, None, n2.weight, n2.eps, n2.offset, mlp.gate_up_proj.weight)
         return mlp.forward_gate_up(gate_up), residual
+
+    def _forward_wide(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | RowSquares | None,
+                      md: AttentionMetadata) -> tuple[torch.Tensor, RowSquares]:
+        """forward for 5-64 rows (a tree's or a verify's), the DOT form: each residual add is the epilogue of the
+        product before it (o_proj, down), which also writes the sum's row statistics, so the norm after it reads
+        [tiles, rows] floats where it would read every row whole in every program; the activation is gate_up's
+        epilogue, so down has no prologue. Six launches as at one row: norm+qkv, attention's prologue, attention,
+        o_proj+residual, norm+gate_up+act, down+residual."""
+        attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        if isinstance(residual, RowSquares):
+            qkv, residual = norm_linear(x, None, n1.weight, n1.eps, n1.offset, attn.qkv_proj.weight,
+                                        attn.qkv_proj.bias, row_ss=residual.ss)
+        else:
+            qkv, residual = norm_linear(x, residual, n1.weight, n1.eps, n1.offset, attn.qkv_proj.weight,
+                                        attn.qkv_proj.bias)
+        norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
+        o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, *norms)
+        residual, ss = linear_add_ss(o, attn.o_proj.weight, attn.o_proj.bias, residual)
+        act, _ = norm_linear(residual, None, n2.weight, n2.eps, n2.offset, mlp.gate_up_proj.weight, row_ss=ss,
+                             glu=mlp.act_name)
+        out, ss = linear_add_ss(act, mlp.down_proj.weight, None, residual)
+        return out, RowSquares(ss)
 
 
 class LlamaModel(nn.Module):
@@ -132,6 +167,8 @@ class LlamaModel(nn.Module):
             return self.norm(pd(x.contiguous(), positions, g.slot_mapping, c.seq_lens, g.block_table))
         for layer in self.layers:
             x, residual = layer(positions, x, residual, md)
+        if isinstance(residual, RowSquares):  # the wide few-row path: x is the residual stream
+            return self.norm(x)
         return self.norm.forward_with_residual(x, residual)[0]
 
 

@@ -82,6 +82,35 @@ def test_split_k_on_a_draft_layer_matches_references(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_path_chain_matches_references(dtype):
+    """The wide path's chain on a Qwen3-0.6B layer at 5-64 rows, as engine/models/llama.py runs it (this GPU's
+    tilings or the rule's): o_proj+residual writing its sums of squares, the norm+gate_up reading them with the
+    activation as its epilogue, down+residual writing the next ones, the next qkv reading those; against the
+    references, the same bits on a second run, every arrival counter back at zero."""
+    for m in (5, 16, 32, 64):
+        t = _layer_inputs(m, dtype, seed=m)
+
+        def chain(t: dict[str, torch.Tensor] = t) -> list[torch.Tensor]:
+            s, ss = sml.linear_add_ss(t["a"], t["o"], None, t["res"])
+            act, _ = sml.norm_linear(s, None, t["nw"], 1e-6, 0.0, t["gate_up"], row_ss=ss, glu="silu")
+            out, ss2 = sml.linear_add_ss(act, t["down"], None, s)
+            qkv, _ = sml.norm_linear(out, None, t["nw"], 1e-6, 0.0, t["qkv"], t["bias"], row_ss=ss2)
+            return [s, act, out, qkv]
+
+        got = chain()
+        s = sml.linear_add_ref(t["a"], t["o"], None, t["res"])
+        act = sml.norm_linear_ref(s, None, t["nw"], 1e-6, 0.0, t["gate_up"], glu="silu")[0]
+        out = sml.linear_add_ref(got[1], t["down"], None, got[0])  # from the kernels' own inputs: no drift compounds
+        want = [s, act, out, sml.norm_linear_ref(got[2], None, t["nw"], 1e-6, 0.0, t["qkv"], t["bias"])[0]]
+        tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **tol)
+        assert all(torch.equal(a, b) for a, b in zip(got, chain())), m
+        torch.cuda.synchronize()
+        assert all(not c.any() for c in arrival_counters._buffers.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_this_gpus_measured_tilings_match_references(dtype):
     """Every tiling this GPU model's FEW_ROWS_MEASURED entry holds (measured in bf16; the engine takes them for every
     dtype), at its rows and at three rows for a four-row entry, through the norm and the activation prologues
