@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompts
-from test_small_m_linear import QWEN3_PROJECTIONS, check_small_m_linear
+from test_small_m_linear import check_small_m_linear
+from test_small_m_tiles import QWEN3_PROJECTIONS
 
 from engine import LLM, SamplingParams
 from engine.kernels import arrival_counters, small_m_tiles
