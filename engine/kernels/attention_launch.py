@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.kernels.triton_compat import shared_memory as _shared_memory  # 0 where not reported: no wider tile
 from engine.kernels.triton_compat import triton
 
 __all__ = ["MAX_AUTO_SPLITS", "WIDE_SPLITS", "WIDE_MIN_TILES", "AttentionLaunch", "compiled_variant",
@@ -161,8 +162,3 @@ def _fits(tile_n: int, head_dim_p: int, kv_bytes: int, device: torch.device) -> 
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
-
-@functools.lru_cache(maxsize=8)
-def _shared_memory(device: torch.device) -> int:
-    """Shared memory a block may opt into (0 where torch does not report it: no wider tile then)."""
-    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)

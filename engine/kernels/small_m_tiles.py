@@ -9,6 +9,7 @@ import functools
 
 import torch
 
+from engine.kernels.triton_compat import shared_memory as _shared_memory
 from engine.kernels.triton_compat import triton
 
 __all__ = ["FMA_MAX_ROWS", "CUBLAS", "FEW_ROWS_MEASURED", "DOT_MEASURED", "DOT_TILES", "DOT_PROGRAMS_PER_SM",
@@ -201,18 +202,12 @@ def _dot_config(m: int, n: int, k: int, device: torch.device) -> dict:
                 num_stages=stages)
 
 
-@functools.cache
-def _shared_memory(index: int | None) -> int:
-    """Shared memory a block may opt into on CUDA device `index` (0 where torch does not report it)."""
-    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
-
-
 def fit_stages(cfg: dict, elem_bytes: int, weight_tiles: int, device: torch.device) -> dict:
     """cfg with the DOT form's pipeline cut to stages that fit the device's shared memory at this element size. The
     tables were measured in bf16; a float32 product needs twice a stage's bytes, and gate_up with the gated epilogue
     streams two weight tiles (weight_tiles 2). The count is an upper bound (every stage's input and weight tiles),
     so a fitting tiling is never cut; one that does not fit at two stages is left to Triton's own error."""
-    smem = _shared_memory(device.index) if device.type == "cuda" and cfg.get("USE_DOT") else 0
+    smem = _shared_memory(device) if device.type == "cuda" and cfg.get("USE_DOT") else 0
     if not smem:
         return cfg
     per_stage = (cfg["BLOCK_M"] + weight_tiles * cfg["BLOCK_N"]) * cfg["BLOCK_K"] * elem_bytes

@@ -89,6 +89,13 @@ def _pdl_supported(device_index: int) -> bool:
     return "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
 
 
+@functools.lru_cache(maxsize=8)
+def shared_memory(device: torch.device) -> int:
+    """Shared memory a block may opt into on a CUDA device (0 where torch does not report it): what a kernel's
+    pipelined tiles must fit in."""
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+
+
 def set_pdl(enabled: bool) -> None:
     """Launch the kernels that support it as programmatic dependents where the device allows (the default)."""
     _PDL["enabled"] = enabled
