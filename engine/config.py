@@ -240,7 +240,9 @@ class EngineConfig:
     # projection has too few column tiles; each norm's statistics written by the product before it, the activation
     # in gate_up's epilogue), measured no faster than cuBLAS there on an H200; beyond 64 cuBLAS. 0: never. Only on
     # the kernel devices (CUDA, or Triton's interpreter) and without tensor parallelism. Per GPU model, 1-4 rows of
-    # some shapes take measured tiles, or cuBLAS, where that measured faster (small_m_tiles.FEW_ROWS_MEASURED).
+    # some shapes take measured tiles, or cuBLAS, where that measured faster (small_m_tiles.FEW_ROWS_MEASURED), and
+    # a wide layer whose whole wide path measured faster than cuBLAS (an 8B target's verify of 5-8 rows on an H200:
+    # small_m_tiles.WIDE_LAYERS_MEASURED) takes it at those rows unless this is 0.
     small_m_rows: int = 4
     # Decode steps of at most this many requests of one token each (a draft's steps at batch 1-8) run every decoder
     # layer in one persistent launch (engine/kernels/persistent_decoder.py): one program per SM walks the layers,

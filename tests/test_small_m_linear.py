@@ -207,3 +207,47 @@ def test_greedy_through_small_m_kernels_equals_hf(tmp_path, family):
         lp, ks = random_prompts([6, 7, 10], seed=5), [5, 3, 5]
         ids, _ = run_draft_loop(runner, loop, lp, ks)
         assert [row[:k] for row, k in zip(ids.tolist(), ks)] == hf_draft_tokens(draft, lp, ks)
+
+
+@interpreted
+def test_a_measured_wide_layer_takes_its_verify_rows_and_equals_hf(tmp_path, monkeypatch):
+    """A layer the tables list as measured faster on its wide path (WIDE_LAYERS_MEASURED, here the tiny target's
+    shapes on the interpreter's "" device, with its qkv sent to cuBLAS by a DOT_MEASURED entry as an 8B model's is
+    on an H200) takes the wide path for forwards of 5-16 rows although small_m_rows caps it at one row, and greedy
+    speculation through it is HF's output token for token (float32); small_m_rows=0 still turns it off."""
+    from conftest import TINY_CONFIGS, hf_greedy, make_tiny_model, random_prompts
+
+    from engine import LLM, SamplingParams
+    from engine.models.llama import LlamaDecoderLayer
+
+    torch.set_num_threads(1)
+    cfg = TINY_CONFIGS["qwen3"]
+    target = make_tiny_model(tmp_path, "qwen3", cfg)
+    draft = make_tiny_model(tmp_path, "qwen3-draft", cfg, scale=5.9)
+    h, q, kv, inter = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    products = ((q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter))
+    monkeypatch.setitem(small_m_tiles.WIDE_LAYERS_MEASURED, "", {products: 16})
+    monkeypatch.setitem(small_m_tiles.DOT_MEASURED, "", {(16, *products[0]): small_m_tiles.CUBLAS})
+    calls = []
+    wide = LlamaDecoderLayer._forward_wide
+
+    def counted(self, positions, x, residual, md):  # noqa: ANN001, ANN202
+        calls.append(x.shape[0])
+        return wide(self, positions, x, residual, md)
+
+    monkeypatch.setattr(LlamaDecoderLayer, "_forward_wide", counted)
+    llm = LLM(target.path, draft_model=draft.path, num_speculative_tokens=4, attention_backend="triton",
+              device="cpu", block_size=4, num_kv_blocks=200, max_num_seqs=2, small_m_rows=1)
+    runner = llm.executor.target
+    first = runner.model.model.layers[0]
+    assert first.product_shapes() == products
+    assert first.small_m_rows == 1 and first.wide_rows == 16
+    assert llm.executor.draft.model.model.layers[0].wide_rows == 16  # the draft: the same tiny shapes
+    prompts = random_prompts([6, 11], seed=7)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(target.hf, p, 9), f"prompt of {len(p)} tokens diverged"
+    assert any(m % 5 == 0 for m in calls) and all(4 < m <= 16 for m in calls)  # verifies of 5 rows a request
+    runner._set_small_m_rows(0)
+    assert first.wide_rows == 0 and first.small_m_rows == 0

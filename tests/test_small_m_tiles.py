@@ -245,3 +245,33 @@ def test_small_m_rows_setting_goes_up_to_the_kernels_rows():
     EngineConfig(**base, small_m_rows=sml.MAX_ROWS).validate()
     with pytest.raises(ValueError, match=r"small_m_rows must be in \[0, 64\]"):
         EngineConfig(**base, small_m_rows=sml.MAX_ROWS + 1).validate()
+
+
+QWEN3_8B_PRODUCTS = tuple((n, k) for k, n in QWEN3_PROJECTIONS["qwen3-8b"].values())  # (N, K): qkv, o, gate_up, down
+
+
+def test_wide_layers_take_their_measured_rows_and_tilings(monkeypatch):
+    """A layer in WIDE_LAYERS_MEASURED (an 8B target on an H200) takes its wide path up to its rows, with a
+    DOT_MEASURED entry on the same GPU model for each of its four products at that row tile; an entry may send one
+    product to cuBLAS (the 8B qkv) while the others take tilings. Another GPU model, or a layer of other shapes
+    (Llama-3-8B's MLP), gets 0: the engine's setting alone decides."""
+    from engine.kernels.triton_compat import triton
+
+    for gpu, layers in small_m_tiles.WIDE_LAYERS_MEASURED.items():
+        for products, rows in layers.items():
+            assert small_m_tiles.FMA_MAX_ROWS < rows <= sml.MAX_ROWS and len(products) == 4
+            tile = max(16, triton.next_power_of_2(rows))
+            assert all((tile, n, k) in small_m_tiles.DOT_MEASURED[gpu] for n, k in products), (gpu, products)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(small_m_tiles, "num_sms", lambda device: 132)
+    monkeypatch.setattr(small_m_tiles, "device_name", lambda device: "NVIDIA H200")
+    assert small_m_tiles.wide_layer_rows(QWEN3_8B_PRODUCTS, cuda) == 8
+    assert small_m_tiles.tiles_for(5, 6144, 4096, cuda) is small_m_tiles.CUBLAS
+    for m in (5, 16):
+        down = small_m_tiles.tiles_for(m, 4096, 12288, cuda)
+        assert down == dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, num_warps=2, num_stages=3)
+    assert small_m_tiles.tiles_for(17, 4096, 12288, cuda)["BLOCK_M"] == 32  # past the entry's tile: the rule
+    llama3_8b = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+    assert small_m_tiles.wide_layer_rows(llama3_8b, cuda) == 0
+    monkeypatch.setattr(small_m_tiles, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert small_m_tiles.wide_layer_rows(QWEN3_8B_PRODUCTS, cuda) == 0

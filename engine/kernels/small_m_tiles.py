@@ -13,7 +13,8 @@ from engine.kernels.triton_compat import shared_memory as _shared_memory
 from engine.kernels.triton_compat import triton
 
 __all__ = ["FMA_MAX_ROWS", "CUBLAS", "FEW_ROWS_MEASURED", "DOT_MEASURED", "DOT_TILES", "DOT_PROGRAMS_PER_SM",
-           "num_sms", "device_name", "tiles_for", "fit_stages", "split_k_range"]
+           "WIDE_LAYERS_MEASURED", "num_sms", "device_name", "tiles_for", "wide_layer_rows", "fit_stages",
+           "split_k_range"]
 
 FMA_MAX_ROWS = 4  # up to this many rows the FMA form or the row loop (or tl.dot, by shape); above it tl.dot
 
@@ -107,7 +108,8 @@ def tiles_for(m: int, n: int, k: int, device: torch.device, measured: bool = Tru
       in the FMA form).
     Rows 5-64 take the DOT form with split K (`_dot_config`). Without the split, rows 5-16 were slower than cuBLAS,
     as were wide layers (K of 4096 and more) at more than one row (benchmarks/RESULTS.md): the engine sends the
-    latter elsewhere (`rows_limit`), and rows beyond 4 only where EngineConfig.small_m_rows asks."""
+    latter elsewhere (`rows_limit`), and rows beyond 4 only where EngineConfig.small_m_rows asks or a wide layer's
+    path measured faster (WIDE_LAYERS_MEASURED)."""
     if m <= FMA_MAX_ROWS and measured:
         tiles = FEW_ROWS_MEASURED.get(device_name(device), {}).get((triton.next_power_of_2(m), n, k))
         if tiles is not None:
@@ -150,7 +152,8 @@ def tiles_for(m: int, n: int, k: int, device: torch.device, measured: bool = Tru
 # - H200 (2026-11-29, `--shapes qwen3-0.6b --rows 16,32,64`): the wide path's forms (the norms reading their
 #   statistics, gate_up with the activation as its epilogue, o_proj and down writing them; "The wide path").
 # With either a draft's tree forward at 16-64 rows is no faster than through cuBLAS and the separate elementwise
-# kernels, so EngineConfig.small_m_rows stays at 4.
+# kernels, so EngineConfig.small_m_rows stays at 4. An entry may be CUBLAS (that product through cuBLAS and its
+# separate kernel, the layer's others through the wide forms).
 DOT_MEASURED: dict[str, dict[tuple[int, int, int], dict]] = {
     "NVIDIA H200": {
         (16, 4096, 1024): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3),
@@ -165,6 +168,13 @@ DOT_MEASURED: dict[str, dict[tuple[int, int, int], dict]] = {
         (64, 1024, 2048): dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
         (64, 6144, 1024): dict(BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=3),
         (64, 1024, 3072): dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=6, num_warps=4, num_stages=3),
+        # Qwen3-8B at 5 rows (a verify of k = 4), the wide forms against cuBLAS with the separate norm, activation or
+        # add kernel, us: qkv 19.6 against 18.4 (so cuBLAS), o_proj 12.7 against 14.0, gate_up with its activation
+        # 51.1 against 54.8, down 29.4 against 31.6 (`--shapes qwen3-8b --rows 5`, 2026-11-29).
+        (16, 6144, 4096): CUBLAS,
+        (16, 4096, 4096): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3),
+        (16, 24576, 4096): dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3),
+        (16, 4096, 12288): dict(BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, num_warps=2, num_stages=3),
     },
     "NVIDIA H100 80GB HBM3": {
         (16, 4096, 1024): dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3),
@@ -186,6 +196,26 @@ DOT_TILES = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3)}
 DOT_PROGRAMS_PER_SM = 2
 
 
+# Layers whose wide path (engine/models/llama.py `_forward_wide`: the four products in the wide forms, or cuBLAS where
+# DOT_MEASURED says so) measured faster than cuBLAS and the separate elementwise kernels for the whole layer, per GPU
+# model: the layer's (N, K) of qkv, o_proj, gate_up and down -> the rows up to which it takes that path past
+# FMA_MAX_ROWS, whatever EngineConfig.small_m_rows (which caps wide layers at one row). A verify of k + 1 rows on
+# an 8B target is such a step. Every product of an entry has its DOT_MEASURED tiling on the same GPU model.
+# - H200, Qwen3-8B (2026-11-29, `python3 benchmarks/gpu_small_m.py --shapes qwen3-8b --rows 5,8,16 --skip-count`,
+#   benchmarks/RESULTS.md "An 8B verify through the wide path"), us a layer against cuBLAS and the separate
+#   kernels: 111.7 against 114.9 at 5 rows, 112.1 against 119.3 at 8, 115.6 against 114.0 at 16 (the tilings were
+#   swept at 5 rows; at 16 gate_up and down lose), so up to 8 rows: a verify of k + 1 <= 8 tokens at batch 1.
+WIDE_LAYERS_MEASURED: dict[str, dict[tuple[tuple[int, int], ...], int]] = {
+    "NVIDIA H200": {((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)): 8},
+}
+
+
+def wide_layer_rows(products: tuple[tuple[int, int], ...], device: torch.device) -> int:
+    """Up to how many rows (past FMA_MAX_ROWS) a layer whose products have these (N, K) takes the wide path on this
+    device by WIDE_LAYERS_MEASURED; 0: none (the engine's setting alone decides)."""
+    return WIDE_LAYERS_MEASURED.get(device_name(device), {}).get(tuple(products), 0)
+
+
 def _dot_config(m: int, n: int, k: int, device: torch.device) -> dict:
     """Rows 5-64: tl.dot on BLOCK_M-row tiles, K split so that the grid has about DOT_PROGRAMS_PER_SM programs per
     SM. Without the split a program owns BLOCK_N features and the whole K, and a 1024-wide projection (a 0.6B
@@ -193,6 +223,8 @@ def _dot_config(m: int, n: int, k: int, device: torch.device) -> dict:
     Each split streams a contiguous K range; the splits are made equal (a multiple of BLOCK_K each), none empty."""
     block_m, sms = max(16, triton.next_power_of_2(m)), num_sms(device)
     measured = DOT_MEASURED.get(device_name(device), {}).get((block_m, n, k))
+    if measured is CUBLAS:
+        return measured
     if measured is not None:
         return {"USE_DOT": True, "BLOCK_M": block_m, "SPLIT_K": 1, **measured}
     block_n, block_k, warps, stages = DOT_TILES[block_m]

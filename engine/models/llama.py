@@ -93,12 +93,22 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.small_m_rows = 0  # as GatedMLP.small_m_rows, for the whole layer
+        # Rows past FMA_MAX_ROWS up to which the layer takes the wide path whatever small_m_rows: where this GPU
+        # measured that path faster for the layer's shape (small_m_tiles.WIDE_LAYERS_MEASURED); the runner sets it.
+        self.wide_rows = 0
+
+    def product_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(N, K) of qkv, o_proj, gate_up and down: the key of the layer's measured tilings."""
+        attn, mlp = self.self_attn, self.mlp
+        return tuple(tuple(p.weight.shape) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | RowSquares | None,
                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | RowSquares]:
         """x: this layer's input before the residual add (the previous layer's MLP output, or the embeddings
         with residual None). Returns (MLP output, residual stream): the add lands in the next norm's kernel. On the
         wide few-row path (5-64 rows) the layer returns (residual stream, RowSquares): the add done already."""
+        if x.shape[0] > FMA_MAX_ROWS and takes_rows(x, self.wide_rows):
+            return self._forward_wide(positions, x, residual, md)
         if takes_rows(x, self.small_m_rows):
             if x.shape[0] > FMA_MAX_ROWS and self.mlp.act_name in ACTIVATIONS:
                 return self._forward_wide(positions, x, residual, md)

@@ -13,7 +13,9 @@ from engine.config import (
     mixed_graph_token_sizes,
     resolve_attention_backend,
 )
+from engine.kernels.activation import ACTIVATIONS
 from engine.kernels.small_m_linear import rows_limit
+from engine.kernels.small_m_tiles import wide_layer_rows
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
 from engine.models.loader import build_model
 from engine.parallel import get_tp_group
@@ -100,13 +102,18 @@ class ModelRunner:
 
     def _set_small_m_rows(self, rows: int) -> None:
         """Tell the layers up to how many rows a forward folds its norms and adds into the products
-        (engine/kernels/small_m_linear.py), the setting capped for this model's width (`rows_limit`). Not under
+        (engine/kernels/small_m_linear.py), the setting capped for this model's width (`rows_limit`), and the rows a
+        wide layer takes past that cap where this GPU measured its wide path faster (`wide_layer_rows`). Not under
         tensor parallelism: a row-parallel product's partial sums must be all-reduced before the residual add that
         the kernel would fold into it."""
-        rows = rows_limit(rows, self.model_config.hidden_size) if get_tp_group().size == 1 else 0
+        on = rows > 0 and get_tp_group().size == 1
+        rows = rows_limit(rows, self.model_config.hidden_size) if on else 0
         for module in self.model.modules():
             if hasattr(module, "small_m_rows"):
                 module.small_m_rows = rows
+            if hasattr(module, "wide_rows") and module.mlp.act_name in ACTIVATIONS:
+                # past the cap: a wide layer's verify rows where this GPU measured its wide path faster
+                module.wide_rows = wide_layer_rows(module.product_shapes(), self.device) if on else 0
 
     def _build_persistent_decoder(self, rows: int) -> None:
         """Give the model its persistent decoder (engine/kernels/persistent_plan.py) where EngineConfig asks for one

@@ -23,10 +23,10 @@ def test_small_m_linear_matches_references_on_cuda(dtype):
     check_small_m_linear("cuda", dtype, rows=(1, 5, 17, 64), shapes=((64, 40), (3072, 1024)))
 
 
-def _layer_inputs(m: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Inputs and weights of a Qwen3-0.6B layer's four products at m rows."""
+def _layer_inputs(m: int, dtype: torch.dtype, seed: int = 0, shape: str = "qwen3-0.6b") -> dict[str, torch.Tensor]:
+    """Inputs and weights of a Qwen3 layer's four products at m rows."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    p = QWEN3_PROJECTIONS["qwen3-0.6b"]
+    p = QWEN3_PROJECTIONS[shape]
 
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
@@ -83,13 +83,15 @@ def test_split_k_on_a_draft_layer_matches_references(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_wide_path_chain_matches_references(dtype):
-    """The wide path's chain on a Qwen3-0.6B layer at 5-64 rows, as engine/models/llama.py runs it (this GPU's
-    tilings or the rule's): o_proj+residual writing its sums of squares, the norm+gate_up reading them with the
-    activation as its epilogue, down+residual writing the next ones, the next qkv reading those; against the
-    references, the same bits on a second run, every arrival counter back at zero."""
-    for m in (5, 16, 32, 64):
-        t = _layer_inputs(m, dtype, seed=m)
+@pytest.mark.parametrize("shape, rows", [("qwen3-0.6b", (5, 16, 32, 64)), ("qwen3-8b", (5, 8, 16))])
+def test_wide_path_chain_matches_references(dtype, shape, rows):
+    """The wide path's chain on a Qwen3-0.6B layer at 5-64 rows, and on a Qwen3-8B layer at 5-16 rows (an H200 runs a
+    verify of 5-8 through it, its qkv through cuBLAS), as engine/models/llama.py runs it (this GPU's tilings or
+    the rule's): o_proj+residual writing its sums of squares, the norm+gate_up reading them with the activation as
+    its epilogue, down+residual writing the next ones, the next qkv reading those; against the references, the same
+    bits on a second run, every arrival counter back at zero."""
+    for m in rows:
+        t = _layer_inputs(m, dtype, seed=m, shape=shape)
 
         def chain(t: dict[str, torch.Tensor] = t) -> list[torch.Tensor]:
             s, ss = sml.linear_add_ss(t["a"], t["o"], None, t["res"])
