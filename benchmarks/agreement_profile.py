@@ -1,7 +1,7 @@
 """Top-f agreement profiles: per verify outcome a, P(the target's token at position a is among the draft's top-f
 tokens there | a), f = 1..8, measured on a real pair by benchmarks/tree_hit_rate.py (`--profile FILE`), and read by
 the synthetic-pair benchmarks (`--agreement-profile FILE`: serve_layouts.py, load_sweep.py) into the engine's
-benchmark-only option synthetic_top_f_agreement (engine/speculation/synthetic_agreement.py), so random weights
+benchmark-only option synthetic_top_f_agreement (engine/speculation/ahead/synthetic_agreement.py), so random weights
 hit ahead-drafted candidates as often as that pair's draft would, fan-out by fan-out.
 
 The file: {"benchmark": "top_f_agreement", "target", "draft", "k", "command", "environment", "profiles": [{"T",

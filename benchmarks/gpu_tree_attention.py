@@ -25,7 +25,7 @@ from engine.kernels import tree_attention as tree_attention_kernels
 from engine.kernels.tree_attention import tree_attention
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, StepInput
-from engine.speculation import tree_draft
+from engine.speculation.ahead import tree_draft
 
 
 def tree_parents(rows: int, k: int) -> list[int]:

@@ -1,6 +1,6 @@
 """A whole tree pre-draft on one GPU, eager against CUDA graphs of tree forwards (engine/runner/tree_graphs.py).
 
-What speculation ahead's tree mode runs after each proposal (engine/speculation/tree_ahead.py): for T requests, a
+What speculation ahead's tree mode runs after each proposal (engine/speculation/ahead/tree.py): for T requests, a
 forward over each request's window [c, d_1..d_k], the roots chosen from its logits (top-F_a a outcome), then k
 forwards over every branch, greedy. Timed from the call to the drafts on the host (what the next proposal waits
 for), medians after warm-up, for T trees of B branches each, on a draft with random weights in bf16. `--roots`:
@@ -28,9 +28,9 @@ from engine.kernels.triton_compat import set_pdl
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.runner.tree_graphs import tree_row_buckets
-from engine.speculation.tree_draft import TreeDraftRequest, draft_tree, num_tree_nodes
-from engine.speculation.tree_roots import top_f_roots_many
-from engine.speculation.tree_schedule import TreeSchedule
+from engine.speculation.ahead.tree_draft import TreeDraftRequest, draft_tree, num_tree_nodes
+from engine.speculation.ahead.tree_roots import top_f_roots_many
+from engine.speculation.ahead.tree_schedule import TreeSchedule
 
 
 def main() -> None:

@@ -72,7 +72,7 @@ def ahead_summary(before: tuple[float, ...] | None, after: tuple[float, ...] | N
     drafted ahead."""
     if before is None or after is None:
         return None
-    # The first five totals (an engine's totals go on with tree mode's: engine/speculation/ahead_totals.py).
+    # The first five totals (an engine's totals go on with tree mode's: engine/speculation/ahead/totals.py).
     lookups, hits, drafted, unused, skipped = (a - b for a, b in zip(after[:5], before[:5], strict=True))
     if not drafted:
         return None

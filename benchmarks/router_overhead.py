@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 
 from engine.config import EngineConfig, ModelConfig, resolve_dtype  # noqa: E402
+from engine.local_executor import LocalExecutor  # noqa: E402
 from engine.runner.model_runner import ModelRunner  # noqa: E402
-from engine.step.executor import LocalExecutor  # noqa: E402
 from engine.step.plan import PlannedRequest, StepPlan  # noqa: E402
 from serving.ray_executor import RayExecutor  # noqa: E402
 

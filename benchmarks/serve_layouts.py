@@ -38,7 +38,7 @@ three one-GPU targets sharing a one-GPU draft (4 GPUs), `t1+d1/f4` a tree-mode p
 `offline` and `offline+d` are the in-process engine (engine.LLM, no Ray, no HTTP) on one GPU, the reference for
 serving's cost; `offline+d/predraft` drafts ahead in process (after each verify, not beside it; so do
 `offline+d/b<N>` and `offline+d/f<N>`); `offline/sync` runs each step to its end before the next (in process a
-target alone otherwise queues each step before it reads the last one's tokens: engine/step/decode_pipeline.py).
+target alone otherwise queues each step before it reads the last one's tokens: engine/decode_pipeline.py).
 The offline engine takes none of the served app's options (i<N>, r<N>, p<M>, hap, sp, ds).
 
 --bonus-agreement R (synthetic pairs only, a benchmark-only setting): random weights never agree on a bonus token,

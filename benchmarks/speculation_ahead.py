@@ -35,7 +35,7 @@ from common import environment, markdown_table, save_json  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.distill.data import encode_prompt, load_prompts  # noqa: E402
-from engine.speculation.ahead_totals import COUNTERS  # noqa: E402
+from engine.speculation.ahead.totals import COUNTERS  # noqa: E402
 
 TEMPERATURES = (0.0, 0.7)
 

@@ -1,6 +1,6 @@
 """What a tree of pre-drafts would hit on a real pair: for every verify outcome a (a of k drafts accepted), is the
 target's token t_a among the draft's top-F_a candidates there (d_{a+1} left out for a < k), the roots that
-engine/speculation/tree_roots.py top_f_roots gives a tree? By outcome, for uniform fan-outs F and for the schedule
+engine/speculation/ahead/tree_roots.py top_f_roots gives a tree? By outcome, for uniform fan-outs F and for the schedule
 F_a with the most hits under a cap on branches, at each temperature.
 
     python benchmarks/tree_hit_rate.py [--target smollm2-135m-instruct] [--draft smollm2-135m-draft] [--k 4]

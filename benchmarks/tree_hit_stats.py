@@ -3,8 +3,8 @@ draft's candidates, and what any fan-out schedule F_a would have hit, cost and l
 
 A lookup is one verify that the request goes on from: it accepted `a` of k drafts (a = 0..k) and emitted the
 target's token t_a at position a. Its `rank` is t_a's place among the draft's tokens at that position, best first,
-d_{a+1} left out for a < k (engine/speculation/tree_roots.py top_f_roots: the same order), so a tree with F_a roots
-for outcome a hits exactly when rank < F_a. Everything below is a function of the (a, rank) pairs alone, so one
+d_{a+1} left out for a < k (engine/speculation/ahead/tree_roots.py top_f_roots: the same order), so a tree with F_a
+roots for outcome a hits exactly when rank < F_a. Everything below is a function of the (a, rank) pairs alone, so one
 simulation answers every schedule.
 """
 

@@ -183,32 +183,32 @@ class EngineConfig:
     load_format: str = "auto"
     # Schedule step n+1 while step n runs (its tokens arrive one step later): the scheduler's hops and
     # bookkeeping leave the models' critical path, and a target without a draft queues step n+1 on the GPU before
-    # it reads step n's tokens (engine/step/decode_pipeline.py). None: on where the models run in other processes (the
+    # it reads step n's tokens (engine/decode_pipeline.py). None: on where the models run in other processes (the
     # Ray executor) and for a target alone on a GPU in process; off for in-process speculation and on CPU, where
     # it would only add a step of latency.
     async_scheduling: bool | None = None
     # Reuse the KV of full blocks whose token prefix was computed before (engine/kv_cache): both models' caches.
     enable_prefix_caching: bool = True
-    # Speculation ahead (engine/speculation/speculation_ahead.py): the draft drafts the next window while the target
+    # Speculation ahead (engine/speculation/ahead/proposer.py): the draft drafts the next window while the target
     # verifies this one. None: on where the draft has GPUs of its own (its forwards then overlap the verify),
     # off where it shares a device with the target, where the extra forwards would only queue behind it.
     speculation_ahead: bool | None = None
-    # Windows drafted ahead per speculating request (engine/speculation/ahead_branches.py): 1 drafts only the
+    # Windows drafted ahead per speculating request (engine/speculation/ahead/branches.py): 1 drafts only the
     # all-accepted outcome with the draft's argmax as the bonus token; more add the next likeliest outcomes (a second
     # bonus guess, a rejection after a accepted drafts with the draft's runner-up as the target's token), each in
     # scratch KV blocks the draft reserves for them. At most num_speculative_tokens + 2: the distinct outcomes guessed.
     speculation_ahead_branches: int = 1
-    # Tree mode of speculation ahead (engine/speculation/tree_ahead.py): after each proposal the draft drafts one tree
+    # Tree mode of speculation ahead (engine/speculation/ahead/tree.py): after each proposal the draft drafts one tree
     # per request covering every outcome of its verify (a = 0..k drafts accepted), with at most this many candidates
     # for the target's token per outcome (the draft's top-F there), each drafted k deep with one batched forward per
     # depth; a hit copies the branch's KV from scratch slots into the request's blocks. 0: the window path above.
     # Not combined with speculation_ahead_branches > 1. On the kernel path its forwards are CUDA graphs.
     speculation_ahead_tree_fanout: int = 0
     # Where the draft has GPUs of its own: with more than one branch, draft at most as many windows a request as
-    # measured to fit in the target's verify (engine/speculation/ahead_budget.py), so a fan-out that would hold the next
+    # measured to fit in the target's verify (engine/speculation/ahead/budget.py), so a fan-out that would hold the next
     # step up is cut back; in tree mode, cap each step's tree nodes at what fits there (down to one branch a request,
     # or no tree for the step); and at each load (speculating requests a step, by powers of two) draft ahead only
-    # while it measures faster than not drafting ahead (engine/speculation/ahead_gate.py). False: every step drafts
+    # while it measures faster than not drafting ahead (engine/speculation/ahead/gate.py). False: every step drafts
     # speculation_ahead_branches windows a request, or trees of speculation_ahead_tree_fanout (within
     # max_num_batched_tokens branches).
     speculation_ahead_adaptive: bool = True
@@ -228,7 +228,7 @@ class EngineConfig:
     # Benchmarks only, with synthetic rejection, instead of synthetic_bonus_agreement: per verify outcome a (rows a =
     # 0..K-1 rejections, then the bonus outcome), P(the target's token is among the draft's top-f there), f = 1..,
     # measured on a real pair (benchmarks/tree_hit_rate.py --profile): a lookup with n candidates drafted ahead for
-    # its outcome hits with the profile's top-n rate (engine/speculation/synthetic_agreement.py), so tree mode's
+    # its outcome hits with the profile's top-n rate (engine/speculation/ahead/synthetic_agreement.py), so tree mode's
     # fan-out changes hits as on a real pair.
     synthetic_top_f_agreement: list[list[float]] | None = None
     # Forwards of at most this many tokens run each decoder layer's products through engine/kernels/small_m_linear.py,
@@ -287,7 +287,7 @@ class EngineConfig:
         if rate is not None and not (isinstance(rate, (int, float)) and 0.0 <= rate <= 1.0):
             raise ValueError(f"synthetic_bonus_agreement must be in [0, 1], got {rate!r}")
         if self.synthetic_top_f_agreement is not None:
-            from engine.speculation.synthetic_agreement import AgreementProfile
+            from engine.speculation.ahead.synthetic_agreement import AgreementProfile
 
             AgreementProfile.from_table(self.synthetic_top_f_agreement)
             if rate is not None:

@@ -26,9 +26,9 @@ from engine.request import Request, RequestStatus
 from engine.sample.logits_params import logits_params_of
 from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
-from engine.speculation.ahead_budget import AheadBudget, drafts_ahead
-from engine.speculation.ahead_gate import AheadGate
-from engine.speculation.ahead_totals import NUM_TOTALS
+from engine.speculation.ahead.budget import AheadBudget, drafts_ahead
+from engine.speculation.ahead.gate import AheadGate
+from engine.speculation.ahead.totals import NUM_TOTALS
 from engine.step.commit import commit_result
 from engine.step.executor import Executor
 from engine.step.inflight_steps import InFlightStep, InFlightSteps
@@ -82,8 +82,8 @@ class EngineCore:
         self._new_speculation_ahead_budget()
 
     def _new_speculation_ahead_budget(self) -> None:
-        """Speculation ahead's per-step fan-out (engine/speculation/ahead_budget.py) and its on/off gate by load
-        (engine/speculation/ahead_gate.py): adaptive only where the draft's runs ahead overlap the verify (a draft on
+        """Speculation ahead's per-step fan-out (engine/speculation/ahead/budget.py) and its on/off gate by load
+        (engine/speculation/ahead/gate.py): adaptive only where the draft's runs ahead overlap the verify (a draft on
         GPUs of its own) and the configuration asks for it."""
         adaptive = self.config.speculation_ahead_adaptive and self.executor.ahead_overlaps_verify
         self.ahead_budget = AheadBudget(self.config.speculation_ahead_branches, adaptive=adaptive,
@@ -245,12 +245,12 @@ class EngineCore:
         return {f"{model}/{g}": n for model, kv in self.kv_managers() for g, n in enumerate(kv.num_used_blocks())}
 
     def speculation_ahead_branches(self) -> int:
-        """Windows a request the last plan asked the draft to draft ahead (engine/speculation/ahead_budget.py); 0 where
-        the gate found drafting ahead slower at that load (engine/speculation/ahead_gate.py)."""
+        """Windows a request the last plan asked the draft to draft ahead (engine/speculation/ahead/budget.py); 0 where
+        the gate found drafting ahead slower at that load (engine/speculation/ahead/gate.py)."""
         return self.ahead_budget.last if self.ahead_gate.last else 0
 
     def speculation_ahead_off_steps(self) -> int:
-        """Steps planned without drafting ahead by the gate (engine/speculation/ahead_gate.py), since the draft group
+        """Steps planned without drafting ahead by the gate (engine/speculation/ahead/gate.py), since the draft group
         was last set up."""
         return self.ahead_gate.steps_off
 

@@ -11,10 +11,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import resolve_device, resolve_dtype
 from engine.engine_core import EngineCore
+from engine.local_executor import LocalExecutor
 from engine.model_setup import configure_engine
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, SpecStats
 from engine.runner.model_runner import ModelRunner
-from engine.step.executor import LocalExecutor
 
 logger = logging.getLogger("specserve")
 

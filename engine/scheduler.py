@@ -117,7 +117,7 @@ class Scheduler:
         # batch size -> the step's k; None: num_speculative_tokens at every batch size.
         self.draft_length_fn = draft_length_fn
         self.step_draft_length = num_speculative_tokens  # k of the step being scheduled
-        # The draft drafts each window ahead (engine/speculation/speculation_ahead.py): its KV must reach that far.
+        # The draft drafts each window ahead (engine/speculation/ahead/proposer.py): its KV must reach that far.
         self.speculation_ahead = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -26,10 +26,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from engine.speculation.proposer import DraftProposal
-from engine.speculation.speculation_ahead import AheadProposer
+from engine.speculation.ahead.proposer import AheadProposer
 from engine.speculation.speculative_step import DraftSide
 from engine.step.plan import StepPlan
+from engine.step.proposal import DraftProposal
 
 logger = logging.getLogger("specserve")
 
@@ -51,7 +51,7 @@ class PoolAhead:
             ahead.use_scopes()
         self._pending: _PendingPredraft | None = None
         # Per target, the last pre-draft it was part of as (rows, seconds), until its next proposal reports it
-        # (StepResult.predraft_window: its engine's ahead budget, engine/speculation/ahead_budget.py).
+        # (StepResult.predraft_window: its engine's ahead budget, engine/speculation/ahead/budget.py).
         self._windows: dict[str, tuple[int, float]] = {}
         self.predrafts: dict[int, int] = {}  # pre-draft passes run, by the targets each served: {targets: passes}
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from engine.speculation.ahead_totals import NUM_TOTALS
+from engine.speculation.ahead.totals import NUM_TOTALS
 
 # Latency buckets: from one CPU-free GPU step (ms) to a long CPU generation (minutes).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -34,9 +34,9 @@ from typing import Any
 import ray
 
 from engine.config import EngineConfig, ModelConfig
+from engine.decode_pipeline import LaggedResults
 from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.speculation.draft_vocabulary import check_token_map
-from engine.step.decode_pipeline import LaggedResults
 from engine.step.phases import HOST, book_dispatch
 from engine.step.plan import StepPlan, StepResult
 from serving.draft_group import DraftGroupReplacement
@@ -103,13 +103,13 @@ class RayExecutor(DraftGroupReplacement, WorkerHealth):
         self.launch_verify_ahead = launch_verify_ahead
         self.speculation_ahead = False  # resolved in _start, once the bundles are known
         # The draft's runs ahead overlap the target's verify (a draft group of its own, not colocated): the engine
-        # then fits each step's fan-out in the verify (engine/speculation/ahead_budget.py).
+        # then fits each step's fan-out in the verify (engine/speculation/ahead/budget.py).
         self.ahead_overlaps_verify = False
         self.step_timeout_s = step_timeout_s
         self.target: WorkerGroup | None = None
         self.draft: WorkerGroup | None = None
         self._graph: Any = None  # ray.dag.CompiledDAG
-        # Pipelined (a target alone, asynchronous scheduling: engine/step/decode_pipeline.py): each execution returns
+        # Pipelined (a target alone, asynchronous scheduling: engine/decode_pipeline.py): each execution returns
         # the result of the step submitted before it, so the outputs not read yet and the results read but not yet
         # collected are kept here.
         self._executions: deque[Any] = deque()
@@ -247,7 +247,7 @@ class RayExecutor(DraftGroupReplacement, WorkerHealth):
     @property
     def pipelined(self) -> bool:
         """A target alone under asynchronous scheduling: its ranks queue each step before reading the last one's
-        tokens (engine/step/decode_pipeline.py), and an execution returns the step before's result."""
+        tokens (engine/decode_pipeline.py), and an execution returns the step before's result."""
         return self.draft is None and not self.colocated and self.async_scheduling
 
     def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:

@@ -30,16 +30,16 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig, resolve_dtype
+from engine.decode_pipeline import DecodePipeline
 from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.parallel import TensorParallelGroup, set_tp_group
 from engine.runner.model_runner import ModelRunner
-from engine.speculation.proposer import DraftProposal
-from engine.speculation.speculation_ahead import AheadProposer
+from engine.speculation.ahead.proposer import AheadProposer
 from engine.speculation.speculative_step import DraftSide, SpeculativeStep, TargetSide
 from engine.speculation.verifier import VerifyInput
-from engine.step.decode_pipeline import DecodePipeline
 from engine.step.phases import HOST, book_between, book_remote_proposal
 from engine.step.plan import StepPlan, StepResult
+from engine.step.proposal import DraftProposal
 from engine.step.request_table import RequestTable
 from serving.gc_heap import freeze_startup_heap
 from serving.step_topology import graph_node
@@ -289,7 +289,7 @@ class ModelWorker:
         return result
 
     def target_decode(self, plan: StepPlan | None) -> StepResult | None:
-        """A draft-less step, pipelined (engine/step/decode_pipeline.py): queue `plan`, then return the result of the
+        """A draft-less step, pipelined (engine/decode_pipeline.py): queue `plan`, then return the result of the
         step queued before it (None: there was none). `plan` None queues nothing: the executor's way to collect
         the last step. The graph node of an engine without a draft under asynchronous scheduling."""
         side = self._target("target_decode")

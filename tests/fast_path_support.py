@@ -9,9 +9,9 @@ from conftest import TinyModel, hf_greedy
 from engine.config import EngineConfig, ModelConfig
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
-from engine.sample.from_plan import request_generator
 from engine.sample.metadata import SamplingMetadata
 from engine.speculation.draft_loop import DraftLoop
+from engine.step.plan_sampling import request_generator
 
 BLOCKS_PER_REQ = 16
 

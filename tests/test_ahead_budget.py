@@ -1,4 +1,4 @@
-"""Speculation ahead's per-step fan-out (engine/speculation/ahead_budget.py): the engine caps each step's windows a
+"""Speculation ahead's per-step fan-out (engine/speculation/ahead/budget.py): the engine caps each step's windows a
 request
 at the largest count whose run ahead fits in the verify, and the plan carries the cap to the draft. The rule is
 checked on measurements given to it; the engine is checked to obey whatever count each plan carries (at most that
@@ -13,8 +13,8 @@ from test_speculation_ahead import _ahead
 from test_speculation_ahead_branches import SEEDED, SEEDED_PROMPTS, seeded_near  # noqa: F401 - fixture
 
 from engine import LLM
-from engine.speculation import ahead_budget
-from engine.speculation.ahead_budget import HEADROOM, RETRY_STEPS, AheadBudget
+from engine.speculation.ahead import budget as budget_module
+from engine.speculation.ahead.budget import HEADROOM, RETRY_STEPS, AheadBudget
 from engine.step.phases import HANDOFF, SAMPLE, VERIFY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -160,4 +160,4 @@ def test_adaptive_setting_is_validated(tiny_models, tiny_drafts):
     with pytest.raises(ValueError, match="speculation_ahead_adaptive"):
         LLM(tiny_models["llama"].path, draft_model=tiny_drafts["llama-1l"].path, num_speculative_tokens=3,
             speculation_ahead_adaptive="yes", **AHEAD)
-    assert ahead_budget.SMOOTHING > 0
+    assert budget_module.SMOOTHING > 0

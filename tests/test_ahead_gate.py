@@ -1,4 +1,4 @@
-"""Speculation ahead's on/off gate by load (engine/speculation/ahead_gate.py): per bucket of speculating requests the
+"""Speculation ahead's on/off gate by load (engine/speculation/ahead/gate.py): per bucket of speculating requests the
 engine plans the setting (drafting ahead or not) whose committed tokens per second measured higher, probing the other
 now and then. The rule runs here on a simulated clock; the engine is checked to obey each plan's setting with exact
 outputs (greedy against the target alone, seeded sampling against plain speculation), and to gate only where runs
@@ -13,8 +13,8 @@ from test_speculation_ahead import _ahead
 from test_speculation_ahead_branches import SEEDED, SEEDED_PROMPTS, seeded_near  # noqa: F401 - fixture
 
 from engine import LLM
-from engine.speculation import ahead_gate
-from engine.speculation.ahead_gate import AheadGate, bucket_of
+from engine.speculation.ahead import gate as gate_module
+from engine.speculation.ahead.gate import AheadGate, bucket_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,8 +54,8 @@ def test_gate_keeps_the_faster_setting_per_load():
     assert bucket_of(1) != bucket_of(16)
     assert gate.buckets[bucket_of(1)].best() and not gate.buckets[bucket_of(16)].best()
     # After the first probe, the loser runs only in probes.
-    share = ahead_gate.PROBE_STEPS / ahead_gate.PROBE_EVERY
-    assert one[:ahead_gate.FIRST_PROBE - 1].count(False) == 0  # on until the first probe
+    share = gate_module.PROBE_STEPS / gate_module.PROBE_EVERY
+    assert one[:gate_module.FIRST_PROBE - 1].count(False) == 0  # on until the first probe
     assert one[200:].count(False) / len(one[200:]) <= share * 1.2
     assert sixteen[200:].count(True) / len(sixteen[200:]) <= share * 1.2
     assert gate.buckets[bucket_of(16)].rate[False] == pytest.approx(40 / 0.005)
@@ -89,9 +89,9 @@ def test_idle_time_and_lost_plans_do_not_count():
     assert not gate.buckets[bucket_of(4)].best()
     assert gate.buckets[bucket_of(4)].rate[False] == pytest.approx(40 / 0.005)
     # Plans never committed (a failed step) are dropped, and a commit of an unknown step is ignored.
-    for s in range(10_000, 10_000 + 5 * ahead_gate.MAX_PLANNED):
+    for s in range(10_000, 10_000 + 5 * gate_module.MAX_PLANNED):
         gate.plan(s, 4)
-    assert len(gate._planned) == ahead_gate.MAX_PLANNED
+    assert len(gate._planned) == gate_module.MAX_PLANNED
     gate.observe(-7, 100)
 
 

@@ -128,7 +128,7 @@ def test_an_agreement_profile_reaches_synthetic_drafts_only(tmp_path: Path) -> N
     # the bundled profile of the SmolLM2 pair is one the engine takes: k + 1 = 5 outcomes, the bonus the likeliest hit
     from agreement_profile import BUNDLED, load_agreement
 
-    from engine.speculation.synthetic_agreement import AgreementProfile
+    from engine.speculation.ahead.synthetic_agreement import AgreementProfile
 
     bundled = AgreementProfile.from_table(load_agreement(BUNDLED))
     assert len(bundled.top_f) == 5 and all(bundled.row(4, 4)[0] > bundled.row(a, 4)[0] for a in range(4))
@@ -243,7 +243,7 @@ def test_speculation_ahead_counters_reach_metrics_and_the_report() -> None:
     from prometheus_client.exposition import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from engine.speculation.ahead_totals import NUM_TOTALS
+    from engine.speculation.ahead.totals import NUM_TOTALS
     from serving.metrics import EngineMetrics
 
     registry = CollectorRegistry()

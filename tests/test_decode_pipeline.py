@@ -1,4 +1,4 @@
-"""A target alone with its steps queued one ahead (engine/step/decode_pipeline.py), in process: each step goes on the
+"""A target alone with its steps queued one ahead (engine/decode_pipeline.py), in process: each step goes on the
 device, its open inputs filled there from the step before, before that step's tokens are read back.
 
 The pipeline must not change a single token: greedy outputs equal the target alone run step by step (which equals
@@ -14,7 +14,7 @@ from conftest import random_prompts, start_requests
 from spec_support import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS
 
 from engine import LLM, SamplingParams
-from engine.step.decode_pipeline import DecodePipeline, _pending_slots
+from engine.decode_pipeline import DecodePipeline, _pending_slots
 from engine.step.plan import PlannedRequest, StepPlan
 from engine.step.request_table import PENDING_TOKEN
 

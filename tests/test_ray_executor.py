@@ -25,7 +25,7 @@ from conftest import TinyModel, local_ray, random_prompts, run_to_completion
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
 from engine.request import Request
-from engine.speculation.ahead_budget import AheadBudget
+from engine.speculation.ahead.budget import AheadBudget
 from engine.step.plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
 from serving.ray_executor import RayExecutor
@@ -102,7 +102,7 @@ def test_target_tp2_matches_tp1_and_dies_loudly(tiny_models: dict[str, TinyModel
 
 def test_target_alone_pipelined_tp2_compiled_plain_and_in_process_agree(tiny_models: dict[str, TinyModel]) -> None:
     """A target alone under asynchronous scheduling queues each step before the last one's tokens are read
-    (engine/step/decode_pipeline.py); each execution returns the step before's result, and the last is collected by an
+    (engine/decode_pipeline.py); each execution returns the step before's result, and the last is collected by an
     empty one. At TP=2, through the compiled graph and through plain calls, every output (greedy, seeded and
     unseeded sampling) equals the in-process pipelined engine's, and greedy equals the target step by step."""
     path = tiny_models["gemma3"].path
@@ -278,7 +278,7 @@ def test_tree_mode_across_processes(tiny_models: dict[str, TinyModel], near_llam
     AheadProposer runs `draft_predraft` there, trees hit (rejection outcomes included), greedy equals the target
     alone, and the engine reports the tree counters with the others. Its trees overlap the verify, so the ahead budget
     sizes them from the (nodes, seconds) the draft reports through the target's result, and every plan carries the
-    cap (engine/speculation/ahead_budget.py); held at the configured fan-out, rejection outcomes hit."""
+    cap (engine/speculation/ahead/budget.py); held at the configured fan-out, rejection outcomes hit."""
     target = tiny_models["llama"].path
     engine = build_ray_engine(target, near_llama, num_speculative_tokens=3, seed=5, speculation_ahead=True,
                               speculation_ahead_tree_fanout=2, **ENGINE_KW)
@@ -307,7 +307,7 @@ def test_tree_mode_across_processes(tiny_models: dict[str, TinyModel], near_llam
 def test_fan_out_across_processes(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
     """Three windows a request (engine_kwargs' speculation_ahead_branches), synchronous scheduling, the draft in a
     group of its own: the draft worker keeps scratch blocks out of the ones it reports; its runs ahead overlap the
-    verify, so the engine adapts the fan-out (engine/speculation/ahead_budget.py) from the runs the draft's rank 0
+    verify, so the engine adapts the fan-out (engine/speculation/ahead/budget.py) from the runs the draft's rank 0
     reports
     through the target's result, and every plan carries its count to the draft's ranks, which obey it: at three
     every step rejection windows hit, held at one none is drafted. Greedy equals the target alone throughout."""

@@ -33,7 +33,7 @@ from engine.sample.saguaro import (
     top_mask,
 )
 from engine.speculation import verifier
-from engine.speculation.ahead_saguaro import BRANCH_TOP_F
+from engine.speculation.ahead.saguaro import BRANCH_TOP_F
 from engine.speculation.draft_loop import draw_distribution
 from engine.speculation.proposer import DraftProposer
 from engine.speculation.rejection_sampler import rejection_sample

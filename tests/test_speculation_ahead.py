@@ -1,4 +1,4 @@
-"""Speculation ahead in process (engine/speculation/speculation_ahead.py): the draft drafts the next window after each
+"""Speculation ahead in process (engine/speculation/ahead/proposer.py): the draft drafts the next window after each
 proposal, the next step proposes it on a hit. Everything a user sees must be what plain speculation gives: greedy
 tokens equal to the target alone, seeded sampled tokens equal to a run without drafting ahead (so a hit uses the
 probabilities of the forward that drafted its tokens: a stale q changes them, which the negative control shows),
@@ -23,7 +23,7 @@ from test_spec_distribution import (
 )
 
 from engine import LLM, SamplingParams
-from engine.speculation.speculation_ahead import AheadProposer
+from engine.speculation.ahead.proposer import AheadProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,8 +1,8 @@
-"""Speculation ahead with fan-out (EngineConfig.speculation_ahead_branches > 1, engine/speculation/ahead_branches.py):
+"""Speculation ahead with fan-out (EngineConfig.speculation_ahead_branches > 1, engine/speculation/ahead/branches.py):
 up to
 B windows per request, for the likeliest outcomes of its verify, every window but the argmax bonus one in scratch KV
-blocks (engine/kv_cache/scratch_blocks.py). Everything a user sees must still be what plain speculation gives, and
-the draft's KV after a hit on a scratch window must be what the ordinary path writes.
+blocks (engine/speculation/ahead/scratch_blocks.py). Everything a user sees must still be what plain speculation gives,
+and the draft's KV after a hit on a scratch window must be what the ordinary path writes.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from test_speculation_ahead import (
 )
 
 from engine import LLM, SamplingParams
-from engine.kv_cache.scratch_blocks import ScratchBlocks, copy_blocks
-from engine.speculation import speculation_ahead
-from engine.speculation.ahead_branches import ACCEPT, REJECT, BranchEstimates
-from engine.speculation.speculation_cache import AheadStats
+from engine.speculation.ahead import proposer as ahead_proposer
+from engine.speculation.ahead.branches import ACCEPT, REJECT, BranchEstimates
+from engine.speculation.ahead.cache import AheadStats
+from engine.speculation.ahead.scratch_blocks import ScratchBlocks, copy_blocks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,18 +116,18 @@ def _scratch_hit_kv(llm: LLM, skip_copy_back: bool = False) -> dict[tuple[int, s
     seen: dict[tuple[int, str], list[torch.Tensor]] = {}
     ahead._lookup, ahead.propose = rec_lookup, rec_propose
     if skip_copy_back:
-        copy = speculation_ahead.copy_blocks
+        copy = ahead_proposer.copy_blocks
         scratch = set(ahead.scratch.ids[0])
 
         def fork_only(kv, src, dst):  # the forks still copy; the copy back of a hit does not
             if not set(src[0]) <= scratch:
                 copy(kv, src, dst)
 
-        speculation_ahead.copy_blocks = fork_only
+        ahead_proposer.copy_blocks = fork_only
     try:
         llm.generate(PROMPTS, GREEDY)
     finally:
-        speculation_ahead.copy_blocks = copy_blocks
+        ahead_proposer.copy_blocks = copy_blocks
     return seen
 
 

@@ -1,4 +1,4 @@
-"""The benchmarks' measured agreement profile (EngineConfig.synthetic_top_f_agreement, engine/speculation/
+"""The benchmarks' measured agreement profile (EngineConfig.synthetic_top_f_agreement, engine/speculation/ahead/
 synthetic_agreement.py): with synthetic rejection a draft's candidates drafted ahead hit at a real pair's top-f rate
 for their number, so tree mode's fan-out changes hits (one rate, synthetic_bonus_agreement, cannot)."""
 
@@ -9,7 +9,7 @@ from spec_support import ENGINE_KW, PROMPTS
 from test_speculation_ahead import _ahead
 
 from engine import LLM, SamplingParams
-from engine.speculation.synthetic_agreement import AgreementProfile
+from engine.speculation.ahead.synthetic_agreement import AgreementProfile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""Speculation ahead's tree mode (EngineConfig.speculation_ahead_tree_fanout > 0, engine/speculation/tree_ahead.py):
+"""Speculation ahead's tree mode (EngineConfig.speculation_ahead_tree_fanout > 0, engine/speculation/ahead/tree.py):
 one tree per request over every outcome of its verify, drafted one batched forward per depth into scratch slots; a
 hit proposes a branch and copies its KV into the request's blocks. Everything a user sees must be what plain
 speculation gives, and the draft's KV after a hit must be what the ordinary path writes.
@@ -26,9 +26,9 @@ from test_speculation_ahead import (
 )
 
 from engine import LLM, SamplingParams
-from engine.speculation import tree_ahead
-from engine.speculation.speculation_cache import NUM_TOTALS
-from engine.speculation.tree_schedule import TreeSchedule
+from engine.speculation.ahead import tree as ahead_tree
+from engine.speculation.ahead.cache import NUM_TOTALS
+from engine.speculation.ahead.tree_schedule import TreeSchedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -99,13 +99,13 @@ def _hit_kv(llm: LLM, skip_copy: bool = False) -> dict[tuple[int, str], list[tor
 
     seen: dict[tuple[int, str], list[torch.Tensor]] = {}
     ahead._lookup, ahead.propose = rec_lookup, rec_propose
-    copy = tree_ahead.copy_slots
+    copy = ahead_tree.copy_slots
     if skip_copy:
-        tree_ahead.copy_slots = lambda *args: None
+        ahead_tree.copy_slots = lambda *args: None
     try:
         llm.generate(PROMPTS, GREEDY)
     finally:
-        tree_ahead.copy_slots = copy
+        ahead_tree.copy_slots = copy
     return seen
 
 

@@ -20,7 +20,7 @@ from engine.attention import torch_backend
 from engine.attention.metadata import GroupAttentionMetadata
 from engine.kernels import tree_attention
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
-from engine.speculation.tree_draft import draft_tree
+from engine.speculation.ahead.tree_draft import draft_tree
 
 if not HAS_TRITON:
     pytest.skip("triton is not installed (the `test` extra installs it on Linux)", allow_module_level=True)

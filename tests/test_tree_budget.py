@@ -1,4 +1,4 @@
-"""Speculation ahead's tree mode under the ahead budget (engine/speculation/ahead_budget.py): the engine caps each
+"""Speculation ahead's tree mode under the ahead budget (engine/speculation/ahead/budget.py): the engine caps each
 step's tree nodes at what the measured seconds a node fit in the verify's shadow, the draft cuts its trees to the
 cap (the unlikeliest outcomes' candidates first, down to one branch a request, or no tree at all), and outputs stay
 exact whatever the cap. The rule is checked on synthetic timings; the engine is checked with a budget fed synthetic
@@ -11,8 +11,8 @@ from spec_support import ENGINE_KW, GREEDY, PROMPTS
 from test_speculation_ahead import _ahead
 
 from engine import LLM
-from engine.speculation.ahead_budget import MAX_TREE_RETRY_STEPS, RETRY_STEPS, SMOOTHING, AheadBudget
-from engine.speculation.tree_schedule import TreeSchedule
+from engine.speculation.ahead.budget import MAX_TREE_RETRY_STEPS, RETRY_STEPS, SMOOTHING, AheadBudget
+from engine.speculation.ahead.tree_schedule import TreeSchedule
 from engine.step.phases import VERIFY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -146,10 +146,10 @@ def test_engine_shrinks_the_tree_to_the_budget_and_greedy_stays_exact(tiny_model
 def test_tree_rows_are_bounded_by_the_q_they_keep(tiny_models, tiny_drafts, monkeypatch):
     """Sampled branches keep [branches, k, V] float32 q outside the KV cache's sizing: the row cap keeps it within
     TREE_Q_BYTES whatever max_num_batched_tokens allows."""
-    from engine.speculation import tree_ahead
+    from engine.speculation.ahead import tree as ahead_tree
 
     path, draft = tiny_models["llama"].path, tiny_drafts["llama-1l"].path
-    monkeypatch.setattr(tree_ahead, "TREE_Q_BYTES", 4 * 3 * 1000 * 7)  # 7 branches of k=3 at a 1000-token vocab
+    monkeypatch.setattr(ahead_tree, "TREE_Q_BYTES", 4 * 3 * 1000 * 7)  # 7 branches of k=3 at a 1000-token vocab
     llm = LLM(path, draft_model=draft, num_speculative_tokens=3, speculation_ahead=True,
               speculation_ahead_tree_fanout=3, **dict(ENGINE_KW, max_num_batched_tokens=64))
     tree = _ahead(llm).tree

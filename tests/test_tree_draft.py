@@ -1,4 +1,4 @@
-"""Tree-batched pre-drafting (engine/speculation/tree_draft.py) against drafting each branch on its own.
+"""Tree-batched pre-drafting (engine/speculation/ahead/tree_draft.py) against drafting each branch on its own.
 
 The tree's forwards (tree attention over the committed prefix, read in place from the paged cache, and over each
 row's own chain of nodes in scratch slots) must give every branch the logits and tokens that the ordinary path gives
@@ -23,8 +23,8 @@ from engine.kv_cache.block_pool import NULL_BLOCK
 from engine.parallel import TensorParallelGroup, set_tp_group
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
-from engine.speculation.tree_draft import TreeDraftRequest, draft_tree, num_tree_nodes
-from engine.speculation.tree_roots import top_f_roots
+from engine.speculation.ahead.tree_draft import TreeDraftRequest, draft_tree, num_tree_nodes
+from engine.speculation.ahead.tree_roots import top_f_roots
 
 NUM_BLOCKS = 96
 REF_FIRST = 48  # blocks 48.. hold the reference runs' sequences

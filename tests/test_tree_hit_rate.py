@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from tree_hit_rate import kept_tokens, load_model, main, simulate  # noqa: E402
 from tree_hit_stats import HitTable, Lookup, ngram_candidates, percentiles, root_rank  # noqa: E402
 
-from engine.speculation.tree_roots import top_f_roots  # noqa: E402
+from engine.speculation.ahead.tree_roots import top_f_roots  # noqa: E402
 
 # k = 2. Outcome 0: ranks 0, 2, 4; outcome 1: rank 1; outcome 2: ranks 0, 5. Prompt 1 holds the last two.
 HAND = [Lookup(0, 0, 0), Lookup(0, 0, 2), Lookup(0, 1, 1), Lookup(0, 2, 0), Lookup(1, 2, 5), Lookup(1, 0, 4)]

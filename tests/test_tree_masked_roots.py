@@ -1,4 +1,4 @@
-"""Speculation ahead's tree mode where a grammar masks every root candidate (engine/speculation/tree_ahead.py,
+"""Speculation ahead's tree mode where a grammar masks every root candidate (engine/speculation/ahead/tree.py,
 `choose_roots`): a rejection outcome's candidates exclude the rejected draft, so where the grammar allows one token
 alone (the draft's own) and the budget fans out only at such outcomes (near the end of a request, where the next step
 would draft nothing after the later outcomes), no candidate is left. The tree still gets one branch, at its widest
@@ -12,7 +12,7 @@ import pytest
 from byte_models import make_byte_models
 from test_speculation_ahead import _assert_released
 
-import engine.speculation.tree_ahead as tree_ahead
+import engine.speculation.ahead.tree as tree_ahead
 from engine import LLM, SamplingParams
 from engine.request import Request
 from engine.sample.grammar_matchers import compile_grammar

@@ -1,4 +1,4 @@
-"""Speculation ahead's tree mode for every kind of request (engine/speculation/tree_ahead.py): grammars (structured
+"""Speculation ahead's tree mode for every kind of request (engine/speculation/ahead/tree.py): grammars (structured
 outputs), logits processing (penalties, logit_bias, bad words) and seeded sampling get trees, and a branch is what
 the next proposal after its outcome would draft: greedy outputs equal the target alone, seeded sampled outputs equal
 plain speculation's token for token, a grammar request's branches start from tokens its grammar allows after the

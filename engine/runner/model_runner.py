@@ -245,7 +245,7 @@ class ModelRunner:
         """Padded buffers for tree forwards of up to max_num_seqs trees (graph batch-size buckets) and `row_buckets`
         rows a tree, trees of at most max_nodes nodes, at most max_total_rows rows a forward; their CUDA graphs
         captured where this runner captures graphs (`capture` and the kernel path on a GPU, not eager). Tree
-        forwards (engine/speculation/tree_draft.py) then run through them where they fit."""
+        forwards (engine/speculation/ahead/tree_draft.py) then run through them where they fit."""
         max_blocks = max(-(-self.config.max_model_len // g.spec.block_size) for g in self.kv_groups)
         graphs = TreeGraphs(self.kv_groups, torch.inference_mode()(self.forward_all), graph_batch_sizes(self.config),
                             row_buckets, max_nodes, max_total_rows, max_blocks, self.backend, self.device)

@@ -1,4 +1,4 @@
-"""CUDA graphs of tree forwards (speculation ahead's tree mode: engine/speculation/tree_draft.py), one per (trees,
+"""CUDA graphs of tree forwards (speculation ahead's tree mode: engine/speculation/ahead/tree_draft.py), one per (trees,
 rows a tree) bucket.
 
 Eager, a tree forward of a 0.6B draft costs the host one launch per kernel, about 3 ms, and a tree is k + 1 such

@@ -3,8 +3,8 @@ scaled down, so that a rejection's replacement token more often lands where a wi
 
 Speculation ahead pre-drafts windows for the verify's likely outcomes; after a rejection of draft d at a position the
 target's token there comes from the residual norm(max(p - q, 0)), and its window only hits if that token is one of
-the roots cached for the outcome (the draft's likeliest tokens there other than d: engine/speculation/tree_roots.py,
-or the runner-up of engine/speculation/ahead_branches.py). Drawing d from
+the roots cached for the outcome (the draft's likeliest tokens there other than d:
+engine/speculation/ahead/tree_roots.py, or the runner-up of engine/speculation/ahead/branches.py). Drawing d from
 
     q'(x) = c q(x) / Z  for x among q's top_f tokens,   q(x) / Z  otherwise,   Z = 1 - (1 - c) sum_{top_f} q,
 
@@ -126,7 +126,7 @@ def replacement_hit_probability(p: Tensor,  # [rows, V] float32 target distribut
                                 fanout: int, factor: float, top_f: int | None = None) -> Tensor:
     """[rows] float64: P(the verify rejects the draft at this position and its replacement token is a cached root),
     for a draft d drawn from q' (q's top_f tokens scaled by `factor`; top_f = fanout + 1 by default) and roots = q's
-    top-`fanout` tokens other than d (engine/speculation/tree_roots.py). factor = 1 gives plain sampling's figure.
+    top-`fanout` tokens other than d (engine/speculation/ahead/tree_roots.py). factor = 1 gives plain sampling's figure.
 
     With w(d) = max(q'(d) - p(d), 0) (d drawn and rejected), r(x) = max(p(x) - q'(x), 0) (the residual) and
     Z = sum r = sum w: P = sum_d w(d) r(S(d)) / Z, where S(d) = top-(fanout + 1) minus d when d is among the

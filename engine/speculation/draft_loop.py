@@ -14,7 +14,7 @@ catches up one token (after a rejection, the target's correction) the later step
 it. Requests with fewer drafts than the batch's k, and padding rows, keep running but write nowhere (slot -1) and
 read only position 0: their extra tokens are dropped.
 
-Speculation ahead with branches (engine/speculation/ahead_branches.py) asks two more things of a step, both in the step
+Speculation ahead with branches (engine/speculation/ahead/branches.py) asks two more things of a step, both in the step
 function so graphs and eager runs agree: each row's most likely token other than the one it drew (`alt`: where a
 rejection at that draft would leave the target's token, the guess of a rejection branch; a top-2 of the logits, no
 extra forward), and a per-row guess mode for column 0 (`guess`: 0 drawn as usual, 1 the argmax, 2 the runner-up:

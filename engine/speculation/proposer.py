@@ -9,61 +9,20 @@ boundary (new slot), and a sliding window's start moves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.host_copy import to_device
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
-from engine.sample.from_plan import DRAFT_STREAM, request_generator, sampling_metadata
-from engine.sample.logits_processors import needs_processing, process_target_logits
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.processing import logits_to_probs
 from engine.sample.saguaro import SaguaroSampling, sample_saguaro
 from engine.sample.sampler import Sampler
-from engine.speculation.ahead_saguaro import ahead_saguaro
 from engine.speculation.draft_loop import DraftLoop
+from engine.step.logits_processors import needs_processing, process_target_logits
 from engine.step.plan import StepPlan
-
-
-@dataclass
-class DraftProposal:
-    """A step's drafts. In process the ids stay on the draft's device; a draft worker sends them to the target's
-    workers as host lists (`to_host`): a few small ints pickle in microseconds, where Ray pickles a CPU tensor
-    through torch's own serialization, about 0.2 ms each way."""
-
-    # [num_reqs, max_k] int64 on the draft's device, -1 beyond a request's k; or, from `to_host`, each request's
-    # k ids as a host list
-    draft_token_ids: torch.Tensor | list[list[int]]
-    # [num_reqs, max_k, vocab] float32; q after temperature/top-k/top-p: the distribution each draft was drawn from
-    # (with Saguaro sampling, q', the scaled one: engine/sample/saguaro.py)
-    draft_probs: torch.Tensor | None
-    # [num_reqs, max_k] int64 on the draft's device: per draft, the draft's most likely token other than it there
-    # (where a rejection at that draft would most likely leave the target's token); only where speculation ahead
-    # drafts branches (engine/speculation/ahead_branches.py), None otherwise. Stays on the draft's side (`to_host`
-    # drops it).
-    alt_token_ids: torch.Tensor | None = None
-
-    def host_rows(self, counts: list[int]) -> list[list[int]]:
-        """Each request's draft ids on the host; counts: the plan's k per request."""
-        if isinstance(self.draft_token_ids, list):
-            return self.draft_token_ids
-        # SYNC: waits for the draft's kernels; only where the ids must leave the draft's device (a draft
-        # worker's proposal), or for a caller that asks for them on the host.
-        return [row[:k] for row, k in zip(self.draft_token_ids.tolist(), counts)]
-
-    def alt_rows(self, counts: list[int]) -> list[list[int]] | None:
-        """Each request's runner-up tokens on the host (None without them)."""
-        if self.alt_token_ids is None:
-            return None
-        # SYNC: speculation ahead builds its rejection branches on the host, after the proposal has gone out.
-        return [row[:k] for row, k in zip(self.alt_token_ids.tolist(), counts)]
-
-    def to_host(self, counts: list[int]) -> DraftProposal:
-        """What a draft worker sends to the target's workers: ids as host lists, probabilities where they are.
-        Copying the ids when the draft finishes times the draft's GPU work where it was spent."""
-        return DraftProposal(self.host_rows(counts), self.draft_probs)
+from engine.step.plan_sampling import DRAFT_STREAM, request_generator, sampling_metadata
+from engine.step.proposal import DraftProposal
 
 
 class DraftProposer:
@@ -73,13 +32,13 @@ class DraftProposer:
         k + 1 steps. With more than one branch (EngineConfig.speculation_ahead_branches) every proposal also records
         each draft's runner-up token (`DraftProposal.alt_token_ids`), the guesses of the rejection branches.
         saguaro: draw every sampled draft from q with its likeliest tokens scaled down (engine/sample/saguaro.py);
-        None: as EngineConfig.speculation_ahead_saguaro says when drafting ahead, else off."""
+        None: off (a draft that drafts ahead is given EngineConfig.speculation_ahead_saguaro's: DraftSide)."""
         self.runner = runner
         self.sampler = Sampler()
         self.keep_probs = keep_probs  # only probabilistic rejection reads q
         self.alternatives = ahead and runner.config.speculation_ahead_branches > 1
         # Fixed before the loop captures its graphs, which bake it in.
-        self.saguaro = saguaro if saguaro is not None else (ahead_saguaro(runner.config) if ahead else None)
+        self.saguaro = saguaro
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed(seed + 1)
         # Kernel path: the k steps run from static buffers, as CUDA graphs where captured.
@@ -95,7 +54,7 @@ class DraftProposer:
     @torch.inference_mode()
     def propose(self, plan: StepPlan, guess_first: bool = False, guesses: list[int] | None = None) -> DraftProposal:
         """guess_first: the first token of each request is the draft's argmax (a guessed bonus token, for
-        speculation ahead: engine/speculation/speculation_ahead.py), drawing no random numbers; the rest are sampled as
+        speculation ahead: engine/speculation/ahead/proposer.py), drawing no random numbers; the rest are sampled as
         a proposal's, a seeded request's from the generator of its plan's output position. guesses: per request
         instead, 0 (the first token drawn as usual), 1 (the argmax) or 2 (the most likely token but the argmax)."""
         guesses = guesses if guesses is not None else [1 if guess_first else 0] * len(plan.requests)

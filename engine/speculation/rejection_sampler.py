@@ -29,14 +29,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.sample.metadata import SamplingMetadata
-from engine.sample.processing import logits_to_probs
-from engine.sample.sampler import exponential_race, random_exponential, random_uniform
-from engine.speculation.rejection_output import (  # noqa: F401 - public here
+from engine.kernels.rejection_output import (  # noqa: F401 - public here
     MODES,
     RejectionOutput,
     synthetic_position_rate,
 )
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.processing import logits_to_probs
+from engine.sample.sampler import exponential_race, random_exponential, random_uniform
 
 
 def rejection_sample(draft_token_ids: Tensor,  # [num_reqs, max_k] int64, -1 beyond num_draft_tokens

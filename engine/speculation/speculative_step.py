@@ -21,10 +21,11 @@ from __future__ import annotations
 import time
 
 from engine.runner.model_runner import ModelRunner
-from engine.speculation.proposer import DraftProposal, DraftProposer
-from engine.speculation.speculation_ahead import AheadProposer
+from engine.speculation.ahead.proposer import AheadProposer
+from engine.speculation.ahead.saguaro import ahead_saguaro
+from engine.speculation.ahead.synthetic_agreement import AgreementProfile
+from engine.speculation.proposer import DraftProposer
 from engine.speculation.step_order import DRAFT, TARGET, Call, StepMode, run_in_process
-from engine.speculation.synthetic_agreement import AgreementProfile
 from engine.speculation.verifier import Verifier, VerifyInput
 from engine.step.phases import (
     GpuMarks,
@@ -33,6 +34,7 @@ from engine.step.phases import (
     book_propose_ahead,
 )
 from engine.step.plan import StepPlan, StepResult
+from engine.step.proposal import DraftProposal
 from engine.step.request_table import RequestTable
 
 
@@ -43,10 +45,11 @@ class DraftSide:
     def __init__(self, runner: ModelRunner, keep_probs: bool, seed: int, speculation_ahead: bool = False,
                  table: RequestTable | None = None) -> None:
         """keep_probs: keep q (probabilistic rejection reads it). speculation_ahead: draft the next window after each
-        proposal (`predraft`) and serve hits from it (engine/speculation/speculation_ahead.py)."""
+        proposal (`predraft`) and serve hits from it (engine/speculation/ahead/proposer.py)."""
         self.runner = runner
         self.table = table if table is not None else RequestTable()
-        self.proposer = DraftProposer(runner, keep_probs, seed, ahead=speculation_ahead)
+        self.proposer = DraftProposer(runner, keep_probs, seed, ahead=speculation_ahead,
+                                      saguaro=ahead_saguaro(runner.config) if speculation_ahead else None)
         profile = runner.config.synthetic_top_f_agreement
         self.ahead = (AheadProposer(self.proposer, runner.config.synthetic_bonus_agreement, seed,
                                     AgreementProfile.from_table(profile) if profile is not None else None)

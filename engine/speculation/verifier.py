@@ -23,14 +23,14 @@ from engine.kernels.ids_gate import IdsGate
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, DeviceTokens, PreparedForward
-from engine.sample.from_plan import TARGET_STREAM, sampling_metadata
-from engine.sample.logits_processors import needs_draft_history, needs_processing, process_target_logits
 from engine.sample.logprobs import PromptTokenLogprobs, emitted_logprobs, prompt_token_logprobs
 from engine.sample.sampler import Sampler
-from engine.speculation.proposer import DraftProposal
 from engine.speculation.rejection_sampler import rejection_sample
+from engine.step.logits_processors import needs_draft_history, needs_processing, process_target_logits
 from engine.step.phases import GpuMarks, forward_phases
 from engine.step.plan import PlannedRequest, StepPlan, StepResult
+from engine.step.plan_sampling import TARGET_STREAM, sampling_metadata
+from engine.step.proposal import DraftProposal
 
 logger = logging.getLogger("specserve")
 
@@ -266,7 +266,7 @@ class Verifier:
             q = (proposal.draft_probs if all_rows else proposal.draft_probs.index_select(0, row_index))[:, :max_k]
         row_reqs = [reqs[i] for i in rows]
         if needs_processing(row_reqs):
-            # The target's p at position j follows the history output + drafts[:j] (engine/sample/logits_processors.py).
+            # The target's p at position j follows the history output + drafts[:j] (engine/step/logits_processors.py).
             drafts = None
             if needs_draft_history(row_reqs):
                 # SYNC: the drafts go to the host for the penalties' histories; only in steps with such requests.

@@ -102,7 +102,7 @@ def forward_phases(prepare: float, forward_at: float, queued_at: float, sampled_
 
 
 def queued_forward_phases(prepare: float, wait: float, marks: GpuMarks | None) -> dict[str, float]:
-    """A pipelined draft-less step's phases (engine/step/decode_pipeline.py). prepare: host time to build and queue it;
+    """A pipelined draft-less step's phases (engine/decode_pipeline.py). prepare: host time to build and queue it;
     wait: the host's wait for its tokens; marks: forward start, forward end, sampling end (read after that wait)."""
     if marks is None:
         return {PREPARE: prepare, VERIFY: 0.0, SAMPLE: wait}

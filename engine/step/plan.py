@@ -128,15 +128,15 @@ class StepPlan:
     # the same host times the plan's trip (engine/step/phases.py, `between`). 0.0 / "": not sent across processes.
     sent_at: float = 0.0
     sent_host: str = ""
-    # Speculation ahead: windows to draft per request after this step's proposal (engine/speculation/ahead_budget.py);
+    # Speculation ahead: windows to draft per request after this step's proposal (engine/speculation/ahead/budget.py);
     # 0: the draft side's configured count (EngineConfig.speculation_ahead_branches).
     ahead_branches: int = 0
     # Speculation ahead's tree mode: the most tree nodes (rows fed by all of the step's tree forwards) to draft after
-    # this step's proposal (engine/speculation/ahead_budget.py); None: the draft side's own cap (its configured
+    # this step's proposal (engine/speculation/ahead/budget.py); None: the draft side's own cap (its configured
     # fan-out within max_num_batched_tokens branches), 0: no tree this step.
     ahead_tree_nodes: int | None = None
     # Speculation ahead off for this step: the gate measured drafting ahead slower at this load
-    # (engine/speculation/ahead_gate.py); the next proposal is drafted just in time.
+    # (engine/speculation/ahead/gate.py); the next proposal is drafted just in time.
     ahead_off: bool = False
 
     @property
@@ -156,7 +156,7 @@ class StepResult:
     # The draft's speculation-ahead counters, running totals (AheadStats.as_tuple: lookups, hits, tokens drafted
     # ahead, of those unused, branches skipped); None where the draft does not draft ahead.
     speculation_ahead_totals: tuple[int, ...] | None = None
-    # The draft's last run ahead (rows, seconds), for the engine's fan-out budget (engine/speculation/ahead_budget.py;
+    # The draft's last run ahead (rows, seconds), for the engine's fan-out budget (engine/speculation/ahead/budget.py;
     # in tree mode the rows are the tree nodes fed);
     # None where it drafted none since the result before.
     predraft_window: tuple[int, float] | None = None

@@ -6,7 +6,7 @@ for a proposal, one draft step drafts for all of them. Each engine's plan is res
 table first (every side keeps per-engine state: step ids, tokens, settings), with its request ids already under the
 engine's name and its draft block ids already in its share of the draft's KV blocks, so the merged plan's requests
 never clash. The proposer reads nothing but the requests' own entries (a seeded request draws from generators of
-its seed and output position, engine/sample/from_plan.py), so each engine's part of the merged proposal is what the
+its seed and output position, engine/step/plan_sampling.py), so each engine's part of the merged proposal is what the
 draft would have proposed for its plan alone (up to the forward's floating point on batches of another size), while
 the merged plan takes the path the plan alone would: a grammar request in any engine's part sends the whole batch
 down the draft's eager path (engine/speculation/proposer.py), whose seeded draws differ from the loop's.
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.speculation.proposer import DraftProposal
 from engine.step.plan import StepPlan
+from engine.step.proposal import DraftProposal
 
 
 @dataclass

@@ -24,7 +24,7 @@ from engine.sample import grammar_matchers
 from engine.step.plan import PlannedRequest, SamplingSettings, StepPlan, StepResult
 from engine.step.plan_deltas import fill_settings, splice_tables
 
-# A token sampled by a step still on the device (engine/step/decode_pipeline.py queues the next step before it reads
+# A token sampled by a step still on the device (engine/decode_pipeline.py queues the next step before it reads
 # the tokens back): recorded in its place, and filled in when the tokens arrive. Never a real token id.
 PENDING_TOKEN = -1
 

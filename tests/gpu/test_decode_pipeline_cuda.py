@@ -1,4 +1,4 @@
-"""A target alone on the GPU with its steps queued one ahead (engine/step/decode_pipeline.py): CUDA-graph replays whose
+"""A target alone on the GPU with its steps queued one ahead (engine/decode_pipeline.py): CUDA-graph replays whose
 open inputs are written on the device from the step before's sampled ids, read back through pinned memory after
 the next step is queued. Outputs equal the step-by-step engine's token for token, greedy and sampled."""
 

@@ -10,7 +10,7 @@ from kernel_support import tree_case
 from test_tree_draft import SCRATCH_FIRST, _request, tree_runner
 
 from engine.kernels.tree_attention import tree_attention, tree_attention_ref
-from engine.speculation.tree_draft import draft_tree
+from engine.speculation.ahead.tree_draft import draft_tree
 
 pytestmark = pytest.mark.gpu
 TOLERANCE = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}

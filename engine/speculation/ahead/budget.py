@@ -1,6 +1,6 @@
 """How many windows speculation ahead drafts per request, step by step: as many as fit in the target's verify.
 
-A draft on GPUs of its own drafts the next windows (engine/speculation/speculation_ahead.py) while the target verifies
+A draft on GPUs of its own drafts the next windows (engine/speculation/ahead/proposer.py) while the target verifies
 the current ones. More windows per request (EngineConfig.speculation_ahead_branches) raise the hit rate, but they are
 more rows of one draft-loop run, and a run that outlasts the verify holds the next step up: the draft is still busy
 when the target's result asks it for the next proposal (on two H200s, four windows a request made the step 30%
@@ -20,7 +20,7 @@ at most the shadow. A row count never measured (or whose figure is older than RE
 when the count below it fits with room to spare (its run under HEADROOM x the shadow), so the budget climbs to
 what fits and comes back down when a run grows past the shadow (a longer context, a slower verify).
 
-Tree mode (EngineConfig.speculation_ahead_tree_fanout > 0, engine/speculation/tree_ahead.py): the draft drafts one
+Tree mode (EngineConfig.speculation_ahead_tree_fanout > 0, engine/speculation/ahead/tree.py): the draft drafts one
 tree a request, k + 1 forwards (the chain [c, d_1..d_k], then one forward per depth over every branch), and reports
 (nodes, seconds) of each pre-draft, nodes being the rows those forwards fed. The budget keeps a running mean of the
 seconds a node and caps the next step's nodes (StepPlan.ahead_tree_nodes) at what that rate fits in the shadow; the
@@ -36,7 +36,7 @@ fit, retries every 256 steps showed as 80 ms stalls (ITL p99 86 against 10 ms wi
 measurement the smallest tree is drafted, to measure it.
 
 Exactness does not depend on the count: a window is what the next proposal would draft after its outcome, for
-any number of windows (engine/speculation/speculation_ahead.py); the cap changes only which outcomes have one.
+any number of windows (engine/speculation/ahead/proposer.py); the cap changes only which outcomes have one.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def drafts_ahead(samples: bool, processes_logits: bool, tree: bool) -> bool:
     """Whether a speculating request is drafted ahead at all (one rule for the draft, which drafts, and the engine,
     whose budget counts): it must sample this step; windows (not tree mode) leave out requests with logits
     processing (penalties, biases, masks, grammars), whose processors would read a history extended by guesses;
-    tree mode drafts every kind (engine/speculation/tree_ahead.py)."""
+    tree mode drafts every kind (engine/speculation/ahead/tree.py)."""
     return samples and (tree or not processes_logits)
 
 

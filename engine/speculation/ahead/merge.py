@@ -1,13 +1,14 @@
-"""A step's proposal when some of its requests hit a window drafted ahead (engine/speculation/speculation_ahead.py):
+"""A step's proposal when some of its requests hit a window drafted ahead (engine/speculation/ahead/proposer.py):
 the hit windows' drafts and q, and the draft's own proposal for the rest, merged row by row."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.speculation.proposer import DraftProposal, DraftProposer
-from engine.speculation.speculation_cache import AheadEntry
+from engine.speculation.ahead.cache import AheadEntry
+from engine.speculation.proposer import DraftProposer
 from engine.step.plan import StepPlan
+from engine.step.proposal import DraftProposal
 
 
 def merge_hits(proposer: DraftProposer, plan: StepPlan, hits: dict[int, AheadEntry], rest: list[int],

@@ -21,24 +21,24 @@ the next step would draft, so greedy outputs do not change at all.
 
 Fan-out (EngineConfig.speculation_ahead_branches = B > 1; the windows' choice and run: engine/speculation/
 window_ahead.py): the draft drafts up to B windows per request, for the likeliest outcomes of its verify
-(engine/speculation/ahead_branches.py: a second bonus guess, rejections after a accepted drafts with the draft's
+(engine/speculation/ahead/branches.py: a second bonus guess, rejections after a accepted drafts with the draft's
 runner-up there as the target's token). Each window is exactly what the next proposal would draft after its outcome:
 its own catch-up and start position (a rejection's is the single token t at the frontier plus a), its own k' (shrunk
 from its own token count), a seeded request's generator at its own output position (num_output_tokens + a + 1), the
 same settings; its key is that catch-up, and a hit needs an exact match. Every window but the argmax bonus one runs
-in scratch KV blocks (engine/kv_cache/scratch_blocks.py), forked copy-on-write from the request's blocks and copied
-back over them on a hit, before anything reads them. All windows of all requests are one draft-loop run (a row per
-window, capped at the largest batch the loop runs as a graph); windows past that cap or past the scratch reserve are
+in scratch KV blocks (engine/speculation/ahead/scratch_blocks.py), forked copy-on-write from the request's blocks and
+copied back over them on a hit, before anything reads them. All windows of all requests are one draft-loop run (a row
+per window, capped at the largest batch the loop runs as a graph); windows past that cap or past the scratch reserve are
 skipped and counted.
 
-Tree mode (EngineConfig.speculation_ahead_tree_fanout = F > 0, engine/speculation/tree_ahead.py): one tree per
+Tree mode (EngineConfig.speculation_ahead_tree_fanout = F > 0, engine/speculation/ahead/tree.py): one tree per
 request over every outcome of its verify instead of windows, in scratch slots; the cache, the lookup and the
 proposal's merge are the same, a hit copies its branch's slots into the request's blocks.
 
 Windows leave out requests with logits processing (penalties, biases, masks, grammars): their processors read a
 token history the chain would have to extend with guessed tokens. Their proposals are drafted as usual, and the ahead
 budget does not count them (ahead_budget.drafts_ahead). Tree mode drafts them too, each branch's logits processed
-with its own history (engine/speculation/tree_ahead.py).
+with its own history (engine/speculation/ahead/tree.py).
 """
 
 from __future__ import annotations
@@ -47,16 +47,17 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from engine.kv_cache.scratch_blocks import ScratchBlocks, copy_blocks, scratch_blocks_wanted
-from engine.speculation.ahead_branches import ACCEPT, BranchEstimates
-from engine.speculation.ahead_budget import drafts_ahead
-from engine.speculation.ahead_merge import merge_hits
-from engine.speculation.proposer import DraftProposal, DraftProposer
-from engine.speculation.speculation_cache import AheadCounters, AheadEntry, AheadStats, SpeculationCache, request_scope
-from engine.speculation.synthetic_agreement import AgreementProfile, SyntheticAgreement
-from engine.speculation.tree_ahead import TreeAhead
-from engine.speculation.window_ahead import WindowAhead
+from engine.speculation.ahead.branches import ACCEPT, BranchEstimates
+from engine.speculation.ahead.budget import drafts_ahead
+from engine.speculation.ahead.cache import AheadCounters, AheadEntry, AheadStats, SpeculationCache, request_scope
+from engine.speculation.ahead.merge import merge_hits
+from engine.speculation.ahead.scratch_blocks import ScratchBlocks, copy_blocks, scratch_blocks_wanted
+from engine.speculation.ahead.synthetic_agreement import AgreementProfile, SyntheticAgreement
+from engine.speculation.ahead.tree import TreeAhead
+from engine.speculation.ahead.window import WindowAhead
+from engine.speculation.proposer import DraftProposer
 from engine.step.plan import PlannedRequest, StepPlan
+from engine.step.proposal import DraftProposal
 
 
 @dataclass
@@ -81,7 +82,7 @@ class AheadProposer:
     outputs mean nothing, and refused everywhere else); the branch estimates score the same verdicts, so fan-out
     ranks the windows the setting can credit. agreement_profile (benchmarks only, instead of bonus_agreement):
     the outcome's n candidates hit at a measured pair's top-n rate for that outcome
-    (engine/speculation/synthetic_agreement.py), so a tree's fan-out changes its hits as on a real pair."""
+    (engine/speculation/ahead/synthetic_agreement.py), so a tree's fan-out changes its hits as on a real pair."""
 
     def __init__(self, proposer: DraftProposer, bonus_agreement: float | None = None, seed: int = 0,
                  agreement_profile: AgreementProfile | None = None) -> None:
@@ -96,7 +97,7 @@ class AheadProposer:
         if self.num_branches > 1 and not proposer.alternatives:
             raise ValueError("speculation ahead with branches needs a proposer built with ahead=True")
         self.estimates = BranchEstimates()
-        # The last run ahead, (rows, seconds), until `take_window` hands it on (engine/speculation/ahead_budget.py).
+        # The last run ahead, (rows, seconds), until `take_window` hands it on (engine/speculation/ahead/budget.py).
         self._window: tuple[int, float] | None = None
         self._pending: dict[str, _Verify] = {}
         groups = proposer.runner.kv_groups
@@ -294,7 +295,7 @@ class AheadProposer:
             n = self.tree.predraft(plan, rows, host, self.estimates.alpha, scoped=self.scoped)
             nodes = self.stats.tree_nodes - nodes
             # Tree mode reports its nodes (the rows its forwards fed): a tree's cost grows with them, not its
-            # branches alone (engine/speculation/ahead_budget.py). None where no tree ran.
+            # branches alone (engine/speculation/ahead/budget.py). None where no tree ran.
             self._window = (nodes, time.perf_counter() - started) if nodes else None
             return n
         budget = min(plan.ahead_branches, self.num_branches) if plan.ahead_branches > 0 else self.num_branches

@@ -19,7 +19,7 @@ KV changes. So a request costs `depth` forwards whatever its number of branches.
 Roots chosen from the window's own logits (`choose_roots` on the host, or `root_fanouts`: each outcome's top-F
 picked on the device, with no wait for the host inside a tree): the first forward then feeds the window alone, the
 roots come from the logits after each window token, and `depth` more forwards draft the branches (the first feeds
-the roots). Speculation ahead's tree mode (engine/speculation/tree_ahead.py) drafts so,
+the roots). Speculation ahead's tree mode (engine/speculation/ahead/tree.py) drafts so,
 with the window led by the last committed token, so that its logits cover every outcome of the verify.
 
 Each forward replays a CUDA graph of its (trees, rows a tree) bucket where the runner captured one
@@ -46,7 +46,7 @@ from engine.sample.metadata import SamplingMetadata
 from engine.sample.processing import logits_to_probs
 from engine.sample.saguaro import SaguaroSampling, saguaro_probs, sample_saguaro
 from engine.sample.sampler import exponential_race, random_exponential, sample_from_probs
-from engine.speculation.tree_roots import top_f_roots_on_device
+from engine.speculation.ahead.tree_roots import top_f_roots_on_device
 
 # process(depth, logits [branches, V], drafts so far [branches, depth] int64, columns < depth valid) -> the logits the
 # branches draw from at that depth (a request's logits processing along its branch).

@@ -6,7 +6,7 @@ from __future__ import annotations
 from engine.config import EngineConfig
 from engine.sample.saguaro import SaguaroSampling
 
-# A rejection window's root at a draft (engine/speculation/ahead_branches.py) is the draft's likeliest token other
+# A rejection window's root at a draft (engine/speculation/ahead/branches.py) is the draft's likeliest token other
 # than the one drawn there: whichever token was drawn, that root is one of q's top two, so scaling those covers it.
 BRANCH_TOP_F = 2
 

@@ -1,17 +1,17 @@
-"""How many candidates speculation ahead's tree (engine/speculation/tree_ahead.py) drafts for each verify outcome.
+"""How many candidates speculation ahead's tree (engine/speculation/ahead/tree.py) drafts for each verify outcome.
 
 A verify of k drafts ends after a = 0..k accepted drafts with one token of the target's at position frontier + a.
-The tree gives outcome a F_a branches, rooted at the draft's top-F_a tokens there (engine/speculation/tree_roots.py).
-What one branch is worth is P(outcome a) x P(the target's token is among the roots); the rows it costs are its depth,
-whatever a is. So the schedule follows P(outcome), a capped geometric in the per-token acceptance alpha (a running
-estimate over the proposer's own verifies, engine/speculation/ahead_branches.py):
+The tree gives outcome a F_a branches, rooted at the draft's top-F_a tokens there
+(engine/speculation/ahead/tree_roots.py). What one branch is worth is P(outcome a) x P(the target's token is among the
+roots); the rows it costs are its depth, whatever a is. So the schedule follows P(outcome), a capped geometric in the
+per-token acceptance alpha (a running estimate over the proposer's own verifies, engine/speculation/ahead/branches.py):
 
     P(a) = alpha^a (1 - alpha) for a < k,  alpha^k for a = k  (the bonus token after all k accepted)
     F_a  = clamp(round(F x P(a) / max_a P(a)), 1, F)
 
 with F = EngineConfig.speculation_ahead_tree_fanout. Outcome 0 and outcome k are the likeliest at the alphas seen in
 practice (0.5-0.8), so they get the most. The branches of a request are then cut to a row budget (what the step's
-scratch and forward rows leave it, or the engine's ahead budget: engine/speculation/ahead_budget.py), the candidate
+scratch and forward rows leave it, or the engine's ahead budget: engine/speculation/ahead/budget.py), the candidate
 worth least first (the last one of the outcome with the least P(a) a candidate).
 
 `measured`: per-outcome counts set from measured statistics instead (a benchmark that found, say, where hits happen

@@ -1,16 +1,16 @@
-"""Speculation ahead's window mode (the default; engine/speculation/speculation_ahead.py): after proposing d_1..d_k
+"""Speculation ahead's window mode (the default; engine/speculation/ahead/proposer.py): after proposing d_1..d_k
 for a request, the draft drafts a whole window for each of the likeliest outcomes of its verify, as the next
 proposal after that outcome would, in one draft-loop run with a row per window.
 
-The outcomes (engine/speculation/ahead_branches.py, ranked by the running estimates): every draft accepted with the
+The outcomes (engine/speculation/ahead/branches.py, ranked by the running estimates): every draft accepted with the
 bonus token the draft's argmax (then its runner-up), and a rejection after a accepted drafts with the draft's
 runner-up there as the target's token. A window's input is that outcome's catch-up: (d_k, guess) from d_k's position
 after all accepted (the loop's column 0 is the guess, drawn as its argmax or runner-up), the single token t at
 frontier + a after a rejection; its k' is shrunk from its own token count, and a seeded request draws from its
 generator at its own output position (num_output_tokens + a + 1). Every window but the argmax bonus one writes
-scratch KV blocks (engine/kv_cache/scratch_blocks.py), forked copy-on-write from the request's blocks: a hit copies
-them back before anything reads them (AheadProposer.propose). Windows past the draft loop's largest graph batch or
-past the scratch reserve are skipped and counted.
+scratch KV blocks (engine/speculation/ahead/scratch_blocks.py), forked copy-on-write from the request's blocks: a hit
+copies them back before anything reads them (AheadProposer.propose). Windows past the draft loop's largest graph batch
+or past the scratch reserve are skipped and counted.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache.scratch_blocks import ScratchBlocks, ScratchFork, copy_blocks
-from engine.speculation.ahead_branches import ACCEPT, Branch
+from engine.speculation.ahead.branches import ACCEPT, Branch
+from engine.speculation.ahead.cache import AheadCounters, AheadEntry, SpeculationCache, request_scope
+from engine.speculation.ahead.scratch_blocks import ScratchBlocks, ScratchFork, copy_blocks
 from engine.speculation.proposer import DraftProposer
-from engine.speculation.speculation_cache import AheadCounters, AheadEntry, SpeculationCache, request_scope
 from engine.step.plan import PlannedRequest, StepPlan
 
 

@@ -70,13 +70,13 @@ class AgreementProfile:
 
     def guess_rates(self, a: int, k: int) -> tuple[float, float]:
         """P(the draft's top candidate agrees), P(its runner-up does), at outcome a: what the window mode's branch
-        estimates score for the argmax and runner-up guesses (engine/speculation/ahead_branches.py)."""
+        estimates score for the argmax and runner-up guesses (engine/speculation/ahead/branches.py)."""
         row = self.row(a, k)
         return row[0], (row[1] - row[0]) if len(row) > 1 else 0.0
 
 
 class SyntheticAgreement:
-    """Speculation ahead's verdicts under synthetic rejection (engine/speculation/speculation_ahead.py): one rate
+    """Speculation ahead's verdicts under synthetic rejection (engine/speculation/ahead/proposer.py): one rate
     (synthetic_bonus_agreement: the outcome's first candidate agrees at that rate, a runner-up never) or a profile
     (synthetic_top_f_agreement: candidate r at the profile's rate for the outcome)."""
 

@@ -1,4 +1,4 @@
-"""Which windows speculation ahead drafts for a request (engine/speculation/speculation_ahead.py): the likeliest
+"""Which windows speculation ahead drafts for a request (engine/speculation/ahead/proposer.py): the likeliest
 outcomes of the verify it waits for, up to EngineConfig.speculation_ahead_branches of them.
 
 A verify of k drafts d_1..d_k ends in one of these outcomes, each asking the next step's draft for its own input:

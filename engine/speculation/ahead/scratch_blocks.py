@@ -1,5 +1,5 @@
 """Scratch KV blocks of the draft: where speculation ahead's extra branches write
-(engine/speculation/ahead_branches.py).
+(engine/speculation/ahead/branches.py).
 
 Branches of one request write the same draft positions with different tokens, and a rejection branch overwrites
 positions (the drafts after its rejection point) that the all-accepted window and the verify's other outcomes still
@@ -14,7 +14,7 @@ prefix and the accepted drafts). Earlier entries are shared read-only, NULL_BLOC
 included. On a hit the scratch blocks are copied back over the request's own (every layer of every KV-cache group),
 so the draft's KV then holds exactly what drafting the window afresh would have written there.
 
-Speculation ahead's tree mode (engine/speculation/tree_ahead.py) reserves blocks the same way but addresses them as
+Speculation ahead's tree mode (engine/speculation/ahead/tree.py) reserves blocks the same way but addresses them as
 flat slots, one per tree node; `copy_slots` moves a hit branch's slots into the request's own blocks.
 """
 

@@ -34,10 +34,10 @@ import torch
 
 from engine.host_copy import to_device
 from engine.runner.step_input import DeviceTokens
-from engine.sample.from_plan import TARGET_STREAM, sampling_metadata
 from engine.speculation.verifier import Verifier
 from engine.step.phases import GpuMarks, queued_forward_phases
 from engine.step.plan import StepPlan, StepResult
+from engine.step.plan_sampling import TARGET_STREAM, sampling_metadata
 from engine.step.request_table import PENDING_TOKEN, RequestTable
 
 

@@ -9,14 +9,14 @@ the host, `choose_roots`, for requests with logits processing or a seed):
   from the request's own draft blocks; c is the last catch-up token, at frontier - 1, fed again for its logits): its
   k + 1 logits rows are the draft's at positions frontier .. frontier + k, i.e. at every outcome's t;
 - the roots of outcome a are the draft's top-F_a tokens there, d_{a+1} excluded for a < k (engine/speculation/
-  tree_roots.py); F_a follows engine/speculation/tree_schedule.py, cut to the step's row budget (or to the plan's
-  node cap from the engine's ahead budget, engine/speculation/ahead_budget.py: StepPlan.ahead_tree_nodes);
+  tree_roots.py); F_a follows engine/speculation/ahead/tree_schedule.py, cut to the step's row budget (or to the plan's
+  node cap from the engine's ahead budget, engine/speculation/ahead/budget.py: StepPlan.ahead_tree_nodes);
 - every branch is then drafted D deep (D = the step's k) with one batched forward per depth over all branches of all
   requests; greedy rows take the argmax, sampled rows draw from their q with the proposer's generator.
 Every node's KV goes to scratch slots reserved once at start-up (ModelRunner.reserve_kv_blocks, the same ids in
 every KV-cache group), reused at every pre-draft; nothing of the request's own KV is written.
 
-The cache (engine/speculation/speculation_cache.py) keeps a branch as the entry the next proposal looks up: its key
+The cache (engine/speculation/ahead/cache.py) keeps a branch as the entry the next proposal looks up: its key
 is the draft input that outcome gives the next step, (position, tokens) = (frontier + k - 1, (d_k, t)) after all
 accepted, (frontier + a, (t,)) after a rejection, which is (request, a, t). A hit needs the branch's depth to cover
 the step's k. Its drafts and their q (one-hot when greedy) are the proposal, and before anything reads the draft's KV
@@ -52,17 +52,17 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache.block_pool import NULL_BLOCK
-from engine.kv_cache.scratch_blocks import ScratchReserve, copy_slots
 from engine.runner.tree_graphs import tree_row_buckets
-from engine.sample.from_plan import DRAFT_STREAM, request_generator
-from engine.sample.logits_processors import process_target_logits
-from engine.speculation.ahead_branches import ACCEPT, REJECT
+from engine.speculation.ahead.branches import ACCEPT, REJECT
+from engine.speculation.ahead.cache import AheadCounters, AheadEntry, SpeculationCache, request_scope
+from engine.speculation.ahead.scratch_blocks import ScratchReserve, copy_slots
+from engine.speculation.ahead.tree_draft import TreeDraftRequest, draft_tree, num_tree_nodes
+from engine.speculation.ahead.tree_roots import top_f_roots_many
+from engine.speculation.ahead.tree_schedule import TreeSchedule
 from engine.speculation.proposer import DraftProposer
-from engine.speculation.speculation_cache import AheadCounters, AheadEntry, SpeculationCache, request_scope
-from engine.speculation.tree_draft import TreeDraftRequest, draft_tree, num_tree_nodes
-from engine.speculation.tree_roots import top_f_roots_many
-from engine.speculation.tree_schedule import TreeSchedule
+from engine.step.logits_processors import process_target_logits
 from engine.step.plan import PlannedRequest, StepPlan
+from engine.step.plan_sampling import DRAFT_STREAM, request_generator
 
 # Rows of a tree forward a CUDA graph covers at most: its logits ([rows, V] float32) are 311 MB at a 152k vocabulary.
 TREE_GRAPH_ROWS = 512
@@ -231,7 +231,7 @@ class TreeAhead:
     @staticmethod
     def _branch_budget(plan: StepPlan, rows: list[int], host: list[list[int]], depth: int, own: int) -> int:
         """Branches a request this step: the draft's own cap, or less where the plan caps the step's tree nodes
-        (engine/speculation/ahead_budget.py): what the nodes leave after every request's chain (k + 1 nodes), shared
+        (engine/speculation/ahead/budget.py): what the nodes leave after every request's chain (k + 1 nodes), shared
         evenly, each branch `depth` nodes."""
         cap = plan.ahead_tree_nodes
         if cap is None:
@@ -275,7 +275,7 @@ class _Tree:
 
 class _BranchProcessing:
     """draft_tree's `process` hook: each branch of a request with logits processing gets the processed logits the
-    next proposal after its outcome would draw from. That proposal's history (engine/sample/logits_processors.py)
+    next proposal after its outcome would draw from. That proposal's history (engine/step/logits_processors.py)
     is the output so far, d_1..d_a, the target's token t (the root), then its own drafts: here the committed output
     with d_1..d_a, t and the branch's drafts as the drafts to follow, so a grammar's matcher walks them from its
     committed state and rolls back, and the penalties, bad words and min_tokens count the same tokens at the same
@@ -302,7 +302,7 @@ class _BranchProcessing:
 
 class _SeededNoise:
     """draft_tree's `noise` hook: a seeded sampled request's branch of outcome a draws from the generator the next
-    proposal after that outcome would (engine/sample/from_plan.py: its seed at output position
+    proposal after that outcome would (engine/step/plan_sampling.py: its seed at output position
     num_output_tokens + a + 1), as that proposal would: one [V] draw a draft on the eager path, or [k_next, V] at
     once before the first as the draft loop does. A root drawn differently than the proposal would (the target's
     token) does not matter: the proposal's own draws begin after it."""

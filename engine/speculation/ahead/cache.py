@@ -1,5 +1,5 @@
-"""What speculation ahead keeps between a pre-draft and the proposal after it (engine/speculation/speculation_ahead.py):
-the windows drafted ahead (or, in tree mode, the tree's branches: engine/speculation/tree_ahead.py), by request, and
+"""What speculation ahead keeps between a pre-draft and the proposal after it (engine/speculation/ahead/proposer.py):
+the windows drafted ahead (or, in tree mode, the tree's branches: engine/speculation/ahead/tree.py), by request, and
 the counters the engine reports."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_cache.scratch_blocks import ScratchFork
-from engine.speculation.ahead_branches import ACCEPT
-from engine.speculation.ahead_totals import MAX_OUTCOMES, NUM_TOTALS  # noqa: F401 - NUM_TOTALS is public here too
+from engine.speculation.ahead.branches import ACCEPT
+from engine.speculation.ahead.scratch_blocks import ScratchFork
+from engine.speculation.ahead.totals import MAX_OUTCOMES, NUM_TOTALS  # noqa: F401 - NUM_TOTALS is public here too
 
 
 @dataclass
@@ -22,7 +22,7 @@ class AheadEntry:
     token_ids: torch.Tensor  # [k'] int64 on the draft's device: e_1..e_k'
     probs: torch.Tensor | None  # [k', V] float32 q of each e_j (None: drafted greedily, q is one-hot)
     alt: torch.Tensor | None = None  # [k'] int64: each e_j's runner-up (None without branches)
-    kind: str = ACCEPT  # the branch's kind (engine/speculation/ahead_branches.py)
+    kind: str = ACCEPT  # the branch's kind (engine/speculation/ahead/branches.py)
     fork: ScratchFork | None = None  # its KV's scratch blocks; None: written in the request's own blocks
     # Tree mode: [n] flat scratch slots (the same in every KV-cache group) holding the KV of positions position ..
     # position + n - 1 as the next proposal would write them (the catch-up, then e_1..e_{n - len(tokens)}).
@@ -46,7 +46,7 @@ class AheadStats:
     # scratch reserve were full, or the request's tables too short. Reported, so a fan-out that the engine's sizes
     # cut short shows on the dashboard rather than only as a lower hit rate.
     skipped_branches: int = 0
-    # Tree mode (engine/speculation/tree_ahead.py): trees drafted (one a request and pre-draft), and their nodes (the
+    # Tree mode (engine/speculation/ahead/tree.py): trees drafted (one a request and pre-draft), and their nodes (the
     # rows fed: the window, every branch's root and drafts but the last): tree_nodes / trees is nodes per tree.
     trees: int = 0
     tree_nodes: int = 0
@@ -60,7 +60,7 @@ class AheadStats:
     hits_reject: int = 0
 
     def as_tuple(self) -> tuple[int, ...]:
-        """What the engine reports (StepResult.speculation_ahead_totals), laid out as engine/speculation/ahead_totals.py
+        """What the engine reports (StepResult.speculation_ahead_totals), laid out as engine/speculation/ahead/totals.py
         says: the counters, then hits_by_outcome."""
         return (self.lookups, self.hits, self.drafted_tokens, self.unused_tokens, self.skipped_branches, self.trees,
                 self.tree_nodes, *self.hits_by_outcome)

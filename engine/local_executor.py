@@ -1,0 +1,104 @@
+"""The in-process executor (the Executor of engine/step/executor.py): target and draft in this process, running
+the speculation step (engine/speculation/speculative_step.py) itself."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.decode_pipeline import DecodePipeline, LaggedResults
+from engine.runner.model_runner import ModelRunner
+from engine.speculation.ahead.proposer import AheadProposer
+from engine.speculation.proposer import DraftProposer
+from engine.speculation.speculative_step import SpeculativeStep
+from engine.speculation.verifier import Verifier
+from engine.step.plan import StepPlan, StepResult
+from engine.step.request_table import RequestTable
+
+
+class LocalExecutor:
+    """Target and (optional) draft in this process: one SpeculativeStep (engine/speculation/speculative_step.py), whose
+    sides
+    share one request table, or for a target alone under asynchronous scheduling a DecodePipeline."""
+
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None, keep_draft_probs: bool, seed: int) -> None:
+        self.target = target
+        self.draft = draft
+        cfg = target.config
+        # Off unless asked for: in process the window drafted ahead runs after the verify, not beside it, so it
+        # only pays where its hits save more forwards than its misses cost (tests exercise it here).
+        self.speculation_ahead = bool(cfg.speculation_ahead) and draft is not None
+        self.ahead_overlaps_verify = False  # one device: the window drafted ahead runs after the verify
+        self.step = SpeculativeStep.build(target, draft, keep_draft_probs, seed, self.speculation_ahead)
+        self.target_kv_groups = target.kv_groups
+        self.target_num_blocks = target.num_blocks
+        self.draft_kv_groups = draft.kv_groups if draft is not None else None
+        self.draft_num_blocks = draft.num_blocks if draft is not None else 0
+        self.vocab_size = target.vocab_size
+        # A target alone on a GPU queues each step before it reads the last one's tokens
+        # (engine/decode_pipeline.py): that needs the next plan before those tokens, i.e. asynchronous scheduling,
+        # which is then on by default.
+        # With a draft, and on CPU (where a queued step runs at once), submitting early saves nothing and only
+        # delays each step's tokens by one step, so it is off unless asked for (tests exercise it here).
+        asked = target.config.async_scheduling
+        self.async_scheduling = (draft is None and target.device.type == "cuda") if asked is None else bool(asked)
+        self.pipeline = DecodePipeline(self.verifier, self.table) if draft is None and self.async_scheduling else None
+        self._done = LaggedResults()
+
+    @property
+    def table(self) -> RequestTable:
+        return self.step.table
+
+    @property
+    def verifier(self) -> Verifier:
+        return self.step.target.verifier
+
+    @property
+    def proposer(self) -> DraftProposer | None:
+        return self.step.draft.proposer if self.step.draft is not None else None
+
+    @property
+    def ahead(self) -> AheadProposer | None:
+        return self.step.draft.ahead if self.step.draft is not None else None
+
+    def submit(self, plan: StepPlan) -> StepResult | int:
+        """Runs the step now: the handle is its result. Pipelined: queues it; the handle is its step id."""
+        if self.pipeline is None:
+            return self.execute(plan)
+        self._done.add(self.pipeline.step(plan))
+        return plan.step_id
+
+    def collect(self, handle: StepResult | int) -> StepResult:
+        if isinstance(handle, StepResult):
+            return handle
+        pipeline = self.pipeline
+        return self._done.take(handle, lambda: pipeline.step(None) if pipeline is not None else None)
+
+    def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
+        if self.pipeline is not None:
+            handle = self.submit(plan)
+            if on_dispatched is not None:
+                on_dispatched()
+            return self.collect(handle)
+        if on_dispatched is not None:
+            on_dispatched()  # this process runs the step itself: there is no wait to overlap
+        return self.step.run(plan)
+
+    # --- what a process of its own would have: nothing to list, check or release here ----------------------
+    def workers(self) -> list[tuple[str, int, Any]]:
+        return []
+
+    def check_health(self, timeout_s: float = 10.0) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def detach_draft(self) -> None:
+        raise RuntimeError(f"{type(self).__name__} cannot run without its draft")
+
+    def start_draft_group(self) -> None:
+        raise RuntimeError(f"{type(self).__name__} cannot start a draft group")
+
+    def attach_draft(self) -> None:
+        raise RuntimeError(f"{type(self).__name__} cannot attach a draft group")
