@@ -252,7 +252,7 @@ class EngineConfig:
     # models run the ordinary layers. 0: never. At most 8.
     persistent_decode_rows: int = 0
     # A file of token ids (a JSON list, or a 1-D integer tensor saved with torch.save) the draft's LM head is
-    # restricted to (engine/speculation/draft_vocabulary.py): a smaller head for a faster draft step; exact whatever the
+    # restricted to (engine/runner/draft_vocabulary.py): a smaller head for a faster draft step; exact whatever the
     # map holds, as the draft's q gives every other token probability 0. None: the whole vocabulary.
     draft_token_map: str | None = None
 
@@ -287,7 +287,7 @@ class EngineConfig:
         if rate is not None and not (isinstance(rate, (int, float)) and 0.0 <= rate <= 1.0):
             raise ValueError(f"synthetic_bonus_agreement must be in [0, 1], got {rate!r}")
         if self.synthetic_top_f_agreement is not None:
-            from engine.speculation.ahead.synthetic_agreement import AgreementProfile
+            from engine.agreement_profile import AgreementProfile
 
             AgreementProfile.from_table(self.synthetic_top_f_agreement)
             if rate is not None:

@@ -36,7 +36,7 @@ import ray
 from engine.config import EngineConfig, ModelConfig
 from engine.decode_pipeline import LaggedResults
 from engine.kv_cache.spec import KVCacheGroupSpec
-from engine.speculation.draft_vocabulary import check_token_map
+from engine.runner.draft_vocabulary import check_token_map
 from engine.step.phases import HOST, book_dispatch
 from engine.step.plan import StepPlan, StepResult
 from serving.draft_group import DraftGroupReplacement

@@ -128,7 +128,7 @@ def test_an_agreement_profile_reaches_synthetic_drafts_only(tmp_path: Path) -> N
     # the bundled profile of the SmolLM2 pair is one the engine takes: k + 1 = 5 outcomes, the bonus the likeliest hit
     from agreement_profile import BUNDLED, load_agreement
 
-    from engine.speculation.ahead.synthetic_agreement import AgreementProfile
+    from engine.agreement_profile import AgreementProfile
 
     bundled = AgreementProfile.from_table(load_agreement(BUNDLED))
     assert len(bundled.top_f) == 5 and all(bundled.row(4, 4)[0] > bundled.row(a, 4)[0] for a in range(4))

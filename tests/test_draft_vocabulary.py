@@ -1,5 +1,5 @@
 """The draft's LM head restricted to a token map (EngineConfig.draft_token_map,
-engine/speculation/draft_vocabulary.py): its
+engine/runner/draft_vocabulary.py): its
 logits are the full head's inside the map and a masked constant outside, the draft never proposes a token outside
 the map, greedy output stays the target's alone (in process, asynchronous with speculation ahead, on Ray workers), the
 sampled law stays the target's (chi-square against enumeration), and every bad map is refused naming the field."""
@@ -24,9 +24,9 @@ from test_spec_distribution import (
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ModelConfig
+from engine.runner.draft_vocabulary import MASKED_LOGIT, check_token_map, load_token_map
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
-from engine.speculation.draft_vocabulary import MASKED_LOGIT, check_token_map, load_token_map
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

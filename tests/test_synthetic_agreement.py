@@ -1,6 +1,7 @@
-"""The benchmarks' measured agreement profile (EngineConfig.synthetic_top_f_agreement, engine/speculation/ahead/
-synthetic_agreement.py): with synthetic rejection a draft's candidates drafted ahead hit at a real pair's top-f rate
-for their number, so tree mode's fan-out changes hits (one rate, synthetic_bonus_agreement, cannot)."""
+"""The benchmarks' measured agreement profile (EngineConfig.synthetic_top_f_agreement, engine/agreement_profile.py,
+engine/speculation/ahead/synthetic_agreement.py): with synthetic rejection a draft's candidates drafted ahead hit at a
+real pair's top-f rate for their number, so tree mode's fan-out changes hits (one rate, synthetic_bonus_agreement,
+cannot)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from spec_support import ENGINE_KW, PROMPTS
 from test_speculation_ahead import _ahead
 
 from engine import LLM, SamplingParams
-from engine.speculation.ahead.synthetic_agreement import AgreementProfile
+from engine.agreement_profile import AgreementProfile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

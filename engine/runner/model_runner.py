@@ -20,10 +20,10 @@ from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
 from engine.models.loader import build_model
 from engine.parallel import get_tp_group
 from engine.runner.cuda_graphs import ForwardGraphs, GraphPool
+from engine.runner.draft_vocabulary import DraftVocabularyHead, restrict_draft_head
 from engine.runner.input_buffers import InputBuffers
 from engine.runner.step_input import Chunk, DeviceTokens, PreparedForward, StepInput, build_step_input
 from engine.runner.tree_graphs import TreeGraphs
-from engine.speculation.draft_vocabulary import DraftVocabularyHead, restrict_draft_head
 
 logger = logging.getLogger("specserve")
 
@@ -38,7 +38,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, name: str = "target",
                  draft_token_map: str | None = None) -> None:
         """draft_token_map: a draft's EngineConfig.draft_token_map, its LM head restricted to those tokens
-        (engine/speculation/draft_vocabulary.py); the logits stay [.., vocab_size] wide."""
+        (engine/runner/draft_vocabulary.py); the logits stay [.., vocab_size] wide."""
         self.name = name
         self.model_config = model_config
         self.config = engine_config

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import time
 
+from engine.agreement_profile import AgreementProfile
 from engine.runner.model_runner import ModelRunner
 from engine.speculation.ahead.proposer import AheadProposer
 from engine.speculation.ahead.saguaro import ahead_saguaro
-from engine.speculation.ahead.synthetic_agreement import AgreementProfile
 from engine.speculation.proposer import DraftProposer
 from engine.speculation.step_order import DRAFT, TARGET, Call, StepMode, run_in_process
 from engine.speculation.verifier import Verifier, VerifyInput

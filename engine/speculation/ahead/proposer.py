@@ -47,12 +47,13 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from engine.agreement_profile import AgreementProfile
 from engine.speculation.ahead.branches import ACCEPT, BranchEstimates
 from engine.speculation.ahead.budget import drafts_ahead
 from engine.speculation.ahead.cache import AheadCounters, AheadEntry, AheadStats, SpeculationCache, request_scope
 from engine.speculation.ahead.merge import merge_hits
 from engine.speculation.ahead.scratch_blocks import ScratchBlocks, copy_blocks, scratch_blocks_wanted
-from engine.speculation.ahead.synthetic_agreement import AgreementProfile, SyntheticAgreement
+from engine.speculation.ahead.synthetic_agreement import SyntheticAgreement
 from engine.speculation.ahead.tree import TreeAhead
 from engine.speculation.ahead.window import WindowAhead
 from engine.speculation.proposer import DraftProposer
