@@ -26,9 +26,7 @@ from engine.request import Request, RequestStatus
 from engine.sample.logits_params import logits_params_of
 from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
-from engine.speculation.ahead.budget import AheadBudget, drafts_ahead
-from engine.speculation.ahead.gate import AheadGate
-from engine.speculation.ahead.totals import NUM_TOTALS
+from engine.speculation.ahead.planner import AheadPlanner
 from engine.step.commit import commit_result
 from engine.step.executor import Executor
 from engine.step.inflight_steps import InFlightStep, InFlightSteps
@@ -78,17 +76,9 @@ class EngineCore:
             raise ValueError("speculation_ahead_saguaro needs a draft model, speculation ahead on (it is "
                              f"{'on' if self.scheduler.speculation_ahead else 'off'}) and "
                              "rejection_sampling='probabilistic'")
-        self._speculation_ahead_totals: tuple[int, ...] = (0,) * NUM_TOTALS  # the draft's, as its last result said
-        self._new_speculation_ahead_budget()
-
-    def _new_speculation_ahead_budget(self) -> None:
-        """Speculation ahead's per-step fan-out (engine/speculation/ahead/budget.py) and its on/off gate by load
-        (engine/speculation/ahead/gate.py): adaptive only where the draft's runs ahead overlap the verify (a draft on
-        GPUs of its own) and the configuration asks for it."""
-        adaptive = self.config.speculation_ahead_adaptive and self.executor.ahead_overlaps_verify
-        self.ahead_budget = AheadBudget(self.config.speculation_ahead_branches, adaptive=adaptive,
-                                        tree=self.config.speculation_ahead_tree_fanout > 0)
-        self.ahead_gate = AheadGate(enabled=adaptive)
+        # Each plan's share of speculation ahead, from its budget and gate (engine/speculation/ahead/planner.py).
+        self.speculation_ahead = AheadPlanner(self.config, self.scheduler.speculation_ahead,
+                                              executor.ahead_overlaps_verify)
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -213,7 +203,7 @@ class EngineCore:
         self.scheduler.kv_managers = [self.target_kv, self.draft_kv]
         self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
         self.spec_config = spec
-        self._new_speculation_ahead_budget()  # the new group's runs ahead are measured anew
+        self.speculation_ahead.restart(ex.ahead_overlaps_verify)  # the new group's runs ahead are measured anew
 
     def _restart_draft_progress(self) -> None:
         for req in self.scheduler.requests.values():
@@ -247,18 +237,18 @@ class EngineCore:
     def speculation_ahead_branches(self) -> int:
         """Windows a request the last plan asked the draft to draft ahead (engine/speculation/ahead/budget.py); 0 where
         the gate found drafting ahead slower at that load (engine/speculation/ahead/gate.py)."""
-        return self.ahead_budget.last if self.ahead_gate.last else 0
+        return self.speculation_ahead.branches()
 
     def speculation_ahead_off_steps(self) -> int:
         """Steps planned without drafting ahead by the gate (engine/speculation/ahead/gate.py), since the draft group
         was last set up."""
-        return self.ahead_gate.steps_off
+        return self.speculation_ahead.off_steps()
 
     def speculation_ahead_stats(self) -> tuple[int, ...]:
         """The draft's speculation-ahead running totals (AheadStats.as_tuple): lookups, hits, tokens drafted ahead, of
         those dropped unproposed, branches chosen but not drafted, trees drafted and their nodes (tree mode), then
         hits by outcome (tree mode, a = 0..16); they restart from 0 when a new draft group is attached."""
-        return self._speculation_ahead_totals
+        return self.speculation_ahead.totals
 
     def prefix_cache_stats(self) -> dict[str, tuple[int, int]]:
         """Per model, (tokens looked up, tokens found) in its prefix cache since the model's KV manager began."""
@@ -366,26 +356,10 @@ class EngineCore:
         finished, self._finished_ids = self._finished_ids, []
         plan = build_plan(next(self._step_ids), scheduled, self.target_kv, self.draft_kv, self.config.max_model_len,
                           self.spec_config, finished, self.sent)
-        if self.scheduler.speculation_ahead:
-            # Only the requests the draft drafts ahead count (the same rule on both sides).
-            tree = self.ahead_budget.tree
-            ahead = [s for s in scheduled if s.num_draft_tokens
-                     and drafts_ahead(s.samples, s.request.logits_params is not None, tree)]
-            plan.ahead_off = not self.ahead_gate.plan(plan.step_id, len(ahead))
-            if plan.ahead_off:
-                if tree:
-                    plan.ahead_tree_nodes = 0  # no tree (a merged plan sums the parts' caps)
-            else:
-                plan.ahead_branches = self.ahead_budget.branches(len(ahead))
-                if tree:
-                    plan.ahead_tree_nodes = self.ahead_budget.tree_nodes([s.num_draft_tokens for s in ahead])
+        self.speculation_ahead.plan(plan, scheduled)
         return plan
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
         """Commit a collected step (engine/step/commit.py); returns the requests it gave tokens or finished."""
-        if result.speculation_ahead_totals is not None:
-            self._speculation_ahead_totals = result.speculation_ahead_totals
-        if self.scheduler.speculation_ahead:
-            self.ahead_budget.observe(result.phase_seconds, result.predraft_window)
-            self.ahead_gate.observe(result.step_id, sum(len(t) for t in result.sampled if t))
+        self.speculation_ahead.observe(result)
         return commit_result(self.scheduler, self.output, scheduled, result, self._finish)

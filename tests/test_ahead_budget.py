@@ -116,7 +116,7 @@ def _windows_per_request(llm: LLM) -> list[tuple[int, int]]:
 def test_draft_obeys_each_plans_count_and_greedy_stays_exact(tiny_models, near_drafts, target_greedy, counts):
     llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
               speculation_ahead_branches=4, **AHEAD)
-    llm.engine.ahead_budget = _Script(counts)
+    llm.engine.speculation_ahead.budget = _Script(counts)
     seen = _windows_per_request(llm)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == target_greedy("llama")
     assert seen and all(most <= count for count, most in seen), seen
@@ -128,7 +128,7 @@ def test_draft_obeys_each_plans_count_and_greedy_stays_exact(tiny_models, near_d
         assert stats.hits_reject == 0  # one window a request is the all-accepted one: no rejection window at all
     else:
         assert stats.hits_reject > 0
-    assert llm.engine.speculation_ahead_branches() == llm.engine.ahead_budget.last
+    assert llm.engine.speculation_ahead_branches() == llm.engine.speculation_ahead.budget.last
 
 
 def test_varying_counts_keep_seeded_sampling_exact(tiny_models, near_drafts, seeded_near):  # noqa: F811
@@ -136,7 +136,7 @@ def test_varying_counts_keep_seeded_sampling_exact(tiny_models, near_drafts, see
     # outcome would draft, with its own q: seeded outputs equal plain speculation's.
     llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
               speculation_ahead_branches=4, **AHEAD)
-    llm.engine.ahead_budget = _Script([3, 1, 4, 2])
+    llm.engine.speculation_ahead.budget = _Script([3, 1, 4, 2])
     assert [o.token_ids for o in llm.generate(SEEDED_PROMPTS, SEEDED)] == seeded_near
     assert _ahead(llm).stats.hits_reject > 0
 
@@ -146,13 +146,13 @@ def test_in_process_engine_keeps_the_configured_count(tiny_models, tiny_drafts):
     # budget does not adapt and every plan asks for the configured count, which the draft reports runs of.
     llm = LLM(tiny_models["llama"].path, draft_model=tiny_drafts["llama-1l"].path, num_speculative_tokens=3,
               speculation_ahead_branches=3, **AHEAD)
-    assert not llm.engine.ahead_budget.adaptive
+    assert not llm.engine.speculation_ahead.budget.adaptive
     plans = []
     execute = llm.engine.executor.execute
     llm.engine.executor.execute = lambda plan, *a, **kw: plans.append(plan) or execute(plan, *a, **kw)
     llm.generate(PROMPTS, GREEDY)
     assert plans and {p.ahead_branches for p in plans} == {3}
-    budget = llm.engine.ahead_budget
+    budget = llm.engine.speculation_ahead.budget
     assert budget.shadow is not None and budget.windows and all(w.value > 0 for w in budget.windows.values())
 
 

@@ -118,20 +118,20 @@ class _Script(AheadGate):
 def test_off_steps_draft_nothing_ahead_and_greedy_stays_exact(tiny_models, near_drafts, target_greedy):
     llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
               speculation_ahead_branches=3, **AHEAD)
-    llm.engine.ahead_gate = _Script([True, False, False, True, True])
+    llm.engine.speculation_ahead.gate = _Script([True, False, False, True, True])
     seen = record_predrafts(llm, lambda plan, n: (plan.ahead_off, n))
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == target_greedy("llama")
     assert {off for off, _ in seen} == {True, False}
     assert all(n == 0 for off, n in seen if off) and any(n > 0 for off, n in seen if not off)
     assert _ahead(llm).stats.hits > 0  # the steps after an on step still hit
-    llm.engine.ahead_gate.last = False
+    llm.engine.speculation_ahead.gate.last = False
     assert llm.engine.speculation_ahead_branches() == 0  # the gauge shows the gate's off
 
 
 def test_gated_steps_keep_seeded_sampling_exact(tiny_models, near_drafts, seeded_near):  # noqa: F811
     llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
               speculation_ahead_branches=3, **AHEAD)
-    llm.engine.ahead_gate = _Script([False, True, True])
+    llm.engine.speculation_ahead.gate = _Script([False, True, True])
     assert [o.token_ids for o in llm.generate(SEEDED_PROMPTS, SEEDED)] == seeded_near
 
 
@@ -139,9 +139,9 @@ def test_in_process_engine_does_not_gate(tiny_models, tiny_drafts):
     # In one process the runs ahead follow the verify instead of overlapping it: nothing to measure against.
     llm = LLM(tiny_models["llama"].path, draft_model=tiny_drafts["llama-1l"].path, num_speculative_tokens=3,
               **AHEAD)
-    assert not llm.engine.ahead_gate.enabled
+    assert not llm.engine.speculation_ahead.gate.enabled
     llm.generate(PROMPTS, GREEDY)
-    assert llm.engine.ahead_gate.steps_off == 0
+    assert llm.engine.speculation_ahead.gate.steps_off == 0
 
 
 def test_off_steps_counter_follows_the_engine_total():

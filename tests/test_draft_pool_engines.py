@@ -119,7 +119,7 @@ def test_two_engines_draft_ahead_through_one_pooled_draft(tiny_models: dict[str,
         assert all(t[1] > 0 for t in totals), totals
         assert sum(t[1] for t in totals) <= stats["speculation_ahead"]["hits"]
         assert stats["speculation_ahead"]["trees"] > 0
-        assert all(e.ahead_budget.node_seconds is not None for e in engines)
+        assert all(e.speculation_ahead.budget.node_seconds is not None for e in engines)
         assert [[kv.num_free for kv in e.draft_kv.pools] for e in engines] == free
         sampled = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
                    for i in range(len(PROMPTS))]

@@ -285,16 +285,17 @@ def test_tree_mode_across_processes(tiny_models: dict[str, TinyModel], near_llam
     executor = engine.executor
     try:
         assert engine.async_scheduling and executor.speculation_ahead
-        assert engine.ahead_budget.adaptive and engine.ahead_budget.tree
+        assert engine.speculation_ahead.budget.adaptive and engine.speculation_ahead.budget.tree
         plans: list[StepPlan] = []
         make_plan = engine.make_plan
         engine.make_plan = lambda *a, **kw: plans.append(make_plan(*a, **kw)) or plans[-1]  # type: ignore
         assert greedy_tokens(engine) == llm_greedy(target)
-        budget = engine.ahead_budget
+        budget = engine.speculation_ahead.budget
         assert budget.node_seconds is not None and budget.node_seconds.value > 0 and budget.shadow is not None
         caps = [p.ahead_tree_nodes for p in plans if any(r.num_draft_tokens for r in p.requests)]
         assert caps and all(c is not None and c >= 0 for c in caps), caps
-        engine.ahead_budget = AheadBudget(1, adaptive=False, tree=True)  # the draft's own cap: F = 2 every step
+        # The draft's own cap: F = 2 every step.
+        engine.speculation_ahead.budget = AheadBudget(1, adaptive=False, tree=True)
         assert greedy_tokens(engine) == llm_greedy(target)
         stats = ray.get(engine.executor.draft.workers[0].__ray_call__.remote(lambda self: self.ahead.stats))
         assert stats.trees > 0 and stats.hits_reject > 0, stats
@@ -321,7 +322,7 @@ def test_fan_out_across_processes(tiny_models: dict[str, TinyModel], near_llama:
         return ray.get(worker.__ray_call__.remote(lambda self: (self.ahead.stats.hits, self.ahead.stats.hits_reject)))
 
     try:
-        assert executor.ahead_overlaps_verify and engine.ahead_budget.adaptive
+        assert executor.ahead_overlaps_verify and engine.speculation_ahead.budget.adaptive
         scratch, num_blocks = ray.get(worker.__ray_call__.remote(
             lambda self: (self.ahead.scratch.capacity, self.runner.num_blocks)))
         assert scratch > 0 and executor.draft_num_blocks == num_blocks
@@ -329,17 +330,17 @@ def test_fan_out_across_processes(tiny_models: dict[str, TinyModel], near_llama:
         execute = executor.execute
         executor.execute = lambda plan, *a, **kw: plans.append(plan) or execute(plan, *a, **kw)  # type: ignore
         assert greedy_tokens(engine) == llm_greedy(target)
-        budget = engine.ahead_budget
+        budget = engine.speculation_ahead.budget
         assert budget.shadow is not None and budget.shadow.value > 0
         assert budget.windows and all(rows > 0 and w.value > 0 for rows, w in budget.windows.items())
         counts = [p.ahead_branches for p in plans if any(r.num_draft_tokens for r in p.requests)]
         assert counts and all(1 <= c <= 3 for c in counts)
-        engine.ahead_budget = AheadBudget(3, adaptive=False)
+        engine.speculation_ahead.budget = AheadBudget(3, adaptive=False)
         hits, hits_reject = draft_stats()
         assert greedy_tokens(engine) == llm_greedy(target)
         more, more_reject = draft_stats()
         assert more > hits and more_reject > hits_reject
-        engine.ahead_budget = AheadBudget(1)
+        engine.speculation_ahead.budget = AheadBudget(1)
         assert greedy_tokens(engine) == llm_greedy(target)
         most, most_reject = draft_stats()
         assert most > more and most_reject == more_reject

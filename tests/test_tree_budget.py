@@ -127,7 +127,7 @@ def test_engine_shrinks_the_tree_to_the_budget_and_greedy_stays_exact(tiny_model
     # requests decode, so those steps draft none (counted), and a tree comes back as requests finish.
     llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
               speculation_ahead=True, speculation_ahead_tree_fanout=3, **ENGINE_KW)
-    llm.engine.ahead_budget = _Synthetic(verify, 0.001)
+    llm.engine.speculation_ahead.budget = _Synthetic(verify, 0.001)
     seen = _record_trees(llm)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == target_greedy("llama")
     capped = [(cap, nodes) for cap, nodes in seen if cap is not None]
@@ -139,7 +139,7 @@ def test_engine_shrinks_the_tree_to_the_budget_and_greedy_stays_exact(tiny_model
         assert stats.hits > 0 and max(nodes for _, nodes in seen) > 21, (seen, stats)  # wider than the smallest
         assert stats.skipped_branches > 0 and stats.skipped_trees == 0
     else:
-        assert llm.engine.ahead_budget.skipped_tree_steps > 0 and stats.skipped_trees > 0, (seen, stats)
+        assert llm.engine.speculation_ahead.budget.skipped_tree_steps > 0 and stats.skipped_trees > 0, (seen, stats)
         assert any(cap == 0 and nodes == 0 for cap, nodes in seen), seen
 
 

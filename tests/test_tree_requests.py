@@ -135,7 +135,7 @@ def test_the_budget_counts_the_requests_drafted_ahead(byte_pair, ahead):
     target, draft = byte_pair
     llm = LLM(target, draft_model=draft, **KW, **dict(ahead, speculation_ahead=True))
     engine, drafts = llm.engine, _ahead(llm)
-    budget, make_plan, predraft = engine.ahead_budget, engine.make_plan, drafts.predraft
+    budget, make_plan, predraft = engine.speculation_ahead.budget, engine.make_plan, drafts.predraft
     counts: dict[str, list[int]] = {"branches": [], "tree_nodes": []}  # the requests the budget counted, by step
     branches, tree_nodes = budget.branches, budget.tree_nodes
     budget.branches = lambda n: counts["branches"].append(n) or branches(n)

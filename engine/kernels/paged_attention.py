@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from engine.kernels.attention_args import check_launch, check_query_and_cache, check_sliding_window
 from engine.kernels.attention_launch import kernel_variant
 from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton, wait_for_previous_kernel
 
@@ -224,10 +225,7 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or max_query_len == 0 or query.shape[0] == 0:
         return
-    if num_reqs > 65535:
-        raise ValueError(f"paged_attention: at most 65535 requests per launch (grid axis 1), got {num_reqs}")
-    if num_kv_splits is not None and (num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1)):
-        raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
+    check_launch("paged_attention", num_reqs, "requests", num_kv_splits)
     heads_per_kv = num_heads // num_kv_heads
     head_dim_p = triton.next_power_of_2(head_dim)
     block_m, m_blocks, splits, tile_n, num_warps = kernel_variant(num_reqs, max_query_len, heads_per_kv, num_kv_heads,
@@ -298,28 +296,14 @@ def _check_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                 sliding_window: int | None, max_query_len: int) -> tuple[int, int, int, int]:
     """Shape checks only (no device data is read). Returns (num_heads, head_dim, num_kv_heads, block_size)."""
-    if query.dim() != 3:
-        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
-    num_tokens, num_heads, head_dim = query.shape
-    if out.shape != query.shape:
-        raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError("key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if cache_head_dim != head_dim:
-        raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    shapes = check_query_and_cache(query, key_cache, value_cache, out, "num_tokens")
     num_reqs = seq_lens.shape[0]
     if seq_lens.dim() != 1 or tuple(query_start_loc.shape) != (num_reqs + 1,):
         raise ValueError(f"seq_lens must be [num_reqs] and query_start_loc [num_reqs + 1], got "
                          f"{tuple(seq_lens.shape)} and {tuple(query_start_loc.shape)}")
     if block_table.dim() != 2 or block_table.shape[0] != num_reqs:
         raise ValueError(f"block_table must be [{num_reqs}, max_blocks], got {tuple(block_table.shape)}")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window <= 0):
-        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    check_sliding_window(sliding_window)
     if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
         raise ValueError(f"max_query_len must be a non-negative host int, got {max_query_len!r}")
-    return num_heads, head_dim, num_kv_heads, block_size
+    return shapes

@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from engine.kernels.attention_args import check_launch, check_query_and_cache, check_sliding_window
 from engine.kernels.attention_launch import MAX_AUTO_SPLITS, _auto_splits, _tile_n, default_tile_and_warps
 from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton, wait_for_previous_kernel
 
@@ -227,10 +228,7 @@ def tree_attention(query: torch.Tensor,  # [num_rows, num_heads, head_dim] bf16/
     max_nodes = node_positions.shape[1]
     if num_trees == 0 or max_rows == 0 or query.shape[0] == 0:
         return
-    if num_trees > 65535:
-        raise ValueError(f"tree_attention: at most 65535 trees per launch (grid axis 1), got {num_trees}")
-    if num_kv_splits is not None and (num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1)):
-        raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
+    check_launch("tree_attention", num_trees, "trees", num_kv_splits)
     heads_per_kv = num_heads // num_kv_heads
     head_dim_p = triton.next_power_of_2(head_dim)
     block_m, m_blocks, splits = tree_kernel_variant(num_trees, max_rows, heads_per_kv, num_kv_heads, head_dim,
@@ -319,19 +317,7 @@ def _check_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                 prefix_lens: torch.Tensor, node_positions: torch.Tensor, node_slots: torch.Tensor,
                 visible: torch.Tensor, sliding_window: int | None) -> tuple[int, int, int, int]:
     """Shape checks only (no device data is read). Returns (num_heads, head_dim, num_kv_heads, block_size)."""
-    if query.dim() != 3:
-        raise ValueError(f"query must be [num_rows, num_heads, head_dim], got {tuple(query.shape)}")
-    _, num_heads, head_dim = query.shape
-    if out.shape != query.shape:
-        raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError("key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if cache_head_dim != head_dim:
-        raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    shapes = check_query_and_cache(query, key_cache, value_cache, out, "num_rows")
     if row_positions.dim() != 2 or row_index.shape != row_positions.shape:
         raise ValueError(f"row_index and row_positions must both be [num_trees, max_rows], got "
                          f"{tuple(row_index.shape)} and {tuple(row_positions.shape)}")
@@ -356,7 +342,5 @@ def _check_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
             raise ValueError(f"{name} must be contiguous in its last dimension")
     if block_table.stride(1) != 1:
         raise ValueError("block_table must be contiguous in its last dimension")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window <= 0):
-        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
-    return num_heads, head_dim, num_kv_heads, block_size
+    check_sliding_window(sliding_window)
+    return shapes
