@@ -11,7 +11,7 @@ from layouts import Layout
 
 from deploy.bench.report import summarize
 
-PHASES = ("schedule", "propose", "handoff", "prepare", "verify", "sample", "propose_ahead", "between", "dispatch",
+PHASES = ("schedule", "propose", "handoff", "prepare", "verify", "sample", "speculation_ahead", "between", "dispatch",
           "commit")
 # The router's share of a step: its bookkeeping and the transport (handoff: the draft's proposal to the target).
 ROUTER_PHASES = ("schedule", "dispatch", "handoff", "commit")
@@ -52,10 +52,10 @@ def phase_summary(totals: dict[str, list[float]]) -> dict[str, float]:
 
 
 def ahead_from_metrics(metrics: dict[str, float] | None) -> tuple[float, ...] | None:
-    """The spec_ahead_* counters of a /metrics scrape, in StepResult.speculation_ahead_totals' order."""
+    """The speculation_ahead_* counters of a /metrics scrape, in StepResult.speculation_ahead_totals' order."""
     if not metrics:
         return None
-    return tuple(metrics.get(f"specserve_spec_ahead_{name}_total", 0.0) for name in AHEAD_COUNTERS)
+    return tuple(metrics.get(f"specserve_speculation_ahead_{name}_total", 0.0) for name in AHEAD_COUNTERS)
 
 
 def _ahead_cell(ahead: dict[str, float]) -> str:

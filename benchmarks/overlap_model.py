@@ -27,7 +27,7 @@ with one window per request: with synthetic acceptance a per draft that is a^k x
 (`--hit-rate h1 h2 --branches 1 4`, e.g. as benchmarks/speculation_ahead.py measures them). The B windows of a step
 are one draft-loop run of rows x B (the same k + 1 forwards, B times the rows), so its cost grows with B by however
 much a forward's time grows with its rows: on a GPU at small batch, little. `--window-growth g` models it as
-ahead x (1 + g x (B - 1)); g is an assumption of the model until a run measures propose_ahead at B > 1 (0: a
+ahead x (1 + g x (B - 1)); g is an assumption of the model until a run measures speculation_ahead at B > 1 (0: a
 latency-bound draft whose forwards cost the same at B x the rows). `--target-tp-speedup` divides verify and sample
 (a target at TP 2). A model, not a measurement: it assumes the phases keep their one-GPU times when the GPU is no
 longer shared (they get faster, so the predictions are conservative there) and ignores contention between the two
@@ -54,13 +54,13 @@ def phases_of(layouts: dict[str, Any], name: str, c: int) -> tuple[dict[str, flo
 
 def predict(ph: dict[str, float], accept_len: float, c: int, hit_rate: float, tp_speedup: float,
             k: int = 4, branches: int = 1, window_growth: float = 0.0) -> dict[str, float]:
-    """Tokens/s per schedule from one-GPU phase means (ms). The window ahead costs the measured `propose_ahead`
+    """Tokens/s per schedule from one-GPU phase means (ms). The window ahead costs the measured `speculation_ahead`
     phase where the run has one (offline+d/predraft, one window per request), else (k + 1) / k of a proposal;
     with a branch budget, that times 1 + window_growth x (branches - 1) (see the module docstring)."""
     g = ph.get
     target = (g("verify", 0.0) + g("sample", 0.0)) / tp_speedup
     propose, handoff = g("propose", 0.0), g("handoff", 0.0)
-    ahead = (g("propose_ahead") or propose * (k + 1) / k) * (1 + window_growth * (branches - 1))
+    ahead = (g("speculation_ahead") or propose * (k + 1) / k) * (1 + window_growth * (branches - 1))
     router = g("schedule", 0.0) + g("dispatch", 0.0) + g("commit", 0.0)
     steps = {
         "serial": propose + g("prepare", 0.0) + target + g("schedule", 0.0) + g("commit", 0.0),
@@ -86,7 +86,8 @@ def main() -> int:
                          "assumption; 0: forwards of B x the rows cost what one row's does)")
     ap.add_argument("--target-tp-speedup", type=float, default=1.0)
     ap.add_argument("--ahead-layout", default="offline+d/predraft",
-                    help="layout whose measured propose_ahead phase is the window ahead's cost, where the run has it")
+                    help="layout whose measured speculation_ahead phase is the window ahead's cost, where the run "
+                         "has it")
     ap.add_argument("--k", type=int, default=4, help="draft length (the window ahead's cost without a measurement)")
     args = ap.parse_args()
     doc = json.loads(Path(args.results).read_text())
@@ -107,8 +108,8 @@ def main() -> int:
             continue
         ph, acc = got
         measured_ahead = phases_of(layouts, args.ahead_layout, c)
-        if measured_ahead is not None and measured_ahead[0].get("propose_ahead"):
-            ph = {**ph, "propose_ahead": measured_ahead[0]["propose_ahead"]}
+        if measured_ahead is not None and measured_ahead[0].get("speculation_ahead"):
+            ph = {**ph, "speculation_ahead": measured_ahead[0]["speculation_ahead"]}
         measured = {n: next((c * 1e3 / x["median_tpot_ms"] for x in (layouts.get(n) or {}).get("runs", [])
                              if x["concurrency"] == c and x.get("median_tpot_ms")), None)
                     for n in ("offline+d", "offline")}

@@ -48,7 +48,7 @@ first window whatever else was drafted for it, so tree mode's fan-out (f<N>) cha
 layouts use --agreement-profile FILE instead (also benchmark-only, synthetic pairs), the real SmolLM2 pair's
 measured P(target token in the draft's top-f | verify outcome) (benchmarks/profiles/smollm2_top_f_agreement.json,
 written by benchmarks/tree_hit_rate.py --profile): a lookup with n candidates for its outcome hits at that pair's
-top-n rate. The hit rates and unused draft tokens of each run come from /metrics (spec_ahead_*).
+top-n rate. The hit rates and unused draft tokens of each run come from /metrics (speculation_ahead_*).
 
 Per layout, on a fresh Ray runtime that sees only the GPUs the layout needs:
   check  greedy completions of --check-prompts prompts, one at a time, compared with the first layout of the run

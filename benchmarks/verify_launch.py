@@ -44,12 +44,12 @@ def timed_verify(mode: dict[str, str], wait_s: float, samples: dict[str, list[fl
             return self.run(self.prepare(plan, False), None)
         counts = [r.num_draft_tokens for r in plan.requests]
         remote = proposal.to_host(counts)  # SYNC: the draft's worker sends host ids; its GPU work ends here
-        inp = self.prepare(plan, True, launch_ahead=mode["now"] == "launched")
+        inp = self.prepare(plan, True, gated_launch=mode["now"] == "launched")
         deadline = time.perf_counter() + wait_s
         while time.perf_counter() < deadline:  # the proposal is on its way; busy, as a channel read is
             pass
         t0 = time.perf_counter()
-        result = self.run(inp, remote, prepared_ahead=True)
+        result = self.run(inp, remote, prepared_during_draft=True)
         if inp.forward.graph_key is not None:  # decode steps (a mixed step with a prefill runs eagerly)
             samples[mode["now"]].append(time.perf_counter() - t0)
             verify_ms[mode["now"]].append(result.phase_seconds["verify"] * 1e3)
@@ -78,7 +78,7 @@ def main() -> None:
               max_model_len=1024, max_num_seqs=max(args.batch), kv_cache_memory_bytes=8 << 30,
               cuda_graph_batch_sizes=tuple(sorted(set(args.batch))))
     verifier = llm.executor.verifier
-    if not verifier.enable_launch_ahead():
+    if not verifier.enable_gated_launch():
         raise SystemExit("launching ahead needs CUDA graphs and Triton")
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     rows = []

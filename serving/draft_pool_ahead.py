@@ -4,7 +4,7 @@ target the group serves, each target's windows kept apart.
 A draft step proposes for the targets that waited together (serving/draft_batch.py) from their windows where they
 hit, then the step is remembered as the pending pre-draft: its merged plan, its proposal (on the draft's device)
 and its targets. The pre-draft runs once for all of them, in one pass of the engine's own pre-draft
-(AheadProposer.predraft: every request of every target of the step in the same draft-loop run, or the same tree
+(AheadProposer.speculate_ahead: every request of every target of the step in the same draft-loop run, or the same tree
 forwards), when the first of those targets' `draft_predraft` calls comes (each target sends it right after its
 proposal, while it verifies; the others then find nothing pending), or at the latest before the next draft step
 proposes: the pre-draft reads the proposal, whose tensors may be the draft loop's buffers, which that step
@@ -51,7 +51,7 @@ class PoolAhead:
             ahead.use_scopes()
         self._pending: _PendingPredraft | None = None
         # Per target, the last pre-draft it was part of as (rows, seconds), until its next proposal reports it
-        # (StepResult.predraft_window: its engine's ahead budget, engine/speculation/ahead/budget.py).
+        # (StepResult.speculation_ahead_window: its engine's ahead budget, engine/speculation/ahead/budget.py).
         self._windows: dict[str, tuple[int, float]] = {}
         self.predrafts: dict[int, int] = {}  # pre-draft passes run, by the targets each served: {targets: passes}
 
@@ -79,7 +79,7 @@ class PoolAhead:
         n = len(pending.tenants)
         self.predrafts[n] = self.predrafts.get(n, 0) + 1
         try:
-            self.ahead.predraft(pending.plan, pending.proposal, pending.tenants)
+            self.ahead.speculate_ahead(pending.plan, pending.proposal, pending.tenants)
             window = self.ahead.take_window()
             if window is not None:
                 self._windows.update(dict.fromkeys(pending.tenants, window))

@@ -68,32 +68,35 @@ class EngineMetrics:
                                    ["model"], registry=r)
         self._prefix_seen: dict[str, tuple[int, int]] = {}  # model -> the engine's totals at the last sync
         # Speculation ahead: hits / lookups is the share of proposals served from windows drafted ahead.
-        self.ahead_lookups = Counter(p + "spec_ahead_lookups", "Proposals looked up among the windows drafted ahead",
+        self.ahead_lookups = Counter(p + "speculation_ahead_lookups",
+                                     "Proposals looked up among the windows drafted ahead",
                                      registry=r)
-        self.ahead_hits = Counter(p + "spec_ahead_hits", "Proposals served from a window drafted ahead", registry=r)
-        self.ahead_drafted = Counter(p + "spec_ahead_drafted_tokens", "Draft tokens drafted ahead", registry=r)
-        self.ahead_unused = Counter(p + "spec_ahead_unused_tokens",
+        self.ahead_hits = Counter(p + "speculation_ahead_hits", "Proposals served from a window drafted ahead",
+                                  registry=r)
+        self.ahead_drafted = Counter(p + "speculation_ahead_drafted_tokens", "Draft tokens drafted ahead", registry=r)
+        self.ahead_unused = Counter(p + "speculation_ahead_unused_tokens",
                                     "Draft tokens drafted ahead and dropped without being proposed", registry=r)
-        self.ahead_skipped = Counter(p + "spec_ahead_skipped_branches",
+        self.ahead_skipped = Counter(p + "speculation_ahead_skipped_branches",
                                      "Windows chosen to draft ahead but not drafted: the draft loop's rows "
                                      "(max_num_seqs) or its scratch KV blocks were full", registry=r)
         # Tree mode (speculation_ahead_tree_fanout): trees drafted, their nodes (tree_nodes / trees: nodes per
         # tree), and hits by outcome (accepted = the drafts the target accepted before its token there).
-        self.ahead_trees = Counter(p + "spec_ahead_trees", "Trees drafted ahead (tree mode: one a request and step)",
+        self.ahead_trees = Counter(p + "speculation_ahead_trees",
+                                   "Trees drafted ahead (tree mode: one a request and step)",
                                    registry=r)
-        self.ahead_tree_nodes = Counter(p + "spec_ahead_tree_nodes",
+        self.ahead_tree_nodes = Counter(p + "speculation_ahead_tree_nodes",
                                         "Nodes of the trees drafted ahead (the rows their forwards fed)", registry=r)
-        self.ahead_outcome_hits = Counter(p + "spec_ahead_outcome_hits",
+        self.ahead_outcome_hits = Counter(p + "speculation_ahead_outcome_hits",
                                           "Proposals served from a tree branch, by the verify outcome it was for "
                                           "(accepted: drafts accepted before the target's token)", ["accepted"],
                                           registry=r)
         self._ahead_seen: tuple[int, ...] = (0,) * NUM_TOTALS  # the engine's totals at the last sync
-        self.ahead_branches = Gauge(p + "spec_ahead_branches",
+        self.ahead_branches = Gauge(p + "speculation_ahead_branches",
                                     "Windows a request the last step asked the draft to draft ahead (the fan-out, "
                                     "cut to what fits in the verify where the draft has GPUs of its own; 0 while "
                                     "the gate has drafting ahead off)",
                                     registry=r)
-        self.ahead_off_steps = Counter(p + "spec_ahead_off_steps",
+        self.ahead_off_steps = Counter(p + "speculation_ahead_off_steps",
                                        "Steps planned without drafting ahead: the gate measured it slower than not "
                                        "drafting ahead at their load (speculation_ahead_adaptive)", registry=r)
         self._ahead_off_seen = 0  # the engine's total at the last sync
@@ -244,7 +247,7 @@ def exposition(families: list[Any]) -> str:
 
 
 # Series that describe the draft's work: with a draft pool they carry the draft replica that did it.
-_DRAFT_FAMILIES = ("spec_decode", "spec_ahead")
+_DRAFT_FAMILIES = ("spec_decode", "speculation_ahead")
 
 
 def label_draft_series(text: str, draft_replica: str) -> str:

@@ -105,7 +105,7 @@ class PlainCalls:
 
 # The worker method (serving/worker.py) of each call of the step order.
 WORKER_METHODS = {(DRAFT, "propose"): "draft_step", (TARGET, "prepare"): "target_prepare",
-                  (TARGET, "verify"): "target_step", (DRAFT, "predraft"): "draft_predraft",
+                  (TARGET, "verify"): "target_step", (DRAFT, "speculate_ahead"): "draft_predraft",
                   (DRAFT, "absorb"): "draft_absorb"}
 
 

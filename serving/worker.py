@@ -81,7 +81,8 @@ class DraftOutput:
     sent_at: float
     host: str
     speculation_ahead_totals: tuple[int, ...] | None = None  # the rank's (StepResult.speculation_ahead_totals)
-    predraft_window: tuple[int, float] | None = None  # its last run ahead, (rows, seconds) (StepResult.predraft_window)
+    # its last run ahead, (rows, seconds) (StepResult.speculation_ahead_window)
+    speculation_ahead_window: tuple[int, float] | None = None
 
 
 def engine_config_from(config: EngineConfig | dict[str, Any]) -> EngineConfig:
@@ -162,9 +163,9 @@ class ModelWorker:
                                               speculation_ahead)
             self.target_side, self.draft_side = self.spec.target, self.spec.draft
         else:
-            # Queue each verify forward before the draft's ids come (Verifier.enable_launch_ahead): only where
+            # Queue each verify forward before the draft's ids come (Verifier.enable_gated_launch): only where
             # graphs replay on CUDA, so it stays off on CPU and under enforce_eager whatever was asked.
-            self.target_side = TargetSide(self.runner, config.seed, launch_ahead=launch_verify_ahead)
+            self.target_side = TargetSide(self.runner, config.seed, gated_launch=launch_verify_ahead)
         # A target without a draft queues each step before reading the last one's tokens (`target_decode`).
         self.pipeline: DecodePipeline | None = None
         self._returned_at = 0.0  # when `spec_step` last returned a result (rank 0): the `between` phase
@@ -192,15 +193,15 @@ class ModelWorker:
 
     @property
     def launch_verify_ahead(self) -> bool:
-        return self.target_side is not None and self.target_side.launch_ahead
+        return self.target_side is not None and self.target_side.gated_launch
 
     @property
     def num_prepared_ahead(self) -> int:
-        return self.target_side.num_prepared_ahead if self.target_side is not None else 0
+        return self.target_side.num_prepared_during_draft if self.target_side is not None else 0
 
     @property
     def num_launched_ahead(self) -> int:
-        return self.target_side.num_launched_ahead if self.target_side is not None else 0
+        return self.target_side.num_gated_launches if self.target_side is not None else 0
 
     def _draft(self, method: str) -> DraftSide:
         if self.draft_side is None:
@@ -235,13 +236,14 @@ class ModelWorker:
             return None
         proposal = proposal.to_host([r.num_draft_tokens for r in plan.requests])
         now = time.perf_counter()
-        return DraftOutput(proposal, now - t0, now, HOST, side.speculation_ahead_totals, side.take_predraft_window())
+        return DraftOutput(proposal, now - t0, now, HOST, side.speculation_ahead_totals,
+                           side.take_speculation_ahead_window())
 
     @graph_node
     def draft_predraft(self) -> None:
         """Draft the next window of the proposal this rank just sent (speculation ahead), while the target verifies
         it. A graph node bound after `draft_step` and before `draft_absorb`."""
-        self._draft("draft_predraft").predraft()
+        self._draft("draft_predraft").speculate_ahead()
 
     @graph_node
     def draft_absorb(self, result: StepResult | None) -> None:
@@ -257,7 +259,7 @@ class ModelWorker:
         """The verify input of a step with a draft, built from the plan alone: a graph node bound to the plan, so
         it runs while the draft's workers propose and the proposal finds the input ready."""
         side = self._target("target_prepare")
-        return side.prepare(side.resolve(plan), with_drafts=True, launch_ahead=True)
+        return side.prepare(side.resolve(plan), with_drafts=True, gated_launch=True)
 
     @graph_node
     def target_step(self, step: StepPlan | VerifyInput, draft: DraftOutput | None = None) -> StepResult | None:
@@ -272,7 +274,7 @@ class ModelWorker:
         if draft is not None:
             book_remote_proposal(result.phase_seconds, draft.seconds, draft.sent_at, draft.host, received)
             result.speculation_ahead_totals = draft.speculation_ahead_totals
-            result.predraft_window = draft.predraft_window
+            result.speculation_ahead_window = draft.speculation_ahead_window
         return result
 
     def spec_step(self, plan: StepPlan) -> StepResult | None:

@@ -91,24 +91,24 @@ class _Script(AheadBudget):
         return self.last
 
 
-def record_predrafts(llm: LLM, what) -> list:  # noqa: ANN001 - (plan, windows drafted) -> a record
+def record_speculation_ahead(llm: LLM, what) -> list:  # noqa: ANN001 - (plan, windows drafted) -> a record
     """Record what(plan, windows drafted) for every run ahead of the engine's draft."""
     ahead, seen = _ahead(llm), []
-    predraft = ahead.predraft
+    speculate_ahead = ahead.speculate_ahead
 
     def recording(plan, proposal):
-        n = predraft(plan, proposal)
+        n = speculate_ahead(plan, proposal)
         seen.append(what(plan, n))
         return n
 
-    ahead.predraft = recording
+    ahead.speculate_ahead = recording
     return seen
 
 
 def _windows_per_request(llm: LLM) -> list[tuple[int, int]]:
     """Record, for every run ahead, (the plan's count, the most windows any request got)."""
     ahead = _ahead(llm)
-    return record_predrafts(llm, lambda plan, n: (plan.ahead_branches,
+    return record_speculation_ahead(llm, lambda plan, n: (plan.ahead_branches,
                                                   max((len(v) for v in ahead.cache.entries.values()), default=0)))
 
 

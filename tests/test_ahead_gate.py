@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from spec_support import GREEDY, PROMPTS
-from test_ahead_budget import AHEAD, record_predrafts
+from test_ahead_budget import AHEAD, record_speculation_ahead
 from test_speculation_ahead import _ahead
 from test_speculation_ahead_branches import SEEDED, SEEDED_PROMPTS, seeded_near  # noqa: F401 - fixture
 
@@ -119,7 +119,7 @@ def test_off_steps_draft_nothing_ahead_and_greedy_stays_exact(tiny_models, near_
     llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
               speculation_ahead_branches=3, **AHEAD)
     llm.engine.speculation_ahead.gate = _Script([True, False, False, True, True])
-    seen = record_predrafts(llm, lambda plan, n: (plan.ahead_off, n))
+    seen = record_speculation_ahead(llm, lambda plan, n: (plan.ahead_off, n))
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == target_greedy("llama")
     assert {off for off, _ in seen} == {True, False}
     assert all(n == 0 for off, n in seen if off) and any(n > 0 for off, n in seen if not off)
@@ -148,7 +148,7 @@ def test_off_steps_counter_follows_the_engine_total():
     from serving.metrics import EngineMetrics
 
     m = EngineMetrics()
-    value = lambda: m.registry.get_sample_value("specserve_spec_ahead_off_steps_total")  # noqa: E731
+    value = lambda: m.registry.get_sample_value("specserve_speculation_ahead_off_steps_total")  # noqa: E731
     assert value() == 0
     for total in (5, 5, 8):
         m.on_ahead_off_steps(total)

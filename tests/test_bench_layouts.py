@@ -268,9 +268,10 @@ def test_speculation_ahead_counters_reach_metrics_and_the_report() -> None:
     assert summary == {"hit_rate": 10 / 22, "unused_share": 48 / 88, "lookups": 22.0, "skipped_branches": 6.0,
                        "drafted_per_lookup": 88 / 22}
     scraped = scrape()
-    assert scraped["specserve_spec_ahead_trees_total"] == 10 and scraped["specserve_spec_ahead_tree_nodes_total"] == 110
+    assert scraped["specserve_speculation_ahead_trees_total"] == 10
+    assert scraped["specserve_speculation_ahead_tree_nodes_total"] == 110
     outcome_hits = {s.labels["accepted"]: s.value for f in text_string_to_metric_families(generate_latest(
-        registry).decode()) for s in f.samples if s.name == "specserve_spec_ahead_outcome_hits_total"}
+        registry).decode()) for s in f.samples if s.name == "specserve_speculation_ahead_outcome_hits_total"}
     assert outcome_hits == {"0": 2.0, "1": 1.0, "2": 7.0}  # an outcome's series appears with its first hit
     assert ahead_summary(before, before) is None  # nothing drafted ahead
     with pytest.raises(ValueError, match=f"{NUM_TOTALS} speculation-ahead totals, got 4"):

@@ -150,7 +150,7 @@ def test_two_targets_share_one_draft_and_stay_exact(server: Server, oracle) -> N
     assert len({s.labels["replica"] for s in drafts if s.value > 0}) == 2, drafts
     # Speculation ahead's series, each target's own lookups, labelled alike.
     lookups = [s for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "specserve_spec_ahead_lookups_total"]
+               if s.name == "specserve_speculation_ahead_lookups_total"]
     assert {s.labels["draft_replica"] for s in lookups} == {pool_ranks()[0][0].rsplit(":", 1)[1]}, lookups
     assert len({s.labels["replica"] for s in lookups if s.value > 0}) == 2, lookups
     assert pool_stats()["speculation_ahead"]["predrafts"] > 0

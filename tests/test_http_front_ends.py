@@ -152,9 +152,9 @@ def test_errors_health_and_metrics(server: Server) -> None:
 def test_disconnect_frees_kv_of_both_models(server: Server, front_end: str) -> None:
     tree = "speculation_ahead_tree_fanout" in FRONT_ENDS[front_end][0]
     with server.http() as c:
-        trees = scrape(c).get("specserve_spec_ahead_trees_total", 0.0)
+        trees = scrape(c).get("specserve_speculation_ahead_trees_total", 0.0)
     # Some steps into the stream (a tree a step from the first decode on), then the client hangs up.
     check_disconnect_frees_kv(server, byte_body("hello", 200, stream=True), events=8 if tree else 1)
     if tree:  # the stream was cut with its trees drafted (scratch slots), and still every block came back
         with server.http() as c:
-            assert scrape(c)["specserve_spec_ahead_trees_total"] > trees
+            assert scrape(c)["specserve_speculation_ahead_trees_total"] > trees

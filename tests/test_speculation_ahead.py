@@ -156,17 +156,17 @@ def test_ahead_stale_probabilities_are_caught(tiny_models, seeded_plain):
     path = tiny_models["llama"].path
     llm = LLM(path, draft_model=path, num_speculative_tokens=3, **AHEAD)
     ahead = _ahead(llm)
-    predraft = ahead.predraft
+    speculate_ahead = ahead.speculate_ahead
 
-    def stale_predraft(plan, proposal):
-        n = predraft(plan, proposal)
+    def stale_speculate_ahead(plan, proposal):
+        n = speculate_ahead(plan, proposal)
         for entries in ahead.cache.entries.values():
             for e in entries:
                 if e.probs is not None:
                     e.probs = torch.roll(e.probs, 1, dims=0)
         return n
 
-    ahead.predraft = stale_predraft
+    ahead.speculate_ahead = stale_speculate_ahead
     outs = [o.token_ids for o in llm.generate(SEEDED_PROMPTS, SEEDED)]
     assert ahead.stats.hits > 5
     assert outs != seeded_plain

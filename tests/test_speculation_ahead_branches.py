@@ -187,16 +187,16 @@ def _seeded_branches(tiny_models, near_drafts, stale: bool = False) -> tuple[lis
               speculation_ahead_branches=4, **AHEAD)
     ahead = _ahead(llm)
     if stale:  # each rejection window's q is the one drafted for the position before
-        predraft = ahead.predraft
+        speculate_ahead = ahead.speculate_ahead
 
-        def stale_predraft(plan, proposal):
-            n = predraft(plan, proposal)
+        def stale_speculate_ahead(plan, proposal):
+            n = speculate_ahead(plan, proposal)
             for e in (e for v in ahead.cache.entries.values() for e in v):
                 if e.probs is not None and e.kind == REJECT:
                     e.probs = torch.roll(e.probs, 1, dims=0)
             return n
 
-        ahead.predraft = stale_predraft
+        ahead.speculate_ahead = stale_speculate_ahead
     return [o.token_ids for o in llm.generate(SEEDED_PROMPTS, SEEDED)], ahead.stats
 
 

@@ -99,10 +99,10 @@ def test_in_process_runs_the_same_order(ahead: bool) -> None:
             return lambda *args: seen.append(method) or f"{method}{args}"
 
     result = run_in_process({"draft": Side(), "target": Side()}, StepMode(False, ahead, False), "plan")
-    assert seen == ["propose", "verify"] + (["predraft"] if ahead else [])
+    assert seen == ["propose", "verify"] + (["speculate_ahead"] if ahead else [])
     assert result == "verify('plan', \"propose('plan',)\")"
     assert [c.method for c in SPECULATION_STEP if c.runs(StepMode(True, True, True))] == \
-        ["propose", "prepare", "verify", "predraft", "absorb"]
+        ["propose", "prepare", "verify", "speculate_ahead", "absorb"]
 
 
 def test_graph_node_drops_ordering_arguments() -> None:

@@ -106,15 +106,15 @@ class _Synthetic(AheadBudget):
 def _record_trees(llm: LLM) -> list[tuple[int | None, int]]:
     """For every pre-draft: (the plan's node cap, the nodes the draft then fed)."""
     ahead, seen = _ahead(llm), []
-    predraft = ahead.predraft
+    speculate_ahead = ahead.speculate_ahead
 
-    def recording(plan, proposal):  # noqa: ANN001, ANN202 - wraps AheadProposer.predraft
+    def recording(plan, proposal):  # noqa: ANN001, ANN202 - wraps AheadProposer.speculate_ahead
         before = ahead.stats.tree_nodes
-        n = predraft(plan, proposal)
+        n = speculate_ahead(plan, proposal)
         seen.append((plan.ahead_tree_nodes, ahead.stats.tree_nodes - before))
         return n
 
-    ahead.predraft = recording
+    ahead.speculate_ahead = recording
     return seen
 
 

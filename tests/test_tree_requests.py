@@ -54,15 +54,15 @@ class _Spy:
         self.hits: dict[str, int] = {}
         self.branches: list[tuple[str, list[int], list[int]]] = []  # (request, output, d[:a] + [t] + e)
         ahead = _ahead(llm)
-        lookup, predraft = ahead._lookup, ahead.predraft
+        lookup, speculate_ahead = ahead._lookup, ahead.speculate_ahead
 
         def spy_lookup(entries, p, plan):  # noqa: ANN001, ANN202
             e = lookup(entries, p, plan)
             self.hits[p.request_id] = self.hits.get(p.request_id, 0) + (e is not None)
             return e
 
-        def spy_predraft(plan, proposal):  # noqa: ANN001, ANN202
-            n = predraft(plan, proposal)
+        def spy_speculate_ahead(plan, proposal):  # noqa: ANN001, ANN202
+            n = speculate_ahead(plan, proposal)
             host = proposal.host_rows([p.num_draft_tokens for p in plan.requests])
             for p, d in zip(plan.requests, host):
                 for e in ahead.cache.entries.get(p.request_id, []) if p.request_id in watch else []:
@@ -70,7 +70,7 @@ class _Spy:
                                           [*d[:e.outcome], e.tokens[-1], *e.token_ids.tolist()]))
             return n
 
-        ahead._lookup, ahead.predraft = spy_lookup, spy_predraft
+        ahead._lookup, ahead.speculate_ahead = spy_lookup, spy_speculate_ahead
 
 
 @pytest.mark.parametrize("async_", [False, True])
@@ -135,7 +135,7 @@ def test_the_budget_counts_the_requests_drafted_ahead(byte_pair, ahead):
     target, draft = byte_pair
     llm = LLM(target, draft_model=draft, **KW, **dict(ahead, speculation_ahead=True))
     engine, drafts = llm.engine, _ahead(llm)
-    budget, make_plan, predraft = engine.speculation_ahead.budget, engine.make_plan, drafts.predraft
+    budget, make_plan, speculate_ahead = engine.speculation_ahead.budget, engine.make_plan, drafts.speculate_ahead
     counts: dict[str, list[int]] = {"branches": [], "tree_nodes": []}  # the requests the budget counted, by step
     branches, tree_nodes = budget.branches, budget.tree_nodes
     budget.branches = lambda n: counts["branches"].append(n) or branches(n)
@@ -148,12 +148,12 @@ def test_the_budget_counts_the_requests_drafted_ahead(byte_pair, ahead):
         counted[plan.step_id] = counts["branches"][-1]
         return plan
 
-    def spy_predraft(plan, proposal):  # noqa: ANN001, ANN202
-        n = predraft(plan, proposal)
+    def spy_speculate_ahead(plan, proposal):  # noqa: ANN001, ANN202
+        n = speculate_ahead(plan, proposal)
         drafted[plan.step_id] = len(drafts._pending)  # one entry a request drafted ahead
         return n
 
-    engine.make_plan, drafts.predraft = spy_plan, spy_predraft
+    engine.make_plan, drafts.speculate_ahead = spy_plan, spy_speculate_ahead
     params = [_grammar(), _penalised(0.9, 5), SamplingParams(max_tokens=N, ignore_eos=True),
               SamplingParams(max_tokens=N, temperature=0.8, seed=2, ignore_eos=True)]
     llm.generate(PROMPTS, params)

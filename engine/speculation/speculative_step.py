@@ -7,7 +7,7 @@ draft drafts the next window. Every side resolves the plan's open entries from i
 and records the step's result in it (engine/step/request_table.py).
 
 - `DraftSide`: the draft's proposer (and AheadProposer) over its runner, with the side's table.
-- `TargetSide`: the target's verifier, with the side's table and the counters of inputs built ahead.
+- `TargetSide`: the target's verifier, with the side's table and the counters of inputs built during the draft.
 - `SpeculativeStep`: both sides in one process, sharing one table (the result is recorded once, for both models):
   the in-process executor runs it, and so does a target worker rank with a colocated draft.
 
@@ -31,7 +31,7 @@ from engine.step.phases import (
     GpuMarks,
     book_local_proposal,
     book_no_proposal,
-    book_propose_ahead,
+    book_speculation_ahead,
 )
 from engine.step.plan import StepPlan, StepResult
 from engine.step.proposal import DraftProposal
@@ -45,7 +45,7 @@ class DraftSide:
     def __init__(self, runner: ModelRunner, keep_probs: bool, seed: int, speculation_ahead: bool = False,
                  table: RequestTable | None = None) -> None:
         """keep_probs: keep q (probabilistic rejection reads it). speculation_ahead: draft the next window after each
-        proposal (`predraft`) and serve hits from it (engine/speculation/ahead/proposer.py)."""
+        proposal (`speculate_ahead`) and serve hits from it (engine/speculation/ahead/proposer.py)."""
         self.runner = runner
         self.table = table if table is not None else RequestTable()
         self.proposer = DraftProposer(runner, keep_probs, seed, ahead=speculation_ahead,
@@ -54,7 +54,7 @@ class DraftSide:
         self.ahead = (AheadProposer(self.proposer, runner.config.synthetic_bonus_agreement, seed,
                                     AgreementProfile.from_table(profile) if profile is not None else None)
                       if speculation_ahead else None)
-        # The last proposal and its plan, for `predraft`: the window ahead follows the proposal that went out.
+        # The last proposal and its plan, for `speculate_ahead`: the window ahead follows the proposal that went out.
         self._proposed: tuple[StepPlan, DraftProposal] | None = None
 
     def resolve(self, plan: StepPlan) -> StepPlan:
@@ -74,11 +74,11 @@ class DraftSide:
         if self.ahead is not None:
             self.ahead.drop_all()
 
-    def predraft(self) -> None:
+    def speculate_ahead(self) -> None:
         """Draft the next windows of the last proposal (speculation ahead; nothing otherwise)."""
         last, self._proposed = self._proposed, None
         if self.ahead is not None and last is not None:
-            self.ahead.predraft(*last)
+            self.ahead.speculate_ahead(*last)
 
     def absorb(self, result: StepResult) -> None:
         """The target's result of the step this side proposed for (a table of its own: served)."""
@@ -89,8 +89,9 @@ class DraftSide:
         """Speculation ahead's running totals (StepResult.speculation_ahead_totals); None without it."""
         return self.ahead.stats.as_tuple() if self.ahead is not None else None
 
-    def take_predraft_window(self) -> tuple[int, float] | None:
-        """The last run ahead as (rows, seconds), once (StepResult.predraft_window); None if none ran since."""
+    def take_speculation_ahead_window(self) -> tuple[int, float] | None:
+        """The last run of speculation ahead as (rows, seconds), once (StepResult.speculation_ahead_window); None if
+        none ran since."""
         return self.ahead.take_window() if self.ahead is not None else None
 
 
@@ -99,31 +100,31 @@ class TargetSide:
     the proposal and records the result. Plans are resolved by the caller, as for DraftSide."""
 
     def __init__(self, runner: ModelRunner, seed: int, table: RequestTable | None = None,
-                 launch_ahead: bool = False) -> None:
-        """launch_ahead: inputs prepared ahead are also queued on the GPU before the ids come, where the verifier can
-        (Verifier.enable_launch_ahead: graphs on CUDA; for a remote draft only)."""
+                 gated_launch: bool = False) -> None:
+        """gated_launch: inputs prepared during the draft are also queued on the GPU before the ids come, where the
+        verifier can (Verifier.enable_gated_launch: graphs on CUDA; for a remote draft only)."""
         self.runner = runner
         self.table = table if table is not None else RequestTable()
         self.verifier = Verifier(runner, seed)
-        self.launch_ahead = bool(launch_ahead and self.verifier.enable_launch_ahead())
-        self.num_prepared_ahead = 0  # verify steps whose input was built while the draft proposed
-        self.num_launched_ahead = 0  # ... and whose forward was queued on the GPU before the ids came
+        self.gated_launch = bool(gated_launch and self.verifier.enable_gated_launch())
+        self.num_prepared_during_draft = 0  # verify steps whose input was built while the draft proposed
+        self.num_gated_launches = 0  # ... and whose forward was queued on the GPU before the ids came
 
     def resolve(self, plan: StepPlan) -> StepPlan:
         return self.table.resolve(plan)
 
-    def prepare(self, plan: StepPlan, with_drafts: bool, launch_ahead: bool = False) -> VerifyInput:
+    def prepare(self, plan: StepPlan, with_drafts: bool, gated_launch: bool = False) -> VerifyInput:
         """The verify input of a resolved plan, placeholders where a proposal's drafts will go (with_drafts);
-        launch_ahead: queue its forward too (only where `launch_ahead` was enabled)."""
-        return self.verifier.prepare(plan, with_drafts, launch_ahead=launch_ahead and self.launch_ahead)
+        gated_launch: queue its forward too (only where `gated_launch` was enabled)."""
+        return self.verifier.prepare(plan, with_drafts, gated_launch=gated_launch and self.gated_launch)
 
     def verify(self, step: StepPlan | VerifyInput, proposal: DraftProposal | None) -> StepResult:
-        """Verify `proposal` (None: no drafts) for `step`, a resolved plan or its input prepared ahead (built while
-        the draft proposed: its time is not the step's); records the result in the table."""
+        """Verify `proposal` (None: no drafts) for `step`, a resolved plan or its input prepared during the draft (built
+        while the draft proposed: its time is not the step's); records the result in the table."""
         if isinstance(step, VerifyInput):
-            result = self.verifier.run(step, proposal, prepared_ahead=True)
-            self.num_prepared_ahead += 1
-            self.num_launched_ahead += step.launched is not None
+            result = self.verifier.run(step, proposal, prepared_during_draft=True)
+            self.num_prepared_during_draft += 1
+            self.num_gated_launches += step.launched is not None
         else:
             result = self.verifier.verify(step, proposal)
         self.table.record(result)
@@ -186,8 +187,8 @@ class SpeculativeStep:
         result = run_in_process({DRAFT: draft, TARGET: self.target}, mode, plan, timed)
         phases = result.phase_seconds
         if mode.speculation_ahead:
-            book_propose_ahead(phases, ended["predraft"] - ended["verify"])
+            book_speculation_ahead(phases, ended["speculate_ahead"] - ended["verify"])
             result.speculation_ahead_totals = draft.speculation_ahead_totals
-            result.predraft_window = draft.take_predraft_window()
+            result.speculation_ahead_window = draft.take_speculation_ahead_window()
         book_local_proposal(phases, marks, ended["propose"] - t0, time.perf_counter() - t0)
         return result

@@ -8,7 +8,7 @@ compiled graph or as ordered actor calls.
     proposal = draft.propose(plan)                 # k tokens a request, from its speculation cache or drafted now
     prepared = target.prepare(plan)                # the verify input, built while the draft proposes (served)
     result   = target.verify(prepared, proposal)   # one forward over k + 1 positions, then rejection sampling
-    draft.predraft()                               # speculation ahead: the next window, while the target verifies
+    draft.speculate_ahead()                        # speculation ahead: the next window, while the target verifies
     draft.absorb(result)                           # the draft's own request table learns the step's outcome
 
 A call that does not run in a way of running a step (`Call.runs`) hands its first input on as its output: without
@@ -51,8 +51,8 @@ SPECULATION_STEP: tuple[Call, ...] = (
     Call(DRAFT, "propose", (PLAN,)),
     Call(TARGET, "prepare", (PLAN,), needs="prepares_verify"),
     Call(TARGET, "verify", ("prepare", "propose")),
-    Call(DRAFT, "predraft", after=("propose",), needs="speculation_ahead"),
-    Call(DRAFT, "absorb", ("verify",), after=("predraft",), needs="draft_has_own_table"),
+    Call(DRAFT, "speculate_ahead", after=("propose",), needs="speculation_ahead"),
+    Call(DRAFT, "absorb", ("verify",), after=("speculate_ahead",), needs="draft_has_own_table"),
 )
 RESULT = "verify"  # the call whose output is the step's result
 

@@ -4,7 +4,7 @@ and [last token + k drafts] for speculating requests), then sampling or rejectio
 A step is two calls: `prepare` builds the forward's input from the plan alone, with placeholders where the drafts
 go, and `run` writes the draft ids in on the device and runs it. In process they follow each other (the host
 builds the input while the GPU runs the draft); a target worker prepares while the draft's worker proposes, so
-that only the ids' small copy waits for the proposal. With `launch_ahead` (a remote draft on GPUs of its own) the
+that only the ids' small copy waits for the proposal. With `gated_launch` (a remote draft on GPUs of its own) the
 prepared forward is even queued on the GPU before the ids exist, behind a kernel that waits for them
 (engine/kernels/ids_gate.py), and `run` only writes them into pinned memory."""
 
@@ -57,7 +57,7 @@ class VerifyInput:
     # forward's input, row 1 their indices in the proposal's flattened [num_reqs, max_k] ids
     draft_index: torch.Tensor | None
     seconds: float  # host time spent building it
-    launched: LaunchedForward | None = None  # the forward already queued, waiting for the ids (launch_ahead)
+    launched: LaunchedForward | None = None  # the forward already queued, waiting for the ids (gated_launch)
 
 
 class Verifier:
@@ -68,7 +68,7 @@ class Verifier:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed(seed)
-        self.gate: IdsGate | None = None  # set by enable_launch_ahead
+        self.gate: IdsGate | None = None  # set by enable_gated_launch
         k = runner.config.num_speculative_tokens
         # Every verify width up to k + 1: a load-adaptive draft length may pick any k per step.
         runner.capture_graphs(list(range(1, k + 2)))
@@ -78,8 +78,8 @@ class Verifier:
 
             self.rejection_variants_warmed = rejection_kernel.warm_up(runner.vocab_size, runner.device)
 
-    def enable_launch_ahead(self) -> bool:
-        """Let `prepare(..., launch_ahead=True)` queue graph-replayed forwards before a remote draft's ids come.
+    def enable_gated_launch(self) -> bool:
+        """Let `prepare(..., gated_launch=True)` queue graph-replayed forwards before a remote draft's ids come.
         Only where forwards replay CUDA graphs (the gate's kernel is Triton; the interpreter would wait forever);
         only for a target whose GPU no draft shares. Returns whether it is on."""
         if self.runner.graphs is None or not HAS_TRITON or interpreting():
@@ -93,9 +93,9 @@ class Verifier:
         return self.run(self.prepare(plan, proposal is not None), proposal)
 
     @torch.inference_mode()
-    def prepare(self, plan: StepPlan, with_drafts: bool, launch_ahead: bool = False) -> VerifyInput:
+    def prepare(self, plan: StepPlan, with_drafts: bool, gated_launch: bool = False) -> VerifyInput:
         """The step's input with a placeholder for each of the plan's drafts (with_drafts: a proposal will come;
-        its counts are the plan's). launch_ahead: also queue the forward behind the gate (enable_launch_ahead)
+        its counts are the plan's). gated_launch: also queue the forward behind the gate (enable_gated_launch)
         when it replays a graph; `run` then hands the gate the ids."""
         t0 = time.perf_counter()
         if self.gate is not None:
@@ -109,7 +109,7 @@ class Verifier:
         if not any(counts):
             return VerifyInput(plan, counts, forward, None, time.perf_counter() - t0)
         positions = _draft_positions(plan, counts)
-        if launch_ahead and self.gate is not None and forward.graph_key is not None:
+        if gated_launch and self.gate is not None and forward.graph_key is not None:
             launched = self._launch(positions, len(reqs), max(counts), forward)
             return VerifyInput(plan, counts, forward, None, time.perf_counter() - t0, launched)
         draft_index = self._draft_index(positions)
@@ -121,9 +121,9 @@ class Verifier:
         return to_device([[positions[i] for i in src], src], torch.int64, self.runner.device)
 
     @torch.inference_mode()
-    def run(self, inp: VerifyInput, proposal: DraftProposal | None, prepared_ahead: bool = False) -> StepResult:
-        """Write the proposal's ids into the prepared input, run the forward and sample. prepared_ahead: the input
-        was built while the draft proposed, so its time is not the step's (not booked as `prepare`)."""
+    def run(self, inp: VerifyInput, proposal: DraftProposal | None, prepared_during_draft: bool = False) -> StepResult:
+        """Write the proposal's ids into the prepared input, run the forward and sample. prepared_during_draft: the
+        input was built while the draft proposed, so its time is not the step's (not booked as `prepare`)."""
         t_in = time.perf_counter()
         if inp.launched is not None:
             return self._run_launched(inp, proposal, t_in)
@@ -150,7 +150,7 @@ class Verifier:
             device_tokens = DeviceTokens(index[0], draft_ids.reshape(-1).index_select(0, index[1]))
         t0 = time.perf_counter()
         logits, marks = self._forward(inp.forward, device_tokens)  # [sum of num_logits, V]
-        return self._finish(inp, proposal, draft_ids, logits, marks, t_in, t0, prepared_ahead)
+        return self._finish(inp, proposal, draft_ids, logits, marks, t_in, t0, prepared_during_draft)
 
     def _forward(self, forward: PreparedForward, device_tokens: DeviceTokens | None
                  ) -> tuple[torch.Tensor, GpuMarks | None]:
@@ -165,14 +165,14 @@ class Verifier:
 
     def _finish(self, inp: VerifyInput, proposal: DraftProposal | None, draft_ids: torch.Tensor | None,
                 logits: torch.Tensor, marks: GpuMarks | None, t_in: float, t0: float,
-                prepared_ahead: bool) -> StepResult:
+                prepared_during_draft: bool) -> StepResult:
         """Sample the queued forward's logits; t0: when the forward could start on the GPU."""
         t1 = time.perf_counter()
         logits, prompt_logprobs = _split_prompt_rows(inp.plan, inp.counts, logits)
         result = self._sample(inp.plan, proposal, draft_ids, inp.counts, logits)
         result.prompt_logprobs = prompt_logprobs
         # prepare: the host's work before the forward on the step's path (the input, and the draft ids into it).
-        prepare = (0.0 if prepared_ahead else inp.seconds) + t0 - t_in
+        prepare = (0.0 if prepared_during_draft else inp.seconds) + t0 - t_in
         result.phase_seconds = forward_phases(prepare, t0, t1, time.perf_counter(), marks)
         result.step_id = inp.plan.step_id
         result.num_draft_tokens = list(inp.counts)
@@ -217,7 +217,7 @@ class Verifier:
         logger.warning("the verify forward's gate gave up before the draft's ids came; running it again")
         # The ordinary path on the same prepared input: the ids copied in, the forward replayed.
         ordinary = dataclasses.replace(inp, draft_index=self._draft_index(launched.positions), launched=None)
-        return self.run(ordinary, proposal, prepared_ahead=True)
+        return self.run(ordinary, proposal, prepared_during_draft=True)
 
     def ids_on_device(self, proposal: DraftProposal) -> bool:
         """Whether the proposal's ids are on this model's device (a draft in the same process), so the verify

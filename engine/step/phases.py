@@ -19,7 +19,8 @@ written here once:
                  of their own), host wall time elsewhere.
   sample         sampling or rejection sampling and the tokens' copy to the host; in one process on CUDA also the
                  part of the step's wall time no other phase covers (a wait for the draft's GPU work).
-  propose_ahead  in one process with speculation ahead: drafting the next window, after the verify.
+  speculation_ahead
+                 in one process with speculation ahead: drafting the next window, after the verify.
   between        a worker running whole steps (a colocated draft's `spec_step`): from its last result, or this
                  plan's sending if later, to this step's start: the result's write and the plan's read through the
                  graph's channels, the worker's share of dispatch. Only where router and worker share a host.
@@ -41,7 +42,7 @@ HANDOFF = "handoff"
 PREPARE = "prepare"
 VERIFY = "verify"
 SAMPLE = "sample"
-PROPOSE_AHEAD = "propose_ahead"
+SPECULATION_AHEAD = "speculation_ahead"
 BETWEEN = "between"
 DISPATCH = "dispatch"
 COMMIT = "commit"
@@ -126,8 +127,8 @@ def book_local_proposal(phases: dict[str, float], marks: GpuMarks | None, host_s
         phases[PROPOSE] = host_seconds
 
 
-def book_propose_ahead(phases: dict[str, float], seconds: float) -> None:
-    phases[PROPOSE_AHEAD] = seconds
+def book_speculation_ahead(phases: dict[str, float], seconds: float) -> None:
+    phases[SPECULATION_AHEAD] = seconds
 
 
 def book_remote_proposal(phases: dict[str, float], seconds: float, sent_at: float, host: str,

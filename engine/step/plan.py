@@ -159,7 +159,7 @@ class StepResult:
     # The draft's last run ahead (rows, seconds), for the engine's fan-out budget (engine/speculation/ahead/budget.py;
     # in tree mode the rows are the tree nodes fed);
     # None where it drafted none since the result before.
-    predraft_window: tuple[int, float] | None = None
+    speculation_ahead_window: tuple[int, float] | None = None
     # Per planned request, one (logprob, [(token id, logprob), ...]) per sampled token, where the request asked for
     # logprobs (engine.sample.logprobs); None when no request of the step did.
     logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None

@@ -95,7 +95,7 @@ def _launched_verify(monkeypatch, counter: list[int], delay_s: float, timeout_ns
 
     def init(self, runner, seed=0):
         original_init(self, runner, seed)
-        assert self.enable_launch_ahead()
+        assert self.enable_gated_launch()
         if timeout_ns is not None:
             self.gate.timeout_ns = timeout_ns
 
@@ -105,10 +105,10 @@ def _launched_verify(monkeypatch, counter: list[int], delay_s: float, timeout_ns
         # The ids to the host first, as the draft's worker sends them: a sync after the gate was armed would wait
         # for the gate, which waits for the ids.
         remote = proposal.to_host([r.num_draft_tokens for r in plan.requests])
-        inp = self.prepare(plan, True, launch_ahead=True)
+        inp = self.prepare(plan, True, gated_launch=True)
         counter[0] += inp.launched is not None
         time.sleep(delay_s)  # the draft's worker is still proposing
-        return self.run(inp, remote, prepared_ahead=True)
+        return self.run(inp, remote, prepared_during_draft=True)
 
     monkeypatch.setattr(Verifier, "__init__", init)
     monkeypatch.setattr(Verifier, "verify", verify)

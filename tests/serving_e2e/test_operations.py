@@ -23,10 +23,11 @@ DESIGN_METRICS = [
     "specserve_time_to_first_token_seconds", "specserve_inter_token_latency_seconds",
     "specserve_e2e_request_latency_seconds", "specserve_step_duration_seconds",
     "specserve_prefix_cache_queries_total", "specserve_prefix_cache_hits_total",
-    "specserve_spec_ahead_lookups_total", "specserve_spec_ahead_hits_total",
-    "specserve_spec_ahead_drafted_tokens_total", "specserve_spec_ahead_unused_tokens_total",
-    "specserve_spec_ahead_skipped_branches_total", "specserve_spec_ahead_branches",
-    "specserve_spec_ahead_trees_total", "specserve_spec_ahead_tree_nodes_total", "specserve_spec_ahead_off_steps_total",
+    "specserve_speculation_ahead_lookups_total", "specserve_speculation_ahead_hits_total",
+    "specserve_speculation_ahead_drafted_tokens_total", "specserve_speculation_ahead_unused_tokens_total",
+    "specserve_speculation_ahead_skipped_branches_total", "specserve_speculation_ahead_branches",
+    "specserve_speculation_ahead_trees_total", "specserve_speculation_ahead_tree_nodes_total",
+    "specserve_speculation_ahead_off_steps_total",
 ]
 
 

@@ -10,8 +10,8 @@ configured count; the plan carries the cap (StepPlan.ahead_branches), so every r
 drafts the same windows.
 
 What is measured:
-- the draft's run ahead: (rows, seconds) of the last one, from the draft side (StepResult.predraft_window); a running
-  mean per row count, since a run's cost grows with its rows (the draft loop's batch);
+- the draft's run ahead: (rows, seconds) of the last one, from the draft side (StepResult.speculation_ahead_window); a
+  running mean per row count, since a run's cost grows with its rows (the draft loop's batch);
 - the shadow: what the step spends between the proposal leaving the draft and the result reaching it, of which
   the phases show the handoff, the verify and the sample; a running mean.
 

@@ -72,7 +72,7 @@ class AheadGate:
         self._planned: dict[int, tuple[int, bool, float]] = {}  # step id -> (bucket, setting, plan time)
         self._run: _Run | None = None
         self._last_commit: float | None = None
-        self.steps_off = 0  # steps planned without drafting ahead (specserve_spec_ahead_off_steps_total)
+        self.steps_off = 0  # steps planned without drafting ahead (specserve_speculation_ahead_off_steps_total)
         self.last = True  # the last plan's setting
 
     def plan(self, step_id: int, num_requests: int) -> bool:

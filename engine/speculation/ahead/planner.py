@@ -57,7 +57,7 @@ class AheadPlanner:
         if result.speculation_ahead_totals is not None:
             self.totals = result.speculation_ahead_totals
         if self.on:
-            self.budget.observe(result.phase_seconds, result.predraft_window)
+            self.budget.observe(result.phase_seconds, result.speculation_ahead_window)
             self.gate.observe(result.step_id, sum(len(t) for t in result.sampled if t))
 
     def branches(self) -> int:

@@ -74,7 +74,7 @@ class _Verify:
 
 class AheadProposer:
     """A DraftProposer with a speculation cache: `propose` serves hits from the cache and drafts the rest;
-    `predraft` (after the proposal has gone to the target) drafts the next windows into the cache.
+    `speculate_ahead` (after the proposal has gone to the target) drafts the next windows into the cache.
 
     bonus_agreement (benchmarks only): under synthetic rejection the target's tokens are unrelated to the draft's,
     so a guess would never be right; with this rate, a lookup whose outcome has a window (every draft accepted: the
@@ -266,7 +266,7 @@ class AheadProposer:
         window, self._window = self._window, None
         return window
 
-    def predraft(self, plan: StepPlan, proposal: DraftProposal, scopes: set[str] | None = None) -> int:
+    def speculate_ahead(self, plan: StepPlan, proposal: DraftProposal, scopes: set[str] | None = None) -> int:
         """Draft the next windows of every speculating request of `plan` (resolved) whose proposal is `proposal`:
         for the likeliest outcomes of its verify, up to `plan.ahead_branches` a request (0: the configured count;
         one: every draft accepted and the bonus token the draft's argmax). scopes (scoped): the targets whose step
@@ -293,7 +293,7 @@ class AheadProposer:
                                                   host_alt[i] if host_alt is not None else None, [None, None])
         if self.tree is not None:
             nodes = self.stats.tree_nodes
-            n = self.tree.predraft(plan, rows, host, self.estimates.alpha, scoped=self.scoped)
+            n = self.tree.speculate_ahead(plan, rows, host, self.estimates.alpha, scoped=self.scoped)
             nodes = self.stats.tree_nodes - nodes
             # Tree mode reports its nodes (the rows its forwards fed): a tree's cost grows with them, not its
             # branches alone (engine/speculation/ahead/budget.py). None where no tree ran.
@@ -301,7 +301,7 @@ class AheadProposer:
             return n
         budget = min(plan.ahead_branches, self.num_branches) if plan.ahead_branches > 0 else self.num_branches
         ranked = {i: self.estimates.ranked(counts[i], budget) for i in rows}
-        n = self.windows.predraft(plan, rows, ranked, host, host_alt,
+        n = self.windows.speculate_ahead(plan, rows, ranked, host, host_alt,
                                   {rid: v.bonus_guesses for rid, v in self._pending.items()}, self.scoped)
         if n:  # timed to the run's sync (its last kernel): its cost as the draft's GPU sees it
             self._window = (n, time.perf_counter() - started)

@@ -78,7 +78,7 @@ def tree_slots_wanted(max_num_seqs: int, max_k: int, fanout: int, max_rows: int)
 
 
 class TreeAhead:
-    """Tree-mode pre-drafting for an AheadProposer: `predraft` fills its cache with branches, `copy_hits` moves a
+    """Tree-mode pre-drafting for an AheadProposer: `speculate_ahead` fills its cache with branches, `copy_hits` moves a
     hit branch's KV into the request's own blocks."""
 
     def __init__(self, proposer: DraftProposer, cache: SpeculationCache, counters: AheadCounters) -> None:
@@ -106,7 +106,7 @@ class TreeAhead:
             runner.build_tree_graphs(tree_row_buckets(k + 1, max(widest, k + 1)), num_tree_nodes(k + 1, widest, k),
                                      min(TREE_GRAPH_ROWS, max(self.max_rows, k + 1)))
 
-    def predraft(self, plan: StepPlan, rows: list[int], host: list[list[int]], alpha: float,
+    def speculate_ahead(self, plan: StepPlan, rows: list[int], host: list[list[int]], alpha: float,
                  scoped: bool = False) -> int:
         """One tree for each request of `plan` at `rows`, whose proposal was host[i] (d_1..d_k); alpha: the running
         per-token acceptance (the schedule's). scoped: each tree's slots are held under its request's scope (its

@@ -40,14 +40,14 @@ class _Window:
 
 
 class WindowAhead:
-    """Window-mode pre-drafting for an AheadProposer: `predraft` drafts the chosen windows into its cache."""
+    """Window-mode pre-drafting for an AheadProposer: `speculate_ahead` drafts the chosen windows into its cache."""
 
     def __init__(self, proposer: DraftProposer, cache: SpeculationCache, counters: AheadCounters,
                  scratch: ScratchBlocks, num_branches: int) -> None:
         self.proposer, self.cache, self.counters = proposer, cache, counters
         self.scratch, self.num_branches = scratch, num_branches
 
-    def predraft(self, plan: StepPlan, rows: list[int], ranked: dict[int, list[Branch]], host: list[list[int]],
+    def speculate_ahead(self, plan: StepPlan, rows: list[int], ranked: dict[int, list[Branch]], host: list[list[int]],
                  host_alt: list[list[int]] | None, bonus_guesses: dict[str, list[int | None]],
                  scoped: bool) -> int:
         """The windows of `ranked` (per plan row, its branches likeliest first) for the requests at `rows`, whose
