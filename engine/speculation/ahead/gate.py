@@ -1,11 +1,11 @@
 """Whether drafting ahead pays at the current load, measured: speculation ahead on or off per batch size.
 
 Why: a draft on GPUs of its own drafts the next windows while the target verifies (engine/speculation/
-speculation_ahead.py). At one request that hides the draft (two H200s: 1.23x tokens/s); at sixteen the same layout
+ahead/proposer.py). At one request that hides the draft (two H200s: 1.23x tokens/s); at sixteen the same layout
 lost 9.6% to itself without drafting ahead (benchmarks/RESULTS.md, "The load sweep"): the run ahead and the just-in-
 time drafts of the misses share the draft's GPU, and a run that is not done when the verify's result arrives holds
 the misses up. Where the crossover lies depends on the pair, the machines and the hit rate, so no fixed batch size
-fits: the engine measures it. The fan-out budget (ahead_budget.py) sizes what is drafted ahead; this gate decides
+fits: the engine measures it. The fan-out budget (budget.py) sizes what is drafted ahead; this gate decides
 whether anything is.
 
 How: steps are bucketed by their speculating requests (1, 2-3, 4-7, ...: powers of two). In a bucket the gate keeps

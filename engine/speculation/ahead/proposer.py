@@ -20,7 +20,7 @@ sampling then keeps the target's distribution whatever the draft proposed. Greed
 the next step would draft, so greedy outputs do not change at all.
 
 Fan-out (EngineConfig.speculation_ahead_branches = B > 1; the windows' choice and run: engine/speculation/
-window_ahead.py): the draft drafts up to B windows per request, for the likeliest outcomes of its verify
+ahead/window.py): the draft drafts up to B windows per request, for the likeliest outcomes of its verify
 (engine/speculation/ahead/branches.py: a second bonus guess, rejections after a accepted drafts with the draft's
 runner-up there as the target's token). Each window is exactly what the next proposal would draft after its outcome:
 its own catch-up and start position (a rejection's is the single token t at the frontier plus a), its own k' (shrunk
@@ -274,7 +274,7 @@ class AheadProposer:
         started = time.perf_counter()
         # Windows of a pre-draft no proposal came after (none, in the executors' order): the scratch is reused now.
         self.drop(scopes)
-        if plan.ahead_off:  # the engine's gate: drafting ahead measured slower at this load (ahead_gate.py)
+        if plan.ahead_off:  # the engine's gate: drafting ahead measured slower at this load (gate.py)
             return 0
         rows = [i for i, p in enumerate(plan.requests)
                 if p.draft_runs and p.num_draft_tokens and drafts_ahead(p.sample, p.logits_params is not None,

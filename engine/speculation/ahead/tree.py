@@ -3,14 +3,14 @@ request, the draft drafts ONE tree covering every outcome of its verify, instead
 
 The verify accepts a = 0..k drafts and then emits the target's token t at position frontier + a (frontier: the
 position of d_1): a replacement of d_{a+1} for a < k, the bonus token for a = k. The tree (engine/speculation/
-tree_draft.py, `draft_tree` with its roots from the window's logits: picked on the device, `root_fanouts`, or on
+ahead/tree_draft.py, `draft_tree` with its roots from the window's logits: picked on the device, `root_fanouts`, or on
 the host, `choose_roots`, for requests with logits processing or a seed):
 - forward 0 feeds the chain [c, d_1..d_k] over the committed prefix (prefix_len = frontier - 1, its KV read in place
   from the request's own draft blocks; c is the last catch-up token, at frontier - 1, fed again for its logits): its
   k + 1 logits rows are the draft's at positions frontier .. frontier + k, i.e. at every outcome's t;
 - the roots of outcome a are the draft's top-F_a tokens there, d_{a+1} excluded for a < k (engine/speculation/
-  tree_roots.py); F_a follows engine/speculation/ahead/tree_schedule.py, cut to the step's row budget (or to the plan's
-  node cap from the engine's ahead budget, engine/speculation/ahead/budget.py: StepPlan.ahead_tree_nodes);
+  ahead/tree_roots.py); F_a follows engine/speculation/ahead/tree_schedule.py, cut to the step's row budget (or to the
+  plan's node cap from the engine's ahead budget, engine/speculation/ahead/budget.py: StepPlan.ahead_tree_nodes);
 - every branch is then drafted D deep (D = the step's k) with one batched forward per depth over all branches of all
   requests; greedy rows take the argmax, sampled rows draw from their q with the proposer's generator.
 Every node's KV goes to scratch slots reserved once at start-up (ModelRunner.reserve_kv_blocks, the same ids in
