@@ -18,8 +18,7 @@ from engine.step.request_table import RequestTable
 
 class LocalExecutor:
     """Target and (optional) draft in this process: one SpeculativeStep (engine/speculation/speculative_step.py), whose
-    sides
-    share one request table, or for a target alone under asynchronous scheduling a DecodePipeline."""
+    sides share one request table, or for a target alone under asynchronous scheduling a DecodePipeline."""
 
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, keep_draft_probs: bool, seed: int) -> None:
         self.target = target
