@@ -23,10 +23,10 @@ from engine.engine_core import EngineCore
 from engine.request import Request
 from engine.step.plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
-from serving.ray_executor import RayExecutor
-from serving.router import Router
-from serving.worker import ModelWorker
-from serving.worker_health import WorkerDiedError
+from serving.router.router import Router
+from serving.workers.health import WorkerDiedError
+from serving.workers.ray_executor import RayExecutor
+from serving.workers.worker import ModelWorker
 
 PROMPTS = random_prompts([3, 9, 17], seed=5)
 NEW_TOKENS = 16
