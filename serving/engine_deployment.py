@@ -68,7 +68,7 @@ class EngineReplica(Router):
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing stats, polled every few seconds and handed to the request routers: whether this replica
         takes requests (not while it rebuilds its workers or drains), so that they send them elsewhere."""
-        return {ACCEPTING: self._unhealthy is None and not self._draining}
+        return {ACCEPTING: self.recovery.unhealthy is None and not self._draining}
 
     async def replica_metrics(self) -> tuple[str, str]:
         """(replica label, this engine's exposition): the ingress merges every replica's into one /metrics."""

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ray
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from contextlib import AbstractAsyncContextManager
+
+    from serving.router.recovery import RecoveryHost
 
 logger = logging.getLogger("specserve")
 
@@ -29,23 +30,22 @@ MOVE_POLL_S = 1.0
 
 
 class DraftMoves:
-    """A mixin of the Router: it uses the router's state below, and its `_between_steps`, `_publish_now` and
-    `_update_queue_and_kv`."""
+    """The router's watch of its draft pool's placement, and its moves: the Router (serving/router/router.py) holds
+    one and starts it from its health checks."""
 
-    engine: Any
-    _unhealthy: str | None
-    _recovery: asyncio.Task | None
-    _moves: asyncio.Task | None = None  # the placement watch: keeps a reference so it is not collected
-    _between_steps: Callable[[], AbstractAsyncContextManager[None]]
-    _publish_now: Callable[[list[Any]], None]
-    _update_queue_and_kv: Callable[[], None]
+    def __init__(self, router: RecoveryHost, recovering: Callable[[], bool]) -> None:
+        """recovering: whether the router's recovery (serving/router/recovery.py) is under way or the engine is
+        down; a move waits for it."""
+        self._router = router
+        self._recovering = recovering
+        self.task: asyncio.Task | None = None  # the placement watch: keeps a reference so it is not collected
 
-    def _ensure_draft_moves(self) -> None:
+    def ensure(self) -> None:
         """Start polling the draft pool's placement, for an engine attached to one (on the router's event loop)."""
-        if getattr(getattr(self.engine, "executor", None), "draft_pool", None) is None:
+        if getattr(getattr(self._router.engine, "executor", None), "draft_pool", None) is None:
             return
-        if self._moves is None or self._moves.done():
-            self._moves = asyncio.get_running_loop().create_task(self._watch_draft_placement())
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._watch_draft_placement())
 
     async def _watch_draft_placement(self) -> None:
         while True:
@@ -55,11 +55,9 @@ class DraftMoves:
             except Exception as e:  # noqa: BLE001 - no room elsewhere, a replica going: stay, ask again later
                 logger.warning("router: moving to another draft replica failed (staying for now): %s", e)
 
-    def _recovering(self) -> bool:
-        return self._unhealthy is not None or (self._recovery is not None and not self._recovery.done())
-
     async def _move_draft_if_asked(self) -> None:
-        engine = self.engine
+        router = self._router
+        engine = router.engine
         executor = engine.executor
         group = executor.draft
         if self._recovering() or group is None or not group.workers:
@@ -73,17 +71,14 @@ class DraftMoves:
             return
         logger.info("router: moving from draft replica %s: %s", tenant.replica, why)
         pending = await asyncio.to_thread(executor.start_pooled_move)
-        async with self._between_steps():
-            if self.engine is not engine or self._recovering() or executor.draft is not group:
+        async with router._between_steps():
+            if router.engine is not engine or self._recovering() or executor.draft is not group:
                 # A dead draft or worker took over meanwhile: its recovery attaches a share of its own.
-                if executor._pending_draft is pending and not self._recovering():
-                    from serving.workers.group import release_group
-
-                    release_group(pending)
-                    executor._pending_draft = None
+                if not self._recovering():
+                    executor.draft_groups.drop(pending)
                 return
-            self._publish_now(engine.flush())  # the steps in flight land before the draft is swapped
+            router._publish_now(engine.flush())  # the steps in flight land before the draft is swapped
             spec = engine.detach_draft()  # lets go of the old share (detached there)
             engine.attach_draft(spec)
-            self._update_queue_and_kv()
+            router._update_queue_and_kv()
         logger.info("router: moved to draft replica %s", pending.workers[0].replica)

@@ -18,7 +18,8 @@ Reliability: the waiting queue is bounded (past `max_queued_requests` a request 
 hint instead of growing memory); a dead model worker fails the requests in flight with a 503 that says so, and the
 router rebuilds its worker groups in place (or, with `continue_without_draft`, drops a dead draft group and serves
 on the target alone until a new draft group is attached): serving/router/recovery.py, whose `EngineRecovery` the
-Router inherits; `drain()` refuses new requests and waits for those in flight, for shutdown.
+Router holds, as it holds the watch of a draft pool's placement (serving/router/draft_moves.py); `drain()` refuses
+new requests and waits for those in flight, for shutdown.
 
 Engine imports stay inside functions: a process that only names the class (the ingress, Serve's controller)
 must not import torch for it.
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("specserve")
 
 
-class Router(EngineRecovery, DraftMoves):
+class Router:
     """Owns one EngineCore. `engine_args` go to the builder (LLM's arguments for the local engine)."""
 
     FREEZE_HEAP_AT_INIT = True  # serving.gc_heap: freeze the startup heap at the end of __init__
@@ -76,12 +77,10 @@ class Router(EngineRecovery, DraftMoves):
                 # intra-op threads slow every step down.
                 torch.set_num_threads(int(os.environ.get("SPECSERVE_TORCH_THREADS", "1")))
         self.engine_args = dict(engine_args)
-        self.engine_builder = engine_builder
         self.model_name = model_name or str(engine_args.get("model"))
         if max_queued_requests is not None and max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0 (or None: no bound), got {max_queued_requests}")
         self.max_queued_requests = max_queued_requests
-        self.continue_without_draft = continue_without_draft
         if stream_interval_ms < 0:
             raise ValueError(f"stream_interval_ms must be >= 0, got {stream_interval_ms}")
         self.stream_interval_s = stream_interval_ms / 1e3
@@ -93,10 +92,11 @@ class Router(EngineRecovery, DraftMoves):
         self._streams: dict[str, RequestStream] = {}
         self._admission = AdmissionQueue()
         self._loop_task: asyncio.Task | None = None
-        self._unhealthy: str | None = None
         self._draining = False
-        self._degraded: str | None = None  # why speculation is off (the draft group died), while it is
-        self._recovery: asyncio.Task | None = None  # rebuilding workers: keeps a reference so it is not collected
+        # A dead worker's recovery (whether the engine is unavailable or serves without its draft), and the watch of
+        # a draft pool's placement that moves this engine between the pool's replicas.
+        self.recovery = EngineRecovery(self, engine_builder, self.engine_args, continue_without_draft)
+        self.draft_moves = DraftMoves(self, self.recovery.recovering)
         self.metrics.set_queue(0, 0)
         self._update_kv_gauges()
         print(f"specserve: engine replica ready: {self.summary()}", flush=True)  # one line a replica in the log
@@ -166,16 +166,16 @@ class Router(EngineRecovery, DraftMoves):
         """Healthy unless the engine is broken. With worker actors, ping them too (between steps), so a worker
         that died while the engine was idle is found by the next probe, not by the next request. Serve probes
         every replica: this also starts the watch of a draft pool's placement (serving/router/draft_moves.py)."""
-        self._ensure_draft_moves()
-        if self._unhealthy is None:
+        self.draft_moves.ensure()
+        if self.recovery.unhealthy is None:
             async with self._between_steps():
                 try:
                     await asyncio.to_thread(self.engine.check_health, 10.0)
                 except Exception as e:  # noqa: BLE001 - WorkerDiedError: a rank is dead or hung
-                    self._declare_dead(e)
-        return {"healthy": self._unhealthy is None, "reason": self._unhealthy, "draining": self._draining,
-                "recovering": self._recovery is not None and not self._recovery.done(),
-                "speculation": self.engine.spec_config is not None, "degraded": self._degraded,
+                    self.recovery.declare_dead(e)
+        return {"healthy": self.recovery.unhealthy is None, "reason": self.recovery.unhealthy,
+                "draining": self._draining, "recovering": self.recovery.running(),
+                "speculation": self.engine.spec_config is not None, "degraded": self.recovery.degraded,
                 "num_running": self.engine.num_running(),
                 "num_waiting": self._num_waiting()}
 
@@ -212,8 +212,8 @@ class Router(EngineRecovery, DraftMoves):
                 "rejection_sampling": spec.rejection_sampling if spec else None}
 
     async def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), "num_streams": len(self._streams), "healthy": self._unhealthy is None,
-                "draining": self._draining, "degraded": self._degraded, "gc_frozen_objects": self.gc_frozen,
+        return {**self.engine.stats(), "num_streams": len(self._streams), "healthy": self.recovery.unhealthy is None,
+                "draining": self._draining, "degraded": self.recovery.degraded, "gc_frozen_objects": self.gc_frozen,
                 **await self.info()}
 
     async def workers(self) -> list[dict[str, Any]]:
@@ -227,8 +227,8 @@ class Router(EngineRecovery, DraftMoves):
 
         if self._draining:
             raise Rejected("the server is shutting down and takes no new requests; retry on another replica", 503)
-        if self._unhealthy is not None:
-            raise Rejected(f"the engine is unavailable: {self._unhealthy}; retry shortly", 503, RETRY_AFTER_S)
+        if self.recovery.unhealthy is not None:
+            raise Rejected(f"the engine is unavailable: {self.recovery.unhealthy}; retry shortly", 503, RETRY_AFTER_S)
         sp = SamplingParams(**params)  # validates; TypeError for an unknown field
         if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt_token_ids):
             raise ValueError("prompt token ids must be integers")
@@ -315,6 +315,43 @@ class Router(EngineRecovery, DraftMoves):
             except Exception as e:  # noqa: BLE001 - the engine's fault, not the request's: it must still be answered
                 logger.exception("admitting %s failed", req.request_id)
                 loop.call_soon_threadsafe(self._refuse, stream, f"the engine could not admit the request: {e}", 500)
+
+    def _on_step_error(self, error: Exception) -> None:
+        """Fail the requests the error belongs to; if it cannot be pinned on some, fail them all. A dead draft
+        worker with `continue_without_draft` fails none: the engine goes on without speculation."""
+        dead = isinstance(error, ray.exceptions.RayActorError) or type(error).__name__ == "WorkerDiedError"
+        if dead and self.recovery.serve_without_draft(error):
+            return
+        # The engine's own culprits: requests it ended (aborted) in the failed step, which no step published.
+        # Requests still queued for admission never reached the engine: the failed step cannot be theirs.
+        culprits = [s for s in self._streams.values()
+                    if s.finish_reason is None and not self.engine.has_request(s.request.request_id)
+                    and not self._admission.holds(s.request.request_id)]
+        if culprits and not dead:
+            logger.warning("engine step failed for %d request(s): %s", len(culprits), error)
+        else:
+            logger.error("engine step failed; failing every request in flight", exc_info=error)
+            self._admission.take_all()  # their streams are failed below with the rest: none may reach the engine
+            culprits = [s for s in self._streams.values() if s.finish_reason is None]
+            for s in culprits:
+                try:
+                    self.engine.abort_request(s.request.request_id)
+                except Exception:  # noqa: BLE001 - the state is suspect; the streams still get their error
+                    logger.exception("aborting %s after a failed step", s.request.request_id)
+        for s in culprits:
+            what = "a model worker died" if dead else "the engine failed"
+            s.error = (f"{what}: {error}; the request was aborted" + (", retry shortly" if dead else ""),
+                       503 if dead else 500)
+            s.finish_reason = "abort"
+            self.metrics.on_finished("abort", 0.0)
+            s.event.set()
+        self._update_queue_and_kv()
+        if dead:
+            self.recovery.declare_dead(error)
+
+    def _use_engine(self, engine: Any) -> None:
+        """Drive `engine` from now on (a rebuilt one, serving/router/recovery.py); call between steps."""
+        self.engine = engine
 
     def _refuse(self, stream: RequestStream, message: str, status: int) -> None:
         stream.error = (message, status)

@@ -112,3 +112,30 @@ def release_group(group: WorkerGroup) -> None:
         except Exception as e:
             logger.warning("removing the %s placement group: %s", group.role, e)
         group.placement = None
+
+
+def gather_info(group: WorkerGroup, timeout_s: float) -> WorkerInfo:
+    """Wait for every rank of a freshly started group to load its model; rank 0's WorkerInfo, once every rank
+    agrees with it on its KV caches and vocabulary."""
+    try:
+        # SYNC: construction only; waits for the models to load.
+        infos: list[WorkerInfo] = ray.get([w.info.remote() for w in group.workers], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"{group.role} workers did not finish loading {group.model_path} within "
+                           f"{timeout_s:.0f} s") from None
+    except ray.exceptions.RayActorError as e:
+        raise RuntimeError(f"a {group.role} worker failed while loading {group.model_path}: {e}") from e
+    first = infos[0]
+    for rank, info in enumerate(infos[1:], start=1):
+        if _kv_shape(info) != _kv_shape(first):
+            raise RuntimeError(f"{group.role} rank {rank} disagrees with rank 0 on its KV cache: "
+                               f"{info.num_blocks} vs {first.num_blocks} blocks (a colocated draft's: "
+                               f"{info.draft_num_blocks} vs {first.draft_num_blocks})")
+    logger.info("%s: %d rank(s) on %s, %d KV blocks, %d KV-cache group(s)", group.role, group.size,
+                sorted({i.node_ip for i in infos}), first.num_blocks, len(first.kv_groups))
+    return first
+
+
+def _kv_shape(info: WorkerInfo) -> tuple:
+    """What every rank of a group must agree on: its models' KV caches and vocabulary."""
+    return info.num_blocks, info.kv_groups, info.vocab_size, info.draft_num_blocks, info.draft_kv_groups

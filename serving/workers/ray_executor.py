@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.spec import KVCacheGroupSpec
@@ -43,6 +44,7 @@ from serving.workers.draft_group import DraftGroupReplacement
 from serving.workers.group import (  # noqa: F401 - check_tensor_parallel and launch_verify_ahead_for are public here too
     WorkerGroup,
     check_tensor_parallel,
+    gather_info,
     launch_verify_ahead_for,
     release_group,
     resolve_draft_placement,
@@ -51,12 +53,12 @@ from serving.workers.group import (  # noqa: F401 - check_tensor_parallel and la
 from serving.workers.health import WorkerDiedError, WorkerHealth  # noqa: F401 - WorkerDiedError is public here too
 from serving.workers.placement import actor_options, bundle_task_options, create_group_placement, make_bundle
 from serving.workers.step_topology import GraphCalls, PlainCalls, step_nodes
-from serving.workers.worker import ModelWorker, WorkerInfo, node_ip_and_free_port
+from serving.workers.worker import ModelWorker, node_ip_and_free_port
 
 logger = logging.getLogger("specserve")
 
 
-class RayExecutor(DraftGroupReplacement, WorkerHealth):
+class RayExecutor:
     """Executor protocol (engine/step/executor.py) over Ray actors: `execute(plan) -> StepResult`."""
 
     def __init__(self, model_path: str, engine_config: EngineConfig, draft_model_path: str | None = None, *,
@@ -115,12 +117,12 @@ class RayExecutor(DraftGroupReplacement, WorkerHealth):
         self._executions: deque[Any] = deque()
         self._done = LaggedResults()
         self._last_collected = 0.0  # when the last step's result came back (perf_counter)
-        self._broken: str | None = None
-        self._broken_role: str | None = None  # the group of the dead worker that broke the executor
-        # What a replacement draft group is built from (serving/router/recovery.py), and one being built.
-        self._draft_args = (draft_model_path, draft_tensor_parallel_size, draft_resources, rejection_sampling,
-                            placement_timeout_s, init_timeout_s)
-        self._pending_draft: WorkerGroup | None = None
+        # Whether the workers are alive, and whether a failed step broke this executor for good.
+        self.health = WorkerHealth(lambda: (self.target, self.draft), self.draft_pool is not None, step_timeout_s)
+        # New draft groups started beside the running target (serving/router/recovery.py), and one being built.
+        self.draft_groups = DraftGroupReplacement(
+            engine_config, self.draft_pool, draft_model_path, draft_tensor_parallel_size, draft_resources,
+            rejection_sampling, placement_timeout_s, init_timeout_s, f"specserve-draft-{id(self):x}")
         if self.draft_pool is not None:
             draft_placement = "separate"
         self.draft_placement = resolve_draft_placement(
@@ -200,33 +202,14 @@ class RayExecutor(DraftGroupReplacement, WorkerHealth):
                     speculation_ahead=self.speculation_ahead and (group.role == "draft" or self.colocated),
                     draft_model_path=colocated_draft if group.role == "target" else None))
         for group, _ in groups:
-            group.info = self._gather_info(group, init_timeout_s)
+            group.info = gather_info(group, init_timeout_s)
         if self.draft_pool is not None:
-            self.draft = self._attach_pooled_draft(draft_model_path, init_timeout_s)
+            self.draft = self.draft_groups.attach_pooled(init_timeout_s)
             # The pool's group drafts ahead for its targets where its configuration says (serving/draft_pool/ahead.py):
             # this target then calls `draft_predraft` after each proposal, and its runs ahead, on the draft's own
             # GPUs, overlap this target's verify (the engine sizes its fan-out from what the draft reports).
             self.speculation_ahead = bool(self.draft.workers[0].share.speculation_ahead)
             self.ahead_overlaps_verify = self.speculation_ahead
-
-    def _gather_info(self, group: WorkerGroup, timeout_s: float) -> WorkerInfo:
-        try:
-            # SYNC: construction only; waits for the models to load.
-            infos: list[WorkerInfo] = ray.get([w.info.remote() for w in group.workers], timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"{group.role} workers did not finish loading {group.model_path} within "
-                               f"{timeout_s:.0f} s") from None
-        except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"a {group.role} worker failed while loading {group.model_path}: {e}") from e
-        first = infos[0]
-        for rank, info in enumerate(infos[1:], start=1):
-            if _kv_shape(info) != _kv_shape(first):
-                raise RuntimeError(f"{group.role} rank {rank} disagrees with rank 0 on its KV cache: "
-                                   f"{info.num_blocks} vs {first.num_blocks} blocks (a colocated draft's: "
-                                   f"{info.draft_num_blocks} vs {first.draft_num_blocks})")
-        logger.info("%s: %d rank(s) on %s, %d KV blocks, %d KV-cache group(s)", group.role, group.size,
-                    sorted({i.node_ip for i in infos}), first.num_blocks, len(first.kv_groups))
-        return first
 
     def _build_graph(self) -> Any:
         from ray.dag import InputNode, MultiOutputNode
@@ -259,14 +242,13 @@ class RayExecutor(DraftGroupReplacement, WorkerHealth):
 
     def submit(self, plan: StepPlan) -> tuple[Any, float]:
         """Send the plan to the workers (a graph execution, or ordered actor calls); returns the handle."""
-        if self._broken is not None:
-            raise WorkerDiedError(self._broken, self._broken_role)
+        self.health.check_usable()
         t0 = time.perf_counter()
         plan.sent_at, plan.sent_host = t0, HOST
         try:
             ref = self._graph.execute(plan) if self._graph is not None else self._submit_plain(plan)
         except Exception as e:
-            self._raise_step_error(e)
+            self.health.raise_step_error(e)
         if not self.pipelined:
             return ref, t0
         self._executions.append(ref)
@@ -293,7 +275,7 @@ class RayExecutor(DraftGroupReplacement, WorkerHealth):
         except Exception as e:
             self._executions.clear()
             self._done.clear()
-            self._raise_step_error(e)
+            self.health.raise_step_error(e)
 
     def _collect_pipelined(self, step_id: int) -> StepResult:
         """Step `step_id`'s result: the output of the execution submitted after it, or of an empty one (a plan of
@@ -311,7 +293,7 @@ class RayExecutor(DraftGroupReplacement, WorkerHealth):
                 try:
                     ref = self._graph.execute(None) if self._graph is not None else self._submit_plain(None)
                 except Exception as e:
-                    self._raise_step_error(e)
+                    self.health.raise_step_error(e)
             result = self._get(ref)[0]
             if result is not None or flush:
                 return result
@@ -322,14 +304,70 @@ class RayExecutor(DraftGroupReplacement, WorkerHealth):
         waits once, for all of them."""
         return self._step_nodes(PlainCalls(), plan)
 
+    # --- workers' health (serving/workers/health.py) ------------------------------------------------------
+    def workers(self) -> list[tuple[str, int, ActorHandle]]:
+        """(role, rank, actor handle) of every model worker, the target's first."""
+        return self.health.workers()
+
+    def check_health(self, timeout_s: float = 10.0) -> None:
+        """Ping every worker; raise WorkerDiedError naming the first that is dead or does not answer (between steps:
+        with plain actor calls a ping waits behind a running step). A broken executor raises at once."""
+        self.health.check(timeout_s)
+
+    # --- a new draft group while the target serves on (serving/workers/draft_group.py) ----------------------
+    def detach_draft(self) -> None:
+        """Run on the target alone: drop the draft ranks (dead or alive) and rebuild the graph without them.
+        Raises WorkerDiedError if a target rank is dead too, RuntimeError for a draft colocated in the target's
+        ranks (its recovery rebuilds the whole engine). With a draft pool, this target's share is detached."""
+        self._refuse_colocated("detach")
+        self._teardown_graph()
+        if self.draft is not None:
+            release_group(self.draft)
+        self.draft, self.draft_kv_groups, self.draft_num_blocks = None, None, 0
+        self.health.clear()
+        self.check_health()
+        if self.use_compiled_graph:
+            self._graph = self._build_graph()
+
+    def start_draft_group(self) -> None:
+        """Start and load a new draft group beside the running target (blocking; steps may run meanwhile).
+        `attach_draft` then puts it into the step."""
+        self._refuse_colocated("start a new draft group for")
+        self.draft_groups.start(self.speculation_ahead)
+
+    def start_pooled_move(self, timeout_s: float = 10.0) -> WorkerGroup:
+        """A target of a draft pool moving to another replica of it (serving/router/draft_moves.py): attach to the
+        least-loaded other replica with room, as the started group that `attach_draft` puts into the step (after
+        `detach_draft` lets go of the current one). Raises when no other replica has room within `timeout_s`."""
+        if self.draft_pool is None or self.draft is None:
+            raise RuntimeError("only a target attached to a draft pool moves between its replicas")
+        return self.draft_groups.start_pooled_move(self.draft.workers[0].replica, timeout_s)
+
+    def attach_draft(self) -> None:
+        """Put the group `start_draft_group` built into the step: the graph is rebuilt with it (between steps)."""
+        self._refuse_colocated("attach")
+        group = self.draft_groups.take()
+        self._teardown_graph()
+        self.draft = group
+        assert group.info is not None
+        self.draft_kv_groups, self.draft_num_blocks = group.info.kv_groups, group.info.num_blocks
+        if self.use_compiled_graph:
+            self._graph = self._build_graph()
+
+    def _refuse_colocated(self, what: str) -> None:
+        if self.colocated:
+            raise RuntimeError(f"cannot {what} a draft colocated in the target's worker processes "
+                               "(draft_placement 'colocated'): it lives and dies with the target's ranks, so the "
+                               "engine is rebuilt whole instead")
+
     # --- teardown -------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Tear down the graph, kill the workers and free their placement groups. Safe to call twice."""
         self._teardown_graph()
-        for group in (self.target, self.draft, self._pending_draft):
+        for group in (self.target, self.draft, self.draft_groups.pending):
             if group is not None:
                 release_group(group)
-        self._broken = self._broken or "the executor was shut down"
+        self.health.mark_shut_down()
 
     def _teardown_graph(self) -> None:
         if self._graph is not None:
@@ -345,7 +383,3 @@ class RayExecutor(DraftGroupReplacement, WorkerHealth):
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-
-def _kv_shape(info: WorkerInfo) -> tuple:
-    """What every rank of a group must agree on: its models' KV caches and vocabulary."""
-    return info.num_blocks, info.kv_groups, info.vocab_size, info.draft_num_blocks, info.draft_kv_groups
