@@ -27,15 +27,11 @@ class DraftGroupReplacement:
                  placement_timeout_s: float, init_timeout_s: float, placement_prefix: str) -> None:
         """draft_pool: a pool's name to take shares of (serving/draft_pool/pool.py), else None: groups of its own,
         whose placement groups are named after `placement_prefix`."""
-        self.engine_config = engine_config
-        self.draft_pool = draft_pool
-        self.model_path = model_path
-        self.tensor_parallel_size = tensor_parallel_size
-        self.resources = resources
-        self.rejection_sampling = rejection_sampling
-        self.placement_timeout_s = placement_timeout_s
-        self.init_timeout_s = init_timeout_s
-        self.placement_prefix = placement_prefix
+        self.engine_config, self.draft_pool, self.placement_prefix = engine_config, draft_pool, placement_prefix
+        # What a new group is built from: (model path, tensor-parallel size, resources, rejection sampling, placement
+        # timeout, load timeout).
+        self.args = (model_path, tensor_parallel_size, resources, rejection_sampling, placement_timeout_s,
+                     init_timeout_s)
         self.pending: WorkerGroup | None = None  # started, not attached yet
 
     def attach_pooled(self, timeout_s: float, exclude: str | None = None) -> WorkerGroup:
@@ -45,44 +41,44 @@ class DraftGroupReplacement:
         from serving.draft_pool.worker import TenantDraft
         from serving.workers.worker import WorkerInfo
 
-        assert self.draft_pool is not None and self.model_path is not None
+        path = self.args[0]
+        assert self.draft_pool is not None and path is not None
         try:
             owner = ray.get_runtime_context().current_actor  # the router: the pool frees the share if it dies
         except Exception:  # noqa: BLE001 - not in an actor (a driver, a test): the pool's timeout frees it
             owner = None
         replica, handle, share = attach_to_pool(self.draft_pool, uuid.uuid4().hex[:12], owner, timeout_s, exclude)
-        group = WorkerGroup("draft", self.model_path, 1, None, [TenantDraft(handle, share, self.draft_pool, replica)])
+        group = WorkerGroup("draft", path, 1, None, [TenantDraft(handle, share, self.draft_pool, replica)])
         group.info = WorkerInfo("draft", share.kv_groups, share.num_blocks, share.vocab_size, 1,
                                 str(self.engine_config.device), "", 0)
         return group
 
     def start(self, speculation_ahead: bool) -> None:
         """Start and load a new draft group (blocking; the target's steps may run meanwhile), as `pending`."""
-        path, size, resources = self.model_path, self.tensor_parallel_size, self.resources
+        path, size, resources, rejection_sampling, placement_timeout_s, init_timeout_s = self.args
         if path is None:
             raise RuntimeError("this executor was built without a draft model")
         if self.pending is not None:
             release_group(self.pending)
         if self.draft_pool is not None:
-            self.pending = self.attach_pooled(self.init_timeout_s)
+            self.pending = self.attach_pooled(init_timeout_s)
             return
         bundle = make_bundle(self.engine_config.device.type, resources)
         pg = create_group_placement(f"{self.placement_prefix}-{time.monotonic_ns():x}", size, bundle,
-                                    self.placement_timeout_s)
+                                    placement_timeout_s)
         group = WorkerGroup("draft", path, size, pg)
         self.pending = group
         addr, port = "127.0.0.1", 0
         if size > 1:
             lookup = ray.remote(node_ip_and_free_port)
             # SYNC: off the step path (recovery).
-            addr, port = ray.get(lookup.options(**bundle_task_options(pg, 0)).remote(),
-                                 timeout=self.placement_timeout_s)
+            addr, port = ray.get(lookup.options(**bundle_task_options(pg, 0)).remote(), timeout=placement_timeout_s)
         actor_cls = ray.remote(ModelWorker)
         for rank in range(size):
             group.workers.append(actor_cls.options(**actor_options(pg, rank, bundle)).remote(
-                "draft", path, self.engine_config, rank, size, addr, port, self.rejection_sampling,
+                "draft", path, self.engine_config, rank, size, addr, port, rejection_sampling,
                 int(bundle.get("CPU", 1)), speculation_ahead=speculation_ahead))
-        group.info = gather_info(group, self.init_timeout_s)
+        group.info = gather_info(group, init_timeout_s)
 
     def start_pooled_move(self, current: str, timeout_s: float) -> WorkerGroup:
         """A share of the least-loaded replica of the pool other than `current` with room, as `pending`. Raises
