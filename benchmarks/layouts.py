@@ -19,7 +19,7 @@ SERVED_ONLY = "i<N>, r<N>, p<M>, hap, sp and ds"
 # draft steps of targets waiting at once batched into one; the executor turns the compiled graph, the NCCL transport
 # and the verify launched ahead off for a pooled draft), behind the ingress, and they hold GPUs of their own. It
 # drafts ahead as a draft group of one target does (predraft / nopredraft, b<N>, f<N>, sg<C>, fixed), for all of
-# its targets at once (serving/draft_pool_ahead.py).
+# its targets at once (serving/draft_pool/ahead.py).
 POOL_EXCLUDES = ("plain", "shared", "colocated", "nccl", "ahead", "noahead", "ds")
 
 

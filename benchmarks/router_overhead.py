@@ -36,7 +36,7 @@ from engine.config import EngineConfig, ModelConfig, resolve_dtype  # noqa: E402
 from engine.local_executor import LocalExecutor  # noqa: E402
 from engine.runner.model_runner import ModelRunner  # noqa: E402
 from engine.step.plan import PlannedRequest, StepPlan  # noqa: E402
-from serving.ray_executor import RayExecutor  # noqa: E402
+from serving.workers.ray_executor import RayExecutor  # noqa: E402
 
 MAX_MODEL_LEN = 256
 POSITION = 40  # each request's decode position: a few blocks of (zero) KV behind it

@@ -32,7 +32,7 @@ import engine.speculation.proposer as proposer_module  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.sample import grammar_matchers  # noqa: E402
 from engine.sample.structured_output import GrammarSpec, StructuredOutputsParams  # noqa: E402
-from serving.tool_calls import render_messages, tool_grammar, tool_spec  # noqa: E402
+from serving.openai.tool_calls import render_messages, tool_grammar, tool_spec  # noqa: E402
 
 PROMPTS = ["Describe a customer order as JSON.", "Give me a user profile in JSON.",
            "Return a JSON record of a book.", "Write a JSON object about a city."]

@@ -30,7 +30,7 @@ from deploy.serve_options import (
     ServingOptions,
     SpeculationOptions,
 )
-from serving.chat_options import ChatOptions
+from serving.openai.chat_options import ChatOptions
 from serving.serve_process_env import resolve_http_proxy
 
 logger = logging.getLogger("specserve")
@@ -71,7 +71,7 @@ class ServeConfig(ServingOptions, SpeculationOptions, EngineOptions):
             raise ValueError("give draft_replicas (a fixed draft pool) or draft_autoscaling_config (a pool that "
                              "scales on load), not both")
         if self.draft_autoscaling_config:
-            from serving.draft_autoscaling import draft_autoscaling_config
+            from serving.draft_pool.autoscaling import draft_autoscaling_config
 
             draft_autoscaling_config(self.draft_autoscaling_config)  # ValueError naming what Serve would refuse
         if self.uses_draft_pool() and self.resolved_draft() is None:

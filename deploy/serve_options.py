@@ -12,12 +12,12 @@ from typing import Any
 
 from deploy.options import option
 from engine.config import REJECTION_MODES, EngineConfig
-from serving.chat_options import load_chat_template
 from serving.engine_builders import DRAFT_PLACEMENTS
-from serving.reasoning_parser import REASONING_PARSERS
-from serving.request_stream import STREAM_INTERVAL_MS
+from serving.openai.chat_options import load_chat_template
+from serving.openai.reasoning_parser import REASONING_PARSERS
+from serving.openai.tool_parsers import TOOL_PARSERS
+from serving.router.request_stream import STREAM_INTERVAL_MS
 from serving.serve_process_env import HTTP_PROXIES
-from serving.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-draft"  # the bundled distilled draft of DEFAULT_MODEL
@@ -201,7 +201,7 @@ class ServingOptions:
                                       "the replica that served its longest prompt prefix")
     request_router_kwargs: dict[str, Any] | None = option(None, metavar="YAML",
                                                           help="options of the prefix_aware router "
-                                                               "(serving/replica_router.py)")
+                                                               "(serving/router/replica_router.py)")
     api_key: str | None = option(None, help="require `Authorization: Bearer KEY` (gRPC: metadata authorization); "
                                             "unset: $SPECSERVE_API_KEY if set, else no key")
     auth_health_metrics: bool = option(False, help="require the API key on /health and /metrics too")
@@ -244,7 +244,7 @@ class ServingOptions:
         return self.draft_replicas is not None or bool(self.draft_autoscaling_config)
 
     def chat_options(self) -> dict[str, Any]:
-        """serving.chat_options.ChatOptions.create's arguments; a template file is read here, where the path was
+        """serving.openai.chat_options.ChatOptions.create's arguments; a template file is read here, where the path was
         given (the replicas may run on other nodes)."""
         return {"enable_auto_tool_choice": self.enable_auto_tool_choice, "tool_call_parser": self.tool_call_parser,
                 "chat_template": load_chat_template(self.chat_template) if self.chat_template else None,

@@ -4,7 +4,7 @@ As in Ray Serve LLM, the ingress is a thin shim: its replicas tokenize, apply th
 OpenAI/gRPC responses, and send each request through a DeploymentHandle to one engine replica
 (serving/engine_deployment.py: a router with its own target and draft worker groups). `num_replicas` and
 `autoscaling_config` scale the engine replicas; `ingress_replicas` the shims. Serve's request router picks the
-engine replica of each request (serving/replica_router.py): among the replicas that take requests, power of two
+engine replica of each request (serving/router/replica_router.py): among the replicas that take requests, power of two
 choices on queue length by default, or prefix affinity with `request_router: prefix_aware`. With
 `direct_streaming` the engine deployment is the ingress itself (serving/engine_ingress.py).
 """
@@ -30,7 +30,7 @@ logger = logging.getLogger("specserve")
 DEPLOYMENT_NAME = "SpecServe"  # the ingress
 # request_router values -> whether the engine replicas' request router uses prefix affinity.
 REQUEST_ROUTERS = {"power_of_two": False, "prefix_aware": True}
-REQUEST_ROUTER_CLASS = "serving.replica_router:EngineRequestRouter"
+REQUEST_ROUTER_CLASS = "serving.router.replica_router:EngineRequestRouter"
 # How often each engine replica's routing stats (whether it takes requests) reach the request routers.
 ROUTING_STATS_PERIOD_S = 2.0
 
@@ -43,7 +43,7 @@ class SpecServe:
                        tokenizer: dict[str, Any] | None = None, chat: dict[str, Any] | None = None,
                        draft_pool: Any = None) -> None:
         """engine: a DeploymentHandle of the engine replicas; draft_pool: one of the draft pool's replicas
-        (serving/draft_pool.py), for /health, or None; the rest: serving.front_end.FrontEnd's."""
+        (serving/draft_pool/pool.py), for /health, or None; the rest: serving.front_end.FrontEnd's."""
         info = await engine.info.remote()
         self.front = FrontEnd(engine, model, served_model_name, info["max_model_len"], security, generation_config,
                               tokenizer, chat)
@@ -108,7 +108,7 @@ def build_application(engine_args: dict[str, Any], options: ServingOptions, *,
         # room for max_ongoing_requests before Serve queues in front of it, and the router bounds its own waiting
         # queue (429 past max_queued_requests).
         engine_options["max_queued_requests"] = options.max_queued_requests
-    from serving.replica_router import check_router_kwargs
+    from serving.router.replica_router import check_router_kwargs
 
     affinity = REQUEST_ROUTERS[options.request_router]
     kwargs = check_router_kwargs({**(options.request_router_kwargs or {}), "prefix_affinity": affinity})
@@ -144,13 +144,14 @@ def build_application(engine_args: dict[str, Any], options: ServingOptions, *,
 
 def _draft_pool(engine_args: dict[str, Any], options: ServingOptions,
                 max_engines: int) -> tuple[Any, dict[str, Any]]:
-    """The draft pool's deployment (serving/draft_pool.py) and the engine replicas' arguments that attach them to
-    it: `draft_replicas` replicas, or as many as `draft_autoscaling_config` asks for (serving/draft_autoscaling.py),
-    each with room for its share of the engine replicas at their largest when the pool is at its smallest."""
+    """The draft pool's deployment (serving/draft_pool/pool.py) and the engine replicas' arguments that attach them
+    to it: `draft_replicas` replicas, or as many as `draft_autoscaling_config` asks for
+    (serving/draft_pool/autoscaling.py), each with room for its share of the engine replicas at their largest when
+    the pool is at its smallest."""
     import uuid
 
-    from serving.draft_autoscaling import draft_autoscaling_config, min_draft_replicas
-    from serving.draft_pool import DraftPoolReplica, slots_per_draft
+    from serving.draft_pool.autoscaling import draft_autoscaling_config, min_draft_replicas
+    from serving.draft_pool.pool import DraftPoolReplica, slots_per_draft
 
     if engine_args.get("draft_model") is None:
         raise ValueError("draft_replicas shares draft models between engine replicas: give a draft_model")

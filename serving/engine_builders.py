@@ -17,7 +17,7 @@ DEFAULT_ENGINE_BUILDER = "serving.engine_factory:build_ray_engine"
 LOCAL_ENGINE_BUILDER = "serving.engine_builders:build_local_engine"
 
 # Where the default builder runs the draft (RayExecutor's `draft_placement`): "separate" worker actors, "colocated"
-# in the target's ranks, or "auto" (serving/worker_group.py, `resolve_draft_placement`).
+# in the target's ranks, or "auto" (serving/workers/group.py, `resolve_draft_placement`).
 DRAFT_PLACEMENTS = ("auto", "separate", "colocated")
 
 

@@ -1,6 +1,6 @@
 """Engine replicas: the Serve deployment whose every replica is one router, hence one engine.
 
-A replica owns a Router (serving/router.py): one EngineCore with its own target and draft worker groups, each in
+A replica owns a Router (serving/router/router.py): one EngineCore with its own target and draft worker groups, each in
 a placement group of its own (custom resources such as `specserve_target` / `specserve_draft` in the bundles
 place them on the right node pool). So `num_replicas` and `autoscaling_config` scale engines, not front ends:
 Serve's controller starts and stops replicas, and each new replica builds its workers, which Ray places (and a
@@ -8,7 +8,7 @@ cluster autoscaler adds nodes for, when the placement groups wait for GPUs).
 
 Serve's own mechanisms do the rest:
 - routing: the ingress calls this deployment through a DeploymentHandle, whose request router
-  (serving/replica_router.py) picks a replica per request among those that report taking requests
+  (serving/router/replica_router.py) picks a replica per request among those that report taking requests
   (`record_routing_stats`): power of two choices on queue length, or prefix affinity;
 - scale-down: Serve stops routing to a replica it removes, waits up to `graceful_shutdown_timeout_s` for its
   requests in flight, then calls `__del__`, which refuses stragglers and releases the workers;
@@ -24,8 +24,8 @@ from typing import Any
 from ray import serve
 
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER
-from serving.replica_router import ACCEPTING
-from serving.router import Router
+from serving.router.replica_router import ACCEPTING
+from serving.router.router import Router
 
 logger = logging.getLogger("specserve")
 
@@ -68,7 +68,7 @@ class EngineReplica(Router):
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing stats, polled every few seconds and handed to the request routers: whether this replica
         takes requests (not while it rebuilds its workers or drains), so that they send them elsewhere."""
-        return {ACCEPTING: self._unhealthy is None and not self._draining}
+        return {ACCEPTING: self.recovery.unhealthy is None and not self._draining}
 
     async def replica_metrics(self) -> tuple[str, str]:
         """(replica label, this engine's exposition): the ingress merges every replica's into one /metrics."""

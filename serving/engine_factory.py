@@ -1,6 +1,6 @@
 """One call from model names to a running EngineCore whose models live on Ray worker actors.
 
-The router (serving/router.py) owns the returned EngineCore: it adds requests and calls `step()`. The
+The router (serving/router/router.py) owns the returned EngineCore: it adds requests and calls `step()`. The
 workers belong to `engine.executor` (a RayExecutor): call `engine.shutdown()` when done. The
 tokenizer, when the model has one, is `engine.output.tokenizer`.
 """
@@ -17,7 +17,7 @@ from engine.config import resolve_dtype
 from engine.engine_core import EngineCore
 from engine.llm import load_tokenizer
 from engine.model_setup import configure_engine
-from serving.ray_executor import RayExecutor
+from serving.workers.ray_executor import RayExecutor
 
 logger = logging.getLogger("specserve")
 
@@ -40,8 +40,8 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
     each target rank's process, at the target's tensor-parallel size) or "auto" (colocated where the draft could
     only share the target's GPUs, else separate; see RayExecutor).
     device: "cuda" or "cpu" for the workers; None picks CUDA when the Ray cluster has GPUs (the router
-    itself may run on a CPU-only node). draft_pool: attach to a shared draft group of that pool (serving/draft_pool.py)
-    instead of starting one. Ray is initialised (`ray.init()`) if it is not yet.
+    itself may run on a CPU-only node). draft_pool: attach to a shared draft group of that pool
+    (serving/draft_pool/pool.py) instead of starting one. Ray is initialised (`ray.init()`) if it is not yet.
     """
     if not ray.is_initialized():
         ray.init()

@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from serving import grpc_service
-from serving.chat_options import ChatOptions
-from serving.generation_config import load_generation_defaults
-from serving.openai_api import create_openai_app
-from serving.openai_protocol import SUPPORTED_DEFAULTS
-from serving.router_client import RouterClient
+from serving.openai.api import create_openai_app
+from serving.openai.chat_options import ChatOptions
+from serving.openai.generation_config import load_generation_defaults
+from serving.openai.protocol import SUPPORTED_DEFAULTS
+from serving.router.client import RouterClient
 
 
 class FrontEnd:

@@ -23,9 +23,9 @@ from typing import Any
 
 import grpc
 
-from serving.openai_protocol import MAX_LOGPROBS
+from serving.openai.protocol import MAX_LOGPROBS
 from serving.proto import specserve_pb2 as pb
-from serving.router_client import GenerationError, spec_decode_summary
+from serving.router.client import GenerationError, spec_decode_summary
 
 logger = logging.getLogger("specserve")
 

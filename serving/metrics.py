@@ -269,7 +269,7 @@ def label_draft_series(text: str, draft_replica: str) -> str:
     return exposition(families)
 
 
-# Tenants per draft forward of a pooled draft group (serving/draft_batch.py): one target up to many.
+# Tenants per draft forward of a pooled draft group (serving/draft_pool/batch.py): one target up to many.
 DRAFT_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 

@@ -1,4 +1,4 @@
-"""The router's admission queue (serving/admission_queue.py): arrivals while the engine steps never stop the step
+"""The router's admission queue (serving/router/admission_queue.py): arrivals while the engine steps never stop the step
 thread; every arrival of a step is admitted before the next one; queued requests can be aborted and refused, and
 count against the waiting bound. A Router in this process over the local engine (no Ray actors: what is tested is
 the router's own event loop and step thread)."""
@@ -13,9 +13,9 @@ import pytest
 
 from engine.llm import LLM
 from engine.request import SamplingParams
-from serving.admission_queue import AdmissionQueue
-from serving.request_stream import Rejected
-from serving.router import Router
+from serving.router.admission_queue import AdmissionQueue
+from serving.router.request_stream import Rejected
+from serving.router.router import Router
 from tests.conftest import random_prompts
 
 PROMPTS = random_prompts([5, 7, 9, 11, 6, 8, 10], seed=11)

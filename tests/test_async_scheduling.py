@@ -281,7 +281,7 @@ def test_async_penalties_read_the_tokens_of_the_step_in_flight(tiny_models, near
 
 def test_a_step_whose_commit_fails_is_never_committed_again(tiny_models, near_drafts, target_greedy):
     """A commit that raises (a detokenizer or stop-string error, say) takes its step out of flight all the same. The
-    server then fails the requests in flight and carries on (serving/engine_recovery.py): no later step may commit
+    server then fails the requests in flight and carries on (serving/router/recovery.py): no later step may commit
     that result a second time, and new requests come out exact."""
     path, draft = tiny_models["llama"].path, near_drafts["llama"].path
     llm = LLM(path, draft_model=draft, num_speculative_tokens=3, **ASYNC)

@@ -23,10 +23,10 @@ from engine.engine_core import EngineCore
 from engine.request import Request
 from engine.step.plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
-from serving.ray_executor import RayExecutor
-from serving.router import Router
-from serving.worker import ModelWorker
-from serving.worker_health import WorkerDiedError
+from serving.router.router import Router
+from serving.workers.health import WorkerDiedError
+from serving.workers.ray_executor import RayExecutor
+from serving.workers.worker import ModelWorker
 
 PROMPTS = random_prompts([3, 9, 17], seed=5)
 NEW_TOKENS = 16
@@ -207,7 +207,7 @@ def test_a_dead_colocated_worker_rebuilds_the_whole_engine(tiny_models: dict[str
             with pytest.raises(RuntimeError, match="colocated"):
                 old.detach_draft()
             assert old.spec_config is not None and old.draft_kv is not None
-            assert not router._serve_without_draft(WorkerDiedError("a draft rank died", "draft"))
+            assert not router.recovery.serve_without_draft(WorkerDiedError("a draft rank died", "draft"))
             ray.kill(old.executor.target.workers[0])
             deadline = time.monotonic() + 30
             with pytest.raises(WorkerDiedError, match="target worker rank 0"):
@@ -216,9 +216,9 @@ def test_a_dead_colocated_worker_rebuilds_the_whole_engine(tiny_models: dict[str
                     await asyncio.sleep(0.2)
             deltas = [d async for d in router.generate("dies", PROMPTS[0], greedy)]
             assert deltas[-1].get("status") == 503, deltas
-            assert router._recovery is not None
-            await router._recovery
-            assert router.engine is not old and router._unhealthy is None and router._degraded is None
+            assert router.recovery.task is not None
+            await router.recovery.task
+            assert router.engine is not old and router.recovery.unhealthy is None and router.recovery.degraded is None
             assert router.engine.executor.colocated and router.engine.spec_config is not None
             tokens = [t async for d in router.generate("again", PROMPTS[0], greedy) for t in d["token_ids"]]
             assert tokens == target_alone(target)[0]

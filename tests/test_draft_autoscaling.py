@@ -1,5 +1,5 @@
-"""The draft pool's autoscaling (serving/draft_autoscaling.py), without a cluster: the policy Serve's controller runs
-on the replicas' reported busy fractions and targets (with Serve's own AutoscalingContext, and Serve's wrapper that
+"""The draft pool's autoscaling (serving/draft_pool/autoscaling.py), without a cluster: the policy Serve's controller
+runs on the replicas' reported busy fractions and targets (with Serve's own AutoscalingContext, and Serve's wrapper that
 applies the config's bounds and delays, as the controller does), the config the draft deployment gets, and the
 option's checks. The served side (a new replica taking targets, a stopping one draining) is in
 tests/test_draft_pool.py."""
@@ -12,7 +12,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from deploy.config import ServeConfig
-from serving.draft_autoscaling import (
+from serving.draft_pool.autoscaling import (
     DRAFT_BUSY,
     DRAFT_TENANTS,
     POLICY,

@@ -1,5 +1,5 @@
 """How a pooled draft group's rank 0 schedules its targets' calls, in threads, without Ray or a model: continuous
-batching (serving/draft_batch.py) and each target's call order (serving/tenant_calls.py)."""
+batching (serving/draft_pool/batch.py) and each target's call order (serving/draft_pool/tenant_calls.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from serving.draft_batch import DraftBatcher
-from serving.tenant_calls import CallOrder, CallOutOfOrder, CallSequence, TenantCall, TenantGone
+from serving.draft_pool.batch import DraftBatcher
+from serving.draft_pool.tenant_calls import CallOrder, CallOutOfOrder, CallSequence, TenantCall, TenantGone
 
 
 def _wait(cond, what: str, timeout_s: float = 10.0) -> None:

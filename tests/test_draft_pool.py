@@ -19,7 +19,7 @@ import pytest
 from byte_models import byte_body, greedy_oracle, make_byte_models
 from serve_support import Server, assert_error, engine_broadcast, engine_replica_actors, running_server, serve_config
 
-from serving.draft_shares import BlockShare, blocks_per_slot, check_share_fits
+from serving.draft_pool.shares import BlockShare, blocks_per_slot, check_share_fits
 
 MAX_MODEL_LEN = 128
 MAX_SEQS = 4
@@ -57,7 +57,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def _config(models: tuple[str, str]) -> dict[str, Any]:
     target, draft = models
     # Per engine replica four running and four waiting (and four in Serve's queue): past that, a request gets 429.
-    # The pool drafts ahead for its targets (serving/draft_pool_ahead.py; one window a request, no scratch blocks):
+    # The pool drafts ahead for its targets (serving/draft_pool/ahead.py; one window a request, no scratch blocks):
     # every test below, faults and moves included, runs with it.
     return serve_config(target, draft, max_model_len=MAX_MODEL_LEN, num_replicas=2, draft_replicas=1,
                         draft_tenant_timeout_s=30.0, drain_timeout_s=1.0, max_queued_requests=MAX_QUEUED,
@@ -78,7 +78,7 @@ def oracle(models: tuple[str, str]):
 def pool_ranks() -> list[tuple[str, Any]]:
     import ray
 
-    from serving.draft_pool import POOL_PREFIX
+    from serving.draft_pool.pool import POOL_PREFIX
 
     return sorted((a["name"], ray.get_actor(a["name"], namespace=a["namespace"]))
                   for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(POOL_PREFIX))
@@ -235,8 +235,8 @@ def test_a_new_draft_replica_takes_a_target_and_a_stopping_one_hands_it_back(ser
     import ray
 
     from deploy.config import ServeConfig
-    from serving.draft_autoscaling import DRAFT_BUSY, DRAFT_TENANTS
-    from serving.draft_pool import DraftPoolReplica
+    from serving.draft_pool.autoscaling import DRAFT_BUSY, DRAFT_TENANTS
+    from serving.draft_pool.pool import DraftPoolReplica
 
     wait_for(lambda: len(pool_ranks()) == 1 and pool_stats()["tenants"] == 2, 60, "both targets on the one replica")
     (name, _), = pool_ranks()

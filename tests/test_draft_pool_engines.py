@@ -22,7 +22,7 @@ from test_ray_executor import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS  # the Ray 
 
 from engine import LLM, SamplingParams
 from engine.step.plan import PlannedRequest, StepPlan
-from serving.draft_pool import DraftPoolReplica
+from serving.draft_pool.pool import DraftPoolReplica
 from serving.engine_factory import build_ray_engine
 
 
@@ -35,7 +35,7 @@ def ray_runtime() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def engine_args(tiny_models: dict[str, TinyModel], tiny_drafts: dict[str, TinyModel]) -> dict:
     # The draft split over two ranks: rank 0 forwards each target's calls to rank 1 in the order it runs them. It
-    # drafts ahead, two windows a request (serving/draft_pool_ahead.py): both ranks draft the same windows ahead.
+    # drafts ahead, two windows a request (serving/draft_pool/ahead.py): both ranks draft the same windows ahead.
     return dict(model=tiny_models["llama"].path, draft_model=tiny_drafts["gemma3-2l"].path, device="cpu",
                 num_speculative_tokens=3, rejection_sampling="probabilistic", draft_tensor_parallel_size=2,
                 speculation_ahead=True, speculation_ahead_branches=2, **ENGINE_KW)
@@ -88,7 +88,7 @@ def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
 
 
 def test_two_engines_draft_ahead_through_one_pooled_draft(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
-    """Speculation ahead on a pooled draft (serving/draft_pool_ahead.py): two engines with the same request ids,
+    """Speculation ahead on a pooled draft (serving/draft_pool/ahead.py): two engines with the same request ids,
     stepped at once, one draft group drafting ahead for both in tree mode (the window mode, two windows a request,
     drafts ahead in the test above, at tensor parallel 2 beside a busy third target). Greedy equals
     the target alone; each engine's windows hit (its own counters, as its proposals report them, and the pool's);

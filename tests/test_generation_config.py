@@ -12,7 +12,7 @@ from conftest import random_prompts
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
-from serving.generation_config import load_generation_defaults
+from serving.openai.generation_config import load_generation_defaults
 
 
 def _greedy(path: str, prompt: list[int], **params) -> tuple[list[int], str | None]:

@@ -198,7 +198,7 @@ def test_serve_config_imports_and_builds_the_app(rendered) -> None:
     from deploy.config import ServeConfig
     from engine.models.source import BUNDLED_MODELS, resolve_model
     from serving.app import DEPLOYMENT_NAME
-    from serving.draft_pool import DRAFT_DEPLOYMENT
+    from serving.draft_pool.pool import DRAFT_DEPLOYMENT
     from serving.engine_deployment import ENGINE_DEPLOYMENT
 
     _, objects = rendered

@@ -28,9 +28,9 @@ from engine.request import Request
 from engine.speculation.ahead.budget import AheadBudget
 from engine.step.plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
-from serving.ray_executor import RayExecutor
 from serving.thread_switch import DEFAULT_GIL_SWITCH_INTERVAL_S
-from serving.worker_health import WorkerDiedError
+from serving.workers.health import WorkerDiedError
+from serving.workers.ray_executor import RayExecutor
 
 PROMPTS = random_prompts([3, 9, 17], seed=5)
 NEW_TOKENS = 16

@@ -146,7 +146,7 @@ def _router_run(engine_args: dict, prompts: list[str], max_tokens: int) -> tuple
                                                                                  dict[str, int]]:
     """Run prompts concurrently through a Router actor of their own (real worker actors, no HTTP); return the
     token ids, the router's stats once idle, its metrics exposition and each model's KV pool size in blocks."""
-    from serving.router import RouterActor
+    from serving.router.router import RouterActor
 
     router = RouterActor.options(num_cpus=0).remote(engine_args, model_name="tiny")
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.metrics import EngineMetrics, merge_replica_expositions
-from serving.replica_router import PrefixTable, prefix_hashes
+from serving.router.replica_router import PrefixTable, prefix_hashes
 
 
 def test_prefix_hashes_name_whole_block_prefixes() -> None:

@@ -105,7 +105,7 @@ def test_draft_placement_flag_field_and_auto_rule() -> None:
     the in-process builder refuses "separate" rather than ignore it."""
     from deploy.cli import build_parser
     from serving.engine_builders import build_local_engine
-    from serving.worker_group import resolve_draft_placement
+    from serving.workers.group import resolve_draft_placement
 
     args = build_parser().parse_args(["serve", "--draft-placement", "colocated"])
     assert load_config(None, {"draft_placement": args.draft_placement}).engine_args()["draft_placement"] == "colocated"
@@ -244,7 +244,7 @@ def test_http_proxy_auto_resolution_and_its_environment(monkeypatch) -> None:
 @pytest.mark.parametrize("ahead", [dict(speculation_ahead=True), dict(speculation_ahead_branches=3),
                                    dict(speculation_ahead_tree_fanout=4), dict(speculation_ahead_saguaro=0.5)])
 def test_a_draft_pool_takes_speculation_ahead(ahead):
-    """A pooled draft drafts ahead for its targets (serving/draft_pool_ahead.py): its settings pass with a pool as
+    """A pooled draft drafts ahead for its targets (serving/draft_pool/ahead.py): its settings pass with a pool as
     without one, and reach the engine replicas and the pool's draft alike."""
     config = ServeConfig(draft_model="some-draft", draft_replicas=1, **ahead)
     config.validate()

@@ -1,6 +1,6 @@
 """The speculation step's order (engine/speculation/step_order.py) as the Ray executor binds it to worker actors
-(serving/step_topology.py): every call, its ranks, its arguments and the nodes it follows, as the module docstring
-there draws them. Recorded without Ray: a stand-in for the graph's `bind` that notes each node."""
+(serving/workers/step_topology.py): every call, its ranks, its arguments and the nodes it follows, as the module
+docstring there draws them. Recorded without Ray: a stand-in for the graph's `bind` that notes each node."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine.speculation.step_order import SPECULATION_STEP, StepMode, run_in_process
-from serving.step_topology import GraphCalls, PlainCalls, graph_node, step_nodes
+from serving.workers.step_topology import GraphCalls, PlainCalls, graph_node, step_nodes
 
 
 class Recorder(GraphCalls):

@@ -18,7 +18,7 @@ from scipy import stats
 
 from engine import LLM, SamplingParams
 from engine.sample.structured_output import StructuredOutputsParams
-from serving.tool_calls import parse_tool_calls, render_messages, tool_grammar, tool_spec
+from serving.openai.tool_calls import parse_tool_calls, render_messages, tool_grammar, tool_spec
 
 SCHEMAS = {
     "nested": {"type": "object", "properties": {

@@ -13,12 +13,12 @@ import pytest
 from byte_models import byte_tokenizer
 
 from engine.sample.structured_output import StructuredOutputsParams, bounded_json_object
-from serving.chat_options import ChatOptions, load_chat_template
-from serving.json_schema_strictness import disallow_additional_properties
-from serving.reasoning_parser import ReasoningStream, get_reasoning_parser
-from serving.router_client import GenerationError
-from serving.tool_calls import ToolCallStream, parse_tool_calls, tool_grammar, tool_spec
-from serving.tool_parsers import TOOL_PARSERS, get_tool_parser
+from serving.openai.chat_options import ChatOptions, load_chat_template
+from serving.openai.json_schema_strictness import disallow_additional_properties
+from serving.openai.reasoning_parser import ReasoningStream, get_reasoning_parser
+from serving.openai.tool_calls import ToolCallStream, parse_tool_calls, tool_grammar, tool_spec
+from serving.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
+from serving.router.client import GenerationError
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
            "required": ["city"]}
@@ -218,7 +218,7 @@ def test_reasoning_split_whole_and_streamed(name: str, text: str, reasoning: str
 
 
 def test_strictness_defaults_by_field() -> None:
-    from serving.openai_protocol import ChatCompletionRequest
+    from serving.openai.protocol import ChatCompletionRequest
 
     loose = {"type": "object", "properties": {"a": {"type": "integer"}}}
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": loose}}

@@ -1,4 +1,4 @@
-"""How the Ray executor builds its worker groups (serving/worker_group.py), without Ray: where the draft drafts ahead,
+"""How the Ray executor builds its worker groups (serving/workers/group.py), without Ray: where the draft drafts ahead,
 where the target's ranks launch the verify ahead, and which tensor-parallel sizes a model splits into."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from conftest import TinyModel
 
 from engine.config import ModelConfig
-from serving.worker_group import check_tensor_parallel, launch_verify_ahead_for, speculation_ahead_for
+from serving.workers.group import check_tensor_parallel, launch_verify_ahead_for, speculation_ahead_for
 
 
 def test_speculation_ahead_only_where_the_draft_has_gpus_of_its_own() -> None:

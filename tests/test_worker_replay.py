@@ -12,7 +12,7 @@ from test_ray_executor import ENGINE_KW, GREEDY, NEW_TOKENS, PROMPTS
 
 from engine import LLM, SamplingParams
 from engine.step.plan import StepPlan, StepResult
-from serving.worker import ModelWorker
+from serving.workers.worker import ModelWorker
 
 
 def test_worker_methods_replay_the_local_executor(tiny_models: dict[str, TinyModel], near_llama: str) -> None:

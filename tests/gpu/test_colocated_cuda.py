@@ -15,8 +15,8 @@ from conftest import local_ray, random_prompts, run_to_completion
 from engine import LLM, SamplingParams
 from engine.step.plan import StepPlan, StepResult
 from serving.engine_factory import build_ray_engine
-from serving.ray_executor import RayExecutor
-from serving.worker import ModelWorker
+from serving.workers.ray_executor import RayExecutor
+from serving.workers.worker import ModelWorker
 
 pytestmark = pytest.mark.gpu
 KW = dict(max_model_len=256, block_size=16, num_kv_blocks=256, max_num_seqs=8, cuda_graph_batch_sizes=(1, 4, 8))

@@ -13,7 +13,7 @@ from conftest import local_ray, random_prompts
 from spec_support import run_together
 
 from engine import LLM, SamplingParams
-from serving.draft_pool import DraftPoolReplica
+from serving.draft_pool.pool import DraftPoolReplica
 from serving.engine_factory import build_ray_engine
 
 pytestmark = pytest.mark.gpu
@@ -69,7 +69,7 @@ def test_two_engines_share_one_draft_on_cuda(tiny_models, tiny_drafts) -> None:
 @pytest.mark.parametrize("ahead", [dict(speculation_ahead_branches=2), dict(speculation_ahead_tree_fanout=3)],
                          ids=["branches", "tree"])
 def test_two_engines_draft_ahead_through_one_pool_on_cuda(tiny_models, near_drafts, ahead) -> None:
-    """Speculation ahead on a pooled draft with CUDA graphs (serving/draft_pool_ahead.py): a Llama target and a draft
+    """Speculation ahead on a pooled draft with CUDA graphs (serving/draft_pool/ahead.py): a Llama target and a draft
     near it (windows hit), two engines on one pool drafting ahead (asked for: the fractional bundles would leave it
     off). Greedy equals the target alone, each target's windows hit, every draft block is free again at the end, and
     seeded sampling equals an engine whose own draft group drafts ahead alike."""

@@ -287,7 +287,7 @@ def test_guard_protects_health_and_metrics_when_asked() -> None:
 
     import httpx
 
-    from serving.http_guard import RequestGuard
+    from serving.openai.http_guard import RequestGuard
 
     async def app(scope, receive, send) -> None:
         body = (await receive())["body"]

@@ -47,8 +47,8 @@ REFUSED_BY_ENDPOINT = {"completions": set(), "chat": {"echo"}}  # refused by the
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_every_field_is_honoured_or_refused(endpoint: str) -> None:
-    from serving.openai_protocol import REFUSED as REFUSED_FIELDS
-    from serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from serving.openai.protocol import REFUSED as REFUSED_FIELDS
+    from serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 
     model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
     declared = set(model.model_fields)
