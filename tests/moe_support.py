@@ -34,8 +34,7 @@ def gpt_oss_config(**kw: object) -> GptOssConfig:
 
 
 def qwen3_moe_config(**kw: object) -> Qwen3MoeConfig:
-    """Four layers: layer 1 dense by mlp_only_layers, layer 2 dense by decoder_sparse_step... no: the step is 1 here;
-    `decoder_sparse_step=2` is the other config of the tests."""
+    """Four layers, layer 1 dense by mlp_only_layers (tests/test_qwen3_moe.py also runs decoder_sparse_step 2)."""
     base = dict(_COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4, num_experts=4,
                 num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1)
     base.update(kw)
