@@ -1,12 +1,13 @@
-"""Attention sinks (GPT-OSS): the Triton paged-attention kernel with sinks against its torch reference under Triton's
-interpreter (prefill, decode, verify, sliding windows, flash-decoding splits), the reference against a direct
-softmax with the sink column, and the torch backend's sink path against the same reference."""
+"""Attention sinks (GPT-OSS): the Triton paged and tree attention kernels with sinks against their torch references
+under Triton's interpreter (prefill, decode, verify, trees, sliding windows, flash-decoding splits), a tiny GPT-OSS
+on the kernel path, the reference against a direct softmax with the sink column, and the torch backend's sink paths
+against the references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from interpreter_children import assert_pytest_children_pass
+from interpreter_children import assert_pytest_children_pass, split_by
 from kernel_support import attention_case, poison_outside_window
 
 from engine.kernels import paged_attention
@@ -28,7 +29,8 @@ def _sinks(num_heads: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="starts the interpreted child")
 def test_sink_kernels_under_interpreter():
-    assert_pytest_children_pass(__file__)
+    # Two children side by side (tests/interpreter_children.py): the GPT-OSS model on the kernel path, and the kernels.
+    assert_pytest_children_pass(__file__, split_by("gpt_oss"))
 
 
 @interpreted
@@ -90,3 +92,66 @@ def test_bad_sinks_are_refused():
     case = attention_case(4, 2, 16, 4, [1], [3], None, torch.float32)
     with pytest.raises(ValueError, match=r"sinks must be \[num_heads\] = \[4\] float"):
         paged_attention.paged_attention_ref(*case.args(torch.zeros_like(case.query)), sinks=torch.zeros(2))
+
+
+@interpreted
+def test_gpt_oss_on_the_kernel_path_equals_the_torch_path(tmp_path):
+    """A tiny GPT-OSS through the Triton kernels (sinks in prefill, decode and a verify of k + 1 tokens; the
+    sliding-window group's window under a KV block; q/k/v biases and YaRN tables in the fused rotary store): the
+    torch path's greedy tokens, which tests/test_gpt_oss.py checks against HF."""
+    from conftest import random_prompts
+    from moe_support import gpt_oss_config, make_model
+
+    from engine import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    m = make_model(tmp_path, "gpt-oss", gpt_oss_config())
+    prompts = random_prompts([5, 9], seed=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    kw = dict(device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=2, small_m_rows=0)
+    res = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(m.path, draft_model=m.path, num_speculative_tokens=2, attention_backend=backend, **kw)
+        outs = llm.generate(prompts, params)
+        res[backend] = [o.token_ids for o in outs]
+        assert llm.spec_stats(outs).acceptance_rate == 1.0
+    assert res["triton"] == res["torch"]
+
+
+@interpreted
+def test_tree_attention_with_sinks_matches_reference():
+    from kernel_support import tree_case
+
+    from engine.kernels import tree_attention
+
+    for window, splits, dtype in ((None, None, torch.float32), (5, None, torch.float32), (None, 4, torch.float16),
+                                  (7, 2, torch.float16)):
+        case = tree_case(4, 2, 32, 8, [37, 32, 17, 0], [13, 6, 9, 4], [8, 3, 9, 2], window, dtype,
+                         seed=3 + (window or 0))
+        sinks = _sinks(4, 9)
+        out, ref, plain = (torch.full_like(case.query, 7.0) for _ in range(3))
+        tree_attention.tree_attention_ref(*case.args(ref), sinks=sinks)
+        tree_attention.tree_attention_ref(*case.args(plain))
+        tree_attention.tree_attention(*case.args(out), num_kv_splits=splits, sinks=sinks)
+        tol = 2e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+        assert (ref - plain).abs().max() > 10 * tol
+
+
+def test_torch_backend_tree_sinks_match_reference():
+    from kernel_support import tree_case
+
+    from engine.attention import torch_backend
+    from engine.attention.metadata import GroupAttentionMetadata
+    from engine.kernels import tree_attention
+
+    for window in (None, 5):
+        case = tree_case(4, 2, 32, 8, [37, 32, 17, 0], [13, 6, 9, 4], [8, 3, 9, 2], window, torch.float32, seed=7)
+        sinks = _sinks(4, 11)
+        ref = torch.empty_like(case.query)
+        tree_attention.tree_attention_ref(*case.args(ref), sinks=sinks)
+        group = GroupAttentionMetadata(case.group_id, case.block_table.long(), torch.empty(0, dtype=torch.int64),
+                                       window, 8)
+        got = torch_backend.tree_attention(case.query, torch.nan_to_num(case.kv_cache), case.tree, group, case.scale,
+                                           sinks)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

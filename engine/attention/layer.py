@@ -100,12 +100,9 @@ class Attention(nn.Module):
             from engine.kernels.tree_attention import tree_attention
 
             t = md.tree
-            if sinks is not None:
-                raise NotImplementedError("attention sinks in the tree kernel: run speculation ahead's tree mode "
-                                          "with a model without sinks")
             tree_attention(q, kv[0], kv[1], out, group.block_table, t.row_index, t.row_positions, t.prefix_lens,
                            t.node_positions, t.node_slots[group.group_id], t.visible, self.scale,
-                           group.sliding_window)
+                           group.sliding_window, sinks=sinks)
             return out
         paged_attention(q, kv[0], kv[1], out, c.query_start_loc, c.seq_lens, group.block_table, self.scale,
                         group.sliding_window, c.max_query_len, sinks=sinks)

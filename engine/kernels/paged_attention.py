@@ -145,7 +145,9 @@ def _paged_attention_kernel(
         if not SPLIT:
             if HAS_SINKS:  # the sink's exp against the row's final max (log2 domain, as m_i)
                 sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
-                l_i += tl.where(row_valid, tl.exp2(sink - m_i), 0.0)
+                # Capped at 2^126 (no inf from the rows past q_len, whose max is -1e30): a sink that large leaves the
+                # row ~0 either way, as its keys add at least 1 to l_i.
+                l_i += tl.where(row_valid, tl.exp2(tl.minimum(sink - m_i, 126.0)), 0.0)
             # Rows past q_len saw no key (l_i = 0); they are not stored, the guard only avoids 0 / 0.
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dim[None, :] * stride_od,
@@ -204,7 +206,7 @@ def _combine_splits_kernel(
             acc = acc * rescale + tl.sum(part * weight[:, None], 0)
             m_run = m_new
         if HAS_SINKS:  # once, against the combined max (log2 domain)
-            denom += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - m_run)
+            denom += tl.exp2(tl.minimum(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - m_run, 126.0))
         tl.store(o_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dim * stride_od,
                  (acc / denom).to(o_ptr.dtype.element_ty), mask=dim < HEAD_DIM)
 
