@@ -21,7 +21,7 @@ from engine.models.layers import (
     VocabParallelEmbedding,
 )
 from engine.models.llama import LlamaForCausalLM
-from engine.models.moe import FusedExperts, route_topk_then_softmax, sort_by_expert
+from engine.models.moe import FusedExperts, route_topk_then_softmax
 from engine.parallel import get_tp_group
 from engine.quantization import mxfp4
 
@@ -85,7 +85,7 @@ class GptOssMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_topk_then_softmax(F.linear(x, self.router.weight, self.router.bias), self.top_k)
-        return self.experts(x, sort_by_expert(weights, ids, self.num_experts))
+        return self.experts(x, weights, ids)
 
 
 class GptOssDecoderLayer(nn.Module):

@@ -4,10 +4,11 @@ experts' weights (in the model's dtype, or MXFP4 packed) and a plain-torch refer
 Routing never syncs with the host, so a step with an MoE layer can sit in one CUDA graph: every shape below is
 fixed by the number of tokens and the config (num_tokens * top_k routed rows), never by how many rows an expert
 got. The routed rows are sorted by expert (a stable argsort of the flat expert ids) and each expert's run is
-located by offsets made with scatter_add (bincount would read the largest id on the host to size its output); a
-grouped kernel walks those runs. The reference below does the same work without knowing the runs' lengths on the
-host: it reads each routed row's expert weights by index (dequantizing packed ones there), so its cost per row is
-one expert's weights, and it is chunked by a host-side bound of rows.
+located by offsets made with scatter_add (bincount would read the largest id on the host to size its output), for a
+grouped kernel to walk. The reference below does the same work without knowing the runs' lengths on the host: it
+reads each routed row's expert weights by index (dequantizing packed ones there), so its cost per row is one
+expert's weights, and it is chunked by a host-side bound of rows. A step of few routed rows (decode, verify, the
+draft's steps) on the kernel devices takes engine/kernels/moe_small_m.py instead, over the router's order.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.moe_small_m import MAX_ROUTED_ROWS, moe_experts
+from engine.kernels.rms_norm import use_fused_kernels
 from engine.parallel import get_tp_group
 from engine.quantization import mxfp4
 
@@ -155,9 +158,13 @@ class FusedExperts(nn.Module):
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def forward(self, x: torch.Tensor, rows: RoutedRows) -> torch.Tensor:
-        """x [T, H], the routed rows -> sum over each token's experts of weight * expert(x) [T, H]."""
-        return experts_ref(self, x, rows)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], routing weights and expert ids [T, top_k] -> sum over each token's experts of
+        weight * expert(x) [T, H]. A few routed rows on the kernel devices take engine/kernels/moe_small_m.py (the
+        choice reads host shapes only); other steps the reference, rows sorted by expert."""
+        if use_fused_kernels(x) and 0 < ids.numel() <= MAX_ROUTED_ROWS:
+            return moe_experts(x, weights, ids, self)
+        return experts_ref(self, x, sort_by_expert(weights, ids, self.num_experts))
 
 
 def experts_ref(experts: FusedExperts, x: torch.Tensor, rows: RoutedRows) -> torch.Tensor:

@@ -14,7 +14,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.models.layers import ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from engine.models.llama import GatedMLP, LlamaAttention, LlamaForCausalLM
-from engine.models.moe import FusedExperts, route_softmax_then_topk, sort_by_expert
+from engine.models.moe import FusedExperts, route_softmax_then_topk
 
 
 def is_sparse_layer(hf_config: object, layer_id: int) -> bool:
@@ -39,7 +39,7 @@ class Qwen3SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_softmax_then_topk(F.linear(x, self.gate.weight), self.top_k, self.normalize)
-        return self.experts(x, sort_by_expert(weights, ids, self.num_experts))
+        return self.experts(x, weights, ids)
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
