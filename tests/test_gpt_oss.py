@@ -95,3 +95,10 @@ def test_greedy_speculation_with_gpt_oss_draft_equals_target(gpt_oss, near_gpt_o
         assert stats.acceptance_rate == 1.0, stats
     else:  # both accepted and rejected drafts took part
         assert 0.0 < stats.acceptance_rate < 1.0, stats
+
+
+def test_dummy_weights_load(gpt_oss):
+    """load_format "dummy" (benchmarks of the real shapes): the experts drawn in transformers' [E, in, out] layout."""
+    outs = LLM(gpt_oss.path, load_format="dummy", max_model_len=64, block_size=4).generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(outs[0].token_ids) == 3

@@ -148,3 +148,23 @@ def test_speculative_sampling_on_moe_target_follows_its_distribution(tmp_path):
     wrong = _exact_joint(draft)  # negative control: the same counts reject the draft's law
     support = wrong > 0
     assert chi_square_p_value(counts[support], wrong[support] / wrong[support].sum()) < 1e-6
+
+
+def test_stacked_or_dummy_weights_load_and_a_missing_expert_is_refused(moe_models, tmp_path):
+    """load_format "dummy" draws the experts as transformers holds them (stacked [E, 2I, H]); a checkpoint without
+    one expert's tensors is refused, naming them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    m = moe_models["mlp_only_layers"]
+    outs = LLM(m.path, load_format="dummy", max_model_len=64, block_size=4).generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(outs[0].token_ids) == 3
+    dst = tmp_path / "missing"
+    shutil.copytree(m.path, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    del state["model.layers.2.mlp.experts.3.up_proj.weight"]
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing 1 tensors.*layers\.2\.mlp\.experts\.gate_up_proj#\(3, 1\)"):
+        LLM(str(dst), max_model_len=64)

@@ -158,7 +158,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
             expected.add(name)
     if model.tie_word_embeddings:
         expected.discard("lm_head.weight")
-    missing = sorted(expected - loaded)
+    # A parameter loaded whole covers its shards (MoE experts stacked in the checkpoint, not stored per expert).
+    missing = sorted(m for m in expected - loaded if m.split("#")[0] not in loaded)
     if allow_missing_vectors:
         missing = [m for m in missing if params[m.split("#")[0]].dim() >= 2]
     if missing:
