@@ -1,5 +1,5 @@
-"""specserve's inference engine: paged KV cache with KV-cache groups, Llama-family and Gemma 3 models,
-continuous batching and lossless speculative decoding. Pure PyTorch (+ Triton on GPU); no Ray."""
+"""specserve's inference engine: paged KV cache with KV-cache groups, Llama-family, Gemma 3, GPT-OSS and Qwen3-MoE
+models, continuous batching and lossless speculative decoding. Pure PyTorch (+ Triton on GPU); no Ray."""
 
 from __future__ import annotations
 

@@ -15,6 +15,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 REJECTION_MODES = ("strict", "probabilistic", "synthetic")
 
@@ -26,7 +28,7 @@ class ModelConfig:
     path: Path
     hf_config: PretrainedConfig
     architecture: str
-    family: str  # "llama" | "gemma3": which implementation in engine/models
+    family: str  # "llama" | "gemma3" | "gpt_oss" | "qwen3_moe": which implementation in engine/models
     num_layers: int
     hidden_size: int
     num_heads: int

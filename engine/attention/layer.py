@@ -31,9 +31,12 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads, head_dim]
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, rotary: RotaryEmbedding,
-                    q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+                    q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The whole layer after the fused projection. qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim];
         q_norm / k_norm: per-head RMSNorms (Qwen3, Gemma 3) or None; rotary: the model's RotaryEmbedding.
+        sinks: [num_heads] float, one learned logit per query head that joins the softmax's denominator and
+        attends to nothing (GPT-OSS), or None.
         Returns [num_tokens, num_heads * head_dim]. On the kernel path norms, rotation and the KV store are one
         kernel (engine/kernels/qk_norm_rope_store.py); in a tree forward the group's slot mapping is the rows' scratch
         slots, so the same kernel stores the nodes' KV."""
@@ -47,7 +50,7 @@ class Attention(nn.Module):
                                    kv[1], md.groups[self.kv_group_id].slot_mapping,
                                    q_norm.weight if q_norm is not None else None,
                                    k_norm.weight if k_norm is not None else None, eps, offset)
-            return self._attend_triton(q, md).reshape(n, self.num_heads * self.head_dim)
+            return self._attend_triton(q, md, sinks).reshape(n, self.num_heads * self.head_dim)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -55,10 +58,12 @@ class Attention(nn.Module):
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         q, k = rotary(positions, q, k)
-        return self(q.reshape(n, -1), k.reshape(n, -1), v, md)
+        return self(q.reshape(n, -1), k.reshape(n, -1), v, md, sinks)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim]: store k/v, attend."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim]: store k/v, attend.
+        sinks: as forward_qkv."""
         kv_cache = self._bound_cache()
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
@@ -70,13 +75,13 @@ class Attention(nn.Module):
             from engine.kernels.kv_store import store_kv
 
             store_kv(k, v, kv_cache[0], kv_cache[1], group.slot_mapping)
-            out = self._attend_triton(q, md)
+            out = self._attend_triton(q, md, sinks)
         else:
             torch_backend.store_kv(kv_cache, k, v, group.slot_mapping)
             if md.tree is not None:
-                out = torch_backend.tree_attention(q, kv_cache, md.tree, group, self.scale)
+                out = torch_backend.tree_attention(q, kv_cache, md.tree, group, self.scale, sinks)
             else:
-                out = torch_backend.paged_attention(q, kv_cache, md.common, group, self.scale)
+                out = torch_backend.paged_attention(q, kv_cache, md.common, group, self.scale, sinks)
         return out.reshape(n, self.num_heads * self.head_dim)
 
     def _bound_cache(self) -> torch.Tensor:
@@ -84,7 +89,8 @@ class Attention(nn.Module):
             raise RuntimeError(f"layer {self.layer_id} has no KV cache bound; the runner binds it at start")
         return self.kv_cache
 
-    def _attend_triton(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def _attend_triton(self, q: torch.Tensor, md: AttentionMetadata, sinks: torch.Tensor | None = None
+                       ) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim] -> the same shape, over this layer's group of the cache."""
         from engine.kernels.paged_attention import paged_attention
 
@@ -96,8 +102,8 @@ class Attention(nn.Module):
             t = md.tree
             tree_attention(q, kv[0], kv[1], out, group.block_table, t.row_index, t.row_positions, t.prefix_lens,
                            t.node_positions, t.node_slots[group.group_id], t.visible, self.scale,
-                           group.sliding_window)
+                           group.sliding_window, sinks=sinks)
             return out
         paged_attention(q, kv[0], kv[1], out, c.query_start_loc, c.seq_lens, group.block_table, self.scale,
-                        group.sliding_window, c.max_query_len)
+                        group.sliding_window, c.max_query_len, sinks=sinks)
         return out

@@ -2,7 +2,9 @@
 
 One code path serves prefill, chunked prefill, decode and multi-token verify queries: each request's
 keys are gathered from its block table into a dense [max_seq_len] window and a boolean mask applies
-causality, the request's length and the sliding window. A forward over trees of branches
+causality, the request's length and the sliding window. Attention sinks (GPT-OSS: one learned logit per query head
+that joins the softmax's denominator and attends to no value) take an explicit softmax instead of SDPA, which has
+no such term. A forward over trees of branches
 (engine/attention/tree_metadata.py) takes `tree_attention` instead: each tree's prefix keys, then its nodes' keys.
 """
 
@@ -43,17 +45,30 @@ def attention_mask(common: CommonAttentionMetadata, group: GroupAttentionMetadat
     return mask
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           sinks: torch.Tensor | None) -> torch.Tensor:
+    """q: [b, heads, rows, dim], k/v: [b, kv_heads, keys, dim], mask: [b, 1, rows, keys] bool -> [b, heads, rows, dim].
+    SDPA without sinks; with sinks ([heads]) the sink logit is one more column of the softmax, dropped after it."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [b, heads, rows, keys] fp32
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return (probs @ v.float()).to(q.dtype)
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata,
-                    group: GroupAttentionMetadata, scale: float) -> torch.Tensor:
-    """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+                    group: GroupAttentionMetadata, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]; sinks: [num_heads] or None."""
     r, mb = group.block_table.shape
     _, _, bs, h_kv, d = kv_cache.shape
     k = kv_cache[0][group.block_table].view(r, mb * bs, h_kv, d).transpose(1, 2)
     v = kv_cache[1][group.block_table].view(r, mb * bs, h_kv, d).transpose(1, 2)
     q = query[common.dense.query_index].transpose(1, 2)  # [num_reqs, heads, max_query_len, dim]
-    mask = attention_mask(common, group)
-    out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[1] != h_kv)
+    out = attend(q.to(k.dtype), k, v, attention_mask(common, group), scale, sinks)
     out = out.transpose(1, 2)  # [num_reqs, max_query_len, heads, dim]
     return out[common.dense.query_valid].to(query.dtype)
 
@@ -82,7 +97,7 @@ def tree_mask(tree: TreeAttentionMetadata, group: GroupAttentionMetadata) -> tor
 
 
 def tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, tree: TreeAttentionMetadata,
-                   group: GroupAttentionMetadata, scale: float) -> torch.Tensor:
+                   group: GroupAttentionMetadata, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query: [num_rows, num_heads, head_dim] -> the same shape. Keys: each tree's prefix gathered from its block
     table in place, then its nodes' scratch slots (the rows' own KV is already stored there)."""
     t, mb = group.block_table.shape
@@ -96,7 +111,6 @@ def tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, tree: TreeAttent
 
     k, v = gather(kv_cache[0]), gather(kv_cache[1])
     q = query[tree.row_index].transpose(1, 2)  # [num_trees, heads, max_rows, dim]
-    out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=tree_mask(tree, group), scale=scale,
-                                         enable_gqa=q.shape[1] != h_kv)
+    out = attend(q.to(k.dtype), k, v, tree_mask(tree, group), scale, sinks)
     out = out.transpose(1, 2).reshape(-1, *query.shape[1:])  # [num_trees * max_rows, heads, dim]
     return out[tree.row_flat].to(query.dtype)

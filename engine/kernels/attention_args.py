@@ -41,3 +41,9 @@ def check_launch(kernel: str, count: int, what: str, num_kv_splits: int | None) 
         raise ValueError(f"{kernel}: at most {MAX_GRID_Y} {what} per launch (grid axis 1), got {count}")
     if num_kv_splits is not None and (num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1)):
         raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    """Attention sinks (GPT-OSS): one learned logit per query head that joins each row's softmax denominator."""
+    if sinks is not None and (tuple(sinks.shape) != (num_heads,) or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be [num_heads] = [{num_heads}] float, got {tuple(sinks.shape)} {sinks.dtype}")

@@ -21,6 +21,11 @@ second kernel combines; measured on an H100 (bf16, 32q/8kv heads, d128, 1024 key
 22.4 -> 6.2 us, batch 8 25.4 -> 12.8 us (1.13x the KV-read floor), batch 32 51 us unsplit (1.12x). The split count is
 fixed by the grid (sized for the longest context); each request uses as many splits as its key tiles fill and the
 combine reads only those, so a grid wide enough for 32k tokens costs a short request little.
+
+Attention sinks (GPT-OSS; optional): one logit per query head, in the softmax's units, that joins each row's
+denominator and attends to no value. It is added once a row's running max is final: to l_i at the end of an unsplit
+program, or to the combined denominator in the combine kernel (never in each split, which would count it once a
+split).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import math
 
 import torch
 
-from engine.kernels.attention_args import check_launch, check_query_and_cache, check_sliding_window
+from engine.kernels.attention_args import check_launch, check_query_and_cache, check_sinks, check_sliding_window
 from engine.kernels.attention_launch import kernel_variant
 from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton, wait_for_previous_kernel
 
@@ -42,6 +47,7 @@ __all__ = ["HAS_TRITON", "paged_attention", "paged_attention_ref"]
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
         partial_ptr, partial_ml_ptr, partial_live_ptr,  # split-KV workspace (read only when SPLIT)
+        sinks_ptr,  # [num_heads] float32 sink logits (read only when HAS_SINKS and not SPLIT)
         num_heads,
         num_splits,  # programs sharing one request's keys (1 unless SPLIT)
         scale_log2,  # softmax scale * log2(e): the kernel uses exp2
@@ -53,7 +59,8 @@ def _paged_attention_kernel(
         stride_bt,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEADS_PER_KV: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
+        HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr,
+        USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     m_block = tl.program_id(0)
     req = tl.program_id(1)
@@ -137,6 +144,11 @@ def _paged_attention_kernel(
             m_i = m_new
 
         if not SPLIT:
+            if HAS_SINKS:  # the sink's exp against the row's final max (log2 domain, as m_i)
+                sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+                # Capped at 2^126 (no inf from the rows past q_len, whose max is -1e30): a sink that large leaves the
+                # row ~0 either way, as its keys add at least 1 to l_i.
+                l_i += tl.where(row_valid, tl.exp2(tl.minimum(sink - m_i, 126.0)), 0.0)
             # Rows past q_len saw no key (l_i = 0); they are not stored, the guard only avoids 0 / 0.
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dim[None, :] * stride_od,
@@ -152,9 +164,11 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _combine_splits_kernel(
-        o_ptr, partial_ptr, partial_ml_ptr, partial_live_ptr, query_start_loc_ptr, num_reqs, num_heads, num_splits,
+        o_ptr, partial_ptr, partial_ml_ptr, partial_live_ptr, query_start_loc_ptr, sinks_ptr, num_reqs, num_heads,
+        num_splits,
         stride_ot, stride_oh, stride_od,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLIT_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
+        USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -192,6 +206,8 @@ def _combine_splits_kernel(
             part = tl.load(partial_ptr + slot[:, None] * HEAD_DIM_P + dim[None, :], mask=ok[:, None], other=0.0)
             acc = acc * rescale + tl.sum(part * weight[:, None], 0)
             m_run = m_new
+        if HAS_SINKS:  # once, against the combined max (log2 domain)
+            denom += tl.exp2(tl.minimum(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - m_run, 126.0))
         tl.store(o_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dim * stride_od,
                  (acc / denom).to(o_ptr.dtype.element_ty), mask=dim < HEAD_DIM)
 
@@ -207,7 +223,8 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
                     sliding_window: int | None,
                     max_query_len: int,
                     *,
-                    num_kv_splits: int | None = None) -> None:
+                    num_kv_splits: int | None = None,
+                    sinks: torch.Tensor | None = None) -> None:  # [num_heads] float sink logits, or None
     """Attention of every request's query tokens over its paged keys and values, written into `out`.
 
     `max_query_len` is a host-side upper bound of every request's query length; it sizes the grid, which
@@ -217,11 +234,13 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
     num_kv_splits: how many programs share one request's keys (flash-decoding), a power of two; None picks
     one from the host-side shapes and the GPU's SM count: small decode / verify batches split their keys so
     that the GPU has enough programs to reach its memory bandwidth, larger ones do not (1).
+
+    sinks: one logit per query head joining each row's softmax denominator (GPT-OSS); None: no sink.
     """
     require_triton("paged_attention", query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table)
     num_heads, head_dim, num_kv_heads, block_size = _check_args(query, key_cache, value_cache, out,
                                                                 query_start_loc, seq_lens, block_table,
-                                                                sliding_window, max_query_len)
+                                                                sliding_window, max_query_len, sinks)
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or max_query_len == 0 or query.shape[0] == 0:
         return
@@ -242,6 +261,7 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
     launch(
         _paged_attention_kernel, grid, query.device,
         query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, partial, partial_ml, partial_live,
+        sinks if sinks is not None else out,
         num_heads,
         splits, scale * math.log2(math.e), sliding_window or 0,
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0),
@@ -249,25 +269,28 @@ def paged_attention(query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf
         BLOCK_M=block_m, TILE_N=tile_n, HAS_WINDOW=sliding_window is not None,
         # fp32 caches: full-precision products (tl.dot would use TF32 on tensor cores otherwise).
         DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
-        num_warps=num_warps)
+        HAS_SINKS=sinks is not None, num_warps=num_warps)
     if splits > 1:
         launch(
             _combine_splits_kernel, (query.shape[0], num_heads), query.device,
-            out, partial, partial_ml, partial_live, query_start_loc, num_reqs, num_heads, splits, *out.stride(),
-            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLIT_CHUNK=16,
+            out, partial, partial_ml, partial_live, query_start_loc, sinks if sinks is not None else out, num_reqs,
+            num_heads, splits, *out.stride(),
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLIT_CHUNK=16, HAS_SINKS=sinks is not None,
             num_warps=1 if head_dim_p <= 128 else 2)
 
 
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                        scale: float, sliding_window: int | None, max_query_len: int) -> None:
-    """Plain-torch reference of `paged_attention` (same arguments), one request at a time, in fp32.
+                        scale: float, sliding_window: int | None, max_query_len: int, *,
+                        sinks: torch.Tensor | None = None) -> None:
+    """Plain-torch reference of `paged_attention` (same arguments), one request at a time, in fp32; a sink is one
+    more column of each row's softmax, dropped after it.
 
     Independent of the kernel: gathers each request's keys position by position into a dense sequence and
     applies an explicit causal / sliding-window mask. Syncs with the host; for tests and CPU only.
     """
     _check_args(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, sliding_window,
-                max_query_len)
+                max_query_len, sinks)
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     block_size = key_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -288,13 +311,19 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         visible = pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             visible &= pos[None, :] > q_pos[:, None] - sliding_window
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(-1, 1, 1).expand(num_heads, q_len, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
 
 
 def _check_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                sliding_window: int | None, max_query_len: int) -> tuple[int, int, int, int]:
+                sliding_window: int | None, max_query_len: int,
+                sinks: torch.Tensor | None = None) -> tuple[int, int, int, int]:
     """Shape checks only (no device data is read). Returns (num_heads, head_dim, num_kv_heads, block_size)."""
     shapes = check_query_and_cache(query, key_cache, value_cache, out, "num_tokens")
     num_reqs = seq_lens.shape[0]
@@ -306,4 +335,5 @@ def _check_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     check_sliding_window(sliding_window)
     if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
         raise ValueError(f"max_query_len must be a non-negative host int, got {max_query_len!r}")
+    check_sinks(sinks, shapes[0])
     return shapes

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from engine.kernels.attention_args import check_launch, check_query_and_cache, check_sliding_window
+from engine.kernels.attention_args import check_launch, check_query_and_cache, check_sinks, check_sliding_window
 from engine.kernels.attention_launch import MAX_AUTO_SPLITS, _auto_splits, _tile_n, default_tile_and_warps
 from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton, wait_for_previous_kernel
 
@@ -52,6 +52,7 @@ def _tree_attention_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, block_table_ptr, row_index_ptr, row_pos_ptr, prefix_lens_ptr,
         node_pos_ptr, node_slots_ptr, visible_ptr,
         partial_ptr, partial_ml_ptr,  # split-KV workspace (read only when SPLIT)
+        sinks_ptr,  # [num_heads] float32 sink logits (read only when HAS_SINKS and not SPLIT)
         num_heads,
         num_splits,  # programs sharing one tree's prefix (1 unless SPLIT)
         max_rows, max_nodes,
@@ -64,7 +65,8 @@ def _tree_attention_kernel(
         stride_bt, stride_ri, stride_rp, stride_np, stride_ns, stride_vt, stride_vr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEADS_PER_KV: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, TILE_NODES: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
+        HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr,
+        USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     m_block = tl.program_id(0)
     tree = tl.program_id(1).to(tl.int64)
@@ -162,6 +164,9 @@ def _tree_attention_kernel(
             m_i = m_new
 
         if not SPLIT:
+            if HAS_SINKS:  # as paged_attention: once, against the row's final max, capped short of inf
+                sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+                l_i += tl.where(row_valid, tl.exp2(tl.minimum(sink - m_i, 126.0)), 0.0)
             # Every valid row sees itself (l_i > 0); the guard only avoids 0 / 0 on rows that are not stored.
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dim[None, :] * stride_od,
@@ -176,8 +181,9 @@ def _tree_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_tree_splits_kernel(
-        o_ptr, partial_ptr, partial_ml_ptr, num_heads, num_splits, stride_ot, stride_oh, stride_od,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr):
+        o_ptr, partial_ptr, partial_ml_ptr, sinks_ptr, num_heads, num_splits, stride_ot, stride_oh, stride_od,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, HAS_SINKS: tl.constexpr,
+        USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     # A padding row of a CUDA graph's bucket (engine/runner/tree_graphs.py) combines a workspace nobody wrote; its
     # output is never read.
@@ -189,8 +195,11 @@ def _combine_tree_splits_kernel(
     ws = (row * num_heads + head) * num_splits + splits  # [SPLITS_P]
     # Lanes past num_splits weigh exp2(floor - max) = 0 and add nothing.
     m = tl.load(partial_ml_ptr + ws * 2, mask=live, other=-1.0e30)  # [SPLITS_P] log2-domain maxima
-    weight = tl.exp2(m - tl.max(m, 0))  # [SPLITS_P]
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - m_max)  # [SPLITS_P]
     denom = tl.sum(weight * tl.load(partial_ml_ptr + ws * 2 + 1, mask=live, other=0.0), 0)
+    if HAS_SINKS:  # once, against the combined max
+        denom += tl.exp2(tl.minimum(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - m_max, 126.0))
     acc = tl.load(partial_ptr + ws[:, None] * HEAD_DIM_P + dim[None, :], mask=live[:, None],
                   other=0.0)  # [SPLITS_P, HEAD_DIM_P]
     out = tl.sum(acc * weight[:, None], 0) / denom  # [HEAD_DIM_P]
@@ -212,18 +221,19 @@ def tree_attention(query: torch.Tensor,  # [num_rows, num_heads, head_dim] bf16/
                    scale: float,
                    sliding_window: int | None,
                    *,
-                   num_kv_splits: int | None = None) -> None:
+                   num_kv_splits: int | None = None,
+                   sinks: torch.Tensor | None = None) -> None:  # [num_heads] float sink logits, or None
     """Tree attention of every tree's rows (engine/attention/tree_metadata.py, one KV-cache group's view) over the
     prefix's paged keys and the visible nodes' scratch keys, written into `out` (every flat row is some tree's row).
 
     num_kv_splits: how many programs share one tree's prefix (flash-decoding), a power of two; None picks one from
-    the host-side shapes and the GPU's SM count, as paged_attention does.
+    the host-side shapes and the GPU's SM count, as paged_attention does. sinks: as paged_attention's.
     """
     require_triton("tree_attention", query, key_cache, value_cache, out, block_table, row_index, row_positions,
                    prefix_lens, node_positions, node_slots, visible)
     num_heads, head_dim, num_kv_heads, block_size = _check_args(
         query, key_cache, value_cache, out, block_table, row_index, row_positions, prefix_lens, node_positions,
-        node_slots, visible, sliding_window)
+        node_slots, visible, sliding_window, sinks)
     num_trees, max_rows = row_positions.shape
     max_nodes = node_positions.shape[1]
     if num_trees == 0 or max_rows == 0 or query.shape[0] == 0:
@@ -244,7 +254,8 @@ def tree_attention(query: torch.Tensor,  # [num_rows, num_heads, head_dim] bf16/
         _tree_attention_kernel, grid, query.device,
         query, key_cache, value_cache, out, block_table, row_index, row_positions, prefix_lens, node_positions,
         node_slots, visible.view(torch.uint8),  # a free view: the kernel reads bytes
-        partial, partial_ml, num_heads, splits, max_rows, max_nodes, scale * math.log2(math.e), sliding_window or 0,
+        partial, partial_ml, sinks if sinks is not None else out, num_heads, splits, max_rows, max_nodes,
+        scale * math.log2(math.e), sliding_window or 0,
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(),
         block_table.stride(0), row_index.stride(0), row_positions.stride(0), node_positions.stride(0),
         node_slots.stride(0), visible.stride(0), visible.stride(1),
@@ -252,12 +263,13 @@ def tree_attention(query: torch.Tensor,  # [num_rows, num_heads, head_dim] bf16/
         BLOCK_M=block_m, TILE_N=tile_n, TILE_NODES=TILE_NODES, HAS_WINDOW=sliding_window is not None,
         # fp32 caches: full-precision products (tl.dot would use TF32 on tensor cores otherwise).
         DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
-        num_warps=num_warps)
+        HAS_SINKS=sinks is not None, num_warps=num_warps)
     if splits > 1:
         launch(
             _combine_tree_splits_kernel, (query.shape[0], num_heads), query.device,
-            out, partial, partial_ml, num_heads, splits, *out.stride(),
+            out, partial, partial_ml, sinks if sinks is not None else out, num_heads, splits, *out.stride(),
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=max(MAX_AUTO_SPLITS, splits),
+            HAS_SINKS=sinks is not None,
             num_warps=1 if head_dim_p <= 128 else 2)
 
 
@@ -278,15 +290,17 @@ def tree_kernel_variant(num_trees: int, max_rows: int, heads_per_kv: int, num_kv
 def tree_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
                        block_table: torch.Tensor, row_index: torch.Tensor, row_positions: torch.Tensor,
                        prefix_lens: torch.Tensor, node_positions: torch.Tensor, node_slots: torch.Tensor,
-                       visible: torch.Tensor, scale: float, sliding_window: int | None) -> None:
-    """Plain-torch reference of `tree_attention` (same arguments), one row at a time, in fp32.
+                       visible: torch.Tensor, scale: float, sliding_window: int | None, *,
+                       sinks: torch.Tensor | None = None) -> None:
+    """Plain-torch reference of `tree_attention` (same arguments), one row at a time, in fp32; a sink is one more
+    column of each row's softmax, dropped after it.
 
     Independent of the kernel and of the torch backend's masks: for each row it lists the keys the row sees (the
     prefix positions in its window, then the visible nodes in their window), gathers them and takes a softmax.
     Syncs with the host; for tests and CPU only.
     """
     _check_args(query, key_cache, value_cache, out, block_table, row_index, row_positions, prefix_lens,
-                node_positions, node_slots, visible, sliding_window)
+                node_positions, node_slots, visible, sliding_window, sinks)
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     block_size = key_cache.shape[1]
     flat_k = key_cache.reshape(-1, num_kv_heads, key_cache.shape[3])  # [num_blocks * block_size, kv_heads, dim]
@@ -308,14 +322,19 @@ def tree_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache
             values = flat_v[slots].float().repeat_interleave(num_heads // num_kv_heads, dim=1)
             row = row_index_h[t][r]
             q = query[row].to(key_cache.dtype).float()  # [heads, dim]
-            probs = (torch.einsum("hd,khd->hk", q, keys) * scale).softmax(dim=-1)  # [heads, n_keys]
+            scores = torch.einsum("hd,khd->hk", q, keys) * scale  # [heads, n_keys]
+            if sinks is not None:
+                probs = torch.cat([scores, sinks.float()[:, None]], dim=-1).softmax(dim=-1)[:, :-1]
+            else:
+                probs = scores.softmax(dim=-1)
             out[row] = torch.einsum("hk,khd->hd", probs, values).to(out.dtype)
 
 
 def _check_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
                 block_table: torch.Tensor, row_index: torch.Tensor, row_positions: torch.Tensor,
                 prefix_lens: torch.Tensor, node_positions: torch.Tensor, node_slots: torch.Tensor,
-                visible: torch.Tensor, sliding_window: int | None) -> tuple[int, int, int, int]:
+                visible: torch.Tensor, sliding_window: int | None,
+                sinks: torch.Tensor | None = None) -> tuple[int, int, int, int]:
     """Shape checks only (no device data is read). Returns (num_heads, head_dim, num_kv_heads, block_size)."""
     shapes = check_query_and_cache(query, key_cache, value_cache, out, "num_rows")
     if row_positions.dim() != 2 or row_index.shape != row_positions.shape:
@@ -343,4 +362,5 @@ def _check_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     if block_table.stride(1) != 1:
         raise ValueError("block_table must be contiguous in its last dimension")
     check_sliding_window(sliding_window)
+    check_sinks(sinks, shapes[0])
     return shapes

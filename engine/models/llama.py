@@ -45,7 +45,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias and not is_qwen2)
         # Qwen3 normalises q and k per head before RoPE.
-        self.qk_norm = hf.model_type == "qwen3"
+        self.qk_norm = hf.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, hf.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, hf.rms_norm_eps)

@@ -11,11 +11,14 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 logger = logging.getLogger("specserve")
 
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM,
+                                                    "gpt_oss": GptOssForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 
 # Prefixes that wrap the text model in some checkpoints (Gemma 3 multimodal, older exports).
 _PREFIX_REWRITES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -117,10 +120,15 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         if name == "lm_head.weight" and model.tie_word_embeddings:
             continue  # tied: the embedding provides it
         target, shard = name, None
-        for ckpt_part, (ours, shard_id) in model.packed_modules.items():
-            if f".{ckpt_part}." in name:
-                target, shard = name.replace(f".{ckpt_part}.", f".{ours}."), shard_id
-                break
+        # MoE models: a checkpoint tensor per expert lands in one stacked parameter (the model maps the name).
+        mapped = model.checkpoint_target(name) if hasattr(model, "checkpoint_target") else None
+        if mapped is not None:
+            target, shard = mapped
+        else:
+            for ckpt_part, (ours, shard_id) in model.packed_modules.items():
+                if f".{ckpt_part}." in name:
+                    target, shard = name.replace(f".{ckpt_part}.", f".{ours}."), shard_id
+                    break
         if target not in params:
             if name.startswith("model.vision_tower") or name.startswith("model.multi_modal_projector"):
                 continue
@@ -144,11 +152,14 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
             expected |= {f"{name}#{i}" for i in range(len(m.out_sizes))}
         elif hasattr(m, "kv_replicas") and name.endswith(("weight", "bias")):
             expected |= {f"{name}#{s}" for s in "qkv"}
+        elif hasattr(m, "checkpoint_shards") and m.checkpoint_shards(name.rsplit(".", 1)[1]) is not None:
+            expected |= {f"{name}#{s}" for s in m.checkpoint_shards(name.rsplit(".", 1)[1])}  # MoE experts
         else:
             expected.add(name)
     if model.tie_word_embeddings:
         expected.discard("lm_head.weight")
-    missing = sorted(expected - loaded)
+    # A parameter loaded whole covers its shards (MoE experts stacked in the checkpoint, not stored per expert).
+    missing = sorted(m for m in expected - loaded if m.split("#")[0] not in loaded)
     if allow_missing_vectors:
         missing = [m for m in missing if params[m.split("#")[0]].dim() >= 2]
     if missing:

@@ -1,0 +1,161 @@
+"""The MoE experts of a few-row step (decode, a verify of k + 1 tokens a request, a draft's steps) in two Triton
+kernels: gate_up + activation, then down + bias + routing weight, one program per (routed row, output tile), the
+weights in the model's dtype or MXFP4 (dequantized in the kernel from the packed bytes: never a bf16 copy).
+
+A routed row is one (token, expert) pair of the router's top-k, in the router's order: at a few rows the pairs rarely
+share an expert, so grouping them buys nothing, and the grid is a host-side function of the token count (CUDA graphs
+replay it with any routing). The kernels write each pair's weighted output apart and the k pairs of a token are summed
+in a fixed order afterwards: deterministic, unlike atomics. Prefill-sized steps take the reference
+(engine/models/moe.py), which groups the rows by expert.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton
+
+__all__ = ["HAS_TRITON", "MAX_ROUTED_ROWS", "moe_experts", "moe_experts_ref"]
+
+MAX_ROUTED_ROWS = 64  # routed rows (tokens x top_k) up to which the model takes these kernels
+_BLOCK_N, _BLOCK_K = 32, 64
+
+
+@triton.jit
+def _load_weight(w_ptr, blocks_ptr, scales_ptr, expert, rows, cols, mask, stride_we, stride_wr,
+                 blocks_e, blocks_r, scales_e, scales_r, PACKED: tl.constexpr):
+    """[R, C] float32 tile of expert `expert`'s [out, in] weight at (rows, cols): read as is, or decoded from MXFP4
+    (value 2j of a block in the low nibble of byte j; e2m1: sign bit 3, exponent bits 1-2, mantissa bit 0; the
+    block's scale 2 ** (byte - 127))."""
+    e = expert.to(tl.int64)
+    if PACKED:
+        byte = tl.load(blocks_ptr + e * blocks_e + rows[:, None] * blocks_r + (cols // 2)[None, :], mask=mask,
+                       other=0).to(tl.int32)
+        nib = tl.where((cols % 2 == 0)[None, :], byte & 15, byte >> 4)
+        exp = (nib >> 1) & 3
+        man = (nib & 1).to(tl.float32)
+        mag = tl.where(exp == 0, man * 0.5, (1.0 + man * 0.5) * tl.exp2((exp - 1).to(tl.float32)))
+        val = tl.where((nib & 8) != 0, -mag, mag)
+        scale = tl.load(scales_ptr + e * scales_e + rows[:, None] * scales_r + (cols // 32)[None, :], mask=mask,
+                        other=127).to(tl.float32)
+        return val * tl.exp2(scale - 127.0)
+    return tl.load(w_ptr + e * stride_we + rows[:, None] * stride_wr + cols[None, :], mask=mask,
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr, act_ptr,
+                        top_k, hidden, inter, alpha, limit,
+                        stride_xt, stride_we, stride_wr, blocks_e, blocks_r, scales_e, scales_r, stride_be,
+                        PACKED: tl.constexpr, HAS_BIAS: tl.constexpr, OAI: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # routed row: token * top_k + j
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] intermediate features
+    n_ok = n < inter
+    expert = tl.load(ids_ptr + row)
+    token = row // top_k
+    # GPT-OSS interleaves gate and up rows (gate 2n, up 2n + 1); otherwise gate is row n and up row I + n.
+    if OAI:
+        g_rows = 2 * n
+        u_rows = 2 * n + 1
+    else:
+        g_rows = n
+        u_rows = inter + n
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        k_ok = k < hidden
+        x = tl.load(x_ptr + token * stride_xt + k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+        mask = n_ok[:, None] & k_ok[None, :]
+        wg = _load_weight(w_ptr, blocks_ptr, scales_ptr, expert, g_rows, k, mask, stride_we, stride_wr, blocks_e,
+                          blocks_r, scales_e, scales_r, PACKED)
+        acc_g += tl.sum(wg * x[None, :], 1)
+        wu = _load_weight(w_ptr, blocks_ptr, scales_ptr, expert, u_rows, k, mask, stride_we, stride_wr, blocks_e,
+                          blocks_r, scales_e, scales_r, PACKED)
+        acc_u += tl.sum(wu * x[None, :], 1)
+    if HAS_BIAS:
+        b = bias_ptr + expert.to(tl.int64) * stride_be
+        acc_g += tl.load(b + g_rows, mask=n_ok, other=0.0).to(tl.float32)
+        acc_u += tl.load(b + u_rows, mask=n_ok, other=0.0).to(tl.float32)
+    if OAI:  # GPT-OSS: gate clamped from above, up both sides, (up + 1) * gate * sigmoid(alpha * gate)
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        out = (u + 1.0) * g * tl.sigmoid(alpha * g)
+    else:
+        out = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(act_ptr + row * inter + n, out, mask=n_ok)
+
+
+@triton.jit
+def _down_kernel(act_ptr, ids_ptr, route_w_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr, y_ptr, hidden, inter,
+                 stride_we, stride_wr, blocks_e, blocks_r, scales_e, scales_r, stride_be,
+                 PACKED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] hidden features
+    n_ok = n < hidden
+    expert = tl.load(ids_ptr + row)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < inter
+        a = tl.load(act_ptr + row * inter + k, mask=k_ok, other=0.0)  # [BLOCK_K] float32
+        w = _load_weight(w_ptr, blocks_ptr, scales_ptr, expert, n, k, n_ok[:, None] & k_ok[None, :], stride_we,
+                         stride_wr, blocks_e, blocks_r, scales_e, scales_r, PACKED)
+        acc += tl.sum(w * a[None, :], 1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+    acc = acc * tl.load(route_w_ptr + row).to(tl.float32)
+    tl.store(y_ptr + row * hidden + n, acc, mask=n_ok)
+
+
+def moe_experts(x: torch.Tensor,  # [T, H]
+                weights: torch.Tensor,  # [T, top_k] routing weights
+                ids: torch.Tensor,  # [T, top_k] expert ids
+                experts: torch.nn.Module) -> torch.Tensor:  # engine.models.moe.FusedExperts
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H] in x's dtype (float32 inside)."""
+    require_triton("moe_experts", x, weights, ids)
+    t, h = x.shape
+    top_k = ids.shape[1]
+    if weights.shape != ids.shape or ids.shape[0] != t or h != experts.hidden_size:
+        raise ValueError(f"moe_experts: x [T, {experts.hidden_size}], weights and ids [T, top_k], got "
+                         f"{tuple(x.shape)}, {tuple(weights.shape)} and {tuple(ids.shape)}")
+    rows, inter = t * top_k, experts.intermediate_size
+    x = x.contiguous()
+    ids_flat, w_flat = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
+    act = torch.empty(rows, inter, dtype=torch.float32, device=x.device)
+    y = torch.empty(rows, h, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return torch.zeros_like(x)
+    packed, has_bias, oai = experts.packed, experts.gate_up_proj_bias is not None, experts.activation == "swiglu_oai"
+
+    def operands(name: str) -> tuple:
+        """(weight, blocks, scales, their strides) of one projection; the unused pointers alias a used tensor."""
+        if packed:
+            blocks, scales = getattr(experts, f"{name}_blocks"), getattr(experts, f"{name}_scales")
+            return (blocks, blocks, scales, 0, 0, blocks.stride(0), blocks.stride(1), scales.stride(0),
+                    scales.stride(1))
+        w = getattr(experts, name)
+        return w, w, w, w.stride(0), w.stride(1), 0, 0, 0, 0
+
+    gu, down = operands("gate_up_proj"), operands("down_proj")
+    gu_bias = experts.gate_up_proj_bias if has_bias else act
+    down_bias = experts.down_proj_bias if has_bias else act
+    launch(_gate_up_act_kernel, (rows, triton.cdiv(inter, _BLOCK_N)), x.device,
+           x, ids_flat, gu[0], gu[1], gu[2], gu_bias, act, top_k, h, inter, float(experts.alpha),
+           float(experts.limit), x.stride(0), *gu[3:], gu_bias.stride(0),
+           PACKED=packed, HAS_BIAS=has_bias, OAI=oai, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
+    launch(_down_kernel, (rows, triton.cdiv(h, _BLOCK_N)), x.device,
+           act, ids_flat, w_flat, down[0], down[1], down[2], down_bias, y, h, inter, *down[3:],
+           down_bias.stride(0), PACKED=packed, HAS_BIAS=has_bias, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
+    return y.view(t, top_k, h).sum(dim=1).to(x.dtype)
+
+
+def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    experts: torch.nn.Module) -> torch.Tensor:
+    """Plain-torch reference of `moe_experts` (same arguments): the layer's reference over the rows sorted by
+    expert (engine/models/moe.py)."""
+    from engine.models.moe import experts_ref, sort_by_expert
+
+    return experts_ref(experts, x, sort_by_expert(weights, ids, experts.num_experts))

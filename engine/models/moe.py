@@ -1,0 +1,188 @@
+"""The mixture-of-experts feed-forward layer shared by the MoE families (GPT-OSS, Qwen3-MoE): routing, the
+experts' weights (in the model's dtype, or MXFP4 packed) and a plain-torch reference of the experts' forward.
+
+Routing never syncs with the host, so a step with an MoE layer can sit in one CUDA graph: every shape below is
+fixed by the number of tokens and the config (num_tokens * top_k routed rows), never by how many rows an expert
+got. The routed rows are sorted by expert (a stable argsort of the flat expert ids) and each expert's run is
+located by offsets made with scatter_add (bincount would read the largest id on the host to size its output), for a
+grouped kernel to walk. The reference below does the same work without knowing the runs' lengths on the host: it
+reads each routed row's expert weights by index (dequantizing packed ones there), so its cost per row is one
+expert's weights, and it is chunked by a host-side bound of rows. A step of few routed rows (decode, verify, the
+draft's steps) on the kernel devices takes engine/kernels/moe_small_m.py instead, over the router's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels.moe_small_m import MAX_ROUTED_ROWS, moe_experts
+from engine.kernels.rms_norm import use_fused_kernels
+from engine.parallel import get_tp_group
+from engine.quantization import mxfp4
+
+# Gathered expert weights one chunk of the reference may hold (elements): bounds its memory on a prefill of
+# thousands of tokens.
+_REF_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass
+class RoutedRows:
+    """The step's (token, expert) pairs sorted by expert."""
+
+    expert: torch.Tensor  # [num_tokens * top_k] int64; ascending
+    token: torch.Tensor  # [num_tokens * top_k] int64; the token each row came from
+    weight: torch.Tensor  # [num_tokens * top_k] float; the routing weight of the pair
+    expert_offsets: torch.Tensor  # [num_experts + 1] int64; expert e's rows are expert_offsets[e]:expert_offsets[e+1]
+
+
+def route_topk_then_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS: the top-k logits, a softmax over those k. logits [T, E] -> (weights [T, k], ids [T, k])."""
+    values, ids = torch.topk(logits, top_k, dim=-1)
+    return values.softmax(dim=-1), ids
+
+
+def route_softmax_then_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE: a float32 softmax over every expert, its top k, renormalised to sum 1 with `normalize`
+    (norm_topk_prob). logits [T, E] -> (weights [T, k] in logits' dtype, ids [T, k])."""
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    values, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        values = values / values.sum(dim=-1, keepdim=True)
+    return values.to(logits.dtype), ids
+
+
+def sort_by_expert(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> RoutedRows:
+    """weights, ids [T, k] -> the T * k rows grouped by expert, without a host sync."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    offsets[1:] = counts.cumsum(0)
+    return RoutedRows(expert=flat[order], token=order // ids.shape[1], weight=weights.reshape(-1)[order],
+                      expert_offsets=offsets)
+
+
+class FusedExperts(nn.Module):
+    """Every expert's gate_up [E, 2I, H] and down [E, H, I] projections (out x in, as nn.Linear), optional biases,
+    in the model's dtype or as MXFP4 blocks and scales (kept packed: `*_blocks` [E, out, in / 32, 16] uint8,
+    `*_scales` [E, out, in / 32] uint8).
+
+    activation "swiglu_oai" is GPT-OSS's: gate and up interleaved (gate the even rows of gate_up), gate clamped at
+    `limit` from above, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate). "silu": gate the first
+    I rows, up the rest, silu(gate) * up.
+
+    Checkpoint layouts the loader hands to `weight_loader`: GPT-OSS's fused [E, H, 2I] and [E, I, H] (in x out, so
+    transposed here: `in_by_out`; never guessed from the shapes, which are square where I == H as in gpt-oss), one
+    expert's Linear weight at a time (Qwen3-MoE: shard (expert, 0 gate | 1 up | 2 down)), or MXFP4 blocks and
+    scales as stored.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, bias: bool, activation: str,
+                 packed: bool = False, in_by_out: bool = False, alpha: float = 1.702, limit: float = 7.0) -> None:
+        super().__init__()
+        if get_tp_group().size != 1:
+            raise ValueError("MoE experts are not split across tensor-parallel ranks yet: run MoE models with "
+                             "tensor_parallel_size 1")
+        if activation not in ("swiglu_oai", "silu"):
+            raise ValueError(f"unknown experts' activation {activation!r}")
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
+        self.activation, self.alpha, self.limit, self.packed = activation, alpha, limit, packed
+        self.in_by_out = in_by_out  # the checkpoint's unquantized weights are [E, in, out] (GPT-OSS)
+        if packed:
+            if h % mxfp4.BLOCK or i % mxfp4.BLOCK:
+                raise ValueError(f"MXFP4 experts need hidden ({h}) and intermediate ({i}) sizes that are multiples "
+                                 f"of {mxfp4.BLOCK}")
+
+            def u8(*shape: int) -> nn.Parameter:
+                return nn.Parameter(torch.zeros(*shape, dtype=torch.uint8), requires_grad=False)
+
+            self.gate_up_proj_blocks = u8(e, 2 * i, h // mxfp4.BLOCK, mxfp4.BLOCK // 2)
+            self.gate_up_proj_scales = u8(e, 2 * i, h // mxfp4.BLOCK)
+            self.down_proj_blocks = u8(e, h, i // mxfp4.BLOCK, mxfp4.BLOCK // 2)
+            self.down_proj_scales = u8(e, h, i // mxfp4.BLOCK)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+            self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i), requires_grad=False) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h), requires_grad=False) if bias else None
+
+    def checkpoint_shards(self, param_name: str) -> list[str] | None:
+        """The shard ids (as the loader records them) a parameter is loaded from where a checkpoint stores it per
+        expert (Qwen3-MoE); None: one tensor. Read by the loader to tell a missing expert."""
+        if self.activation != "silu":
+            return None
+        if param_name == "gate_up_proj":
+            return [str((x, part)) for x in range(self.num_experts) for part in (0, 1)]
+        if param_name == "down_proj":
+            return [str((x, 2)) for x in range(self.num_experts)]
+        return None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if isinstance(shard_id, tuple):  # one expert's Linear weight
+            expert, part = shard_id
+            i = self.intermediate_size
+            dst = param.data[expert] if part == 2 else param.data[expert].narrow(0, part * i, i)
+        elif self.in_by_out and param.dim() == 3 and param.dtype != torch.uint8:
+            dst, loaded = param.data, loaded.transpose(1, 2)
+        else:
+            dst = param.data
+        if dst.shape != loaded.shape:
+            raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit the model's {tuple(dst.shape)}")
+        dst.copy_(loaded)
+
+    def gate_up_weight(self, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[n] expert ids -> [n, 2I, H] in `dtype` (dequantized from the packed bytes of those experts only)."""
+        if self.packed:
+            return mxfp4.dequantize(self.gate_up_proj_blocks[experts], self.gate_up_proj_scales[experts], dtype)
+        return self.gate_up_proj[experts].to(dtype)
+
+    def down_weight(self, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[n] expert ids -> [n, H, I] in `dtype`."""
+        if self.packed:
+            return mxfp4.dequantize(self.down_proj_blocks[experts], self.down_proj_scales[experts], dtype)
+        return self.down_proj[experts].to(dtype)
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[n, 2I] -> [n, I]."""
+        if self.activation == "silu":
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], routing weights and expert ids [T, top_k] -> sum over each token's experts of
+        weight * expert(x) [T, H]. A few routed rows on the kernel devices take engine/kernels/moe_small_m.py (the
+        choice reads host shapes only); other steps the reference, rows sorted by expert."""
+        if use_fused_kernels(x) and 0 < ids.numel() <= MAX_ROUTED_ROWS:
+            return moe_experts(x, weights, ids, self)
+        return experts_ref(self, x, sort_by_expert(weights, ids, self.num_experts))
+
+
+def experts_ref(experts: FusedExperts, x: torch.Tensor, rows: RoutedRows) -> torch.Tensor:
+    """Plain-torch reference of the experts' forward: per routed row, its expert's gate_up (+ bias), the activation,
+    down (+ bias), times the routing weight, summed into the row's token. Chunks of rows are a host-side bound
+    (num_tokens * top_k, never the rows an expert got): no sync."""
+    n, dtype = rows.expert.shape[0], x.dtype
+    out = torch.zeros_like(x)
+    per_row = 3 * experts.intermediate_size * experts.hidden_size
+    chunk = max(1, _REF_CHUNK_ELEMENTS // per_row)
+    for start in range(0, n, chunk):
+        e = rows.expert[start:start + chunk]
+        tok = rows.token[start:start + chunk]
+        h = torch.bmm(experts.gate_up_weight(e, dtype), x[tok][:, :, None])[..., 0]  # [n, 2I]
+        if experts.gate_up_proj_bias is not None:
+            h = h + experts.gate_up_proj_bias[e].to(dtype)
+        y = torch.bmm(experts.down_weight(e, dtype), experts.act(h)[:, :, None])[..., 0]  # [n, H]
+        if experts.down_proj_bias is not None:
+            y = y + experts.down_proj_bias[e].to(dtype)
+        out.index_add_(0, tok, y * rows.weight[start:start + chunk, None].to(dtype))
+    return out

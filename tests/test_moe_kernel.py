@@ -1,0 +1,81 @@
+"""The few-row MoE kernels (engine/kernels/moe_small_m.py) against the layer's torch reference under Triton's
+interpreter: both families' activations, with and without biases, weights in float and MXFP4-packed; and the
+reference itself against a per-token loop over each token's experts (HF's reading of the layer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreter_children import assert_pytest_children_pass
+
+from engine.kernels import moe_small_m
+from engine.kernels.triton_compat import HAS_TRITON, interpreting
+from engine.models.moe import FusedExperts, route_softmax_then_topk, route_topk_then_softmax
+from engine.quantization import mxfp4
+
+INTERPRETED = interpreting()
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process started "
+                                                         "by test_moe_kernels_under_interpreter")
+
+
+def _experts(activation: str, packed: bool, bias: bool, seed: int, e: int = 4, h: int = 64, i: int = 64
+             ) -> FusedExperts:
+    g = torch.Generator().manual_seed(seed)
+    ex = FusedExperts(e, h, i, bias=bias, activation=activation, packed=packed)
+    with torch.no_grad():
+        gate_up, down = torch.randn(e, 2 * i, h, generator=g) * 0.5, torch.randn(e, h, i, generator=g) * 0.5
+        if packed:
+            ex.gate_up_proj_blocks.copy_(mxfp4.quantize(gate_up)[0])
+            ex.gate_up_proj_scales.copy_(mxfp4.quantize(gate_up)[1])
+            ex.down_proj_blocks.copy_(mxfp4.quantize(down)[0])
+            ex.down_proj_scales.copy_(mxfp4.quantize(down)[1])
+        else:
+            ex.gate_up_proj.copy_(gate_up)
+            ex.down_proj.copy_(down)
+        if bias:
+            ex.gate_up_proj_bias.normal_(0, 1, generator=g)
+            ex.down_proj_bias.normal_(0, 1, generator=g)
+    return ex
+
+
+def _routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 64, generator=g)
+    weights, ids = route_topk_then_softmax(torch.randn(tokens, experts, generator=g), top_k)
+    return x, weights, ids
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="starts the interpreted child")
+def test_moe_kernels_under_interpreter():
+    assert_pytest_children_pass(__file__)
+
+
+@interpreted
+@pytest.mark.parametrize("activation,packed,bias", [("swiglu_oai", False, True), ("swiglu_oai", True, True),
+                                                     ("silu", False, False), ("silu", True, False)])
+def test_moe_kernel_matches_reference(activation, packed, bias):
+    ex = _experts(activation, packed, bias, seed=1)
+    for tokens, top_k in ((1, 2), (5, 2), (16, 4)):  # a decode, a verify of 5, a batch of draft steps
+        x, weights, ids = _routing(tokens, 4, top_k, seed=tokens)
+        out = moe_small_m.moe_experts(x, weights, ids, ex)
+        ref = moe_small_m.moe_experts_ref(x, weights, ids, ex)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    if activation == "swiglu_oai":  # the clamp is active on these rows: a kernel without it would be caught
+        ex.limit = 1e9
+        assert (moe_small_m.moe_experts_ref(x, weights, ids, ex) - ref).abs().max() > 1e-2
+
+
+def test_reference_equals_a_loop_over_each_tokens_experts():
+    ex = _experts("silu", packed=True, bias=False, seed=2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 64, generator=g)
+    weights, ids = route_softmax_then_topk(torch.randn(9, 4, generator=g), 2, normalize=True)
+    ref = moe_small_m.moe_experts_ref(x, weights, ids, ex)
+    w13 = mxfp4.dequantize(ex.gate_up_proj_blocks, ex.gate_up_proj_scales)  # [E, 2I, H]
+    w2 = mxfp4.dequantize(ex.down_proj_blocks, ex.down_proj_scales)  # [E, H, I]
+    for t in range(9):
+        want = torch.zeros(64)
+        for j in range(2):
+            gate, up = (w13[ids[t, j]] @ x[t]).chunk(2)
+            want += weights[t, j] * (w2[ids[t, j]] @ (torch.nn.functional.silu(gate) * up))
+        torch.testing.assert_close(ref[t], want, atol=1e-4, rtol=1e-4)
