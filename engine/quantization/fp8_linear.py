@@ -92,7 +92,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
     dequantizing reference."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if HAS_TRITON and (x.is_cuda or interpreting()) and 0 < x2.shape[0] <= FEW_ROWS:
+    kernel_groups = scale.shape[1] == 1 or group_k % 16 == 0  # the kernel's K steps lie within a scale group
+    if HAS_TRITON and (x.is_cuda or interpreting()) and 0 < x2.shape[0] <= FEW_ROWS and kernel_groups:
         out = fp8_linear_kernel(x2, weight, scale, group_k, bias)
     else:
         out = fp8_linear_ref(x2, weight, scale, group_k, bias)
