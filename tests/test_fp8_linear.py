@@ -1,0 +1,78 @@
+"""The FP8 few-row product (engine/quantization/fp8_linear.py) against its dequantizing torch reference, on CPU under
+Triton's interpreter (in a child process, tests/interpreter_children.py); tests/gpu/test_fp8_linear_cuda.py runs the
+same checks on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreter_children import assert_pytest_children_pass
+
+from engine.kernels.triton_compat import HAS_TRITON, interpreting
+from engine.quantization import fp8_linear as fl
+from engine.quantization.fp8 import quantize_fp8
+
+if not HAS_TRITON:
+    pytest.skip("triton is not installed (the `test` extra installs it on Linux)", allow_module_level=True)
+
+interpreted = pytest.mark.skipif(not interpreting(), reason="runs in the TRITON_INTERPRET=1 child process")
+
+
+@pytest.mark.skipif(interpreting(), reason="already under the interpreter")
+def test_fp8_linear_under_interpreter():
+    assert_pytest_children_pass(__file__)
+
+
+def scale_rows(scale: torch.Tensor, n: int, block: tuple[int, int] | None) -> torch.Tensor:
+    return scale if block is None else scale.repeat_interleave(block[0], 0)[:n]
+
+
+def check_fp8_linear(device: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 3, 16),
+                     shapes: tuple[tuple[int, int], ...] = ((70, 300), (96, 256))) -> None:
+    """Per-channel scales and 128 x 128 blocks (partial at the edges: N 70, K 300), with and without a bias, each
+    row count against the reference (which dequantizes to the activations' dtype): a tolerance of one rounding of
+    the output in `dtype` (float32: 1e-4) for sums over K of a few hundred."""
+    g = torch.Generator().manual_seed(0)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=g) * k ** -0.5
+        bias = torch.randn(n, generator=g).to(device=device, dtype=dtype)
+        for block in (None, (128, 128)):
+            q, s = quantize_fp8(w, block)
+            q, s = q.to(device), scale_rows(s, n, block).contiguous().to(device)
+            group_k = k if block is None else block[1]
+            for m in rows:
+                x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+                for b in (None, bias):
+                    out = fl.fp8_linear_kernel(x, q, s, group_k, b)
+                    torch.testing.assert_close(out, fl.fp8_linear_ref(x, q, s, group_k, b), **tol)
+            # the reference against a dequantization written apart: each 128-column group times its scales
+            qc, sc = q.float().cpu(), s.cpu()
+            dq = qc * sc[:, :1] if block is None else torch.cat(
+                [qc[:, j:j + 128] * sc[:, j // 128:j // 128 + 1] for j in range(0, k, 128)], dim=1)
+            x = torch.randn(2, k, generator=g)
+            torch.testing.assert_close(fl.fp8_linear_ref(x, q.cpu(), s.cpu(), group_k), x @ dq.T, atol=1e-5,
+                                       rtol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_linear_kernel_matches_reference(dtype):
+    check_fp8_linear("cpu", dtype)
+
+
+@interpreted
+def test_fp8_linear_dispatch():
+    """A few rows go through the kernel (also with leading batch dimensions), more rows and scale groups the kernel
+    cannot step through (not a multiple of 16 columns) through the reference; both equal the reference."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 64, generator=g)
+    for block in ((16, 32), (8, 40)):
+        q, s = quantize_fp8(w, block)
+        s = scale_rows(s, 40, block)
+        for shape in ((2, 3, 64), (fl.FEW_ROWS + 1, 64)):
+            x = torch.randn(*shape, generator=g)
+            ref = fl.fp8_linear_ref(x.reshape(-1, 64), q, s, block[1]).reshape(*shape[:-1], 40)
+            torch.testing.assert_close(fl.fp8_linear(x, q, s, block[1]), ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        fl.fp8_linear_kernel(torch.randn(17, 64), q, s, 40)
