@@ -206,3 +206,38 @@ def test_mismatched_weights_and_options_are_refused(tiny, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="down_proj.weight' is torch.float8_e4m3fn where the model holds"):
         LLM(str(tmp_path), **KW)
+
+
+def test_quantization_flags_reach_both_models_and_health_says_what_they_hold(tiny):
+    """`--quantization fp8` and speculative_config's "quantization" (vLLM's spellings) quantize the target and the
+    draft at load; speculation over the two stays lossless against the FP8 target alone; a router's /health report
+    and start-up line name each model's format and bytes."""
+    import asyncio
+    import gc
+
+    from deploy.cli import _given, build_parser
+    from deploy.config import ServeConfig
+    from serving.router import Router
+
+    _, models = tiny
+    target, draft = models["llama"].path, models["qwen3"].path
+    args = build_parser().parse_args([
+        "generate", "--prompt", "x", "--model", target, "--quantization", "fp8", "--speculative-config",
+        f'{{"model": "{draft}", "num_speculative_tokens": 2, "rejection_sampling": "strict", "quantization": "fp8"}}',
+        "--device", "cpu", "--dtype", "float32", "--max-model-len", "64", "--block-size", "4"])
+    engine_args = ServeConfig.from_dict(_given(args)).engine_args()
+    llm = LLM(**engine_args)
+    assert (llm.engine_config.quantization, llm.engine_config.draft_quantization) == ("fp8", "fp8")
+    ex = llm.executor
+    assert ex.target_weights["format"] == ex.draft_weights["format"] == "fp8 per-channel + float32"
+    alone = LLM(target, quantization="fp8", **KW).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in alone]
+
+    router = Router(dict(model=target, draft_model=draft, draft_quantization="fp8", device="cpu", dtype="float32",
+                         **KW), engine_builder="serving.engine_builders:build_local_engine")
+    gc.unfreeze()  # a router freezes its process's heap once started: not the test process's
+    weights = asyncio.run(router.health())["weights"]
+    plain = LLM(target, **KW).executor.target_weights
+    assert weights["target"] == plain and weights["draft"]["format"] == "fp8 per-channel + float32"
+    assert weights["draft"]["bytes"] < 0.6 * LLM(draft, **KW).executor.target_weights["bytes"]
+    assert "draft weights fp8 per-channel + float32" in router.summary()
