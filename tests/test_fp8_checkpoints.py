@@ -70,6 +70,7 @@ def test_compressed_tensors_dequantize_to_the_reference(tiny, fmt):
                                                                  fmt == "ct-tensor")) for n in ("q_proj", "k_proj",
                                                                                                  "v_proj")])
     assert torch.equal(dequantize_rows(qkv.weight, qkv.weight_scale, qkv.scale_group_k), ref)
+    assert qkv.quant_method.format == ("fp8 per-tensor" if fmt == "ct-tensor" else "fp8 per-channel")
     kept = model.model.layers[1].mlp.down_proj  # in `ignore`: the checkpoint's bf16, in the model's dtype
     assert kept.quant_method is None and kept.weight.dtype == torch.float32
     assert torch.equal(kept.weight, hf["model.layers.1.mlp.down_proj.weight"].to(torch.bfloat16).float())
@@ -241,3 +242,18 @@ def test_quantization_flags_reach_both_models_and_health_says_what_they_hold(tin
     assert weights["target"] == plain and weights["draft"]["format"] == "fp8 per-channel + float32"
     assert weights["draft"]["bytes"] < 0.6 * LLM(draft, **KW).executor.target_weights["bytes"]
     assert "draft weights fp8 per-channel + float32" in router.summary()
+
+
+def test_random_weights_of_an_fp8_shape_are_held_in_its_format(tiny, tmp_path):
+    """load_format dummy (benchmarks of a shape from its config.json) on a block-FP8 config: random weights
+    quantized to its blocks at load, held as FP8."""
+    root, models = tiny
+    m = models["qwen3"]
+    write_fp8_checkpoint(m.hf, m.config, tmp_path, "fp8-block", BLOCK)
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()  # a shape's directory holds its config.json only
+    model = _cpu_model(tmp_path, load_format="dummy")
+    down = model.model.layers[0].mlp.down_proj
+    assert down.weight.dtype == FP8_DTYPE and down.weight_scale.shape == (64, 4) and down.scale_group_k == 32
+    assert down.quant_method.format == "fp8 block 24x32"
+    assert dequantize_rows(down.weight, down.weight_scale, 32).std() > 0.01

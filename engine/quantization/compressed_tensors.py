@@ -24,20 +24,22 @@ _STRATEGIES = ("channel", "tensor")
 class CompressedTensorsConfig(Fp8Config):
     quant_method = "compressed-tensors"
 
-    def __init__(self, targets: tuple[str, ...], ignore: tuple[str, ...], quantize_at_load: bool) -> None:
-        super().__init__(None, ignore, quantize_at_load, scale_name="weight_scale")
+    def __init__(self, targets: tuple[str, ...], ignore: tuple[str, ...], quantize_at_load: bool,
+                 per_tensor: bool) -> None:
+        super().__init__(None, ignore, quantize_at_load, scale_name="weight_scale", per_tensor=per_tensor)
         self.targets = targets
 
     def method_for(self, prefix: str, module: nn.Module, checkpoint_names: list[str]) -> QuantizedMethod | None:
         if getattr(module, "quant_kind", "linear") != "linear" or all_or_none(prefix, checkpoint_names, self.ignore):
             return None
+        method = Fp8LinearMethod(None, self.quantize_at_load, self.per_tensor)
         if "Linear" in self.targets:
-            return Fp8LinearMethod(None, self.quantize_at_load)
+            return method
         hits = [matches(n, self.targets) for n in checkpoint_names]
         if any(hits) and not all(hits):
             raise ValueError(f"compressed-tensors targets quantize part of {prefix} ({checkpoint_names}), which runs "
                              "as one matmul")
-        return Fp8LinearMethod(None, self.quantize_at_load) if all(hits) else None
+        return method if all(hits) else None
 
 
 @register_quantization("compressed-tensors")
@@ -50,6 +52,7 @@ def compressed_tensors_config(raw: dict[str, Any], load_format: str | None) -> C
     if not isinstance(groups, dict) or not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
     targets: list[str] = []
+    strategies: set[str] = set()
     for name, group in groups.items():
         where = f"compressed-tensors config_groups.{name}"
         if not isinstance(group, dict):
@@ -70,6 +73,8 @@ def compressed_tensors_config(raw: dict[str, Any], load_format: str | None) -> C
         if group.get("output_activations") is not None:
             raise ValueError(f"{where}.output_activations are not supported")
         targets += list(group.get("targets") or [])
+        strategies.add(w["strategy"])
     if not targets:
         raise ValueError("compressed-tensors config_groups name no targets")
-    return CompressedTensorsConfig(tuple(targets), tuple(raw.get("ignore") or ()), load_format == "dummy")
+    return CompressedTensorsConfig(tuple(targets), tuple(raw.get("ignore") or ()), load_format == "dummy",
+                                   per_tensor=strategies == {"tensor"})

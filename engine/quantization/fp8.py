@@ -59,10 +59,13 @@ def dequantize_rows(weight: torch.Tensor, scale_rows: torch.Tensor, group_k: int
 class Fp8LinearMethod(QuantizedMethod):
     """A tensor-parallel linear with an FP8 weight [N, K] and float32 scale rows [N, G] (module docstring)."""
 
-    def __init__(self, block: tuple[int, int] | None, quantize_at_load: bool = False) -> None:
+    def __init__(self, block: tuple[int, int] | None, quantize_at_load: bool = False,
+                 per_tensor: bool = False) -> None:
         self.block = block
         self.quantize_at_load = quantize_at_load
-        self.format = f"fp8 block {block[0]}x{block[1]}" if block else "fp8 per-channel"
+        # per_tensor: the checkpoint's one scale a tensor, held as a scale a row like a per-channel one.
+        scheme = "per-tensor" if per_tensor and not quantize_at_load else "per-channel"
+        self.format = f"fp8 block {block[0]}x{block[1]}" if block else f"fp8 {scheme}"
 
     def create_weights(self, layer: nn.Module) -> None:
         n, k = layer.weight.shape
@@ -121,16 +124,17 @@ class Fp8Config(QuantizationConfig):
     quant_method = "fp8"
 
     def __init__(self, block: tuple[int, int] | None, ignore: tuple[str, ...], quantize_at_load: bool = False,
-                 scale_name: str = "weight_scale_inv") -> None:
+                 scale_name: str = "weight_scale_inv", per_tensor: bool = False) -> None:
         self.block = block
         self.ignore = ignore
         self.quantize_at_load = quantize_at_load
         self.scale_name = scale_name
+        self.per_tensor = per_tensor
 
     def method_for(self, prefix: str, module: nn.Module, checkpoint_names: list[str]) -> QuantizedMethod | None:
         if getattr(module, "quant_kind", "linear") != "linear" or all_or_none(prefix, checkpoint_names, self.ignore):
             return None
-        return Fp8LinearMethod(self.block, self.quantize_at_load)
+        return Fp8LinearMethod(self.block, self.quantize_at_load, self.per_tensor)
 
     def checkpoint_name(self, name: str) -> str:
         suffix = "." + self.scale_name
@@ -155,4 +159,4 @@ def fp8_config(raw: dict[str, Any], load_format: str | None) -> Fp8Config:
         block = (int(block[0]), int(block[1]))
     ignore = tuple(raw.get("modules_to_not_convert") or ()) + tuple(raw.get("ignored_layers") or ())
     return Fp8Config(block, ignore, quantize_at_load=load_format == "dummy",
-                     scale_name="weight_scale_inv" if block is not None else "weight_scale")
+                     scale_name="weight_scale_inv" if block is not None else "weight_scale", per_tensor=block is None)
