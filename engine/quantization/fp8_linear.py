@@ -3,8 +3,10 @@
 
 A few rows (decode, verify, a draft's steps) run a Triton kernel that reads W as FP8, one byte a weight, and applies
 each group's scales to its partial products in the kernel: a step of a few rows is bound by the weight bytes it
-reads. More rows (prefill) dequantize W to the activations' dtype and run one matmul. Off the GPU (and for the
-reference) the weight is dequantized in plain torch.
+reads. More rows (prefill) on a GPU: with a scale a row, the FP8 tensor cores through torch._scaled_mm, the
+activations quantized to FP8 per token at run time (what a compressed-tensors FP8-dynamic checkpoint asks for);
+with block scales, W dequantized to the activations' dtype and one matmul. Off the GPU (and for the reference) the
+weight is dequantized in plain torch, the activations kept as they are.
 """
 
 from __future__ import annotations
@@ -86,15 +88,36 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, g
     return F.linear(x, w, bias)
 
 
+def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 or fp16) with a weight of one scale a row (scale [N, 1]) -> [M, N] in x's dtype: x quantized
+    to FP8 per token (a scale a row, its largest magnitude at the FP8 maximum), then one FP8 matmul that applies
+    both scales (torch._scaled_mm, row-wise scaling). K and N must be multiples of 16."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    xs = (x.abs().amax(dim=1, keepdim=True).float() / fp8_max).clamp(min=1e-12)  # [M, 1] float32
+    xq = (x.float() / xs).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+    # weight.t(): the [K, N] operand column-major, as _scaled_mm wants its second one.
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.reshape(1, -1), bias=bias,
+                            out_dtype=x.dtype)
+
+
+def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    return (x.is_cuda and scale.shape[1] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N]: the kernel for a few rows on a GPU (or under Triton's interpreter), else the
-    dequantizing reference."""
+    """x [..., K] -> [..., N]: the kernel for a few rows on a GPU (or under Triton's interpreter); more rows on a GPU
+    through the FP8 tensor cores where the scales are a row's (else dequantized); off the GPU the dequantizing
+    reference."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     kernel_groups = scale.shape[1] == 1 or group_k % 16 == 0  # the kernel's K steps lie within a scale group
     if HAS_TRITON and (x.is_cuda or interpreting()) and 0 < x2.shape[0] <= FEW_ROWS and kernel_groups:
         out = fp8_linear_kernel(x2, weight, scale, group_k, bias)
+    elif x2.shape[0] > FEW_ROWS and _scaled_mm_fits(x2, weight, scale):
+        out = fp8_linear_scaled_mm(x2.contiguous(), weight, scale, bias)
     else:
         out = fp8_linear_ref(x2, weight, scale, group_k, bias)
     return out.reshape(*lead, weight.shape[0])
