@@ -156,8 +156,8 @@ def weights_summary(model: nn.Module) -> dict[str, Any]:
         if id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()
-    formats = sorted({m.format for m in model.modules() if getattr(m, QUANT_ATTR, None) is not None
-                      for m in [getattr(m, QUANT_ATTR)]})
+    methods = [getattr(m, QUANT_ATTR, None) for m in model.modules()]
+    formats = sorted({method.format for method in methods if method is not None})
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1), None)
     plain = str(dtype).removeprefix("torch.") if dtype is not None else "?"
     return {"bytes": total, "format": " + ".join([*formats, plain])}

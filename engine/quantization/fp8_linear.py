@@ -11,6 +11,8 @@ weight is dequantized in plain torch, the activations kept as they are.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -101,8 +103,14 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
                             out_dtype=x.dtype)
 
 
+@functools.cache
+def _has_fp8(device: torch.device) -> bool:
+    """Whether the GPU converts and multiplies FP8 (compute capability 8.9 and up: Ada, Hopper, ...)."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
-    return (x.is_cuda and scale.shape[1] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+    return (x.is_cuda and _has_fp8(x.device) and scale.shape[1] == 1 and x.dtype in (torch.bfloat16, torch.float16)
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
 
 
@@ -114,7 +122,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     kernel_groups = scale.shape[1] == 1 or group_k % 16 == 0  # the kernel's K steps lie within a scale group
-    if HAS_TRITON and (x.is_cuda or interpreting()) and 0 < x2.shape[0] <= FEW_ROWS and kernel_groups:
+    on_kernels = interpreting() or (x.is_cuda and _has_fp8(x.device))
+    if HAS_TRITON and on_kernels and 0 < x2.shape[0] <= FEW_ROWS and kernel_groups:
         out = fp8_linear_kernel(x2, weight, scale, group_k, bias)
     elif x2.shape[0] > FEW_ROWS and _scaled_mm_fits(x2, weight, scale):
         out = fp8_linear_scaled_mm(x2.contiguous(), weight, scale, bias)
