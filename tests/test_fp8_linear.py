@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreter_children import assert_pytest_children_pass
+from interpreter_children import assert_pytest_children_pass, split_by
 
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.quantization import fp8_linear as fl
@@ -20,7 +20,8 @@ interpreted = pytest.mark.skipif(not interpreting(), reason="runs in the TRITON_
 
 @pytest.mark.skipif(interpreting(), reason="already under the interpreter")
 def test_fp8_linear_under_interpreter():
-    assert_pytest_children_pass(__file__)
+    # Two children side by side (tests/interpreter_children.py): the kernel checks, and greedy decoding through it.
+    assert_pytest_children_pass(__file__, split_by("greedy"))
 
 
 def scale_rows(scale: torch.Tensor, n: int, block: tuple[int, int] | None) -> torch.Tensor:
@@ -102,3 +103,31 @@ def check_scaled_mm(device: str) -> None:
 
 def test_fp8_scaled_mm_matches_reference():
     check_scaled_mm("cpu")  # torch's CPU _scaled_mm: the same product the GPU's FP8 tensor cores run
+
+
+@interpreted
+def test_greedy_through_the_fp8_kernel_equals_hf(tmp_path):
+    """A 1-layer Qwen2 (q/k/v biases: the kernel's bias epilogue) in block FP8, its prefill and decode steps (up to
+    16 rows) through the kernel, float32: token for token HF's greedy output on the dequantized weights."""
+    from conftest import TINY_CONFIGS, hf_greedy, make_tiny_model, random_prompts
+    from fp8_checkpoints import write_fp8_checkpoint
+
+    from engine import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(**{**TINY_CONFIGS["qwen2"].to_dict(), "num_hidden_layers": 1, "layer_types": None})
+    m = make_tiny_model(tmp_path, "qwen2", cfg)
+    oracle = write_fp8_checkpoint(m.hf, cfg, tmp_path / "fp8", "fp8-block", (16, 32))
+    llm = LLM(str(tmp_path / "fp8"), device="cpu", block_size=4, max_model_len=64)
+    calls = []
+    real = fl.fp8_linear_kernel
+    fl.fp8_linear_kernel = lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k)
+    try:
+        prompts = random_prompts([5, 11], seed=3)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    finally:
+        fl.fp8_linear_kernel = real
+    assert [o.token_ids for o in outs] == [hf_greedy(oracle, p, 6) for p in prompts]
+    assert max(calls) > 1 and min(calls) <= 2  # the prefill's rows and the decode steps' went through the kernel
