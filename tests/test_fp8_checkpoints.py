@@ -257,3 +257,40 @@ def test_random_weights_of_an_fp8_shape_are_held_in_its_format(tiny, tmp_path):
     assert down.weight.dtype == FP8_DTYPE and down.weight_scale.shape == (64, 4) and down.scale_group_k == 32
     assert down.quant_method.format == "fp8 block 24x32"
     assert dequantize_rows(down.weight, down.weight_scale, 32).std() > 0.01
+
+
+def test_a_registered_quant_method_is_asked_for_every_linear(tiny, tmp_path, monkeypatch):
+    """The seam other formats plug into: a quant_method registered by name is asked, for each linear, with the
+    checkpoint names it loads (a fused module's parts together); the method it returns loads and runs the module."""
+    import engine.quantization as q
+
+    asked: dict[str, list[str]] = {}
+
+    class Halved(q.QuantizedMethod):  # holds down_proj's weight halved, doubles the product back
+        format = "halved"
+        quantize_at_load = True
+
+        def process_after_loading(self, layer):
+            layer.weight.data.mul_(0.5)
+
+        def apply(self, layer, x, bias):
+            return 2.0 * torch.nn.functional.linear(x, layer.weight, bias)
+
+    class Seam(q.QuantizationConfig):
+        def method_for(self, prefix, module, checkpoint_names):
+            asked[prefix] = checkpoint_names
+            return Halved() if prefix.endswith("down_proj") else None
+
+    monkeypatch.setitem(q._FACTORIES, "test-seam", lambda raw, load_format: Seam())
+    root, models = tiny
+    m = models["llama"]
+    for f in (root / "llama").glob("*.safetensors"):
+        (tmp_path / f.name).symlink_to(f)
+    _write_config(tmp_path, root / "llama", {"quant_method": "test-seam"})
+    llm = LLM(str(tmp_path), **KW)
+    assert asked["model.layers.0.self_attn.qkv_proj"] == [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    assert asked["model.layers.2.mlp.gate_up_proj"] == ["model.layers.2.mlp.gate_proj", "model.layers.2.mlp.up_proj"]
+    assert len(asked) == 4 * m.config.num_hidden_layers
+    assert llm.executor.target_weights["format"] == "halved + float32"
+    plain = LLM(m.path, **KW).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain]

@@ -33,9 +33,10 @@ class QuantizedMethod:
         """Replace the module's parameters by the quantized ones the checkpoint fills (not with quantize_at_load)."""
 
     def loaded_tensor(self, layer: nn.Module, param_name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
-        """A checkpoint tensor for the parameter `param_name` of a column-sharded module, as the parameter's rows:
-        `rows` is the unsharded row count of the weight (of this fused part); the module's loader then cuts this
-        rank's rows out of it, as it does for the weight. The default: unchanged."""
+        """A checkpoint tensor for the module's parameter `param_name` (not the weight or bias), as the parameter's
+        rows: `rows` is the weight's unsharded row count (of this fused part); the module's loader then cuts this
+        rank's rows (a column-parallel module) or column groups (row-parallel) out of it, as it does the weight's.
+        The default: unchanged."""
         return tensor
 
     def process_after_loading(self, layer: nn.Module) -> None:
