@@ -12,6 +12,7 @@ from typing import Any
 
 from deploy.options import option
 from engine.config import REJECTION_MODES, EngineConfig
+from engine.quantization import QUANTIZE_AT_LOAD
 from serving.engine_builders import DRAFT_PLACEMENTS
 from serving.openai.chat_options import load_chat_template
 from serving.openai.reasoning_parser import REASONING_PARSERS
@@ -92,6 +93,11 @@ class EngineOptions:
     load_format: str = option(_engine("load_format"), engine="extra", choices=("auto", "dummy"),
                               help="auto: the checkpoint's weights; dummy: random weights of the config's shape "
                                    "(benchmarks)")
+    quantization: str | None = option(
+        _engine("quantization"), engine="extra", choices=QUANTIZE_AT_LOAD, flags=("-q",),
+        help="quantize the target's weights at load (fp8: FP8 with a scale a row), where its checkpoint holds its "
+             "dtype; a checkpoint's own quantization_config (block FP8, compressed-tensors FP8) needs none; unset: "
+             "the weights as stored")
     engine_kwargs: dict[str, Any] = option(default_factory=dict, metavar="YAML",
                                            help="further EngineConfig fields and engine-builder arguments, passed "
                                                 "as given (they win over the fields above)")
@@ -151,6 +157,10 @@ class SpeculationOptions:
              "likeliest tokens at each draft (tree mode: fan-out + 1) are scaled by C (in (0, 1)) before it "
              "draws, so a rejection's token more often has a window drafted ahead (acceptance changes with it; "
              "still exact); unset or 1: off")
+    draft_quantization: str | None = option(
+        _engine("draft_quantization"), engine="extra", choices=QUANTIZE_AT_LOAD,
+        help="quantize the draft's weights at load, as quantization does the target's (speculative_config's "
+             "quantization key)")
     draft_token_map: str | None = option(_engine("draft_token_map"), engine="extra", metavar="FILE",
                                          help="token ids (a JSON list or a torch tensor file) the draft's LM head is "
                                               "restricted to: a faster draft step, still exact")

@@ -11,15 +11,15 @@ import yaml
 # vLLM's speculative_config keys -> ServeConfig fields. Only a separate draft model is a method here.
 VLLM_SPEC_KEYS = {"model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
                   "draft_tensor_parallel_size": "draft_tensor_parallel_size",
-                  "disable_by_batch_size": "spec_disable_above_batch_size"}
+                  "disable_by_batch_size": "spec_disable_above_batch_size", "quantization": "draft_quantization"}
 SPEC_METHODS = ("draft_model",)
 
 
 def expand_speculative_config(values: dict[str, Any]) -> dict[str, Any]:
     """`values` with a `speculative_config` (or `speculative-config`) mapping, or its JSON/YAML text, replaced by
     the fields it sets. Its keys: vLLM's (model, num_speculative_tokens, method, draft_tensor_parallel_size,
-    disable_by_batch_size) and the names of specserve's speculation fields (rejection_sampling, ...). Unknown keys
-    and methods other than draft_model are refused, naming them."""
+    disable_by_batch_size, quantization) and the names of specserve's speculation fields (rejection_sampling, ...).
+    Unknown keys and methods other than draft_model are refused, naming them."""
     key = next((k for k in values if str(k).replace("-", "_") == "speculative_config"), None)
     if key is None:
         return values

@@ -183,6 +183,11 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     # "auto": the checkpoint's weights; "dummy": random weights (benchmarks of a shape from its config.json).
     load_format: str = "auto"
+    # Quantize the target's weights at load ("fp8": FP8 weights with a float32 scale a row, engine/quantization),
+    # where its checkpoint holds the model's dtype; a checkpoint's own quantization_config needs no option. None: as
+    # the checkpoint holds them. draft_quantization: the same for the draft.
+    quantization: str | None = None
+    draft_quantization: str | None = None
     # Schedule step n+1 while step n runs (its tokens arrive one step later): the scheduler's hops and
     # bookkeeping leave the models' critical path, and a target without a draft queues step n+1 on the GPU before
     # it reads step n's tokens (engine/decode_pipeline.py). None: on where the models run in other processes (the
@@ -302,6 +307,11 @@ class EngineConfig:
             raise ValueError(f"persistent_decode_rows must be an integer in [0, 8], got {rows!r}")
         if self.draft_token_map is not None and not isinstance(self.draft_token_map, str):
             raise ValueError(f"draft_token_map must be the path of a token-id file, got {self.draft_token_map!r}")
+        from engine.quantization import QUANTIZE_AT_LOAD
+
+        for key in ("quantization", "draft_quantization"):
+            if getattr(self, key) not in (None, *QUANTIZE_AT_LOAD):
+                raise ValueError(f"{key} must be one of {list(QUANTIZE_AT_LOAD)} or unset, got {getattr(self, key)!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

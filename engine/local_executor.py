@@ -33,6 +33,9 @@ class LocalExecutor:
         self.target_num_blocks = target.num_blocks
         self.draft_kv_groups = draft.kv_groups if draft is not None else None
         self.draft_num_blocks = draft.num_blocks if draft is not None else 0
+        # What each model's weights hold, {"bytes", "format"} (engine/quantization.weights_summary): for /health.
+        self.target_weights: dict[str, Any] | None = target.weights
+        self.draft_weights: dict[str, Any] | None = draft.weights if draft is not None else None
         self.vocab_size = target.vocab_size
         # A target alone on a GPU queues each step before it reads the last one's tokens
         # (engine/decode_pipeline.py): that needs the next plan before those tokens, i.e. asynchronous scheduling,

@@ -145,6 +145,8 @@ def test_errors_health_and_metrics(server: Server) -> None:
             assert err["param"] == field, err
         health = c.get("/health")
         assert health.status_code == 200 and health.json()["engine_replicas"] == 1, health.text
+        weights = health.json()["weights"]  # what each model's weights hold (engine/quantization.weights_summary)
+        assert weights["target"]["format"] == "float32" and weights["target"]["bytes"] > 0, health.text
         # (scrape() checks that every series is labelled with its replica)
         assert sum(v for k, v in scrape(c).items() if k.startswith("specserve_request_success_total{")) >= 1
 

@@ -12,6 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref, use_fused_kernels
 from engine.kernels.rotary import rotary_embedding, rotary_embedding_ref
 from engine.parallel import divide, get_tp_group
+from engine.quantization import QuantizedMethod
 
 
 class ColumnParallelLinear(nn.Module):
@@ -24,13 +25,18 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = divide(out_features, self.tp_size, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
+        # How quantized weights are held and multiplied (engine/quantization); None: plain weights.
+        self.quant_method: QuantizedMethod | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        loaded = _as_rows(self, param, loaded, self.out_per_rank * self.tp_size)
         _check_unsharded(loaded, (self.out_per_rank * self.tp_size, *param.shape[1:]))
         shard = loaded.narrow(0, self.tp_rank * self.out_per_rank, self.out_per_rank)
         _copy_checked(param, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -45,6 +51,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         idx = int(shard_id)  # type: ignore[arg-type]
         offset = sum(self.out_sizes[:idx])
         size = self.out_sizes[idx]
+        loaded = _as_rows(self, param, loaded, size * self.tp_size)
         _check_unsharded(loaded, (size * self.tp_size, *param.shape[1:]))
         _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
 
@@ -72,6 +79,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"QKV shard must be q, k or v, got {shard_id!r}")
         full = q * self.tp_size if shard_id == "q" else kv * self.tp_size // self.kv_replicas
+        loaded = _as_rows(self, param, loaded, full)
         _check_unsharded(loaded, (full, *param.shape[1:]))
         _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
@@ -86,16 +94,29 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = divide(in_features, self.tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.quant_method: QuantizedMethod | None = None  # as ColumnParallelLinear's
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         if param.dim() == 1:  # bias is added once, after the reduction
+            _copy_checked(param, loaded)
+            return
+        if param is getattr(self, "weight_scale", None):
+            # Scale rows [N, G] over column groups: this rank's groups (whole ones, fp8.Fp8LinearMethod checks).
+            loaded = _as_rows(self, param, loaded, param.shape[0])
+            groups = param.shape[1]
+            if loaded.shape[1] != 1:
+                _check_unsharded(loaded, (param.shape[0], groups * self.tp_size))
+                loaded = loaded.narrow(1, self.tp_rank * groups, groups)
             _copy_checked(param, loaded)
             return
         _check_unsharded(loaded, (param.shape[0], self.in_per_rank * self.tp_size))
         _copy_checked(param, loaded.narrow(1, self.tp_rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = get_tp_group().all_reduce(F.linear(x, self.weight))
+        if self.quant_method is not None:
+            y = get_tp_group().all_reduce(self.quant_method.apply(self, x, None))
+        else:
+            y = get_tp_group().all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -161,6 +182,16 @@ def _check_unsharded(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
     """A checkpoint tensor must have the full (unsharded) shape the config implies, before slicing."""
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit the model's {tuple(expected)}")
+
+
+def _as_rows(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, rows: int) -> torch.Tensor:
+    """A quantized module's checkpoint tensor as its parameter's rows (scales a block -> a row, engine/quantization),
+    so that the module's loader cuts and packs it as it does the weight; other tensors unchanged."""
+    method = layer.quant_method
+    if method is None or param is layer.weight or param is layer.bias:
+        return loaded
+    name = next(n for n, p in layer.named_parameters(recurse=False) if p is param)
+    return method.loaded_tensor(layer, name, loaded, rows)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:

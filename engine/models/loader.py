@@ -14,11 +14,14 @@ from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine.quantization import process_after_loading, quantization_config, quantize_model
 
 logger = logging.getLogger("specserve")
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM,
                                                     "gpt_oss": GptOssForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Prefixes that wrap the text model in some checkpoints (Gemma 3 multimodal, older exports).
 _PREFIX_REWRITES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -80,17 +83,20 @@ def _rewrite_prefix(name: str) -> str:
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                 weights: Iterator[tuple[str, torch.Tensor]] | None = None,
-                load_format: str = "auto") -> LlamaForCausalLM:
+                load_format: str = "auto", quantization: str | None = None) -> LlamaForCausalLM:
     """Instantiate the model on `device` in `dtype` and load every parameter; a checkpoint that leaves
     a parameter unset, or has a tensor of the wrong shape, is an error (never silently random).
     load_format "dummy" asks for random weights instead (benchmarks of model shapes: the directory needs only
-    a config.json)."""
+    a config.json). Quantized layers (engine/quantization) follow the checkpoint's quantization_config, or
+    `quantization` (a format to quantize a checkpoint in the model's dtype to, at load)."""
     cls = MODEL_CLASSES[cfg.family]
+    qcfg = quantization_config(cfg.hf_config, quantization, load_format)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = cls(cfg)
+            quantize_model(model, qcfg)
     finally:
         torch.set_default_dtype(prev)
     if load_format == "dummy":
@@ -102,6 +108,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
         load_weights(model, weights if weights is not None else model_weights(cfg))
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    process_after_loading(model)
     return model.eval()
 
 
@@ -113,8 +120,11 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     owners = {name: mod for mod_name, mod in model.named_modules()
               for name in (f"{mod_name}.{p}" if mod_name else p for p, _ in mod.named_parameters(recurse=False))}
     loaded: set[str] = set()
+    qcfg = getattr(model, "quant_config", None)
     for name, tensor in weights:
         name = _rewrite_prefix(name)
+        if qcfg is not None:
+            name = qcfg.checkpoint_name(name)
         if "rotary_emb" in name or name.endswith(".inv_freq"):
             continue
         if name == "lm_head.weight" and model.tie_word_embeddings:
@@ -136,6 +146,10 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
                              "do the weights fit the config?")
         param = params[target]
         loader = getattr(owners[target], "weight_loader", None)
+        if (tensor.dtype in FP8_DTYPES) != (param.dtype in FP8_DTYPES):
+            # A plain cast would drop (or never apply) the scales: the config and the tensors disagree.
+            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} where the model holds {param.dtype}; "
+                             "does the config's quantization_config (its ignore list) fit the weights?")
         try:
             if loader is not None:
                 loader(param, tensor.to(param.dtype), shard)
@@ -148,9 +162,9 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         loaded.add(target if shard is None else f"{target}#{shard}")
     expected = set()
     for name, m in owners.items():
-        if hasattr(m, "out_sizes") and name.endswith("weight"):
+        if hasattr(m, "out_sizes") and name.endswith(("weight", "weight_scale")):
             expected |= {f"{name}#{i}" for i in range(len(m.out_sizes))}
-        elif hasattr(m, "kv_replicas") and name.endswith(("weight", "bias")):
+        elif hasattr(m, "kv_replicas") and name.endswith(("weight", "bias", "weight_scale")):
             expected |= {f"{name}#{s}" for s in "qkv"}
         elif hasattr(m, "checkpoint_shards") and m.checkpoint_shards(name.rsplit(".", 1)[1]) is not None:
             expected |= {f"{name}#{s}" for s in m.checkpoint_shards(name.rsplit(".", 1)[1])}  # MoE experts

@@ -19,6 +19,7 @@ from engine.kernels.small_m_tiles import wide_layer_rows
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
 from engine.models.loader import build_model
 from engine.parallel import get_tp_group
+from engine.quantization import is_quantized, weights_summary
 from engine.runner.cuda_graphs import ForwardGraphs, GraphPool
 from engine.runner.draft_vocabulary import DraftVocabularyHead, restrict_draft_head
 from engine.runner.input_buffers import InputBuffers
@@ -44,7 +45,12 @@ class ModelRunner:
         self.config = engine_config
         self.device = engine_config.device
         self.dtype = engine_config.dtype
-        self.model = build_model(model_config, self.device, self.dtype, load_format=engine_config.load_format)
+        quantization = engine_config.draft_quantization if name.startswith("draft") else engine_config.quantization
+        self.model = build_model(model_config, self.device, self.dtype, load_format=engine_config.load_format,
+                                 quantization=quantization)
+        # What the weights hold, for the start-up line and /health: {"bytes", "format"} (engine/quantization).
+        self.weights = weights_summary(self.model)
+        logger.info("%s: weights %.1f MiB, %s", name, self.weights["bytes"] / 2**20, self.weights["format"])
         self.draft_head: DraftVocabularyHead | None = (
             restrict_draft_head(self.model, draft_token_map, model_config.vocab_size, get_tp_group().size)
             if draft_token_map is not None else None)
@@ -106,7 +112,8 @@ class ModelRunner:
         wide layer takes past that cap where this GPU measured its wide path faster (`wide_layer_rows`). Not under
         tensor parallelism: a row-parallel product's partial sums must be all-reduced before the residual add that
         the kernel would fold into it."""
-        on = rows > 0 and get_tp_group().size == 1
+        # Quantized products run through their own kernels (engine/quantization); the folded kernels read bf16.
+        on = rows > 0 and get_tp_group().size == 1 and not is_quantized(self.model)
         rows = rows_limit(rows, self.model_config.hidden_size) if on else 0
         for module in self.model.modules():
             if hasattr(module, "small_m_rows"):
@@ -123,6 +130,8 @@ class ModelRunner:
 
         on_kernels = self.device.type == "cuda" or interpreting()
         if not rows or not on_kernels or get_tp_group().size != 1 or len(self.kv_groups) != 1:
+            return
+        if is_quantized(self.model):  # its plan reads each layer's weights in the model's dtype
             return
         if self.model_config.hidden_size >= 4096 or not hasattr(self.model, "persistent_layers"):
             return

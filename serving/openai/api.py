@@ -125,7 +125,8 @@ def create_openai_app(client: Client, api_key: str | None = None, max_body_bytes
                              "degraded": report.get("degraded"), "engine_replicas": report.get("num_replicas"),
                              "engine_replicas_serving": report.get("num_serving"),
                              "draft_replicas": report.get("num_draft_replicas"),
-                             "draft_replicas_serving": report.get("num_draft_serving")})
+                             "draft_replicas_serving": report.get("num_draft_serving"),
+                             "weights": report.get("weights")})
 
     @app.get("/metrics")
     async def metrics() -> Response:

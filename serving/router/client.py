@@ -181,7 +181,8 @@ class RouterClient:
             raise GenerationError(f"the engine is unhealthy: {reasons}", 503, retry_after_s=1)
         report = {"speculation": all(r.get("speculation", False) for r in serving),
                   "degraded": "; ".join(r["degraded"] for r in serving if r.get("degraded")) or None,
-                  "num_replicas": len(reports), "num_serving": len(serving)}
+                  "num_replicas": len(reports), "num_serving": len(serving),
+                  "weights": serving[0].get("weights")}  # every replica serves the same models
         if self.draft_pool is not None:
             try:
                 drafts = await self.draft_pool.broadcast("health").results_async(timeout_s=timeout_s,

@@ -112,9 +112,17 @@ class Router:
         kv = f"{self.engine.executor.target_num_blocks} target"
         if self.engine.draft_kv is not None:
             kv += f" / {self.engine.executor.draft_num_blocks} draft"
+        weights = ", ".join(f"{role} weights {w['format']} {w['bytes'] / 2**20:.1f} MiB"
+                            for role, w in self.weights().items() if w is not None)
         return (f"{self.engine_args.get('model')}{draft} on {cfg.device} {str(cfg.dtype).removeprefix('torch.')}, "
                 f"max_model_len {cfg.max_model_len}, max_num_seqs {cfg.max_num_seqs}, KV blocks {kv} of "
-                f"{cfg.block_size} tokens")
+                f"{cfg.block_size} tokens" + (f", {weights}" if weights else ""))
+
+    def weights(self) -> dict[str, dict[str, Any] | None]:
+        """What each model's weights hold (a tensor-parallel model's: each rank's), {"bytes", "format"}; None
+        where an engine builder's executor does not say."""
+        ex = self.engine.executor
+        return {"target": getattr(ex, "target_weights", None), "draft": getattr(ex, "draft_weights", None)}
 
     # --- public methods -------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -177,7 +185,7 @@ class Router:
                 "draining": self._draining, "recovering": self.recovery.running(),
                 "speculation": self.engine.spec_config is not None, "degraded": self.recovery.degraded,
                 "num_running": self.engine.num_running(),
-                "num_waiting": self._num_waiting()}
+                "num_waiting": self._num_waiting(), "weights": self.weights()}
 
     async def drain(self, timeout_s: float = 30.0) -> dict[str, Any]:
         """For shutdown: refuse new requests (503) from now on and wait up to `timeout_s` for the ones in flight

@@ -154,11 +154,16 @@ class RayExecutor:
         self.vocab_size: int = self.target.info.vocab_size
         self.draft_kv_groups: list[KVCacheGroupSpec] | None = None
         self.draft_num_blocks: int = 0
+        # What each model's rank 0 holds, {"bytes", "format"} (engine/quantization.weights_summary): for /health.
+        self.target_weights: dict[str, Any] | None = self.target.info.weights
+        self.draft_weights: dict[str, Any] | None = None
         if self.colocated:  # the target's ranks report their draft's KV caches too
             self.draft_kv_groups = self.target.info.draft_kv_groups
             self.draft_num_blocks = self.target.info.draft_num_blocks
+            self.draft_weights = self.target.info.draft_weights
         elif self.draft is not None and self.draft.info is not None:
             self.draft_kv_groups, self.draft_num_blocks = self.draft.info.kv_groups, self.draft.info.num_blocks
+            self.draft_weights = self.draft.info.weights
 
     # --- construction --------------------------------------------------------------------------------
     def _start(self, model_path: str, draft_model_path: str | None, rejection_sampling: str | None,

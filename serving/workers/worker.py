@@ -67,6 +67,10 @@ class WorkerInfo:
     draft_kv_groups: list[KVCacheGroupSpec] | None = None
     draft_num_blocks: int = 0
     gc_frozen: int = 0  # objects frozen out of garbage collection at start (serving/gc_heap.py)
+    # What the rank's weights hold, {"bytes", "format"} (engine/quantization.weights_summary), and its colocated
+    # draft's.
+    weights: dict[str, Any] | None = None
+    draft_weights: dict[str, Any] | None = None
 
 
 @dataclass
@@ -223,7 +227,8 @@ class ModelWorker:
         r, d = self.runner, self.draft_runner
         return WorkerInfo(self.role, r.kv_groups, r.num_blocks, r.vocab_size, self.world_size, str(r.device),
                           ray.util.get_node_ip_address(), os.getpid(), d.kv_groups if d is not None else None,
-                          d.num_blocks if d is not None else 0, self.gc_frozen)
+                          d.num_blocks if d is not None else 0, self.gc_frozen, r.weights,
+                          d.weights if d is not None else None)
 
     # --- one step: graph nodes, or ordered actor calls (ranks > 0 return None) -------------------------
     def draft_step(self, plan: StepPlan) -> DraftOutput | None:

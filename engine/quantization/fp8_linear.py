@@ -1,0 +1,132 @@
+"""y = x (W * s)^T + b for an FP8 weight W [N, K] with float32 scales s [N, G] over groups of `group_k` columns
+(engine/quantization/fp8.py holds every FP8 scheme that way).
+
+A few rows (decode, verify, a draft's steps) run a Triton kernel that reads W as FP8, one byte a weight, and applies
+each group's scales to its partial products in the kernel: a step of a few rows is bound by the weight bytes it
+reads. More rows (prefill) on a GPU: with a scale a row, the FP8 tensor cores through torch._scaled_mm, the
+activations quantized to FP8 per token at run time (what a compressed-tensors FP8-dynamic checkpoint asks for);
+with block scales, W dequantized to the activations' dtype and one matmul. Off the GPU (and for the reference) the
+weight is dequantized in plain torch, the activations kept as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.triton_compat import HAS_TRITON, interpreting
+
+# Rows up to which a GPU forward runs the kernel; beyond, dequantize and matmul (a prefill's cost is the matmul).
+FEW_ROWS = 16
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, G, group_k,
+                           stride_xm, stride_wn, stride_sn, stride_om, HAS_BIAS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One program a BLOCK_N slice of the outputs for every row; each BLOCK_K step lies in one scale group
+        (BLOCK_K divides group_k, or G is 1), so the group's scales multiply the step's partial products."""
+        pid = tl.program_id(0)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok, n_ok = rm < M, rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            k_ok = k < K
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            # The weight as bytes, read as float8_e4m3fn: every FP8 value is exact in the activations' dtype.
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            w = w.to(tl.float8e4nv, bitcast=True).to(x.dtype)
+            g = tl.minimum(k0 // group_k, G - 1)
+            s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0)
+            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32) * s[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _block_k(group_k: int, groups: int) -> int:
+    """The K step: 128 at most, and within one scale group (it divides group_k) unless one group spans K."""
+    if groups == 1:
+        return 128
+    for b in (128, 64, 32, 16):
+        if group_k % b == 0:
+            return b
+    raise ValueError(f"FP8 scale groups of {group_k} columns: the kernel needs a multiple of 16")
+
+
+def fp8_linear_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int,
+                      bias: torch.Tensor | None = None, block_n: int = 32) -> torch.Tensor:
+    """x [M, K] (M <= FEW_ROWS; bf16, fp16 or float32), weight [N, K] float8_e4m3fn, scale [N, G] float32 ->
+    [M, N] in x's dtype, through the Triton kernel."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > FEW_ROWS:
+        raise ValueError(f"the FP8 few-row kernel takes at most {FEW_ROWS} rows, got {m}")
+    x = x.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    groups = scale.shape[1]
+    block_k = _block_k(group_k, groups)
+    grid = (triton.cdiv(n, block_n),)
+    _fp8_linear_kernel[grid](x, weight.view(torch.uint8), scale, bias if bias is not None else scale, out,
+                             m, n, k, groups, group_k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+                             HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain-torch reference: dequantize to x's dtype (scales applied in float32), then one matmul."""
+    s = scale.repeat_interleave(group_k, dim=1)[:, :weight.shape[1]]
+    w = (weight.float() * s).to(x.dtype)
+    return F.linear(x, w, bias)
+
+
+def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 or fp16) with a weight of one scale a row (scale [N, 1]) -> [M, N] in x's dtype: x quantized
+    to FP8 per token (a scale a row, its largest magnitude at the FP8 maximum), then one FP8 matmul that applies
+    both scales (torch._scaled_mm, row-wise scaling). K and N must be multiples of 16."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    xs = (x.abs().amax(dim=1, keepdim=True).float() / fp8_max).clamp(min=1e-12)  # [M, 1] float32
+    xq = (x.float() / xs).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+    # weight.t(): the [K, N] operand column-major, as _scaled_mm wants its second one.
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.reshape(1, -1), bias=bias,
+                            out_dtype=x.dtype)
+
+
+@functools.cache
+def _has_fp8(device: torch.device) -> bool:
+    """Whether the GPU converts and multiplies FP8 (compute capability 8.9 and up: Ada, Hopper, ...)."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    return (x.is_cuda and _has_fp8(x.device) and scale.shape[1] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: the kernel for a few rows on a GPU (or under Triton's interpreter); more rows on a GPU
+    through the FP8 tensor cores where the scales are a row's (else dequantized); off the GPU the dequantizing
+    reference."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    kernel_groups = scale.shape[1] == 1 or group_k % 16 == 0  # the kernel's K steps lie within a scale group
+    on_kernels = interpreting() or (x.is_cuda and _has_fp8(x.device))
+    if HAS_TRITON and on_kernels and 0 < x2.shape[0] <= FEW_ROWS and kernel_groups:
+        out = fp8_linear_kernel(x2, weight, scale, group_k, bias)
+    elif x2.shape[0] > FEW_ROWS and _scaled_mm_fits(x2, weight, scale):
+        out = fp8_linear_scaled_mm(x2.contiguous(), weight, scale, bias)
+    else:
+        out = fp8_linear_ref(x2, weight, scale, group_k, bias)
+    return out.reshape(*lead, weight.shape[0])
