@@ -82,6 +82,10 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     a parameter unset, or has a tensor of the wrong shape, is an error (never silently random).
     load_format "dummy" asks for random weights instead (benchmarks of model shapes: the directory needs only
     a config.json)."""
+    if cfg.family == "eagle3":  # an EAGLE-3 head: its own checkpoint formats (engine/models/eagle3.py)
+        from engine.models.eagle3 import build_eagle3_head
+
+        return build_eagle3_head(cfg, device, dtype, load_format)  # type: ignore[arg-type,return-value]
     cls = MODEL_CLASSES[cfg.family]
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
