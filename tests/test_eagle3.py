@@ -150,3 +150,114 @@ def test_proposals_match_reference(tmp_path, family, layer_type):
     for kw in wrong:
         assert any(drafts != reference_drafts(w, target.hf, context, len(drafts), **kw)
                    for context, drafts in cases), kw
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Temperature 1, probabilistic rejection: the output follows the target's law
+# ------------------------------------------------------------------------------------------------------------
+
+SMALL_VOCAB = 8
+# Two tokens: the first output token is the prefill's, the next two come from a verify of the head's drafts (a one-token
+# prompt would speculate in its first step, before the head has a state: test_one_token_prompt).
+DIST_PROMPT = [5, 3]
+DIST_SAMPLES = 6000
+
+
+@torch.no_grad()
+def _exact_joint(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    """[V, V, V] the exact probability of the first three tokens at temperature 1."""
+    v = SMALL_VOCAB
+    seqs = torch.tensor([prompt + [a, b] for a in range(v) for b in range(v)])
+    probs = model(seqs).logits[:, len(prompt) - 1:].double().softmax(-1)  # [v * v, 3, v]
+    return probs[0, 0][:, None, None] * probs[::v, 1][:, :, None] * probs[:, 2].view(v, v, v)
+
+
+def test_one_token_prompt(tiny_models, heads):
+    """A one-token prompt speculates in its first step, before the target has run its token: those drafts are drawn
+    blind, the later ones from the head; greedy still equals HF's."""
+    from conftest import hf_greedy
+
+    m = tiny_models["llama"]
+    llm = _eagle(m.path, heads["llama", "flat"])
+    outs = llm.generate([[7], [9]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(m.hf, [7], 12), hf_greedy(m.hf, [9], 12)]
+
+
+def test_probabilistic_rejection_follows_target(tmp_path):
+    """A 3-layer target of 8 tokens with a head whose draft vocabulary leaves 2 of them out (q is 0 there: the
+    draft-vocabulary probabilities scattered through d2t): the joint of the first three tokens is the target's."""
+    cfg = LlamaConfig(vocab_size=SMALL_VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    target = make_tiny_model(tmp_path, "small", cfg, seed=0, scale=1.0)
+    with torch.no_grad():
+        target.hf.lm_head.weight.mul_(8.0)  # peaked but far from one-hot (the model in the file is unscaled)
+    target.hf.save_pretrained(target.path)
+    w = random_head(cfg, draft_vocab=6, seed=9, scale=1.5)
+    head = write_flat(w, tmp_path / "head")
+    llm = LLM(target.path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 2,
+                                               "rejection_sampling": "probabilistic"},
+              seed=1234, block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES,
+              max_num_batched_tokens=3 * DIST_SAMPLES)
+    outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES,
+                        SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
+    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)
+    for o in outs:
+        counts[tuple(o.token_ids)] += 1
+    stats = llm.spec_stats(outs)
+    assert 0.05 < stats.acceptance_rate < 0.95, stats  # both accepted drafts and rejections shape the output
+    joint = _exact_joint(target.hf, DIST_PROMPT)
+    p_value = chi_square_p_value(counts, joint)
+    assert p_value > P_VALUE_THRESHOLD, f"the output does not follow the target (p = {p_value:.2e})"
+    # The test has power: a law 15% of the way to uniform is rejected by the same counts.
+    wrong = 0.85 * joint + 0.15 / SMALL_VOCAB ** 3
+    assert chi_square_p_value(counts, wrong) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Settings refused
+# ------------------------------------------------------------------------------------------------------------
+
+def test_speculation_ahead_refused(tiny_models, heads):
+    with pytest.raises(ValueError, match="speculation_ahead cannot be used with an EAGLE-3 head"):
+        _eagle(tiny_models["llama"].path, heads["llama", "flat"], speculation_ahead=True)
+
+
+def test_speculative_config_errors(tiny_models, heads, tiny_drafts, target_greedy):
+    target, head = tiny_models["llama"].path, heads["llama", "flat"]
+    with pytest.raises(ValueError, match="unknown key.*'num_lookahead_slots'.*'typo'"):
+        LLM(target, speculative_config={"method": "eagle3", "model": head, "typo": 1, "num_lookahead_slots": 2})
+    with pytest.raises(ValueError, match="method 'medusa' is not supported"):
+        LLM(target, speculative_config={"method": "medusa", "model": head})
+    with pytest.raises(ValueError, match="needs the draft's or head's 'model'"):
+        LLM(target, speculative_config={"method": "eagle3"})
+    with pytest.raises(ValueError, match="either as draft_model or in speculative_config"):
+        LLM(target, draft_model=head, speculative_config={"method": "eagle3", "model": head})
+    with pytest.raises(ValueError, match="is not an EAGLE-3 head"):
+        LLM(target, speculative_config={"method": "eagle3", "model": tiny_drafts["llama-1l"].path})
+    # method draft_model in the same mapping is today's draft model, vLLM's keys read into specserve's.
+    llm = LLM(target, speculative_config={"method": "draft_model", "model": tiny_drafts["llama-1l"].path,
+                                          "num_speculative_tokens": 2, "disable_by_batch_size": 8}, **ENGINE_KW)
+    assert llm.engine.spec_config.num_speculative_tokens == 2
+    assert llm.engine.spec_config.spec_disable_above_batch_size == 8
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == target_greedy("llama")
+
+
+def test_bad_heads_refused(tiny_models, tmp_path):
+    cfg = tiny_models["llama"].config
+    w = random_head(cfg, seed=1, aux_layers=(0, 1, 5))
+    with pytest.raises(ValueError, match=r"auxiliary layer ids \[0, 1, 5\] must be distinct layers"):
+        _eagle(tiny_models["llama"].path, write_flat(w, tmp_path / "aux"))
+    w = random_head(cfg, seed=1)
+    w.tensors["d2t"] = w.tensors["d2t"] + 200
+    with pytest.raises(ValueError, match="d2t maps draft ids outside the target's vocabulary"):
+        _eagle(tiny_models["llama"].path, write_flat(w, tmp_path / "d2t"))
+    w = random_head(cfg, seed=1)
+    path = write_speculators(w, tmp_path / "fc-norm")
+    import json
+    from pathlib import Path
+
+    raw = json.loads((Path(path) / "config.json").read_text())
+    (Path(path) / "config.json").write_text(json.dumps({**raw, "norm_before_fc": True}))
+    with pytest.raises(ValueError, match=r"option\(s\) \['norm_before_fc'\] are not supported"):
+        _eagle(tiny_models["llama"].path, path)

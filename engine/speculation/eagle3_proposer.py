@@ -8,7 +8,9 @@ every position, a verify's input token and accepted drafts, not the rejected one
 re-runs them through the head (a catch-up: its KV at those positions written from the target's states, over whatever
 its own drafting had left there) and samples the first draft from the last one; each later draft step feeds the token
 just drafted with the head's own pre-norm state of the step before. A request's pending states survive steps in which
-the proposer does not run (no speculation that step), and are dropped when the request finishes or is preempted.
+the proposer does not run (no speculation that step), and are dropped when the request finishes or is preempted. A
+request that speculates before the target has run its last token (a one-token prompt's first step) has no state to
+draft from: its drafts that step are drawn blind (`_draft_blind`).
 
 The head's KV lives in the draft's blocks (a KV-cache group of the drafter, allocated by the scheduler as a draft
 model's): head position p <= the draft model's position p + 1, so a draft model's allocation covers it. Where the
@@ -131,13 +133,12 @@ class Eagle3Proposer:
         if self.keep_probs and max_k:
             probs = torch.zeros(len(reqs), max_k, self.runner.vocab_size, dtype=torch.float32, device=dev)
         # Step 0: every request's pending pairs through the head, from the target's states.
-        chunks, states, drafting, last_pos = [], [], [], []
+        chunks, states, drafting, last_pos, blind = [], [], [], [], []
         for i, r in enumerate(reqs):
             chunk = self._catch_up(r.request_id, r.draft_block_tables, want_logits=ks[i] > 0)
             if chunk is None:
                 if ks[i]:
-                    raise RuntimeError(f"request {r.request_id} speculates but the head has no target state for "
-                                       "its last token")
+                    blind.append(i)
                 continue
             c, hidden = chunk
             chunks.append(c)
@@ -145,6 +146,8 @@ class Eagle3Proposer:
             if ks[i]:
                 drafting.append(i)
                 last_pos.append(c.start_pos + len(c.token_ids) - 1)
+        if blind:
+            self._draft_blind(plan, blind, ids, probs)
         if not chunks:
             return DraftProposal(ids, probs)
         logits, prenorm = self._forward(chunks, torch.cat(states), from_target=True)
@@ -167,6 +170,21 @@ class Eagle3Proposer:
             logits, prenorm = self._forward(chunks, prenorm, from_target=False)
             tok = self._draw(logits, md, rows, len(drafting), ids, probs, drafting, j)
         return DraftProposal(ids, probs)
+
+    def _draft_blind(self, plan: StepPlan, rows: list[int], ids: torch.Tensor, probs: torch.Tensor | None) -> None:
+        """Drafts for requests whose last token the target has not run yet (a one-token prompt speculates in its
+        first step), where the head has no state to draft from: drawn from the uniform law over the draft
+        vocabulary (a greedy row takes its first id), q recorded as that law. Exact like any proposal (the verify
+        decides); their acceptance is low, once per such request."""
+        dev = self.runner.device
+        reqs = [plan.requests[i] for i in rows]
+        md = sampling_metadata(reqs, DRAFT_STREAM, self.generator, dev)
+        logits = torch.full((len(rows), self.runner.vocab_size), float("-inf"), device=dev)
+        logits[:, self.head.draft_to_target] = 0.0
+        ks = [r.num_draft_tokens for r in reqs]
+        for j in range(max(ks)):
+            live = [n for n, k in enumerate(ks) if k > j]
+            self._draw(logits[:len(live)], md, live, len(rows), ids, probs, rows, j)
 
     def _draw(self, logits: torch.Tensor, md: SamplingMetadata, rows: list[int], num_drafting: int, ids: torch.Tensor,
               probs: torch.Tensor | None, drafting: list[int], j: int) -> torch.Tensor:
