@@ -70,9 +70,10 @@ class LLM:
         self.tokenizer = load_tokenizer(self.engine_config.tokenizer or str(target_cfg.path),
                                         self.engine_config.trust_remote_code)
         target = ModelRunner(target_cfg, self.engine_config, "target")
-        draft = (ModelRunner(draft_cfg, self.engine_config, "eagle3" if spec.method == "eagle3" else "draft",
-                             draft_token_map=self.engine_config.draft_token_map)
-                 if draft_cfg is not None and spec is not None else None)
+        draft = None
+        if draft_cfg is not None and spec is not None:
+            name = "eagle3" if spec.speculative_method == "eagle3" else "draft"
+            draft = ModelRunner(draft_cfg, self.engine_config, name, draft_token_map=self.engine_config.draft_token_map)
 
         keep_probs = spec is not None and spec.rejection_sampling == "probabilistic"
         self.executor = LocalExecutor(target, draft, keep_probs, seed)

@@ -25,7 +25,8 @@ class ModelPair:
 # SpeculativeConfig's options, by the names the offline LLM and the engine builders take them.
 SPEC_OPTIONS = tuple(f.name for f in fields(SpeculativeConfig) if f.name != "draft_model")
 # vLLM's offline speculative_config keys -> SpeculativeConfig's names (its own names are taken as well).
-VLLM_SPEC_KEYS = {"model": "draft_model", "method": "method", "num_speculative_tokens": "num_speculative_tokens",
+VLLM_SPEC_KEYS = {"model": "draft_model", "method": "speculative_method",
+                  "num_speculative_tokens": "num_speculative_tokens",
                   "draft_tensor_parallel_size": "draft_tensor_parallel_size",
                   "disable_by_batch_size": "spec_disable_above_batch_size"}
 
@@ -41,7 +42,7 @@ def read_speculative_config(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; known: "
                          f"{', '.join(sorted(known))}")
     out = {VLLM_SPEC_KEYS.get(k, k): v for k, v in spec.items()}
-    method = out.setdefault("method", "draft_model")
+    method = out.setdefault("speculative_method", "draft_model")
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config method {method!r} is not supported; supported: "
                          f"{', '.join(SPECULATIVE_METHODS)}")
@@ -69,7 +70,7 @@ def configure_engine(model: str, draft_model: str | None, *, device: torch.devic
     the Ray engine builder share. `options`: SpeculativeConfig's fields (SPEC_OPTIONS) and EngineConfig's."""
     options = dict(options)
     spec = speculative_config(draft_model, options)
-    if spec is not None and spec.method == "eagle3":
+    if spec is not None and spec.speculative_method == "eagle3":
         _check_eagle3_options(spec, options, tensor_parallel_size)
     pair = resolve_model_pair(model, spec, max_model_len, load_format=str(options.get("load_format", "auto")))
     config = EngineConfig(device=device, dtype=dtype, max_model_len=pair.max_model_len, seed=seed,
@@ -95,7 +96,7 @@ def resolve_model_pair(model: str, spec: SpeculativeConfig | None, max_model_len
     if spec is None:
         return ModelPair(target, None, None, max_model_len)
     spec.validate()
-    if spec.method == "eagle3":
+    if spec.speculative_method == "eagle3":
         return ModelPair(target, _eagle3_head(target, spec, need_weights), spec, max_model_len)
     draft = ModelConfig.from_path(resolve_model(spec.draft_model, require_weights=need_weights).path)
     if draft.vocab_size != target.vocab_size:
