@@ -59,6 +59,22 @@ def test_greedy_equals_target(tiny_models, heads, target_greedy, family, fmt, as
     assert not {o.request_id for o in outs} & set(llm.executor.proposer.pending)
 
 
+def test_prefix_cache_hit(tiny_models, heads):
+    """A prompt whose prefix is cached: the target skips those positions (no states for the head there), the head
+    starts at the target's first computed position over the KV its cached blocks hold; greedy still equals HF's."""
+    from conftest import hf_greedy, random_prompts
+
+    m = tiny_models["qwen3"]
+    llm = _eagle(m.path, heads["qwen3", "speculators"])
+    shared = random_prompts([13], seed=3)[0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = llm.generate([shared + [7]], params)[0]
+    second = llm.generate([shared + [9, 4]], params)[0]
+    assert second.num_cached_tokens >= 12
+    assert first.token_ids == hf_greedy(m.hf, shared + [7], 12)
+    assert second.token_ids == hf_greedy(m.hf, shared + [9, 4], 12)
+
+
 def _record_proposals(llm: LLM) -> list[list[list[int]]]:
     """Every proposal's drafts per request, in step order."""
     proposer = llm.executor.proposer
