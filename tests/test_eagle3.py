@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 from eagle3_support import random_head, reference_drafts, write_flat, write_speculators
-from spec_support import ENGINE_KW, GREEDY, P_VALUE_THRESHOLD, PROMPTS, chi_square_p_value
+from spec_support import ENGINE_KW, GREEDY, P_VALUE_THRESHOLD, PROMPTS, assert_kv_released, chi_square_p_value
 from transformers import LlamaConfig, Qwen3Config
 
 from engine import LLM, SamplingParams
@@ -73,6 +73,31 @@ def test_prefix_cache_hit(tiny_models, heads):
     assert second.num_cached_tokens >= 12
     assert first.token_ids == hf_greedy(m.hf, shared + [7], 12)
     assert second.token_ids == hf_greedy(m.hf, shared + [9, 4], 12)
+
+
+def test_preemption(tiny_models, heads, target_greedy):
+    """16 blocks of 4 tokens per model do not hold the three requests at full length: some are preempted and
+    recomputed (the head's pending states dropped with them, rebuilt from the recompute's)."""
+    llm = _eagle(tiny_models["llama"].path, heads["llama", "flat"], num_kv_blocks=16, max_model_len=48)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert any(o.num_preemptions > 0 for o in outs)
+    assert [o.token_ids for o in outs] == target_greedy("llama")
+    assert_kv_released(llm)
+
+
+def test_steps_without_speculation(tiny_models, heads):
+    """Steps of more than one request run without speculation (spec_disable_above_batch_size=1): the head does not
+    run then, and the target's states of those steps wait for it; when the batch is down to one request the head
+    catches up over every position it missed and drafts again. Greedy equals HF's."""
+    from conftest import hf_greedy
+
+    m = tiny_models["qwen3"]
+    llm = _eagle(m.path, heads["qwen3", "flat"], spec_disable_above_batch_size=1)
+    lengths = [4, 8, 20]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [hf_greedy(m.hf, p, n) for p, n in zip(PROMPTS, lengths)]
+    assert outs[0].spec.num_drafts == 0 and outs[2].spec.num_drafts > 0
 
 
 def _record_proposals(llm: LLM) -> list[list[list[int]]]:
