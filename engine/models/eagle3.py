@@ -92,10 +92,14 @@ class Eagle3Head(nn.Module):
         return emb(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                hidden: torch.Tensor, from_target: bool) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, from_target: bool = False) -> torch.Tensor:
         """input_ids, positions: [n]; hidden: [n, len(aux) * target_hidden], the target's auxiliary states
-        (from_target: through fc), or [n, hidden_size], the head's own pre-norm outputs. Returns the pre-norm output
-        [n, hidden_size]."""
+        (from_target: through fc), or [n, hidden_size], the head's own pre-norm outputs; None: zeros (the runner's
+        padding-only warm-up forwards, which read and write no KV). Returns the pre-norm output [n, hidden_size]."""
+        if hidden is None:
+            hidden = torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.fc.weight.dtype,
+                                 device=input_ids.device)
+            from_target = False
         if from_target:
             hidden = self.fc(hidden)
         return self.layer(positions, self.embed(input_ids), hidden, md)
