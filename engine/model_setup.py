@@ -71,7 +71,7 @@ def configure_engine(model: str, draft_model: str | None, *, device: torch.devic
     options = dict(options)
     spec = speculative_config(draft_model, options)
     if spec is not None and spec.speculative_method == "eagle3":
-        _check_eagle3_options(spec, options, tensor_parallel_size)
+        _check_eagle3_options(spec, options, tensor_parallel_size, device)
     pair = resolve_model_pair(model, spec, max_model_len, load_format=str(options.get("load_format", "auto")))
     config = EngineConfig(device=device, dtype=dtype, max_model_len=pair.max_model_len, seed=seed,
                           tensor_parallel_size=tensor_parallel_size,
@@ -109,8 +109,12 @@ def resolve_model_pair(model: str, spec: SpeculativeConfig | None, max_model_len
     return ModelPair(target, draft, spec, max_model_len)
 
 
-def _check_eagle3_options(spec: SpeculativeConfig, options: dict[str, Any], tensor_parallel_size: int) -> None:
+def _check_eagle3_options(spec: SpeculativeConfig, options: dict[str, Any], tensor_parallel_size: int,
+                          device: torch.device) -> None:
     """Settings an EAGLE-3 head cannot honour, refused by name."""
+    if device.type == "cuda" and not options.get("enforce_eager"):
+        raise ValueError("EAGLE-3 heads run eagerly so far: set enforce_eager=True on CUDA (the target's graphs do "
+                         "not keep the auxiliary hidden states the head reads)")
     if options.get("speculation_ahead"):
         raise ValueError("speculation_ahead cannot be used with an EAGLE-3 head (method 'eagle3'): the head drafts "
                          "from the verify's hidden states, which do not exist before the verify has run")

@@ -262,6 +262,13 @@ def test_probabilistic_rejection_follows_target(tmp_path):
 def test_speculation_ahead_refused(tiny_models, heads):
     with pytest.raises(ValueError, match="speculation_ahead cannot be used with an EAGLE-3 head"):
         _eagle(tiny_models["llama"].path, heads["llama", "flat"], speculation_ahead=True)
+    # On CUDA the head runs eagerly only (checked before anything touches the device, so it runs here too).
+    from engine.model_setup import configure_engine
+
+    with pytest.raises(ValueError, match="EAGLE-3 heads run eagerly so far"):
+        configure_engine(tiny_models["llama"].path, heads["llama", "flat"], device=torch.device("cuda"),
+                         dtype=torch.float32, max_model_len=None, seed=0, tensor_parallel_size=1,
+                         options={"speculative_method": "eagle3"})
 
 
 def test_speculative_config_errors(tiny_models, heads, tiny_drafts, target_greedy):
