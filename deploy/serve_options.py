@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deploy.options import option
-from engine.config import REJECTION_MODES, EngineConfig
+from engine.config import REJECTION_MODES, SPECULATIVE_METHODS, EngineConfig
 from engine.quantization import QUANTIZE_AT_LOAD
 from serving.engine_builders import DRAFT_PLACEMENTS
 from serving.openai.chat_options import load_chat_template
@@ -113,6 +113,10 @@ class SpeculationOptions:
     draft_model: str | None = option(AUTO, engine="llm",
                                      help="the draft for speculative decoding (same forms as model); none: off; "
                                           "auto: the bundled draft of the default model when installed")
+    speculative_method: str = option("draft_model", engine="extra", choices=SPECULATIVE_METHODS,
+                                     help="draft_model: the draft is a model of the target's vocabulary; eagle3: "
+                                          "an EAGLE-3 head over the target's hidden states, run in the target's "
+                                          "processes (vLLM's speculative_config method)")
     num_speculative_tokens: int = option(4, engine="llm", minimum=1, maximum=16,
                                          help="draft tokens per step, k")
     rejection_sampling: str = option("probabilistic", engine="llm", choices=REJECTION_MODES,

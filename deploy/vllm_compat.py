@@ -8,18 +8,21 @@ from typing import Any
 
 import yaml
 
-# vLLM's speculative_config keys -> ServeConfig fields. Only a separate draft model is a method here.
-VLLM_SPEC_KEYS = {"model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
+from engine.config import SPECULATIVE_METHODS
+
+# vLLM's speculative_config keys -> ServeConfig fields. The methods: a separate draft model, an EAGLE-3 head.
+VLLM_SPEC_KEYS = {"model": "draft_model", "method": "speculative_method",
+                  "num_speculative_tokens": "num_speculative_tokens",
                   "draft_tensor_parallel_size": "draft_tensor_parallel_size",
                   "disable_by_batch_size": "spec_disable_above_batch_size", "quantization": "draft_quantization"}
-SPEC_METHODS = ("draft_model",)
+SPEC_METHODS = SPECULATIVE_METHODS
 
 
 def expand_speculative_config(values: dict[str, Any]) -> dict[str, Any]:
     """`values` with a `speculative_config` (or `speculative-config`) mapping, or its JSON/YAML text, replaced by
     the fields it sets. Its keys: vLLM's (model, num_speculative_tokens, method, draft_tensor_parallel_size,
     disable_by_batch_size, quantization) and the names of specserve's speculation fields (rejection_sampling, ...).
-    Unknown keys and methods other than draft_model are refused, naming them."""
+    Unknown keys and methods other than draft_model and eagle3 are refused, naming them."""
     key = next((k for k in values if str(k).replace("-", "_") == "speculative_config"), None)
     if key is None:
         return values
@@ -37,17 +40,16 @@ def expand_speculative_config(values: dict[str, Any]) -> dict[str, Any]:
     from deploy.serve_options import SpeculationOptions
 
     own = {f for f in SpeculationOptions.__dataclass_fields__}
-    method = spec.get("method", "draft_model")
+    method = spec.get("method", spec.get("speculative_method", "draft_model"))
     if method not in SPEC_METHODS:
         raise ValueError(f"speculative_config method {method!r} is not supported: specserve speculates with a "
-                         f"separate draft model (method 'draft_model')")
-    unknown = sorted(k for k in spec if k != "method" and k not in VLLM_SPEC_KEYS and k not in own)
+                         f"separate draft model (method 'draft_model') or an EAGLE-3 head (method 'eagle3')")
+    unknown = sorted(k for k in spec if k not in VLLM_SPEC_KEYS and k not in own)
     if unknown:
         raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; known: "
-                         f"method, {', '.join(sorted(set(VLLM_SPEC_KEYS) | own))}")
+                         f"{', '.join(sorted(set(VLLM_SPEC_KEYS) | own))}")
     if "model" not in spec and "draft_model" not in spec:
         raise ValueError("speculative_config needs the draft's 'model'")
     for k, v in spec.items():
-        if k != "method":
-            out[VLLM_SPEC_KEYS.get(k, k)] = v
+        out[VLLM_SPEC_KEYS.get(k, k)] = v
     return out

@@ -19,6 +19,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 REJECTION_MODES = ("strict", "probabilistic", "synthetic")
+# How the drafts are made: a separate draft model, or an EAGLE-3 head over the target's hidden states.
+SPECULATIVE_METHODS = ("draft_model", "eagle3")
 
 
 @dataclass
@@ -119,10 +121,16 @@ class SpeculativeConfig:
     # Steps whose batch is larger than this run without speculation (the draft does not run; it catches up
     # when the batch shrinks). None: never off.
     spec_disable_above_batch_size: int | None = None
+    # "draft_model": draft_model is a model of the target's vocabulary; "eagle3": an EAGLE-3 head
+    # (engine/models/eagle3.py) reading the target's hidden states, in the target's process. vLLM's "method".
+    speculative_method: str = "draft_model"
 
     def validate(self) -> None:
         from engine.draft_schedule import validate_schedule
 
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, got "
+                             f"{self.speculative_method!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")

@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model=..., draft_model=...).generate(prompts, SamplingParams(...))`."""
+"""The offline API: `LLM(model=..., draft_model=...).generate(prompts, SamplingParams(...))`, or vLLM's form
+`LLM(model, speculative_config={"method": "eagle3" | "draft_model", "model": ..., "num_speculative_tokens": k})`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from engine.config import resolve_device, resolve_dtype
 from engine.engine_core import EngineCore
 from engine.local_executor import LocalExecutor
-from engine.model_setup import configure_engine
+from engine.model_setup import configure_engine, read_speculative_config
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, SpecStats
 from engine.runner.model_runner import ModelRunner
 
@@ -36,11 +37,21 @@ class LLM:
                  draft_tensor_parallel_size: int = 1, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, max_model_len: int | None = None, seed: int = 0,
                  draft_length_schedule: str | list[tuple[int, int]] | None = None,
-                 spec_disable_above_batch_size: int | None = None, **engine_kwargs: object) -> None:
+                 spec_disable_above_batch_size: int | None = None,
+                 speculative_config: dict[str, object] | None = None, **engine_kwargs: object) -> None:
         """draft_length_schedule / spec_disable_above_batch_size: load-adaptive speculation (the draft length of a
-        step from its batch size, engine/draft_schedule.py); by default every step drafts num_speculative_tokens."""
+        step from its batch size, engine/draft_schedule.py); by default every step drafts num_speculative_tokens.
+        speculative_config: vLLM's mapping (method "draft_model" or "eagle3", model, num_speculative_tokens, and
+        the speculation options above by name); its keys win over the keywords, and draft_model must then be unset."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
+        spec_options: dict[str, object] = {}
+        if speculative_config is not None:
+            if draft_model is not None:
+                raise ValueError("give the draft either as draft_model or in speculative_config, not both")
+            draft_model, spec_options = read_speculative_config(dict(speculative_config))
+            draft_tensor_parallel_size = int(spec_options.pop("draft_tensor_parallel_size",  # type: ignore[call-overload]
+                                                              draft_tensor_parallel_size))
         if draft_model is not None and draft_tensor_parallel_size != 1:
             raise ValueError("the offline engine runs the draft in one process "
                              "(draft_tensor_parallel_size=1); use the Ray serving layer for more")
@@ -48,7 +59,7 @@ class LLM:
                        "synthetic_acceptance_rate": synthetic_acceptance_rate,
                        "draft_tensor_parallel_size": draft_tensor_parallel_size,
                        "draft_length_schedule": draft_length_schedule,
-                       "spec_disable_above_batch_size": spec_disable_above_batch_size}
+                       "spec_disable_above_batch_size": spec_disable_above_batch_size, **spec_options}
         pair, self.engine_config = configure_engine(model, draft_model, device=dev, dtype=dt,
                                                     max_model_len=max_model_len, seed=seed,
                                                     tensor_parallel_size=tensor_parallel_size,
@@ -59,8 +70,10 @@ class LLM:
         self.tokenizer = load_tokenizer(self.engine_config.tokenizer or str(target_cfg.path),
                                         self.engine_config.trust_remote_code)
         target = ModelRunner(target_cfg, self.engine_config, "target")
-        draft = (ModelRunner(draft_cfg, self.engine_config, "draft", draft_token_map=self.engine_config.draft_token_map)
-                 if draft_cfg is not None else None)
+        draft = None
+        if draft_cfg is not None and spec is not None:
+            name = "eagle3" if spec.speculative_method == "eagle3" else "draft"
+            draft = ModelRunner(draft_cfg, self.engine_config, name, draft_token_map=self.engine_config.draft_token_map)
 
         keep_probs = spec is not None and spec.rejection_sampling == "probabilistic"
         self.executor = LocalExecutor(target, draft, keep_probs, seed)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+from engine.config import SPECULATIVE_METHODS, EngineConfig, ModelConfig, SpeculativeConfig
 from engine.draft_schedule import parse_schedule
 from engine.models.source import resolve_model
 
@@ -24,6 +24,32 @@ class ModelPair:
 
 # SpeculativeConfig's options, by the names the offline LLM and the engine builders take them.
 SPEC_OPTIONS = tuple(f.name for f in fields(SpeculativeConfig) if f.name != "draft_model")
+# vLLM's offline speculative_config keys -> SpeculativeConfig's names (its own names are taken as well).
+VLLM_SPEC_KEYS = {"model": "draft_model", "method": "speculative_method",
+                  "num_speculative_tokens": "num_speculative_tokens",
+                  "draft_tensor_parallel_size": "draft_tensor_parallel_size",
+                  "disable_by_batch_size": "spec_disable_above_batch_size"}
+
+
+def read_speculative_config(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """vLLM's `speculative_config` mapping ({"method": "eagle3" | "draft_model", "model": ..., "num_speculative_tokens":
+    k, ...}) as (the draft or head, SpeculativeConfig options). Unknown keys are refused, naming them."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a mapping, got {type(spec).__name__}")
+    known = set(VLLM_SPEC_KEYS) | set(SPEC_OPTIONS) | {"draft_model"}
+    unknown = sorted(str(k) for k in spec if k not in known)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; known: "
+                         f"{', '.join(sorted(known))}")
+    out = {VLLM_SPEC_KEYS.get(k, k): v for k, v in spec.items()}
+    method = out.setdefault("speculative_method", "draft_model")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config method {method!r} is not supported; supported: "
+                         f"{', '.join(SPECULATIVE_METHODS)}")
+    model = out.pop("draft_model", None)
+    if not model:
+        raise ValueError("speculative_config needs the draft's or head's 'model'")
+    return str(model), out
 
 
 def speculative_config(draft_model: str | None, options: dict[str, Any]) -> SpeculativeConfig | None:
@@ -44,6 +70,8 @@ def configure_engine(model: str, draft_model: str | None, *, device: torch.devic
     the Ray engine builder share. `options`: SpeculativeConfig's fields (SPEC_OPTIONS) and EngineConfig's."""
     options = dict(options)
     spec = speculative_config(draft_model, options)
+    if spec is not None and spec.speculative_method == "eagle3":
+        _check_eagle3_options(spec, options, tensor_parallel_size, device)
     pair = resolve_model_pair(model, spec, max_model_len, load_format=str(options.get("load_format", "auto")))
     config = EngineConfig(device=device, dtype=dtype, max_model_len=pair.max_model_len, seed=seed,
                           tensor_parallel_size=tensor_parallel_size,
@@ -68,6 +96,8 @@ def resolve_model_pair(model: str, spec: SpeculativeConfig | None, max_model_len
     if spec is None:
         return ModelPair(target, None, None, max_model_len)
     spec.validate()
+    if spec.speculative_method == "eagle3":
+        return ModelPair(target, _eagle3_head(target, spec, need_weights), spec, max_model_len)
     draft = ModelConfig.from_path(resolve_model(spec.draft_model, require_weights=need_weights).path)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"draft vocabulary ({draft.vocab_size} tokens) differs from the target's "
@@ -77,3 +107,30 @@ def resolve_model_pair(model: str, spec: SpeculativeConfig | None, max_model_len
                          f"max_model_len={max_model_len}; lower max_model_len or use another draft")
     draft.max_model_len = max_model_len
     return ModelPair(target, draft, spec, max_model_len)
+
+
+def _check_eagle3_options(spec: SpeculativeConfig, options: dict[str, Any], tensor_parallel_size: int,
+                          device: torch.device) -> None:
+    """Settings an EAGLE-3 head cannot honour, refused by name."""
+    if device.type == "cuda" and not options.get("enforce_eager"):
+        raise ValueError("EAGLE-3 heads run eagerly so far: set enforce_eager=True on CUDA (the target's graphs do "
+                         "not keep the auxiliary hidden states the head reads)")
+    if options.get("speculation_ahead"):
+        raise ValueError("speculation_ahead cannot be used with an EAGLE-3 head (method 'eagle3'): the head drafts "
+                         "from the verify's hidden states, which do not exist before the verify has run")
+    if options.get("draft_token_map") is not None:
+        raise ValueError("draft_token_map restricts a draft model's LM head; an EAGLE-3 head has its own draft "
+                         "vocabulary (d2t)")
+    if spec.draft_tensor_parallel_size != 1 or tensor_parallel_size != 1:
+        raise ValueError("an EAGLE-3 head runs in the target's one process so far (tensor_parallel_size and "
+                         "draft_tensor_parallel_size 1)")
+
+
+def _eagle3_head(target: ModelConfig, spec: SpeculativeConfig, need_weights: bool) -> ModelConfig:
+    from engine.models.eagle3_config import Eagle3ModelConfig
+
+    if target.family != "llama":
+        raise ValueError(f"EAGLE-3 heads are supported for Llama-family targets (Llama, Qwen3, ...), not "
+                         f"{target.architecture}")
+    path = resolve_model(spec.draft_model, require_weights=need_weights).path
+    return Eagle3ModelConfig.from_head(path, target)

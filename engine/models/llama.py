@@ -167,16 +167,29 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.hf_config.rms_norm_eps)
         # Every layer of a few-row decode step in one launch (engine/kernels/persistent_plan.py); the runner sets it.
         self.persistent: PersistentDecoder | None = None
+        # Layers whose incoming residual stream each forward keeps for an EAGLE-3 head (engine/speculation/
+        # eagle3_proposer.py sets them); (): none kept.
+        self.aux_layer_ids: tuple[int, ...] = ()
+        # [num_tokens, len(aux_layer_ids) * hidden_size] of the last eager forward, the streams side by side in
+        # ascending layer order; None without aux_layer_ids.
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         pd, c = self.persistent, md.common
-        if (pd is not None and md.backend == "triton" and md.tree is None
+        if (pd is not None and md.backend == "triton" and md.tree is None and not self.aux_layer_ids
                 and pd.takes(c.num_tokens, c.num_reqs, c.max_query_len)):
             g = md.groups[0]
             return self.norm(pd(x.contiguous(), positions, g.slot_mapping, c.seq_lens, g.block_table))
-        for layer in self.layers:
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layer_ids:
+                # The stream entering layer i: the embeddings, the stream itself (the wide path's RowSquares), or
+                # the last output with the residual its add is deferred to.
+                aux.append(x if residual is None or isinstance(residual, RowSquares) else x + residual)
             x, residual = layer(positions, x, residual, md)
+        if self.aux_layer_ids:  # in ascending layer order, whatever order the head's config lists them in
+            self.aux_hidden = torch.cat(aux, dim=-1)
         if isinstance(residual, RowSquares):  # the wide few-row path: x is the residual stream
             return self.norm(x)
         return self.norm.forward_with_residual(x, residual)[0]

@@ -24,6 +24,7 @@ from engine.agreement_profile import AgreementProfile
 from engine.runner.model_runner import ModelRunner
 from engine.speculation.ahead.proposer import AheadProposer
 from engine.speculation.ahead.saguaro import ahead_saguaro
+from engine.speculation.eagle3_proposer import Eagle3Proposer
 from engine.speculation.proposer import DraftProposer
 from engine.speculation.step_order import DRAFT, TARGET, Call, StepMode, run_in_process
 from engine.speculation.verifier import Verifier, VerifyInput
@@ -43,13 +44,17 @@ class DraftSide:
     process both sides share one table, which the step resolves once."""
 
     def __init__(self, runner: ModelRunner, keep_probs: bool, seed: int, speculation_ahead: bool = False,
-                 table: RequestTable | None = None) -> None:
+                 table: RequestTable | None = None, proposer: DraftProposer | Eagle3Proposer | None = None) -> None:
         """keep_probs: keep q (probabilistic rejection reads it). speculation_ahead: draft the next window after each
-        proposal (`speculate_ahead`) and serve hits from it (engine/speculation/ahead/proposer.py)."""
+        proposal (`speculate_ahead`) and serve hits from it (engine/speculation/ahead/proposer.py). proposer: another
+        kind of drafter over `runner` (an EAGLE-3 head's); None: a draft model's DraftProposer."""
         self.runner = runner
         self.table = table if table is not None else RequestTable()
-        self.proposer = DraftProposer(runner, keep_probs, seed, ahead=speculation_ahead,
-                                      saguaro=ahead_saguaro(runner.config) if speculation_ahead else None)
+        if proposer is not None and speculation_ahead:
+            raise ValueError("speculation ahead drafts with a draft model's proposer only")
+        self.proposer = proposer if proposer is not None else DraftProposer(
+            runner, keep_probs, seed, ahead=speculation_ahead,
+            saguaro=ahead_saguaro(runner.config) if speculation_ahead else None)
         profile = runner.config.synthetic_top_f_agreement
         self.ahead = (AheadProposer(self.proposer, runner.config.synthetic_bonus_agreement, seed,
                                     AgreementProfile.from_table(profile) if profile is not None else None)
@@ -150,7 +155,16 @@ class SpeculativeStep:
         table = RequestTable()
         # The target's side first: its verifier captures the target's CUDA graphs before the draft loop's.
         target_side = TargetSide(target, seed, table)
-        draft_side = DraftSide(draft, keep_probs, seed, speculation_ahead, table) if draft is not None else None
+        proposer = None
+        if draft is not None and draft.model_config.family == "eagle3":
+            if speculation_ahead:
+                raise ValueError("speculation ahead cannot be used with an EAGLE-3 head: the head drafts from the "
+                                 "verify's hidden states, which do not exist before the verify has run")
+            proposer = Eagle3Proposer(draft, target, keep_probs, seed)
+            # Every target forward's states go to the head, whether the head drafted in its step or not.
+            target_side.verifier.on_forward = proposer.absorb_target
+        draft_side = (DraftSide(draft, keep_probs, seed, speculation_ahead, table, proposer=proposer)
+                      if draft is not None else None)
         return SpeculativeStep(target_side, draft_side)
 
     @property

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +70,9 @@ class Verifier:
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed(seed)
         self.gate: IdsGate | None = None  # set by enable_gated_launch
+        # Told of every forward's outcome (plan, drafts verified per request, result) once it is sampled: an EAGLE-3
+        # head reads the target's hidden states of the positions that stand (engine/speculation/eagle3_proposer.py).
+        self.on_forward: Callable[[StepPlan, list[int], StepResult], None] | None = None
         k = runner.config.num_speculative_tokens
         # Every verify width up to k + 1: a load-adaptive draft length may pick any k per step.
         runner.capture_graphs(list(range(1, k + 2)))
@@ -176,6 +180,8 @@ class Verifier:
         result.phase_seconds = forward_phases(prepare, t0, t1, time.perf_counter(), marks)
         result.step_id = inp.plan.step_id
         result.num_draft_tokens = list(inp.counts)
+        if self.on_forward is not None:
+            self.on_forward(inp.plan, inp.counts, result)
         return result
 
     def _launch(self, positions: list[int], num_reqs: int, max_k: int, forward: PreparedForward) -> LaunchedForward:

@@ -37,6 +37,7 @@ from ray.actor import ActorHandle
 from engine.config import EngineConfig, ModelConfig
 from engine.decode_pipeline import LaggedResults
 from engine.kv_cache.spec import KVCacheGroupSpec
+from engine.models.eagle3_config import is_eagle3_checkpoint
 from engine.runner.draft_vocabulary import check_token_map
 from engine.step.phases import HOST, book_dispatch
 from engine.step.plan import StepPlan, StepResult
@@ -123,6 +124,13 @@ class RayExecutor:
         self.draft_groups = DraftGroupReplacement(
             engine_config, self.draft_pool, draft_model_path, draft_tensor_parallel_size, draft_resources,
             rejection_sampling, placement_timeout_s, init_timeout_s, f"specserve-draft-{id(self):x}")
+        eagle3 = draft_model_path is not None and is_eagle3_checkpoint(draft_model_path)
+        if eagle3:
+            # The head reads the target's hidden states where the target computes them.
+            if draft_placement == "separate" or self.draft_pool is not None:
+                raise ValueError("an EAGLE-3 head runs inside the target's processes, where its hidden states are: "
+                                 "draft_placement must be 'colocated' or 'auto', without a draft pool")
+            draft_placement = "colocated"
         if self.draft_pool is not None:
             draft_placement = "separate"
         self.draft_placement = resolve_draft_placement(
@@ -133,7 +141,7 @@ class RayExecutor:
         # A draft in the target's processes: one group of workers, each running the whole step.
         self.colocated = draft_model_path is not None and self.draft_placement == "colocated"
         check_tensor_parallel(ModelConfig.from_path(model_path), tensor_parallel_size, "target")
-        if draft_model_path is not None:
+        if draft_model_path is not None and not eagle3:  # a head's checks ran in configure_engine
             draft_config = ModelConfig.from_path(draft_model_path)
             check_tensor_parallel(draft_config, draft_tensor_parallel_size, "draft")
             if engine_config.draft_token_map is not None:  # before any worker starts, as the checks above

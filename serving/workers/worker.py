@@ -32,6 +32,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig, ModelConfig, resolve_dtype
 from engine.decode_pipeline import DecodePipeline
 from engine.kv_cache.spec import KVCacheGroupSpec
+from engine.models.eagle3_config import is_eagle3_checkpoint
 from engine.parallel import TensorParallelGroup, set_tp_group
 from engine.runner.model_runner import ModelRunner
 from engine.speculation.ahead.proposer import AheadProposer
@@ -99,7 +100,13 @@ def engine_config_from(config: EngineConfig | dict[str, Any]) -> EngineConfig:
     return EngineConfig(device=device, dtype=dtype, **fields)
 
 
-def _load_runner(model_path: str, config: EngineConfig, name: str, draft: bool) -> ModelRunner:
+def _load_runner(model_path: str, config: EngineConfig, name: str, draft: bool,
+                 target: ModelConfig | None = None) -> ModelRunner:
+    """target: the target's config, where the draft is colocated with it (an EAGLE-3 head's config reads it)."""
+    if draft and target is not None and is_eagle3_checkpoint(model_path):
+        from engine.models.eagle3_config import Eagle3ModelConfig
+
+        return ModelRunner(Eagle3ModelConfig.from_head(model_path, target), config, name)
     model_config = ModelConfig.from_path(model_path)
     model_config.max_model_len = config.max_model_len
     return ModelRunner(model_config, config, name, draft_token_map=config.draft_token_map if draft else None)
@@ -152,7 +159,8 @@ class ModelWorker:
         self.runner = _load_runner(model_path, config, f"{role}[{rank}/{world_size}]", draft=role == "draft")
         # A colocated draft is built right after the target, as the in-process engine builds them: each sizes its
         # KV cache from the device memory the one before left. Both use the tensor-parallel group set above.
-        self.draft_runner = (_load_runner(draft_model_path, config, f"draft[{rank}/{world_size}]", draft=True)
+        self.draft_runner = (_load_runner(draft_model_path, config, f"draft[{rank}/{world_size}]", draft=True,
+                                          target=self.runner.model_config)
                              if draft_model_path is not None else None)
         keep_probs = rejection_sampling == "probabilistic"
         # Each side keeps what this rank knows of its requests between steps in its request table: open plan

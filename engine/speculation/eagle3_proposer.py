@@ -1,0 +1,239 @@
+"""The EAGLE-3 proposer: k draft tokens per request from a one-layer head over the target's hidden states.
+
+The head (engine/models/eagle3.py) pairs, at head position p, the token at p + 1 with the target's auxiliary states
+of position p. So it can only run a position once the target has: after every target forward (a prefill chunk or a
+verify) the verifier hands this proposer the auxiliary states of the positions that stand (`absorb_target`: a chunk's
+every position, a verify's input token and accepted drafts, not the rejected ones) and the tokens now known after them
+(the chunk's, the accepted drafts and the bonus token). They wait per request until the next proposal, which first
+re-runs them through the head (a catch-up: its KV at those positions written from the target's states, over whatever
+its own drafting had left there) and samples the first draft from the last one; each later draft step feeds the token
+just drafted with the head's own pre-norm state of the step before. A request's pending states survive steps in which
+the proposer does not run (no speculation that step), and are dropped when the request finishes or is preempted. A
+request that speculates before the target has run its last token (a one-token prompt's first step) has no state to
+draft from: its drafts that step are drawn blind (`_draft_blind`).
+
+The head's KV lives in the draft's blocks (a KV-cache group of the drafter, allocated by the scheduler as a draft
+model's): head position p <= the draft model's position p + 1, so a draft model's allocation covers it. Where the
+target skipped positions (a prefix-cache hit) the head keeps what its cached blocks hold there and starts from the
+target's first computed position: drafts may be worse there, never wrong (the verify decides).
+
+Eager on every device (its forwards are one layer; a graphed k-step loop is future work). Grammar masks and logits
+processing are not applied to the head's drafts: rejection sampling reads the q each draft was drawn from, so the
+output is exact either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.host_copy import to_device
+from engine.runner.model_runner import ModelRunner
+from engine.runner.step_input import Chunk
+from engine.sample.from_plan import DRAFT_STREAM, sampling_metadata
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.sampler import Sampler
+from engine.speculation.proposer import DraftProposal
+from engine.step.plan import StepPlan, StepResult
+
+
+@dataclass
+class _Pending:
+    """A request's target states the head has not consumed yet."""
+
+    next_pos: int  # the head position of hidden[0]: the next pair (token at next_pos + 1, state at next_pos)
+    # [m, len(aux) * target_hidden] on the device, rows for positions next_pos.. (pieces, concatenated when used)
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    num_hidden: int = 0
+    tokens: list[int] = field(default_factory=list)  # tokens at positions next_pos + 1, ...
+
+    @property
+    def hidden_end(self) -> int:
+        return self.next_pos + self.num_hidden
+
+
+class Eagle3Proposer:
+    """Behind the draft proposer's interface (`propose(plan) -> DraftProposal`), over the head's runner; the target's
+    runner keeps the auxiliary states of every forward for it."""
+
+    def __init__(self, runner: ModelRunner, target: ModelRunner, keep_probs: bool, seed: int = 0) -> None:
+        from engine.models.eagle3 import Eagle3Head
+
+        head = runner.model
+        if not isinstance(head, Eagle3Head):
+            raise TypeError(f"an EAGLE-3 proposer needs an EAGLE-3 head, got {type(head).__name__}")
+        if runner.captures_graphs or target.captures_graphs:
+            raise ValueError("EAGLE-3 heads run eagerly so far: set enforce_eager=True on CUDA")
+        self.runner = runner
+        self.target = target
+        self.head = head
+        self.keep_probs = keep_probs
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=runner.device)
+        self.generator.manual_seed(seed + 1)
+        self.loop = None  # no draft loop (DraftProposer's graphed path): every proposal is eager
+        head.share_embedding(target.model.model.embed_tokens)
+        target.model.model.aux_layer_ids = tuple(runner.model_config.aux_layer_ids)  # type: ignore[attr-defined]
+        self.pending: dict[str, _Pending] = {}
+
+    # ---- after every target forward --------------------------------------------------------------------
+    def absorb_target(self, plan: StepPlan, counts: list[int], result: StepResult) -> None:
+        """Keep the auxiliary states of the positions that stand after the target's forward of `plan` (counts: the
+        drafts it verified per request), and the tokens known after them."""
+        self._forget(plan)
+        aux = self.target.model.model.aux_hidden
+        if aux is None:
+            raise RuntimeError("the target kept no auxiliary states in its forward")
+        offset = 0
+        for r, k, sampled, accepted in zip(plan.requests, counts, result.sampled, result.num_accepted):
+            n = len(r.token_ids or ())
+            rows, tokens = n, list(r.token_ids or ())
+            if sampled is not None:
+                rows = n + accepted  # the input tokens and the accepted drafts: the bonus token has no state yet
+                tokens += sampled
+            self._append(r.request_id, r.start_pos, aux[offset:offset + rows], tokens)
+            offset += n + k
+        if offset > aux.shape[0]:
+            raise RuntimeError(f"the target's forward kept {aux.shape[0]} states for a plan of {offset} tokens")
+
+    def _append(self, rid: str, start: int, hidden: torch.Tensor, tokens: list[int]) -> None:
+        st = self.pending.get(rid)
+        if st is None or start != st.hidden_end:
+            # A new request, one recomputed from an earlier position, or one whose target skipped positions (a
+            # prefix-cache hit): the head starts over from the target's first position here.
+            st = self.pending[rid] = _Pending(start)
+        if hidden.shape[0]:
+            st.hidden.append(hidden)
+            st.num_hidden += hidden.shape[0]
+        for j, t in enumerate(tokens):
+            pos = start + j
+            if pos == st.next_pos + 1 + len(st.tokens):
+                st.tokens.append(int(t))
+
+    def _forget(self, plan: StepPlan) -> None:
+        if plan.finished_ids:
+            live = {r.request_id for r in plan.requests}
+            for rid in plan.finished_ids:
+                if rid not in live:
+                    self.pending.pop(rid, None)
+
+    # ---- a proposal ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan, guess_first: bool = False, guesses: list[int] | None = None) -> DraftProposal:
+        if guess_first or (guesses is not None and any(guesses)):
+            raise ValueError("an EAGLE-3 head drafts after the verify; it cannot guess windows ahead")
+        self._forget(plan)
+        dev = self.runner.device
+        reqs = plan.requests
+        ks = [r.num_draft_tokens for r in reqs]
+        max_k = max(ks, default=0)
+        ids = torch.full((len(reqs), max_k), -1, dtype=torch.int64, device=dev)
+        probs = None
+        if self.keep_probs and max_k:
+            probs = torch.zeros(len(reqs), max_k, self.runner.vocab_size, dtype=torch.float32, device=dev)
+        # Step 0: every request's pending pairs through the head, from the target's states.
+        chunks, states, drafting, last_pos, blind = [], [], [], [], []
+        for i, r in enumerate(reqs):
+            chunk = self._catch_up(r.request_id, r.draft_block_tables, want_logits=ks[i] > 0)
+            if chunk is None:
+                if ks[i]:
+                    blind.append(i)
+                continue
+            c, hidden = chunk
+            chunks.append(c)
+            states.append(hidden)
+            if ks[i]:
+                drafting.append(i)
+                last_pos.append(c.start_pos + len(c.token_ids) - 1)
+        if blind:
+            self._draft_blind(plan, blind, ids, probs)
+        if not chunks:
+            return DraftProposal(ids, probs)
+        logits, prenorm = self._forward(chunks, torch.cat(states), from_target=True)
+        if not drafting:
+            return DraftProposal(ids, probs)
+        md = sampling_metadata([reqs[i] for i in drafting], DRAFT_STREAM, self.generator, dev)
+        rows = list(range(len(drafting)))  # the drafting requests (indices into `drafting`) this step feeds
+        tok = self._draw(logits, md, rows, len(drafting), ids, probs, drafting, 0)
+        for j in range(1, max_k):
+            keep = [m for m, n in enumerate(rows) if ks[drafting[n]] > j]
+            if not keep:
+                break
+            index = to_device(keep, torch.int64, dev)
+            tok, prenorm = tok.index_select(0, index), prenorm.index_select(0, index)
+            rows = [rows[m] for m in keep]
+            # SYNC: the next step's input ids are built on the host (one small copy a step).
+            prev = tok.tolist()
+            chunks = [Chunk([prev[m]], last_pos[n] + j, 1, reqs[drafting[n]].draft_block_tables)
+                      for m, n in enumerate(rows)]
+            logits, prenorm = self._forward(chunks, prenorm, from_target=False)
+            tok = self._draw(logits, md, rows, len(drafting), ids, probs, drafting, j)
+        return DraftProposal(ids, probs)
+
+    def _draft_blind(self, plan: StepPlan, rows: list[int], ids: torch.Tensor, probs: torch.Tensor | None) -> None:
+        """Drafts for requests whose last token the target has not run yet (a one-token prompt speculates in its
+        first step), where the head has no state to draft from: drawn from the uniform law over the draft
+        vocabulary (a greedy row takes its first id), q recorded as that law. Exact like any proposal (the verify
+        decides); their acceptance is low, once per such request."""
+        dev = self.runner.device
+        reqs = [plan.requests[i] for i in rows]
+        md = sampling_metadata(reqs, DRAFT_STREAM, self.generator, dev)
+        logits = torch.full((len(rows), self.runner.vocab_size), float("-inf"), device=dev)
+        logits[:, self.head.draft_to_target] = 0.0
+        ks = [r.num_draft_tokens for r in reqs]
+        for j in range(max(ks)):
+            live = [n for n, k in enumerate(ks) if k > j]
+            self._draw(logits[:len(live)], md, live, len(rows), ids, probs, rows, j)
+
+    def _draw(self, logits: torch.Tensor, md: SamplingMetadata, rows: list[int], num_drafting: int, ids: torch.Tensor,
+              probs: torch.Tensor | None, drafting: list[int], j: int) -> torch.Tensor:
+        """Sample column j's drafts of `rows` (indices into `drafting`) from logits [len(rows), V]; write them (and q
+        where kept) into the proposal's buffers. Returns the drafts [len(rows)] int64."""
+        row_md = md if len(rows) == num_drafting else md.select(rows)
+        dest = to_device([drafting[n] for n in rows], torch.int64, self.runner.device)
+        if row_md.all_greedy and probs is None:
+            tok = logits.argmax(dim=-1)
+        else:
+            tok, p = self.sampler.sample_with_probs(logits, row_md)
+            if probs is not None:
+                probs[dest, j] = p
+        ids[dest, j] = tok
+        return tok
+
+    def _catch_up(self, rid: str, block_tables: list[list[int]], want_logits: bool
+                  ) -> tuple[Chunk, torch.Tensor] | None:
+        """The request's pending pairs as a chunk of the head's forward and their target states [m, F]; consumed.
+        None where none is pending or the draft's blocks do not reach them yet."""
+        st = self.pending.get(rid)
+        if st is None or not block_tables:
+            return None
+        m = min(st.num_hidden, len(st.tokens))
+        if m == 0:
+            return None
+        block_size = self.runner.kv_groups[0].spec.block_size
+        if len(block_tables[0]) * block_size < st.next_pos + m:
+            return None
+        hidden = torch.cat(st.hidden) if len(st.hidden) > 1 else st.hidden[0]
+        chunk = Chunk(st.tokens[:m], st.next_pos, 1 if want_logits else 0, block_tables)
+        rest = hidden[m:]
+        st.hidden = [rest] if rest.shape[0] else []
+        st.num_hidden -= m
+        st.tokens = st.tokens[m:]
+        st.next_pos += m
+        return chunk, hidden[:m]
+
+    def _forward(self, chunks: list[Chunk], hidden: torch.Tensor, from_target: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over `chunks` (hidden: their rows' states, in order) -> (logits [rows wanting logits, V] float32
+        over the target's vocabulary, the head's pre-norm states of those rows [rows, hidden_size])."""
+        step = self.runner.prepare_forward(chunks).step
+        if step.num_tokens != hidden.shape[0]:
+            raise RuntimeError(f"{hidden.shape[0]} hidden states for a head forward of {step.num_tokens} tokens")
+        prenorm = self.head(step.input_ids, step.positions, step.attn, hidden.to(self.runner.dtype),
+                            from_target)[step.logits_indices]
+        return self.head.compute_logits(prenorm), prenorm
+
+    def eager(self, plan: StepPlan) -> bool:
+        """Every EAGLE-3 proposal is drafted eagerly (DraftProposer.eager's question)."""
+        return True

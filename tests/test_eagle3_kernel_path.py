@@ -1,0 +1,49 @@
+"""An EAGLE-3 head on the kernel path (input buffers at fixed addresses, Triton attention, the few-row products), on
+CPU under Triton's interpreter, in a child process (tests/interpreter_children.py): greedy with the head equals HF's
+for a Qwen3 target and a speculators head with a Qwen3 layer (the head drafts; a one-token prompt takes its blind first
+drafts there too). One case: interpreted steps are slow, and the torch path's tests cover the rest."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+from interpreter_children import assert_pytest_children_pass
+
+from engine.kernels.triton_compat import HAS_TRITON, interpreting
+
+if not HAS_TRITON:
+    pytest.skip("triton is not installed (the `test` extra installs it on Linux)", allow_module_level=True)
+
+interpreted = pytest.mark.skipif(not interpreting(), reason="runs in the TRITON_INTERPRET=1 child process")
+
+
+@pytest.mark.skipif(interpreting(), reason="already under the interpreter")
+def test_eagle3_kernel_path_under_interpreter():
+    assert_pytest_children_pass(__file__)
+
+
+@interpreted
+def test_kernel_path_greedy_with_head_equals_hf():
+    import torch
+    from conftest import TINY_CONFIGS, hf_greedy, make_tiny_model
+    from eagle3_support import random_head, write_speculators
+
+    from engine import LLM, SamplingParams
+    from engine.speculation.eagle3_proposer import Eagle3Proposer
+
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp())
+    m = make_tiny_model(root, "qwen3", TINY_CONFIGS["qwen3"])
+    head = write_speculators(random_head(m.config, seed=1, layer_type="qwen3", norm_before_residual=True),
+                             root / "head")
+    llm = LLM(m.path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 2},
+              device="cpu", attention_backend="triton", block_size=4, num_kv_blocks=64, max_num_seqs=2,
+              small_m_rows=1, max_model_len=64)
+    assert llm.executor.target.backend == llm.executor.draft.backend == "triton"
+    assert isinstance(llm.executor.proposer, Eagle3Proposer)
+    prompts = [[5, 9, 14, 3, 7], [8]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(m.hf, p, 5) for p in prompts]
+    assert llm.spec_stats(outs).num_draft_tokens > 0
