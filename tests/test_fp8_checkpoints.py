@@ -218,7 +218,7 @@ def test_quantization_flags_reach_both_models_and_health_says_what_they_hold(tin
 
     from deploy.cli import _given, build_parser
     from deploy.config import ServeConfig
-    from serving.router import Router
+    from serving.router.router import Router
 
     _, models = tiny
     target, draft = models["llama"].path, models["qwen3"].path

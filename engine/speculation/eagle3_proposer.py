@@ -31,11 +31,11 @@ import torch
 from engine.host_copy import to_device
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
-from engine.sample.from_plan import DRAFT_STREAM, sampling_metadata
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import Sampler
-from engine.speculation.proposer import DraftProposal
 from engine.step.plan import StepPlan, StepResult
+from engine.step.plan_sampling import DRAFT_STREAM, sampling_metadata
+from engine.step.proposal import DraftProposal
 
 
 @dataclass
