@@ -203,3 +203,39 @@ def test_parser_choice() -> None:
             ChatOptions.create(**flags).for_tokenizer(byte_tokenizer())
     with pytest.raises(ValueError, match="'openai'"):
         ChatOptions.create(tool_call_parser="harmony")
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "paint"}}, "required"])
+def test_forced_call_grammar_samples_parse_back(choice: str | dict) -> None:
+    """Random outputs under the forced-call grammar of a request (tool_spec, strict schemas): each ends at
+    <|call|> and the split reads one call of the forced tools whose arguments follow the strict schema."""
+    import jsonschema
+    import llguidance
+    import llguidance.hf
+    import numpy as np
+
+    from engine.sample.structured_output import StructuredOutputsParams
+    from serving.json_schema_strictness import disallow_additional_properties
+    from serving.tool_calls import tool_grammar, tool_spec
+
+    args = {"type": "object", "properties": {"c": {"enum": ["r", "g"]}, "n": {"type": "integer", "minimum": 0,
+            "maximum": 9}}, "required": ["c"]}
+    tools = [{"type": "function", "function": {"name": "paint", "parameters": args}},
+             {"type": "function", "function": {"name": "stop", "parameters": {"type": "object"}}}]
+    spec = tool_spec(tools, choice, None, get_tool_parser("openai"))
+    grammar = StructuredOutputsParams(grammar=tool_grammar(spec)).to_grammar()
+    ll = llguidance.hf.from_tokenizer(TOK, n_vocab=len(TOK), eos_token=[TOK.eos_token_id])
+    for seed in range(6):
+        matcher, rng, out = llguidance.LLMatcher(ll, grammar), random.Random(seed), []
+        while not (out and out[-1] == HT.call):
+            assert len(out) < 400, TOK.decode(out)
+            mask = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            token = rng.choice([t for t in np.flatnonzero(mask[:len(TOK)]).tolist() if t != TOK.eos_token_id])
+            assert matcher.consume_token(token)
+            out.append(token)
+        assert matcher.is_accepting()
+        r = parse_harmony(out, HT, TOK, set(spec.functions))
+        assert r.content == "" and r.reasoning is None and len(r.calls) == 1, TOK.decode(out)
+        name, arguments = r.calls[0]["function"]["name"], json.loads(r.calls[0]["function"]["arguments"])
+        assert name == "paint" or (choice == "required" and name == "stop")
+        jsonschema.validate(arguments, disallow_additional_properties(args if name == "paint" else {"type": "object"}))
