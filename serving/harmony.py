@@ -68,9 +68,12 @@ class HarmonyTokens:
             return None
         if not all(t in added for t in HARMONY_TOKENS):
             return None
-        special = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", []))
+        special = {int(i) for i in getattr(tokenizer, "all_special_ids", [])}
+        # Every added special token (GPT-OSS's reserved ones too), not only those the special-tokens map names.
+        special |= {int(i) for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+                    if getattr(t, "special", False)}
         ids = [int(added[t]) for t in HARMONY_TOKENS]
-        return cls(*ids, special=special | frozenset(ids))
+        return cls(*ids, special=frozenset(special | set(ids)))
 
 
 class _Decoder:
@@ -133,6 +136,7 @@ class HarmonyStream:
         self.tool_names = tool_names
         self.state = "header"  # header | body | between (after a message's end)
         self.header_ids: list[int] = []
+        self.header_marked = False  # the header holds <|channel|> or <|constrain|>
         self.kind = "content"  # the body's: reasoning | content | call
         self.call_name = ""
         self.decoder = _Decoder(tokenizer)
@@ -156,16 +160,18 @@ class HarmonyStream:
                 self.state = "between"
             elif tok == t.start:
                 self._close(out, closed=True)
-                self.state, self.header_ids = "header", []
+                self._new_header()
             elif tok == t.channel:
                 if self.state == "body":  # a new header without the old message's end: the body ended
                     self._close(out, closed=True)
                 if self.state != "header":
-                    self.state, self.header_ids = "header", []
+                    self._new_header()
                 self.header_ids.append(tok)
+                self.header_marked = True
             elif tok == t.constrain:
                 if self.state == "header":
                     self.header_ids.append(tok)
+                    self.header_marked = True
             elif tok == t.message:
                 if self.state == "header":
                     self._open(self._parse_header())
@@ -175,9 +181,9 @@ class HarmonyStream:
                 self._text(out, self.decoder.add(tok))
             else:
                 if self.state == "between":  # text without <|start|>: a header all the same
-                    self.state, self.header_ids = "header", []
+                    self._new_header()
                 self.header_ids.append(tok)
-                if len(self.header_ids) > MAX_HEADER_TOKENS and not self._has_markers():
+                if len(self.header_ids) > MAX_HEADER_TOKENS and not self.header_marked:
                     ids, self.header_ids = self.header_ids, []
                     self._open(_Header("", "", None, ""))
                     for i in ids:
@@ -188,8 +194,8 @@ class HarmonyStream:
         return out
 
     # --- messages ---------------------------------------------------------------------------------------------
-    def _has_markers(self) -> bool:
-        return any(i in (self.tokens.channel, self.tokens.constrain) for i in self.header_ids)
+    def _new_header(self) -> None:
+        self.state, self.header_ids, self.header_marked = "header", [], False
 
     def _parse_header(self) -> _Header:
         parts: dict[str, list[int]] = {"role": [], "channel": [], "constrain": []}
@@ -212,7 +218,7 @@ class HarmonyStream:
                        text["constrain"].strip() or (words[1] if len(words) > 1 else ""))
 
     def _open(self, header: _Header) -> None:
-        self.header_ids = []
+        self.header_ids, self.header_marked = [], False
         self.state = "body"
         self.decoder = _Decoder(self.tokenizer)
         self.body_started = False
@@ -245,13 +251,13 @@ class HarmonyStream:
     def _close(self, out: HarmonyDelta, closed: bool) -> None:
         """The current message ended: closed by a marker or the output's own end (False: cut by max_tokens)."""
         if self.state == "header":
-            if self.header_ids and not self._has_markers():  # plain text without the format: content
+            if self.header_ids and not self.header_marked:  # plain text without the format: content
                 ids = self.header_ids
                 self._open(_Header("", "", None, ""))
                 for i in ids:
                     self._text(out, self.decoder.add(i))
             else:  # a header that never reached <|message|>: markup, not text
-                self.header_ids = []
+                self.header_ids, self.header_marked = [], False
                 return
         if self.state != "body":
             return
