@@ -44,15 +44,24 @@ def harmony_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def make_harmony_model(root: Path) -> str:
-    """A 2-layer random Llama over the harmony tokenizer's vocabulary, saved with the tokenizer."""
+def make_harmony_model(root: Path, draft: Path | None = None) -> str:
+    """A 2-layer random Llama over the harmony tokenizer's vocabulary, saved with the tokenizer in root/harmony
+    (or root itself when `draft` is given); `draft`: also a draft there, the target's weights plus 5% noise (it
+    agrees with the target often, so speculation accepts runs)."""
     tok = harmony_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    path = root / "harmony"
+    path = root / "harmony" if draft is None else root
     model.save_pretrained(path)
     tok.save_pretrained(path)
+    if draft is not None:
+        with torch.no_grad():
+            for w in model.parameters():
+                if w.dim() == 2:
+                    w.add_(0.05 * w.std() * torch.randn_like(w))
+        model.save_pretrained(draft)
+        tok.save_pretrained(draft)
     return str(path)
