@@ -29,8 +29,9 @@ def test_seed_launch_line_serves_harmony_chat(tmp_path: Path) -> None:
 
     make_harmony_model(tmp_path / "openai" / "gpt-oss-120b", draft=tmp_path / "openai" / "gpt-oss-20b")
     port, grpc_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1"}
+    # A cluster of its own, as on a user's machine (RAY_ADDRESS would join one).
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(REPO),
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     log = (tmp_path / "serve.log").open("w+")
     proc = subprocess.Popen([*CLI, *SEED_LINE, "--device", "cpu", "--port", str(port), "--grpc-port", str(grpc_port),
                              "--max-model-len", "512", "--block-size", "4", "--num-kv-blocks", "256",
