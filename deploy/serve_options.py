@@ -246,12 +246,14 @@ class ServingOptions:
                                                        "the model may call a tool or answer; without it, a 400")
     tool_call_parser: str = option("hermes", choices=tuple(TOOL_PARSERS),
                                    help="the model family's tool-call markup, forced and parsed: hermes (Qwen, "
-                                        "SmolLM), llama3_json, mistral, pythonic")
+                                        "SmolLM), llama3_json, mistral, pythonic, openai (GPT-OSS's harmony, "
+                                        "also chosen by a tokenizer with harmony's tokens)")
     chat_template: str | None = option(None, metavar="FILE|TEMPLATE",
                                        help="a Jinja chat template (a file path or the template itself) replacing "
                                             "the tokenizer's, for chat, /tokenize and gRPC")
     reasoning_parser: str | None = option(None, choices=tuple(REASONING_PARSERS),
-                                          help="split <think>...</think> into reasoning_content, apart from content")
+                                          help="split <think>...</think> into reasoning_content, apart from content "
+                                               "(openai_gptoss: GPT-OSS's harmony analysis channel)")
 
     def uses_draft_pool(self) -> bool:
         """Whether the draft runs as a pool of replicas of its own (draft_replicas or draft_autoscaling_config)."""

@@ -107,6 +107,8 @@ def create_openai_app(client: Client, api_key: str | None = None, max_body_bytes
     auth_health_metrics. max_body_bytes: larger request bodies get 413 (None: no limit). chat_options: tool-call
     and reasoning parsers, auto tool choice (the chat template is the client's tokenizer's)."""
     app = FastAPI(title="specserve", description="OpenAI-compatible LLM serving with speculative decoding")
+    # Harmony (GPT-OSS) outputs when the tokenizer has its tokens; a harmony parser named for one without is an error.
+    chat_options = (chat_options or ChatOptions()).for_tokenizer(getattr(client, "tokenizer", None))
     install_error_handlers(app)
     if api_key is not None or max_body_bytes is not None:
         app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes,
@@ -208,6 +210,10 @@ async def _serve(client: Client, body: CompletionRequest | ChatCompletionRequest
                                           client.generation_defaults)
             if body.bad_words:
                 params["bad_words_token_ids"] = bad_words_token_ids(client.tokenizer, body.bad_words)
+            harmony = body.options.harmony if chat else None
+            if harmony is not None and not body.ignore_eos:  # a harmony turn ends at <|return|> or <|call|>
+                params["stop_token_ids"] = list(params["stop_token_ids"] or []) + [
+                    t for t in harmony.stop_token_ids if t not in (params["stop_token_ids"] or [])]
             for i in range(body.n):
                 index = p * body.n + i
                 seed = params["seed"]

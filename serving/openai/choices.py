@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from serving.openai.harmony import HarmonyStream, parse_harmony
 from serving.openai.logprobs import LogprobsBuilder, echo_logprobs, joined, logprobs_builder, vllm_prompt_logprobs
 from serving.openai.reasoning_parser import ReasoningStream
 from serving.openai.responses import ChatCompletionResponse, CompletionResponse, error_body, error_type
@@ -27,10 +28,35 @@ def _tools(body: Any, chat: bool) -> Any:
     return spec if spec is not None and spec.parses_calls else None
 
 
-def chat_message(text: str, body: Any, finish: str | None) -> tuple[dict[str, Any], str | None]:
+def _harmony_stream(body: Any, tokenizer: Any) -> HarmonyStream:
+    tools = _tools(body, True)
+    return HarmonyStream(body.options.harmony, tokenizer, set(tools.functions) if tools is not None else None)
+
+
+def _harmony_message(token_ids: list[int], body: Any, finish: str | None,
+                     tokenizer: Any) -> tuple[dict[str, Any], str | None]:
+    """A finished harmony (GPT-OSS) choice, split from its token ids (serving/openai/harmony.py)."""
+    tools = _tools(body, True)
+    result = parse_harmony(token_ids, body.options.harmony, tokenizer,
+                           set(tools.functions) if tools is not None else None, truncated=finish == "length")
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in result.calls]
+    message: dict[str, Any] = {"role": "assistant", "content": (result.content or None) if calls else result.content}
+    if tools is not None:
+        message["tool_calls"] = calls
+    if calls and finish == "stop":
+        finish = "tool_calls"
+    if result.reasoning is not None and body.include_reasoning:
+        message["reasoning_content"] = result.reasoning
+    return message, finish
+
+
+def chat_message(text: str, body: Any, finish: str | None, token_ids: list[int] | None = None,
+                 tokenizer: Any = None) -> tuple[dict[str, Any], str | None]:
     """A finished chat choice's message and finish_reason: the reasoning apart (with the server's reasoning
     parser), then the content's tool calls apart ("tool_calls" when a call ended the output; an unfinished call
-    cut by max_tokens is dropped, never content)."""
+    cut by max_tokens is dropped, never content). Harmony outputs (GPT-OSS) are split from their token ids."""
+    if body.options.harmony is not None:
+        return _harmony_message(token_ids or [], body, finish, tokenizer)
     reasoning, content = None, text
     parser = body.options.reasoning()
     if parser is not None:
@@ -140,7 +166,8 @@ async def collect_response(choices: list[Choice], body: Any, request_id: str, cl
         entry: dict[str, Any] = {"index": c.index, "finish_reason": last["finish_reason"], "logprobs": logprobs,
                                  "stop_reason": last["stop_reason"]}
         if chat:
-            entry["message"], entry["finish_reason"] = chat_message(text, body, entry["finish_reason"])
+            entry["message"], entry["finish_reason"] = chat_message(text, body, entry["finish_reason"], ids,
+                                                                    client.tokenizer)
         else:
             entry["text"] = c.echo + text
             entry["prompt_logprobs"] = _prompt_logprobs_field(c, body, client, prompt_lps)
@@ -215,8 +242,10 @@ async def sse_stream(choices: list[Choice], body: Any, request_id: str, client: 
     obj = "chat.completion.chunk" if chat else "text_completion"
     builders = {c.index: logprobs_builder(body, client.tokenizer, chat) for c in choices}
     tools = _tools(body, chat)
-    splitters = {c.index: ToolCallStream(tools) for c in choices} if tools is not None else {}
-    reasoning = body.options.reasoning() if chat else None
+    harmony = {c.index: _harmony_stream(body, client.tokenizer) for c in choices} \
+        if chat and body.options.harmony is not None else {}
+    splitters = {c.index: ToolCallStream(tools) for c in choices} if tools is not None and not harmony else {}
+    reasoning = body.options.reasoning() if chat and not harmony else None
     thinkers = {c.index: ReasoningStream(reasoning) for c in choices} if reasoning is not None else {}
     started: set[int] = set()
     lasts: dict[int, tuple[Choice, dict[str, Any]]] = {}
@@ -226,6 +255,13 @@ async def sse_stream(choices: list[Choice], body: Any, request_id: str, client: 
             entry: dict[str, Any] = {"index": choice.index}
             if chat:
                 text, calls, thought = delta["text"], [], ""
+                if harmony:  # GPT-OSS: reasoning, content and calls from the token ids
+                    split = harmony[choice.index].feed(delta["token_ids"], final=finish is not None,
+                                                       truncated=finish == "length")
+                    text, calls = split.content, split.calls
+                    thought = split.reasoning if body.include_reasoning else ""
+                    if harmony[choice.index].num_calls and finish == "stop":
+                        finish = "tool_calls"
                 if thinkers:
                     thought, text = thinkers[choice.index].feed(text, final=finish is not None)
                     thought = thought if body.include_reasoning else ""

@@ -50,8 +50,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "structural_tag": (_off, "structural tags are not supported: use response_format, guided_* or tools"),
     "guided_whitespace_pattern": (_off, "JSON outputs are generated without free whitespace; a pattern for it is "
                                         "not supported"),
-    "reasoning_effort": (_off, "it is not passed to the model: a template that takes a thinking switch gets it "
-                               "through chat_template_kwargs (e.g. enable_thinking)"),
     "use_beam_search": (_off, "beam search is not implemented"),
     "length_penalty": (_unset_or(1.0, 1), "it only applies to beam search, which is not implemented"),
     "best_of": (_unset_or(1), "as in vLLM's V1 engine, best_of > 1 is not supported: use n"),
@@ -270,7 +268,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # without tools there is no call to parallelise
-    reasoning_effort: str | None = None
+    # Passed to the chat template (GPT-OSS's renders "Reasoning: high"); a 400 for a template that does not read it
+    # (serving/openai/tokenizer_routes.py).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     include_reasoning: bool = True  # with the server's reasoning parser: false drops reasoning_content
     add_generation_prompt: bool = True  # extension (vLLM)
     continue_final_message: bool = False  # extension (vLLM)
@@ -324,6 +324,8 @@ class ChatCompletionRequest(_SamplingRequest):
                                   "continue_final_message": self.continue_final_message}
         if self.documents is not None:
             kwargs["documents"] = self.documents
+        if getattr(self, "reasoning_effort", None) is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
         return kwargs
@@ -358,6 +360,10 @@ class TokenizeChatRequest(BaseModel):
 
     def use_options(self, options: ChatOptions | None) -> None:
         self._options = options or ChatOptions()
+
+    @property
+    def options(self) -> ChatOptions:
+        return self._options
 
     def check_supported(self) -> None:
         self.tool_spec()

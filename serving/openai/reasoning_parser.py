@@ -8,6 +8,10 @@ everything before `</think>` is reasoning, and an output cut before it is all re
 
 Streamed, qwen3 treats text as reasoning once the output opens with `<think>` (it cannot know about a `</think>`
 still to come otherwise); deepseek_r1 from the first token.
+
+openai_gptoss: GPT-OSS's harmony format, whose analysis channel is the reasoning; its markers are special tokens
+the text leaves out, so it is split from the output's token ids (serving/openai/harmony.py), reasoning, content and tool
+calls at once.
 """
 
 from __future__ import annotations
@@ -47,8 +51,18 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     thinks_first = True
 
 
+class GptOssReasoningParser(ReasoningParser):
+    name = "openai_gptoss"
+    thinks_first = False
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        raise NotImplementedError("harmony outputs are split from token ids (serving.openai.harmony.HarmonyStream)")
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (Qwen3ReasoningParser,
-                                                                          DeepSeekR1ReasoningParser)}
+                                                                          DeepSeekR1ReasoningParser,
+                                                                          GptOssReasoningParser)}
+HARMONY_REASONING_PARSER = GptOssReasoningParser.name
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

@@ -7,6 +7,7 @@ tokens a completion or chat request with the same fields would prefill.
 
 from __future__ import annotations
 
+import json
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -42,6 +43,12 @@ def apply_chat_template(client: Any, body: ChatCompletionRequest | TokenizeChatR
         raise GenerationError(f"model {client.model_name} has no chat template: use /v1/completions or give "
                               "chat_template", 400, "messages")
     messages = [m.template_dict() for m in body.messages]
+    if getattr(body, "reasoning_effort", None) is not None and "reasoning_effort" not in _template_text(tok, body):
+        raise GenerationError(f"reasoning_effort={body.reasoning_effort!r} is not supported: this model's chat "
+                              "template does not read it (a template that takes a thinking switch gets it through "
+                              "chat_template_kwargs, e.g. enable_thinking)", 400, "reasoning_effort")
+    if body.options.harmony is not None:
+        messages = harmony_messages(messages)
     tools = body.tool_spec()
     try:
         text = tok.apply_chat_template(messages, tokenize=False, **body.template_kwargs())
@@ -60,6 +67,38 @@ def apply_chat_template(client: Any, body: ChatCompletionRequest | TokenizeChatR
         return list(tok(text, add_special_tokens=body.add_special_tokens)["input_ids"])
     except Exception as e:  # noqa: BLE001
         raise GenerationError(f"the messages cannot be tokenized: {type(e).__name__}: {e}", 400, "messages") from e
+
+
+def _template_text(tok: Any, body: ChatCompletionRequest | TokenizeChatRequest) -> str:
+    """The Jinja source that renders this request (named templates: all of them)."""
+    template = body.chat_template if body.chat_template is not None else getattr(tok, "chat_template", None)
+    if isinstance(template, dict):
+        return "\n".join(str(t) for t in template.values())
+    return str(template or "")
+
+
+def harmony_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as GPT-OSS's template reads them: an assistant's reasoning as `thinking` (its analysis message),
+    its calls' arguments as objects (the template writes them with tojson; OpenAI's clients send JSON text)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("reasoning_content") is not None:
+            m["thinking"] = m["reasoning_content"]
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = call.get("function") if isinstance(call, dict) else None
+                args = fn.get("arguments") if isinstance(fn, dict) else None
+                if isinstance(args, str):
+                    try:
+                        call = {**call, "function": {**fn, "arguments": json.loads(args) if args.strip() else {}}}
+                    except ValueError:
+                        pass  # not JSON: the template writes the text as the client gave it
+                calls.append(call)
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
 
 
 def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:

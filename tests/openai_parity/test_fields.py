@@ -15,6 +15,8 @@ from openai_parity import CHAT, CMPL, MAX_NEW_TOKENS, MODEL, SERVED_MAX_MODEL_LE
 
 # (endpoint body, field, value): each must be refused with a 400 whose param names the field.
 REFUSED = [
+    # reasoning_effort goes to a chat template that reads it (GPT-OSS's: tests/test_harmony_served.py); the byte
+    # models' does not, so it is refused here.
     *[(CHAT, "reasoning_effort", "low"), (CHAT, "echo", True)],
     *[(body | {"stream": True}, "prompt_logprobs", 1) for body in (CMPL, CHAT)],  # no field for them in a stream
     *[(body, field, value) for body in (CMPL, CHAT) for field, value in [
@@ -41,6 +43,7 @@ HONOURED = {"completions": HONOURED_BOTH | {"prompt", "echo"},
             "chat": HONOURED_BOTH | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls",
                                      "tools", "tool_choice",
                                      "include_reasoning", "add_generation_prompt", "continue_final_message",
+                                     "reasoning_effort",
                                      "documents", "chat_template", "chat_template_kwargs"}}
 REFUSED_BY_ENDPOINT = {"completions": set(), "chat": {"echo"}}  # refused by the endpoint's own check
 

@@ -1,16 +1,18 @@
 """Tool-call parsers by vLLM's `--tool-call-parser` names: each reads one model family's call markup and gives the
-grammar that makes a forced call come out in it (serving/openai/tool_parsers/base.py)."""
+grammar that makes a forced call come out in it (serving/openai/tool_parsers/base.py). `openai` is GPT-OSS's harmony
+format, read from token ids (serving/openai/harmony.py)."""
 
 from __future__ import annotations
 
 from serving.openai.tool_parsers.base import Extracted, ParsedCall, ToolParser
+from serving.openai.tool_parsers.harmony import HarmonyToolParser
 from serving.openai.tool_parsers.hermes import HermesParser
 from serving.openai.tool_parsers.llama3_json import Llama3JsonParser
 from serving.openai.tool_parsers.mistral import MistralParser
 from serving.openai.tool_parsers.pythonic import PythonicParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
-                                                                  PythonicParser)}
+                                                                  PythonicParser, HarmonyToolParser)}
 DEFAULT_TOOL_PARSER = "hermes"  # the bundled SmolLM2 pair's (and Qwen's) markup
 
 
