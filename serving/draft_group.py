@@ -37,6 +37,7 @@ class DraftGroupReplacement:
     # sampling, placement timeout, load timeout), and one being built.
     _draft_args: tuple[str | None, int, dict[str, float] | None, str | None, float, float]
     _pending_draft: WorkerGroup | None
+    _node_labels: dict[str, dict[str, str] | None]  # role -> the Ray node labels its group is placed by
     draft_pool: str | None
 
     def _attach_pooled_draft(self, path: str | None, timeout_s: float, exclude: str | None = None) -> WorkerGroup:
@@ -85,7 +86,7 @@ class DraftGroupReplacement:
             return
         bundle = make_bundle(self.engine_config.device.type, resources)
         pg = create_group_placement(f"specserve-draft-{id(self):x}-{time.monotonic_ns():x}", size, bundle,
-                                    placement_timeout_s)
+                                    placement_timeout_s, self._node_labels["draft"])
         group = WorkerGroup("draft", path, size, pg)
         self._pending_draft = group
         addr, port = "127.0.0.1", 0
