@@ -57,3 +57,21 @@ def check_node_placement(values: dict[str, Any]) -> None:
             if not isinstance(labels, dict) or not labels or not all(
                     isinstance(k, str) and isinstance(v, str) and k and v for k, v in labels.items()):
                 raise ValueError(f"{role}_node_labels must map label names to non-empty strings, got {labels!r}")
+
+
+class GroupNodes:
+    """The nodes of an executor's groups, read from Ray again only when its workers change (a group replaced
+    after a fault): a scrape then costs no actor call."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, ...] = ()
+        self._nodes: dict[str, list[str | None]] = {}
+
+    def of(self, executor: Any) -> dict[str, list[str | None]]:
+        workers = getattr(executor, "workers", None)
+        if workers is None:  # an engine in the router's own process: no worker groups
+            return {}
+        key = tuple(f"{role}:{w._actor_id.hex()}" for role, _, w in workers())
+        if key != self._key or any(n is None for ns in self._nodes.values() for n in ns):
+            self._key, self._nodes = key, executor_nodes(executor)
+        return self._nodes

@@ -43,6 +43,7 @@ from serving.draft_moves import DraftMoves
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, build_local_engine, import_builder  # noqa: F401
 from serving.engine_recovery import EngineRecovery
 from serving.gc_heap import freeze_startup_heap
+from serving.node_placement import GroupNodes
 
 if TYPE_CHECKING:
     from serving.request_stream import RequestStream
@@ -97,6 +98,7 @@ class Router(EngineRecovery, DraftMoves):
         self._loop_task: asyncio.Task | None = None
         self._unhealthy: str | None = None
         self._draining = False
+        self._group_nodes = GroupNodes()  # the Ray node of each worker rank, for the metrics
         self._degraded: str | None = None  # why speculation is off (the draft group died), while it is
         self._recovery: asyncio.Task | None = None  # rebuilding workers: keeps a reference so it is not collected
         self.metrics.set_queue(0, 0)
@@ -197,6 +199,7 @@ class Router(EngineRecovery, DraftMoves):
         self.metrics.on_speculation_ahead(self.engine.speculation_ahead_stats())
         self.metrics.ahead_branches.set(self.engine.speculation_ahead_branches())
         self.metrics.on_ahead_off_steps(self.engine.speculation_ahead_off_steps())
+        self.metrics.set_group_nodes(await asyncio.to_thread(self._group_nodes.of, self.engine.executor))
         text = self.metrics.exposition()
         executor = self.engine.executor
         if getattr(executor, "draft_pool", None) is not None:  # the draft replica this engine is attached to
