@@ -25,7 +25,7 @@ import pytest
 import ray
 from byte_models import byte_ids, greedy_oracle, make_byte_models
 from ray.cluster_utils import Cluster
-from serve_support import Server, running_server, scrape, serve_config, worker_handles
+from serve_support import Server, engine_replica_actors, running_server, scrape, serve_config, worker_handles
 
 from serving.node_placement import actor_node_ids
 
@@ -34,8 +34,11 @@ MAX_TOKENS = 24
 PROMPTS = ["hello", "The sea is", "def f(x):", "0123456789", "abc abc", "Once upon"]
 # Worker nodes offer only their model's resource (no CPU), so nothing but that model's ranks lands there: removing
 # one takes exactly that group. The ranks ask for no CPU either (CPU 0 drops it from the bundle).
+REPLICAS = 2
 TARGET = {"specserve_target": 1}
 DRAFT = {"specserve_draft": 1}
+ROUTER = {"specserve_router": 1}  # one engine replica's router on the head, the other on a node of its own
+NODE_RESOURCES = {"target": {"specserve_target": REPLICAS}, "draft": {"specserve_draft": REPLICAS}, "router": ROUTER}
 # Node deaths found within seconds, not Ray's default of half a minute.
 FAST_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 4}
 
@@ -45,6 +48,7 @@ class Nodes:
     cluster: Cluster
     target: object
     draft: object
+    router: object
 
     def replace(self, role: str) -> str:
         """Remove `role`'s node at once (its raylet and every process on it killed) and return its node id."""
@@ -53,7 +57,7 @@ class Nodes:
         return node.node_id
 
     def add(self, role: str) -> str:
-        node = self.cluster.add_node(num_cpus=0, resources=TARGET if role == "target" else DRAFT)
+        node = self.cluster.add_node(num_cpus=0, resources=NODE_RESOURCES[role])
         setattr(self, role, node)
         return node.node_id
 
@@ -71,12 +75,14 @@ def oracle(models: tuple[str, str]):
 @pytest.fixture(scope="module")
 def cluster(models: tuple[str, str]) -> Iterator[tuple[Server, Nodes]]:
     target, draft = models
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False,
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": ROUTER, "include_dashboard": False,
                                                       "_system_config": FAST_HEALTH})
     try:
-        nodes = Nodes(c, c.add_node(num_cpus=0, resources=TARGET), c.add_node(num_cpus=0, resources=DRAFT))
+        nodes = Nodes(c, *(c.add_node(num_cpus=0, resources=NODE_RESOURCES[role])
+                           for role in ("target", "draft", "router")))
         c.wait_for_nodes()
         cfg = serve_config(target, draft, max_model_len=MAX_MODEL_LEN, continue_without_draft=True,
+                           num_replicas=REPLICAS, router_actor_options={"num_cpus": 0, "resources": ROUTER},
                            target_resources={"CPU": 0, **TARGET}, draft_resources={"CPU": 0, **DRAFT},
                            engine_kwargs={"max_num_seqs": 4, "step_timeout_s": 30.0})
         with running_server(cfg, address=c.address, proxy_location="HeadOnly") as srv:
@@ -93,12 +99,14 @@ def _body(prompt: str) -> dict:
 
 
 def _group_nodes() -> dict[str, list[str | None]]:
-    """role -> the node of each of its worker ranks, as Ray reports where each actor runs."""
-    handles = list(worker_handles().values())
-    nodes = actor_node_ids([h for _, h in handles])
-    out: dict[str, list[str | None]] = {}
-    for (role, _), node in zip(handles, nodes, strict=True):
-        out.setdefault(role, []).append(node)
+    """role -> the node of each of its worker ranks over every engine replica, as Ray reports where each actor
+    runs; "router" -> each replica's router's node."""
+    routers = engine_replica_actors()
+    out: dict[str, list[str | None]] = {"router": sorted(actor_node_ids(list(routers.values())))}
+    for replica in routers:
+        handles = list(worker_handles(replica).values())
+        for (role, _), node in zip(handles, actor_node_ids([h for _, h in handles]), strict=True):
+            out.setdefault(role, []).append(node)
     return out
 
 
@@ -198,7 +206,9 @@ def _account(stream: SteadyStream, oracle, finished_before: float, server: Serve
 def test_groups_on_the_nodes_asked_for_and_greedy_output_of_one_process(cluster, oracle) -> None:
     server, nodes = cluster
     where = _group_nodes()
-    assert where == {"target": [nodes.target.node_id], "draft": [nodes.draft.node_id]}, where
+    head = ray.get_runtime_context().get_node_id()  # the driver runs on the head
+    assert where == {"target": [nodes.target.node_id] * REPLICAS, "draft": [nodes.draft.node_id] * REPLICAS,
+                     "router": sorted([head, nodes.router.node_id])}, where
     with server.http() as c:
         for prompt in PROMPTS[:3]:
             r = c.post("/v1/completions", json=_body(prompt))
@@ -207,9 +217,10 @@ def test_groups_on_the_nodes_asked_for_and_greedy_output_of_one_process(cluster,
             assert body["choices"][0]["text"] == oracle(prompt, MAX_TOKENS)[1]
             assert body["spec_decode"]["num_drafts"] > 0  # the draft on its node proposed
         series = {k: v for k, v in scrape(c).items() if k.startswith("specserve_worker_group_node_info")}
+    # Summed over the replicas: both replicas' groups on the same two nodes.
     assert series == {f'specserve_worker_group_node_info{{node_id="{nodes.target.node_id}",rank="0",role="target"}}':
-                      1.0, f'specserve_worker_group_node_info{{node_id="{nodes.draft.node_id}",rank="0",'
-                      'role="draft"}': 1.0}, series
+                      REPLICAS, f'specserve_worker_group_node_info{{node_id="{nodes.draft.node_id}",rank="0",'
+                      'role="draft"}': REPLICAS}, series
 
 
 def test_draft_node_lost_under_load_loses_no_request(cluster, oracle) -> None:
@@ -228,7 +239,7 @@ def test_draft_node_lost_under_load_loses_no_request(cluster, oracle) -> None:
         stream.wait_completed(done + 2, 60)
     completed, failed = _account(stream, oracle, before, server)
     assert failed == 0, [o for o in stream.outcomes if o.status != 200]
-    assert _group_nodes()["draft"] == [new_node]
+    assert _group_nodes()["draft"] == [new_node] * REPLICAS
     in_flight = sorted(o.end - o.start for o in stream.outcomes if o.start < t_fault < o.end)
     assert in_flight, "no request was in flight when the node went"
     p99 = in_flight[min(len(in_flight) - 1, int(0.99 * len(in_flight)))]
@@ -256,6 +267,37 @@ def test_target_node_lost_under_load_fails_in_flight_clearly_then_serves(cluster
     assert in_flight and all(o.status == 503 for o in in_flight if o.end > t_fault + 1), in_flight
     assert failed >= 1
     where = _group_nodes()
-    assert where["target"] == [new_node] and where["draft"] == [nodes.draft.node_id], where
+    assert where["target"] == [new_node] * REPLICAS and where["draft"] == [nodes.draft.node_id] * REPLICAS, where
     print(f"\ntarget node lost: {completed} completed, {failed} failed with 503; serving again {back_s:.1f} s "
           "after the node returned")
+
+
+def test_router_node_lost_the_other_replica_serves_on(cluster, oracle) -> None:
+    """The node of one engine replica's router goes (its worker groups go with their owner): the other replica
+    keeps serving the stream; Serve starts a replacement once a node brings the router's resource back."""
+    server, nodes = cluster
+    _wait_for("both replicas serving", lambda: _health(server)[0] == 200
+              and _health(server)[1]["engine_replicas_serving"] == REPLICAS, 120)
+    with SteadyStream(server) as stream:
+        stream.wait_completed(3, 60)
+        t_fault = time.monotonic()
+        nodes.replace("router")
+        done = stream.completed()
+        stream.wait_completed(done + 6, 60)  # the replica on the head serves on meanwhile
+        served_during = [o for o in stream.outcomes if o.start > t_fault + 1 and o.status == 200]
+        assert served_during, "no request completed while the router's node was gone"
+        new_node = nodes.add("router")
+        back_s = _wait_for("the replacement replica", lambda: _health(server)[1]["engine_replicas_serving"]
+                           == REPLICAS, 150)
+        done = stream.completed()
+        stream.wait_completed(done + 2, 60)
+    ok = [o for o in stream.outcomes if o.status == 200]
+    failed = [o for o in stream.outcomes if o.status != 200]
+    assert not [o for o in failed if o.status == 0], "a request got no answer within 60 s"
+    for o in ok:
+        assert o.text == oracle(o.prompt, MAX_TOKENS)[1], o
+    for o in failed:  # only requests that were on the lost replica, with a clear error
+        assert o.status in (500, 503) and o.error and o.start < t_fault + 15, o
+    assert new_node in _group_nodes()["router"]
+    print(f"\nrouter node lost: {len(ok)} completed, {len(failed)} failed; the replacement replica served "
+          f"{back_s:.1f} s after the node returned")
