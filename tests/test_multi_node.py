@@ -38,6 +38,9 @@ REPLICAS = 2
 TARGET = {"specserve_target": 1}
 DRAFT = {"specserve_draft": 1}
 ROUTER = {"specserve_router": 1}  # one engine replica's router on the head, the other on a node of its own
+# The draft's node also carries a label the draft's group is placed by (draft_node_labels), as a KubeRay worker
+# group's rayStartParams may set; the target's is chosen by its resource alone.
+DRAFT_LABELS = {"specserve/pool": "draft"}
 NODE_RESOURCES = {"target": {"specserve_target": REPLICAS}, "draft": {"specserve_draft": REPLICAS}, "router": ROUTER}
 # Node deaths found within seconds, not Ray's default of half a minute.
 FAST_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 4}
@@ -57,7 +60,8 @@ class Nodes:
         return node.node_id
 
     def add(self, role: str) -> str:
-        node = self.cluster.add_node(num_cpus=0, resources=NODE_RESOURCES[role])
+        node = self.cluster.add_node(num_cpus=0, resources=NODE_RESOURCES[role],
+                                     labels=DRAFT_LABELS if role == "draft" else {})
         setattr(self, role, node)
         return node.node_id
 
@@ -78,12 +82,14 @@ def cluster(models: tuple[str, str]) -> Iterator[tuple[Server, Nodes]]:
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": ROUTER, "include_dashboard": False,
                                                       "_system_config": FAST_HEALTH})
     try:
-        nodes = Nodes(c, *(c.add_node(num_cpus=0, resources=NODE_RESOURCES[role])
+        nodes = Nodes(c, *(c.add_node(num_cpus=0, resources=NODE_RESOURCES[role],
+                                      labels=DRAFT_LABELS if role == "draft" else {})
                            for role in ("target", "draft", "router")))
         c.wait_for_nodes()
         cfg = serve_config(target, draft, max_model_len=MAX_MODEL_LEN, continue_without_draft=True,
                            num_replicas=REPLICAS, router_actor_options={"num_cpus": 0, "resources": ROUTER},
                            target_resources={"CPU": 0, **TARGET}, draft_resources={"CPU": 0, **DRAFT},
+                           draft_node_labels=DRAFT_LABELS,
                            engine_kwargs={"max_num_seqs": 4, "step_timeout_s": 30.0})
         with running_server(cfg, address=c.address, proxy_location="HeadOnly") as srv:
             yield srv, nodes
