@@ -1,8 +1,9 @@
-"""Which Ray node each worker group runs on: read back from the actors themselves, for the router's metrics
-(serving/metrics.py, `specserve_worker_group_node_info`), /health and the tests that check a placement.
+"""Which Ray node each worker group runs on, and the checks of the options that choose it.
 
-Groups are placed by the resources and node labels of their bundles (serving/placement.py); this reads where
-they landed, which is what a node's loss takes away."""
+Groups are placed by the resources and node labels of their bundles (serving/placement.py; the options
+target_resources, draft_resources, target_node_labels, draft_node_labels); this reads where they landed from the
+actors themselves, for the router's metrics (serving/metrics.py, `specserve_worker_group_node_info`) and the tests
+that check a placement: where a group runs is what a node's loss takes away."""
 
 from __future__ import annotations
 
