@@ -30,6 +30,7 @@ from deploy.serve_options import (
     ServingOptions,
     SpeculationOptions,
 )
+from serving.engine_builders import NODE_PLACEMENT_OPTIONS
 from serving.openai.chat_options import ChatOptions
 from serving.serve_process_env import resolve_http_proxy
 
@@ -65,6 +66,9 @@ class ServeConfig(ServingOptions, SpeculationOptions, EngineOptions):
                                              or isinstance(self.ingress_replicas, bool) or self.ingress_replicas < 1):
             raise ValueError(f"ingress_replicas must be an integer >= 1 or 'auto', got {self.ingress_replicas!r}")
         options.check_bounds(self)
+        from serving.workers.node_placement import check_node_placement
+
+        check_node_placement({name: getattr(self, name) for name in NODE_PLACEMENT_OPTIONS})
         if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda (cuda:N), got {self.device!r}")
         if self.draft_replicas is not None and self.draft_autoscaling_config:

@@ -131,7 +131,7 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     # --- what a server reads between steps ------------------------------------------------------------
-    # A server (serving/router.py) drives this engine from another thread and must not read the scheduler's
+    # A server (serving/router/router.py) drives this engine from another thread and must not read the scheduler's
     # queues or a request's fields itself: those belong to the step path, whose state may move (e.g. into the
     # workers) without the server having to follow. Call these between steps.
     def has_request(self, request_id: str) -> bool:

@@ -19,6 +19,8 @@ LOCAL_ENGINE_BUILDER = "serving.engine_builders:build_local_engine"
 # Where the default builder runs the draft (RayExecutor's `draft_placement`): "separate" worker actors, "colocated"
 # in the target's ranks, or "auto" (serving/workers/group.py, `resolve_draft_placement`).
 DRAFT_PLACEMENTS = ("auto", "separate", "colocated")
+# The options that place the worker groups on Ray nodes (deploy/serve_options.py; serving/workers/placement.py).
+NODE_PLACEMENT_OPTIONS = ("target_resources", "target_node_labels", "draft_resources", "draft_node_labels")
 
 
 def build_local_engine(draft_placement: str = "auto", **engine_args: Any) -> Any:
@@ -26,6 +28,11 @@ def build_local_engine(draft_placement: str = "auto", **engine_args: Any) -> Any
     colocated by construction: "separate" is refused rather than ignored."""
     from engine.llm import LLM
 
+    placed = [k for k in NODE_PLACEMENT_OPTIONS if engine_args.get(k) is not None]
+    if placed:
+        raise ValueError(f"{', '.join(placed)} place worker actors on Ray nodes: the local engine builder runs the "
+                         "models in the router's own process")
+    engine_args = {k: v for k, v in engine_args.items() if k not in NODE_PLACEMENT_OPTIONS}
     if draft_placement not in ("auto", "colocated"):
         raise ValueError(f"draft_placement {draft_placement!r} needs worker actors: the local engine builder runs "
                          "the draft in the router's own process ('auto' or 'colocated')")

@@ -29,7 +29,8 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
                      draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
                      launch_verify_ahead: bool | None = None, draft_placement: str = "auto",
                      step_timeout_s: float = 300.0, draft_pool: str | None = None,
-                     **options: object) -> EngineCore:
+                     target_node_labels: dict[str, str] | None = None,
+                     draft_node_labels: dict[str, str] | None = None, **options: object) -> EngineCore:
     """Build the target (and draft) worker groups and the EngineCore that drives them.
 
     Arguments mean what they mean for `engine.LLM`: `options` are the speculation's (num_speculative_tokens,
@@ -67,7 +68,8 @@ def build_ray_engine(model: str = "smollm2-135m-instruct", draft_model: str | No
                            use_compiled_graph=use_compiled_graph, target_resources=target_resources,
                            draft_resources=draft_resources, draft_tensor_transport=draft_tensor_transport,
                            launch_verify_ahead=launch_verify_ahead, draft_placement=draft_placement,
-                           step_timeout_s=step_timeout_s, draft_pool=draft_pool)
+                           step_timeout_s=step_timeout_s, draft_pool=draft_pool,
+                           target_node_labels=target_node_labels, draft_node_labels=draft_node_labels)
     try:
         tokenizer = load_tokenizer(config.tokenizer or str(pair.target.path), config.trust_remote_code)
         return EngineCore(executor, config, tokenizer, pair.target.eos_token_ids, spec)

@@ -59,6 +59,9 @@ class EngineMetrics:
         self.preemptions = Counter(p + "num_preemptions", "Requests preempted to free KV-cache blocks", registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        # Where each model's ranks run: 1 per (role, rank, node), the node's Ray id; a node lost takes its groups.
+        self.group_node = Gauge(p + "worker_group_node_info", "1 for the Ray node each model worker rank runs on",
+                                ["role", "rank", "node_id"], registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)",
                               ["model", "kv_group"], registry=r)
         # Prefix caching, in tokens as vLLM counts it: hits / queries is the model's hit rate.
@@ -183,6 +186,13 @@ class EngineMetrics:
         if total > seen:
             self.ahead_off_steps.inc(total - seen)
         self._ahead_off_seen = total
+
+    def set_group_nodes(self, nodes: dict[str, list[str | None]]) -> None:
+        """role -> each rank's node id (None: not answering); the series of replaced groups go."""
+        self.group_node.clear()
+        for role, ranks in nodes.items():
+            for rank, node in enumerate(ranks):
+                self.group_node.labels(role, str(rank), node or "unknown").set(1)
 
     def set_queue(self, num_running: int, num_waiting: int) -> None:
         self.running.set(num_running)

@@ -80,8 +80,11 @@ def serve_config(target: str, draft: str | None, **overrides: Any) -> dict[str, 
 
 
 @contextmanager
-def running_server(config: dict[str, Any], num_cpus: int = 6) -> Iterator[Server]:
-    """A local Ray with Serve's HTTP and gRPC proxies on 127.0.0.1 serving `config` (ServeConfig fields)."""
+def running_server(config: dict[str, Any], num_cpus: int = 6, address: str | None = None,
+                   proxy_location: str | None = None) -> Iterator[Server]:
+    """A local Ray with Serve's HTTP and gRPC proxies on 127.0.0.1 serving `config` (ServeConfig fields).
+    address: join that running cluster (a ray.cluster_utils.Cluster's) instead of starting one of num_cpus;
+    proxy_location: Serve's (e.g. HeadOnly, so that no proxy runs on a node a test removes)."""
     import ray
     from ray import serve
 
@@ -98,11 +101,13 @@ def running_server(config: dict[str, Any], num_cpus: int = 6) -> Iterator[Server
     os.environ["RAY_SERVE_HAPROXY_STATS_PORT"], os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = (
         str(free_port()), str(free_port()))
     apply_local_cluster_env(config)  # the Serve process settings `specserve serve` runs with
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+    where: dict[str, Any] = {"address": address} if address else {"num_cpus": num_cpus, "include_dashboard": False}
+    ray.init(**where, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
                                        "OMP_NUM_THREADS": "1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                    **({"proxy_location": proxy_location} if proxy_location else {}),
                     grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]})
         serve.run(build_app(dict(config)), name=APP, route_prefix="/")
         key = config.get("api_key")

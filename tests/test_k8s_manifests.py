@@ -224,6 +224,8 @@ def test_serve_config_imports_and_builds_the_app(rendered) -> None:
     for role in ("target", "draft"):
         wanted = engine_args[f"{role}_resources"]
         assert wanted, f"{role}_resources must pin the {role}'s ranks to the {role} pool"
+        # The declared option (docs/configuration.md), not a pass-through engine_kwargs entry.
+        assert app_cfg.args.get(f"{role}_resources") == wanted, app_cfg.args
         for resource, amount in wanted.items():
             offered = {g: r.get(resource, 0) for g, r in groups.items()}
             assert offered[role] >= amount and head.get(resource, 0) == 0, (resource, offered)

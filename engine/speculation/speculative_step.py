@@ -12,7 +12,7 @@ and records the step's result in it (engine/step/request_table.py).
   the in-process executor runs it, and so does a target worker rank with a colocated draft.
 
 Served with the draft in processes of its own, each worker rank runs one side and the graph's nodes are thin
-wrappers over it (serving/worker.py): what crosses processes (the proposal as host lists, its handoff's timing,
+wrappers over it (serving/workers/worker.py): what crosses processes (the proposal as host lists, its handoff's timing,
 the target's result back to the draft's table) is added there. Phases are booked through engine/step/phases.py.
 """
 

@@ -2,8 +2,8 @@
 
 Both ways of running a step read `SPECULATION_STEP`: in one process `SpeculativeStep` (speculative_step.py) calls
 the sides' methods in this order, passing outputs along; served with the draft on ranks of its own, the Ray
-executor binds each call to the worker method of every rank of its side (serving/step_topology.py), as nodes of a
-compiled graph or as ordered actor calls.
+executor binds each call to the worker method of every rank of its side (serving/workers/step_topology.py), as
+nodes of a compiled graph or as ordered actor calls.
 
     proposal = draft.propose(plan)                 # k tokens a request, from its speculation cache or drafted now
     prepared = target.prepare(plan)                # the verify input, built while the draft proposes (served)

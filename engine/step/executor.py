@@ -51,7 +51,7 @@ class Executor(Protocol):
         """Release the models' workers, if any. Safe to call twice."""
         ...
 
-    # A draft group that died and restarts (serving/engine_recovery.py); an executor that cannot raises
+    # A draft group that died and restarts (serving/router/recovery.py); an executor that cannot raises
     # RuntimeError saying so.
     def detach_draft(self) -> None:
         """Run target-only steps from now on (no draft, no draft KV)."""

@@ -1,7 +1,7 @@
 """Several engines' draft plans as one: the plan a shared draft runs for all of them in one forward, and its proposal
 cut back into each engine's.
 
-A pooled draft group (serving/draft_pool_worker.py) serves several target engines; when more than one of them waits
+A pooled draft group (serving/draft_pool/worker.py) serves several target engines; when more than one of them waits
 for a proposal, one draft step drafts for all of them. Each engine's plan is resolved by that engine's own request
 table first (every side keeps per-engine state: step ids, tokens, settings), with its request ids already under the
 engine's name and its draft block ids already in its share of the draft's KV blocks, so the merged plan's requests

@@ -42,7 +42,7 @@ POOL_PREFIX = "specserve-draft-pool"
 WATCH_PERIOD_S = 2.0
 # Executor-only arguments of the engine builder (serving/engine_factory.py): not the draft's.
 _EXECUTOR_ARGS = ("use_compiled_graph", "target_resources", "draft_tensor_transport", "launch_verify_ahead",
-                  "draft_placement", "step_timeout_s", "draft_pool", "tenant_timeout_s")
+                  "draft_placement", "step_timeout_s", "draft_pool", "tenant_timeout_s", "target_node_labels")
 
 
 def pool_actor_prefix(pool: str) -> str:
@@ -75,6 +75,7 @@ def draft_worker_config(engine_args: dict[str, Any], slots: int) -> tuple[str, A
     device = args.pop("device", None) or ("cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu")
     dev = torch.device(device)
     args.pop("draft_resources", None)
+    args.pop("draft_node_labels", None)
     pair, config = configure_engine(model, draft, device=dev, dtype=resolve_dtype(args.pop("dtype", None), dev),
                                     max_model_len=args.pop("max_model_len", None), seed=args.pop("seed", 0),
                                     tensor_parallel_size=args.pop("tensor_parallel_size", 1), options=args)
@@ -113,7 +114,8 @@ class DraftPoolReplica:
         size = spec.draft_tensor_parallel_size
         check_tensor_parallel(ModelConfig.from_path(path), size, "draft")
         bundle = make_bundle(config.device.type, engine_args.get("draft_resources"))
-        pg = create_group_placement(f"specserve-draft-pool-{self.replica}", size, bundle, 120.0)
+        pg = create_group_placement(f"specserve-draft-pool-{self.replica}", size, bundle, 120.0,
+                                    engine_args.get("draft_node_labels"))
         self.group = WorkerGroup("draft", path, size, pg)
         addr, port = "127.0.0.1", 0
         if size > 1:

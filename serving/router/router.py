@@ -42,6 +42,7 @@ from serving.gc_heap import freeze_startup_heap
 from serving.router.admission_queue import AdmissionQueue
 from serving.router.draft_moves import DraftMoves
 from serving.router.recovery import EngineRecovery
+from serving.workers.node_placement import GroupNodes
 
 if TYPE_CHECKING:
     from serving.router.request_stream import RequestStream
@@ -97,6 +98,7 @@ class Router:
         # a draft pool's placement that moves this engine between the pool's replicas.
         self.recovery = EngineRecovery(self, engine_builder, self.engine_args, continue_without_draft)
         self.draft_moves = DraftMoves(self, self.recovery.recovering)
+        self._group_nodes = GroupNodes()  # the Ray node of each worker rank, for the metrics
         self.metrics.set_queue(0, 0)
         self._update_kv_gauges()
         print(f"specserve: engine replica ready: {self.summary()}", flush=True)  # one line a replica in the log
@@ -203,6 +205,7 @@ class Router:
         self.metrics.on_speculation_ahead(self.engine.speculation_ahead_stats())
         self.metrics.ahead_branches.set(self.engine.speculation_ahead_branches())
         self.metrics.on_ahead_off_steps(self.engine.speculation_ahead_off_steps())
+        self.metrics.set_group_nodes(await asyncio.to_thread(self._group_nodes.of, self.engine.executor))
         text = self.metrics.exposition()
         executor = self.engine.executor
         if getattr(executor, "draft_pool", None) is not None:  # the draft replica this engine is attached to

@@ -24,14 +24,16 @@ class DraftGroupReplacement:
 
     def __init__(self, engine_config: EngineConfig, draft_pool: str | None, model_path: str | None,
                  tensor_parallel_size: int, resources: dict[str, float] | None, rejection_sampling: str | None,
-                 placement_timeout_s: float, init_timeout_s: float, placement_prefix: str) -> None:
+                 placement_timeout_s: float, init_timeout_s: float, placement_prefix: str,
+                 node_labels: dict[str, str] | None = None) -> None:
         """draft_pool: a pool's name to take shares of (serving/draft_pool/pool.py), else None: groups of its own,
-        whose placement groups are named after `placement_prefix`."""
+        whose placement groups are named after `placement_prefix` and placed on a node with `node_labels`."""
         self.engine_config, self.draft_pool, self.placement_prefix = engine_config, draft_pool, placement_prefix
         # What a new group is built from: (model path, tensor-parallel size, resources, rejection sampling, placement
         # timeout, load timeout).
         self.args = (model_path, tensor_parallel_size, resources, rejection_sampling, placement_timeout_s,
                      init_timeout_s)
+        self.node_labels = node_labels  # the Ray node labels a new group is placed by (None: any node)
         self.pending: WorkerGroup | None = None  # started, not attached yet
 
     def attach_pooled(self, timeout_s: float, exclude: str | None = None) -> WorkerGroup:
@@ -65,7 +67,7 @@ class DraftGroupReplacement:
             return
         bundle = make_bundle(self.engine_config.device.type, resources)
         pg = create_group_placement(f"{self.placement_prefix}-{time.monotonic_ns():x}", size, bundle,
-                                    placement_timeout_s)
+                                    placement_timeout_s, self.node_labels)
         group = WorkerGroup("draft", path, size, pg)
         self.pending = group
         addr, port = "127.0.0.1", 0

@@ -28,16 +28,21 @@ def make_bundle(device_type: str, resources: dict[str, float] | None) -> dict[st
     return {k: float(v) for k, v in bundle.items() if v}
 
 
-def create_group_placement(name: str, size: int, bundle: dict[str, float], timeout_s: float) -> PlacementGroup:
-    """A STRICT_PACK placement group of `size` copies of `bundle`, waited for until ready."""
-    pg = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK", name=name)
+def create_group_placement(name: str, size: int, bundle: dict[str, float], timeout_s: float,
+                           node_labels: dict[str, str] | None = None) -> PlacementGroup:
+    """A STRICT_PACK placement group of `size` copies of `bundle`, waited for until ready. node_labels: only on a
+    node whose Ray labels match them all (a KubeRay worker group's `rayStartParams.labels`)."""
+    selector = [dict(node_labels) for _ in range(size)] if node_labels else None
+    pg = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK", name=name,
+                         bundle_label_selector=selector)
     try:
         # SYNC: not on the step path; construction waits for the cluster to grant the resources.
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         raise RuntimeError(
-            f"{name}: the cluster could not place {size} x {bundle} on one node within {timeout_s:.0f} s "
+            f"{name}: the cluster could not place {size} x {bundle} on one node"
+            f"{f' labelled {node_labels}' if node_labels else ''} within {timeout_s:.0f} s "
             f"(cluster has {ray.cluster_resources()}); add nodes/resources or lower the tensor-parallel size"
         ) from None
     return pg

@@ -69,9 +69,14 @@ class RayExecutor:
                  draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
                  launch_verify_ahead: bool | None = None, draft_placement: str = "auto",
                  placement_timeout_s: float = 120.0, init_timeout_s: float = 900.0,
-                 step_timeout_s: float = 300.0, draft_pool: str | None = None) -> None:
+                 step_timeout_s: float = 300.0, draft_pool: str | None = None,
+                 target_node_labels: dict[str, str] | None = None,
+                 draft_node_labels: dict[str, str] | None = None) -> None:
         """target_resources / draft_resources: merged into each rank's bundle (default {"CPU": 1} on CPU,
         {"GPU": 1, "CPU": 1} on CUDA), e.g. {"CPU": 2} or a custom resource naming a node pool.
+        target_node_labels / draft_node_labels: the group goes only on a node with these Ray labels. Either way a
+        group's ranks share a node; the two groups may be on different nodes, where the step's proposal and result
+        cross between them (serving/workers/node_placement.py).
         draft_tensor_transport: None keeps the proposal in the default shared-memory channel; "nccl" (or
         "accelerator") sends its tensors GPU to GPU (serving/workers/step_topology.py, `GraphCalls`).
         Speculation ahead (EngineConfig.speculation_ahead; None: on where every rank of both models has whole GPUs,
@@ -123,7 +128,8 @@ class RayExecutor:
         # New draft groups started beside the running target (serving/router/recovery.py), and one being built.
         self.draft_groups = DraftGroupReplacement(
             engine_config, self.draft_pool, draft_model_path, draft_tensor_parallel_size, draft_resources,
-            rejection_sampling, placement_timeout_s, init_timeout_s, f"specserve-draft-{id(self):x}")
+            rejection_sampling, placement_timeout_s, init_timeout_s, f"specserve-draft-{id(self):x}",
+            draft_node_labels)
         eagle3 = draft_model_path is not None and is_eagle3_checkpoint(draft_model_path)
         if eagle3:
             # The head reads the target's hidden states where the target computes them.
@@ -131,11 +137,12 @@ class RayExecutor:
                 raise ValueError("an EAGLE-3 head runs inside the target's processes, where its hidden states are: "
                                  "draft_placement must be 'colocated' or 'auto', without a draft pool")
             draft_placement = "colocated"
+        self._node_labels = {"target": target_node_labels, "draft": draft_node_labels}
         if self.draft_pool is not None:
             draft_placement = "separate"
         self.draft_placement = resolve_draft_placement(
             draft_placement, engine_config.device.type, tensor_parallel_size, draft_tensor_parallel_size,
-            ray.cluster_resources().get("GPU", 0.0), draft_resources is not None)
+            ray.cluster_resources().get("GPU", 0.0), draft_resources is not None or draft_node_labels is not None)
         if draft_model_path is not None and draft_placement == "auto":
             logger.info("draft_placement 'auto': %s", self.draft_placement)
         # A draft in the target's processes: one group of workers, each running the whole step.
@@ -184,7 +191,8 @@ class RayExecutor:
             specs.append(("draft", draft_model_path, draft_tp, make_bundle(dev, draft_resources)))
         groups = []
         for role, path, size, bundle in specs:
-            pg = create_group_placement(f"specserve-{role}-{id(self):x}", size, bundle, placement_timeout_s)
+            pg = create_group_placement(f"specserve-{role}-{id(self):x}", size, bundle, placement_timeout_s,
+                                        self._node_labels[role])
             group = WorkerGroup(role, path, size, pg)
             groups.append((group, bundle))
             if role == "target":

@@ -75,7 +75,8 @@ class GraphCalls:
         # 12.6 MB for 16 requests x k=4 x 49152) go over NCCL from draft rank 0 to each target rank, and only the
         # small rest through shared memory. Without it (the default, and the only choice on CPU) Ray serializes
         # them through shared memory, copying GPU -> host -> GPU. Both ends need a GPU;
-        # `benchmarks/router_overhead.py` measures the step.
+        # `benchmarks/router_overhead.py` measures the step. Groups on different nodes share no memory: there the
+        # graph's channels carry the proposal between the nodes' object stores (`benchmarks/cross_node_step.py`).
         return node.with_tensor_transport(transport=self.tensor_transport)
 
     def outputs(self, outs: list[Any]) -> list[Any]:

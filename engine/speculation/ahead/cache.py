@@ -83,7 +83,7 @@ class SpeculationCache:
 
 def request_scope(request_id: str) -> str:
     """The scope of a request id under a pooled draft: its target's name, before the first "/" (the pool puts every
-    target's request ids under its name, serving/draft_pool_worker.py)."""
+    target's request ids under its name, serving/draft_pool/worker.py)."""
     return request_id.split("/", 1)[0]
 
 

@@ -116,7 +116,7 @@ class AheadProposer:
         return self.counters.scoped
 
     def use_scopes(self) -> None:
-        """Keep each target's windows apart (a pooled draft, serving/draft_pool_worker.py): request ids are
+        """Keep each target's windows apart (a pooled draft, serving/draft_pool/worker.py): request ids are
         `<target>/<id>`, a proposal or pre-draft names the targets whose step it is (`scopes`) and drops only their
         windows, scratch blocks and guesses, and each target's counters are kept too (`stats_of`). Targets' steps
         come at any times: one target's proposal must not drop the windows another's next step is to hit."""

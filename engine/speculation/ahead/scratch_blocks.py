@@ -47,7 +47,7 @@ class ScratchReserve:
     """Indices 0..capacity-1 of a reserve (scratch blocks, or a tree's scratch slots) handed out by `take` until
     `reset` takes them all back. Unscoped (one engine's draft) they are handed out in order: every window drafted
     ahead lives until the next proposal, which consumes or drops them all. Scoped (a pooled draft serving several
-    targets, serving/draft_pool_worker.py), each take is held under its scope (a target) and `release` gives back
+    targets, serving/draft_pool/worker.py), each take is held under its scope (a target) and `release` gives back
     one scope's alone: the other targets' windows, for steps of theirs still to come, keep theirs."""
 
     def __init__(self, capacity: int) -> None:
