@@ -10,7 +10,7 @@ from interpreter_children import assert_pytest_children_pass
 
 from engine.kernels import moe_small_m
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
-from engine.models.moe import FusedExperts, route_softmax_then_topk, route_topk_then_softmax
+from engine.models.moe import FusedExperts, moe_experts_ref, route_softmax_then_topk, route_topk_then_softmax
 from engine.quantization import mxfp4
 
 INTERPRETED = interpreting()
@@ -58,11 +58,11 @@ def test_moe_kernel_matches_reference(activation, packed, bias):
     for tokens, top_k in ((1, 2), (5, 2), (16, 4)):  # a decode, a verify of 5, a batch of draft steps
         x, weights, ids = _routing(tokens, 4, top_k, seed=tokens)
         out = moe_small_m.moe_experts(x, weights, ids, ex)
-        ref = moe_small_m.moe_experts_ref(x, weights, ids, ex)
+        ref = moe_experts_ref(x, weights, ids, ex)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     if activation == "swiglu_oai":  # the clamp is active on these rows: a kernel without it would be caught
         ex.limit = 1e9
-        assert (moe_small_m.moe_experts_ref(x, weights, ids, ex) - ref).abs().max() > 1e-2
+        assert (moe_experts_ref(x, weights, ids, ex) - ref).abs().max() > 1e-2
 
 
 def test_reference_equals_a_loop_over_each_tokens_experts():
@@ -70,7 +70,7 @@ def test_reference_equals_a_loop_over_each_tokens_experts():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, 64, generator=g)
     weights, ids = route_softmax_then_topk(torch.randn(9, 4, generator=g), 2, normalize=True)
-    ref = moe_small_m.moe_experts_ref(x, weights, ids, ex)
+    ref = moe_experts_ref(x, weights, ids, ex)
     w13 = mxfp4.dequantize(ex.gate_up_proj_blocks, ex.gate_up_proj_scales)  # [E, 2I, H]
     w2 = mxfp4.dequantize(ex.down_proj_blocks, ex.down_proj_scales)  # [E, H, I]
     for t in range(9):

@@ -5,8 +5,8 @@ weights in the model's dtype or MXFP4 (dequantized in the kernel from the packed
 A routed row is one (token, expert) pair of the router's top-k, in the router's order: at a few rows the pairs rarely
 share an expert, so grouping them buys nothing, and the grid is a host-side function of the token count (CUDA graphs
 replay it with any routing). The kernels write each pair's weighted output apart and the k pairs of a token are summed
-in a fixed order afterwards: deterministic, unlike atomics. Prefill-sized steps take the reference
-(engine/models/moe.py), which groups the rows by expert.
+in a fixed order afterwards: deterministic, unlike atomics. Prefill-sized steps take the reference, and the plain-torch
+reference of these kernels is moe_experts_ref there (engine/models/moe.py), which groups the rows by expert.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton
 
-__all__ = ["HAS_TRITON", "MAX_ROUTED_ROWS", "moe_experts", "moe_experts_ref"]
+__all__ = ["HAS_TRITON", "MAX_ROUTED_ROWS", "moe_experts"]
 
 MAX_ROUTED_ROWS = 64  # routed rows (tokens x top_k) up to which the model takes these kernels
 _BLOCK_N, _BLOCK_K = 32, 64
@@ -150,12 +150,3 @@ def moe_experts(x: torch.Tensor,  # [T, H]
            act, ids_flat, w_flat, down[0], down[1], down[2], down_bias, y, h, inter, *down[3:],
            down_bias.stride(0), PACKED=packed, HAS_BIAS=has_bias, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
     return y.view(t, top_k, h).sum(dim=1).to(x.dtype)
-
-
-def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    experts: torch.nn.Module) -> torch.Tensor:
-    """Plain-torch reference of `moe_experts` (same arguments): the layer's reference over the rows sorted by
-    expert (engine/models/moe.py)."""
-    from engine.models.moe import experts_ref, sort_by_expert
-
-    return experts_ref(experts, x, sort_by_expert(weights, ids, experts.num_experts))

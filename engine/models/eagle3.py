@@ -22,6 +22,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.models.eagle3_config import Eagle3ModelConfig
 from engine.models.layers import ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from engine.models.llama import GatedMLP, LlamaAttention
+from engine.models.loader import load_weights
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -155,8 +156,6 @@ def build_eagle3_head(cfg: Eagle3ModelConfig, device: torch.device, dtype: torch
                       load_format: str = "auto") -> Eagle3Head:
     """The head on `device` in `dtype`, weights loaded from its checkpoint (either format); every parameter must be
     set. load_format "dummy": random weights and an identity d2t (benchmarks of a shape from its config.json)."""
-    from engine.models.loader import load_weights
-
     tensors = _checkpoint_tensors(cfg) if load_format != "dummy" else {}
     canon = {_canonical(n): t for n, t in tensors.items()}
     own_embedding = "embed_tokens.weight" in canon

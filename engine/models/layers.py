@@ -18,6 +18,8 @@ from engine.quantization import QuantizedMethod
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across ranks; the output stays sharded."""
 
+    quant_kind = "linear"  # what engine/quantization asks a method for
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         tp = get_tp_group()
@@ -86,6 +88,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's input columns split across ranks; partial sums are all-reduced."""
+
+    quant_kind = "linear"  # what engine/quantization asks a method for
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()

@@ -89,13 +89,6 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     load_format "dummy" asks for random weights instead (benchmarks of model shapes: the directory needs only
     a config.json). Quantized layers (engine/quantization) follow the checkpoint's quantization_config, or
     `quantization` (a format to quantize a checkpoint in the model's dtype to, at load)."""
-    if cfg.family == "eagle3":  # an EAGLE-3 head: its own checkpoint formats (engine/models/eagle3.py)
-        if quantization:
-            raise ValueError(f"quantization={quantization!r}: an EAGLE-3 head is not quantized; leave the draft's "
-                             "quantization unset")
-        from engine.models.eagle3 import build_eagle3_head
-
-        return build_eagle3_head(cfg, device, dtype, load_format)  # type: ignore[arg-type,return-value]
     cls = MODEL_CLASSES[cfg.family]
     qcfg = quantization_config(cfg.hf_config, quantization, load_format)
     prev = torch.get_default_dtype()

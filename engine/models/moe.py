@@ -186,3 +186,9 @@ def experts_ref(experts: FusedExperts, x: torch.Tensor, rows: RoutedRows) -> tor
             y = y + experts.down_proj_bias[e].to(dtype)
         out.index_add_(0, tok, y * rows.weight[start:start + chunk, None].to(dtype))
     return out
+
+
+def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    """Plain-torch reference of engine/kernels/moe_small_m.py's `moe_experts` (same arguments): the layer's
+    reference over the rows sorted by expert."""
+    return experts_ref(experts, x, sort_by_expert(weights, ids, experts.num_experts))

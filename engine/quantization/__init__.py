@@ -114,8 +114,6 @@ def _register_builtin() -> None:
 def quantize_model(model: nn.Module, qcfg: QuantizationConfig | None) -> None:
     """Give every quantizable module of `model` the method `qcfg` picks for it, before the weights load; record
     the config on the model (`model.quant_config`) for the loader's checkpoint names."""
-    from engine.models.layers import ColumnParallelLinear, RowParallelLinear
-
     model.quant_config = qcfg
     if qcfg is None:
         return
@@ -123,7 +121,7 @@ def quantize_model(model: nn.Module, qcfg: QuantizationConfig | None) -> None:
     for ckpt_part, (ours, _) in getattr(model, "packed_modules", {}).items():
         packed.setdefault(ours, []).append(ckpt_part)
     for prefix, module in model.named_modules():
-        if not (isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or hasattr(module, "quant_kind")):
+        if not hasattr(module, "quant_kind"):  # the parallel linears say "linear", a mixture of experts its own
             continue
         head, _, leaf = prefix.rpartition(".")
         names = [f"{head}.{p}" if head else p for p in packed.get(leaf, [leaf])]

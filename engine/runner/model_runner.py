@@ -17,6 +17,7 @@ from engine.kernels.activation import ACTIVATIONS
 from engine.kernels.small_m_linear import rows_limit
 from engine.kernels.small_m_tiles import wide_layer_rows
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
+from engine.models.eagle3 import build_eagle3_head
 from engine.models.loader import build_model
 from engine.parallel import get_tp_group
 from engine.quantization import is_quantized, weights_summary
@@ -46,8 +47,14 @@ class ModelRunner:
         self.device = engine_config.device
         self.dtype = engine_config.dtype
         quantization = engine_config.draft_quantization if name.startswith("draft") else engine_config.quantization
-        self.model = build_model(model_config, self.device, self.dtype, load_format=engine_config.load_format,
-                                 quantization=quantization)
+        if model_config.family == "eagle3":  # an EAGLE-3 head: its own checkpoint formats (engine/models/eagle3.py)
+            if quantization:
+                raise ValueError(f"quantization={quantization!r}: an EAGLE-3 head is not quantized; leave the "
+                                 "draft's quantization unset")
+            self.model = build_eagle3_head(model_config, self.device, self.dtype, engine_config.load_format)
+        else:
+            self.model = build_model(model_config, self.device, self.dtype, load_format=engine_config.load_format,
+                                     quantization=quantization)
         # What the weights hold, for the start-up line and /health: {"bytes", "format"} (engine/quantization).
         self.weights = weights_summary(self.model)
         logger.info("%s: weights %.1f MiB, %s", name, self.weights["bytes"] / 2**20, self.weights["format"])
