@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, ...]] = [
     ("engine.host_copy", "engine.parallel", "engine.draft_schedule", "engine.agreement_profile"),
     ("engine.kernels",),
+    # Weight formats (FP8, MXFP4) and the loader's seam: their products are kernels; the config validates them.
+    ("engine.quantization",),
     ("engine.config",),
     ("engine.sample",),
     ("engine.request",),

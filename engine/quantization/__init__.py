@@ -109,6 +109,7 @@ def quantization_config(hf_config: Any, option: str | None = None,
 def _register_builtin() -> None:
     import engine.quantization.compressed_tensors  # noqa: F401 - registers "compressed-tensors"
     import engine.quantization.fp8  # noqa: F401 - registers "fp8"
+    import engine.quantization.mxfp4  # noqa: F401 - registers "mxfp4"
 
 
 def quantize_model(model: nn.Module, qcfg: QuantizationConfig | None) -> None:

@@ -17,7 +17,10 @@ from __future__ import annotations
 import fnmatch
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig
+
+from engine.quantization import QuantizationConfig, QuantizedMethod, register_quantization
 
 QUANT_METHOD = "mxfp4"
 BLOCK = 32  # values sharing one scale
@@ -87,3 +90,19 @@ def _quantization_config(hf_config: PretrainedConfig) -> dict | None:
     if q is None:
         return None
     return q if isinstance(q, dict) else q.to_dict()
+
+
+class Mxfp4Config(QuantizationConfig):
+    """The loader's view of an MXFP4 checkpoint: in the gpt-oss release only the experts are MXFP4, and the MoE
+    layer holds them packed itself (engine/models/moe.py, by `quantized` above), so every linear module (attention,
+    router, unembedding) stays in the model's dtype."""
+
+    quant_method = QUANT_METHOD
+
+    def method_for(self, prefix: str, module: nn.Module, checkpoint_names: list[str]) -> QuantizedMethod | None:
+        return None
+
+
+@register_quantization(QUANT_METHOD)
+def _mxfp4_config(raw: dict, load_format: str | None) -> Mxfp4Config:
+    return Mxfp4Config()
