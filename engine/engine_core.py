@@ -29,10 +29,11 @@ from engine.scheduler import ScheduledRequest, Scheduler
 from engine.speculation.ahead_budget import AheadBudget, drafts_ahead
 from engine.speculation.ahead_gate import AheadGate
 from engine.speculation.ahead_totals import NUM_TOTALS
+from engine.speculation.draft_length_rule import DraftLengthRule
 from engine.step.commit import commit_result
 from engine.step.executor import Executor
 from engine.step.inflight_steps import InFlightStep, InFlightSteps
-from engine.step.phases import COMMIT, SCHEDULE, StepStats
+from engine.step.phases import COMMIT, PROPOSE, SCHEDULE, StepStats
 from engine.step.plan import StepPlan, StepResult
 from engine.step.plan_builder import build_plan
 from engine.step.plan_deltas import SentState
@@ -51,10 +52,17 @@ class EngineCore:
         self.draft_kv = (KVCacheManager(executor.draft_kv_groups, executor.draft_num_blocks, bs, caching)
                          if executor.draft_kv_groups is not None else None)
         managers = [self.target_kv] + ([self.draft_kv] if self.draft_kv is not None else [])
+        # The draft length of each step: the rule's, from measured costs (engine/speculation/draft_length_rule.py),
+        # unless it is off or a static schedule overrides it (engine/draft_schedule.py).
+        self.draft_rule = (DraftLengthRule(k) if self.spec_config is not None and engine_config.adaptive_draft_length
+                           and not self.spec_config.has_static_schedule() else None)
+        draft_length_fn = (self.draft_rule.choose if self.draft_rule is not None
+                           else self.spec_config.draft_length if self.spec_config else None)
         self.scheduler = Scheduler(managers, engine_config.max_num_seqs, engine_config.max_num_batched_tokens,
                                    engine_config.max_model_len, num_speculative_tokens=k,
-                                   draft_length_fn=self.spec_config.draft_length if self.spec_config else None,
-                                   enable_prefix_caching=caching)
+                                   draft_length_fn=draft_length_fn, enable_prefix_caching=caching)
+        if self.draft_rule is not None:
+            self.scheduler.request_draft_length = self.draft_rule.request_k
         self.output = OutputProcessor(tokenizer, eos_token_ids, engine_config.max_model_len)
         self.vocab_size = executor.vocab_size
         self.last_step = StepStats()
@@ -131,6 +139,8 @@ class EngineCore:
         """End a request; its KV blocks go back at once, or once its step in flight has landed."""
         keep_kv = req.inflight is not None
         self.scheduler.finish_request(req, status, free_kv=not keep_kv)
+        if self.draft_rule is not None:
+            self.draft_rule.forget(req.request_id)
         if keep_kv:
             self.in_flight.defer_free(req)
         self._finished_ids.append(req.request_id)
@@ -366,6 +376,10 @@ class EngineCore:
         finished, self._finished_ids = self._finished_ids, []
         plan = build_plan(next(self._step_ids), scheduled, self.target_kv, self.draft_kv, self.config.max_model_len,
                           self.spec_config, finished, self.sent)
+        if self.draft_rule is not None:
+            # Timed only where every request decodes: a prefill chunk's cost is not the draft length's.
+            timed = all(s.samples and s.num_new_tokens == 1 + s.num_draft_tokens for s in scheduled)
+            self.draft_rule.planned(plan.step_id, self.scheduler.step_draft_length, timed)
         if self.scheduler.speculation_ahead:
             # Only the requests the draft drafts ahead count (the same rule on both sides).
             tree = self.ahead_budget.tree
@@ -388,4 +402,20 @@ class EngineCore:
         if self.scheduler.speculation_ahead:
             self.ahead_budget.observe(result.phase_seconds, result.predraft_window)
             self.ahead_gate.observe(result.step_id, sum(len(t) for t in result.sampled if t))
+        if self.draft_rule is not None:
+            self._observe_draft_rule(scheduled, result)
         return commit_result(self.scheduler, self.output, scheduled, result, self._finish)
+
+    def _observe_draft_rule(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
+        """Feed the draft length rule a committed step: each verify's k and accepted drafts, the propose phase."""
+        verifies = []
+        for n, (s, tokens, accepted) in enumerate(zip(scheduled, result.sampled, result.num_accepted)):
+            k = result.num_draft_tokens[n] if result.num_draft_tokens is not None else s.num_draft_tokens
+            if tokens is not None and k and not s.request.status.finished:
+                verifies.append((s.request.request_id, k, accepted))
+        self.draft_rule.observe(result.step_id, verifies, result.phase_seconds.get(PROPOSE))
+
+    def draft_rule_stats(self) -> tuple[int, int, dict[str, dict[int, float]]] | None:
+        """The draft length rule's (steps chosen, of those at k = 0, its estimates); None where it is off."""
+        rule = self.draft_rule
+        return None if rule is None else (rule.steps, rule.steps_at_zero, rule.estimates())
