@@ -178,8 +178,9 @@ def _cycling(llm: LLM, cycle: list[int]) -> list[int]:
     choose = rule.choose
 
     def forced(batch_size: int) -> int:
-        choose(batch_size)  # the rule still books the step
+        own = choose(batch_size)  # the rule still books the step
         rule.last_k = k = next(it)
+        rule.steps_at_zero += (k == 0) - (own == 0)
         rule._probing = False
         chosen.append(k)
         return k
