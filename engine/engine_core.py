@@ -56,13 +56,13 @@ class EngineCore:
         # unless it is off or a static schedule overrides it (engine/draft_schedule.py).
         self.draft_rule = (DraftLengthRule(k) if self.spec_config is not None and engine_config.adaptive_draft_length
                            and not self.spec_config.has_static_schedule() else None)
-        draft_length_fn = (self.draft_rule.choose if self.draft_rule is not None
+        draft_length_fn = (self._rule_draft_length if self.draft_rule is not None
                            else self.spec_config.draft_length if self.spec_config else None)
         self.scheduler = Scheduler(managers, engine_config.max_num_seqs, engine_config.max_num_batched_tokens,
                                    engine_config.max_model_len, num_speculative_tokens=k,
                                    draft_length_fn=draft_length_fn, enable_prefix_caching=caching)
         if self.draft_rule is not None:
-            self.scheduler.request_draft_length = self.draft_rule.request_k
+            self.scheduler.request_draft_length = self._rule_request_draft_length
         self.output = OutputProcessor(tokenizer, eos_token_ids, engine_config.max_model_len)
         self.vocab_size = executor.vocab_size
         self.last_step = StepStats()
@@ -406,6 +406,21 @@ class EngineCore:
             self._observe_draft_rule(scheduled, result)
         return commit_result(self.scheduler, self.output, scheduled, result, self._finish)
 
+    def _rule_draft_length(self, batch_size: int) -> int:
+        """The draft length rule's k for the next step; num_speculative_tokens while a seeded request at temperature
+        > 0 may run: its samples depend on the k's it is verified at, and a seed promises the same output however
+        the load (and so the rule's choices) goes."""
+        rule = self.draft_rule
+        k = rule.choose(batch_size)
+        sched = self.scheduler
+        candidates = itertools.chain(sched.running, itertools.islice(sched.waiting, self.config.max_num_seqs))
+        if any(_seeded(r) for r in candidates):
+            return rule.pin(rule.max_k)
+        return k
+
+    def _rule_request_draft_length(self, request: Request, k: int) -> int:
+        return k if _seeded(request) else self.draft_rule.request_k(request.request_id, k)
+
     def _observe_draft_rule(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
         """Feed the draft length rule a committed step: each verify's k and accepted drafts, the propose phase."""
         verifies = []
@@ -419,3 +434,8 @@ class EngineCore:
         """The draft length rule's (steps chosen, of those at k = 0, its estimates); None where it is off."""
         rule = self.draft_rule
         return None if rule is None else (rule.steps, rule.steps_at_zero, rule.estimates())
+
+
+def _seeded(request: Request) -> bool:
+    """A request whose output a seed fixes (sampled, with a seed): its k must not follow the load."""
+    return request.params.seed is not None and request.params.temperature > 0.0

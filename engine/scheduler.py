@@ -119,7 +119,7 @@ class Scheduler:
         self.step_draft_length = num_speculative_tokens  # k of the step being scheduled
         # (request, the step's k) -> that request's k, at most the step's (the draft length rule's per-request
         # acceptance, engine/speculation/draft_length_rule.py); None: the step's k for every request.
-        self.request_draft_length: Callable[[str, int], int] | None = None
+        self.request_draft_length: Callable[[Request, int], int] | None = None
         # The draft drafts each window ahead (engine/speculation/speculation_ahead.py): its KV must reach that far.
         self.speculation_ahead = False
         self.waiting: deque[Request] = deque()
@@ -166,7 +166,7 @@ class Scheduler:
 
     def _request_k(self, request: Request) -> int:
         k = self.step_draft_length
-        return k if self.request_draft_length is None or not k else self.request_draft_length(request.request_id, k)
+        return k if self.request_draft_length is None or not k else self.request_draft_length(request, k)
 
     def _step_draft_length(self) -> int:
         """This step's k from its load: the requests that want to run, as many as a step may hold."""

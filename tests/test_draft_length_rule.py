@@ -178,10 +178,8 @@ def _cycling(llm: LLM, cycle: list[int]) -> list[int]:
     choose = rule.choose
 
     def forced(batch_size: int) -> int:
-        own = choose(batch_size)  # the rule still books the step
-        rule.last_k = k = next(it)
-        rule.steps_at_zero += (k == 0) - (own == 0)
-        rule._probing = False
+        choose(batch_size)  # the rule still books the step
+        k = rule.pin(next(it))
         chosen.append(k)
         return k
 

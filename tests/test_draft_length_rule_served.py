@@ -34,10 +34,8 @@ def test_served_greedy_equals_target_alone_while_k_changes(tmp_path_factory):
             choose = rule.choose
 
             def forced(batch_size):
-                own = choose(batch_size)  # the rule still books the step (its bucket, its counters)
-                rule.last_k = k = next(cycle)
-                rule.steps_at_zero += (k == 0) - (own == 0)
-                rule._probing = False
+                choose(batch_size)  # the rule still books the step (its bucket, its counters)
+                k = rule.pin(next(cycle))
                 rule.forced.append(k)
                 return k
 

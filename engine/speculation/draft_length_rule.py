@@ -25,6 +25,9 @@ that position costs (its expected accepted tokens under E(k) x v / T(k), v the v
 across the batch) drafts fewer than the step's k; the step's structure takes one k a request (ScheduledRequest's
 num_draft_tokens), the draft forwards the step's k at most. It never drafts more than the step's k.
 
+A seeded request at temperature > 0 keeps num_speculative_tokens (EngineCore pins the steps it runs in): its samples
+depend on the k's it is verified at, and its seed promises one output however the load goes.
+
 Exactness does not depend on the rule: k is chosen from what earlier steps committed, before the step's drafts
 exist, and every k verifies losslessly.
 
@@ -100,6 +103,14 @@ class DraftLengthRule:
         self.steps_at_zero += k == 0
         self.probe_steps += probing
         self._probing = probing
+        return k
+
+    def pin(self, k: int) -> int:
+        """Override the last choice with `k` (a step whose k must not follow the measurements); returns k. The step
+        is booked at k, not as a probe."""
+        self.steps_at_zero += (k == 0) - (self.last_k == 0)
+        self.probe_steps -= self._probing
+        self.last_k, self._probing = k, False
         return k
 
     def _choose(self, b: int, st: BucketCosts) -> tuple[int, bool]:
