@@ -411,8 +411,11 @@ class EngineCore:
         > 0 may run: its samples depend on the k's it is verified at, and a seed promises the same output however
         the load (and so the rule's choices) goes."""
         rule = self.draft_rule
-        k = rule.choose(batch_size)
         sched = self.scheduler
+        # What the draft missed (while k was 0), for the cost of a probe of k > 0: one catch-up forward.
+        missed = sum(max(r.num_tokens - 1 - r.num_draft_computed_tokens, 0) for r in sched.running) if (
+            self.draft_kv is not None and rule.last_k == 0) else 0
+        k = rule.choose(batch_size, missed)
         candidates = itertools.chain(sched.running, itertools.islice(sched.waiting, self.config.max_num_seqs))
         if any(_seeded(r) for r in candidates):
             return rule.pin(rule.max_k)

@@ -135,6 +135,30 @@ def test_probes_are_bounded():
     assert rule.steps_at_zero == sum(k == 0 for k, _ in ks)
 
 
+def test_probes_pay_for_the_drafts_catch_up():
+    """A probe of k > 0 after steps at k = 0 costs the draft's catch-up on every token it missed, which grows with
+    the time at k = 0: the rule measures that cost and waits until its credit covers it, so probing stays within
+    its share of the time however long the catch-up."""
+    clock = Clock()
+    rule = DraftLengthRule(K, clock=clock)
+    batch, draft, per_token = 8, 0.75, 0.05  # a caught-up token costs 1/20 of a target step
+    missed, probe_time, total = 0, 0.0, 0.0
+    for i in range(4000):
+        k = rule.choose(batch, missed)
+        probed = rule._probing
+        rule.planned(i, k, timed=True)
+        dt = step_seconds(batch, k, draft) + (missed * per_token if k else 0.0)
+        missed = missed + batch if k == 0 else 0
+        clock.t += dt
+        rule.observe(i, [(f"r{r}", k, 0) for r in range(batch)] if k else [], k * draft if k else None)
+        total += dt
+        probe_time += dt if probed else 0.0
+    assert rule.catch_up_token_seconds == pytest.approx(per_token, rel=0.05)
+    first = 2 * rule_mod.PROBE_STEPS * step_seconds(batch, K, draft) + 32 * batch * per_token * 4
+    assert probe_time <= rule_mod.PROBE_SHARE * total + first, (probe_time / total)
+    assert rule.steps_at_zero >= 0.9 * 4000
+
+
 def test_a_request_with_poor_acceptance_drafts_less():
     clock = Clock()
     rule = DraftLengthRule(K, clock=clock)

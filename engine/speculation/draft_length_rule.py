@@ -11,14 +11,13 @@ T(k) the step's seconds at k at the current load. k = 0 stops speculating: the d
 on the tokens it missed in one batched prefill (from its prefix cache where it has one) at the next step with k > 0.
 
 Probes: the figures of the k's not chosen go stale as load and acceptance change (and the acceptance is only
-measured while drafting), so the rule runs PROBE_STEPS steps at another k now and then: the one whose figure is oldest
-(one never measured first, the likeliest winner among them). Probes are bounded twice: at most one every MIN_PROBE_GAP
-steps of a bucket, and only while the time they
-are expected to take (PROBE_STEPS x the probed k's estimated step) is covered by a credit that grows by
-PROBE_SHARE of every other step's time and pays the probes' real time (their catch-up included), so probing a slow
-k costs about that share of the time however slow it is.
-The first probe of a bucket (its second k, the other end of 0..K: the line needs two points) comes as soon as the
-first k has a figure.
+measured while drafting), so the rule runs PROBE_STEPS steps at another k now and then: the one whose figure is
+oldest (one never measured first, the likeliest winner among them). Probes are bounded twice: at most one every
+MIN_PROBE_GAP steps of a bucket, and only while the time they are expected to take (PROBE_STEPS x the probed k's
+estimated step, plus the draft's catch-up on what it missed at k = 0, at the measured seconds a caught-up token) is
+covered by a credit that grows by PROBE_SHARE of every other step's time and pays the probes' real time (their
+catch-up included), so probing a slow k costs about that share of the time however slow it is. The first probe of a
+bucket (its second k, the other end of 0..K: the line needs two points) comes as soon as the first k has a figure.
 
 Per request: a request whose own acceptance (enough drafts of its own measured) puts a draft position below what
 that position costs (its expected accepted tokens under E(k) x v / T(k), v the verify's seconds for one more k
@@ -40,7 +39,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.speculation.draft_cost_model import Acceptance, BucketCosts, expected_tokens, reach
+from engine.speculation.draft_cost_model import SMOOTHING, Acceptance, BucketCosts, expected_tokens, reach
 
 SETTLE_STEPS = 1  # steps after a switch of k or bucket not timed (a catch-up, or the step before still in flight)
 WINDOW_STEPS = 3  # timed steps a probe runs
@@ -65,6 +64,7 @@ class _Planned:
     at: float
     timed: bool  # every request of the step decodes (prefill chunks would make its time another step's)
     probe: bool
+    catch_up: int  # tokens the draft catches up on in this step
 
 
 class DraftLengthRule:
@@ -90,10 +90,16 @@ class DraftLengthRule:
         self.probe_steps = 0  # steps run as probes
         self.steps = 0  # steps chosen
         self._probing = False  # the last choice was a probe
+        self._catch_up_tokens = 0  # what the draft missed, as of the last choice
+        # Seconds a token of the draft's catch-up adds to a step (the first step at k > 0 after k = 0): a probe of
+        # k > 0 from k = 0 costs its catch-up too, which grows with the time at k = 0.
+        self.catch_up_token_seconds: float | None = None
 
     # --- choosing --------------------------------------------------------------------------------------
-    def choose(self, batch_size: int) -> int:
-        """k for the next step, whose load is `batch_size` requests."""
+    def choose(self, batch_size: int, catch_up_tokens: int = 0) -> int:
+        """k for the next step, whose load is `batch_size` requests; catch_up_tokens: what the draft would have to
+        catch up on at a step with k > 0 (the tokens it missed while k was 0), a probe's cost beyond its steps."""
+        self._catch_up_tokens = catch_up_tokens
         b = bucket_of(batch_size)
         st = self.buckets.setdefault(b, BucketCosts())
         st.steps += 1
@@ -134,6 +140,8 @@ class DraftLengthRule:
         target = self._probe_target(st, best)
         if target is not None and st.steps - self._last_probe.get(b, 0) >= MIN_PROBE_GAP:
             cost = PROBE_STEPS * (st.seconds(target) or 0.0)
+            if target > 0 and self.catch_up_token_seconds is not None:
+                cost += self._catch_up_tokens * self.catch_up_token_seconds
             if self.credit >= cost:
                 return self._start_probe(b, st, target), True
         return best, False
@@ -196,7 +204,8 @@ class DraftLengthRule:
     def planned(self, step_id: int, k: int, timed: bool) -> None:
         """Step `step_id` was planned (now) at k, the k the last `choose` returned. timed: every request of it
         decodes."""
-        self._planned[step_id] = _Planned(self.last_bucket, k, self.clock(), timed, self._probing)
+        catch_up = self._catch_up_tokens if k > 0 else 0
+        self._planned[step_id] = _Planned(self.last_bucket, k, self.clock(), timed, self._probing, catch_up)
         while len(self._planned) > MAX_PLANNED:  # plans never committed (a failed step) are not kept for ever
             self._planned.pop(next(iter(self._planned)))
 
@@ -223,9 +232,13 @@ class DraftLengthRule:
         if self._run != (p.bucket, p.k):
             self._run, self._run_steps = (p.bucket, p.k), 0
         self._run_steps += 1
+        st = self.buckets.setdefault(p.bucket, BucketCosts())
+        if p.catch_up > 0 and p.timed and (t := st.seconds(p.k)) is not None:
+            x = max(dt - t, 0.0) / p.catch_up
+            c = self.catch_up_token_seconds
+            self.catch_up_token_seconds = x if c is None else c + SMOOTHING * (x - c)
         if self._run_steps <= SETTLE_STEPS or not p.timed or dt <= 0.0:
             return
-        st = self.buckets.setdefault(p.bucket, BucketCosts())
         st.observe(p.k, dt, propose_seconds if p.k else None)
 
     def forget(self, request_id: str) -> None:
