@@ -3,6 +3,10 @@ can be measured without a trained pair): a Qwen3-8B-shaped target with a Qwen3-0
 0.6 and 0.8, k in {2, 4, 6}, batch 1, 8, 32; output tokens/s against the target alone, medians of 3 runs.
 
     python benchmarks/gpu_spec.py --out results/gpu_spec.json
+
+Fixed-k rows run with the draft length rule off (adaptive_draft_length=False). --rule adds rows "rule": the engine's
+default, k chosen each step in 0..max(--k) (engine/speculation/draft_length_rule.py), each with its ratio to the
+target alone and to the best fixed k (0..max(--k), k = 0 being the target alone) at that acceptance and batch.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ def main() -> None:
                     "dependent launch), as before it existed")
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="restrict the draft's LM head to this many token ids (EngineConfig.draft_token_map)")
+    ap.add_argument("--rule", action="store_true",
+                    help="also run the draft length rule (num_speculative_tokens = the largest --k) and compare "
+                         "it with the best fixed k")
     ap.add_argument("--out")
     args = ap.parse_args()
     set_pdl(not args.no_pdl)
@@ -79,9 +86,12 @@ def main() -> None:
     torch.cuda.empty_cache()
     rows = [{"k": 0, "rate": None, "batch": b, "tok_s": base[b][0], "speedup": 1.0, "decode_tok_s": base[b][1],
              "decode_speedup": 1.0} for b in batches]
-    for k in (int(x) for x in args.k.split(",")):
-        llm = LLM(target, draft_model=shape_dir(args.draft), num_speculative_tokens=k, rejection_sampling="synthetic",
-                  synthetic_acceptance_rate=0.8, draft_token_map=token_map, **common)
+    ks: list[int | str] = [int(x) for x in args.k.split(",") if int(x) > 0]
+    for k in ks + (["rule"] if args.rule else []):
+        rule = k == "rule"
+        llm = LLM(target, draft_model=shape_dir(args.draft), num_speculative_tokens=max(ks) if rule else k,
+                  rejection_sampling="synthetic", synthetic_acceptance_rate=0.8, draft_token_map=token_map,
+                  adaptive_draft_length=rule, **common)
         for rate in (float(r) for r in args.rates.split(",")):
             llm.engine.spec_config.synthetic_acceptance_rate = rate
             for b in batches:
@@ -96,6 +106,16 @@ def main() -> None:
           f"{time.perf_counter() - t0:.0f} s")
     print(markdown_table(rows, ["k", "rate", "batch", "tok_s", "speedup", "decode_tok_s", "decode_speedup",
                                 "measured_acceptance"]))
+    if args.rule:
+        versus = []
+        for r in (row for row in rows if row["k"] == "rule"):
+            fixed = [x for x in rows if x["batch"] == r["batch"] and (x["k"] == 0 or (
+                x["rate"] == r["rate"] and x["k"] != "rule"))]
+            best = max(fixed, key=lambda x: x["tok_s"])
+            versus.append({"rate": r["rate"], "batch": r["batch"], "best_fixed_k": best["k"],
+                           "rule_vs_target": r["speedup"], "rule_vs_best": r["tok_s"] / best["tok_s"]})
+        print(markdown_table(versus, ["rate", "batch", "best_fixed_k", "rule_vs_target", "rule_vs_best"]))
+        rows += [{"summary": v} for v in versus]
     save_json(args.out, {"env": environment(), "args": vars(args), "rows": rows})
 
 

@@ -84,6 +84,8 @@ def serve_config(pair: Pair, variant: str, args: argparse.Namespace, schedule: l
     }
     if variant == "no-spec":
         cfg["rejection_sampling"] = "probabilistic"
+    if variant == "spec":
+        cfg["adaptive_draft_length"] = False  # a fixed k, not the engine's default draft length rule
     if args.engine == "local":
         cfg["engine_builder"] = "serving.engine_builders:build_local_engine"
     return cfg

@@ -23,9 +23,9 @@ from serving.serve_process_env import HTTP_PROXIES
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-draft"  # the bundled distilled draft of DEFAULT_MODEL
 AUTO = "auto"
-# A server's batch grows with its load; past this size the draft's extra work outweighs what it saves on the
-# models measured so far (benchmarks/RESULTS.md), so speculation is off. Tune with benchmarks/serve_sweep.py.
-DEFAULT_SPEC_DISABLE_ABOVE_BATCH_SIZE = 32
+# No fixed threshold by default: the draft length rule (engine/speculation/draft_length_rule.py) measures where
+# speculation stops paying and sets k = 0 there; a threshold set by the user overrides the rule.
+DEFAULT_SPEC_DISABLE_ABOVE_BATCH_SIZE = None
 REQUEST_ROUTER_NAMES = ("power_of_two", "prefix_aware")  # serving.app.REQUEST_ROUTERS' keys
 
 
@@ -135,12 +135,19 @@ class SpeculationOptions:
                                                      help="the acceptance rate with rejection_sampling synthetic")
     draft_length_schedule: list[Any] | str | None = option(
         None, engine="llm", metavar="B:K,...",
-        help="load-adaptive speculation: draft length K for steps of up to B requests, e.g. 4:4,16:2 (YAML: "
-             "[[4, 4], [16, 2]]); unset: num_speculative_tokens at every batch size")
+        help="a static draft length schedule: draft length K for steps of up to B requests, e.g. 4:4,16:2 (YAML: "
+             "[[4, 4], [16, 2]]); set, it overrides adaptive_draft_length; unset: the rule chooses k (or, with "
+             "the rule off, num_speculative_tokens at every batch size)")
     spec_disable_above_batch_size: int | None = option(
         DEFAULT_SPEC_DISABLE_ABOVE_BATCH_SIZE, engine="llm", minimum=0, metavar="N",
         help="no speculation for steps of more than N requests (verifying drafts for a large batch costs more "
-             "than it saves); none: speculate at every batch size")
+             "than it saves); set, it overrides adaptive_draft_length; none: no fixed threshold")
+    adaptive_draft_length: bool = option(
+        _engine("adaptive_draft_length"), engine="extra",
+        help="choose each step's draft length k in 0..num_speculative_tokens from measured costs: the draft's and "
+             "the verify's step times at the current load and the acceptance per position, for the most committed "
+             "tokens a second (k = 0: the draft sits out until speculation pays again); off while "
+             "draft_length_schedule or spec_disable_above_batch_size is set")
     draft_tensor_parallel_size: int = option(1, engine="llm", minimum=1, help="GPUs the draft is split across")
     draft_placement: str = option("auto", engine="extra", choices=DRAFT_PLACEMENTS,
                                   help="separate: the draft's ranks are actors of their own; colocated: inside the "

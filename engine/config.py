@@ -146,6 +146,10 @@ class SpeculativeConfig:
         elif rate is not None:
             raise ValueError("synthetic_acceptance_rate is only used with rejection_sampling='synthetic'")
 
+    def has_static_schedule(self) -> bool:
+        """Whether the user set a static schedule (a schedule or a threshold): it overrides the draft length rule."""
+        return self.draft_length_schedule is not None or self.spec_disable_above_batch_size is not None
+
     def draft_length(self, batch_size: int) -> int:
         """k for a step that runs `batch_size` requests (0: no speculation this step)."""
         from engine.draft_schedule import draft_length_for
@@ -227,6 +231,12 @@ class EngineConfig:
     # speculation_ahead_branches windows a request, or trees of speculation_ahead_tree_fanout (within
     # max_num_batched_tokens branches).
     speculation_ahead_adaptive: bool = True
+    # The draft length of each step chosen from measured costs (engine/speculation/draft_length_rule.py): the k in
+    # 0..num_speculative_tokens that commits the most tokens a second at the step's load, from the draft's and the
+    # verify's measured times and the acceptance per position; k = 0 stops speculating until it pays again. A static
+    # schedule (draft_length_schedule / spec_disable_above_batch_size) overrides it. False: every step drafts
+    # num_speculative_tokens (or the schedule's k).
+    adaptive_draft_length: bool = True
     # Saguaro sampling (engine/sample/saguaro.py) with speculation ahead's rejection windows: the draft draws each
     # draft token from its q with the two likeliest tokens there (a rejection window's root, the draft's runner-up,
     # is one of them; in tree mode the F + 1 likeliest, F = speculation_ahead_tree_fanout) scaled by this factor c
@@ -294,6 +304,8 @@ class EngineConfig:
             raise ValueError("speculation_ahead_tree_fanout (a tree of every outcome) and speculation_ahead_branches "
                              f"> 1 (a window per outcome) are two modes of speculation ahead: set one, got fan-out "
                              f"{fanout} and {branches} branches")
+        if not isinstance(self.adaptive_draft_length, bool):
+            raise ValueError(f"adaptive_draft_length must be true or false, got {self.adaptive_draft_length!r}")
         if not isinstance(self.speculation_ahead_adaptive, bool):
             raise ValueError("speculation_ahead_adaptive must be true or false, got "
                              f"{self.speculation_ahead_adaptive!r}")

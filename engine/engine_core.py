@@ -27,10 +27,11 @@ from engine.sample.logits_params import logits_params_of
 from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.speculation.ahead.planner import AheadPlanner
+from engine.speculation.draft_length_rule import DraftLengthRule
 from engine.step.commit import commit_result
 from engine.step.executor import Executor
 from engine.step.inflight_steps import InFlightStep, InFlightSteps
-from engine.step.phases import COMMIT, SCHEDULE, StepStats
+from engine.step.phases import COMMIT, PROPOSE, SCHEDULE, StepStats
 from engine.step.plan import StepPlan, StepResult
 from engine.step.plan_builder import build_plan
 from engine.step.plan_deltas import SentState
@@ -49,10 +50,17 @@ class EngineCore:
         self.draft_kv = (KVCacheManager(executor.draft_kv_groups, executor.draft_num_blocks, bs, caching)
                          if executor.draft_kv_groups is not None else None)
         managers = [self.target_kv] + ([self.draft_kv] if self.draft_kv is not None else [])
+        # The draft length of each step: the rule's, from measured costs (engine/speculation/draft_length_rule.py),
+        # unless it is off or a static schedule overrides it (engine/draft_schedule.py).
+        self.draft_rule = (DraftLengthRule(k) if self.spec_config is not None and engine_config.adaptive_draft_length
+                           and not self.spec_config.has_static_schedule() else None)
+        draft_length_fn = (self._rule_draft_length if self.draft_rule is not None
+                           else self.spec_config.draft_length if self.spec_config else None)
         self.scheduler = Scheduler(managers, engine_config.max_num_seqs, engine_config.max_num_batched_tokens,
                                    engine_config.max_model_len, num_speculative_tokens=k,
-                                   draft_length_fn=self.spec_config.draft_length if self.spec_config else None,
-                                   enable_prefix_caching=caching)
+                                   draft_length_fn=draft_length_fn, enable_prefix_caching=caching)
+        if self.draft_rule is not None:
+            self.scheduler.request_draft_length = self._rule_request_draft_length
         self.output = OutputProcessor(tokenizer, eos_token_ids, engine_config.max_model_len)
         self.vocab_size = executor.vocab_size
         self.last_step = StepStats()
@@ -121,6 +129,8 @@ class EngineCore:
         """End a request; its KV blocks go back at once, or once its step in flight has landed."""
         keep_kv = req.inflight is not None
         self.scheduler.finish_request(req, status, free_kv=not keep_kv)
+        if self.draft_rule is not None:
+            self.draft_rule.forget(req.request_id)
         if keep_kv:
             self.in_flight.defer_free(req)
         self._finished_ids.append(req.request_id)
@@ -356,10 +366,53 @@ class EngineCore:
         finished, self._finished_ids = self._finished_ids, []
         plan = build_plan(next(self._step_ids), scheduled, self.target_kv, self.draft_kv, self.config.max_model_len,
                           self.spec_config, finished, self.sent)
+        if self.draft_rule is not None:
+            # Timed only where every request decodes: a prefill chunk's cost is not the draft length's.
+            timed = all(s.samples and s.num_new_tokens == 1 + s.num_draft_tokens for s in scheduled)
+            self.draft_rule.planned(plan.step_id, self.scheduler.step_draft_length, timed)
         self.speculation_ahead.plan(plan, scheduled)
         return plan
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
         """Commit a collected step (engine/step/commit.py); returns the requests it gave tokens or finished."""
         self.speculation_ahead.observe(result)
+        if self.draft_rule is not None:
+            self._observe_draft_rule(scheduled, result)
         return commit_result(self.scheduler, self.output, scheduled, result, self._finish)
+
+    def _rule_draft_length(self, batch_size: int) -> int:
+        """The draft length rule's k for the next step; num_speculative_tokens while a seeded request at temperature
+        > 0 may run: its samples depend on the k's it is verified at, and a seed promises the same output however
+        the load (and so the rule's choices) goes."""
+        rule = self.draft_rule
+        sched = self.scheduler
+        # What the draft missed (while k was 0), for the cost of a probe of k > 0: one catch-up forward.
+        missed = sum(max(r.num_tokens - 1 - r.num_draft_computed_tokens, 0) for r in sched.running) if (
+            self.draft_kv is not None and rule.last_k == 0) else 0
+        k = rule.choose(batch_size, missed)
+        candidates = itertools.chain(sched.running, itertools.islice(sched.waiting, self.config.max_num_seqs))
+        if any(_seeded(r) for r in candidates):
+            return rule.pin(rule.max_k)
+        return k
+
+    def _rule_request_draft_length(self, request: Request, k: int) -> int:
+        return k if _seeded(request) else self.draft_rule.request_k(request.request_id, k)
+
+    def _observe_draft_rule(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
+        """Feed the draft length rule a committed step: each verify's k and accepted drafts, the propose phase."""
+        verifies = []
+        for n, (s, tokens, accepted) in enumerate(zip(scheduled, result.sampled, result.num_accepted)):
+            k = result.num_draft_tokens[n] if result.num_draft_tokens is not None else s.num_draft_tokens
+            if tokens is not None and k and not s.request.status.finished:
+                verifies.append((s.request.request_id, k, accepted))
+        self.draft_rule.observe(result.step_id, verifies, result.phase_seconds.get(PROPOSE))
+
+    def draft_rule_stats(self) -> tuple[int, int, dict[str, dict[int, float]]] | None:
+        """The draft length rule's (steps chosen, of those at k = 0, its estimates); None where it is off."""
+        rule = self.draft_rule
+        return None if rule is None else (rule.steps, rule.steps_at_zero, rule.estimates())
+
+
+def _seeded(request: Request) -> bool:
+    """A request whose output a seed fixes (sampled, with a seed): its k must not follow the load."""
+    return request.params.seed is not None and request.params.temperature > 0.0

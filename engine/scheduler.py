@@ -117,6 +117,9 @@ class Scheduler:
         # batch size -> the step's k; None: num_speculative_tokens at every batch size.
         self.draft_length_fn = draft_length_fn
         self.step_draft_length = num_speculative_tokens  # k of the step being scheduled
+        # (request, the step's k) -> that request's k, at most the step's (the draft length rule's per-request
+        # acceptance, engine/speculation/draft_length_rule.py); None: the step's k for every request.
+        self.request_draft_length: Callable[[Request, int], int] | None = None
         # The draft drafts each window ahead (engine/speculation/ahead/proposer.py): its KV must reach that far.
         self.speculation_ahead = False
         self.waiting: deque[Request] = deque()
@@ -159,7 +162,11 @@ class Scheduler:
         num_output = request.num_output_tokens if num_output is None else num_output
         room_output = request.params.max_tokens - num_output - 1
         room_context = self.max_model_len - num_tokens - 1
-        return max(0, min(self.step_draft_length, room_output, room_context))
+        return max(0, min(self._request_k(request), room_output, room_context))
+
+    def _request_k(self, request: Request) -> int:
+        k = self.step_draft_length
+        return k if self.request_draft_length is None or not k else self.request_draft_length(request, k)
 
     def _step_draft_length(self) -> int:
         """This step's k from its load: the requests that want to run, as many as a step may hold."""
@@ -268,7 +275,7 @@ class Scheduler:
             return None
         # The step's k, unshrunk: the sides shrink it from their exact counts (StepPlan's token_limit), so that it
         # is the k a synchronous schedule would draft here. KV covers the unshrunk k, up to max_model_len.
-        k = self.step_draft_length
+        k = self._request_k(req)
         if 1 + k > budget:
             return None
         k_kv = max(0, min(k, self.max_model_len - num_tokens_max))

@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from engine.speculation.ahead.totals import NUM_TOTALS
+from serving.draft_length_metrics import DraftLengthMetrics
 
 # Latency buckets: from one CPU-free GPU step (ms) to a long CPU generation (minutes).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -48,6 +49,7 @@ class EngineMetrics:
         self.spec_steps = Counter(p + "spec_decode_steps", "Engine steps by whether they speculated (drafted tokens "
                                   "to verify): the share of steps load-adaptive speculation left on",
                                   ["speculating"], registry=r)
+        self.draft_rule = DraftLengthMetrics(r, p)  # the draft length rule's k, k = 0 steps and estimates
         # --- tokens and requests -----------------------------------------------------------------
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of requests whose prefill finished",
                                      registry=r)
@@ -137,8 +139,9 @@ class EngineMetrics:
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
 
     def on_step(self, phase_seconds: dict[str, float], num_running: int, num_waiting: int, num_preempted: int,
-                kv_usage: dict[tuple[str, int], float], draft_length: int) -> None:
-        """draft_length: the step's k (0: no speculation this step, or none at all on this engine)."""
+                kv_usage: dict[tuple[str, int], float], draft_length: int, speculates: bool = False) -> None:
+        """draft_length: the step's k (0: no speculation this step, or none at all on this engine); speculates:
+        the engine has a draft (its steps' k go to the chosen-k histogram)."""
         for phase, seconds in phase_seconds.items():
             self.step_duration.labels(phase=phase).observe(seconds)
         self.set_queue(num_running, num_waiting)
@@ -148,6 +151,8 @@ class EngineMetrics:
             self.kv_usage.labels(model=model, kv_group=str(group)).set(usage)
         self.draft_length.set(draft_length)
         self.spec_steps.labels(speculating="true" if draft_length else "false").inc()
+        if speculates:
+            self.draft_rule.on_step(draft_length)
 
     def on_prefix_cache(self, totals: dict[str, tuple[int, int]]) -> None:
         """Bring the counters up to the engine's running totals per model, (queries, hits) in tokens. Totals

@@ -154,8 +154,12 @@ def test_serve_config_yaml_and_flags_reach_the_engine(tmp_path):
     from deploy.config import ServeConfig, load_config
 
     base = {"model": "m", "draft_model": "d"}
-    assert ServeConfig.from_dict(base).engine_args()["spec_disable_above_batch_size"] == 32  # serving default
+    # Serving default: no static schedule, so the draft length rule chooses k (engine/speculation/draft_length_rule.py).
+    assert ServeConfig.from_dict(base).engine_args()["spec_disable_above_batch_size"] is None
     assert ServeConfig.from_dict(base).engine_args()["draft_length_schedule"] is None
+    assert "adaptive_draft_length" not in ServeConfig.from_dict(base).engine_args()  # EngineConfig's default: on
+    off = ServeConfig.from_dict({**base, "adaptive_draft_length": False}).engine_args()
+    assert off["adaptive_draft_length"] is False
     path = tmp_path / "serve.yaml"
     path.write_text("model: m\ndraft_model: d\ndraft_length_schedule: [[4, 4], [16, 2]]\n"
                     "spec_disable_above_batch_size: none\n")

@@ -19,7 +19,8 @@ from engine.step.phases import HANDOFF, SAMPLE, VERIFY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-AHEAD = dict(ENGINE_KW, speculation_ahead=True)
+# A fixed k (the draft length rule off): windows drafted ahead for k hit, and are counted, at that k.
+AHEAD = dict(ENGINE_KW, speculation_ahead=True, adaptive_draft_length=False)
 
 
 def _phases(verify: float, handoff: float = 0.0, sample: float = 0.0) -> dict[str, float]:

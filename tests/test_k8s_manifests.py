@@ -277,7 +277,9 @@ def _engine_metric_names() -> set[str]:
 
     m = EngineMetrics()
     m.on_spec(1, 3, 1, [1])
-    m.on_step({"propose": 0.01}, 1, 0, 0, {("target", 0): 0.5}, 3.0)
+    m.on_step({"propose": 0.01}, 1, 0, 0, {("target", 0): 0.5}, 3.0, True)
+    m.draft_rule.on_rule((10, 2, {"step_seconds": {0: 0.01}, "tokens_per_second": {0: 100.0},
+                                  "acceptance": {1: 0.5}, "draft_forward_seconds": {0: 0.002}}))
     return {line.split("{")[0].split(" ")[0] for line in m.exposition().splitlines()
             if line and not line.startswith("#")}
 
@@ -290,7 +292,8 @@ def test_dashboard_reads_existing_metrics_and_covers_the_panels() -> None:
     titles = " | ".join(p["title"].lower() for p in dashboard_panels())
     for wanted in ("acceptance rate", "acceptance length", "acceptance by position", "drafted vs accepted",
                    "time to first token", "inter-token latency", "end-to-end", "running and waiting",
-                   "kv cache usage by model and kv-cache group", "step phase", "draft length", "prefix cache hit rate"):
+                   "kv cache usage by model and kv-cache group", "step phase", "draft length", "prefix cache hit rate",
+                   "draft length rule: k chosen per step", "draft length rule: estimated tokens/s"):
         assert wanted in titles, wanted
     kv = [e for _, e in dashboard_queries() if "kv_cache_usage_perc" in e and "by (model, kv_group)" in e]
     assert kv, "KV usage must be split per model and KV-cache group"

@@ -146,8 +146,10 @@ def test_seeded_speculative_sampling_is_batch_independent(tiny_models, tiny_draf
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("rate", [0.6, 0.8])
 def test_synthetic_acceptance_rate(tiny_models, tiny_drafts, rate, k):
+    # Every step at k (the draft length rule off): the rate is checked per k over many steps.
     llm = LLM(tiny_models["llama"].path, draft_model=tiny_drafts["qwen3-1l"].path, num_speculative_tokens=k,
-              rejection_sampling="synthetic", synthetic_acceptance_rate=rate, block_size=4, max_model_len=128)
+              rejection_sampling="synthetic", synthetic_acceptance_rate=rate, block_size=4, max_model_len=128,
+              adaptive_draft_length=False)
     steps = record_steps(llm)
     outs = llm.generate(random_prompts([4] * 64, seed=3), SamplingParams(max_tokens=100, ignore_eos=True))
     assert all(len(o.token_ids) == 100 for o in outs)

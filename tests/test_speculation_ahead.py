@@ -27,7 +27,8 @@ from engine.speculation.ahead.proposer import AheadProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-AHEAD = dict(ENGINE_KW, speculation_ahead=True)
+# A fixed k (the draft length rule off): windows drafted ahead for k hit, and are counted, at that k.
+AHEAD = dict(ENGINE_KW, speculation_ahead=True, adaptive_draft_length=False)
 
 
 def _ahead(llm: LLM) -> AheadProposer:

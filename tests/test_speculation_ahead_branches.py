@@ -34,7 +34,8 @@ from engine.speculation.ahead.scratch_blocks import ScratchBlocks, copy_blocks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-AHEAD = dict(ENGINE_KW, speculation_ahead=True)
+# A fixed k (the draft length rule off): windows drafted ahead for k hit, and are counted, at that k.
+AHEAD = dict(ENGINE_KW, speculation_ahead=True, adaptive_draft_length=False)
 
 
 def test_scratch_blocks_release_one_scope_and_keep_the_others() -> None:

@@ -32,7 +32,8 @@ from engine.speculation.ahead.tree_schedule import TreeSchedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TREE = dict(ENGINE_KW, speculation_ahead=True, speculation_ahead_tree_fanout=3)
+# A fixed k (the draft length rule off): windows drafted ahead for k hit, and are counted, at that k.
+TREE = dict(ENGINE_KW, speculation_ahead=True, speculation_ahead_tree_fanout=3, adaptive_draft_length=False)
 
 
 def _assert_tree_stats(llm: LLM) -> None:

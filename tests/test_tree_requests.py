@@ -22,7 +22,8 @@ from engine.sample.structured_output import StructuredOutputsParams
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 KW = dict(num_speculative_tokens=3, max_model_len=128, device="cpu", block_size=4, num_kv_blocks=256)
-TREE = dict(speculation_ahead=True, speculation_ahead_tree_fanout=2)
+# A fixed k (the draft length rule off): windows drafted ahead for k hit, and are counted, at that k.
+TREE = dict(speculation_ahead=True, speculation_ahead_tree_fanout=2, adaptive_draft_length=False)
 SCHEMA = {"type": "object", "properties": {
     "color": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer", "minimum": 0, "maximum": 99},
     "ok": {"type": "boolean"}}, "required": ["color", "size", "ok"], "additionalProperties": False}

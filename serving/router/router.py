@@ -206,6 +206,7 @@ class Router:
         self.metrics.ahead_branches.set(self.engine.speculation_ahead_branches())
         self.metrics.on_ahead_off_steps(self.engine.speculation_ahead_off_steps())
         self.metrics.set_group_nodes(await asyncio.to_thread(self._group_nodes.of, self.engine.executor))
+        self.metrics.draft_rule.on_rule(self.engine.draft_rule_stats())
         text = self.metrics.exposition()
         executor = self.engine.executor
         if getattr(executor, "draft_pool", None) is not None:  # the draft replica this engine is attached to
@@ -308,7 +309,7 @@ class Router:
                           if (s := self._streams.get(req.request_id)) is not None]
                 stats = engine.last_step
                 step = (stats.phase_seconds, engine.num_running(), self._num_waiting(), stats.num_preempted,
-                        engine.kv_usage(), stats.draft_length)
+                        engine.kv_usage(), stats.draft_length, engine.spec_config is not None)
                 pending = (deltas, step, now)
                 if self._lock_waiters or not (engine.has_unfinished() or len(self._admission)):
                     return

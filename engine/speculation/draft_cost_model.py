@@ -1,0 +1,151 @@
+"""What a step costs at each draft length k and what it commits: the figures the draft length rule
+(engine/speculation/draft_length_rule.py) chooses k from.
+
+Cost, per load bucket (the requests that want to run, by powers of two, as the speculation-ahead gate buckets):
+- the step's seconds at each k measured (a running mean of the wall time from the commit before it to its own
+  commit: what the engine's throughput is made of, whatever of it the draft, the verify or the host spend);
+- the draft's seconds a forward (the step's propose phase over its k), so that the verify's share of a step is
+  what is left;
+- for a k not measured in the bucket, a straight line between the measured k's either side of it, or beyond them
+  the line through all measured ones: a step at k runs k draft forwards and verifies k + 1 tokens a request, so its time
+  grows about linearly
+  in k at a given batch.
+
+Gain: the acceptance at each draft position i, conditional on the drafts before it being accepted (a running,
+decayed count of attempts and accepts), over every request and per request. A request at k commits
+1 + sum_{i <= k} prod_{j <= i} a_j tokens on average (the accepted drafts and the bonus or recovered token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SMOOTHING = 0.3  # weight of a new sample in a step-time running mean
+DECAY = 0.98  # a position's counts shrink by this at each of its updates: the acceptance follows the text
+PRIOR_ACCEPTANCE = 0.5  # a position never attempted (and none before it either)
+
+
+@dataclass
+class Mean:
+    value: float
+    samples: int = 1
+    at: int = 0  # the bucket's step count when last updated
+
+    def add(self, x: float, at: int) -> None:
+        self.value += SMOOTHING * (x - self.value)
+        self.samples += 1
+        self.at = at
+
+
+@dataclass
+class BucketCosts:
+    """One load bucket's figures."""
+
+    step: dict[int, Mean] = field(default_factory=dict)  # k -> seconds a step
+    draft_forward: Mean | None = None  # seconds one draft forward takes (propose / k)
+    steps: int = 0  # steps planned in this bucket
+
+    def observe(self, k: int, seconds: float, propose_seconds: float | None) -> None:
+        m = self.step.get(k)
+        if m is None:
+            self.step[k] = Mean(seconds, 1, self.steps)
+        else:
+            m.add(seconds, self.steps)
+        if k > 0 and propose_seconds is not None and propose_seconds > 0.0:
+            x = propose_seconds / k
+            if self.draft_forward is None:
+                self.draft_forward = Mean(x, 1, self.steps)
+            else:
+                self.draft_forward.add(x, self.steps)
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, s): a least-squares line seconds = a + s * k through the measured k's; None below two of them."""
+        pts = [(k, m.value) for k, m in self.step.items()]
+        if len(pts) < 2:
+            return None
+        n = len(pts)
+        mk = sum(k for k, _ in pts) / n
+        mt = sum(t for _, t in pts) / n
+        var = sum((k - mk) ** 2 for k, _ in pts)
+        s = sum((k - mk) * (t - mt) for k, t in pts) / var
+        return mt - s * mk, max(s, 0.0)
+
+    def seconds(self, k: int) -> float | None:
+        """The step's seconds at k: measured, else between the measured k's either side of it (a straight line
+        between them), else from the line through all of them (None: fewer than two measured)."""
+        m = self.step.get(k)
+        if m is not None:
+            return m.value
+        below = [j for j in self.step if j < k]
+        above = [j for j in self.step if j > k]
+        if below and above:
+            lo, hi = max(below), min(above)
+            t0, t1 = self.step[lo].value, self.step[hi].value
+            return t0 + (t1 - t0) * (k - lo) / (hi - lo)
+        line = self.line()
+        if line is None:
+            return None
+        return max(line[0] + line[1] * k, 1e-9)
+
+    def slope(self) -> float | None:
+        """Seconds one more k adds to a step (the line's slope)."""
+        line = self.line()
+        return None if line is None else line[1]
+
+    def verify_slope(self) -> float | None:
+        """The verify's share of the slope: what one more draft a request costs the target, the draft forwards
+        aside (their count is the step's k, whatever one request's)."""
+        s = self.slope()
+        if s is None:
+            return None
+        d = self.draft_forward.value if self.draft_forward is not None else 0.0
+        return max(s - d, 0.0)
+
+
+@dataclass
+class Acceptance:
+    """Conditional acceptance per draft position: attempts and accepts, decayed."""
+
+    attempts: list[float] = field(default_factory=list)
+    accepts: list[float] = field(default_factory=list)
+    drafts: int = 0  # verifies recorded
+
+    def record(self, k: int, accepted: int) -> None:
+        """A verify of k drafts that accepted `accepted` of them: positions 1..accepted + 1 (up to k) were
+        attempted, 1..accepted accepted."""
+        if k <= 0:
+            return
+        self.drafts += 1
+        while len(self.attempts) < k:
+            self.attempts.append(0.0)
+            self.accepts.append(0.0)
+        for i in range(min(accepted + 1, k)):
+            self.attempts[i] = self.attempts[i] * DECAY + 1.0
+            self.accepts[i] = self.accepts[i] * DECAY + (1.0 if i < accepted else 0.0)
+
+    def rates(self, k: int, fallback: list[float] | None = None) -> list[float]:
+        """a_1..a_k: each position's own figure; one never attempted takes `fallback`'s, else the position
+        before it's, else PRIOR_ACCEPTANCE."""
+        out: list[float] = []
+        for i in range(k):
+            if i < len(self.attempts) and self.attempts[i] > 0.0:
+                out.append(self.accepts[i] / self.attempts[i])
+            elif fallback is not None and i < len(fallback):
+                out.append(fallback[i])
+            else:
+                out.append(out[-1] if out else PRIOR_ACCEPTANCE)
+        return out
+
+
+def reach(rates: list[float]) -> list[float]:
+    """c_i = prod_{j <= i} a_j: the chance that draft i is accepted (every one before it was)."""
+    out, c = [], 1.0
+    for a in rates:
+        c *= a
+        out.append(c)
+    return out
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """Tokens a request commits on average at k: 1 + the expected accepted drafts."""
+    return 1.0 + sum(reach(rates[:k]))

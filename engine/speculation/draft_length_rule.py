@@ -1,0 +1,260 @@
+"""The draft length k of each step, chosen from measured costs: as many committed tokens a second as the figures
+promise.
+
+Why: speculation pays only while the draft's k forwards plus a verify of k + 1 tokens a request cost less than the
+tokens they commit, and that depends on the pair, the batch, the acceptance and the device. A draft that accepts
+nothing and costs 3/4 of a target step made a batch of 8 run at 0.18x the target alone with a fixed k = 4; the
+same pair at batch 1 on a GPU whose step is bound by reading the weights gains. No fixed k fits both, so the
+engine measures (engine/speculation/draft_cost_model.py) and chooses, every step, the k in 0..num_speculative_tokens
+that maximizes E(k) / T(k): E(k) the tokens a request commits on average at k (from the acceptance per position),
+T(k) the step's seconds at k at the current load. k = 0 stops speculating: the draft does not run, and it catches up
+on the tokens it missed in one batched prefill (from its prefix cache where it has one) at the next step with k > 0.
+
+Probes: the figures of the k's not chosen go stale as load and acceptance change (and the acceptance is only
+measured while drafting), so the rule runs PROBE_STEPS steps at another k now and then: the one whose figure is
+oldest (one never measured first, the likeliest winner among them). Probes are bounded twice: at most one every
+MIN_PROBE_GAP steps of a bucket, and only while the time they are expected to take (PROBE_STEPS x the probed k's
+estimated step, plus the draft's catch-up on what it missed at k = 0, at the measured seconds a caught-up token) is
+covered by a credit that grows by PROBE_SHARE of every other step's time and pays the probes' real time (their
+catch-up included), so probing a slow k costs about that share of the time however slow it is. The first probe of a
+bucket (its second k, the other end of 0..K: the line needs two points) comes as soon as the first k has a figure.
+
+Per request: a request whose own acceptance (enough drafts of its own measured) puts a draft position below what
+that position costs (its expected accepted tokens under E(k) x v / T(k), v the verify's seconds for one more k
+across the batch) drafts fewer than the step's k; the step's structure takes one k a request (ScheduledRequest's
+num_draft_tokens), the draft forwards the step's k at most. It never drafts more than the step's k.
+
+A seeded request at temperature > 0 keeps num_speculative_tokens (EngineCore pins the steps it runs in): its samples
+depend on the k's it is verified at, and its seed promises one output however the load goes.
+
+Exactness does not depend on the rule: k is chosen from what earlier steps committed, before the step's drafts
+exist, and every k verifies losslessly.
+
+The clock is injectable: tests drive the rule with simulated step times.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.speculation.draft_cost_model import SMOOTHING, Acceptance, BucketCosts, expected_tokens, reach
+
+SETTLE_STEPS = 1  # steps after a switch of k or bucket not timed (a catch-up, or the step before still in flight)
+WINDOW_STEPS = 3  # timed steps a probe runs
+PROBE_STEPS = SETTLE_STEPS + WINDOW_STEPS
+MIN_PROBE_GAP = 32  # steps of a bucket between the starts of two probes, at least
+PROBE_SHARE = 0.03  # share of the engine's time probes may take
+MARGIN = 0.02  # the current k is kept unless another promises this share more tokens a second
+MIN_REQUEST_DRAFTS = 8  # a request's own acceptance counts from this many of its verifies
+MAX_PLANNED = 64  # plans awaiting their commit kept at most
+MAX_REQUESTS = 4096  # per-request acceptance kept for at most this many requests (oldest dropped)
+
+
+def bucket_of(num_requests: int) -> int:
+    """1 -> 0, 2-3 -> 1, 4-7 -> 2, ...: the load buckets (those of the speculation-ahead gate)."""
+    return max(num_requests, 1).bit_length() - 1
+
+
+@dataclass
+class _Planned:
+    bucket: int
+    k: int
+    at: float
+    timed: bool  # every request of the step decodes (prefill chunks would make its time another step's)
+    probe: bool
+    catch_up: int  # tokens the draft catches up on in this step
+
+
+class DraftLengthRule:
+    """See the module docstring. `max_k`: num_speculative_tokens."""
+
+    def __init__(self, max_k: int, clock=time.perf_counter) -> None:  # noqa: ANN001 - a () -> float
+        self.max_k = max_k
+        self.clock = clock
+        self.buckets: dict[int, BucketCosts] = {}
+        self.acceptance = Acceptance()
+        self.requests: OrderedDict[str, Acceptance] = OrderedDict()
+        self._planned: dict[int, _Planned] = {}
+        self._current: dict[int, int] = {}  # bucket -> the k it runs outside probes
+        self._probe: dict[int, tuple[int, int]] = {}  # bucket -> (probed k, steps left)
+        self._last_probe: dict[int, int] = {}  # bucket -> its step count at its last probe's start
+        self._run: tuple[int, int] | None = None  # (bucket, k) of the steps committed since the last switch
+        self._run_steps = 0
+        self._last_commit: float | None = None
+        self.credit = 0.0  # seconds of probing earned (PROBE_SHARE of every step's time), less those spent
+        self.last_k = max_k  # the last step's k
+        self.last_bucket = 0
+        self.steps_at_zero = 0  # steps chosen with k = 0
+        self.probe_steps = 0  # steps run as probes
+        self.steps = 0  # steps chosen
+        self._probing = False  # the last choice was a probe
+        self._catch_up_tokens = 0  # what the draft missed, as of the last choice
+        # Seconds a token of the draft's catch-up adds to a step (the first step at k > 0 after k = 0): a probe of
+        # k > 0 from k = 0 costs its catch-up too, which grows with the time at k = 0.
+        self.catch_up_token_seconds: float | None = None
+
+    # --- choosing --------------------------------------------------------------------------------------
+    def choose(self, batch_size: int, catch_up_tokens: int = 0) -> int:
+        """k for the next step, whose load is `batch_size` requests; catch_up_tokens: what the draft would have to
+        catch up on at a step with k > 0 (the tokens it missed while k was 0), a probe's cost beyond its steps."""
+        self._catch_up_tokens = catch_up_tokens
+        b = bucket_of(batch_size)
+        st = self.buckets.setdefault(b, BucketCosts())
+        st.steps += 1
+        k, probing = self._choose(b, st)
+        self.last_k, self.last_bucket = k, b
+        self.steps += 1
+        self.steps_at_zero += k == 0
+        self.probe_steps += probing
+        self._probing = probing
+        return k
+
+    def pin(self, k: int) -> int:
+        """Override the last choice with `k` (a step whose k must not follow the measurements); returns k. The step
+        is booked at k, not as a probe."""
+        self.steps_at_zero += (k == 0) - (self.last_k == 0)
+        self.probe_steps -= self._probing
+        self.last_k, self._probing = k, False
+        return k
+
+    def _choose(self, b: int, st: BucketCosts) -> tuple[int, bool]:
+        probe = self._probe.get(b)
+        if probe is not None:
+            k, left = probe
+            if left > 1:
+                self._probe[b] = (k, left - 1)
+            else:
+                del self._probe[b]
+            return k, True
+        measured = [k for k, m in st.step.items() if m.samples >= WINDOW_STEPS]
+        if not st.step:
+            return self.max_k, False  # nothing measured here: the configured k, to measure it
+        if len(st.step) < 2:
+            only = next(iter(st.step))
+            if not measured:
+                return only, False
+            return self._start_probe(b, st, self.max_k if only == 0 else 0), True  # the line's second point
+        best = self._best(b, st)
+        target = self._probe_target(st, best)
+        if target is not None and st.steps - self._last_probe.get(b, 0) >= MIN_PROBE_GAP:
+            cost = PROBE_STEPS * (st.seconds(target) or 0.0)
+            if target > 0 and self.catch_up_token_seconds is not None:
+                cost += self._catch_up_tokens * self.catch_up_token_seconds
+            if self.credit >= cost:
+                return self._start_probe(b, st, target), True
+        return best, False
+
+    def _start_probe(self, b: int, st: BucketCosts, k: int) -> int:
+        self._last_probe[b] = st.steps
+        if PROBE_STEPS > 1:
+            self._probe[b] = (k, PROBE_STEPS - 1)
+        return k
+
+    def _probe_target(self, st: BucketCosts, best: int) -> int | None:
+        """The k to probe, other than `best`: one never measured first, the likeliest winner by the estimates
+        among them; then the one whose figure is oldest."""
+        others = [k for k in range(self.max_k + 1) if k != best]
+        if not others:
+            return None
+        new = [k for k in others if k not in st.step]
+        if new:
+            rates = self.rates(st)
+            return max(new, key=lambda k: (rates.get(k, 0.0), -k))
+        return min(others, key=lambda k: (st.step[k].at, k))
+
+    def rates(self, st: BucketCosts) -> dict[int, float]:
+        """k -> the tokens a second a request is expected to commit at k (only k's with a time figure)."""
+        a = self.acceptance.rates(self.max_k)
+        out = {}
+        for k in range(self.max_k + 1):
+            t = st.seconds(k)
+            if t is not None and t > 0.0:
+                out[k] = expected_tokens(a, k) / t
+        return out
+
+    def _best(self, b: int, st: BucketCosts) -> int:
+        rates = self.rates(st)
+        best = max(rates, key=lambda k: (rates[k], -k))  # ties: the smaller k (less work)
+        cur = self._current.get(b)
+        if cur is not None and cur in rates and rates[cur] >= (1.0 - MARGIN) * rates[best]:
+            best = cur
+        self._current[b] = best
+        return best
+
+    def request_k(self, request_id: str, k: int) -> int:
+        """The k of one request in a step of k: less where its own acceptance does not pay for the last drafts."""
+        mine = self.requests.get(request_id)
+        if k <= 0 or mine is None or mine.drafts < MIN_REQUEST_DRAFTS:
+            return k
+        st = self.buckets.get(self.last_bucket)
+        if st is None:
+            return k
+        t, v = st.seconds(k), st.verify_slope()
+        if t is None or v is None or t <= 0.0:
+            return k
+        threshold = expected_tokens(self.acceptance.rates(k), k) * v / t
+        own = reach(mine.rates(k, fallback=self.acceptance.rates(k)))
+        while k > 0 and own[k - 1] < threshold:
+            k -= 1
+        return k
+
+    # --- measuring -------------------------------------------------------------------------------------
+    def planned(self, step_id: int, k: int, timed: bool) -> None:
+        """Step `step_id` was planned (now) at k, the k the last `choose` returned. timed: every request of it
+        decodes."""
+        catch_up = self._catch_up_tokens if k > 0 else 0
+        self._planned[step_id] = _Planned(self.last_bucket, k, self.clock(), timed, self._probing, catch_up)
+        while len(self._planned) > MAX_PLANNED:  # plans never committed (a failed step) are not kept for ever
+            self._planned.pop(next(iter(self._planned)))
+
+    def observe(self, step_id: int, verifies: list[tuple[str, int, int]], propose_seconds: float | None) -> None:
+        """Step `step_id` committed (now). verifies: (request id, k, accepted) of each request it verified drafts
+        for; propose_seconds: its propose phase."""
+        for rid, k, accepted in verifies:
+            self.acceptance.record(k, accepted)
+            mine = self.requests.get(rid)
+            if mine is None:
+                mine = self.requests[rid] = Acceptance()
+                while len(self.requests) > MAX_REQUESTS:
+                    self.requests.popitem(last=False)
+            mine.record(k, accepted)
+        now = self.clock()
+        p = self._planned.pop(step_id, None)
+        last, self._last_commit = self._last_commit, now
+        if p is None:
+            return
+        # Idle before the plan (no step in flight) is not the step's time.
+        dt = max(0.0, now - (p.at if last is None else max(last, p.at)))
+        # A probe pays its real time (a catch-up included) out of the credit; every other step earns its share.
+        self.credit += -dt if p.probe else PROBE_SHARE * dt
+        if self._run != (p.bucket, p.k):
+            self._run, self._run_steps = (p.bucket, p.k), 0
+        self._run_steps += 1
+        st = self.buckets.setdefault(p.bucket, BucketCosts())
+        if p.catch_up > 0 and p.timed and (t := st.seconds(p.k)) is not None:
+            x = max(dt - t, 0.0) / p.catch_up
+            c = self.catch_up_token_seconds
+            self.catch_up_token_seconds = x if c is None else c + SMOOTHING * (x - c)
+        if self._run_steps <= SETTLE_STEPS or not p.timed or dt <= 0.0:
+            return
+        st.observe(p.k, dt, propose_seconds if p.k else None)
+
+    def forget(self, request_id: str) -> None:
+        """A request ended: its own acceptance is no longer needed."""
+        self.requests.pop(request_id, None)
+
+    # --- reporting -------------------------------------------------------------------------------------
+    def estimates(self) -> dict[str, dict[int, float]]:
+        """The figures of the last step's bucket, for gauges: "step_seconds" and "tokens_per_second" (a request's)
+        by k, "acceptance" by draft position (1-based), "draft_forward_seconds" ({0: seconds})."""
+        st = self.buckets.get(self.last_bucket)
+        out: dict[str, dict[int, float]] = {"acceptance": dict(enumerate(self.acceptance.rates(self.max_k), 1))}
+        if st is None:
+            return out
+        out["step_seconds"] = {k: t for k in range(self.max_k + 1) if (t := st.seconds(k)) is not None}
+        out["tokens_per_second"] = self.rates(st)
+        if st.draft_forward is not None:
+            out["draft_forward_seconds"] = {0: st.draft_forward.value}
+        return out

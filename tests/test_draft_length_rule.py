@@ -1,0 +1,311 @@
+"""The draft length rule (engine/speculation/draft_length_rule.py): k chosen each step from measured costs.
+
+First the rule alone on a simulated clock: a step at batch n and draft length k costs what a model of the draft and
+the verify says, each verify accepts what a given acceptance draws, and the rule must pick the k that commits the
+most tokens a second at each load, follow a change of winner (load or acceptance), probe within its bounds, and cut
+the k of a request whose own acceptance is poor. Then the engine: greedy output equal to the target alone while k
+changes every step, through k = 0 periods (the draft catches up), synchronous and asynchronous, with prefix caching;
+the output distribution at temperature 1 with k changing (chi-square, the pattern of test_spec_distribution).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from spec_support import ENGINE_KW, NEW_TOKENS, PROMPTS, Step
+from test_spec_distribution import (
+    DIST_PROMPT,
+    DIST_SAMPLES,
+    assert_first_three_follow_target,
+    small_vocab_pair,  # noqa: F401 - the distribution test's fixture
+)
+
+from engine import LLM, SamplingParams
+from engine.request import Request
+from engine.speculation import draft_length_rule as rule_mod
+from engine.speculation.draft_cost_model import expected_tokens
+from engine.speculation.draft_length_rule import DraftLengthRule
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+K = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def step_seconds(batch: int, k: int, draft: float = 0.2) -> float:
+    """A device whose target step is bound by its weights (1.0) until the batch's verify rows grow past 16, and a
+    draft forward that costs `draft` of a target step; the verify costs 0.05 a row beyond 16."""
+    rows = batch * (k + 1)
+    return 1.0 + k * draft + 0.05 * max(0, rows - 16)
+
+
+def best_fixed_k(batch: int, accept: float, draft: float = 0.2) -> int:
+    rates = {k: expected_tokens([accept] * K, k) / step_seconds(batch, k, draft) for k in range(K + 1)}
+    return max(rates, key=rates.get)
+
+
+def drive(rule: DraftLengthRule, clock: Clock, steps: int, batch: int, accept: float | list[float],
+          draft: float = 0.2, rng: random.Random | None = None, start: int = 0) -> list[tuple[int, bool]]:
+    """Run `steps` steps of `batch` requests; returns (k, probed) per step. accept: the chance each draft is
+    accepted (per request: a list)."""
+    rng = rng or random.Random(0)
+    accepts = accept if isinstance(accept, list) else [accept] * batch
+    out = []
+    for i in range(start, start + steps):
+        k = rule.choose(batch)
+        probed = rule._probing
+        rule.planned(i, k, timed=True)
+        verifies = []
+        for r, a in enumerate(accepts):
+            kr = rule.request_k(f"r{r}", k)
+            n = 0
+            while n < kr and rng.random() < a:
+                n += 1
+            if kr:
+                verifies.append((f"r{r}", kr, n))
+        clock.t += step_seconds(batch, k, draft)
+        rule.observe(i, verifies, k * draft if k else None)
+        out.append((k, probed))
+    return out
+
+
+def settled(ks: list[tuple[int, bool]], tail: int) -> list[int]:
+    """The k's of the last `tail` steps, probes left out."""
+    return [k for k, probed in ks[-tail:] if not probed]
+
+
+@pytest.mark.parametrize("batch,accept", [(1, 0.8), (8, 0.8), (32, 0.8), (64, 0.8), (1, 0.0), (8, 0.5)])
+def test_rule_picks_the_faster_k_at_each_load(batch, accept):
+    clock = Clock()
+    rule = DraftLengthRule(K, clock=clock)
+    ks = drive(rule, clock, 1000, batch, accept)
+    best = best_fixed_k(batch, accept)
+    chosen = settled(ks, 200)
+    # Outside probes the rule runs the best fixed k (or one whose rate is within the rule's margin of it).
+    rates = {k: expected_tokens([accept] * K, k) / step_seconds(batch, k) for k in range(K + 1)}
+    assert all(rates[k] >= 0.97 * rates[best] for k in chosen), (best, sorted(set(chosen)))
+    assert chosen.count(best) >= 0.9 * len(chosen) or rates[chosen[-1]] >= 0.98 * rates[best]
+    # And its throughput over the whole run, warm-up and probes included, is close to the best fixed k's.
+    tokens = sum(expected_tokens([accept] * K, k) for k, _ in ks)
+    seconds = sum(step_seconds(batch, k) for k, _ in ks)
+    assert tokens / seconds >= 0.93 * rates[best], (tokens / seconds, rates[best])
+
+
+def test_rule_follows_a_change_of_winner_in_load_and_acceptance():
+    clock = Clock()
+    rule = DraftLengthRule(K, clock=clock)
+    # A light load with a good draft: a long k wins.
+    ks = drive(rule, clock, 300, 1, 0.9)
+    assert settled(ks, 100)[-1] == best_fixed_k(1, 0.9) == K
+    # The acceptance collapses (the text moved on): the rule stops speculating.
+    ks = drive(rule, clock, 600, 1, 0.0, start=300)
+    assert settled(ks, 100) and set(settled(ks, 100)) == {0}, sorted(set(settled(ks, 100)))
+    # It recovers: only probes see it (k = 0 measures no acceptance), and they bring k back up.
+    ks = drive(rule, clock, 3000, 1, 0.9, start=900)
+    assert settled(ks, 100)[-1] >= 3, ks[-100:]
+    # The load grows past what the verify hides: a large batch speculates less (another bucket, its own figures).
+    ks = drive(rule, clock, 600, 64, 0.9, start=3900)
+    best = best_fixed_k(64, 0.9)
+    assert best < K and settled(ks, 100)[-1] == best
+
+
+def test_probes_are_bounded():
+    clock = Clock()
+    rule = DraftLengthRule(K, clock=clock)
+    # A draft that accepts nothing and costs 3/4 of a target step: every probe of k > 0 is pure loss.
+    ks = drive(rule, clock, 3000, 8, 0.0, draft=0.75)
+    probe_time = sum(step_seconds(8, k, 0.75) for k, probed in ks if probed)
+    total = sum(step_seconds(8, k, 0.75) for k, _ in ks)
+    # The first probe (k = 0, the line's second point) is free; the rest pay from the credit.
+    assert probe_time <= rule_mod.PROBE_SHARE * total + 2 * rule_mod.PROBE_STEPS * step_seconds(8, K, 0.75)
+    starts = sum(1 for (_, p), (_, q) in itertools.pairwise([(0, False)] + ks) if q and not p)
+    assert starts <= len(ks) / rule_mod.MIN_PROBE_GAP + 1
+    assert starts >= 3  # it does probe: the losers' figures stay fresh
+    assert sum(k == 0 for k, _ in ks) >= 0.9 * len(ks)
+    assert rule.steps_at_zero == sum(k == 0 for k, _ in ks)
+
+
+def test_probes_pay_for_the_drafts_catch_up():
+    """A probe of k > 0 after steps at k = 0 costs the draft's catch-up on every token it missed, which grows with
+    the time at k = 0: the rule measures that cost and waits until its credit covers it, so probing stays within
+    its share of the time however long the catch-up."""
+    clock = Clock()
+    rule = DraftLengthRule(K, clock=clock)
+    batch, draft, per_token = 8, 0.75, 0.05  # a caught-up token costs 1/20 of a target step
+    missed, probe_time, total = 0, 0.0, 0.0
+    for i in range(4000):
+        k = rule.choose(batch, missed)
+        probed = rule._probing
+        rule.planned(i, k, timed=True)
+        dt = step_seconds(batch, k, draft) + (missed * per_token if k else 0.0)
+        missed = missed + batch if k == 0 else 0
+        clock.t += dt
+        rule.observe(i, [(f"r{r}", k, 0) for r in range(batch)] if k else [], k * draft if k else None)
+        total += dt
+        probe_time += dt if probed else 0.0
+    assert rule.catch_up_token_seconds == pytest.approx(per_token, rel=0.05)
+    first = 2 * rule_mod.PROBE_STEPS * step_seconds(batch, K, draft) + 32 * batch * per_token * 4
+    assert probe_time <= rule_mod.PROBE_SHARE * total + first, (probe_time / total)
+    assert rule.steps_at_zero >= 0.9 * 4000
+
+
+def test_a_request_with_poor_acceptance_drafts_less():
+    clock = Clock()
+    rule = DraftLengthRule(K, clock=clock)
+    # Half the batch agrees with the draft, half never does; the verify costs rows (batch 8, k + 1 rows each).
+    accepts = [0.95] * 4 + [0.0] * 4
+    drive(rule, clock, 400, 8, accepts)
+    k = rule.choose(8)
+    assert k > 0
+    good = [rule.request_k(f"r{r}", k) for r in range(4)]
+    bad = [rule.request_k(f"r{r}", k) for r in range(4, 8)]
+    assert good == [k] * 4 and bad == [0] * 4, (good, bad)
+    rule.forget("r5")
+    assert rule.request_k("r5", k) == k  # no figure of its own any more: the step's k
+
+
+def test_estimates_report_the_bucket_figures():
+    clock = Clock()
+    rule = DraftLengthRule(K, clock=clock)
+    drive(rule, clock, 200, 4, 0.6)
+    est = rule.estimates()
+    assert set(est["step_seconds"]) == set(range(K + 1))
+    assert est["acceptance"][1] == pytest.approx(0.6, abs=0.1)
+    assert est["draft_forward_seconds"][0] == pytest.approx(0.2, rel=0.05)
+    assert est["step_seconds"][0] == pytest.approx(step_seconds(4, 0), rel=0.05)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------------------------
+
+# k of successive steps: every value, changes every step, and runs of k = 0 the draft must catch up after.
+K_CYCLE = [3, 0, 0, 0, 2, 1, 0, 3, 3, 0, 0, 1]
+
+
+def _cycling(llm: LLM, cycle: list[int]) -> list[int]:
+    """Make the rule's choice follow `cycle`; returns the list the chosen k's are appended to."""
+    rule = llm.engine.draft_rule
+    assert rule is not None  # on by default
+    chosen: list[int] = []
+    it = itertools.cycle(cycle)
+    choose = rule.choose
+
+    def forced(batch_size: int) -> int:
+        choose(batch_size)  # the rule still books the step
+        k = rule.pin(next(it))
+        chosen.append(k)
+        return k
+
+    rule.choose = forced
+    llm.engine.scheduler.draft_length_fn = forced
+    return chosen
+
+
+def record_commits(llm: LLM) -> list[Step]:
+    """Every sampled request of every step `llm` commits from now on, with the k its verify took (an open entry's
+    from the result: asynchronous steps leave it to the sides)."""
+    steps: list[Step] = []
+    engine = llm.engine
+    commit = engine.commit
+
+    def recording_commit(scheduled, result):
+        for n, (s, tokens, accepted) in enumerate(zip(scheduled, result.sampled, result.num_accepted)):
+            k = result.num_draft_tokens[n] if result.num_draft_tokens is not None else s.num_draft_tokens
+            if tokens is not None:
+                r = s.request
+                steps.append(Step(r.request_id, r.num_output_tokens, r.num_tokens, k, accepted))
+        return commit(scheduled, result)
+
+    engine.commit = recording_commit
+    return steps
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("target,draft", [("llama", "near"), ("gemma3", "gemma3-2l")])
+def test_greedy_stays_the_targets_while_k_changes_every_step(tiny_models, tiny_drafts, near_drafts, target_greedy,
+                                                              target, draft, async_scheduling):
+    draft_path = near_drafts[target].path if draft == "near" else tiny_drafts[draft].path
+    llm = LLM(tiny_models[target].path, draft_model=draft_path, num_speculative_tokens=3,
+              rejection_sampling="strict", enable_prefix_caching=True, async_scheduling=async_scheduling,
+              **ENGINE_KW)
+    chosen = _cycling(llm, K_CYCLE)
+    steps = record_commits(llm)
+    expected = target_greedy(target)
+    # Two requests share a prompt: the second's prefix comes from the cache, the draft's included.
+    outs = llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[2]],
+                        SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [expected[2], expected[0], expected[2]]
+    assert set(chosen) == set(K_CYCLE)
+    drafted = {s.num_draft_tokens for s in steps}
+    assert {0, 1, 2, 3} <= drafted, drafted  # verifies of every k, and plain decodes between them
+    assert all(o.spec.num_drafts > 0 for o in outs)
+    kv = llm.engine
+    assert kv.draft_kv.num_used_blocks() == [0] * len(kv.draft_kv.num_used_blocks())
+
+
+def test_draft_catches_up_after_k_zero_without_recomputing_its_cache(tiny_models, near_drafts):
+    """After steps at k = 0 the draft's first forward is one chunk of what it missed; with a prefix hit it starts
+    from its cached blocks, not from the prompt's start."""
+    llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=2,
+              rejection_sampling="strict", enable_prefix_caching=True, **ENGINE_KW)
+    engine = llm.engine
+    prompt = PROMPTS[2] + PROMPTS[1][:3]  # 20 tokens: four full blocks to cache
+    llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))  # both models cache its blocks
+    ks = iter([0] * 6 + [2] * 100)
+    engine.scheduler.draft_length_fn = lambda batch: next(ks)
+    forwards = []
+    runner = engine.executor.draft
+    forward = runner.forward_chunks
+    runner.forward_chunks = lambda chunks: forwards.append(sum(len(c.token_ids) for c in chunks)) or forward(chunks)
+    a = Request("a", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.add_request(a)
+    for _ in range(6):
+        engine.step()
+        assert engine.last_step.draft_length == 0
+    assert forwards == [] and a.num_draft_computed_tokens == 16  # the draft only took its cached prefix
+    seen = a.num_tokens - 1
+    engine.step()
+    assert engine.last_step.draft_length == 2
+    assert forwards[0] == seen + 1 - 16  # one chunk: what it missed after its cache, and the last token
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_rule_off_and_static_schedule_override(tiny_models, near_drafts):
+    path, draft = tiny_models["llama"].path, near_drafts["llama"].path
+    assert LLM(path, draft_model=draft, **ENGINE_KW).engine.draft_rule is not None
+    assert LLM(path, draft_model=draft, adaptive_draft_length=False, **ENGINE_KW).engine.draft_rule is None
+    assert LLM(path, draft_model=draft, spec_disable_above_batch_size=8, **ENGINE_KW).engine.draft_rule is None
+    assert LLM(path, draft_model=draft, draft_length_schedule="4:2", **ENGINE_KW).engine.draft_rule is None
+    with pytest.raises(ValueError, match="adaptive_draft_length must be true or false"):
+        LLM(path, draft_model=draft, adaptive_draft_length="sometimes", **ENGINE_KW)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sampling_follows_target_while_k_changes(small_vocab_pair, async_scheduling):  # noqa: F811
+    target_path, target_hf, draft_path, draft_hf = small_vocab_pair
+    # Waves of requests start at different points of the cycle, so each of the first three tokens comes from
+    # verifies of every k and from plain decodes.
+    llm = LLM(target_path, draft_model=draft_path, num_speculative_tokens=2, rejection_sampling="probabilistic",
+              seed=77, block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES // 7,
+              max_num_batched_tokens=3 * DIST_SAMPLES, async_scheduling=async_scheduling)
+    chosen = _cycling(llm, [2, 0, 1, 2, 0])
+    steps = record_commits(llm)
+    outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
+    assert all(len(o.token_ids) == 3 for o in outs)
+    assert {0, 1, 2} <= set(chosen)
+    first = {s.num_draft_tokens for s in steps if s.num_output_before == 0}
+    assert {0, 1, 2} <= first, first  # the first token came from every k
+    assert_first_three_follow_target(outs, target_hf, draft_hf)
+    torch.manual_seed(0)
