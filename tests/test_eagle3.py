@@ -120,7 +120,7 @@ def test_formats_draft_same_tokens(tiny_models, heads):
     a copy of it) propose the same drafts at every step."""
     drafts = []
     for fmt in ("flat", "speculators"):
-        llm = _eagle(tiny_models["llama"].path, heads["llama", fmt])
+        llm = _eagle(tiny_models["llama"].path, heads["llama", fmt], adaptive_draft_length=False)  # k drafts a step
         rec = _record_proposals(llm)
         llm.generate(PROMPTS, GREEDY)
         drafts.append(rec)
@@ -179,7 +179,8 @@ def test_proposals_match_reference(tmp_path, family, layer_type):
     assert w.aux_layers == (2, 4, 5)
     head = (write_flat(w, tmp_path / "head", aux_in_config=False) if layer_type == "llama"
             else write_speculators(w, tmp_path / "head"))
-    llm = _eagle(target.path, head, rejection_sampling="synthetic", synthetic_acceptance_rate=0.6)
+    llm = _eagle(target.path, head, rejection_sampling="synthetic", synthetic_acceptance_rate=0.6,
+                 adaptive_draft_length=False)
     cases = _record_cases(llm)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert llm.spec_stats(outs).num_accepted_tokens > 5  # accepted runs happened
