@@ -99,7 +99,8 @@ def test_colocated_greedy_equals_target_alone_and_separate_layout(
     scheduling on and off: one graph node per rank, the draft's KV caches reported from the target's ranks, greedy
     tokens equal the target alone and (tokens and accepted drafts) the separate layout's."""
     target, draft = tiny_models[family].path, near_drafts[family].path
-    engine = colocated(target, draft, tp, async_scheduling=async_scheduling)
+    # Accepted drafts are compared across layouts, run for run: a fixed k (the draft length rule off).
+    engine = colocated(target, draft, tp, async_scheduling=async_scheduling, adaptive_draft_length=False)
     executor = engine.executor
     try:
         assert isinstance(executor, RayExecutor) and executor.colocated and executor.draft is None
@@ -119,7 +120,8 @@ def test_colocated_greedy_equals_target_alone_and_separate_layout(
     assert sum(accepted for _, accepted in got) > 0
     if (family, tp) not in _SEPARATE:
         separate = build_ray_engine(target, draft, num_speculative_tokens=3, rejection_sampling="probabilistic",
-                                    tensor_parallel_size=tp, draft_tensor_parallel_size=tp, seed=5, **ENGINE_KW)
+                                    tensor_parallel_size=tp, draft_tensor_parallel_size=tp, seed=5,
+                                    adaptive_draft_length=False, **ENGINE_KW)
         try:
             assert separate.executor.draft is not None and not separate.executor.colocated
             _SEPARATE[family, tp] = [(r.output_token_ids, r.spec.num_accepted_tokens)

@@ -137,7 +137,8 @@ def test_scratch_window_hit_leaves_the_kv_of_the_ordinary_path(tiny_models, tiny
     # blocks, the draft's KV for the window's positions (and the earlier positions of its first block) must equal
     # what drafting afresh writes: a run without speculation ahead, at the same step (greedy: same schedule).
     target, draft = tiny_models["gemma3"].path, tiny_drafts["gemma3-2l"].path
-    kw = dict(draft_model=draft, num_speculative_tokens=3, **ENGINE_KW)
+    # The same schedule in both runs: a fixed k (the draft length rule's choices follow measured time).
+    kw = dict(draft_model=draft, num_speculative_tokens=3, adaptive_draft_length=False, **ENGINE_KW)
     ahead_kv = _scratch_hit_kv(LLM(target, speculation_ahead=True, speculation_ahead_branches=4, **kw))
     assert len(ahead_kv) >= 3
     plain = LLM(target, **kw)
