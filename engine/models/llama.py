@@ -6,7 +6,6 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kernels.activation import ACTIVATIONS, act_and_mul
@@ -21,41 +20,28 @@ from engine.kernels.small_m_linear import (
     norm_linear,
     takes_rows,
 )
-from engine.models.layers import (
-    MergedColumnParallelLinear,
-    ParallelLMHead,
-    QKVParallelLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
+from engine.models.decoder import DecoderAttention, DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
+from engine.models.layers import MergedColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(DecoderAttention):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
         hf = cfg.hf_config
         # Qwen2 always has q/k/v biases and no o bias; the others follow `attention_bias` everywhere.
         is_qwen2 = hf.model_type == "qwen2"
         bias = bool(getattr(hf, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          bias or is_qwen2)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias and not is_qwen2)
+        super().__init__(cfg, layer_id, rotary, qkv_bias=bias or is_qwen2, o_bias=bias and not is_qwen2)
+
+    def add_parameters(self, cfg: ModelConfig) -> None:
+        hf = cfg.hf_config
         # Qwen3 normalises q and k per head before RoPE.
         self.qk_norm = hf.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, hf.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, hf.rms_norm_eps)
-        self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
-                              cfg.layer_sliding_windows[layer_id], layer_id)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        return self.o_proj(self.attn.forward_qkv(self.qkv_proj(x), positions, md, self.rotary, *norms))
+    def qk_norms(self) -> tuple[RMSNorm | None, RMSNorm | None]:
+        return (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
 
 
 class GatedMLP(nn.Module):
@@ -84,14 +70,12 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
         hf = cfg.hf_config
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
-        self.mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
+        super().__init__(LlamaAttention(cfg, layer_id, rotary),
+                         GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act),
+                         RMSNorm(cfg.hidden_size, hf.rms_norm_eps), RMSNorm(cfg.hidden_size, hf.rms_norm_eps))
         self.small_m_rows = 0  # as GatedMLP.small_m_rows, for the whole layer
         # Rows past FMA_MAX_ROWS up to which the layer takes the wide path whatever small_m_rows: where this GPU
         # measured that path faster for the layer's shape (small_m_tiles.WIDE_LAYERS_MEASURED); the runner sets it.
@@ -115,12 +99,7 @@ class LlamaDecoderLayer(nn.Module):
             return self._forward_small_m(positions, x, residual, md)
         if isinstance(residual, RowSquares):  # not reached while every layer takes the same rows; x is the stream
             residual = None
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.forward_with_residual(x, residual)
-        h, residual = self.post_attention_layernorm.forward_with_residual(self.self_attn(positions, h, md), residual)
-        return self.mlp(h), residual
+        return super().forward(positions, x, residual, md)
 
     def _forward_small_m(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                          md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,8 +108,7 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         qkv, residual = norm_linear(x, residual, n1.weight, n1.eps, n1.offset, attn.qkv_proj.weight,
                                     attn.qkv_proj.bias)
-        norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
-        o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, *norms)
+        o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, *attn.qk_norms())
         residual = linear_add(o, attn.o_proj.weight, attn.o_proj.bias, residual)
         gate_up, _ = norm_linear(residual, None, n2.weight, n2.eps, n2.offset, mlp.gate_up_proj.weight)
         return mlp.forward_gate_up(gate_up), residual
@@ -149,8 +127,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             qkv, residual = norm_linear(x, residual, n1.weight, n1.eps, n1.offset, attn.qkv_proj.weight,
                                         attn.qkv_proj.bias)
-        norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
-        o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, *norms)
+        o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, *attn.qk_norms())
         residual, ss = linear_add_ss(o, attn.o_proj.weight, attn.o_proj.bias, residual)
         act, _ = norm_linear(residual, None, n2.weight, n2.eps, n2.offset, mlp.gate_up_proj.weight, row_ss=ss,
                              glu=mlp.act_name)
@@ -158,13 +135,9 @@ class LlamaDecoderLayer(nn.Module):
         return out, RowSquares(ss)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.hf_config.rms_norm_eps)
+        super().__init__(cfg, LlamaDecoderLayer)
         # Every layer of a few-row decode step in one launch (engine/kernels/persistent_plan.py); the runner sets it.
         self.persistent: PersistentDecoder | None = None
         # Layers whose incoming residual stream each forward keeps for an EAGLE-3 head (engine/speculation/
@@ -195,32 +168,8 @@ class LlamaModel(nn.Module):
         return self.norm.forward_with_residual(x, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
-    # checkpoint name fragment -> (our fused parameter fragment, shard id)
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        self.tie_word_embeddings = bool(getattr(cfg.hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, md)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] -> [n, vocab_size] float32."""
-        return self.lm_head(hidden).float()
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+class LlamaForCausalLM(DecoderForCausalLM):
+    model_cls = LlamaModel
 
     def persistent_layers(self) -> tuple[DecoderShape, list[LayerWeights]] | None:
         """The layers as the persistent decoder reads them (after the KV cache is bound), or None where it does not
