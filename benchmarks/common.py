@@ -28,6 +28,16 @@ def median_seconds(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) 
     return statistics.median(times)
 
 
+def save_random_model(cfg: object, out: Path, seed: int = 0) -> str:
+    """A checkpoint of random weights for the transformers config `cfg`, drawn after torch.manual_seed(seed) and
+    saved at `out`; its path."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return str(out)
+
+
 def environment() -> dict:
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or 'x86_64'})"
     return {"date": datetime.date.today().isoformat(), "device": dev, "torch": torch.__version__,

@@ -15,11 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, markdown_table, median_seconds, save_json  # noqa: E402
+from common import environment, markdown_table, median_seconds, save_json, save_random_model  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.source import resolve_model  # noqa: E402
@@ -38,9 +37,7 @@ def small_random_draft(target_path: str, out: Path) -> str:
     cfg = LlamaConfig(vocab_size=t.vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=t.max_position_embeddings,
                       tie_word_embeddings=True, bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-    return str(out)
+    return save_random_model(cfg, out)
 
 
 def main() -> None:

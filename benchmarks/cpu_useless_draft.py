@@ -21,11 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, save_json  # noqa: E402
+from common import environment, save_json, save_random_model  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.source import resolve_model  # noqa: E402
@@ -37,9 +36,7 @@ def useless_draft(target_path: str, layers: int, out: Path) -> str:
     """The target's architecture with `layers` layers and random weights: same vocabulary, ~layers/30 the cost."""
     cfg = AutoConfig.from_pretrained(target_path)
     cfg.num_hidden_layers = layers
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-    return str(out)
+    return save_random_model(cfg, out)
 
 
 def main() -> None:

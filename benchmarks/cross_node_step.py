@@ -13,50 +13,33 @@ interleave the variants so background load falls on all alike.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table, save_json  # noqa: E402
-from router_overhead import MAX_MODEL_LEN, decode_plan, tiny_model  # noqa: E402
+from router_overhead import add_step_options, decode_plan, time_steps, tiny_pair, worker_pythonpath  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from engine.config import EngineConfig, resolve_dtype  # noqa: E402
 from serving.workers.node_placement import executor_nodes  # noqa: E402
 from serving.workers.ray_executor import RayExecutor  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--save-json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"],
-                                                                                   "cross_node_step.json"))
+    add_step_options(ap, batch_sizes=[1, 8], steps=200, warmup=20, rounds=4, json_name="cross_node_step.json")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    device = torch.device("cpu")
-    tmp = Path(tempfile.mkdtemp())
-    target = tiny_model(tmp / "target", args.vocab, layers=2, seed=0)
-    draft = tiny_model(tmp / "draft", args.vocab, layers=1, seed=1)
-    config = EngineConfig(device=device, dtype=resolve_dtype(None, device), max_model_len=MAX_MODEL_LEN,
-                          block_size=16, max_num_seqs=max(args.batch_sizes))
-    env_vars = {"PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(
-        os.pathsep) if p]), "OMP_NUM_THREADS": "1"}
+    target, draft, config = tiny_pair(args.vocab, torch.device("cpu"), max(args.batch_sizes))
+    env_vars = {"PYTHONPATH": worker_pythonpath(), "OMP_NUM_THREADS": "1"}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     cluster.add_node(num_cpus=6, resources={"bench_a": 6})
     cluster.add_node(num_cpus=2, resources={"bench_b": 2})
@@ -76,24 +59,13 @@ def main() -> None:
         ex0 = next(iter(executors.values()))
         plans = {bs: decode_plan(bs, args.k, len(ex0.target_kv_groups), len(ex0.draft_kv_groups or []), 16,
                                  args.vocab) for bs in args.batch_sizes}
-        samples: dict[tuple[str, bool, int], list[float]] = {}
-        for ex in executors.values():
-            for plan in plans.values():
-                for _ in range(args.warmup):
-                    ex.execute(plan)
-        for _ in range(args.rounds):
-            for bs, plan in plans.items():
-                for (where, compiled), ex in executors.items():
-                    for _ in range(args.steps // args.rounds):
-                        t0 = time.perf_counter()
-                        ex.execute(plan)  # host values back: the step is finished
-                        samples.setdefault((where, compiled, bs), []).append(time.perf_counter() - t0)
+        samples = time_steps(executors, plans, args.warmup, args.rounds, args.steps)
         for ex in executors.values():
             ex.shutdown()
         for bs in args.batch_sizes:
             for compiled in (True, False):
-                same = statistics.median(samples[("same_node", compiled, bs)]) * 1e3
-                cross = statistics.median(samples[("cross_node", compiled, bs)]) * 1e3
+                same = statistics.median(samples[(("same_node", compiled), bs)]) * 1e3
+                cross = statistics.median(samples[(("cross_node", compiled), bs)]) * 1e3
                 rows.append({"calls": "compiled" if compiled else "plain", "k": args.k, "batch": bs,
                              "same_node_ms": same, "cross_node_ms": cross, "added_ms": cross - same})
                 print(rows[-1], flush=True)

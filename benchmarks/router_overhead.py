@@ -19,14 +19,15 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, markdown_table, save_json  # noqa: E402
+from common import environment, markdown_table, save_json, save_random_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -35,9 +36,10 @@ import ray  # noqa: E402
 from engine.config import EngineConfig, ModelConfig, resolve_dtype  # noqa: E402
 from engine.local_executor import LocalExecutor  # noqa: E402
 from engine.runner.model_runner import ModelRunner  # noqa: E402
-from engine.step.plan import PlannedRequest, StepPlan  # noqa: E402
+from engine.step.plan import PlannedRequest, StepPlan, StepResult  # noqa: E402
 from serving.workers.ray_executor import RayExecutor  # noqa: E402
 
+K = TypeVar("K", bound=Hashable)  # what names an executor in a comparison
 MAX_MODEL_LEN = 256
 POSITION = 40  # each request's decode position: a few blocks of (zero) KV behind it
 
@@ -46,9 +48,58 @@ def tiny_model(path: Path, vocab: int, layers: int, seed: int) -> str:
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_MODEL_LEN,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return str(path)
+    return save_random_model(cfg, path, seed)
+
+
+def tiny_pair(vocab: int, device: torch.device, max_num_seqs: int) -> tuple[str, str, EngineConfig]:
+    """A 2-layer target and a 1-layer draft (tiny_model's, in a temporary folder) and the engine config they run
+    with."""
+    tmp = Path(tempfile.mkdtemp())
+    target = tiny_model(tmp / "target", vocab, layers=2, seed=0)
+    draft = tiny_model(tmp / "draft", vocab, layers=1, seed=1)
+    config = EngineConfig(device=device, dtype=resolve_dtype(None, device), max_model_len=MAX_MODEL_LEN,
+                          block_size=16, max_num_seqs=max_num_seqs)
+    return target, draft, config
+
+
+def worker_pythonpath() -> str:
+    """PYTHONPATH for the Ray workers: this checkout first, then the driver's own entries."""
+    return os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+def time_steps(executors: Mapping[K, LocalExecutor | RayExecutor], plans: dict[int, StepPlan], warmup: int, rounds: int,
+               steps: int, on_result: Callable[[K, int, StepResult], None] | None = None
+               ) -> dict[tuple[K, int], list[float]]:
+    """Seconds of each step of each executor (by its key) at each batch size: `warmup` steps of every plan first,
+    then `rounds` rounds of steps // rounds steps each. Rounds interleave the variants, so drifting background load
+    (Ray's own processes on a small CPU box) falls on all of them alike. on_result sees each timed step's result."""
+    for ex in executors.values():
+        for plan in plans.values():
+            for _ in range(warmup):
+                ex.execute(plan)
+    samples: dict[tuple[K, int], list[float]] = {}
+    for _ in range(rounds):
+        for bs, plan in plans.items():
+            for key, ex in executors.items():
+                for _ in range(steps // rounds):
+                    t0 = time.perf_counter()
+                    result = ex.execute(plan)  # host values back: the step's device work is finished
+                    samples.setdefault((key, bs), []).append(time.perf_counter() - t0)
+                    if on_result is not None:
+                        on_result(key, bs, result)
+    return samples
+
+
+def add_step_options(ap: argparse.ArgumentParser, batch_sizes: list[int], steps: int, warmup: int, rounds: int,
+                     json_name: str) -> None:
+    """The options this benchmark and cross_node_step.py share: the decode step timed (batch sizes, k, vocabulary),
+    how long, and where the JSON goes (default: $OUT/json_name where OUT is set)."""
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=batch_sizes)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=128, help="49152 shows the cost of shipping draft probabilities")
+    for flag, default in (("--steps", steps), ("--warmup", warmup), ("--rounds", rounds)):
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--save-json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], json_name))
 
 
 def decode_plan(batch: int, k: int, num_target_groups: int, num_draft_groups: int, block_size: int,
@@ -100,29 +151,17 @@ def raw_ray_figures(steps: int, warmup: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=128, help="49152 shows the cost of shipping draft probabilities")
     ap.add_argument("--target-tp", type=int, default=1)
     ap.add_argument("--draft-tp", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--save-json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"],
-                                                                                   "router_overhead.json"))
+    add_step_options(ap, batch_sizes=[1, 16], steps=300, warmup=30, rounds=5, json_name="router_overhead.json")
     args = ap.parse_args()
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
         torch.set_num_threads(1)  # the workers run one thread each; the in-process baseline does too
-    tmp = Path(tempfile.mkdtemp())
-    target = tiny_model(tmp / "target", args.vocab, layers=2, seed=0)
-    draft = tiny_model(tmp / "draft", args.vocab, layers=1, seed=1)
-    config = EngineConfig(device=device, dtype=resolve_dtype(None, device), max_model_len=MAX_MODEL_LEN,
-                          block_size=16, max_num_seqs=max(args.batch_sizes))
+    target, draft, config = tiny_pair(args.vocab, device, max(args.batch_sizes))
     ray.init(num_cpus=max(4, 2 * (args.target_tp + args.draft_tp)), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                 [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}})
+             runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}})
     raw = raw_ray_figures(args.steps, args.warmup)
     print(raw, flush=True)
 
@@ -143,24 +182,15 @@ def main() -> None:
                 target, config, draft_path, rejection_sampling="probabilistic" if k else None,
                 tensor_parallel_size=args.target_tp, draft_tensor_parallel_size=args.draft_tp,
                 use_compiled_graph=compiled)
-        # Rounds interleave the variants, so drifting background load (Ray's own processes on a small CPU box)
-        # falls on all of them alike.
-        samples: dict[tuple[str, int], list[float]] = {}
         dispatch: dict[int, list[float]] = {}
+
+        def record_dispatch(name: str, bs: int, result: StepResult, dispatch: dict[int, list[float]] = dispatch
+                            ) -> None:  # this k's dispatch, bound here
+            if name == "compiled":
+                dispatch.setdefault(bs, []).append(result.phase_seconds["dispatch"])
+
         try:
-            for ex in executors.values():
-                for plan in plans.values():
-                    for _ in range(args.warmup):
-                        ex.execute(plan)
-            for _ in range(args.rounds):
-                for bs, plan in plans.items():
-                    for name, ex in executors.items():
-                        for _ in range(args.steps // args.rounds):
-                            t0 = time.perf_counter()
-                            result = ex.execute(plan)  # host values back: the step's device work is finished
-                            samples.setdefault((name, bs), []).append(time.perf_counter() - t0)
-                            if name == "compiled":
-                                dispatch.setdefault(bs, []).append(result.phase_seconds["dispatch"])
+            samples = time_steps(executors, plans, args.warmup, args.rounds, args.steps, record_dispatch)
         finally:
             for ex in executors.values():
                 if isinstance(ex, RayExecutor):

@@ -34,6 +34,12 @@ def _engine(name: str) -> Any:
     return EngineConfig.__dataclass_fields__[name].default
 
 
+def _placement_option(text: str) -> Any:
+    """A Ray placement mapping (resources or node labels) of the target's or the draft's ranks, given as YAML; unset
+    by default."""
+    return option(None, engine="extra", metavar="YAML", help=text)
+
+
 @dataclass
 class EngineOptions:
     """The target model and how the engine runs it."""
@@ -62,15 +68,13 @@ class EngineOptions:
                                      "else cpu")
     tensor_parallel_size: int = option(1, engine="llm", minimum=1, flags=("-tp",),
                                        help="GPUs the target is split across (its worker actors)")
-    target_resources: dict[str, float] | None = option(
-        None, engine="extra", metavar="YAML",
-        help="Ray resources of each target rank, merged into its bundle (default CPU 1, plus GPU 1 on CUDA), e.g. "
-             "'{specserve_target: 1}': a custom resource that only the target's nodes (a KubeRay worker group's "
-             "rayStartParams) have places the target there")
-    target_node_labels: dict[str, str] | None = option(
-        None, engine="extra", metavar="YAML",
-        help="Ray node labels the target's ranks must be placed on, e.g. '{specserve/role: target}' (a worker "
-             "group's rayStartParams labels)")
+    target_resources: dict[str, float] | None = _placement_option(
+        "Ray resources of each target rank, merged into its bundle (default CPU 1, plus GPU 1 on CUDA), e.g. "
+        "'{specserve_target: 1}': a custom resource that only the target's nodes (a KubeRay worker group's "
+        "rayStartParams) have places the target there")
+    target_node_labels: dict[str, str] | None = _placement_option(
+        "Ray node labels the target's ranks must be placed on, e.g. '{specserve/role: target}' (a worker "
+        "group's rayStartParams labels)")
     enable_prefix_caching: bool = option(True, engine="llm",
                                          help="reuse the KV of full prompt blocks computed before, in the target's "
                                               "and the draft's caches")
@@ -153,13 +157,11 @@ class SpeculationOptions:
                                   help="separate: the draft's ranks are actors of their own; colocated: inside the "
                                        "target's ranks, on their GPUs; auto: colocated where the draft could only "
                                        "share the target's GPUs")
-    draft_resources: dict[str, float] | None = option(
-        None, engine="extra", metavar="YAML",
-        help="Ray resources of each draft rank (of a draft pool's replicas too), merged into its bundle, e.g. "
-             "'{specserve_draft: 1}' to put the draft on the nodes that have that resource")
-    draft_node_labels: dict[str, str] | None = option(
-        None, engine="extra", metavar="YAML",
-        help="Ray node labels the draft's ranks (a draft pool's replicas too) must be placed on")
+    draft_resources: dict[str, float] | None = _placement_option(
+        "Ray resources of each draft rank (of a draft pool's replicas too), merged into its bundle, e.g. "
+        "'{specserve_draft: 1}' to put the draft on the nodes that have that resource")
+    draft_node_labels: dict[str, str] | None = _placement_option(
+        "Ray node labels the draft's ranks (a draft pool's replicas too) must be placed on")
     speculation_ahead: bool | None = option(
         _engine("speculation_ahead"), engine="extra",
         help="the draft drafts the next window while the target verifies this one; unset: on where the draft has "

@@ -14,8 +14,23 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
+from engine.kernels.triton_compat import HAS_TRITON, interpreting
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
+
+
+# A test that runs only in the interpreted child; and the parent's test that starts the children.
+interpreted = pytest.mark.skipif(not interpreting(), reason="runs in the TRITON_INTERPRET=1 child process")
+in_parent = pytest.mark.skipif(interpreting(), reason="already under the interpreter")
+
+
+def skip_without_triton() -> None:
+    """Skip the calling test module (at its import) where triton is not installed."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed (the `test` extra installs it on Linux)", allow_module_level=True)
 
 
 def interpreter_env() -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Tiny random GPT-OSS and Qwen3-MoE checkpoints (HF transformers is the oracle) and the engine's logits at every
 position of a prefill and of single-token decode steps, shared by tests/test_gpt_oss.py, tests/test_qwen3_moe.py and
-tests/test_mxfp4.py."""
+tests/test_mxfp4.py (the logits by tests/test_models_vs_hf.py too)."""
 
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ import json
 import os
 import random
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,6 +20,8 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
+# `specserve serve` in a process of its own, run from this checkout's code.
+SERVE_CLI = [sys.executable, "-c", "import sys; from deploy.cli import main; sys.exit(main())", "serve"]
 
 # Below the kernel's ephemeral range (32768-60999 on Linux) and above Ray's worker ports (10002-19999): a port
 # the OS hands out for "port 0" can be taken by any other socket (a Ray process's) between our check and the
@@ -66,6 +70,17 @@ class Server:
 
     def http(self, timeout: float = 60.0, **kw: Any) -> httpx.Client:
         return httpx.Client(base_url=self.base, timeout=timeout, headers=kw.pop("headers", self.headers), **kw)
+
+
+def wait_for_serve_cli(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
+    """Wait until the `specserve serve` process `proc`, writing to `log`, says it is up; the log by then. Fails with
+    the log's end if the process exits first, or if `timeout_s` seconds pass."""
+    deadline = time.monotonic() + timeout_s
+    while "Ctrl-C to stop." not in log.read_text():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"the server did not start in {timeout_s:g} s"
+        time.sleep(0.5)
+    return log.read_text()
 
 
 def serve_config(target: str, draft: str | None, **overrides: Any) -> dict[str, Any]:

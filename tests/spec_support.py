@@ -105,6 +105,16 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return chi_square(counts, probs)[1]
 
 
+def first_three_counts(llm: LLM, prompt: list[int], samples: int, vocab: int) -> tuple[torch.Tensor, list]:
+    """`samples` generations of three tokens after `prompt` at temperature 1 (no truncation): how often each
+    (x1, x2, x3) came, [vocab, vocab, vocab] float64, and the outputs."""
+    outs = llm.generate([prompt] * samples, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
+    counts = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
+    for o in outs:
+        counts[tuple(o.token_ids)] += 1
+    return counts, outs
+
+
 def run_together(engines: list, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[list[int]]]:
     """The prompts in every engine (EngineCore) under the same request ids, each engine in another order (so that the
     same ids and the same local block ids hold different tokens in each), the engines stepped in turn until all

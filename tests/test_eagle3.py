@@ -10,7 +10,15 @@ import pytest
 import torch
 from conftest import make_tiny_model
 from eagle3_support import random_head, reference_drafts, write_flat, write_speculators
-from spec_support import ENGINE_KW, GREEDY, P_VALUE_THRESHOLD, PROMPTS, assert_kv_released, chi_square_p_value
+from spec_support import (
+    ENGINE_KW,
+    GREEDY,
+    P_VALUE_THRESHOLD,
+    PROMPTS,
+    assert_kv_released,
+    chi_square_p_value,
+    first_three_counts,
+)
 from transformers import LlamaConfig, Qwen3Config
 
 from engine import LLM, SamplingParams
@@ -241,11 +249,7 @@ def test_probabilistic_rejection_follows_target(tmp_path):
                                                "rejection_sampling": "probabilistic"},
               seed=1234, block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES,
               max_num_batched_tokens=3 * DIST_SAMPLES)
-    outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES,
-                        SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
-    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)
-    for o in outs:
-        counts[tuple(o.token_ids)] += 1
+    counts, outs = first_three_counts(llm, DIST_PROMPT, DIST_SAMPLES, SMALL_VOCAB)
     stats = llm.spec_stats(outs)
     assert 0.05 < stats.acceptance_rate < 0.95, stats  # both accepted drafts and rejections shape the output
     joint = _exact_joint(target.hf, DIST_PROMPT)

@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreter_children import assert_pytest_children_pass, split_by
+from interpreter_children import assert_pytest_children_pass, in_parent, interpreted, skip_without_triton, split_by
 
-from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.quantization import fp8_linear as fl
 from engine.quantization.fp8 import quantize_fp8
 
-if not HAS_TRITON:
-    pytest.skip("triton is not installed (the `test` extra installs it on Linux)", allow_module_level=True)
-
-interpreted = pytest.mark.skipif(not interpreting(), reason="runs in the TRITON_INTERPRET=1 child process")
+skip_without_triton()
 
 
-@pytest.mark.skipif(interpreting(), reason="already under the interpreter")
+@in_parent
 def test_fp8_linear_under_interpreter():
     # Two children side by side (tests/interpreter_children.py): the kernel checks, and greedy decoding through it.
     assert_pytest_children_pass(__file__, split_by("greedy"))

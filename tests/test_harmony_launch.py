@@ -9,15 +9,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 from harmony_support import harmony_tokenizer, make_harmony_model
-from serve_support import REPO, free_port, scrape
+from serve_support import REPO, SERVE_CLI, free_port, scrape, wait_for_serve_cli
 
-CLI = [sys.executable, "-c", "import sys; from deploy.cli import main; sys.exit(main())", "serve"]
 SEED_LINE = ["openai/gpt-oss-120b", "--speculative-config",
              '{"method": "draft_model", "model": "openai/gpt-oss-20b", "num_speculative_tokens": 3}']
 GRAMMAR = ('start: <|channel|> "analysis" <|message|> /[a-z]{1,6}/ <|end|> <|start|> "assistant" <|channel|> '
@@ -33,16 +30,12 @@ def test_seed_launch_line_serves_harmony_chat(tmp_path: Path) -> None:
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(REPO),
            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     log = (tmp_path / "serve.log").open("w+")
-    proc = subprocess.Popen([*CLI, *SEED_LINE, "--device", "cpu", "--port", str(port), "--grpc-port", str(grpc_port),
-                             "--max-model-len", "512", "--block-size", "4", "--num-kv-blocks", "256",
+    proc = subprocess.Popen([*SERVE_CLI, *SEED_LINE, "--device", "cpu", "--port", str(port), "--grpc-port",
+                             str(grpc_port), "--max-model-len", "512", "--block-size", "4", "--num-kv-blocks", "256",
                              "--max-num-batched-tokens", "64"],
                             cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 240
-        while "Ctrl-C to stop." not in Path(log.name).read_text():
-            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
-            assert time.monotonic() < deadline, "the server did not start in 240 s"
-            time.sleep(0.5)
+        wait_for_serve_cli(proc, Path(log.name), 240)
         oc = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
         r = oc.chat.completions.create(model="openai/gpt-oss-120b", messages=[{"role": "user", "content": "hi"}],
                                        reasoning_effort="high", temperature=0, max_tokens=64,

@@ -6,12 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_CONFIGS, hf_greedy, random_prompts
+from moe_support import engine_logits, hf_logits, runner
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache.manager import KVCacheManager
-from engine.runner.model_runner import ModelRunner
-from engine.runner.step_input import Chunk, build_step_input
 
 FAMILIES = list(TINY_CONFIGS)
 # fp32 on CPU: the same math in a different order (fused QKV, paged gather, SDPA); differences stay
@@ -19,43 +16,15 @@ FAMILIES = list(TINY_CONFIGS)
 ATOL, RTOL = 2e-4, 1e-4
 
 
-def _runner(path: str, block_size: int = 4, num_blocks: int = 128) -> ModelRunner:
-    mc = ModelConfig.from_path(path)
-    mc.max_model_len = 256
-    ec = EngineConfig(device=torch.device("cpu"), dtype=torch.float32, max_model_len=256, block_size=block_size,
-                      num_kv_blocks=num_blocks)
-    return ModelRunner(mc, ec)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_hf_prefill_and_decode(tiny_models, family):
+    """Logits at every position of every prompt (one batched prefill), then at each of 12 single-token decode
+    steps (past the sliding windows)."""
     m = tiny_models[family]
-    runner = _runner(m.path)
     prompts = random_prompts([5, 11, 18], seed=3)
-    kv = KVCacheManager(runner.kv_groups, runner.num_blocks, block_size=4)
-    for i, p in enumerate(prompts):
-        kv.allocate(str(i), 0, len(p))
-
-    def tables(i: int) -> list[list[int]]:
-        return [kv.block_table(str(i), g.group_id) for g in runner.kv_groups]
-    # Prefill: logits at every position of every prompt, in one batched forward.
-    step = build_step_input([Chunk(p, 0, len(p), tables(i)) for i, p in enumerate(prompts)], runner.kv_groups,
-                            torch.device("cpu"))
-    logits = runner.execute(step)
-    with torch.no_grad():
-        ref = torch.cat([m.hf(torch.tensor([p])).logits[0] for p in prompts])
-    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=RTOL)
-    # Decode: 12 more single-token steps (past the sliding windows), logits at each.
-    seqs = [list(p) for p in prompts]
-    for _ in range(12):
-        nxt = [int(torch.randint(3, 100, (1,))) for _ in seqs]
-        for i, s in enumerate(seqs):
-            kv.allocate(str(i), len(s), len(s) + 1)
-        logits = runner.forward_chunks([Chunk([t], len(s), 1, tables(i)) for i, (s, t) in enumerate(zip(seqs, nxt))])
-        for s, t in zip(seqs, nxt):
-            s.append(t)
-        with torch.no_grad():
-            ref = torch.stack([m.hf(torch.tensor([s])).logits[0, -1] for s in seqs])
+    decodes = [[int(torch.randint(3, 100, (1,))) for _ in prompts] for _ in range(12)]
+    ours = engine_logits(runner(m.path), prompts, decodes)
+    for logits, ref in zip(ours, hf_logits(m.hf, prompts, decodes), strict=True):
         torch.testing.assert_close(logits, ref, atol=ATOL, rtol=RTOL)
 
 

@@ -19,7 +19,7 @@ from moe_support import (
     qwen3_moe_config,
     runner,
 )
-from spec_support import P_VALUE_THRESHOLD, chi_square_p_value
+from spec_support import P_VALUE_THRESHOLD, chi_square_p_value, first_three_counts
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from engine import LLM, SamplingParams
@@ -136,11 +136,7 @@ def test_speculative_sampling_on_moe_target_follows_its_distribution(tmp_path):
                    seed=1, head_scale=8.0)
     llm = LLM(str(tmp_path / "t"), draft_model=str(tmp_path / "d"), num_speculative_tokens=2, seed=1234,
               block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES, max_num_batched_tokens=3 * DIST_SAMPLES)
-    outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES,
-                        SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
-    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)
-    for o in outs:
-        counts[tuple(o.token_ids)] += 1
+    counts, outs = first_three_counts(llm, DIST_PROMPT, DIST_SAMPLES, SMALL_VOCAB)
     stats = llm.spec_stats(outs)
     assert 0.05 < stats.acceptance_rate < 0.95, stats
     p_value = chi_square_p_value(counts, _exact_joint(target))

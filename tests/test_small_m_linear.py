@@ -7,19 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreter_children import assert_pytest_children_pass, split_by
+from interpreter_children import assert_pytest_children_pass, in_parent, interpreted, skip_without_triton, split_by
 
 from engine.kernels import arrival_counters, small_m_tiles
 from engine.kernels import small_m_linear as sml
-from engine.kernels.triton_compat import HAS_TRITON, interpreting
 
-if not HAS_TRITON:
-    pytest.skip("triton is not installed (the `test` extra installs it on Linux)", allow_module_level=True)
-
-interpreted = pytest.mark.skipif(not interpreting(), reason="runs in the TRITON_INTERPRET=1 child process")
+skip_without_triton()
 
 
-@pytest.mark.skipif(interpreting(), reason="already under the interpreter")
+@in_parent
 def test_small_m_linear_under_interpreter():
     # Two children side by side (tests/interpreter_children.py), of about equal work: the kernel checks and Gemma 3,
     # and the two Qwen families.

@@ -35,7 +35,7 @@ from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import Sampler
 from engine.step.plan import StepPlan, StepResult
 from engine.step.plan_sampling import DRAFT_STREAM, sampling_metadata
-from engine.step.proposal import DraftProposal
+from engine.step.proposal import DraftProposal, empty_proposal
 
 
 @dataclass
@@ -128,10 +128,7 @@ class Eagle3Proposer:
         reqs = plan.requests
         ks = [r.num_draft_tokens for r in reqs]
         max_k = max(ks, default=0)
-        ids = torch.full((len(reqs), max_k), -1, dtype=torch.int64, device=dev)
-        probs = None
-        if self.keep_probs and max_k:
-            probs = torch.zeros(len(reqs), max_k, self.runner.vocab_size, dtype=torch.float32, device=dev)
+        ids, probs = empty_proposal(len(reqs), max_k, self.runner.vocab_size, self.keep_probs, dev)
         # Step 0: every request's pending pairs through the head, from the target's states.
         chunks, states, drafting, last_pos, blind = [], [], [], [], []
         for i, r in enumerate(reqs):

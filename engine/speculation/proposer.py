@@ -22,7 +22,7 @@ from engine.speculation.draft_loop import DraftLoop
 from engine.step.logits_processors import needs_processing, process_target_logits
 from engine.step.plan import StepPlan
 from engine.step.plan_sampling import DRAFT_STREAM, request_generator, sampling_metadata
-from engine.step.proposal import DraftProposal
+from engine.step.proposal import DraftProposal, empty_proposal
 
 
 class DraftProposer:
@@ -66,10 +66,7 @@ class DraftProposer:
         reqs = plan.requests
         ks = [r.num_draft_tokens for r in reqs]
         max_k = max(ks, default=0)
-        ids = torch.full((len(reqs), max_k), -1, dtype=torch.int64, device=dev)
-        probs = None
-        if self.keep_probs and max_k:
-            probs = torch.zeros(len(reqs), max_k, self.runner.vocab_size, dtype=torch.float32, device=dev)
+        ids, probs = empty_proposal(len(reqs), max_k, self.runner.vocab_size, self.keep_probs, dev)
         alt = torch.zeros(len(reqs), max_k, dtype=torch.int64, device=dev) if self.alternatives else None
         # Step 0: catch-up (and prefill chunks), logits only where a first draft token is sampled.
         chunks = [Chunk(r.draft_token_ids, r.draft_start_pos, 1 if r.num_draft_tokens else 0, r.draft_block_tables)

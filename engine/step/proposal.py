@@ -46,3 +46,15 @@ class DraftProposal:
         """What a draft worker sends to the target's workers: ids as host lists, probabilities where they are.
         Copying the ids when the draft finishes times the draft's GPU work where it was spent."""
         return DraftProposal(self.host_rows(counts), self.draft_probs)
+
+
+def empty_proposal(num_reqs: int, max_k: int, vocab_size: int, keep_probs: bool,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A proposal's buffers before any draft is written: ids [num_reqs, max_k] int64, all -1 (a request's columns
+    past its own k stay so); q [num_reqs, max_k, vocab] float32 zeros where q is kept and some request drafts, else
+    None."""
+    ids = torch.full((num_reqs, max_k), -1, dtype=torch.int64, device=device)
+    probs = None
+    if keep_probs and max_k:
+        probs = torch.zeros(num_reqs, max_k, vocab_size, dtype=torch.float32, device=device)
+    return ids, probs

@@ -80,11 +80,18 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs = Field(default=None, exclude_if=lambda v: v is None)  # extension (vLLM)
 
 
-class CompletionResponse(BaseModel):
+class _ResponseHead(BaseModel):
+    """The fields a completion and a chat completion open with (a subclass narrows `object` to its own value; the
+    fields keep this order in the JSON)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class CompletionResponse(_ResponseHead):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
     spec_decode: SpecDecodeStats | None = None
@@ -120,11 +127,8 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None  # extension (vLLM): with return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_ResponseHead):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
     usage: Usage
     spec_decode: SpecDecodeStats | None = None
