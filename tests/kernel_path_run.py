@@ -49,7 +49,7 @@ def main(root: str, families: list[str]) -> dict:
         # Speculation ahead with branches on the kernel path: the windows run through the draft loop (runner-up
         # tokens from its step function, per-row guesses in column 0, scratch windows copied back on a hit).
         llm = LLM(target.path, draft_model=draft.path, num_speculative_tokens=3, attention_backend="triton",
-                  speculation_ahead=True, speculation_ahead_branches=4, **kw)
+                  speculation_ahead=True, speculation_ahead_branches=4, adaptive_draft_length=False, **kw)
         res["triton+ahead4"] = [o.token_ids for o in llm.generate(prompts, params)]
         st = llm.engine.executor.ahead.stats
         res["triton+ahead4:hits"] = [st.hits_accept, st.hits_reject]

@@ -62,7 +62,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def server(request: pytest.FixtureRequest, models: tuple[str, str]) -> Iterator[Server]:
     """One server per front end (pytest finishes one before it starts the next: one Ray per process)."""
     cfg = serve_config(*models, http_proxy="haproxy", api_key=API_KEY, max_model_len=MAX_MODEL_LEN,
-                       engine_kwargs={"max_num_seqs": 4}, **FRONT_ENDS[request.param][0])
+                       engine_kwargs={"max_num_seqs": 4}, adaptive_draft_length=False,  # drafts every step
+                       **FRONT_ENDS[request.param][0])
     with running_server(cfg, num_cpus=6) as srv:
         yield srv
 

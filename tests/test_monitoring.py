@@ -127,13 +127,17 @@ def _traffic(app: str, model: str) -> None:
 
     server = Server(app, "", model, {})
     with httpx.Client(base_url=app, timeout=120) as client, ThreadPoolExecutor(3) as pool:
+        drafts = 0
         for i in range(4):
             prompts = [f"round {i} request {j}: the sea is" for j in range(3)]
             responses = list(pool.map(lambda p: completion(server, client, prompt=p, max_tokens=24), prompts))
             for r in responses:
                 assert r.status_code == 200, r.text
-                assert r.json()["spec_decode"]["num_drafts"] > 0  # speculation ran, so its series exist
+                drafts += r.json()["spec_decode"]["num_drafts"]
             time.sleep(1.0)
+        # Speculation ran, so its series exist (the draft length rule, on as by default, may stop drafting with this
+        # random draft once it has measured it: its own series must have data too).
+        assert drafts > 0
 
 
 @pytest.fixture(scope="module")

@@ -89,7 +89,7 @@ def cluster(models: tuple[str, str]) -> Iterator[tuple[Server, Nodes]]:
         cfg = serve_config(target, draft, max_model_len=MAX_MODEL_LEN, continue_without_draft=True,
                            num_replicas=REPLICAS, router_actor_options={"num_cpus": 0, "resources": ROUTER},
                            target_resources={"CPU": 0, **TARGET}, draft_resources={"CPU": 0, **DRAFT},
-                           draft_node_labels=DRAFT_LABELS,
+                           draft_node_labels=DRAFT_LABELS, adaptive_draft_length=False,  # drafts every step
                            engine_kwargs={"max_num_seqs": 4, "step_timeout_s": 30.0})
         with running_server(cfg, address=c.address, proxy_location="HeadOnly") as srv:
             yield srv, nodes

@@ -281,7 +281,7 @@ def test_tree_mode_across_processes(tiny_models: dict[str, TinyModel], near_llam
     cap (engine/speculation/ahead/budget.py); held at the configured fan-out, rejection outcomes hit."""
     target = tiny_models["llama"].path
     engine = build_ray_engine(target, near_llama, num_speculative_tokens=3, seed=5, speculation_ahead=True,
-                              speculation_ahead_tree_fanout=2, **ENGINE_KW)
+                              speculation_ahead_tree_fanout=2, adaptive_draft_length=False, **ENGINE_KW)
     executor = engine.executor
     try:
         assert engine.async_scheduling and executor.speculation_ahead

@@ -20,7 +20,8 @@ from engine.sample.structured_output import StructuredOutputsParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KW = dict(num_speculative_tokens=3, max_model_len=128, device="cpu", block_size=4, num_kv_blocks=256)
+KW = dict(num_speculative_tokens=3, max_model_len=128, device="cpu", block_size=4, num_kv_blocks=256,
+          adaptive_draft_length=False)  # trees at every step
 TREE = dict(speculation_ahead=True, speculation_ahead_tree_fanout=2)
 # A free letter, then a literal the grammar forces byte by byte (one token a byte): most positions allow one token.
 REGEX = "([a-z]=0123456789;)+"

@@ -15,7 +15,8 @@ from engine import LLM, SamplingParams
 
 MODEL = "smollm2-135m-instruct"
 ENGINE = dict(model=MODEL, draft_model=MODEL, num_speculative_tokens=3, rejection_sampling="probabilistic",
-              max_model_len=512, device="cpu")
+              max_model_len=512, device="cpu",
+              adaptive_draft_length=False)  # a fixed k: the tests check what speculation does served
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
