@@ -10,6 +10,7 @@ weights and every request's KV of its context (`--context`; a window layer's wit
 bandwidth: the floor at long context.
 
     python benchmarks/gpu_decode.py --out results/gpu_decode.json
+    python benchmarks/gpu_decode.py --shape gpt-oss-20b --skip-hf   # also qwen3-8b-fp8 (any shape + "-fp8")
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 
 import torch
 from common import environment, markdown_table, save_json
-from gpu_shapes import copy_bandwidth, hf_config, kv_bytes_read, kv_memory_bytes, prefill, shape_dir, weight_bytes
+from gpu_shapes import copy_bandwidth, hf_config, kv_bytes_read, kv_memory_bytes, prefill, shape_dir, step_bytes
 
 from engine import LLM, SamplingParams
 from engine.kernels.triton_compat import set_pdl
@@ -152,10 +153,12 @@ def main() -> None:
               cuda_graph_batch_sizes=tuple(batches),
               **({} if args.small_m_rows is None else {"small_m_rows": args.small_m_rows}))
     runner = llm.executor.target
-    weights, kv_read = weight_bytes(runner.model), kv_bytes_read(args.shape, args.context)
-    floor_ms = weights / bw * 1e3
+    kv_read = kv_bytes_read(args.shape, args.context)
     per_req = -(-max_len // llm.engine_config.block_size)
     for b in batches:
+        # What a step of b rows must read (a model with routed experts: the experts b tokens route to).
+        weights = step_bytes(runner.model, b)
+        floor_ms = weights / bw * 1e3
         tables = [[list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for _ in runner.kv_groups] for i in range(b)]
         prompt = torch.randint(0, runner.vocab_size, (args.context,)).tolist()
         for i in range(b):  # one request at a time, in chunks: a long context does not fit one forward
@@ -191,8 +194,8 @@ def main() -> None:
             "engine_vs_floor", "floor_kv_ms", "engine_vs_floor_kv", "hf_eager_ms", "speedup_vs_hf"]
     table = markdown_table(rows, cols)
     print(f"small_m_rows {llm.engine_config.small_m_rows}")
-    print(f"{args.shape}: weights {weight_bytes(runner.model) / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s, "
-          f"context {args.context}")
+    print(f"{args.shape}: weights {step_bytes(runner.model, 1) / 1e9:.2f} GB read at batch 1, copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s, context {args.context}")
     print(table)
     for r in rows:
         print(f"batch {r['batch']}: engine step phases, median ms: "

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
 SHAPES = {
     # Qwen3-8B and Qwen3-0.6B (their published configs), SmolLM2-135M(-Instruct), Gemma 3 270M and 1B (five
@@ -32,24 +32,57 @@ SHAPES = {
     "qwen2.5-0.5b": lambda: Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                                         max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6),
+    # Qwen3-32B and Qwen3-1.7B (the published configs): a larger dense pair.
+    "qwen3-32b": lambda: Qwen3Config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                                     num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                     max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1e6),
+    "qwen3-1.7b": lambda: Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                      max_position_embeddings=40960, tie_word_embeddings=True, rope_theta=1e6),
+    # gpt-oss-20b and gpt-oss-120b (the published configs): MoE with top-4 routing, attention sinks, 128-token
+    # sliding windows alternating with full layers, the experts MXFP4 (everything else bf16), as released.
+    "gpt-oss-20b": lambda: _gpt_oss(num_hidden_layers=24, num_local_experts=32),
+    "gpt-oss-120b": lambda: _gpt_oss(num_hidden_layers=36, num_local_experts=128),
 }
-ARCH = {"qwen3-8b": "Qwen3ForCausalLM", "qwen3-0.6b": "Qwen3ForCausalLM", "smollm2-135m": "LlamaForCausalLM",
+ARCH = {"qwen3-32b": "Qwen3ForCausalLM", "qwen3-1.7b": "Qwen3ForCausalLM", "gpt-oss-20b": "GptOssForCausalLM",
+        "gpt-oss-120b": "GptOssForCausalLM", "qwen3-8b": "Qwen3ForCausalLM",
+        "qwen3-0.6b": "Qwen3ForCausalLM", "smollm2-135m": "LlamaForCausalLM",
         "gemma3-270m": "Gemma3ForCausalLM", "gemma3-1b": "Gemma3ForCausalLM", "qwen2.5-0.5b": "Qwen2ForCausalLM"}
+
+
+# A shape's name with this suffix is the shape's FP8 checkpoint: block-quantized 128 x 128 e4m3 weights with
+# dynamic activation scales, as Qwen's and DeepSeek's FP8 releases write their quantization_config.
+FP8_SUFFIX = "-fp8"
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def _gpt_oss(**kw: int) -> GptOssConfig:
+    layers = kw["num_hidden_layers"]
+    cfg = GptOssConfig(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                       head_dim=64, num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
+                       layer_types=["sliding_attention", "full_attention"] * (layers // 2), rope_theta=150000.0,
+                       rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 4096},
+                       max_position_embeddings=131072, tie_word_embeddings=False, **kw)
+    cfg.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    return cfg
+
+
+def hf_config(name: str):
+    base = name.removesuffix(FP8_SUFFIX)
+    cfg = SHAPES[base]()
+    cfg.architectures = [ARCH[base]]
+    if name.endswith(FP8_SUFFIX):
+        cfg.quantization_config = dict(FP8_BLOCK)
+    return cfg
 
 
 def shape_dir(name: str, root: str | Path | None = None) -> str:
     """A directory holding only the shape's config.json (load with load_format='dummy')."""
     path = Path(root if root is not None else Path(tempfile.gettempdir()) / "specserve-shapes") / name
-    cfg = SHAPES[name]()
-    cfg.architectures = [ARCH[name]]
-    cfg.save_pretrained(path)
+    hf_config(name).save_pretrained(path)
     return str(path)
-
-
-def hf_config(name: str):
-    cfg = SHAPES[name]()
-    cfg.architectures = [ARCH[name]]
-    return cfg
 
 
 def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
@@ -82,7 +115,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def kv_bytes_per_token(name: str, dtype_bytes: int = 2) -> int:
     """KV-cache bytes one token of context takes in every layer (keys and values): what sizes the cache."""
-    cfg = SHAPES[name]()
+    cfg = hf_config(name)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * dtype_bytes
 
@@ -90,7 +123,7 @@ def kv_bytes_per_token(name: str, dtype_bytes: int = 2) -> int:
 def kv_bytes_read(name: str, context: int, dtype_bytes: int = 2) -> int:
     """KV-cache bytes one request's decode step reads at `context` tokens: every key and value of a full-attention
     layer, at most the window's in a sliding-window layer. What a step reads beyond the weights at long context."""
-    cfg = SHAPES[name]()
+    cfg = hf_config(name)
     per_layer = kv_bytes_per_token(name, dtype_bytes) // cfg.num_hidden_layers
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
@@ -111,3 +144,26 @@ def prefill(runner, prompt: list[int], tables: list[list[int]]) -> None:
     chunk = runner.buffers.max_num_tokens
     for start in range(0, len(prompt), chunk):
         runner.forward_chunks([Chunk(prompt[start:start + chunk], start, 0, tables)])
+
+
+def step_bytes(model: torch.nn.Module, rows: int) -> int:
+    """The weight bytes one forward of `rows` tokens reads in a model with routed experts: every weight but the
+    experts', plus the experts that `rows` tokens are expected to route to (each token picks top_k of E distinct
+    experts; over independent tokens E * (1 - (1 - top_k / E) ** rows) distinct ones), and the embedding table
+    left out (a step reads one row of it) unless the LM head is tied to it. Dense models: weight_bytes."""
+    from engine.models.moe import FusedExperts
+
+    moe = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    if not moe:
+        return weight_bytes(model)
+    total = weight_bytes(model)
+    if not model.tie_word_embeddings:
+        embed = model.model.embed_tokens.weight
+        total -= embed.numel() * embed.element_size()
+    top_k = model.config.hf_config.num_experts_per_tok
+    for m in moe:
+        held = sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+        experts = m.num_experts
+        touched = experts * (1 - (1 - top_k / experts) ** rows)
+        total -= held * (1 - touched / experts)
+    return int(total)

@@ -14,6 +14,7 @@ from moe_support import ATOL, RTOL, decode_tokens, engine_logits, gpt_oss_config
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.quantization import mxfp4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,4 +102,21 @@ def test_dummy_weights_load(gpt_oss):
     """load_format "dummy" (benchmarks of the real shapes): the experts drawn in transformers' [E, in, out] layout."""
     outs = LLM(gpt_oss.path, load_format="dummy", max_model_len=64, block_size=4).generate(
         [[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(outs[0].token_ids) == 3
+
+
+def test_dummy_weights_load_packed_when_the_config_says_mxfp4(tmp_path):
+    """load_format "dummy" of an MXFP4 config (benchmarks of gpt-oss's real shapes): the experts are held packed,
+    as a real checkpoint gives them, and they decode to the random weights' scale (finite logits)."""
+    cfg = gpt_oss_config()
+    cfg.architectures = ["GptOssForCausalLM"]
+    cfg.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    cfg.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), load_format="dummy", max_model_len=64, block_size=4)
+    experts = llm.executor.target.model.model.layers[0].mlp.experts
+    assert experts.packed and experts.gate_up_proj_blocks.dtype == torch.uint8
+    w = mxfp4.dequantize(experts.gate_up_proj_blocks, experts.gate_up_proj_scales)
+    assert torch.isfinite(w).all() and 0.01 < w.std() < 0.04  # the dummy weights' std 0.02, through e2m1 rounding
+    outs = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(outs[0].token_ids) == 3

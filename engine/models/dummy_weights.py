@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.config import ModelConfig
+from engine.quantization import mxfp4
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> list[tuple[str, torch.Size]]:
@@ -37,4 +38,28 @@ def dummy_weights(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, st
         if len(shape) < 2:
             continue
         gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if _mxfp4_experts(cfg, name):
+            yield from _packed_experts(name, shape, device, std, gen)
+            continue
         yield name, torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+
+
+def _mxfp4_experts(cfg: ModelConfig, name: str) -> bool:
+    """Whether `name` is a fused expert projection (transformers' [E, in, out]) that the config declares MXFP4."""
+    module, _, param = name.rpartition(".")
+    return param in ("gate_up_proj", "down_proj") and mxfp4.quantized(cfg.hf_config, module)
+
+
+def _packed_experts(name: str, shape: torch.Size, device: torch.device, std: float, gen: torch.Generator
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """An MXFP4 checkpoint's `*_blocks` [E, out, in / 32, 16] and `*_scales` [E, out, in / 32] of random [E, in, out]
+    weights, quantized one expert at a time (a 120b layer's experts in float32 at once would take 8.5 GB), so a
+    benchmark of a packed model's shape holds and reads the packed bytes a real checkpoint gives it."""
+    experts, fan_in, fan_out = shape
+    blocks = torch.empty(experts, fan_out, fan_in // mxfp4.BLOCK, mxfp4.BLOCK // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(experts, fan_out, fan_in // mxfp4.BLOCK, dtype=torch.uint8, device=device)
+    for e in range(experts):
+        w = torch.empty(fan_out, fan_in, device=device).normal_(0.0, std, generator=gen)
+        blocks[e], scales[e] = mxfp4.quantize(w)
+    yield name + "_blocks", blocks
+    yield name + "_scales", scales

@@ -1,0 +1,95 @@
+"""GPT-OSS on the GPU: the few-row MoE kernels at gpt-oss-20b's expert shape (float and MXFP4-packed) and the
+sink-aware attention kernels at its head shape against their torch references, then a tiny GPT-OSS (packed and
+not) through the engine on CUDA, graphs and eager, alone and with a draft, against HF transformers' greedy output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TinyModel, hf_greedy_cuda, random_prompts
+from kernel_support import attention_case, poison_outside_window
+from moe_support import gpt_oss_config, make_model
+
+from engine import LLM, SamplingParams
+from engine.kernels import moe_small_m, paged_attention
+from engine.models.moe import FusedExperts, moe_experts_ref, route_topk_then_softmax
+from engine.quantization import mxfp4
+
+pytestmark = pytest.mark.gpu
+# bf16 activations in and out, float32 inside both: the kernel and the reference differ in summation order and in
+# where they round the intermediate activation to bf16.
+BF16 = dict(atol=3e-2, rtol=3e-2)
+
+
+def _experts(packed: bool, e: int = 32, h: int = 2880, i: int = 2880) -> FusedExperts:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.device("cuda"):
+        ex = FusedExperts(e, h, i, bias=True, activation="swiglu_oai", packed=packed).to(torch.bfloat16)
+    with torch.no_grad():
+        for x in range(e):  # one expert at a time: the whole layer in float32 is 4 GB
+            gate_up = torch.randn(2 * i, h, device="cuda", generator=g) * 0.05
+            down = torch.randn(h, i, device="cuda", generator=g) * 0.05
+            if packed:
+                ex.gate_up_proj_blocks[x], ex.gate_up_proj_scales[x] = mxfp4.quantize(gate_up)
+                ex.down_proj_blocks[x], ex.down_proj_scales[x] = mxfp4.quantize(down)
+            else:
+                ex.gate_up_proj[x] = gate_up
+                ex.down_proj[x] = down
+        ex.gate_up_proj_bias.normal_(0, 0.5, generator=g)
+        ex.down_proj_bias.normal_(0, 0.5, generator=g)
+    return ex
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["mxfp4", "bf16"])
+def test_moe_kernel_at_gpt_oss_20b_shape(packed):
+    ex = _experts(packed)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for tokens in (1, 4, 8, 16):  # a decode, a verify of K + 1 = 4, a batch of eight, a verify of eight at K = 1
+        x = torch.randn(tokens, 2880, device="cuda", generator=g).to(torch.bfloat16)
+        weights, ids = route_topk_then_softmax(torch.randn(tokens, 32, device="cuda", generator=g), 4)
+        out = moe_small_m.moe_experts(x, weights, ids, ex)
+        ref = moe_experts_ref(x, weights, ids, ex)
+        assert out.dtype == x.dtype and torch.isfinite(out).all()
+        torch.testing.assert_close(out.float(), ref.float(), **BF16)
+
+
+@pytest.mark.parametrize("window,splits", [(None, None), (128, None), (None, 8), (128, 4)])
+def test_sink_attention_at_gpt_oss_head_shape(window, splits):
+    # Decode, a verify of 4 and a prefill after a cached prefix, contexts past the 128-token window.
+    lens = ([1, 4, 0, 37, 1], [700, 300, 0, 200, 129])
+    case = attention_case(64, 8, 64, 16, *lens, window, torch.bfloat16, device="cuda", seed=3)
+    sinks = torch.randn(64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)) * 3
+    out, ref, plain = (torch.full_like(case.query, 7.0) for _ in range(3))
+    paged_attention.paged_attention_ref(*case.args(ref), sinks=sinks)
+    paged_attention.paged_attention_ref(*case.args(plain))
+    kv = poison_outside_window(case) if window is not None else case.kv_cache
+    paged_attention.paged_attention(*case.args(out, kv), num_kv_splits=splits, sinks=sinks)
+    n = case.num_valid_tokens
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), **BF16)
+    assert (ref[:n].float() - plain[:n].float()).abs().max() > 0.1  # the sinks mattered past the tolerance
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory) -> dict[str, TinyModel]:
+    root = tmp_path_factory.mktemp("gpt_oss_cuda")
+    # Window 3 under a KV block of 16: windows inside one block and across blocks both occur over 40 tokens.
+    return {"target": make_model(root, "target", gpt_oss_config()),
+            "draft": make_model(root, "draft", gpt_oss_config(num_hidden_layers=2, layer_types=[
+                "sliding_attention", "full_attention"]), seed=1)}
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_tiny_gpt_oss_greedy_on_cuda_equals_hf_alone_and_with_a_draft(tiny_gpt_oss, enforce_eager):
+    target = tiny_gpt_oss["target"]
+    prompts = random_prompts([3, 11, 29], seed=5)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", max_model_len=128, block_size=16, num_kv_blocks=64,
+              enforce_eager=enforce_eager)
+    want = [hf_greedy_cuda(target.hf, p, 24) for p in prompts]
+    alone = LLM(target.path, **kw).generate(prompts, params)
+    assert [o.token_ids for o in alone] == want
+    llm = LLM(target.path, draft_model=tiny_gpt_oss["draft"].path, num_speculative_tokens=3,
+              adaptive_draft_length=False, **kw)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert llm.spec_stats(outs).num_draft_tokens > 0
