@@ -3,6 +3,7 @@ and the device's copy bandwidth, which sets the memory-bound floor of a decode s
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -76,6 +77,24 @@ def hf_config(name: str):
     if name.endswith(FP8_SUFFIX):
         cfg.quantization_config = dict(FP8_BLOCK)
     return cfg
+
+
+def eagle3_head_dir(target: str, draft_vocab: int = 32000, root: str | Path | None = None) -> str:
+    """A directory holding only an EAGLE-3 head's config.json for the `target` shape, in the flat EAGLE / SpecForge
+    format: one Llama layer of the target's width and attention shape (the public heads for Qwen3-8B and gpt-oss
+    are so), an MLP three times the width, a draft vocabulary of `draft_vocab` tokens, the default auxiliary layers."""
+    cfg = hf_config(target)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    raw = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": cfg.hidden_size,
+           "intermediate_size": 3 * cfg.hidden_size, "num_hidden_layers": 1,
+           "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+           "head_dim": head_dim, "vocab_size": cfg.vocab_size, "draft_vocab_size": draft_vocab,
+           "rms_norm_eps": 1e-6, "max_position_embeddings": cfg.max_position_embeddings, "rope_theta": 1e6,
+           "torch_dtype": "bfloat16"}
+    path = Path(root if root is not None else Path(tempfile.gettempdir()) / "specserve-shapes") / f"{target}-eagle3"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw))
+    return str(path)
 
 
 def shape_dir(name: str, root: str | Path | None = None) -> str:

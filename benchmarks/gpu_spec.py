@@ -18,7 +18,7 @@ import time
 
 import torch
 from common import environment, markdown_table, prefix_token_map, save_json
-from gpu_shapes import shape_dir
+from gpu_shapes import eagle3_head_dir, shape_dir
 
 from engine import LLM, SamplingParams
 from engine.kernels.triton_compat import set_pdl
@@ -51,7 +51,8 @@ def tokens_per_s(llm: LLM, batch: int, context: int, new_tokens: int, repeats: i
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="qwen3-8b")
-    ap.add_argument("--draft", default="qwen3-0.6b")
+    ap.add_argument("--draft", default="qwen3-0.6b", help="a draft model's shape, or 'eagle3': an EAGLE-3 head for "
+                    "the target's shape (gpu_shapes.eagle3_head_dir), the head eager beside the target's graphs")
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--k", default="2,4,6")
     ap.add_argument("--rates", default="0.6,0.8")
@@ -89,9 +90,12 @@ def main() -> None:
     ks: list[int | str] = [int(x) for x in args.k.split(",") if int(x) > 0]
     for k in ks + (["rule"] if args.rule else []):
         rule = k == "rule"
-        llm = LLM(target, draft_model=shape_dir(args.draft), num_speculative_tokens=max(ks) if rule else k,
-                  rejection_sampling="synthetic", synthetic_acceptance_rate=0.8, draft_token_map=token_map,
-                  adaptive_draft_length=rule, **common)
+        num = max(ks) if rule else k
+        drafter = (dict(speculative_config={"method": "eagle3", "model": eagle3_head_dir(args.target),
+                                            "num_speculative_tokens": num}) if args.draft == "eagle3"
+                   else dict(draft_model=shape_dir(args.draft), num_speculative_tokens=num, draft_token_map=token_map))
+        llm = LLM(target, rejection_sampling="synthetic", synthetic_acceptance_rate=0.8, adaptive_draft_length=rule,
+                  **drafter, **common)
         for rate in (float(r) for r in args.rates.split(",")):
             llm.engine.spec_config.synthetic_acceptance_rate = rate
             for b in batches:

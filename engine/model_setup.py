@@ -71,7 +71,7 @@ def configure_engine(model: str, draft_model: str | None, *, device: torch.devic
     options = dict(options)
     spec = speculative_config(draft_model, options)
     if spec is not None and spec.speculative_method == "eagle3":
-        _check_eagle3_options(spec, options, tensor_parallel_size, device)
+        _check_eagle3_options(spec, options, tensor_parallel_size)
     pair = resolve_model_pair(model, spec, max_model_len, load_format=str(options.get("load_format", "auto")))
     config = EngineConfig(device=device, dtype=dtype, max_model_len=pair.max_model_len, seed=seed,
                           tensor_parallel_size=tensor_parallel_size,
@@ -109,12 +109,8 @@ def resolve_model_pair(model: str, spec: SpeculativeConfig | None, max_model_len
     return ModelPair(target, draft, spec, max_model_len)
 
 
-def _check_eagle3_options(spec: SpeculativeConfig, options: dict[str, Any], tensor_parallel_size: int,
-                          device: torch.device) -> None:
+def _check_eagle3_options(spec: SpeculativeConfig, options: dict[str, Any], tensor_parallel_size: int) -> None:
     """Settings an EAGLE-3 head cannot honour, refused by name."""
-    if device.type == "cuda" and not options.get("enforce_eager"):
-        raise ValueError("EAGLE-3 heads run eagerly so far: set enforce_eager=True on CUDA (the target's graphs do "
-                         "not keep the auxiliary hidden states the head reads)")
     if options.get("speculation_ahead"):
         raise ValueError("speculation_ahead cannot be used with an EAGLE-3 head (method 'eagle3'): the head drafts "
                          "from the verify's hidden states, which do not exist before the verify has run")
@@ -126,11 +122,16 @@ def _check_eagle3_options(spec: SpeculativeConfig, options: dict[str, Any], tens
                          "draft_tensor_parallel_size 1)")
 
 
+# Targets whose decoder keeps the auxiliary states a head reads (engine/models/decoder.py). Not Gemma 3: its
+# embeddings are scaled inside the model, and no public head says how a head shares them.
+EAGLE3_TARGET_FAMILIES = ("llama", "gpt_oss", "qwen3_moe")
+
+
 def _eagle3_head(target: ModelConfig, spec: SpeculativeConfig, need_weights: bool) -> ModelConfig:
     from engine.models.eagle3_config import Eagle3ModelConfig
 
-    if target.family != "llama":
-        raise ValueError(f"EAGLE-3 heads are supported for Llama-family targets (Llama, Qwen3, ...), not "
-                         f"{target.architecture}")
+    if target.family not in EAGLE3_TARGET_FAMILIES:
+        raise ValueError(f"EAGLE-3 heads are supported for targets of the families {EAGLE3_TARGET_FAMILIES} "
+                         f"(Llama, Qwen3, GPT-OSS, Qwen3-MoE), not {target.architecture}")
     path = resolve_model(spec.draft_model, require_weights=need_weights).path
     return Eagle3ModelConfig.from_head(path, target)

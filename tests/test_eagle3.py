@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import hf_greedy, make_tiny_model
 from eagle3_support import random_head, reference_drafts, write_flat, write_speculators
+from moe_support import gpt_oss_config, make_model
 from spec_support import (
     ENGINE_KW,
     GREEDY,
@@ -141,7 +142,11 @@ def test_formats_draft_same_tokens(tiny_models, heads):
 # ------------------------------------------------------------------------------------------------------------
 
 def _deep_target(root, family: str):
-    """An 8-layer target: the default auxiliary layers (2, 4, 5) differ from other plausible choices."""
+    """An 8-layer target: the default auxiliary layers (2, 4, 5) differ from other plausible choices. GPT-OSS: MoE
+    layers with sinks, sliding and full attention alternating (the seeds' EAGLE-3 target family)."""
+    if family == "gpt_oss":
+        cfg = gpt_oss_config(num_hidden_layers=8, layer_types=["sliding_attention", "full_attention"] * 4)
+        return make_model(root, "gpt-oss-deep", cfg, seed=5)
     base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, head_dim=16, bos_token_id=1, eos_token_id=2,
                 pad_token_id=0)
@@ -180,7 +185,7 @@ def _record_cases(llm: LLM) -> list[tuple[list[int], list[int]]]:
     return cases
 
 
-@pytest.mark.parametrize("family,layer_type", [("llama", "llama"), ("qwen3", "qwen3")])
+@pytest.mark.parametrize("family,layer_type", [("llama", "llama"), ("qwen3", "qwen3"), ("gpt_oss", "llama")])
 def test_proposals_match_reference(tmp_path, family, layer_type):
     target = _deep_target(tmp_path, family)
     w = random_head(target.config, seed=4, layer_type=layer_type)
@@ -200,6 +205,10 @@ def test_proposals_match_reference(tmp_path, family, layer_type):
     for kw in wrong:
         assert any(drafts != reference_drafts(w, target.hf, context, len(drafts), **kw)
                    for context, drafts in cases), kw
+    # Strict rejection over the same head: greedy output is the target's (HF's).
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    strict = _eagle(target.path, head, adaptive_draft_length=False).generate(PROMPTS, greedy)
+    assert [o.token_ids for o in strict] == [hf_greedy(target.hf, p, 16) for p in PROMPTS]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -267,13 +276,6 @@ def test_probabilistic_rejection_follows_target(tmp_path):
 def test_speculation_ahead_refused(tiny_models, heads):
     with pytest.raises(ValueError, match="speculation_ahead cannot be used with an EAGLE-3 head"):
         _eagle(tiny_models["llama"].path, heads["llama", "flat"], speculation_ahead=True)
-    # On CUDA the head runs eagerly only (checked before anything touches the device, so it runs here too).
-    from engine.model_setup import configure_engine
-
-    with pytest.raises(ValueError, match="EAGLE-3 heads run eagerly so far"):
-        configure_engine(tiny_models["llama"].path, heads["llama", "flat"], device=torch.device("cuda"),
-                         dtype=torch.float32, max_model_len=None, seed=0, tensor_parallel_size=1,
-                         options={"speculative_method": "eagle3"})
 
 
 def test_speculative_config_errors(tiny_models, heads, tiny_drafts, target_greedy):

@@ -107,6 +107,12 @@ class DecoderModel(nn.Module):
         rotaries = self.layer_rotaries(cfg)
         self.layers = nn.ModuleList(layer(cfg, i, rotaries[i]) for i in range(cfg.num_layers))
         self.norm = self.norm_cls(cfg.hidden_size, cfg.hf_config.rms_norm_eps, offset=self.norm_offset)
+        # Layers whose incoming residual stream each forward keeps for an EAGLE-3 head (set before the runner
+        # captures its graphs: engine/speculation/speculative_step.py); (): none kept.
+        self.aux_layer_ids: tuple[int, ...] = ()
+        # [num_tokens, len(aux_layer_ids) * hidden_size] of the last forward, the streams side by side in ascending
+        # layer order (a graph replay restores its own: engine/runner/cuda_graphs.py); None without aux_layer_ids.
+        self.aux_hidden: torch.Tensor | None = None
 
     def layer_rotaries(self, cfg: ModelConfig) -> list[RotaryEmbedding]:
         """The rotary embedding of each layer: one table shared by all."""
@@ -117,8 +123,13 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
-        for layer in self.layers:
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layer_ids:  # the stream entering layer i: the last output plus its deferred residual
+                aux.append(x if residual is None else x + residual)
             x, residual = layer(positions, x, residual, md)
+        if self.aux_layer_ids:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         return self.norm.forward_with_residual(x, residual)[0]
 
 

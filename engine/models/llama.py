@@ -140,12 +140,6 @@ class LlamaModel(DecoderModel):
         super().__init__(cfg, LlamaDecoderLayer)
         # Every layer of a few-row decode step in one launch (engine/kernels/persistent_plan.py); the runner sets it.
         self.persistent: PersistentDecoder | None = None
-        # Layers whose incoming residual stream each forward keeps for an EAGLE-3 head (engine/speculation/
-        # eagle3_proposer.py sets them); (): none kept.
-        self.aux_layer_ids: tuple[int, ...] = ()
-        # [num_tokens, len(aux_layer_ids) * hidden_size] of the last eager forward, the streams side by side in
-        # ascending layer order; None without aux_layer_ids.
-        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None

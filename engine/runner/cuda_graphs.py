@@ -86,9 +86,14 @@ class ForwardGraphs:
     def __init__(self, buffers: InputBuffers, forward: Callable[[StepInput], torch.Tensor],
                  batch_sizes: list[int], query_lens: list[int], pool: GraphPool,
                  gathered: Callable[[StepInput], torch.Tensor] | None = None,
-                 mixed_token_sizes: list[int] | None = None) -> None:
+                 mixed_token_sizes: list[int] | None = None,
+                 side_output: tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]] | None = None
+                 ) -> None:
         """forward: logits of every token (uniform graphs); gathered: logits of the step's logits rows only
-        (mixed graphs, none without it)."""
+        (mixed graphs, none without it). side_output: (read, restore) of a tensor the forward leaves beside its
+        logits (an EAGLE-3 head's auxiliary states of the target): read after each capture, it is that graph's
+        static tensor; after a replay, restore is given a copy of the replayed graph's (the next replay rewrites
+        the pool's memory, and the tensor's reader keeps slices of it across steps)."""
         self.buffers = buffers
         self.forward = forward
         self.gathered = gathered
@@ -100,6 +105,8 @@ class ForwardGraphs:
         self.mixed_num_reqs = self.batch_sizes[-1] if self.batch_sizes else 0
         self.mixed_logits_per_req = max(self.query_lens, default=1)
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.side_output = side_output
+        self.side: dict[GraphKey, torch.Tensor] = {}  # each graph's static side output
         self.num_replays = 0
         self.num_mixed_replays = 0
 
@@ -110,14 +117,20 @@ class ForwardGraphs:
             for t in reversed(self.mixed_token_sizes):  # the largest first: the others reuse its memory
                 step = self.buffers.load_padding(r, t, t, r * per_req)
                 self.graphs[(r, t, t)] = self.pool.capture(lambda step=step: self.gathered(step))  # type: ignore[misc]
+                self._keep_side((r, t, t))
             for q in reversed(self.query_lens):
                 for b in reversed(self.batch_sizes):
                     step = self.buffers.load_dummy(b, q)
                     self.graphs[(b, q)] = self.pool.capture(lambda step=step: self.forward(step))
+                    self._keep_side((b, q))
             torch.cuda.synchronize()
         logger.info("captured %d forward graphs (batch sizes %s, query lens %s, mixed token sizes %s) in %.1f s",
                     len(self.graphs), self.batch_sizes, self.query_lens, self.mixed_token_sizes,
                     time.perf_counter() - t0)
+
+    def _keep_side(self, key: GraphKey) -> None:
+        if self.side_output is not None:
+            self.side[key] = self.side_output[0]()
 
     def bucket(self, chunks: list[Chunk]) -> GraphKey | None:
         """The graph that can run these chunks, or None (run eagerly): a uniform one if every chunk wants logits
@@ -152,6 +165,8 @@ class ForwardGraphs:
         of the static output, valid until the next replay of any graph of this pool)."""
         graph, out = self.graphs[key]
         graph.replay()
+        if self.side_output is not None:
+            self.side_output[1](self.side[key].clone())
         self.num_replays += 1
         self.num_mixed_replays += len(key) == 3
         return out[:num_rows]

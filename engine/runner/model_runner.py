@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -253,8 +254,17 @@ class ModelRunner:
             self.graph_pool = GraphPool()
         self.graphs = ForwardGraphs(self.buffers, torch.inference_mode()(self.forward_all),
                                     graph_batch_sizes(self.config), query_lens, self.graph_pool,
-                                    gathered=self.execute, mixed_token_sizes=mixed_graph_token_sizes(self.config))
+                                    gathered=self.execute, mixed_token_sizes=mixed_graph_token_sizes(self.config),
+                                    side_output=self._aux_side_output())
         self.graphs.capture()
+
+    def _aux_side_output(self) -> tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]] | None:
+        """The auxiliary states an EAGLE-3 head reads, kept through graph replays: set on the model before the
+        graphs are captured (engine/speculation/eagle3_proposer.py), they are a side output of every graph."""
+        if self.model_config.family == "eagle3" or not self.model.model.aux_layer_ids:
+            return None
+        inner = self.model.model
+        return (lambda: inner.aux_hidden), (lambda t: setattr(inner, "aux_hidden", t))
 
     def build_tree_graphs(self, row_buckets: list[int], max_nodes: int, max_total_rows: int,
                           capture: bool = True) -> TreeGraphs:

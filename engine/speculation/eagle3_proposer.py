@@ -17,7 +17,8 @@ model's): head position p <= the draft model's position p + 1, so a draft model'
 target skipped positions (a prefix-cache hit) the head keeps what its cached blocks hold there and starts from the
 target's first computed position: drafts may be worse there, never wrong (the verify decides).
 
-Eager on every device (its forwards are one layer; a graphed k-step loop is future work). Grammar masks and logits
+The head runs eagerly on every device (its forwards are one layer; a graphed k-step loop is future work), beside a
+target whose CUDA graphs keep the auxiliary states as a side output (`keep_target_states`). Grammar masks and logits
 processing are not applied to the head's drafts: rejection sampling reads the q each draft was drawn from, so the
 output is exact either way.
 """
@@ -63,8 +64,9 @@ class Eagle3Proposer:
         head = runner.model
         if not isinstance(head, Eagle3Head):
             raise TypeError(f"an EAGLE-3 proposer needs an EAGLE-3 head, got {type(head).__name__}")
-        if runner.captures_graphs or target.captures_graphs:
-            raise ValueError("EAGLE-3 heads run eagerly so far: set enforce_eager=True on CUDA")
+        if tuple(target.model.model.aux_layer_ids) != tuple(runner.model_config.aux_layer_ids):
+            raise RuntimeError("the target keeps no auxiliary states for this head: call keep_target_states before "
+                               "the target's graphs are captured")
         self.runner = runner
         self.target = target
         self.head = head
@@ -74,8 +76,16 @@ class Eagle3Proposer:
         self.generator.manual_seed(seed + 1)
         self.loop = None  # no draft loop (DraftProposer's graphed path): every proposal is eager
         head.share_embedding(target.model.model.embed_tokens)
-        target.model.model.aux_layer_ids = tuple(runner.model_config.aux_layer_ids)  # type: ignore[attr-defined]
         self.pending: dict[str, _Pending] = {}
+
+    @staticmethod
+    def keep_target_states(target: ModelRunner, head: ModelRunner) -> None:
+        """Have every target forward keep the states entering the head's auxiliary layers. The head itself runs
+        eagerly (one layer: its k steps cost launches, not bytes); the target's CUDA graphs, captured after this,
+        keep the states as a side output (engine/runner/cuda_graphs.py)."""
+        if target.graphs is not None:
+            raise RuntimeError("the target's graphs are already captured without the head's auxiliary states")
+        target.model.model.aux_layer_ids = tuple(head.model_config.aux_layer_ids)
 
     # ---- after every target forward --------------------------------------------------------------------
     def absorb_target(self, plan: StepPlan, counts: list[int], result: StepResult) -> None:

@@ -153,13 +153,17 @@ class SpeculativeStep:
               speculation_ahead: bool = False) -> SpeculativeStep:
         """Both sides over two runners of one process (draft None: the target alone)."""
         table = RequestTable()
-        # The target's side first: its verifier captures the target's CUDA graphs before the draft loop's.
-        target_side = TargetSide(target, seed, table)
-        proposer = None
-        if draft is not None and draft.model_config.family == "eagle3":
+        eagle3 = draft is not None and draft.model_config.family == "eagle3"
+        if eagle3:
             if speculation_ahead:
                 raise ValueError("speculation ahead cannot be used with an EAGLE-3 head: the head drafts from the "
                                  "verify's hidden states, which do not exist before the verify has run")
+            # Before the target's graphs are captured: they keep these states as a side output.
+            Eagle3Proposer.keep_target_states(target, draft)
+        # The target's side first: its verifier captures the target's CUDA graphs before the draft loop's.
+        target_side = TargetSide(target, seed, table)
+        proposer = None
+        if eagle3:
             proposer = Eagle3Proposer(draft, target, keep_probs, seed)
             # Every target forward's states go to the head, whether the head drafted in its step or not.
             target_side.verifier.on_forward = proposer.absorb_target

@@ -1,6 +1,6 @@
 """EAGLE-3 heads on CUDA, eagerly (the kernel path: Triton attention, the few-row products): fp32 greedy with the head
-equals HF's greedy on the same GPU for a Llama and a Qwen3 target, in both checkpoint formats; the graphed path is
-refused with a clear error until the head's k-step loop is captured."""
+equals HF's greedy on the same GPU for a Llama and a Qwen3 target, in both checkpoint formats; and beside a target
+whose CUDA graphs keep the auxiliary states, with the same drafts as eagerly."""
 
 from __future__ import annotations
 
@@ -30,8 +30,25 @@ def test_eager_head_greedy_matches_hf_on_cuda(tiny_models, tmp_path, family, fmt
     assert llm.spec_stats(outs).num_draft_tokens > 0
 
 
-def test_graphed_head_refused(tiny_models, tmp_path):
-    m = tiny_models["llama"]
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_graphed_target_with_eager_head_matches_hf(tiny_models, tmp_path, family):
+    """The target's CUDA graphs keep the auxiliary states as a side output: with graphs (the default) greedy output
+    with the head equals HF's, the verify replayed graphs, and the head drafted from the replayed states (drafts
+    accepted: a head fed stale or zero states from a graph's memory would fail both)."""
+    m = tiny_models[family]
     head = write_flat(random_head(m.config, seed=1), tmp_path / "head")
-    with pytest.raises(ValueError, match="EAGLE-3 heads run eagerly so far"):
-        LLM(m.path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3}, **KW)
+    llm = LLM(m.path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3},
+              adaptive_draft_length=False, **KW)
+    target = llm.executor.target
+    assert target.graphs is not None and target.graphs.side_output is not None
+    prompts = random_prompts([5, 17, 40], seed=2)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy_cuda(m.hf, p, 24)
+    assert target.graphs.num_replays > 0
+    eager = LLM(m.path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3},
+                adaptive_draft_length=False, enforce_eager=True, **KW)
+    want = eager.spec_stats(eager.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True)))
+    got = llm.spec_stats(outs)
+    # The same drafts either way (fp32; the head's inputs are the same states): the same acceptance counts.
+    assert (got.num_draft_tokens, got.num_accepted_tokens) == (want.num_draft_tokens, want.num_accepted_tokens)
