@@ -69,13 +69,15 @@ def main() -> None:
     ap.add_argument("--rule", action="store_true",
                     help="also run the draft length rule (num_speculative_tokens = the largest --k) and compare "
                          "it with the best fixed k")
+    ap.add_argument("--kv-gib", type=float, default=8.0, help="KV-cache memory of each model, GiB (a pair that "
+                    "fills the GPU with weights, e.g. gpt-oss-120b + 20b, needs less)")
     ap.add_argument("--out")
     args = ap.parse_args()
     set_pdl(not args.no_pdl)
     batches = [int(b) for b in args.batch.split(",")]
     common = dict(seed=args.seed, load_format="dummy", device="cuda",
                   max_model_len=args.context + args.new_tokens + 16, max_num_seqs=max(batches),
-                  kv_cache_memory_bytes=8 << 30, cuda_graph_batch_sizes=tuple(batches),
+                  kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)), cuda_graph_batch_sizes=tuple(batches),
                   **({} if args.small_m_rows is None else {"small_m_rows": args.small_m_rows}))
     target = shape_dir(args.target)
     token_map = prefix_token_map(args.draft_vocab)
