@@ -10,7 +10,14 @@ from interpreter_children import assert_pytest_children_pass
 
 from engine.kernels import moe_small_m
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
-from engine.models.moe import FusedExperts, moe_experts_ref, route_softmax_then_topk, route_topk_then_softmax
+from engine.models.moe import (
+    FusedExperts,
+    experts_grouped,
+    moe_experts_ref,
+    route_softmax_then_topk,
+    route_topk_then_softmax,
+    sort_by_expert,
+)
 from engine.quantization import mxfp4
 
 INTERPRETED = interpreting()
@@ -79,3 +86,15 @@ def test_reference_equals_a_loop_over_each_tokens_experts():
             gate, up = (w13[ids[t, j]] @ x[t]).chunk(2)
             want += weights[t, j] * (w2[ids[t, j]] @ (torch.nn.functional.silu(gate) * up))
         torch.testing.assert_close(ref[t], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("activation,packed,bias", [("swiglu_oai", True, True), ("silu", False, False)])
+def test_grouped_path_equals_reference(activation, packed, bias):
+    """The prefill-sized path (each touched expert once, its rows as one product) against the per-row reference,
+    with an expert no token picked (its empty run skipped)."""
+    ex = _experts(activation, packed, bias, seed=3, e=6)
+    x, weights, ids = _routing(40, 6, 2, seed=4)
+    ids = torch.where(ids == 5, torch.full_like(ids, 4), ids)  # expert 5 idle
+    rows = sort_by_expert(weights, ids, 6)
+    torch.testing.assert_close(experts_grouped(ex, x, rows), moe_experts_ref(x, weights, ids, ex), atol=1e-4, rtol=1e-4)
+    assert torch.equal(ex(x, weights, ids), experts_grouped(ex, x, rows))  # the layer takes it at 80 routed rows

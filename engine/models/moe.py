@@ -8,7 +8,11 @@ located by offsets made with scatter_add (bincount would read the largest id on 
 grouped kernel to walk. The reference below does the same work without knowing the runs' lengths on the host: it
 reads each routed row's expert weights by index (dequantizing packed ones there), so its cost per row is one
 expert's weights, and it is chunked by a host-side bound of rows. A step of few routed rows (decode, verify, the
-draft's steps) on the kernel devices takes engine/kernels/moe_small_m.py instead, over the router's order.
+draft's steps) on the kernel devices takes engine/kernels/moe_small_m.py instead, over the router's order. A step of
+more rows outside a graph capture (a prefill chunk) reads the runs' lengths on the host once and takes each touched
+expert's weights once for all its rows (`experts_grouped`): the reference's cost per row would make a 2k-token
+prefill of gpt-oss-120b read 8192 experts' weights a layer. So the runner captures graphs of an MoE model only for
+steps the kernels take (ModelRunner.max_graph_tokens).
 """
 
 from __future__ import annotations
@@ -162,9 +166,15 @@ class FusedExperts(nn.Module):
         """x [T, H], routing weights and expert ids [T, top_k] -> sum over each token's experts of
         weight * expert(x) [T, H]. A few routed rows on the kernel devices take engine/kernels/moe_small_m.py (the
         choice reads host shapes only); other steps the reference, rows sorted by expert."""
-        if use_fused_kernels(x) and 0 < ids.numel() <= MAX_ROUTED_ROWS:
+        n = ids.numel()
+        # In a graph capture the kernels take any count (the reference's per-row cost is worse, and the grouped path
+        # reads the host); the runner keeps MoE graphs to steps of a few hundred routed rows (max_graph_tokens).
+        if use_fused_kernels(x) and 0 < n and (n <= MAX_ROUTED_ROWS or _capturing(x)):
             return moe_experts(x, weights, ids, self)
-        return experts_ref(self, x, sort_by_expert(weights, ids, self.num_experts))
+        rows = sort_by_expert(weights, ids, self.num_experts)
+        if n > self.num_experts and not _capturing(x):
+            return experts_grouped(self, x, rows)
+        return experts_ref(self, x, rows)
 
 
 def experts_ref(experts: FusedExperts, x: torch.Tensor, rows: RoutedRows) -> torch.Tensor:
@@ -185,6 +195,46 @@ def experts_ref(experts: FusedExperts, x: torch.Tensor, rows: RoutedRows) -> tor
         if experts.down_proj_bias is not None:
             y = y + experts.down_proj_bias[e].to(dtype)
         out.index_add_(0, tok, y * rows.weight[start:start + chunk, None].to(dtype))
+    return out
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on x's device's current stream (never on a CPU tensor)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+# Routed rows up to which the runner captures an MoE model's mixed graphs (prefill chunks beside decodes): past
+# them a chunk runs eagerly through experts_grouped, which reads each touched expert once.
+MAX_GRAPH_ROUTED_ROWS = 256
+
+
+def max_graph_tokens(model: nn.Module) -> int | None:
+    """Tokens a captured forward of `model` may hold, or None where any count may (no routed experts)."""
+    if not any(isinstance(m, FusedExperts) for m in model.modules()):
+        return None
+    return max(1, MAX_GRAPH_ROUTED_ROWS // model.config.hf_config.num_experts_per_tok)
+
+
+def experts_grouped(experts: FusedExperts, x: torch.Tensor, rows: RoutedRows) -> torch.Tensor:
+    """The experts' forward expert by expert: each touched expert's weights dequantized once and its rows run as one
+    product. Same result as experts_ref up to summation order; for steps of many rows, never inside a graph."""
+    # SYNC: the runs' lengths on the host, once a forward of a prefill-sized MoE step (never captured in a graph).
+    offsets = rows.expert_offsets.tolist()
+    dtype = x.dtype
+    out = torch.zeros_like(x)
+    for e in range(experts.num_experts):
+        lo, hi = offsets[e], offsets[e + 1]
+        if lo == hi:
+            continue
+        one = torch.tensor([e], device=x.device)
+        tok = rows.token[lo:hi]
+        h = x[tok] @ experts.gate_up_weight(one, dtype)[0].T  # [n, 2I]
+        if experts.gate_up_proj_bias is not None:
+            h = h + experts.gate_up_proj_bias[e].to(dtype)
+        y = experts.act(h) @ experts.down_weight(one, dtype)[0].T  # [n, H]
+        if experts.down_proj_bias is not None:
+            y = y + experts.down_proj_bias[e].to(dtype)
+        out.index_add_(0, tok, y * rows.weight[lo:hi, None].to(dtype))
     return out
 
 

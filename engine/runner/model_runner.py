@@ -20,6 +20,7 @@ from engine.kernels.small_m_tiles import wide_layer_rows
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
 from engine.models.eagle3 import build_eagle3_head
 from engine.models.loader import build_model
+from engine.models.moe import max_graph_tokens
 from engine.parallel import get_tp_group
 from engine.quantization import is_quantized, weights_summary
 from engine.runner.cuda_graphs import ForwardGraphs, GraphPool
@@ -252,9 +253,13 @@ class ModelRunner:
             return
         if self.graph_pool is None:
             self.graph_pool = GraphPool()
+        mixed = mixed_graph_token_sizes(self.config)
+        limit = max_graph_tokens(self.model)
+        if limit is not None:  # routed experts: larger prefill chunks run eagerly (engine/models/moe.py)
+            mixed = [t for t in mixed if t <= limit]
         self.graphs = ForwardGraphs(self.buffers, torch.inference_mode()(self.forward_all),
                                     graph_batch_sizes(self.config), query_lens, self.graph_pool,
-                                    gathered=self.execute, mixed_token_sizes=mixed_graph_token_sizes(self.config),
+                                    gathered=self.execute, mixed_token_sizes=mixed,
                                     side_output=self._aux_side_output())
         self.graphs.capture()
 
