@@ -71,9 +71,10 @@ class GptOssMoE(nn.Module):
         self.router.weight.requires_grad_(False)
         self.router.bias.requires_grad_(False)
         packed = mxfp4.quantized(hf, f"model.layers.{layer_id}.mlp.experts")
+        # Older transformers' GptOssConfig holds neither key; gpt-oss's values are 1.702 and 7.0.
         self.experts = FusedExperts(self.num_experts, cfg.hidden_size, hf.intermediate_size, bias=True,
                                     activation="swiglu_oai", packed=packed, in_by_out=True,
-                                    alpha=getattr(hf, "swiglu_alpha", 1.702), limit=hf.swiglu_limit)
+                                    alpha=getattr(hf, "swiglu_alpha", 1.702), limit=getattr(hf, "swiglu_limit", 7.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_topk_then_softmax(F.linear(x, self.router.weight, self.router.bias), self.top_k)

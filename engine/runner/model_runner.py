@@ -84,7 +84,8 @@ class ModelRunner:
             max_tokens = engine_config.max_num_batched_tokens + max_reqs * per_req
             self.buffers = InputBuffers(self.kv_groups, max_reqs, max_tokens, engine_config.max_model_len, self.device)
             self._build_persistent_decoder(engine_config.persistent_decode_rows)
-            self.warm_up_attention()
+            if model_config.family != "eagle3":  # a head embeds through the target's table: its proposer warms it
+                self.warm_up_attention()
         logger.info("%s: %d KV-cache group(s) %s, %d blocks of %d tokens", name, len(self.kv_groups),
                     [(len(g.layer_ids), g.spec.sliding_window) for g in self.kv_groups], self.num_blocks,
                     engine_config.block_size)

@@ -76,6 +76,7 @@ class Eagle3Proposer:
         self.generator.manual_seed(seed + 1)
         self.loop = None  # no draft loop (DraftProposer's graphed path): every proposal is eager
         head.share_embedding(target.model.model.embed_tokens)
+        runner.warm_up_attention()  # now that the head can embed (its runner skipped it at start-up)
         self.pending: dict[str, _Pending] = {}
 
     @staticmethod
