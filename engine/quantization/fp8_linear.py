@@ -28,7 +28,8 @@ if HAS_TRITON:
     @triton.jit
     def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, G, group_k,
                            stride_xm, stride_wn, stride_sn, stride_om, HAS_BIAS: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PRECISION: tl.constexpr):
         """One program a BLOCK_N slice of the outputs for every row; each BLOCK_K step lies in one scale group
         (BLOCK_K divides group_k, or G is 1), so the group's scales multiply the step's partial products."""
         pid = tl.program_id(0)
@@ -46,7 +47,7 @@ if HAS_TRITON:
             w = w.to(tl.float8e4nv, bitcast=True).to(x.dtype)
             g = tl.minimum(k0 // group_k, G - 1)
             s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0)
-            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32) * s[None, :]
+            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32, input_precision=PRECISION) * s[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(out_ptr.dtype.element_ty)
@@ -78,7 +79,10 @@ def fp8_linear_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     grid = (triton.cdiv(n, block_n),)
     _fp8_linear_kernel[grid](x, weight.view(torch.uint8), scale, bias if bias is not None else scale, out,
                              m, n, k, groups, group_k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-                             HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k)
+                             HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+                             # float32 activations: products in IEEE float32, as the reference's matmul (tl.dot would
+                             # round them to TF32); the 16-bit types are exact in either.
+                             PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return out
 
 

@@ -16,8 +16,8 @@ from engine.models.moe import FusedExperts, moe_experts_ref, route_topk_then_sof
 from engine.quantization import mxfp4
 
 pytestmark = pytest.mark.gpu
-# bf16 activations in and out, float32 inside both: the kernel and the reference differ in summation order and in
-# where they round the intermediate activation to bf16.
+# bf16 in and out. The kernel keeps float32 inside; against the reference run in float32 on the same inputs, it
+# differs by the rounding of its output to bf16 (2^-8 relative) and summation order.
 BF16 = dict(atol=3e-2, rtol=3e-2)
 
 
@@ -48,9 +48,9 @@ def test_moe_kernel_at_gpt_oss_20b_shape(packed):
         x = torch.randn(tokens, 2880, device="cuda", generator=g).to(torch.bfloat16)
         weights, ids = route_topk_then_softmax(torch.randn(tokens, 32, device="cuda", generator=g), 4)
         out = moe_small_m.moe_experts(x, weights, ids, ex)
-        ref = moe_experts_ref(x, weights, ids, ex)
+        ref = moe_experts_ref(x.float(), weights, ids, ex)  # bf16 or packed weights, exact in float32
         assert out.dtype == x.dtype and torch.isfinite(out).all()
-        torch.testing.assert_close(out.float(), ref.float(), **BF16)
+        torch.testing.assert_close(out.float(), ref, **BF16)
 
 
 @pytest.mark.parametrize("window,splits", [(None, None), (128, None), (None, 8), (128, 4)])
