@@ -67,6 +67,15 @@ def test_moe_kernel_matches_reference(activation, packed, bias):
         out = moe_small_m.moe_experts(x, weights, ids, ex)
         ref = moe_experts_ref(x, weights, ids, ex)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    # K in slices (the split a decode on a large GPU takes): two and three slices of H = I = 128, one short.
+    wide = _experts(activation, packed, bias, seed=1, h=128, i=128)
+    g = torch.Generator().manual_seed(7)
+    x2 = torch.randn(3, 128, generator=g)
+    w2, ids2 = route_topk_then_softmax(torch.randn(3, 4, generator=g), 2)
+    for splits in ((2, 3), (3, 2)):
+        torch.testing.assert_close(moe_small_m.moe_experts(x2, w2, ids2, wide, num_splits=splits),
+                                   moe_experts_ref(x2, w2, ids2, wide), atol=1e-4, rtol=1e-4)
+    assert moe_small_m.k_splits(rows=4, n_tiles=90, k=2880) > 1  # a gpt-oss-20b decode is split
     if activation == "swiglu_oai":  # the clamp is active on these rows: a kernel without it would be caught
         ex.limit = 1e9
         assert (moe_experts_ref(x, weights, ids, ex) - ref).abs().max() > 1e-2

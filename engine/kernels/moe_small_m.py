@@ -1,12 +1,16 @@
-"""The MoE experts of a few-row step (decode, a verify of k + 1 tokens a request, a draft's steps) in two Triton
-kernels: gate_up + activation, then down + bias + routing weight, one program per (routed row, output tile), the
+"""The MoE experts of a few-row step (decode, a verify of k + 1 tokens a request, a draft's steps) in three Triton
+kernels: gate_up, then its bias + activation, then down + bias + routing weight, one program per (routed row, output
+tile, slice of K), the
 weights in the model's dtype or MXFP4 (dequantized in the kernel from the packed bytes: never a bf16 copy).
 
 A routed row is one (token, expert) pair of the router's top-k, in the router's order: at a few rows the pairs rarely
 share an expert, so grouping them buys nothing, and the grid is a host-side function of the token count (CUDA graphs
-replay it with any routing). The kernels write each pair's weighted output apart and the k pairs of a token are summed
-in a fixed order afterwards: deterministic, unlike atomics. Prefill-sized steps take the reference, and the plain-torch
-reference of these kernels is moe_experts_ref there (engine/models/moe.py), which groups the rows by expert.
+replay it with any routing). At one to a few rows a grid of (row, output tile) leaves most SMs idle, each program
+walking all of K with a load in flight at a time, so K is split in slices (k_splits) whose partial sums a small
+kernel adds (gate_up, then the bias and activation) or the final sum does (down).
+The kernels write each pair's weighted output apart and the k pairs of a token are summed in a fixed order afterwards:
+deterministic, unlike atomics. Prefill-sized steps take another path (engine/models/moe.py), and the plain-torch
+reference of these kernels is moe_experts_ref there.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ __all__ = ["HAS_TRITON", "MAX_ROUTED_ROWS", "moe_experts"]
 
 MAX_ROUTED_ROWS = 64  # routed rows (tokens x top_k) up to which the model takes these kernels
 _BLOCK_N, _BLOCK_K = 32, 64
+# Programs a launch aims for: about four per SM of an H100 (132), so the loads of many programs overlap.
+_TARGET_PROGRAMS = 528
 
 
 @triton.jit
@@ -44,13 +50,14 @@ def _load_weight(w_ptr, blocks_ptr, scales_ptr, expert, rows, cols, mask, stride
 
 
 @triton.jit
-def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr, act_ptr,
-                        top_k, hidden, inter, alpha, limit,
-                        stride_xt, stride_we, stride_wr, blocks_e, blocks_r, scales_e, scales_r, stride_be,
-                        PACKED: tl.constexpr, HAS_BIAS: tl.constexpr, OAI: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, part_ptr, top_k, hidden, inter, rows, k_slice,
+                    stride_xt, stride_we, stride_wr, blocks_e, blocks_r, scales_e, scales_r,
+                    PACKED: tl.constexpr, OAI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    """Gate and up partial sums of one routed row over one slice of K: part[s, 0 | 1, row, n]."""
     row = tl.program_id(0).to(tl.int64)  # routed row: token * top_k + j
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] intermediate features
+    s = tl.program_id(2).to(tl.int64)  # the K slice
     n_ok = n < inter
     expert = tl.load(ids_ptr + row)
     token = row // top_k
@@ -63,9 +70,10 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr,
         u_rows = inter + n
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    k_end = tl.minimum(s * k_slice + k_slice, hidden)
+    for k0 in range(s * k_slice, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        k_ok = k < hidden
+        k_ok = k < k_end
         x = tl.load(x_ptr + token * stride_xt + k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
         mask = n_ok[:, None] & k_ok[None, :]
         wg = _load_weight(w_ptr, blocks_ptr, scales_ptr, expert, g_rows, k, mask, stride_we, stride_wr, blocks_e,
@@ -74,8 +82,32 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr,
         wu = _load_weight(w_ptr, blocks_ptr, scales_ptr, expert, u_rows, k, mask, stride_we, stride_wr, blocks_e,
                           blocks_r, scales_e, scales_r, PACKED)
         acc_u += tl.sum(wu * x[None, :], 1)
+    out = part_ptr + (s * 2 * rows + row) * inter + n
+    tl.store(out, acc_g, mask=n_ok)
+    tl.store(out + rows * inter, acc_u, mask=n_ok)
+
+
+@triton.jit
+def _act_kernel(part_ptr, ids_ptr, bias_ptr, act_ptr, inter, rows, splits, alpha, limit, stride_be,
+                HAS_BIAS: tl.constexpr, OAI: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    """act[row, n] from the K slices' gate and up partial sums (added in slice order), the bias and the activation."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in range(0, splits):
+        p = part_ptr + (s * 2 * rows + row) * inter + n
+        acc_g += tl.load(p, mask=n_ok, other=0.0)
+        acc_u += tl.load(p + rows * inter, mask=n_ok, other=0.0)
+    if OAI:
+        g_rows = 2 * n
+        u_rows = 2 * n + 1
+    else:
+        g_rows = n
+        u_rows = inter + n
     if HAS_BIAS:
-        b = bias_ptr + expert.to(tl.int64) * stride_be
+        b = bias_ptr + tl.load(ids_ptr + row).to(tl.int64) * stride_be
         acc_g += tl.load(b + g_rows, mask=n_ok, other=0.0).to(tl.float32)
         acc_u += tl.load(b + u_rows, mask=n_ok, other=0.0).to(tl.float32)
     if OAI:  # GPT-OSS: gate clamped from above, up both sides, (up + 1) * gate * sigmoid(alpha * gate)
@@ -89,32 +121,44 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr,
 
 @triton.jit
 def _down_kernel(act_ptr, ids_ptr, route_w_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr, y_ptr, hidden, inter,
-                 stride_we, stride_wr, blocks_e, blocks_r, scales_e, scales_r, stride_be,
+                 rows, k_slice, stride_we, stride_wr, blocks_e, blocks_r, scales_e, scales_r, stride_be,
                  PACKED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_PDL: tl.constexpr):
+    """One K slice's weighted partial sum of one routed row's down projection: y[s, row, n] (the bias in slice 0)."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] hidden features
+    s = tl.program_id(2).to(tl.int64)
     n_ok = n < hidden
     expert = tl.load(ids_ptr + row)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
+    k_end = tl.minimum(s * k_slice + k_slice, inter)
+    for k0 in range(s * k_slice, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < inter
+        k_ok = k < k_end
         a = tl.load(act_ptr + row * inter + k, mask=k_ok, other=0.0)  # [BLOCK_K] float32
         w = _load_weight(w_ptr, blocks_ptr, scales_ptr, expert, n, k, n_ok[:, None] & k_ok[None, :], stride_we,
                          stride_wr, blocks_e, blocks_r, scales_e, scales_r, PACKED)
         acc += tl.sum(w * a[None, :], 1)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+        first = (s == 0).to(tl.float32)
+        acc += first * tl.load(bias_ptr + expert.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
     acc = acc * tl.load(route_w_ptr + row).to(tl.float32)
-    tl.store(y_ptr + row * hidden + n, acc, mask=n_ok)
+    tl.store(y_ptr + (s * rows + row) * hidden + n, acc, mask=n_ok)
+
+
+def k_splits(rows: int, n_tiles: int, k: int, target: int = _TARGET_PROGRAMS) -> int:
+    """Slices of K for a grid of rows x n_tiles programs: enough for about `target` programs (a few rows' grid alone
+    leaves most SMs idle and each program a long serial walk over K), at most one BLOCK_K step a slice."""
+    return max(1, min(triton.cdiv(k, _BLOCK_K), triton.cdiv(target, rows * n_tiles)))
 
 
 def moe_experts(x: torch.Tensor,  # [T, H]
                 weights: torch.Tensor,  # [T, top_k] routing weights
                 ids: torch.Tensor,  # [T, top_k] expert ids
-                experts: torch.nn.Module) -> torch.Tensor:  # engine.models.moe.FusedExperts
-    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H] in x's dtype (float32 inside)."""
+                experts: torch.nn.Module,  # engine.models.moe.FusedExperts
+                num_splits: tuple[int, int] | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H] in x's dtype (float32 inside). num_splits: the
+    slices of K of (gate_up, down); None: k_splits's. The slices' partial sums are added in a fixed order."""
     require_triton("moe_experts", x, weights, ids)
     t, h = x.shape
     top_k = ids.shape[1]
@@ -124,10 +168,16 @@ def moe_experts(x: torch.Tensor,  # [T, H]
     rows, inter = t * top_k, experts.intermediate_size
     x = x.contiguous()
     ids_flat, w_flat = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
-    act = torch.empty(rows, inter, dtype=torch.float32, device=x.device)
-    y = torch.empty(rows, h, dtype=torch.float32, device=x.device)
     if rows == 0:
         return torch.zeros_like(x)
+    gu_tiles, down_tiles = triton.cdiv(inter, _BLOCK_N), triton.cdiv(h, _BLOCK_N)
+    s_gu, s_down = num_splits or (k_splits(rows, gu_tiles, h), k_splits(rows, down_tiles, inter))
+    # Each slice a whole number of BLOCK_K steps, so no step straddles two slices.
+    slice_gu = triton.cdiv(triton.cdiv(h, s_gu), _BLOCK_K) * _BLOCK_K
+    slice_down = triton.cdiv(triton.cdiv(inter, s_down), _BLOCK_K) * _BLOCK_K
+    part = torch.empty(s_gu, 2, rows, inter, dtype=torch.float32, device=x.device)
+    act = torch.empty(rows, inter, dtype=torch.float32, device=x.device)
+    y = torch.empty(s_down, rows, h, dtype=torch.float32, device=x.device)
     packed, has_bias, oai = experts.packed, experts.gate_up_proj_bias is not None, experts.activation == "swiglu_oai"
 
     def operands(name: str) -> tuple:
@@ -142,11 +192,14 @@ def moe_experts(x: torch.Tensor,  # [T, H]
     gu, down = operands("gate_up_proj"), operands("down_proj")
     gu_bias = experts.gate_up_proj_bias if has_bias else act
     down_bias = experts.down_proj_bias if has_bias else act
-    launch(_gate_up_act_kernel, (rows, triton.cdiv(inter, _BLOCK_N)), x.device,
-           x, ids_flat, gu[0], gu[1], gu[2], gu_bias, act, top_k, h, inter, float(experts.alpha),
-           float(experts.limit), x.stride(0), *gu[3:], gu_bias.stride(0),
-           PACKED=packed, HAS_BIAS=has_bias, OAI=oai, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
-    launch(_down_kernel, (rows, triton.cdiv(h, _BLOCK_N)), x.device,
-           act, ids_flat, w_flat, down[0], down[1], down[2], down_bias, y, h, inter, *down[3:],
+    launch(_gate_up_kernel, (rows, gu_tiles, s_gu), x.device,
+           x, ids_flat, gu[0], gu[1], gu[2], part, top_k, h, inter, rows, slice_gu, x.stride(0), *gu[3:],
+           PACKED=packed, OAI=oai, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
+    launch(_act_kernel, (rows, gu_tiles), x.device,
+           part, ids_flat, gu_bias, act, inter, rows, s_gu, float(experts.alpha), float(experts.limit),
+           gu_bias.stride(0), HAS_BIAS=has_bias, OAI=oai, BLOCK_N=_BLOCK_N)
+    launch(_down_kernel, (rows, down_tiles, s_down), x.device,
+           act, ids_flat, w_flat, down[0], down[1], down[2], down_bias, y, h, inter, rows, slice_down, *down[3:],
            down_bias.stride(0), PACKED=packed, HAS_BIAS=has_bias, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
-    return y.view(t, top_k, h).sum(dim=1).to(x.dtype)
+    # The slices, then each token's top_k pairs, summed in a fixed order (deterministic, unlike atomics).
+    return y.view(s_down, t, top_k, h).sum(dim=(0, 2)).to(x.dtype)

@@ -26,21 +26,25 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, G, group_k,
+    def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, G, group_k, k_slice,
                            stride_xm, stride_wn, stride_sn, stride_om, HAS_BIAS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PRECISION: tl.constexpr):
-        """One program a BLOCK_N slice of the outputs for every row; each BLOCK_K step lies in one scale group
-        (BLOCK_K divides group_k, or G is 1), so the group's scales multiply the step's partial products."""
+                           PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+        """One program a BLOCK_N slice of the outputs for every row over one slice of K; each BLOCK_K step lies in
+        one scale group (BLOCK_K divides group_k, or G is 1), so the group's scales multiply the step's partial
+        products. SPLIT: the slice's float32 partial sums go to out[slice] for _sum_slices_kernel; else the
+        output (with the bias) in out's dtype."""
         pid = tl.program_id(0)
+        sl = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         m_ok, n_ok = rm < M, rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_end = tl.minimum(sl * k_slice + k_slice, K)
+        for k0 in range(sl * k_slice, k_end, BLOCK_K):
             k = k0 + rk
-            k_ok = k < K
+            k_ok = k < k_end
             x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             # The weight as bytes, read as float8_e4m3fn: every FP8 value is exact in the activations' dtype.
             w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
@@ -48,10 +52,27 @@ if HAS_TRITON:
             g = tl.minimum(k0 // group_k, G - 1)
             s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0)
             acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32, input_precision=PRECISION) * s[None, :]
+        if SPLIT:
+            tl.store(out_ptr + (sl * M + rm[:, None]) * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            out = acc.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _sum_slices_kernel(part_ptr, b_ptr, out_ptr, M, N, S, stride_om, HAS_BIAS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        """out[m, n] = sum over the slices (in order) of part[s, m, n], plus the bias, in out's dtype."""
+        m = tl.program_id(0)
+        rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        n_ok = rn < N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(0, S):
+            acc += tl.load(part_ptr + (s * M + m) * N + rn, mask=n_ok, other=0.0)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def _block_k(group_k: int, groups: int) -> int:
@@ -64,10 +85,16 @@ def _block_k(group_k: int, groups: int) -> int:
     raise ValueError(f"FP8 scale groups of {group_k} columns: the kernel needs a multiple of 16")
 
 
+# Programs a launch aims for (about four per SM of an H100): fewer output tiles than that split K in slices.
+_TARGET_PROGRAMS = 528
+
+
 def fp8_linear_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int,
-                      bias: torch.Tensor | None = None, block_n: int = 32) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, block_n: int = 32, num_splits: int | None = None
+                      ) -> torch.Tensor:
     """x [M, K] (M <= FEW_ROWS; bf16, fp16 or float32), weight [N, K] float8_e4m3fn, scale [N, G] float32 ->
-    [M, N] in x's dtype, through the Triton kernel."""
+    [M, N] in x's dtype, through the Triton kernel. num_splits: slices of K (None: enough for about
+    _TARGET_PROGRAMS programs), their partial sums added in order by a second kernel."""
     m, k = x.shape
     n = weight.shape[0]
     if m > FEW_ROWS:
@@ -76,13 +103,21 @@ def fp8_linear_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     groups = scale.shape[1]
     block_k = _block_k(group_k, groups)
-    grid = (triton.cdiv(n, block_n),)
-    _fp8_linear_kernel[grid](x, weight.view(torch.uint8), scale, bias if bias is not None else scale, out,
-                             m, n, k, groups, group_k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-                             HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+    tiles = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, block_k)
+    splits = num_splits or max(1, min(steps, _TARGET_PROGRAMS // tiles))
+    k_slice = triton.cdiv(steps, splits) * block_k  # whole steps a slice: a step never straddles two
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    _fp8_linear_kernel[(tiles, splits)](x, weight.view(torch.uint8), scale, bias if bias is not None else scale,
+                             part, m, n, k, groups, group_k, k_slice, x.stride(0), weight.stride(0), scale.stride(0),
+                             out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+                             SPLIT=splits > 1,
                              # float32 activations: products in IEEE float32, as the reference's matmul (tl.dot would
                              # round them to TF32); the 16-bit types are exact in either.
                              PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    if splits > 1:
+        _sum_slices_kernel[(m, triton.cdiv(n, 256))](part, bias if bias is not None else part, out, m, n, splits,
+                                                     out.stride(0), HAS_BIAS=bias is not None, BLOCK=256)
     return out
 
 
