@@ -25,12 +25,12 @@ KV-cache group of the target can supply from its cache (`_prefix_hit`); the targ
 chunked prefill computes only the rest. The draft starts from its own hit, the longest prefix up to the target's
 that its groups can supply, and computes the positions between the two as the catch-up it does after steps
 without speculation: in the admission step's draft forward when the draft runs then (the gap counts against the
-step's token budget, and the target's hit is cut to leave room for at least one new token), else at the first
-step that runs the draft for the request. Whenever the draft proposes, its KV is complete. A draft that cannot
-compute positions the target skipped (an EAGLE-3 head, which reads the target's states of each position:
-`draft_catches_up` False) starts where the target does, from what both models hold. At least the last token is
-always computed, since the step must produce logits to sample from. Freed and preempted requests drop their
-references only: their cached blocks stay reusable (by anyone, the resumed request included) until evicted.
+step's token budget, and the target's hit is cut where the gap would not fit), else at the first step that runs
+the draft for the request, with explicit input (`Request.draft_gap_unsent`). Whenever the draft proposes, its KV
+is complete. Where the draft cannot compute positions the target skipped (an EAGLE-3 head, which reads the target's
+states of each position: `draft_catches_up` False) both models start from the prefix both hold. At least the last
+token is always computed, since the step must produce logits to sample from. Freed and preempted requests drop
+their references only: their cached blocks stay reusable (by anyone, the resumed request included) until evicted.
 """
 
 from __future__ import annotations
@@ -195,8 +195,8 @@ class Scheduler:
         """Allocate both models' KV for this step, or nothing. start: where the target's input begins (default: the
         committed count; an upper bound after a step in flight). The committed counts decide what sliding windows
         release: they never exceed the true ones, so nothing a step in flight may still read is released. With a
-        prefix hit, every model's table starts from its cached blocks, the draft's too when it sits this step out
-        (it then catches up from the hit)."""
+        prefix hit, every model's table starts from its own cached blocks, the draft's too when it sits this step
+        out (it then catches up from its hit, which may lie before the target's)."""
         rid = request.request_id
         start = request.num_computed_tokens if start is None else start
         if hit is not None and not hit.num_tokens:
