@@ -7,7 +7,8 @@ request. Checked through the engine: greedy output equals the target alone and H
 KV is complete and right, which equal outputs cannot show (the target corrects any draft), so a draft equal to the
 target (self-speculation) must have its drafts accepted, and a near draft must propose and have accepted exactly
 what it does when nothing is cached. Synchronous and asynchronous scheduling (an asynchronous step leaves a decode's
-input to the sides, which never saw the draft's gap: the scheduler sends it explicitly).
+input to the sides, which never saw the draft's gap: the scheduler sends it explicitly). The same with the draft's
+ranks in processes of their own: tests/test_ray_executor.py.
 """
 
 from __future__ import annotations
