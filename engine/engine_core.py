@@ -61,6 +61,7 @@ class EngineCore:
                                    draft_length_fn=draft_length_fn, enable_prefix_caching=caching)
         if self.draft_rule is not None:
             self.scheduler.request_draft_length = self._rule_request_draft_length
+        self.scheduler.draft_catches_up = _draft_catches_up(self.spec_config)
         self.output = OutputProcessor(tokenizer, eos_token_ids, engine_config.max_model_len)
         self.vocab_size = executor.vocab_size
         self.last_step = StepStats()
@@ -212,6 +213,7 @@ class EngineCore:
         self._restart_draft_progress()
         self.scheduler.kv_managers = [self.target_kv, self.draft_kv]
         self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
+        self.scheduler.draft_catches_up = _draft_catches_up(spec)
         self.spec_config = spec
         self.speculation_ahead.restart(ex.ahead_overlaps_verify)  # the new group's runs ahead are measured anew
 
@@ -411,6 +413,12 @@ class EngineCore:
         """The draft length rule's (steps chosen, of those at k = 0, its estimates); None where it is off."""
         rule = self.draft_rule
         return None if rule is None else (rule.steps, rule.steps_at_zero, rule.estimates())
+
+
+def _draft_catches_up(spec: SpeculativeConfig | None) -> bool:
+    """Whether the draft can compute positions a prefix hit let the target skip (engine/scheduler.py): a draft model
+    can, from their tokens; an EAGLE-3 head cannot, it reads the target's states of each position it runs."""
+    return spec is None or spec.speculative_method != "eagle3"
 
 
 def _seeded(request: Request) -> bool:

@@ -207,6 +207,10 @@ class Request:
         # KV progress of the target and of the draft (positions whose KV is in the cache).
         self.num_computed_tokens = 0
         self.num_draft_computed_tokens = 0
+        # The draft starts behind the target's prefix hit and no step has run it for this request yet: the model
+        # sides, which know a request's tokens from its first entry's start on, lack those it must catch up on,
+        # so the next step that runs the draft sends them (an explicit entry, never an open one).
+        self.draft_gap_unsent = False
         self.num_preemptions = 0
         # The ScheduledRequest of this request's step in flight (asynchronous scheduling), until it is committed.
         self.inflight: Any = None

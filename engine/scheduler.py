@@ -21,11 +21,16 @@ step in flight could be written by it): when one would be needed, the output say
 the step in flight land first.
 
 Prefix caching (engine/kv_cache): a waiting request is admitted from the longest prefix of full blocks that every
-KV-cache group of every model can supply from its cache (`_prefix_hit`); both models' progress starts there and
-chunked prefill computes only the rest. The rule takes one length for target and draft alike: were the target
-to skip more than the draft holds, the draft would lack KV for tokens it must attend to. At least the last token
-is always computed, since the step must produce logits to sample from. Freed and preempted requests drop their
-references only: their cached blocks stay reusable (by anyone, the resumed request included) until evicted.
+KV-cache group of the target can supply from its cache (`_prefix_hit`); the target's progress starts there and
+chunked prefill computes only the rest. The draft starts from its own hit, the longest prefix up to the target's
+that its groups can supply, and computes the positions between the two as the catch-up it does after steps
+without speculation: in the admission step's draft forward when the draft runs then (the gap counts against the
+step's token budget, and the target's hit is cut where the gap would not fit), else at the first step that runs
+the draft for the request, with explicit input (`Request.draft_gap_unsent`). Whenever the draft proposes, its KV
+is complete. Where the draft cannot compute positions the target skipped (an EAGLE-3 head, which reads the target's
+states of each position: `draft_catches_up` False) both models start from the prefix both hold. At least the last
+token is always computed, since the step must produce logits to sample from. Freed and preempted requests drop
+their references only: their cached blocks stay reusable (by anyone, the resumed request included) until evicted.
 """
 
 from __future__ import annotations
@@ -72,10 +77,11 @@ class ScheduledRequest:
 
 @dataclass
 class PrefixHit:
-    """A waiting request's start from cached blocks: the same length in every model, per model its tables."""
+    """A waiting request's start from cached blocks: where each model starts, per model its tables."""
 
-    num_tokens: int  # a multiple of the block size, below the request's length; 0: no hit
-    blocks: list[list[list[int]]]  # [model][group] block ids of the hit (NULL_BLOCK outside sliding windows)
+    num_tokens: int  # where the target starts: a multiple of the block size, below the request's length; 0: no hit
+    draft_tokens: int  # where the draft starts: a multiple of the block size, at most num_tokens
+    blocks: list[list[list[int]]]  # [model][group] block ids of the model's hit (NULL_BLOCK outside sliding windows)
     model_hits: list[int]  # [model] tokens that model alone could have supplied (its prefix-cache hit count)
     num_queried: int  # tokens looked up
 
@@ -122,6 +128,10 @@ class Scheduler:
         self.request_draft_length: Callable[[Request, int], int] | None = None
         # The draft drafts each window ahead (engine/speculation/ahead/proposer.py): its KV must reach that far.
         self.speculation_ahead = False
+        # The draft can compute any position from its tokens (a draft model): a prefix hit of the target's that the
+        # draft's cache does not cover is caught up by the draft. False (an EAGLE-3 head, which needs the target's
+        # states of each position it runs): both models start from the prefix both hold.
+        self.draft_catches_up = True
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -185,8 +195,8 @@ class Scheduler:
         """Allocate both models' KV for this step, or nothing. start: where the target's input begins (default: the
         committed count; an upper bound after a step in flight). The committed counts decide what sliding windows
         release: they never exceed the true ones, so nothing a step in flight may still read is released. With a
-        prefix hit, every model's table starts from its cached blocks, the draft's too when it sits this step out
-        (it then catches up from the hit)."""
+        prefix hit, every model's table starts from its own cached blocks, the draft's too when it sits this step
+        out (it then catches up from its hit, which may lie before the target's)."""
         rid = request.request_id
         start = request.num_computed_tokens if start is None else start
         if hit is not None and not hit.num_tokens:
@@ -207,23 +217,34 @@ class Scheduler:
         return True
 
     # --- prefix caching ------------------------------------------------------------------------------
-    def _prefix_hit(self, request: Request) -> PrefixHit | None:
-        """The longest cached prefix every group of every model can supply (None: caching is off, or the request
-        wants its prompt's logprobs, which only computing its positions gives)."""
+    def _prefix_hit(self, request: Request, max_lead: int | None = None) -> PrefixHit | None:
+        """The longest cached prefix every group of the target can supply, and the draft's longest up to it (None:
+        caching is off, or the request wants its prompt's logprobs, which only computing its positions gives).
+        max_lead: at most this many tokens between the draft's start and the target's (the draft's catch-up in
+        the admission step); None: no bound."""
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return None
         bs = self.kv_managers[0].block_size
         hashes = update_block_hashes(request, bs)
         max_blocks = (request.num_tokens - 1) // bs  # leave the last token to compute: its logits are sampled
-        valid = [True] * (max_blocks + 1)
-        model_hits = []
-        for kv in self.kv_managers:
-            own = kv.valid_prefix_lengths(hashes, max_blocks)
-            model_hits.append(bs * max(h for h, ok in enumerate(own) if ok))
-            valid = [a and b for a, b in zip(valid, own)]
-        n = max(h for h, ok in enumerate(valid) if ok)
-        blocks = [kv.prefix_blocks(hashes, n) for kv in self.kv_managers] if n else []
-        return PrefixHit(n * bs, blocks, model_hits, request.num_tokens)
+        # Per model, entry h: whether every group of it can supply the first h blocks (not monotone in h with
+        # sliding windows, so the choices below scan these arrays rather than compare lengths).
+        valid = [kv.valid_prefix_lengths(hashes, max_blocks) for kv in self.kv_managers]
+        model_hits = [bs * max(h for h, ok in enumerate(own) if ok) for own in valid]
+        if len(valid) == 1:
+            n = d = model_hits[0] // bs
+        elif not self.draft_catches_up:
+            n = d = max(h for h in range(max_blocks + 1) if valid[0][h] and valid[1][h])
+        else:
+            n, d = 0, 0
+            draft_below = 0  # the draft's longest valid prefix up to h, as h grows
+            for h in range(max_blocks + 1):
+                if valid[1][h]:
+                    draft_below = h
+                if valid[0][h] and (max_lead is None or (h - draft_below) * bs <= max_lead):
+                    n, d = h, draft_below
+        blocks = [kv.prefix_blocks(hashes, m) for kv, m in zip(self.kv_managers, (n, d))] if n else []
+        return PrefixHit(n * bs, d * bs if n else 0, blocks, model_hits, request.num_tokens)
 
     def cache_committed_blocks(self, request: Request) -> None:
         """Offer the request's newly full, computed blocks to each model's cache; called after each commit."""
@@ -241,6 +262,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_draft_computed_tokens = 0
+        request.draft_gap_unsent = False
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
@@ -272,6 +294,11 @@ class Scheduler:
         num_tokens_max = req.num_tokens + s.num_draft_tokens + 1
         num_output_max = req.num_output_tokens + s.num_draft_tokens + 1
         if num_tokens_max >= self.max_model_len or num_output_max >= req.params.max_tokens:
+            return None
+        if req.draft_gap_unsent and self._draft_runs:
+            # The draft would catch up on tokens before those the sides know of the request (it started behind the
+            # target's prefix hit and has not run since): an open entry cannot carry them, so it sits this step
+            # out and runs the next one with explicit input.
             return None
         # The step's k, unshrunk: the sides shrink it from their exact counts (StepPlan's token_limit), so that it
         # is the k a synchronous schedule would draft here. KV covers the unshrunk k, up to max_model_len.
@@ -325,24 +352,32 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
-                hit = self._prefix_hit(req)
+                # When the draft runs this step it catches up from its own hit to the target's in this step's
+                # forward: that gap counts against the budget, with room left for at least one new token.
+                hit = self._prefix_hit(req, max_lead=budget - 1 if draft_runs else None)
                 if hit is not None and hit.num_tokens:
-                    req.num_computed_tokens = req.num_draft_computed_tokens = hit.num_tokens
+                    req.num_computed_tokens, req.num_draft_computed_tokens = hit.num_tokens, hit.draft_tokens
                 num_new, k = self._num_new(req, budget)
+                lead = 0  # the draft's catch-up before the target's start, run this step
                 if hit is not None and hit.num_tokens:
                     # The rest runs as the prefill it replaces would, without drafts even when one token is left:
                     # a seeded request then samples the same tokens whether or not its prefix was cached.
-                    num_new, k = min(req.num_tokens - req.num_computed_tokens, budget), 0
+                    lead = hit.num_tokens - hit.draft_tokens if draft_runs else 0
+                    num_new, k = min(req.num_tokens - req.num_computed_tokens, budget - lead), 0
                 if not self._try_allocate(req, num_new, k, hit=hit):
                     req.num_computed_tokens = req.num_draft_computed_tokens = 0
                     break
                 if hit is not None:
                     hit.count(self.kv_managers)
+                # The sides learn a request's tokens from its first entry's start on: those the draft still has to
+                # catch up on, before the target's start, go out with the first entry that runs the draft.
+                req.draft_gap_unsent = len(self.kv_managers) > 1 and not draft_runs and (
+                    req.num_draft_computed_tokens < req.num_computed_tokens)
                 if req.num_cached_tokens is None:  # the first admission's hit is the one reported
                     req.num_cached_tokens = req.num_computed_tokens
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.scheduled.append(ScheduledRequest(req, num_new, k, draft_runs))
-                budget -= num_new
+                budget -= num_new + lead
         return out

@@ -173,28 +173,101 @@ def test_can_allocate_counts_revived_cached_blocks():
     assert kv.pools[0].num_free == 0 and kv.pools[0].num_evictions == 1
 
 
-# --- the scheduler: one hit for both models ---------------------------------------------------------------------
-def test_hit_is_what_every_model_can_supply_and_leaves_the_last_token():
+# --- the scheduler: each model's own hit -------------------------------------------------------------------------
+def _cached_pair(budget: int = 64, draft_length_fn=None) -> tuple[Scheduler, KVCacheManager, KVCacheManager, list]:
+    """A target (one full group) and a hybrid draft (sliding + full) that both cached a 16-token prompt."""
     target = KVCacheManager(group_layers([_spec()]), 32, BS, enable_caching=True)
     draft = KVCacheManager(group_layers([_spec(5), _spec()]), 32, BS, enable_caching=True)
-    sched = Scheduler([target, draft], max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
-                      num_speculative_tokens=2, enable_prefix_caching=True)
+    sched = Scheduler([target, draft], max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=64,
+                      num_speculative_tokens=2, draft_length_fn=draft_length_fn, enable_prefix_caching=True)
     toks = list(range(3, 19))  # 16 tokens: 4 full blocks
     first = _req("a", toks)
     sched.add_request(first)
     out = sched.schedule()
-    assert out.scheduled[0].num_new_tokens == 16 and first.num_cached_tokens == 0
+    assert out.scheduled[0].num_new_tokens == min(16, budget) and first.num_cached_tokens == 0
     first.num_computed_tokens = first.num_draft_computed_tokens = 16
     sched.cache_committed_blocks(first)
     sched.finish_request(first, first.status.FINISHED_LENGTH)
+    return sched, target, draft, toks
+
+
+def test_hit_is_what_every_model_can_supply_and_leaves_the_last_token():
+    sched, target, draft, toks = _cached_pair()
     second = _req("b", toks)  # the whole prompt is cached, but its last token must run: 3 blocks, not 4
     hit = sched._prefix_hit(second)
-    assert hit.num_tokens == 12 and hit.model_hits == [12, 12]
-    # Then the draft alone loses block 0: the target could skip 12 tokens, but the draft would lack their KV, so
-    # the request starts from 0 in both models.
+    assert (hit.num_tokens, hit.draft_tokens) == (12, 12) and hit.model_hits == [12, 12]
+    sched.add_request(second)
+    out = sched.schedule()
+    s = out.scheduled[0]
+    assert second.num_cached_tokens == 12 and (s.start, s.draft_start, s.num_new_tokens) == (12, 12, 4)
+
+
+def test_target_takes_its_own_hit_and_the_draft_catches_up_from_its_own():
+    sched, target, draft, toks = _cached_pair()
+    second = _req("b", toks)
+    # The draft alone loses block 0: the target still skips its 12 cached tokens; the draft starts from 0 and
+    # computes them in this step's forward, with the prompt's rest (it runs this step: k = 2).
     _evict(draft.pools[1], draft.pools[1].lookup(update_block_hashes(second, BS)[0]))  # the draft's full group
+    hit = sched._prefix_hit(second)
+    assert (hit.num_tokens, hit.draft_tokens) == (12, 0) and hit.model_hits == [12, 0]
+    sched.add_request(second)
+    out = sched.schedule()
+    s = out.scheduled[0]
+    assert second.num_cached_tokens == 12 and (s.start, s.num_new_tokens, s.num_draft_tokens) == (12, 4, 0)
+    assert s.draft_runs and s.draft_start == 0 and second.num_draft_computed_tokens == 0
+    assert not second.draft_gap_unsent  # this explicit entry carries the draft's tokens from 0
+    assert len(draft.block_table("b", 1)) == 4  # the draft's own blocks for all 16 positions
+    assert draft.block_table("b", 1)[:3] != target.block_table("b", 0)[:3]  # nothing of the target's
+    assert (target.prefix_queries, target.prefix_hits) == (32, 12)
+    assert (draft.prefix_queries, draft.prefix_hits) == (32, 0)
+    # Its catch-up counts against the step's budget: the request takes 12 + 4 of the 64 tokens.
+    assert out.num_batched_tokens == 4
+
+
+def test_the_drafts_catch_up_in_the_admission_step_fits_the_budget():
+    """With a budget of 10 the draft, which holds nothing, can catch up on at most 9 tokens before the target's
+    start in the admission step: the target starts from 8 (2 blocks), not 12, and the step feeds the draft 10."""
+    sched, target, draft, toks = _cached_pair(budget=10)
+    second = _req("b", toks)
+    for pool in draft.pools:  # the draft loses the prompt's every block (both groups)
+        for h in update_block_hashes(second, BS)[:3]:
+            if pool.lookup(h) is not None:
+                _evict(pool, pool.lookup(h))
+    sched.add_request(second)
+    s = sched.schedule().scheduled[0]
+    assert second.num_cached_tokens == 8 and (s.start, s.draft_start, s.num_new_tokens) == (8, 0, 2)
+    assert target.prefix_hits == 12  # the counters say what the target could supply
+
+
+def test_a_draft_sitting_out_keeps_the_targets_hit_and_catches_up_later():
+    """At k = 0 the draft does not run: the target still takes its whole hit, and the draft keeps its own (shorter)
+    hit's blocks for a later catch-up, which the scheduler sends as explicit input (never an open entry)."""
+    ks = iter([2, 0, 2])
+    sched, target, draft, toks = _cached_pair(draft_length_fn=lambda batch: next(ks))
+    second = _req("b", toks)
+    _evict(draft.pools[1], draft.pools[1].lookup(update_block_hashes(second, BS)[1]))  # the draft keeps block 0
+    sched.add_request(second)
+    s = sched.schedule().scheduled[0]
+    assert sched.step_draft_length == 0 and not s.draft_runs
+    assert second.num_cached_tokens == 12 and (s.start, s.num_new_tokens) == (12, 4)
+    assert second.num_draft_computed_tokens == 4 and second.draft_gap_unsent
+    assert len(draft.block_table("b", 1)) == 1  # only its hit's block, held for the catch-up
+    # The step lands (the prompt's last token sampled one) and the draft runs next: from its hit, not the target's.
+    second.num_computed_tokens = 16
+    second.output_token_ids.append(40)
+    s = sched.schedule().scheduled[0]
+    assert s.draft_runs and (s.start, s.draft_start, s.num_draft_tokens) == (16, 4, 2)
+    assert len(draft.block_table("b", 1)) == 5  # positions 4..16 and the drafts but the last
+
+
+def test_a_draft_that_cannot_catch_up_starts_where_the_target_does():
+    """A draft that cannot compute positions the target skipped (an EAGLE-3 head): both start from what both hold."""
+    sched, target, draft, toks = _cached_pair()
+    sched.draft_catches_up = False
+    second = _req("b", toks)
+    _evict(draft.pools[1], draft.pools[1].lookup(update_block_hashes(second, BS)[0]))
+    hit = sched._prefix_hit(second)
+    assert (hit.num_tokens, hit.draft_tokens) == (0, 0) and hit.model_hits == [12, 0]
     sched.add_request(second)
     out = sched.schedule()
     assert second.num_cached_tokens == 0 and out.scheduled[0].num_new_tokens == 16
-    assert (target.prefix_queries, target.prefix_hits) == (32, 12)
-    assert (draft.prefix_queries, draft.prefix_hits) == (32, 0)

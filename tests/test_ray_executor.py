@@ -348,3 +348,24 @@ def test_fan_out_across_processes(tiny_models: dict[str, TinyModel], near_llama:
         assert most > more and most_reject == more_reject
     finally:
         executor.shutdown()
+
+
+def test_prefix_hit_with_the_draft_off_across_processes(tiny_models: dict[str, TinyModel]) -> None:
+    """Prefix caching while the draft sits steps out (tests/test_prefix_cache_draft_catch_up.py), the draft's ranks in
+    processes of their own, asynchronous scheduling: a request starts the target from the target's whole hit, and
+    the draft's ranks, whose request tables never saw the tokens between the draft's hit and the target's, get them
+    with the first step that runs the draft for it. A draft equal to the target then has every draft accepted."""
+    from test_prefix_cache_draft_catch_up import KW, NEW, PROMPTS, SHARED, fix_k, workload
+
+    path = tiny_models["llama"].path
+    engine = build_ray_engine(path, path, async_scheduling=True, **KW)
+    try:
+        assert engine.async_scheduling and not engine.executor.colocated
+        off, on = workload(engine, fix_k(engine))
+    finally:
+        engine.executor.shutdown()
+    assert off.num_cached_tokens == on.num_cached_tokens == len(SHARED)
+    assert on.spec.num_drafts > 0 and on.spec.num_accepted_tokens == on.spec.num_draft_tokens, on.spec
+    greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    assert [off.output_token_ids, on.output_token_ids] == [o.token_ids for o in
+                                                            LLM(path, **ENGINE_KW).generate(PROMPTS, greedy)]

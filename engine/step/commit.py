@@ -26,6 +26,8 @@ def commit_result(scheduler: Scheduler, output: OutputProcessor, scheduled: list
         k = result.num_draft_tokens[n] if result.num_draft_tokens is not None else s.num_draft_tokens
         # An open input began where the step before it ended: the committed frontier now.
         frontier = r.num_tokens if s.open_input else s.frontier
+        if s.draft_runs and not s.open_input:  # its draft input, explicit, reached every side
+            r.draft_gap_unsent = False
         if result.prompt_logprobs is not None and result.prompt_logprobs[n]:
             _add_prompt_logprobs(r, s.start, result.prompt_logprobs[n])
         if tokens is None:  # a prefill chunk that did not reach the end of the prompt

@@ -114,6 +114,9 @@ class RequestTable:
             if missing > 0:
                 entry.output_token_ids = p.output_token_ids + t.token_ids[len(t.token_ids) - missing:]
         if p.draft_runs:
+            if t.num_draft_computed < t.base:
+                raise RuntimeError(f"the plan leaves request {p.request_id}'s draft input to this side, which does "
+                                   f"not know its tokens from position {t.num_draft_computed} (only from {t.base})")
             entry.draft_token_ids = t.token_ids[t.num_draft_computed - t.base:frontier - t.base]
             entry.draft_start_pos = t.num_draft_computed
         return entry
