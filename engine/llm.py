@@ -19,7 +19,8 @@ from engine.runner.model_runner import ModelRunner
 logger = logging.getLogger("specserve")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(path: str, trust_remote_code: bool = option_default("trust_remote_code")
+                   ) -> PreTrainedTokenizerBase | None:
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:  # random-weight test models may ship without one

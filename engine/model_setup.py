@@ -103,7 +103,7 @@ def configure_engine(model: str, draft_model: str | None, *, device: torch.devic
 
 
 def resolve_model_pair(model: str, spec: SpeculativeConfig | None, max_model_len: int | None,
-                       load_format: str = "auto") -> ModelPair:
+                       load_format: str = option_default("load_format")) -> ModelPair:
     """Resolve both models (converting GGUF into the cache once) and check that they can work together:
     a context the target supports, valid speculation settings, a draft with the target's vocabulary and
     at least its context. `spec` names the draft; None: the target alone."""
