@@ -81,7 +81,7 @@ class RayExecutor:
         "accelerator") sends its tensors GPU to GPU (serving/workers/step_topology.py, `GraphCalls`).
         Speculation ahead (EngineConfig.speculation_ahead; None: on where every rank of both models has whole GPUs,
         i.e. the draft's forwards can run beside the target's): each draft rank drafts the next window while the
-        target verifies (`draft_predraft`, a node between `draft_step` and `draft_absorb`).
+        target verifies (`draft_speculate_ahead`, a node between `draft_step` and `draft_absorb`).
         launch_verify_ahead: the target's ranks queue each verify forward on the GPU while the draft proposes,
         behind a kernel that waits for the draft's ids (engine/kernels/ids_gate.py), so the forward starts the
         moment they land. None (the default): on CUDA where every rank of both models has whole GPUs; a waiting
@@ -227,7 +227,7 @@ class RayExecutor:
         if self.draft_pool is not None:
             self.draft = self.draft_groups.attach_pooled(init_timeout_s)
             # The pool's group drafts ahead for its targets where its configuration says (serving/draft_pool/ahead.py):
-            # this target then calls `draft_predraft` after each proposal, and its runs ahead, on the draft's own
+            # this target then calls `draft_speculate_ahead` after each proposal, and its runs ahead, on the draft's own
             # GPUs, overlap this target's verify (the engine sizes its fan-out from what the draft reports).
             self.speculation_ahead = bool(self.draft.workers[0].share.speculation_ahead)
             self.ahead_overlaps_verify = self.speculation_ahead
