@@ -16,7 +16,7 @@ from typing import Any
 from deploy.options import engine_option, option, options_class, serving_option
 from engine.config import REJECTION_MODES, SPECULATIVE_METHODS, option_default
 from engine.quantization import QUANTIZE_AT_LOAD
-from serving.engine_builders import DRAFT_PLACEMENTS
+from serving.engine_builders import DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS
 from serving.openai.chat_options import load_chat_template
 from serving.openai.reasoning_parser import REASONING_PARSERS
 from serving.openai.tool_parsers import TOOL_PARSERS
@@ -145,7 +145,7 @@ SpeculationOptions = options_class(
                            "spec_disable_above_batch_size is set"),
         engine_option("draft_tensor_parallel_size", engine="llm", minimum=1, help="GPUs the draft is split across"),
         serving_option("draft_placement", str,
-                       option("auto", engine="extra", choices=DRAFT_PLACEMENTS,
+                       option(DEFAULT_DRAFT_PLACEMENT, engine="extra", choices=DRAFT_PLACEMENTS,
                               help="separate: the draft's ranks are actors of their own; colocated: inside the "
                                    "target's ranks, on their GPUs; auto: colocated where the draft could only share "
                                    "the target's GPUs")),

@@ -17,6 +17,7 @@ from engine.config import LaunchConfig, resolve_dtype
 from engine.engine_core import EngineCore
 from engine.llm import load_tokenizer
 from engine.model_setup import configure_engine, split_launch
+from serving.engine_builders import DEFAULT_DRAFT_PLACEMENT
 from serving.workers.ray_executor import RayExecutor
 
 logger = logging.getLogger("specserve")
@@ -25,7 +26,7 @@ logger = logging.getLogger("specserve")
 def build_ray_engine(model: str = LaunchConfig.model, draft_model: str | None = LaunchConfig.draft_model, *,
                      use_compiled_graph: bool = True, target_resources: dict[str, float] | None = None,
                      draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
-                     launch_verify_ahead: bool | None = None, draft_placement: str = "auto",
+                     launch_verify_ahead: bool | None = None, draft_placement: str = DEFAULT_DRAFT_PLACEMENT,
                      step_timeout_s: float = 300.0, draft_pool: str | None = None,
                      target_node_labels: dict[str, str] | None = None,
                      draft_node_labels: dict[str, str] | None = None, **options: object) -> EngineCore:

@@ -145,6 +145,12 @@ def test_builders_take_their_defaults_from_the_declaration() -> None:
             if name in OPTIONS:
                 assert p.default == option_default(name), (fn.__qualname__, name)
         assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()), fn.__qualname__
+    # The builders' own option that serving declares too: one default for both.
+    from serving.workers.ray_executor import RayExecutor
+
+    served = ServeConfig().draft_placement
+    for fn in (build_ray_engine, build_local_engine, RayExecutor.__init__):
+        assert inspect.signature(fn).parameters["draft_placement"].default == served, fn.__qualname__
 
 
 def test_llm_without_options_runs_every_declared_default(tmp_path: Path) -> None:

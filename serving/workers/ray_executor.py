@@ -41,6 +41,7 @@ from engine.models.eagle3_config import is_eagle3_checkpoint
 from engine.runner.draft_vocabulary import check_token_map
 from engine.step.phases import HOST, book_dispatch
 from engine.step.plan import StepPlan, StepResult
+from serving.engine_builders import DEFAULT_DRAFT_PLACEMENT
 from serving.workers.draft_group import DraftGroupReplacement
 from serving.workers.group import (  # noqa: F401 - check_tensor_parallel and launch_verify_ahead_for are public here too
     WorkerGroup,
@@ -67,7 +68,7 @@ class RayExecutor:
                  draft_tensor_parallel_size: int = 1, use_compiled_graph: bool = True,
                  target_resources: dict[str, float] | None = None,
                  draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
-                 launch_verify_ahead: bool | None = None, draft_placement: str = "auto",
+                 launch_verify_ahead: bool | None = None, draft_placement: str = DEFAULT_DRAFT_PLACEMENT,
                  placement_timeout_s: float = 120.0, init_timeout_s: float = 900.0,
                  step_timeout_s: float = 300.0, draft_pool: str | None = None,
                  target_node_labels: dict[str, str] | None = None,
