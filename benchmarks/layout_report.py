@@ -121,7 +121,7 @@ def compare(results: dict[str, Any], layouts: list[Layout], lossless: bool, bonu
     bonus_agreement: a synthetic pair's layouts that may draft ahead are not compared (the setting feeds the draft
     its guess where the target had another bonus token, which changes which drafts synthetic acceptance keeps)."""
     if bonus_agreement and not lossless:
-        layouts = [lay for lay in layouts if not (lay.draft_tp and lay.predraft is not False)]
+        layouts = [lay for lay in layouts if not (lay.draft_tp and lay.speculation_ahead is not False)]
     refs: dict[bool, str] = {}
     for lay in layouts:
         r = results.get(lay.name) or {}

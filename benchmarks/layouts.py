@@ -57,7 +57,7 @@ class Layout:
     nccl: bool = False
     ahead: bool | None = None  # launch_verify_ahead forced on / off; None: the executor's default
     sync: bool = False  # async_scheduling off
-    predraft: bool | None = None  # speculation_ahead forced on / off; None: the executor's default
+    speculation_ahead: bool | None = None  # speculation_ahead forced on / off; None: the executor's default
     branches: int | None = None  # speculation_ahead_branches (`b<N>`); None: the engine's default
     fixed: bool = False  # `fixed`: every step drafts all b<N> windows / f<N> trees (speculation_ahead_adaptive off:
     # no fan-out budget, no on/off gate by load)
@@ -122,14 +122,14 @@ class Layout:
         ahead_mode = branches is not None or fanout is not None
         # b<N> and f<N> turn speculation ahead on: where it is off by default (in process, a shared GPU) a branch
         # budget alone would change nothing and the layout's name would say otherwise.
-        predraft = True if "predraft" in opts or ahead_mode else False if "nopredraft" in opts else None
+        spec_ahead = True if "predraft" in opts or ahead_mode else False if "nopredraft" in opts else None
         if offline:
             if set(opts) - ({"predraft", "sync"} if head == "offline+d" else {"sync"}):
                 raise ValueError(f"layout {text!r}: the offline engine takes no options but sync, predraft, b<N>, "
                                  "f<N>, sg<C> and fixed (with a draft)")
             if ahead_mode and head != "offline+d":
                 raise ValueError(f"layout {text!r}: b<N> and f<N> need a draft")
-            return Layout(text, True, 1, int(head.endswith("+d")), sync="sync" in opts, predraft=predraft,
+            return Layout(text, True, 1, int(head.endswith("+d")), sync="sync" in opts, speculation_ahead=spec_ahead,
                           branches=branches, fixed=fixed, fanout=fanout, saguaro=saguaro)
         parts = head.split("+")
         try:
@@ -162,7 +162,7 @@ class Layout:
                                  "replicas (r<N>) they would serve: the extra ones would hold GPUs and serve none")
         ahead = True if "ahead" in opts else False if "noahead" in opts else None
         return Layout(text, False, t, d, "plain" in opts, "shared" in opts, "colocated" in opts, "nccl" in opts,
-                      ahead, "sync" in opts, predraft, branches, fixed, ingress, proxy, direct, fanout, saguaro,
+                      ahead, "sync" in opts, spec_ahead, branches, fixed, ingress, proxy, direct, fanout, saguaro,
                       replicas, pool)
 
     @property
@@ -188,7 +188,8 @@ class Layout:
     def is_reference(self) -> bool:
         # `shared` and `colocated` only place the draft, so a one-GPU run can take either as its reference.
         return not self.offline and self.target_tp == 1 and self.draft_tp <= 1 and self.ahead is None and not (
-            self.plain or self.nccl) and not self.predraft and self.branches is None and self.ingress is None and (
+            self.plain or self.nccl) and not self.speculation_ahead and self.branches is None and (
+            self.ingress is None) and (
             self.proxy is None and not self.direct) and self.fanout is None and self.replicas is None and (
             self.pool is None)
 
@@ -220,8 +221,8 @@ def serve_config(pair: Pair, layout: Layout, args: argparse.Namespace) -> dict[s
         engine_kwargs["launch_verify_ahead"] = layout.ahead
     if layout.sync:
         engine_kwargs["async_scheduling"] = False
-    if layout.predraft is not None:
-        engine_kwargs["speculation_ahead"] = layout.predraft
+    if layout.speculation_ahead is not None:
+        engine_kwargs["speculation_ahead"] = layout.speculation_ahead
     if layout.branches is not None:
         engine_kwargs["speculation_ahead_branches"] = layout.branches
     if layout.fanout is not None:

@@ -193,7 +193,7 @@ def report(table: HitTable, temperature: float, fanouts: Sequence[int], caps: Se
     for f in fanouts:
         sched = [f] * (k + 1)
         uniform.append({"T": temperature, "F": f, "schedule": sched, "branches": sum(sched),
-                        "predrafted_per_lookup": table.predrafted_per_lookup(sched, k),
+                        "drafted_ahead_per_lookup": table.drafted_ahead_per_lookup(sched, k),
                         "hit_rate": table.hit_rate(sched), "hit_rate_by_outcome": table.hit_rate_by_outcome(sched),
                         "unused_share": table.unused_share(sched, k)})
     cum = table.cumulative_agreement(MAX_FANOUT)
@@ -208,7 +208,7 @@ def report(table: HitTable, temperature: float, fanouts: Sequence[int], caps: Se
         sched = table.best_schedule(cap, MAX_FANOUT)
         fitted = table.subset(even).best_schedule(cap, MAX_FANOUT)
         capped.append({"T": temperature, "cap": cap, "schedule": sched, "branches": sum(sched),
-                       "predrafted_per_lookup": table.predrafted_per_lookup(sched, k),
+                       "drafted_ahead_per_lookup": table.drafted_ahead_per_lookup(sched, k),
                        "hit_rate": table.hit_rate(sched), "hit_rate_by_outcome": table.hit_rate_by_outcome(sched),
                        "unused_share": table.unused_share(sched, k), "schedule_fit_on_even_prompts": fitted,
                        "held_out_hit_rate": table.subset(odd).hit_rate(fitted) if odd else None})
@@ -229,7 +229,7 @@ def print_tables(results: list[dict], k: int) -> None:
                for res in results for r in res["uniform"]]
     by_a = [f"a={a}" for a in range(k + 1)]
     print("\nUniform fan-out F (every outcome F roots, each branch k deep):")
-    print(markdown_table(uniform, ["T", "F", "branches", "predrafted_per_lookup", "hit_rate", *by_a, "unused"]))
+    print(markdown_table(uniform, ["T", "F", "branches", "drafted_ahead_per_lookup", "hit_rate", *by_a, "unused"]))
     cols = [f"top{f}" for f in range(1, MAX_FANOUT + 1)]
     positions = [dict(p, **dict(zip(cols, p["top_f_agreement"])), **p["rank_percentiles"])
                  for res in results for p in res["positions"]]
@@ -238,7 +238,7 @@ def print_tables(results: list[dict], k: int) -> None:
                                      *[f"p{round(q * 100)}" for q in QUANTILES]]))
     capped = [dict(r, unused=f"{100 * r['unused_share']:.1f}%") for res in results for r in res["capped"]]
     print("\nThe schedule F_0..F_k with the most hits under a cap on branches (at most 8 roots an outcome):")
-    print(markdown_table(capped, ["T", "cap", "schedule", "predrafted_per_lookup", "hit_rate", "hit_rate_by_outcome",
+    print(markdown_table(capped, ["T", "cap", "schedule", "drafted_ahead_per_lookup", "hit_rate", "hit_rate_by_outcome",
                                   "unused", "schedule_fit_on_even_prompts", "held_out_hit_rate"]))
     ngram = [r for res in results for r in res.get("ngram", [])]
     if ngram:

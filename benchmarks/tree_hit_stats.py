@@ -130,14 +130,14 @@ class HitTable:
         added = sum(sum(r >= schedule[x.outcome] for r in x.ngram_draft_ranks[:extra]) for x in self.lookups)
         return added / max(len(self.lookups), 1)
 
-    def predrafted_per_lookup(self, schedule: Sequence[int], depth: int) -> int:
+    def drafted_ahead_per_lookup(self, schedule: Sequence[int], depth: int) -> int:
         """Tokens a tree drafts per lookup: every branch `depth` deep."""
         self._check(schedule)
         return sum(schedule) * depth
 
     def unused_share(self, schedule: Sequence[int], depth: int) -> float:
         """Pre-drafted tokens never proposed / pre-drafted: a hit proposes its one branch's `depth` tokens."""
-        drafted = self.predrafted_per_lookup(schedule, depth) * len(self.lookups)
+        drafted = self.drafted_ahead_per_lookup(schedule, depth) * len(self.lookups)
         return 1.0 - self.hits(schedule) * depth / drafted if drafted else 0.0
 
     def rank_percentiles(self, outcome: int, quantiles: Sequence[float]) -> list[int | None]:

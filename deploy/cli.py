@@ -15,6 +15,7 @@ from deploy import options
 from deploy.bench.cli import add_bench_parser
 from deploy.distill_cli import _add_distill_parser
 from deploy.serve_options import DEFAULT_MODEL
+from engine.config import option_default
 
 if TYPE_CHECKING:
     from deploy.config import ServeConfig
@@ -42,8 +43,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     options.add_flags(p, EngineOptions, suppress=False, skip=_GENERATE_SKIP, title="engine")
     options.add_flags(p, SpeculationOptions, suppress=False, skip=_GENERATE_SKIP, title="speculation")
     _add_speculative_config(p)
-    # Offline, a draft is used only when named, and every step drafts num_speculative_tokens unless asked.
-    p.set_defaults(draft_model=None, spec_disable_above_batch_size=None)
+    # Offline, a draft is used only when named (the engine's default; served, "auto" picks the bundled one).
+    p.set_defaults(draft_model=option_default("draft_model"))
 
 
 def _add_speculative_config(p: argparse.ArgumentParser) -> None:

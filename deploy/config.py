@@ -159,19 +159,17 @@ class ServeConfig(ServingOptions, SpeculationOptions, EngineOptions):
         context), the speculation settings and the engine's own checks, and the tokenizer."""
         import torch
 
-        from engine.config import EngineConfig, resolve_dtype
-        from engine.model_setup import SPEC_OPTIONS, configure_engine
+        from engine.config import engine_options, resolve_dtype
+        from engine.model_setup import configure_engine, split_launch
 
         self.validate()
         args = self.engine_args()
         dev = torch.device(device)
         # The engine's own options (builder-only ones, such as the Ray executor's, are the builder's to check).
-        known = {f.name for f in dataclasses.fields(EngineConfig)} | set(SPEC_OPTIONS)
-        options = {k: v for k, v in args.items() if k in known and k not in (
-            "device", "dtype", "max_model_len", "seed", "tensor_parallel_size")}
-        _, config = configure_engine(self.model, args["draft_model"], device=dev,
-                                     dtype=resolve_dtype(args["dtype"], dev), max_model_len=self.max_model_len,
-                                     seed=self.seed, tensor_parallel_size=self.tensor_parallel_size, options=options)
+        launch, opts = split_launch({k: v for k, v in args.items() if k in engine_options()}, "the engine options")
+        _, config = configure_engine(launch.model, launch.draft_model, device=dev,
+                                     dtype=resolve_dtype(launch.dtype, dev), max_model_len=launch.max_model_len,
+                                     options=opts)
         # Tensor parallelism is the Ray executor's to check against the GPUs; the rest is the engine's.
         dataclasses.replace(config, tensor_parallel_size=1).validate()
         if self.tokenizer is not None:

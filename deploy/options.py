@@ -4,12 +4,17 @@ A configuration is a dataclass whose fields carry their help text, bounds and fl
 (`option(...)`). From that one declaration come the command-line flags (`add_flags`), the conversion of the text
 that `serve run key=value`, YAML files and flags deliver (`coerce`), the range checks (`check_bounds`) and the
 reference page docs/configuration.md (deploy/config_docs.py). Adding an option is adding one field.
+
+The engine's options are declared by the engine's config dataclasses (engine.config.engine_options): a serving
+option of the same name takes its type and default from there (`engine_option`), and adds only what serving says
+about it (help, bounds, flag spellings); `options_class` makes the dataclass of such rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
 import typing
 from dataclasses import MISSING, Field
 from typing import Any
@@ -40,6 +45,35 @@ def option(default: Any = MISSING, *, help: str, default_factory: Any = MISSING,
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def engine_option(name: str, *, hint: Any = None, serving_default: Any = MISSING,
+                  **meta: Any) -> tuple[str, Any, Field]:
+    """A row of `options_class`: the engine option `name`, with the type and default of the engine's field that
+    declares it (engine.config.engine_options) and `meta` as `option` takes it.
+
+    hint: a wider type where serving also takes another form of the value (text a flag gives), else the field's.
+    serving_default: only where serving means something other than the engine by unset (say what in `help`).
+    """
+    from engine.config import engine_options, option_default
+
+    cls, _ = engine_options()[name]
+    if hint is None:
+        hint = typing.get_type_hints(cls)[name]
+    overridden = serving_default is not MISSING
+    f = option(serving_default if overridden else option_default(name), **meta)
+    f.metadata = types.MappingProxyType({**f.metadata, "declared_by": cls.__name__, "serving_default": overridden})
+    return name, hint, f
+
+
+def serving_option(name: str, hint: Any, declared: Field) -> tuple[str, Any, Field]:
+    """A row of `options_class` for an option of serving's own (no engine field of that name)."""
+    return name, hint, declared
+
+
+def options_class(name: str, doc: str, module: str, rows: list[tuple[str, Any, Field]]) -> type:
+    """The dataclass of `rows` (`engine_option` / `serving_option`), in their order."""
+    return dataclasses.make_dataclass(name, rows, namespace={"__doc__": doc, "__module__": module})
 
 
 def fields_of(cls: type) -> list[Field]:

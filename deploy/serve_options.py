@@ -1,8 +1,11 @@
-"""Every option of `specserve serve`, declared once: the engine's, the speculation's and the serving layer's.
+"""Every option of `specserve serve`: the engine's, the speculation's and the serving layer's.
 
 deploy.config.ServeConfig composes the three; flags, YAML keys, `serve run` arguments, KubeRay `args` and
-docs/configuration.md all come from these fields (deploy/options.py). Flag names follow vLLM's where vLLM has the
-option (`--max-num-seqs`, `--gpu-memory-utilization`, `-tp`, ...). To add an option, add a field here.
+docs/configuration.md all come from these fields (deploy/options.py). The engine's and the speculation's options
+are the engine's config fields (engine/config.py, engine.config.engine_options), whose types and defaults they take;
+here they get their help text, bounds and flag spellings. Flag names follow vLLM's where vLLM has the option
+(`--max-num-seqs`, `--gpu-memory-utilization`, `-tp`, ...). To add an engine option, add its field to the engine's
+config and a row here; a serving option, a field of ServingOptions.
 """
 
 from __future__ import annotations
@@ -10,189 +13,176 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from deploy.options import option
-from engine.config import REJECTION_MODES, SPECULATIVE_METHODS, EngineConfig
+from deploy.options import engine_option, option, options_class, serving_option
+from engine.config import REJECTION_MODES, SPECULATIVE_METHODS, option_default
 from engine.quantization import QUANTIZE_AT_LOAD
-from serving.engine_builders import DRAFT_PLACEMENTS
+from serving.engine_builders import DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS
 from serving.openai.chat_options import load_chat_template
 from serving.openai.reasoning_parser import REASONING_PARSERS
 from serving.openai.tool_parsers import TOOL_PARSERS
 from serving.router.request_stream import STREAM_INTERVAL_MS
 from serving.serve_process_env import HTTP_PROXIES
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = option_default("model")
 DEFAULT_DRAFT = "smollm2-135m-draft"  # the bundled distilled draft of DEFAULT_MODEL
 AUTO = "auto"
 # No fixed threshold by default: the draft length rule (engine/speculation/draft_length_rule.py) measures where
 # speculation stops paying and sets k = 0 there; a threshold set by the user overrides the rule.
-DEFAULT_SPEC_DISABLE_ABOVE_BATCH_SIZE = None
+DEFAULT_SPEC_DISABLE_ABOVE_BATCH_SIZE = option_default("spec_disable_above_batch_size")
 REQUEST_ROUTER_NAMES = ("power_of_two", "prefix_aware")  # serving.app.REQUEST_ROUTERS' keys
 
 
-def _engine(name: str) -> Any:
-    """EngineConfig's default for its field `name`: the engine owns the value, this module its description."""
-    return EngineConfig.__dataclass_fields__[name].default
-
-
-def _placement_option(text: str) -> Any:
+def _placement_option(name: str, text: str) -> tuple[str, Any, Any]:
     """A Ray placement mapping (resources or node labels) of the target's or the draft's ranks, given as YAML; unset
     by default."""
-    return option(None, engine="extra", metavar="YAML", help=text)
+    hint = dict[str, float] | None if name.endswith("resources") else dict[str, str] | None
+    return serving_option(name, hint, option(None, engine="extra", metavar="YAML", help=text))
 
 
-@dataclass
-class EngineOptions:
-    """The target model and how the engine runs it."""
-
-    model: str = option(DEFAULT_MODEL, engine="llm", metavar="MODEL",
-                        help="the model to serve: a bundled name, an HF directory or a .gguf file (also the first "
-                             "positional argument, as in `vllm serve MODEL`)")
-    tokenizer: str | None = option(_engine("tokenizer"), engine="extra",
-                                   help="the tokenizer's directory, when it is not the model's")
-    trust_remote_code: bool = option(_engine("trust_remote_code"), engine="extra",
-                                     help="let a tokenizer run code its directory ships (specserve's own model code "
-                                          "runs the supported architectures; no model code is loaded)")
-    dtype: str | None = option(None, engine="llm",
-                               choices=("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16",
-                                        "bf16"),
-                               help="weights' and activations' dtype; unset or auto: float32 on CPU, bfloat16 on GPU")
-    kv_cache_dtype: str = option(_engine("kv_cache_dtype"), engine="extra",
-                                 help="the KV cache's dtype: auto (the model's dtype) or that same dtype's name; "
-                                      "quantized caches (fp8) are refused")
-    max_model_len: int | None = option(None, engine="llm", minimum=2,
-                                       help="context length served (prompt + output); unset: the model's, at most "
-                                            "4096")
-    seed: int = option(0, engine="llm", help="the engine's random seed (sampling of requests without their own)")
-    device: str | None = option(None, engine="llm",
-                                help="where the models run: cpu or cuda; unset: cuda when the cluster has GPUs, "
-                                     "else cpu")
-    tensor_parallel_size: int = option(1, engine="llm", minimum=1, flags=("-tp",),
-                                       help="GPUs the target is split across (its worker actors)")
-    target_resources: dict[str, float] | None = _placement_option(
+# The engine's options take their types and defaults from the engine's config dataclasses (engine/config.py); what
+# follows adds only how serving describes, bounds and spells them. engine="llm": engine.LLM's keyword argument,
+# always passed to the engine builder; "extra": passed only when set to other than its default.
+EngineOptions = options_class("EngineOptions", "The target model and how the engine runs it.", __name__, [
+    engine_option("model", engine="llm", metavar="MODEL",
+                  help="the model to serve: a bundled name, an HF directory or a .gguf file (also the first "
+                       "positional argument, as in `vllm serve MODEL`)"),
+    engine_option("tokenizer", engine="extra", help="the tokenizer's directory, when it is not the model's"),
+    engine_option("trust_remote_code", engine="extra",
+                  help="let a tokenizer run code its directory ships (specserve's own model code runs the supported "
+                       "architectures; no model code is loaded)"),
+    engine_option("dtype", engine="llm",
+                  choices=("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16"),
+                  help="weights' and activations' dtype; unset or auto: float32 on CPU, bfloat16 on GPU"),
+    engine_option("kv_cache_dtype", engine="extra",
+                  help="the KV cache's dtype: auto (the model's dtype) or that same dtype's name; quantized caches "
+                       "(fp8) are refused"),
+    engine_option("max_model_len", engine="llm", minimum=2,
+                  help="context length served (prompt + output); unset: the model's, at most 4096"),
+    engine_option("seed", engine="llm", help="the engine's random seed (sampling of requests without their own)"),
+    engine_option("device", engine="llm",
+                  help="where the models run: cpu or cuda; unset: cuda when the cluster has GPUs, else cpu"),
+    engine_option("tensor_parallel_size", engine="llm", minimum=1, flags=("-tp",),
+                  help="GPUs the target is split across (its worker actors)"),
+    _placement_option(
+        "target_resources",
         "Ray resources of each target rank, merged into its bundle (default CPU 1, plus GPU 1 on CUDA), e.g. "
         "'{specserve_target: 1}': a custom resource that only the target's nodes (a KubeRay worker group's "
-        "rayStartParams) have places the target there")
-    target_node_labels: dict[str, str] | None = _placement_option(
+        "rayStartParams) have places the target there"),
+    _placement_option(
+        "target_node_labels",
         "Ray node labels the target's ranks must be placed on, e.g. '{specserve/role: target}' (a worker "
-        "group's rayStartParams labels)")
-    enable_prefix_caching: bool = option(True, engine="llm",
-                                         help="reuse the KV of full prompt blocks computed before, in the target's "
-                                              "and the draft's caches")
-    max_num_seqs: int = option(_engine("max_num_seqs"), engine="extra", minimum=1,
-                               help="requests in one batch at most (more wait for a slot)")
-    max_num_batched_tokens: int = option(_engine("max_num_batched_tokens"), engine="extra", minimum=1,
-                                         help="tokens one step computes at most (long prompts are prefilled in chunks)")
-    block_size: int = option(_engine("block_size"), engine="extra", minimum=1, maximum=256,
-                             help="tokens per KV-cache block")
-    gpu_memory_utilization: float = option(
-        _engine("gpu_memory_utilization"), engine="extra", minimum=0.01, maximum=1.0,
-        on_cpu="no effect: on CPU each model's KV cache takes kv_cache_memory_bytes (1 GiB when unset)",
-        help="fraction of the GPU memory free after the weights load that each model's KV cache takes "
-             "(kv_cache_memory_bytes, when set, wins)")
-    kv_cache_memory_bytes: int | None = option(_engine("kv_cache_memory_bytes"), engine="extra", minimum=1,
-                                               help="bytes of each model's KV cache; unset: from "
-                                                    "gpu_memory_utilization on GPU, 1 GiB on CPU")
-    num_kv_blocks: int | None = option(_engine("num_kv_blocks"), engine="extra", minimum=1,
-                                       help="KV-cache blocks of each model, overriding the memory budget")
-    enforce_eager: bool = option(_engine("enforce_eager"), engine="extra",
-                                 on_cpu="no effect: steps on CPU always run eagerly",
-                                 help="no CUDA graphs: every step runs eagerly (for debugging)")
-    attention_backend: str = option(_engine("attention_backend"), engine="extra",
-                                    choices=("auto", "torch", "triton"),
-                                    help="auto: the Triton kernels on CUDA, the torch reference elsewhere")
-    async_scheduling: bool | None = option(_engine("async_scheduling"), engine="extra",
-                                           help="schedule step n+1 while step n runs; unset: on with the Ray "
-                                                "executor and for a target alone on a GPU")
-    load_format: str = option(_engine("load_format"), engine="extra", choices=("auto", "dummy"),
-                              help="auto: the checkpoint's weights; dummy: random weights of the config's shape "
-                                   "(benchmarks)")
-    quantization: str | None = option(
-        _engine("quantization"), engine="extra", choices=QUANTIZE_AT_LOAD, flags=("-q",),
-        help="quantize the target's weights at load (fp8: FP8 with a scale a row), where its checkpoint holds its "
-             "dtype; a checkpoint's own quantization_config (block FP8, compressed-tensors FP8) needs none; unset: "
-             "the weights as stored")
-    engine_kwargs: dict[str, Any] = option(default_factory=dict, metavar="YAML",
-                                           help="further EngineConfig fields and engine-builder arguments, passed "
-                                                "as given (they win over the fields above)")
-    engine_builder: str | None = option(None, metavar="MODULE:FUNCTION",
-                                        help="the function that builds the engine; unset: target and draft on Ray "
-                                             "worker actors")
+        "group's rayStartParams labels)"),
+    engine_option("enable_prefix_caching", engine="llm",
+                  help="reuse the KV of full prompt blocks computed before, in the target's and the draft's caches"),
+    engine_option("max_num_seqs", engine="extra", minimum=1,
+                  help="requests in one batch at most (more wait for a slot)"),
+    engine_option("max_num_batched_tokens", engine="extra", minimum=1,
+                  help="tokens one step computes at most (long prompts are prefilled in chunks)"),
+    engine_option("block_size", engine="extra", minimum=1, maximum=256, help="tokens per KV-cache block"),
+    engine_option("gpu_memory_utilization", engine="extra", minimum=0.01, maximum=1.0,
+                  on_cpu="no effect: on CPU each model's KV cache takes kv_cache_memory_bytes (1 GiB when unset)",
+                  help="fraction of the GPU memory free after the weights load that each model's KV cache takes "
+                       "(kv_cache_memory_bytes, when set, wins)"),
+    engine_option("kv_cache_memory_bytes", engine="extra", minimum=1,
+                  help="bytes of each model's KV cache; unset: from gpu_memory_utilization on GPU, 1 GiB on CPU"),
+    engine_option("num_kv_blocks", engine="extra", minimum=1,
+                  help="KV-cache blocks of each model, overriding the memory budget"),
+    engine_option("enforce_eager", engine="extra", on_cpu="no effect: steps on CPU always run eagerly",
+                  help="no CUDA graphs: every step runs eagerly (for debugging)"),
+    engine_option("attention_backend", engine="extra", choices=("auto", "torch", "triton"),
+                  help="auto: the Triton kernels on CUDA, the torch reference elsewhere"),
+    engine_option("async_scheduling", engine="extra",
+                  help="schedule step n+1 while step n runs; unset: on with the Ray executor and for a target alone "
+                       "on a GPU"),
+    engine_option("load_format", engine="extra", choices=("auto", "dummy"),
+                  help="auto: the checkpoint's weights; dummy: random weights of the config's shape (benchmarks)"),
+    engine_option("quantization", engine="extra", choices=QUANTIZE_AT_LOAD, flags=("-q",),
+                  help="quantize the target's weights at load (fp8: FP8 with a scale a row), where its checkpoint "
+                       "holds its dtype; a checkpoint's own quantization_config (block FP8, compressed-tensors FP8) "
+                       "needs none; unset: the weights as stored"),
+    serving_option("engine_kwargs", dict[str, Any],
+                   option(default_factory=dict, metavar="YAML",
+                          help="further EngineConfig fields and engine-builder arguments, passed as given (they win "
+                               "over the fields above)")),
+    serving_option("engine_builder", str | None,
+                   option(None, metavar="MODULE:FUNCTION",
+                          help="the function that builds the engine; unset: target and draft on Ray worker actors")),
+])
 
-
-@dataclass
-class SpeculationOptions:
-    """The draft and how it speculates (vLLM's --speculative-config JSON sets these too)."""
-
-    draft_model: str | None = option(AUTO, engine="llm",
-                                     help="the draft for speculative decoding (same forms as model); none: off; "
-                                          "auto: the bundled draft of the default model when installed")
-    speculative_method: str = option("draft_model", engine="extra", choices=SPECULATIVE_METHODS,
-                                     help="draft_model: the draft is a model of the target's vocabulary; eagle3: "
-                                          "an EAGLE-3 head over the target's hidden states, run in the target's "
-                                          "processes (vLLM's speculative_config method)")
-    num_speculative_tokens: int = option(4, engine="llm", minimum=1, maximum=16,
-                                         help="draft tokens per step, k")
-    rejection_sampling: str = option("probabilistic", engine="llm", choices=REJECTION_MODES,
-                                     help="strict: greedy equality; probabilistic: lossless at any temperature; "
-                                          "synthetic: a fixed acceptance rate (benchmarks)")
-    synthetic_acceptance_rate: float | None = option(None, engine="llm", minimum=0.0, maximum=1.0,
-                                                     help="the acceptance rate with rejection_sampling synthetic")
-    draft_length_schedule: list[Any] | str | None = option(
-        None, engine="llm", metavar="B:K,...",
-        help="a static draft length schedule: draft length K for steps of up to B requests, e.g. 4:4,16:2 (YAML: "
-             "[[4, 4], [16, 2]]); set, it overrides adaptive_draft_length; unset: the rule chooses k (or, with "
-             "the rule off, num_speculative_tokens at every batch size)")
-    spec_disable_above_batch_size: int | None = option(
-        DEFAULT_SPEC_DISABLE_ABOVE_BATCH_SIZE, engine="llm", minimum=0, metavar="N",
-        help="no speculation for steps of more than N requests (verifying drafts for a large batch costs more "
-             "than it saves); set, it overrides adaptive_draft_length; none: no fixed threshold")
-    adaptive_draft_length: bool = option(
-        _engine("adaptive_draft_length"), engine="extra",
-        help="choose each step's draft length k in 0..num_speculative_tokens from measured costs: the draft's and "
-             "the verify's step times at the current load and the acceptance per position, for the most committed "
-             "tokens a second (k = 0: the draft sits out until speculation pays again); off while "
-             "draft_length_schedule or spec_disable_above_batch_size is set")
-    draft_tensor_parallel_size: int = option(1, engine="llm", minimum=1, help="GPUs the draft is split across")
-    draft_placement: str = option("auto", engine="extra", choices=DRAFT_PLACEMENTS,
-                                  help="separate: the draft's ranks are actors of their own; colocated: inside the "
-                                       "target's ranks, on their GPUs; auto: colocated where the draft could only "
-                                       "share the target's GPUs")
-    draft_resources: dict[str, float] | None = _placement_option(
-        "Ray resources of each draft rank (of a draft pool's replicas too), merged into its bundle, e.g. "
-        "'{specserve_draft: 1}' to put the draft on the nodes that have that resource")
-    draft_node_labels: dict[str, str] | None = _placement_option(
-        "Ray node labels the draft's ranks (a draft pool's replicas too) must be placed on")
-    speculation_ahead: bool | None = option(
-        _engine("speculation_ahead"), engine="extra",
-        help="the draft drafts the next window while the target verifies this one; unset: on where the draft has "
-             "GPUs of its own")
-    speculation_ahead_branches: int = option(
-        _engine("speculation_ahead_branches"), engine="extra", minimum=1, maximum=18,
-        help="windows drafted ahead per request: 1 guesses all drafts accepted; more add the next likeliest "
-             "outcomes (at most num_speculative_tokens + 2)")
-    speculation_ahead_tree_fanout: int = option(
-        _engine("speculation_ahead_tree_fanout"), engine="extra", minimum=0, maximum=64,
-        help="tree mode of speculation ahead: one tree a request over every outcome of its verify, with at most "
-             "this many candidates for the target's token per outcome, drafted one batched forward per depth; 0: "
-             "the window mode (speculation_ahead_branches)")
-    speculation_ahead_adaptive: bool = option(
-        _engine("speculation_ahead_adaptive"), engine="extra",
-        help="with several branches, draft only as many windows as measured to fit in the target's verify; in "
-             "tree mode, only as many tree nodes (down to one branch a request, or no tree for the step); and at "
-             "each load draft ahead only while it measures faster than not drafting ahead")
-    speculation_ahead_saguaro: float | None = option(
-        _engine("speculation_ahead_saguaro"), engine="extra", minimum=0.0, maximum=1.0, metavar="C",
-        help="Saguaro sampling, with several branches or tree mode and probabilistic rejection: the draft's two "
-             "likeliest tokens at each draft (tree mode: fan-out + 1) are scaled by C (in (0, 1)) before it "
-             "draws, so a rejection's token more often has a window drafted ahead (acceptance changes with it; "
-             "still exact); unset or 1: off")
-    draft_quantization: str | None = option(
-        _engine("draft_quantization"), engine="extra", choices=QUANTIZE_AT_LOAD,
-        help="quantize the draft's weights at load, as quantization does the target's (speculative_config's "
-             "quantization key)")
-    draft_token_map: str | None = option(_engine("draft_token_map"), engine="extra", metavar="FILE",
-                                         help="token ids (a JSON list or a torch tensor file) the draft's LM head is "
-                                              "restricted to: a faster draft step, still exact")
+SpeculationOptions = options_class(
+    "SpeculationOptions", "The draft and how it speculates (vLLM's --speculative-config JSON sets these too).",
+    __name__, [
+        # Served, an unset draft means the bundled draft of the default model (ServeConfig.resolved_draft); "none"
+        # turns speculation off, as the engine's unset does.
+        engine_option("draft_model", engine="llm", serving_default=AUTO,
+                      help="the draft for speculative decoding (same forms as model); none: off; auto: the bundled "
+                           "draft of the default model when installed"),
+        engine_option("speculative_method", engine="extra", choices=SPECULATIVE_METHODS,
+                      help="draft_model: the draft is a model of the target's vocabulary; eagle3: an EAGLE-3 head "
+                           "over the target's hidden states, run in the target's processes (vLLM's "
+                           "speculative_config method)"),
+        engine_option("num_speculative_tokens", engine="llm", minimum=1, maximum=16, help="draft tokens per step, k"),
+        engine_option("rejection_sampling", engine="llm", choices=REJECTION_MODES,
+                      help="strict: greedy equality; probabilistic: lossless at any temperature; synthetic: a fixed "
+                           "acceptance rate (benchmarks)"),
+        engine_option("synthetic_acceptance_rate", engine="llm", minimum=0.0, maximum=1.0,
+                      help="the acceptance rate with rejection_sampling synthetic"),
+        # Also its text form, "B:K,..." (engine.draft_schedule.parse_schedule reads it).
+        engine_option("draft_length_schedule", hint=list[tuple[int, int]] | str | None, engine="llm",
+                      metavar="B:K,...",
+                      help="a static draft length schedule: draft length K for steps of up to B requests, e.g. "
+                           "4:4,16:2 (YAML: [[4, 4], [16, 2]]); set, it overrides adaptive_draft_length; unset: the "
+                           "rule chooses k (or, with the rule off, num_speculative_tokens at every batch size)"),
+        engine_option("spec_disable_above_batch_size", engine="llm", minimum=0, metavar="N",
+                      help="no speculation for steps of more than N requests (verifying drafts for a large batch "
+                           "costs more than it saves); set, it overrides adaptive_draft_length; none: no fixed "
+                           "threshold"),
+        engine_option("adaptive_draft_length", engine="extra",
+                      help="choose each step's draft length k in 0..num_speculative_tokens from measured costs: the "
+                           "draft's and the verify's step times at the current load and the acceptance per "
+                           "position, for the most committed tokens a second (k = 0: the draft sits out until "
+                           "speculation pays again); off while draft_length_schedule or "
+                           "spec_disable_above_batch_size is set"),
+        engine_option("draft_tensor_parallel_size", engine="llm", minimum=1, help="GPUs the draft is split across"),
+        serving_option("draft_placement", str,
+                       option(DEFAULT_DRAFT_PLACEMENT, engine="extra", choices=DRAFT_PLACEMENTS,
+                              help="separate: the draft's ranks are actors of their own; colocated: inside the "
+                                   "target's ranks, on their GPUs; auto: colocated where the draft could only share "
+                                   "the target's GPUs")),
+        _placement_option(
+            "draft_resources",
+            "Ray resources of each draft rank (of a draft pool's replicas too), merged into its bundle, e.g. "
+            "'{specserve_draft: 1}' to put the draft on the nodes that have that resource"),
+        _placement_option(
+            "draft_node_labels",
+            "Ray node labels the draft's ranks (a draft pool's replicas too) must be placed on"),
+        engine_option("speculation_ahead", engine="extra",
+                      help="the draft drafts the next window while the target verifies this one; unset: on where "
+                           "the draft has GPUs of its own"),
+        engine_option("speculation_ahead_branches", engine="extra", minimum=1, maximum=18,
+                      help="windows drafted ahead per request: 1 guesses all drafts accepted; more add the next "
+                           "likeliest outcomes (at most num_speculative_tokens + 2)"),
+        engine_option("speculation_ahead_tree_fanout", engine="extra", minimum=0, maximum=64,
+                      help="tree mode of speculation ahead: one tree a request over every outcome of its verify, "
+                           "with at most this many candidates for the target's token per outcome, drafted one "
+                           "batched forward per depth; 0: the window mode (speculation_ahead_branches)"),
+        engine_option("speculation_ahead_adaptive", engine="extra",
+                      help="with several branches, draft only as many windows as measured to fit in the target's "
+                           "verify; in tree mode, only as many tree nodes (down to one branch a request, or no tree "
+                           "for the step); and at each load draft ahead only while it measures faster than not "
+                           "drafting ahead"),
+        engine_option("speculation_ahead_saguaro", engine="extra", minimum=0.0, maximum=1.0, metavar="C",
+                      help="Saguaro sampling, with several branches or tree mode and probabilistic rejection: the "
+                           "draft's two likeliest tokens at each draft (tree mode: fan-out + 1) are scaled by C (in "
+                           "(0, 1)) before it draws, so a rejection's token more often has a window drafted ahead "
+                           "(acceptance changes with it; still exact); unset or 1: off"),
+        engine_option("draft_quantization", engine="extra", choices=QUANTIZE_AT_LOAD,
+                      help="quantize the draft's weights at load, as quantization does the target's "
+                           "(speculative_config's quantization key)"),
+        engine_option("draft_token_map", engine="extra", metavar="FILE",
+                      help="token ids (a JSON list or a torch tensor file) the draft's LM head is restricted to: a "
+                           "faster draft step, still exact"),
+    ])
 
 
 @dataclass

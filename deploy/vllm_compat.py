@@ -9,12 +9,11 @@ from typing import Any
 import yaml
 
 from engine.config import SPECULATIVE_METHODS
+from engine.model_setup import VLLM_SPEC_KEYS as ENGINE_VLLM_SPEC_KEYS
 
-# vLLM's speculative_config keys -> ServeConfig fields. The methods: a separate draft model, an EAGLE-3 head.
-VLLM_SPEC_KEYS = {"model": "draft_model", "method": "speculative_method",
-                  "num_speculative_tokens": "num_speculative_tokens",
-                  "draft_tensor_parallel_size": "draft_tensor_parallel_size",
-                  "disable_by_batch_size": "spec_disable_above_batch_size", "quantization": "draft_quantization"}
+# vLLM's speculative_config keys -> ServeConfig fields: the offline LLM's, and the draft's quantization (an
+# EngineConfig field there, so served only). The methods: a separate draft model, an EAGLE-3 head.
+VLLM_SPEC_KEYS = {**ENGINE_VLLM_SPEC_KEYS, "quantization": "draft_quantization"}
 SPEC_METHODS = SPECULATIVE_METHODS
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import MISSING, Field, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -21,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
 REJECTION_MODES = ("strict", "probabilistic", "synthetic")
 # How the drafts are made: a separate draft model, or an EAGLE-3 head over the target's hidden states.
 SPECULATIVE_METHODS = ("draft_model", "eagle3")
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass
@@ -105,6 +107,18 @@ def _layer_sliding_windows(hf: PretrainedConfig) -> list[int | None]:
     if getattr(hf, "use_sliding_window", None) is False:
         return [None] * n
     return [window if window else None] * n
+
+
+@dataclass
+class LaunchConfig:
+    """The models and where they run, as a user names them: LLM and the engine builders resolve these into
+    ModelConfigs and EngineConfig's device, dtype and max_model_len."""
+
+    model: str = DEFAULT_MODEL  # a bundled name, an HF directory or a .gguf file
+    draft_model: str | None = None  # the same forms; None: no speculation
+    device: str | None = None  # None: cuda when available, else cpu (resolve_device)
+    dtype: str | None = None  # None or "auto": float32 on CPU, bfloat16 on GPU (resolve_dtype)
+    max_model_len: int | None = None  # None: the model's context, at most model_setup.DEFAULT_MAX_MODEL_LEN
 
 
 @dataclass
@@ -358,6 +372,44 @@ class EngineConfig:
             raise ValueError("speculation_ahead_saguaro steers rejections onto the windows drafted for them: it needs "
                              "speculation_ahead_branches >= 2 or speculation_ahead_tree_fanout > 0 (with one window "
                              "only the all-accepted outcome is drafted)")
+
+
+# EngineConfig's fields that are not options: LaunchConfig declares the first three as a user gives them (EngineConfig
+# holds them resolved), and num_speculative_tokens is SpeculativeConfig's, copied for the runners.
+_NOT_ENGINE_OPTIONS = ("device", "dtype", "max_model_len", "num_speculative_tokens")
+# SpeculativeConfig's draft_model is LaunchConfig's (unset there: no speculation).
+_NOT_SPEC_OPTIONS = ("draft_model",)
+
+
+def engine_options() -> dict[str, tuple[type, Field]]:
+    """Every engine option, by name, with the dataclass and field that declare it (its type, default and comment):
+    LaunchConfig's fields, then SpeculativeConfig's, then EngineConfig's. The offline LLM's keyword arguments, the
+    engine builders' and the serving options of the same names all follow these declarations."""
+    out: dict[str, tuple[type, Field]] = {}
+    for cls, skip in ((LaunchConfig, ()), (SpeculativeConfig, _NOT_SPEC_OPTIONS), (EngineConfig, _NOT_ENGINE_OPTIONS)):
+        for f in fields(cls):
+            if f.name not in skip:
+                out[f.name] = (cls, f)
+    return out
+
+
+def option_default(name: str) -> Any:
+    """The default of the engine option `name`, as its dataclass declares it."""
+    _, f = engine_options()[name]
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    if f.default is MISSING:
+        raise ValueError(f"engine option {name!r} has no default")
+    return f.default
+
+
+def check_engine_options(names: Any, where: str) -> None:
+    """TypeError naming every name in `names` that is not an engine option (`where`: who was given them)."""
+    known = engine_options()
+    unknown = sorted(str(n) for n in names if n not in known)
+    if unknown:
+        raise TypeError(f"{where} got unknown option(s) {', '.join(map(repr, unknown))}; known: "
+                        f"{', '.join(sorted(known))}")
 
 
 def _dtype_names(dtype: torch.dtype) -> tuple[str, ...]:

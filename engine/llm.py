@@ -7,20 +7,20 @@ import itertools
 import logging
 from collections.abc import Sequence
 
-import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.config import resolve_device, resolve_dtype
+from engine.config import LaunchConfig, option_default, resolve_device, resolve_dtype
 from engine.engine_core import EngineCore
 from engine.local_executor import LocalExecutor
-from engine.model_setup import configure_engine, read_speculative_config
+from engine.model_setup import configure_engine, read_speculative_config, split_launch
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, SpecStats
 from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("specserve")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(path: str, trust_remote_code: bool = option_default("trust_remote_code")
+                   ) -> PreTrainedTokenizerBase | None:
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:  # random-weight test models may ship without one
@@ -31,39 +31,31 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
 class LLM:
     """A target model, optionally with a draft model for speculative decoding, in this process."""
 
-    def __init__(self, model: str = "smollm2-135m-instruct", draft_model: str | None = None,
-                 num_speculative_tokens: int = 4, rejection_sampling: str = "probabilistic",
-                 synthetic_acceptance_rate: float | None = None, tensor_parallel_size: int = 1,
-                 draft_tensor_parallel_size: int = 1, device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None, max_model_len: int | None = None, seed: int = 0,
-                 draft_length_schedule: str | list[tuple[int, int]] | None = None,
-                 spec_disable_above_batch_size: int | None = None,
-                 speculative_config: dict[str, object] | None = None, **engine_kwargs: object) -> None:
-        """draft_length_schedule / spec_disable_above_batch_size: load-adaptive speculation (the draft length of a
-        step from its batch size, engine/draft_schedule.py); by default every step drafts num_speculative_tokens.
+    def __init__(self, model: str = LaunchConfig.model, draft_model: str | None = LaunchConfig.draft_model, *,
+                 speculative_config: dict[str, object] | None = None, **options: object) -> None:
+        """options: the engine options by name (engine.config.engine_options: LaunchConfig's device, dtype and
+        max_model_len, SpeculativeConfig's num_speculative_tokens, rejection_sampling, ..., EngineConfig's seed,
+        block_size, ...), each defaulting to its field's default there; any other name is a TypeError naming it.
+        device and dtype also take torch.device / torch.dtype; draft_length_schedule also its text form ("4:4,16:2").
         speculative_config: vLLM's mapping (method "draft_model" or "eagle3", model, num_speculative_tokens, and
-        the speculation options above by name); its keys win over the keywords, and draft_model must then be unset."""
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
-        spec_options: dict[str, object] = {}
+        the speculation options by name); its keys win over the keywords, and draft_model must then be unset."""
+        options = {"model": model, "draft_model": draft_model, **options}
         if speculative_config is not None:
             if draft_model is not None:
                 raise ValueError("give the draft either as draft_model or in speculative_config, not both")
-            draft_model, spec_options = read_speculative_config(dict(speculative_config))
-            draft_tensor_parallel_size = int(spec_options.pop("draft_tensor_parallel_size",  # type: ignore[call-overload]
-                                                              draft_tensor_parallel_size))
-        if draft_model is not None and draft_tensor_parallel_size != 1:
+            options["draft_model"], spec_options = read_speculative_config(dict(speculative_config))
+            if "draft_tensor_parallel_size" in spec_options:
+                spec_options["draft_tensor_parallel_size"] = int(spec_options["draft_tensor_parallel_size"])  # type: ignore[call-overload]
+            options.update(spec_options)
+        launch, engine_options = split_launch(options, "LLM()")
+        draft_tp = engine_options.get("draft_tensor_parallel_size", option_default("draft_tensor_parallel_size"))
+        if launch.draft_model is not None and draft_tp != 1:
             raise ValueError("the offline engine runs the draft in one process "
                              "(draft_tensor_parallel_size=1); use the Ray serving layer for more")
-        speculation = {"num_speculative_tokens": num_speculative_tokens, "rejection_sampling": rejection_sampling,
-                       "synthetic_acceptance_rate": synthetic_acceptance_rate,
-                       "draft_tensor_parallel_size": draft_tensor_parallel_size,
-                       "draft_length_schedule": draft_length_schedule,
-                       "spec_disable_above_batch_size": spec_disable_above_batch_size, **spec_options}
-        pair, self.engine_config = configure_engine(model, draft_model, device=dev, dtype=dt,
-                                                    max_model_len=max_model_len, seed=seed,
-                                                    tensor_parallel_size=tensor_parallel_size,
-                                                    options={**speculation, **engine_kwargs})
+        dev = resolve_device(launch.device)
+        pair, self.engine_config = configure_engine(launch.model, launch.draft_model, device=dev,
+                                                    dtype=resolve_dtype(launch.dtype, dev),
+                                                    max_model_len=launch.max_model_len, options=engine_options)
         target_cfg, draft_cfg, spec = pair.target, pair.draft, pair.spec
         self.engine_config.validate()
         self.model_config = target_cfg
@@ -76,7 +68,7 @@ class LLM:
             draft = ModelRunner(draft_cfg, self.engine_config, name, draft_token_map=self.engine_config.draft_token_map)
 
         keep_probs = spec is not None and spec.rejection_sampling == "probabilistic"
-        self.executor = LocalExecutor(target, draft, keep_probs, seed)
+        self.executor = LocalExecutor(target, draft, keep_probs, self.engine_config.seed)
         self.engine = EngineCore(self.executor, self.engine_config, self.tokenizer, target_cfg.eos_token_ids, spec)
         self._ids = itertools.count()
 

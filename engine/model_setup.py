@@ -7,7 +7,15 @@ from typing import Any
 
 import torch
 
-from engine.config import SPECULATIVE_METHODS, EngineConfig, ModelConfig, SpeculativeConfig
+from engine.config import (
+    SPECULATIVE_METHODS,
+    EngineConfig,
+    LaunchConfig,
+    ModelConfig,
+    SpeculativeConfig,
+    check_engine_options,
+    option_default,
+)
 from engine.draft_schedule import parse_schedule
 from engine.models.source import resolve_model
 
@@ -52,6 +60,15 @@ def read_speculative_config(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return str(model), out
 
 
+def split_launch(options: dict[str, Any], where: str) -> tuple[LaunchConfig, dict[str, Any]]:
+    """`options` checked against the engine options' declaration (TypeError naming unknown ones), as the
+    LaunchConfig among them and the rest (SpeculativeConfig's and EngineConfig's fields)."""
+    check_engine_options(options, where)
+    launch = {f.name for f in fields(LaunchConfig)}
+    return (LaunchConfig(**{k: v for k, v in options.items() if k in launch}),
+            {k: v for k, v in options.items() if k not in launch})
+
+
 def speculative_config(draft_model: str | None, options: dict[str, Any]) -> SpeculativeConfig | None:
     """The speculation settings among `options` (taken out of it), for `draft_model`; None without a draft.
     `draft_length_schedule` takes any form engine.draft_schedule.parse_schedule reads."""
@@ -64,23 +81,29 @@ def speculative_config(draft_model: str | None, options: dict[str, Any]) -> Spec
 
 
 def configure_engine(model: str, draft_model: str | None, *, device: torch.device, dtype: torch.dtype,
-                     max_model_len: int | None, seed: int, tensor_parallel_size: int,
+                     max_model_len: int | None, seed: int | None = None, tensor_parallel_size: int | None = None,
                      options: dict[str, Any]) -> tuple[ModelPair, EngineConfig]:
     """The models resolved and checked together, and the EngineConfig to run them with: what the offline LLM and
-    the Ray engine builder share. `options`: SpeculativeConfig's fields (SPEC_OPTIONS) and EngineConfig's."""
+    the Ray engine builder share. `options`: SpeculativeConfig's fields (SPEC_OPTIONS) and EngineConfig's; seed and
+    tensor_parallel_size, given here, win over theirs."""
     options = dict(options)
+    if seed is not None:
+        options["seed"] = seed
+    if tensor_parallel_size is not None:
+        options["tensor_parallel_size"] = tensor_parallel_size
     spec = speculative_config(draft_model, options)
     if spec is not None and spec.speculative_method == "eagle3":
-        _check_eagle3_options(spec, options, tensor_parallel_size)
-    pair = resolve_model_pair(model, spec, max_model_len, load_format=str(options.get("load_format", "auto")))
-    config = EngineConfig(device=device, dtype=dtype, max_model_len=pair.max_model_len, seed=seed,
-                          tensor_parallel_size=tensor_parallel_size,
+        _check_eagle3_options(spec, options, int(options.get("tensor_parallel_size",
+                                                             option_default("tensor_parallel_size"))))
+    pair = resolve_model_pair(model, spec, max_model_len,
+                              load_format=str(options.get("load_format", option_default("load_format"))))
+    config = EngineConfig(device=device, dtype=dtype, max_model_len=pair.max_model_len,
                           num_speculative_tokens=spec.num_speculative_tokens if spec else 0, **options)
     return pair, config
 
 
 def resolve_model_pair(model: str, spec: SpeculativeConfig | None, max_model_len: int | None,
-                       load_format: str = "auto") -> ModelPair:
+                       load_format: str = option_default("load_format")) -> ModelPair:
     """Resolve both models (converting GGUF into the cache once) and check that they can work together:
     a context the target supports, valid speculation settings, a draft with the target's vocabulary and
     at least its context. `spec` names the draft; None: the target alone."""

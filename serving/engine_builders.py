@@ -19,11 +19,12 @@ LOCAL_ENGINE_BUILDER = "serving.engine_builders:build_local_engine"
 # Where the default builder runs the draft (RayExecutor's `draft_placement`): "separate" worker actors, "colocated"
 # in the target's ranks, or "auto" (serving/workers/group.py, `resolve_draft_placement`).
 DRAFT_PLACEMENTS = ("auto", "separate", "colocated")
+DEFAULT_DRAFT_PLACEMENT = "auto"  # the builders' default and the serve option's
 # The options that place the worker groups on Ray nodes (deploy/serve_options.py; serving/workers/placement.py).
 NODE_PLACEMENT_OPTIONS = ("target_resources", "target_node_labels", "draft_resources", "draft_node_labels")
 
 
-def build_local_engine(draft_placement: str = "auto", **engine_args: Any) -> Any:
+def build_local_engine(draft_placement: str = DEFAULT_DRAFT_PLACEMENT, **engine_args: Any) -> Any:
     """Target (and draft) in the router's own process, through the offline LLM's construction. Its draft is
     colocated by construction: "separate" is refused rather than ignored."""
     from engine.llm import LLM

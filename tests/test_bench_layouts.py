@@ -28,7 +28,7 @@ PAIR = Pair("synthetic pair", "target-dir", "draft-dir", "synthetic", 0.8)
 
 def test_layout_names_parse_to_their_settings() -> None:
     lay = Layout.parse("t1+d1/predraft/b4")
-    assert (lay.target_tp, lay.draft_tp, lay.predraft, lay.branches, lay.num_gpus) == (1, 1, True, 4, 2)
+    assert (lay.target_tp, lay.draft_tp, lay.speculation_ahead, lay.branches, lay.num_gpus) == (1, 1, True, 4, 2)
     assert not lay.is_reference  # a branch budget changes how the draft runs, so it is compared, not referred to
     kwargs = serve_config(PAIR, lay, _args())["engine_kwargs"]
     assert kwargs["speculation_ahead"] is True and kwargs["speculation_ahead_branches"] == 4
@@ -43,9 +43,9 @@ def test_layout_names_parse_to_their_settings() -> None:
     assert "speculation_ahead_branches" not in serve_config(PAIR, plain, _args())["engine_kwargs"]
 
     offline = Layout.parse("offline+d/b2")  # a branch budget turns speculation ahead on where it is off by default
-    assert offline.offline and offline.branches == 2 and offline.predraft is True and offline.num_gpus == 1
+    assert offline.offline and offline.branches == 2 and offline.speculation_ahead is True and offline.num_gpus == 1
     assert serve_config(PAIR, offline, _args())["engine_kwargs"]["speculation_ahead"] is True
-    assert Layout.parse("t1+d1/shared/b4").predraft is True
+    assert Layout.parse("t1+d1/shared/b4").speculation_ahead is True
     shared = Layout.parse("t2+d1/shared")
     assert shared.num_gpus == 2 and serve_config(PAIR, shared, _args())["engine_kwargs"]["draft_resources"] == {
         "GPU": 0.25}
@@ -95,14 +95,15 @@ def test_tree_replica_and_pool_layouts(name: str, gpus: int, fields: dict[str, o
         assert serve_field not in cfg["engine_kwargs"]
         if serve_field not in fields:
             assert serve_field not in cfg
-    if lay.pool is not None and lay.predraft is None and lay.fanout is None:  # the pool drafts ahead as asked only
+    # The pool drafts ahead as asked only.
+    if lay.pool is not None and lay.speculation_ahead is None and lay.fanout is None:
         assert not {"speculation_ahead", "speculation_ahead_tree_fanout"} & set(cfg["engine_kwargs"])
     assert lay.target_replicas == fields.get("num_replicas", 1)
 
 
 def test_saguaro_layouts_need_probabilistic_rejection() -> None:
     lay = Layout.parse("t1+d1/f4/sg0.5")
-    assert (lay.fanout, lay.saguaro, lay.predraft) == (4, 0.5, True)
+    assert (lay.fanout, lay.saguaro, lay.speculation_ahead) == (4, 0.5, True)
     assert Layout.parse("offline+d/b3/sg0.25").saguaro == 0.25
     real = Pair("real pair", "target", "draft", "probabilistic")
     assert serve_config(real, lay, _args())["engine_kwargs"]["speculation_ahead_saguaro"] == 0.5

@@ -153,7 +153,7 @@ def test_two_targets_share_one_draft_and_stay_exact(server: Server, oracle) -> N
                if s.name == "specserve_speculation_ahead_lookups_total"]
     assert {s.labels["draft_replica"] for s in lookups} == {pool_ranks()[0][0].rsplit(":", 1)[1]}, lookups
     assert len({s.labels["replica"] for s in lookups if s.value > 0}) == 2, lookups
-    assert pool_stats()["speculation_ahead"]["predrafts"] > 0
+    assert pool_stats()["speculation_ahead"]["passes"] > 0
 
 
 def test_bad_input_is_a_400(server: Server) -> None:

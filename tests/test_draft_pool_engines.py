@@ -62,9 +62,9 @@ def test_two_engines_share_one_hybrid_draft(engine_args: dict) -> None:
         assert len(steps) == 2 and min(steps) > 0  # both speculated, through the one group
         assert busy.steps > 0 and not busy.errors, busy.errors
         assert any(size > 1 for size in stats["batch_tenants"]), stats["batch_tenants"]
-        assert stats["speculation_ahead"]["predrafts"] > 0 and stats["speculation_ahead"]["lookups"] > 0, stats
+        assert stats["speculation_ahead"]["passes"] > 0 and stats["speculation_ahead"]["lookups"] > 0, stats
         # Batched draft steps draft ahead for all of their targets in one pass.
-        assert any(n > 1 for n in stats["speculation_ahead"]["predraft_tenants"]), stats["speculation_ahead"]
+        assert any(n > 1 for n in stats["speculation_ahead"]["pass_tenants"]), stats["speculation_ahead"]
 
         sampled = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
                    for i in range(len(PROMPTS))]
@@ -111,7 +111,7 @@ def test_two_engines_draft_ahead_through_one_pooled_draft(tiny_models: dict[str,
         expected = [o.token_ids for o in LLM(target, **ENGINE_KW).generate(PROMPTS, GREEDY)]
         assert greedy == [expected, expected]
         stats = ray.get(rank0.pool_stats.remote())
-        assert stats["speculation_ahead"]["hits"] > 0 and stats["speculation_ahead"]["predrafts"] > 0, stats
+        assert stats["speculation_ahead"]["hits"] > 0 and stats["speculation_ahead"]["passes"] > 0, stats
         by_tenant = stats["by_tenant"]
         assert len(by_tenant) == 2 and all(t["ahead_hits"] > 0 for t in by_tenant.values()), by_tenant
         # Each engine reports its own target's counters (its metrics), and together they are the pool's.

@@ -277,7 +277,7 @@ def test_speculation_ahead_with_synchronous_scheduling(tiny_models: dict[str, Ti
 
 def test_tree_mode_across_processes(tiny_models: dict[str, TinyModel], near_llama: str) -> None:
     """Speculation ahead's tree mode with the draft on a worker of its own (asynchronous scheduling): the same
-    AheadProposer runs `draft_predraft` there, trees hit (rejection outcomes included), greedy equals the target
+    AheadProposer runs `draft_speculate_ahead` there, trees hit (rejection outcomes included), greedy equals the target
     alone, and the engine reports the tree counters with the others. Its trees overlap the verify, so the ahead budget
     sizes them from the (nodes, seconds) the draft reports through the target's result, and every plan carries the
     cap (engine/speculation/ahead/budget.py); held at the configured fan-out, rejection outcomes hit."""

@@ -39,10 +39,10 @@ def test_a_separate_draft_step_binds_the_declared_order() -> None:
         # Target rank 0 also follows the other draft ranks, so that their errors reach the router.
         ("t0", "target_step", ("t0.target_prepare", "sent(d0.draft_step)"), ("d1.draft_step",)),
         ("t1", "target_step", ("t1.target_prepare", "sent(d0.draft_step)"), ()),
-        ("d0", "draft_predraft", (), ("d0.draft_step",)),
-        ("d1", "draft_predraft", (), ("d1.draft_step",)),
-        ("d0", "draft_absorb", ("t0.target_step",), ("d0.draft_predraft",)),
-        ("d1", "draft_absorb", ("t0.target_step",), ("d1.draft_predraft",)),
+        ("d0", "draft_speculate_ahead", (), ("d0.draft_step",)),
+        ("d1", "draft_speculate_ahead", (), ("d1.draft_step",)),
+        ("d0", "draft_absorb", ("t0.target_step",), ("d0.draft_speculate_ahead",)),
+        ("d1", "draft_absorb", ("t0.target_step",), ("d1.draft_speculate_ahead",)),
     ]
     assert outs == ["t0.target_step", "t1.target_step", "d0.draft_absorb", "d1.draft_absorb"]
 
@@ -61,7 +61,7 @@ def test_calls_left_out_hand_their_input_on() -> None:
     # Synchronous with speculation ahead: the runs ahead are leaves, which the router reads.
     calls = Recorder()
     outs = step_nodes(calls, "plan", ["t0"], ["d0"], pipelined=False, speculation_ahead=True, async_scheduling=False)
-    assert outs == ["t0.target_step", "d0.draft_predraft"]
+    assert outs == ["t0.target_step", "d0.draft_speculate_ahead"]
 
 
 def test_plain_calls_wait_for_what_no_call_reads() -> None:
@@ -83,11 +83,11 @@ def test_plain_calls_wait_for_what_no_call_reads() -> None:
 
     outs = step_nodes(PlainCalls(), "plan", [Worker("t0")], [Worker("d0"), Worker("d1")], pipelined=False,
                       speculation_ahead=True, async_scheduling=True)
-    assert made == ["d0.draft_step", "d1.draft_step", "t0.target_step", "d0.draft_predraft", "d1.draft_predraft",
-                    "d0.draft_absorb", "d1.draft_absorb"]
+    assert made == ["d0.draft_step", "d1.draft_step", "t0.target_step", "d0.draft_speculate_ahead",
+                    "d1.draft_speculate_ahead", "d0.draft_absorb", "d1.draft_absorb"]
     # The result first, then every ref no later call took as an argument (plain calls pass no ordering ones).
-    assert outs == ["t0.target_step", "d0.draft_absorb", "d1.draft_absorb", "d1.draft_step", "d0.draft_predraft",
-                    "d1.draft_predraft"]
+    assert outs == ["t0.target_step", "d0.draft_absorb", "d1.draft_absorb", "d1.draft_step", "d0.draft_speculate_ahead",
+                    "d1.draft_speculate_ahead"]
 
 
 @pytest.mark.parametrize("ahead", [False, True])

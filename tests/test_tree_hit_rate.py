@@ -66,7 +66,7 @@ def test_hand_computed_table():
     assert t.hit_rate_by_outcome([1, 1, 1]) == pytest.approx([1 / 3, 0, 1 / 2])
     assert t.hit_rate([2, 2, 1]) == pytest.approx(3 / 6)
     assert t.hit_rate_by_outcome([0, 2, 0]) == pytest.approx([0, 1, 0])
-    assert t.predrafted_per_lookup([2, 2, 1], depth=2) == 10
+    assert t.drafted_ahead_per_lookup([2, 2, 1], depth=2) == 10
     # 6 lookups x 10 tokens drafted, 3 hits x 2 tokens proposed
     assert t.unused_share([2, 2, 1], depth=2) == pytest.approx(1 - 6 / 60)
     want = [[1 / 3, 1 / 3, 2 / 3], [0, 1, 1], [1 / 2, 1 / 2, 1 / 2]]
@@ -128,7 +128,7 @@ def test_script_on_tiny_models(tiny_models, near_drafts, tmp_path, one_thread):
         assert res["lookups"] == len(table.lookups) > 0 and 1 <= res["acceptance_length"] <= 5
         assert sum(p["P(a)"] for p in res["positions"]) == pytest.approx(1)
         f1, f2 = res["uniform"]
-        assert (f1["F"], f1["branches"], f1["predrafted_per_lookup"]) == (1, 5, 20)
+        assert (f1["F"], f1["branches"], f1["drafted_ahead_per_lookup"]) == (1, 5, 20)
         assert f1["hit_rate"] == table.hit_rate([1] * 5) <= f2["hit_rate"] == table.hit_rate([2] * 5)
         assert f2["hit_rate"] == pytest.approx(sum(p["P(a)"] * p["top_f_agreement"][1] for p in res["positions"]))
         for capped in res["capped"]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig, resolve_device
+from engine.config import ModelConfig, option_default, resolve_device
 from engine.distill.data import (
     DistillSequence,
     encode_prompt,
@@ -50,8 +50,9 @@ class DistillConfig:
     val_every: int = 20  # every n-th training prompt is held out to validate on (0: none); eval stays unseen
     eval_prompts: int | None = None  # eval prompts for the acceptance check (None: all; 0: skip it)
     eval_max_tokens: int = 128
-    num_speculative_tokens: int = 4
-    device: str | None = None
+    # The engine's options for the acceptance check and the teacher: their defaults are the engine's.
+    num_speculative_tokens: int = option_default("num_speculative_tokens")
+    device: str | None = option_default("device")
     dtype: str = "bfloat16"  # of the saved draft
     seed: int = 0
     work_dir: Path | None = None  # None: <out>/distill_work

@@ -5,11 +5,11 @@ A draft step proposes for the targets that waited together (serving/draft_pool/b
 hit, then the step is remembered as the pending pre-draft: its merged plan, its proposal (on the draft's device)
 and its targets. The pre-draft runs once for all of them, in one pass of the engine's own pre-draft
 (AheadProposer.speculate_ahead: every request of every target of the step in the same draft-loop run, or the same tree
-forwards), when the first of those targets' `draft_predraft` calls comes (each target sends it right after its
+forwards), when the first of those targets' `draft_speculate_ahead` calls comes (each target sends it right after its
 proposal, while it verifies; the others then find nothing pending), or at the latest before the next draft step
 proposes: the pre-draft reads the proposal, whose tensors may be the draft loop's buffers, which that step
 overwrites. Either way it comes after the proposal left, and before any of its targets' next calls (each target's
-calls run in its order: its `draft_predraft` comes before its next absorb and draft step).
+calls run in its order: its `draft_speculate_ahead` comes before its next absorb and draft step).
 
 Each target's windows, scratch blocks, tree slots and guesses are held under its name (AheadProposer.use_scopes:
 the pool's request ids are `<target>/<id>`, so two targets' equal request ids never meet), and a draft step drops
@@ -35,7 +35,7 @@ logger = logging.getLogger("specserve")
 
 
 @dataclass
-class _PendingPredraft:
+class _PendingAhead:
     plan: StepPlan  # the merged plan of a draft step (resolved, ids under their targets' names)
     proposal: DraftProposal  # its proposal, on the draft's device: [requests, k] ids (and q, runner-ups)
     tenants: set[str]  # the targets of that step
@@ -49,11 +49,11 @@ class PoolAhead:
         self.ahead = ahead
         if ahead is not None:
             ahead.use_scopes()
-        self._pending: _PendingPredraft | None = None
+        self._pending: _PendingAhead | None = None
         # Per target, the last pre-draft it was part of as (rows, seconds), until its next proposal reports it
         # (StepResult.speculation_ahead_window: its engine's ahead budget, engine/speculation/ahead/budget.py).
         self._windows: dict[str, tuple[int, float]] = {}
-        self.predrafts: dict[int, int] = {}  # pre-draft passes run, by the targets each served: {targets: passes}
+        self.passes: dict[int, int] = {}  # pre-draft passes run, by the targets each served: {targets: passes}
 
     @property
     def on(self) -> bool:
@@ -67,7 +67,7 @@ class PoolAhead:
         self.run_pending()
         scopes = set(tenants)
         proposal = self.ahead.propose(plan, scopes)
-        self._pending = _PendingPredraft(plan, proposal, scopes)
+        self._pending = _PendingAhead(plan, proposal, scopes)
         return proposal
 
     def run_pending(self) -> None:
@@ -77,7 +77,7 @@ class PoolAhead:
         if pending is None or self.ahead is None:
             return
         n = len(pending.tenants)
-        self.predrafts[n] = self.predrafts.get(n, 0) + 1
+        self.passes[n] = self.passes.get(n, 0) + 1
         try:
             self.ahead.speculate_ahead(pending.plan, pending.proposal, pending.tenants)
             window = self.ahead.take_window()
@@ -120,4 +120,4 @@ class PoolAhead:
         s = self.ahead.stats
         return {"lookups": s.lookups, "hits": s.hits, "drafted_tokens": s.drafted_tokens,
                 "unused_tokens": s.unused_tokens, "skipped_branches": s.skipped_branches, "trees": s.trees,
-                "predrafts": sum(self.predrafts.values()), "predraft_tenants": dict(self.predrafts)}
+                "passes": sum(self.passes.values()), "pass_tenants": dict(self.passes)}

@@ -66,19 +66,16 @@ def draft_worker_config(engine_args: dict[str, Any], slots: int) -> tuple[str, A
     import torch
 
     from engine.config import resolve_dtype
-    from engine.model_setup import configure_engine
+    from engine.model_setup import configure_engine, split_launch
 
-    args = {k: v for k, v in engine_args.items() if k not in _EXECUTOR_ARGS}
-    model, draft = args.pop("model"), args.pop("draft_model", None)
-    if draft is None:
+    args = {k: v for k, v in engine_args.items() if k not in (*_EXECUTOR_ARGS, "draft_resources", "draft_node_labels")}
+    launch, args = split_launch(args, "a draft pool's engine arguments")
+    if launch.draft_model is None:
         raise ValueError("draft_replicas needs a draft model")
-    device = args.pop("device", None) or ("cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu")
-    dev = torch.device(device)
-    args.pop("draft_resources", None)
-    args.pop("draft_node_labels", None)
-    pair, config = configure_engine(model, draft, device=dev, dtype=resolve_dtype(args.pop("dtype", None), dev),
-                                    max_model_len=args.pop("max_model_len", None), seed=args.pop("seed", 0),
-                                    tensor_parallel_size=args.pop("tensor_parallel_size", 1), options=args)
+    dev = torch.device(launch.device or ("cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"))
+    pair, config = configure_engine(launch.model, launch.draft_model, device=dev,
+                                    dtype=resolve_dtype(launch.dtype, dev), max_model_len=launch.max_model_len,
+                                    options=args)
     if config.num_kv_blocks is not None:
         config = dataclasses.replace(config, num_kv_blocks=(config.num_kv_blocks - 1) * slots + 1)
     # One draft step may draft for every target at once (serving/draft_pool/batch.py): room for all of their batches.

@@ -24,8 +24,8 @@ call waited for a batch, or whose plan its table cannot resolve, fails alone; th
 forwards every call that touches state (each batch whole, absorbs, attaches, detaches) to the other ranks before
 running it itself, so that every rank runs the same batches in the same order (their collectives pair up); a rank
 that died makes rank 0 exit too, so the group fails as a whole and its replica is replaced. With speculation ahead,
-a target's `draft_predraft` (after its proposal) drafts ahead for every target of its draft step at once, and each
-target's windows stay its own (serving/draft_pool/ahead.py).
+a target's `draft_speculate_ahead` (after its proposal) drafts ahead for every target of its draft step at once, and
+each target's windows stay its own (serving/draft_pool/ahead.py).
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ class TenantShare:
     num_blocks: int  # its share, the null block included (local ids 0..num_blocks-1)
     kv_groups: list[Any]  # the draft's KVCacheGroupSpecs
     vocab_size: int
-    speculation_ahead: bool = False  # the group drafts ahead: the target calls `draft_predraft` after each proposal
+    # The group drafts ahead: the target calls `draft_speculate_ahead` after each proposal.
+    speculation_ahead: bool = False
 
 
 class PooledDraftWorker(ModelWorker):
@@ -279,17 +280,17 @@ class PooledDraftWorker(ModelWorker):
             self.peer_absorb(tenant_id, result)
             self._join(refs)
 
-    def tenant_predraft(self, tenant_id: str, seq: int) -> None:
+    def tenant_speculate_ahead(self, tenant_id: str, seq: int) -> None:
         """Rank 0: speculation ahead, after the tenant's proposal went out: draft ahead for the draft step it was
         part of, for every tenant of that step at once (serving/draft_pool/ahead.py); nothing if another of them,
         or the next draft step, already did."""
         self._tenant(tenant_id)
         with self.order.turn(tenant_id, seq, TURN_TIMEOUT_S), self.batcher.lock:
-            refs = self._forward("peer_predraft")
-            self.peer_predraft()
+            refs = self._forward("peer_speculate_ahead")
+            self.peer_speculate_ahead()
             self._join(refs)
 
-    def peer_predraft(self) -> None:
+    def peer_speculate_ahead(self) -> None:
         """Every rank: the pending pre-draft, in the order rank 0 ran it."""
         self.pool_ahead.run_pending()
 
@@ -360,7 +361,7 @@ class TenantDraft:
         sequence = CallSequence()  # the order of this target's step calls (serving/draft_pool/tenant_calls.py)
         self.draft_step = TenantCall(worker, "tenant_draft_step", share.tenant_id, sequence)
         self.draft_absorb = TenantCall(worker, "tenant_absorb", share.tenant_id, sequence)
-        self.draft_predraft = TenantCall(worker, "tenant_predraft", share.tenant_id, sequence)
+        self.draft_speculate_ahead = TenantCall(worker, "tenant_speculate_ahead", share.tenant_id, sequence)
         self.ping = TenantCall(worker, "tenant_ping", share.tenant_id, None)
 
     def release(self) -> None:

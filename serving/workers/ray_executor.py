@@ -41,6 +41,7 @@ from engine.models.eagle3_config import is_eagle3_checkpoint
 from engine.runner.draft_vocabulary import check_token_map
 from engine.step.phases import HOST, book_dispatch
 from engine.step.plan import StepPlan, StepResult
+from serving.engine_builders import DEFAULT_DRAFT_PLACEMENT
 from serving.workers.draft_group import DraftGroupReplacement
 from serving.workers.group import (  # noqa: F401 - check_tensor_parallel and launch_verify_ahead_for are public here too
     WorkerGroup,
@@ -67,7 +68,7 @@ class RayExecutor:
                  draft_tensor_parallel_size: int = 1, use_compiled_graph: bool = True,
                  target_resources: dict[str, float] | None = None,
                  draft_resources: dict[str, float] | None = None, draft_tensor_transport: str | None = None,
-                 launch_verify_ahead: bool | None = None, draft_placement: str = "auto",
+                 launch_verify_ahead: bool | None = None, draft_placement: str = DEFAULT_DRAFT_PLACEMENT,
                  placement_timeout_s: float = 120.0, init_timeout_s: float = 900.0,
                  step_timeout_s: float = 300.0, draft_pool: str | None = None,
                  target_node_labels: dict[str, str] | None = None,
@@ -81,7 +82,7 @@ class RayExecutor:
         "accelerator") sends its tensors GPU to GPU (serving/workers/step_topology.py, `GraphCalls`).
         Speculation ahead (EngineConfig.speculation_ahead; None: on where every rank of both models has whole GPUs,
         i.e. the draft's forwards can run beside the target's): each draft rank drafts the next window while the
-        target verifies (`draft_predraft`, a node between `draft_step` and `draft_absorb`).
+        target verifies (`draft_speculate_ahead`, a node between `draft_step` and `draft_absorb`).
         launch_verify_ahead: the target's ranks queue each verify forward on the GPU while the draft proposes,
         behind a kernel that waits for the draft's ids (engine/kernels/ids_gate.py), so the forward starts the
         moment they land. None (the default): on CUDA where every rank of both models has whole GPUs; a waiting
@@ -227,7 +228,7 @@ class RayExecutor:
         if self.draft_pool is not None:
             self.draft = self.draft_groups.attach_pooled(init_timeout_s)
             # The pool's group drafts ahead for its targets where its configuration says (serving/draft_pool/ahead.py):
-            # this target then calls `draft_predraft` after each proposal, and its runs ahead, on the draft's own
+            # this target then calls `draft_speculate_ahead` after each proposal, and its runs ahead, on the draft's own
             # GPUs, overlap this target's verify (the engine sizes its fan-out from what the draft reports).
             self.speculation_ahead = bool(self.draft.workers[0].share.speculation_ahead)
             self.ahead_overlaps_verify = self.speculation_ahead

@@ -5,7 +5,7 @@ were made.
 
     plan ──> draft[0..D-1].draft_step(plan) ──(draft[0]'s proposal)──> target[0..T-1].target_step ──> router
          └──> target[0..T-1].target_prepare(plan) ──(the same rank's verify input)──┘      │
-                  draft[0..D-1].draft_predraft (speculation ahead: after the rank's draft_step)
+                  draft[0..D-1].draft_speculate_ahead (speculation ahead: after the rank's draft_step)
                                    draft[0..D-1].draft_absorb <──(target[0]'s result)──────┘  (async only)
 
 How a call of the step order becomes nodes: every rank of its side runs it (`WORKER_METHODS` names the worker
@@ -106,7 +106,7 @@ class PlainCalls:
 
 # The worker method (serving/workers/worker.py) of each call of the step order.
 WORKER_METHODS = {(DRAFT, "propose"): "draft_step", (TARGET, "prepare"): "target_prepare",
-                  (TARGET, "verify"): "target_step", (DRAFT, "speculate_ahead"): "draft_predraft",
+                  (TARGET, "verify"): "target_step", (DRAFT, "speculate_ahead"): "draft_speculate_ahead",
                   (DRAFT, "absorb"): "draft_absorb"}
 
 

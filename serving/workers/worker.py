@@ -253,17 +253,17 @@ class ModelWorker:
                            side.take_speculation_ahead_window())
 
     @graph_node
-    def draft_predraft(self) -> None:
+    def draft_speculate_ahead(self) -> None:
         """Draft the next window of the proposal this rank just sent (speculation ahead), while the target verifies
         it. A graph node bound after `draft_step` and before `draft_absorb`."""
-        self._draft("draft_predraft").speculate_ahead()
+        self._draft("draft_speculate_ahead").speculate_ahead()
 
     @graph_node
     def draft_absorb(self, result: StepResult | None) -> None:
         """The target's result of the step this rank just proposed for (asynchronous scheduling): recorded
         here, so the next step's open entries resolve without the scheduler. It comes straight from target
         rank 0, while the router is still on its way to the result; in the graph, after the rank's
-        `draft_predraft`."""
+        `draft_speculate_ahead`."""
         if result is None:
             raise RuntimeError("draft_absorb() needs target rank 0's result")
         self._draft("draft_absorb").absorb(result)
