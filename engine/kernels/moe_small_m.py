@@ -28,25 +28,40 @@ _TARGET_PROGRAMS = 528
 
 
 @triton.jit
-def _load_weight(w_ptr, blocks_ptr, scales_ptr, expert, rows, cols, mask, stride_we, stride_wr,
-                 blocks_e, blocks_r, scales_e, scales_r, PACKED: tl.constexpr):
-    """[R, C] float32 tile of expert `expert`'s [out, in] weight at (rows, cols): read as is, or decoded from MXFP4
-    (value 2j of a block in the low nibble of byte j; e2m1: sign bit 3, exponent bits 1-2, mantissa bit 0; the
-    block's scale 2 ** (byte - 127))."""
-    e = expert.to(tl.int64)
-    if PACKED:
-        byte = tl.load(blocks_ptr + e * blocks_e + rows[:, None] * blocks_r + (cols // 2)[None, :], mask=mask,
-                       other=0).to(tl.int32)
-        nib = tl.where((cols % 2 == 0)[None, :], byte & 15, byte >> 4)
-        exp = (nib >> 1) & 3
-        man = (nib & 1).to(tl.float32)
-        mag = tl.where(exp == 0, man * 0.5, (1.0 + man * 0.5) * tl.exp2((exp - 1).to(tl.float32)))
-        val = tl.where((nib & 8) != 0, -mag, mag)
-        scale = tl.load(scales_ptr + e * scales_e + rows[:, None] * scales_r + (cols // 32)[None, :], mask=mask,
-                        other=127).to(tl.float32)
-        return val * tl.exp2(scale - 127.0)
-    return tl.load(w_ptr + e * stride_we + rows[:, None] * stride_wr + cols[None, :], mask=mask,
+def _load_weight(w_ptr, expert, rows, cols, mask, stride_we, stride_wr):
+    """[R, C] float32 tile of expert `expert`'s [out, in] weight (in the model's dtype) at (rows, cols)."""
+    return tl.load(w_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wr + cols[None, :], mask=mask,
                    other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _e2m1(nib):
+    """e2m1 codes (uint32, 0..15: sign bit 3, exponent bits 1-2, mantissa bit 0) -> float32, by bit pattern: a
+    normal code's float32 has the sign, exponent + 126 and the mantissa bit in place; exponent 0 is 0 or 0.5."""
+    exp = (nib >> 1) & 3
+    man = nib & 1
+    normal = (((nib & 8) << 28) | ((exp + 126) << 23) | (man << 22)).to(tl.float32, bitcast=True)
+    small = tl.where((nib & 8) != 0, -0.5, 0.5) * man.to(tl.float32)
+    return tl.where(exp == 0, small, normal)
+
+
+@triton.jit
+def _packed_dot(blocks_ptr, scales_ptr, expert, rows, rows_ok, blocks_e, blocks_r, scales_e, scales_r, x_lo, x_hi,
+                k0, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] sum over the BLOCK_K inputs from k0 of W[rows, k] * x[k], W decoded from MXFP4 in the kernel:
+    BLOCK_K / 2 bytes a row loaded as one tile, the low nibble (even k) against x_lo = x[k0 + 2j], the high one
+    against x_hi = x[k0 + 2j + 1]; each 32-value block's products summed, then scaled by 2 ** (scale - 127) once."""
+    e = expert.to(tl.int64)
+    j = tl.arange(0, BLOCK_K // 2)
+    ok = rows_ok[:, None] & ((k0 + 2 * j) < k_end)[None, :]
+    byte = tl.load(blocks_ptr + e * blocks_e + rows[:, None] * blocks_r + (k0 // 2 + j)[None, :], mask=ok,
+                   other=0).to(tl.uint32)
+    prod = _e2m1(byte & 15) * x_lo[None, :] + _e2m1(byte >> 4) * x_hi[None, :]  # [BLOCK_N, BLOCK_K / 2]
+    per_block = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 32, 16)), axis=2)  # [BLOCK_N, BLOCK_K / 32]
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = tl.load(scales_ptr + e * scales_e + rows[:, None] * scales_r + g[None, :],
+                    mask=rows_ok[:, None] & (g * 32 < k_end)[None, :], other=127).to(tl.float32)
+    return tl.sum(per_block * tl.exp2(scale - 127.0), axis=1)
 
 
 @triton.jit
@@ -71,17 +86,23 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, part_ptr, top
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     k_end = tl.minimum(s * k_slice + k_slice, hidden)
+    x_row = x_ptr + token * stride_xt
     for k0 in range(s * k_slice, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        k_ok = k < k_end
-        x = tl.load(x_ptr + token * stride_xt + k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
-        mask = n_ok[:, None] & k_ok[None, :]
-        wg = _load_weight(w_ptr, blocks_ptr, scales_ptr, expert, g_rows, k, mask, stride_we, stride_wr, blocks_e,
-                          blocks_r, scales_e, scales_r, PACKED)
-        acc_g += tl.sum(wg * x[None, :], 1)
-        wu = _load_weight(w_ptr, blocks_ptr, scales_ptr, expert, u_rows, k, mask, stride_we, stride_wr, blocks_e,
-                          blocks_r, scales_e, scales_r, PACKED)
-        acc_u += tl.sum(wu * x[None, :], 1)
+        if PACKED:
+            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            x_lo = tl.load(x_row + even, mask=even < k_end, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_row + even + 1, mask=even + 1 < k_end, other=0.0).to(tl.float32)
+            acc_g += _packed_dot(blocks_ptr, scales_ptr, expert, g_rows, n_ok, blocks_e, blocks_r, scales_e,
+                                 scales_r, x_lo, x_hi, k0, k_end, BLOCK_N, BLOCK_K)
+            acc_u += _packed_dot(blocks_ptr, scales_ptr, expert, u_rows, n_ok, blocks_e, blocks_r, scales_e,
+                                 scales_r, x_lo, x_hi, k0, k_end, BLOCK_N, BLOCK_K)
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+            k_ok = k < k_end
+            x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+            mask = n_ok[:, None] & k_ok[None, :]
+            acc_g += tl.sum(_load_weight(w_ptr, expert, g_rows, k, mask, stride_we, stride_wr) * x[None, :], 1)
+            acc_u += tl.sum(_load_weight(w_ptr, expert, u_rows, k, mask, stride_we, stride_wr) * x[None, :], 1)
     out = part_ptr + (s * 2 * rows + row) * inter + n
     tl.store(out, acc_g, mask=n_ok)
     tl.store(out + rows * inter, acc_u, mask=n_ok)
@@ -132,13 +153,20 @@ def _down_kernel(act_ptr, ids_ptr, route_w_ptr, w_ptr, blocks_ptr, scales_ptr, b
     expert = tl.load(ids_ptr + row)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     k_end = tl.minimum(s * k_slice + k_slice, inter)
+    a_row = act_ptr + row * inter
     for k0 in range(s * k_slice, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < k_end
-        a = tl.load(act_ptr + row * inter + k, mask=k_ok, other=0.0)  # [BLOCK_K] float32
-        w = _load_weight(w_ptr, blocks_ptr, scales_ptr, expert, n, k, n_ok[:, None] & k_ok[None, :], stride_we,
-                         stride_wr, blocks_e, blocks_r, scales_e, scales_r, PACKED)
-        acc += tl.sum(w * a[None, :], 1)
+        if PACKED:
+            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            a_lo = tl.load(a_row + even, mask=even < k_end, other=0.0)
+            a_hi = tl.load(a_row + even + 1, mask=even + 1 < k_end, other=0.0)
+            acc += _packed_dot(blocks_ptr, scales_ptr, expert, n, n_ok, blocks_e, blocks_r, scales_e, scales_r, a_lo,
+                               a_hi, k0, k_end, BLOCK_N, BLOCK_K)
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < k_end
+            a = tl.load(a_row + k, mask=k_ok, other=0.0)  # [BLOCK_K] float32
+            acc += tl.sum(_load_weight(w_ptr, expert, n, k, n_ok[:, None] & k_ok[None, :], stride_we, stride_wr)
+                          * a[None, :], 1)
     if HAS_BIAS:
         first = (s == 0).to(tl.float32)
         acc += first * tl.load(bias_ptr + expert.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
