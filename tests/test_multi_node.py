@@ -6,7 +6,9 @@ output, and a node removed under a steady stream of requests loses none and serv
 - the draft's node: the requests in flight go on without speculation, token for token (continue_without_draft),
   and a new draft group starts on a node that brings the draft's resource back;
 - the target's node: the requests in flight end with a clear 503, none hangs, and the router rebuilds its groups
-  on a node that brings the target's resource back.
+  on a node that brings the target's resource back;
+- one replica's router's node: the other replica serves the requests sent once Ray has marked the node dead, and
+  Serve starts a replacement on a node that brings the router's resource back.
 
 Every request of the stream is accounted for: it completed with the greedy text, or failed with a clear error;
 the server's own count of finished requests matches the client's completed ones (none ran twice).
