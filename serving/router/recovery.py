@@ -45,6 +45,19 @@ def detach_draft(engine: Any) -> Any:
     return engine.detach_draft()
 
 
+def settle_steps_in_flight(engine: Any) -> list[Any]:
+    """Collect the engine's steps in flight before the draft is detached; returns the requests they touched. A health
+    probe can find the draft dead between two steps while one is still in flight (asynchronous scheduling): it ran on
+    the groups about to be replaced, and collected after the step is rebuilt without the draft it would fail with an
+    error that names no group of the new step, which would rebuild the whole engine. A step that fails here (on the
+    dead draft) is dropped by the engine with those after it: none of them committed anything."""
+    try:
+        return engine.flush()
+    except Exception as e:  # noqa: BLE001 - the dead draft's step; a dead target rank fails detach_draft's check
+        logger.warning("a step in flight failed with the draft group and is dropped: %s", e)
+        return []
+
+
 def attach_draft(engine: Any, spec: Any) -> None:
     """Put the draft group that `engine.start_draft_group()` started into the step; call between steps. The
     draft's KV starts empty: each request's draft progress restarts at 0."""
@@ -107,6 +120,7 @@ class EngineRecovery:
                 and router.engine.spec_config is not None and self.unhealthy is None):
             return False
         try:
+            router._publish_now(settle_steps_in_flight(router.engine))
             spec = detach_draft(router.engine)
         except Exception as e:  # noqa: BLE001 - e.g. a target rank died too: the whole engine is rebuilt
             logger.error("could not go on without the draft (%s); rebuilding the engine", e)
