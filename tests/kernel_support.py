@@ -212,3 +212,20 @@ def tree_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     query = torch.randn(sum(num_rows), num_heads, head_dim, generator=g).to(dtype)
     return TreeCase(query.to(device), kv.to(dtype).to(device), table.to(device), tree, group_id, head_dim ** -0.5,
                     sliding_window)
+
+
+def check_sink_attention(case: AttentionCase, sinks: torch.Tensor, splits: int | None, tol: float,
+                         min_effect: float | None = None) -> None:
+    """The paged-attention kernel with attention sinks (GPT-OSS) against its reference within `tol`, keys outside a
+    window poisoned; and the sinks must move the reference's output by more than `min_effect` somewhere (ten times
+    the tolerance unless given), or a kernel that dropped them would pass."""
+    from engine.kernels import paged_attention
+
+    out, ref, plain = (torch.full_like(case.query, 7.0) for _ in range(3))
+    paged_attention.paged_attention_ref(*case.args(ref), sinks=sinks)
+    paged_attention.paged_attention_ref(*case.args(plain))
+    kv = poison_outside_window(case) if case.sliding_window is not None else case.kv_cache
+    paged_attention.paged_attention(*case.args(out, kv), num_kv_splits=splits, sinks=sinks)
+    n = case.num_valid_tokens
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=tol, rtol=tol)
+    assert (ref[:n].float() - plain[:n].float()).abs().max() > (10 * tol if min_effect is None else min_effect)

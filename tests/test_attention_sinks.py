@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter_children import assert_pytest_children_pass, split_by
-from kernel_support import attention_case, poison_outside_window
+from kernel_support import attention_case, check_sink_attention
 
 from engine.kernels import paged_attention
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
@@ -40,16 +40,7 @@ def test_paged_attention_with_sinks_matches_reference(num_heads, num_kv_heads, h
                                         (DECODE, None, 4, torch.float32), (LONG, 100, 8, torch.float32),
                                         (LONG, None, 1, torch.float16), (DECODE, 7, 4, torch.float16)):
         case = attention_case(num_heads, num_kv_heads, head_dim, 16, *lens, window, dtype, seed=head_dim)
-        sinks = _sinks(num_heads, head_dim)
-        out, ref, plain = (torch.full_like(case.query, 7.0) for _ in range(3))
-        paged_attention.paged_attention_ref(*case.args(ref), sinks=sinks)
-        paged_attention.paged_attention_ref(*case.args(plain))
-        kv = poison_outside_window(case) if window is not None else case.kv_cache
-        paged_attention.paged_attention(*case.args(out, kv), num_kv_splits=splits, sinks=sinks)
-        n = case.num_valid_tokens
-        tol = 2e-5 if dtype == torch.float32 else 2e-3
-        torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=tol, rtol=tol)
-        assert (ref[:n] - plain[:n]).abs().max() > 10 * tol  # the sinks changed the output past the tolerance
+        check_sink_attention(case, _sinks(num_heads, head_dim), splits, 2e-5 if dtype == torch.float32 else 2e-3)
 
 
 def test_reference_sink_is_one_more_softmax_column():

@@ -65,6 +65,19 @@ def _packed_dot(blocks_ptr, scales_ptr, expert, rows, rows_ok, blocks_e, blocks_
 
 
 @triton.jit
+def _gate_up_rows(n, inter, OAI: tl.constexpr):
+    """The gate_up weight rows of intermediate features n: GPT-OSS interleaves them (gate 2n, up 2n + 1); otherwise
+    gate is row n and up row I + n."""
+    if OAI:
+        g_rows = 2 * n
+        u_rows = 2 * n + 1
+    else:
+        g_rows = n
+        u_rows = inter + n
+    return g_rows, u_rows
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, part_ptr, top_k, hidden, inter, rows, k_slice,
                     stride_xt, stride_we, stride_wr, blocks_e, blocks_r, scales_e, scales_r,
                     PACKED: tl.constexpr, OAI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -76,13 +89,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, part_ptr, top
     n_ok = n < inter
     expert = tl.load(ids_ptr + row)
     token = row // top_k
-    # GPT-OSS interleaves gate and up rows (gate 2n, up 2n + 1); otherwise gate is row n and up row I + n.
-    if OAI:
-        g_rows = 2 * n
-        u_rows = 2 * n + 1
-    else:
-        g_rows = n
-        u_rows = inter + n
+    g_rows, u_rows = _gate_up_rows(n, inter, OAI)
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     k_end = tl.minimum(s * k_slice + k_slice, hidden)
@@ -121,12 +128,7 @@ def _act_kernel(part_ptr, ids_ptr, bias_ptr, act_ptr, inter, rows, splits, alpha
         p = part_ptr + (s * 2 * rows + row) * inter + n
         acc_g += tl.load(p, mask=n_ok, other=0.0)
         acc_u += tl.load(p + rows * inter, mask=n_ok, other=0.0)
-    if OAI:
-        g_rows = 2 * n
-        u_rows = 2 * n + 1
-    else:
-        g_rows = n
-        u_rows = inter + n
+    g_rows, u_rows = _gate_up_rows(n, inter, OAI)
     if HAS_BIAS:
         b = bias_ptr + tl.load(ids_ptr + row).to(tl.int64) * stride_be
         acc_g += tl.load(b + g_rows, mask=n_ok, other=0.0).to(tl.float32)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TinyModel, hf_greedy_cuda, random_prompts
-from kernel_support import attention_case, poison_outside_window
+from kernel_support import attention_case, check_sink_attention
 from moe_support import gpt_oss_config, make_model
 
 from engine import LLM, SamplingParams
-from engine.kernels import moe_small_m, paged_attention
+from engine.kernels import moe_small_m
 from engine.models.moe import FusedExperts, moe_experts_ref, route_topk_then_softmax
 from engine.quantization import mxfp4
 
@@ -59,14 +59,7 @@ def test_sink_attention_at_gpt_oss_head_shape(window, splits):
     lens = ([1, 4, 0, 37, 1], [700, 300, 0, 200, 129])
     case = attention_case(64, 8, 64, 16, *lens, window, torch.bfloat16, device="cuda", seed=3)
     sinks = torch.randn(64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)) * 3
-    out, ref, plain = (torch.full_like(case.query, 7.0) for _ in range(3))
-    paged_attention.paged_attention_ref(*case.args(ref), sinks=sinks)
-    paged_attention.paged_attention_ref(*case.args(plain))
-    kv = poison_outside_window(case) if window is not None else case.kv_cache
-    paged_attention.paged_attention(*case.args(out, kv), num_kv_splits=splits, sinks=sinks)
-    n = case.num_valid_tokens
-    torch.testing.assert_close(out[:n].float(), ref[:n].float(), **BF16)
-    assert (ref[:n].float() - plain[:n].float()).abs().max() > 0.1  # the sinks mattered past the tolerance
+    check_sink_attention(case, sinks, splits, BF16["atol"], min_effect=0.1)
 
 
 @pytest.fixture(scope="module")
