@@ -17,8 +17,9 @@ from common import environment, markdown_table, prefix_token_map, save_json
 from gpu_decode import cuda_median_ms, hf_decode_ms
 from gpu_shapes import copy_bandwidth, kv_bytes_read, kv_memory_bytes, prefill, shape_dir, weight_bytes
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kernels.triton_compat import set_pdl
+from engine.model_config import ModelConfig
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.sample.metadata import SamplingMetadata

@@ -20,8 +20,9 @@ from common import environment, markdown_table, save_json
 from gpu_decode import cuda_median_ms
 from gpu_shapes import copy_bandwidth, kv_bytes_read, kv_memory_bytes, prefill, shape_dir
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kernels.persistent_plan import PersistentDecoder
+from engine.model_config import ModelConfig
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 

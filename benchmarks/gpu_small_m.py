@@ -294,7 +294,8 @@ def max_rel_err(x: torch.Tensor, res: torch.Tensor, a: torch.Tensor, gu: torch.T
 
 def count_kernels(shape: str, rows_setting: int, batch: int, draft: bool) -> dict:
     """CUDA kernels of one eager forward at `batch` decode rows (a draft step with draft=True)."""
-    from engine.config import EngineConfig, ModelConfig
+    from engine.config import EngineConfig
+    from engine.model_config import ModelConfig
     from engine.runner.model_runner import ModelRunner
     from engine.runner.step_input import Chunk
     from engine.speculation.draft_loop import DraftLoop

@@ -20,9 +20,10 @@ from common import environment, graph_us, markdown_table, save_json
 from gpu_decode import cuda_median_ms
 from gpu_shapes import shape_dir
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kernels import tree_attention as tree_attention_kernels
 from engine.kernels.tree_attention import tree_attention
+from engine.model_config import ModelConfig
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, StepInput
 from engine.speculation.ahead import tree_draft

@@ -23,8 +23,9 @@ from common import environment, markdown_table, save_json
 from gpu_decode import cuda_median_ms
 from gpu_shapes import shape_dir
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kernels.triton_compat import set_pdl
+from engine.model_config import ModelConfig
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.runner.tree_graphs import tree_row_buckets

@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 
-from engine.config import EngineConfig, ModelConfig, resolve_dtype  # noqa: E402
+from engine.config import EngineConfig, resolve_dtype  # noqa: E402
 from engine.local_executor import LocalExecutor  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
 from engine.runner.model_runner import ModelRunner  # noqa: E402
 from engine.step.plan import PlannedRequest, StepPlan, StepResult  # noqa: E402
 from serving.workers.ray_executor import RayExecutor  # noqa: E402

@@ -41,8 +41,8 @@ from agreement_profile import profile_doc  # noqa: E402
 from common import environment, markdown_table, save_json  # noqa: E402
 from tree_hit_stats import NO_RANK, HitTable, Lookup, ngram_candidates, root_rank  # noqa: E402
 
-from engine.config import ModelConfig  # noqa: E402
 from engine.distill.data import encode_prompt, load_prompts  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
 from engine.models.loader import SHARED_FROM_KEY, model_weights  # noqa: E402
 from engine.models.source import resolve_model  # noqa: E402
 from engine.speculation.rejection_sampler import rejection_sample_from_noise  # noqa: E402

@@ -11,12 +11,12 @@ from engine.config import (
     SPECULATIVE_METHODS,
     EngineConfig,
     LaunchConfig,
-    ModelConfig,
     SpeculativeConfig,
     check_engine_options,
     option_default,
 )
 from engine.draft_schedule import parse_schedule
+from engine.model_config import ModelConfig
 from engine.models.source import resolve_model
 
 DEFAULT_MAX_MODEL_LEN = 4096  # unless asked: long contexts cost KV memory nobody asked for

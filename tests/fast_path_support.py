@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from conftest import TinyModel, hf_greedy
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.sample.metadata import SamplingMetadata

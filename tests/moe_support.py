@@ -10,8 +10,9 @@ import torch
 from conftest import VOCAB, TinyModel
 from transformers import AutoModelForCausalLM, GptOssConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager
+from engine.model_config import ModelConfig
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, build_step_input
 

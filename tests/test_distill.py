@@ -15,13 +15,13 @@ from safetensors import safe_open
 
 from deploy.cli import main
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
 from engine.distill.data import DistillSequence, collate, encode_prompt, load_prompts
 from engine.distill.export import export_draft
 from engine.distill.pipeline import DistillConfig, DistillReport, run_distill
 from engine.distill.student import StudentSpec, build_student, source_layers, student_config
 from engine.distill.teacher import load_teacher, precompute_topk
 from engine.distill.trainer import CHECKPOINT_NAME, TrainConfig, Trainer
+from engine.model_config import ModelConfig
 from engine.models.loader import SHARED_FROM_KEY
 
 CPU = torch.device("cpu")

@@ -23,7 +23,8 @@ from test_spec_distribution import (
 )
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.runner.draft_vocabulary import MASKED_LOGIT, check_token_map, load_token_map
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk

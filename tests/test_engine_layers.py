@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine.kernels",),
     # Weight formats (FP8, MXFP4) and the loader's seam: their products are kernels; the config validates them.
     ("engine.quantization",),
-    ("engine.config",),
+    ("engine.config", "engine.model_config"),
     ("engine.sample",),
     ("engine.request",),
     ("engine.kv_cache",),

@@ -15,7 +15,7 @@ from fp8_checkpoints import dequantize_blocks, quantize_blocks, quantize_rows, w
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.loader import build_model
 from engine.parallel import TensorParallelGroup, get_tp_group, set_tp_group
 from engine.quantization.fp8 import FP8_DTYPE, dequantize_rows

@@ -11,7 +11,7 @@ from pathlib import Path
 from conftest import random_prompts
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from serving.openai.generation_config import load_generation_defaults
 
 

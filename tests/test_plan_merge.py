@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import random_prompts
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.runner.model_runner import ModelRunner
 from engine.speculation.proposer import DraftProposer
 from engine.step.plan import PlannedRequest, StepPlan

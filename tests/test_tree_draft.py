@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from conftest import random_prompts
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kv_cache.block_pool import NULL_BLOCK
+from engine.model_config import ModelConfig
 from engine.parallel import TensorParallelGroup, set_tp_group
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import TinyModel
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from serving.workers.group import check_tensor_parallel, launch_verify_ahead_for, speculation_ahead_for
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig, option_default, resolve_device
+from engine.config import option_default, resolve_device
 from engine.distill.data import (
     DistillSequence,
     encode_prompt,
@@ -31,6 +31,7 @@ from engine.distill.student import StudentSpec, build_student
 from engine.distill.teacher import TopK, generate_continuations, load_teacher, precompute_topk
 from engine.distill.trainer import TrainConfig, Trainer, TrainResult
 from engine.llm import LLM, load_tokenizer
+from engine.model_config import ModelConfig
 from engine.models.source import BUNDLED_MODELS, resolve_model
 
 logger = logging.getLogger("specserve")

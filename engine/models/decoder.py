@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.layers import (
     ParallelLMHead,
     QKVParallelLinear,

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.quantization import mxfp4
 
 

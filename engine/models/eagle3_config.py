@@ -24,7 +24,7 @@ from typing import Any
 
 from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 
 FLAT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHITECTURES = ("Eagle3Speculator",)

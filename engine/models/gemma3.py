@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
-from engine.config import ModelConfig
 from engine.kernels.small_m_linear import norm_linear, takes_rows
+from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderAttention, DecoderModel, input_norm
 from engine.models.layers import RMSNorm, RotaryEmbedding
 from engine.models.llama import GatedMLP, LlamaForCausalLM

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
 from engine.kernels.rms_norm import use_fused_kernels
+from engine.model_config import ModelConfig
 from engine.models.decoder import (
     QKV_PACKED,
     DecoderAttention,

@@ -7,7 +7,6 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine.attention.metadata import AttentionMetadata
-from engine.config import ModelConfig
 from engine.kernels.activation import ACTIVATIONS, act_and_mul
 from engine.kernels.persistent_plan import DecoderShape, LayerWeights, PersistentDecoder
 from engine.kernels.rms_norm import use_fused_kernels
@@ -20,6 +19,7 @@ from engine.kernels.small_m_linear import (
     norm_linear,
     takes_rows,
 )
+from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderAttention, DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
 from engine.models.layers import MergedColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
 

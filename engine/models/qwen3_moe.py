@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
 from engine.models.layers import RMSNorm, RotaryEmbedding
 from engine.models.llama import GatedMLP, LlamaAttention

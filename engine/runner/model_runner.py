@@ -7,17 +7,12 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import (
-    EngineConfig,
-    ModelConfig,
-    graph_batch_sizes,
-    mixed_graph_token_sizes,
-    resolve_attention_backend,
-)
+from engine.config import EngineConfig, graph_batch_sizes, mixed_graph_token_sizes, resolve_attention_backend
 from engine.kernels.activation import ACTIVATIONS
 from engine.kernels.small_m_linear import rows_limit
 from engine.kernels.small_m_tiles import wide_layer_rows
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
+from engine.model_config import ModelConfig
 from engine.models.eagle3 import build_eagle3_head
 from engine.models.loader import build_model
 from engine.models.moe import max_graph_tokens

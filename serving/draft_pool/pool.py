@@ -92,7 +92,7 @@ class DraftPoolReplica:
     def __init__(self, engine_args: dict[str, Any], pool: str, slots: int, tenant_timeout_s: float = 60.0,
                  drain_timeout_s: float = 30.0) -> None:
         """drain_timeout_s: on scale-down, how long the replica waits for its targets to move elsewhere."""
-        from engine.config import ModelConfig
+        from engine.model_config import ModelConfig
         from serving.draft_pool.worker import PooledDraftWorker, rank0_concurrency
         from serving.workers.group import WorkerGroup, check_tensor_parallel, release_group
         from serving.workers.placement import actor_options, bundle_task_options, create_group_placement, make_bundle

@@ -2,7 +2,7 @@
 them: a request that leaves temperature, top_p, top_k, min_p or repetition_penalty unset gets the model's value,
 and max_new_tokens caps max_tokens. Only the keys the file sets count (an absent key keeps OpenAI's default).
 
-Extra EOS ids from the same file are the engine's business (engine.config.ModelConfig.eos_token_ids), so the
+Extra EOS ids from the same file are the engine's business (engine.model_config.ModelConfig.eos_token_ids), so the
 offline API stops on them too.
 """
 

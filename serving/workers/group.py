@@ -10,7 +10,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from serving.engine_builders import DRAFT_PLACEMENTS
 from serving.workers.worker import WorkerInfo
 

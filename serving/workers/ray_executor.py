@@ -34,9 +34,10 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.decode_pipeline import LaggedResults
 from engine.kv_cache.spec import KVCacheGroupSpec
+from engine.model_config import ModelConfig
 from engine.models.eagle3_config import is_eagle3_checkpoint
 from engine.runner.draft_vocabulary import check_token_map
 from engine.step.phases import HOST, book_dispatch

@@ -29,9 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig, ModelConfig, resolve_dtype
+from engine.config import EngineConfig, resolve_dtype
 from engine.decode_pipeline import DecodePipeline
 from engine.kv_cache.spec import KVCacheGroupSpec
+from engine.model_config import ModelConfig
 from engine.models.eagle3_config import is_eagle3_checkpoint
 from engine.parallel import TensorParallelGroup, set_tp_group
 from engine.runner.model_runner import ModelRunner
