@@ -40,7 +40,9 @@ def main(root: str, families: list[str]) -> dict:
         res = {}
         for backend in ("torch", "triton"):
             for d in (None, draft.path):
-                llm = LLM(target.path, draft_model=d, num_speculative_tokens=3, attention_backend=backend, **kw)
+                # A fixed k: the two backends' acceptance rates are compared, so both draft at every step.
+                llm = LLM(target.path, draft_model=d, num_speculative_tokens=3, attention_backend=backend,
+                          adaptive_draft_length=False, **kw)
                 outs = llm.generate(prompts, params)
                 key = f"{backend}{'+spec' if d else ''}"
                 res[key] = [o.token_ids for o in outs]

@@ -189,7 +189,8 @@ def test_greedy_through_small_m_kernels_equals_hf(tmp_path, family):
     prompts = random_prompts([5, 9, 14, 3], seed=4)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     llm = LLM(target.path, draft_model=draft.path, num_speculative_tokens=3, attention_backend="triton",
-              device="cpu", block_size=4, num_kv_blocks=200, max_num_seqs=4, small_m_rows=16)
+              device="cpu", block_size=4, num_kv_blocks=200, max_num_seqs=4, small_m_rows=16,
+              adaptive_draft_length=False)  # a fixed k: verifies of k + 1 rows every step, acceptance checked
     layer = llm.executor.target.model.model.layers[0]
     assert layer.small_m_rows == 16 and layer.mlp.small_m_rows == 16
     outs = llm.generate(prompts, params)
