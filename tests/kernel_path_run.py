@@ -16,7 +16,10 @@ from fast_path_support import draft_runner, hf_draft_tokens, run_draft_loop  # n
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.speculation.draft_loop import DraftLoop  # noqa: E402
 
-MAX_TOKENS = {"mistral": 16, "gemma3": 10}
+# Sixteen tokens give the Mistral pair's speculation ahead a rejection window that hits (at ten it has none); the
+# other cases (and the Gemma 3 pair's speculation ahead) hold at ten, past both families' windows (7 and 6).
+TOKENS = 10
+AHEAD_TOKENS = {"mistral": 16, "gemma3": 10}
 PERSISTENT_TOKENS = 8
 
 
@@ -30,44 +33,13 @@ def main(root: str, families: list[str]) -> dict:
     # products at every row count have their own greedy tests against HF (tests/test_small_m_linear.py).
     kw = dict(device="cpu", block_size=4, num_kv_blocks=200, max_num_seqs=4, small_m_rows=1)
     for fam in families:
-        # Sixteen tokens give the Mistral pair's speculation ahead a rejection window that hits (at ten it has
-        # none); the Gemma 3 pair's assertions hold at any length past its window, and ten tokens save its child
-        # (the slower of the two, which the test waits for) about a third of its interpreted steps.
-        params = SamplingParams(max_tokens=MAX_TOKENS[fam], temperature=0.0, ignore_eos=True)
         target = make_tiny_model(Path(root), fam, TINY_CONFIGS[fam])
         # A slightly perturbed copy: accepts often, rejects sometimes, so both commit paths run.
         draft = make_tiny_model(Path(root), fam + "-draft", TINY_CONFIGS[fam], scale=5.9)
-        res = {}
-        for backend in ("torch", "triton"):
-            for d in (None, draft.path):
-                llm = LLM(target.path, draft_model=d, num_speculative_tokens=3, attention_backend=backend, **kw)
-                outs = llm.generate(prompts, params)
-                key = f"{backend}{'+spec' if d else ''}"
-                res[key] = [o.token_ids for o in outs]
-                if d:
-                    res[key + ":acceptance"] = llm.spec_stats(outs).acceptance_rate
-        # Speculation ahead with branches on the kernel path: the windows run through the draft loop (runner-up
-        # tokens from its step function, per-row guesses in column 0, scratch windows copied back on a hit).
-        llm = LLM(target.path, draft_model=draft.path, num_speculative_tokens=3, attention_backend="triton",
-                  speculation_ahead=True, speculation_ahead_branches=4, adaptive_draft_length=False, **kw)
-        res["triton+ahead4"] = [o.token_ids for o in llm.generate(prompts, params)]
-        st = llm.engine.executor.ahead.stats
-        res["triton+ahead4:hits"] = [st.hits_accept, st.hits_reject]
+        res = out["generate"][fam] = {}
+        generate_cases(res, target.path, draft.path, prompts, AHEAD_TOKENS[fam], kw)
         if fam == "mistral":
-            # Every decoder layer of a decode step in one persistent launch (target and draft), staged on the
-            # interpreter: the same tokens; the counts say the path ran on both models. Eight tokens (greedy: the
-            # first eight of the sixteen above) still cross the 7-token window; they halve the child's slowest part.
-            calls = []
-            short = SamplingParams(max_tokens=PERSISTENT_TOKENS, temperature=0.0, ignore_eos=True)
-            for d in (None, draft.path):
-                llm = LLM(target.path, draft_model=d, num_speculative_tokens=3, attention_backend="triton",
-                          persistent_decode_rows=4, **kw)
-                res[f"triton{'+spec' if d else ''}+persistent"] = [o.token_ids for o in llm.generate(prompts, short)]
-                runner = llm.engine.executor.draft if d else llm.engine.executor.target
-                calls.append(runner.model.model.persistent.calls)
-            res["persistent_tokens"] = PERSISTENT_TOKENS
-            res["persistent_calls"] = calls  # the target alone's decode steps, the draft's steps
-        out["generate"][fam] = res
+            persistent_cases(res, target.path, draft.path, prompts, kw)
         # The draft loop alone, k = 6 steps from positions that cross block (4) and window (5-7) boundaries.
         runner = draft_runner(draft, "cpu", 6, 4, graphs=False)
         loop = DraftLoop(runner, 6, keep_probs=False)
@@ -78,6 +50,50 @@ def main(root: str, families: list[str]) -> dict:
                                   "padding": [row[k:] for row, k in zip(ids.tolist(), ks)],
                                   "hf": hf_draft_tokens(draft, lp, ks)}
     return out
+
+
+def generate_cases(res: dict, target: str, draft: str, prompts: list[list[int]], ahead_tokens: int,
+                   kw: dict) -> None:
+    """Greedy tokens of the target alone and with the draft on both backends (TOKENS of them; the torch path's
+    target alone, the reference, `ahead_tokens`), and speculation ahead on the kernel path (`ahead_tokens`), into
+    `res`."""
+    res["tokens"] = TOKENS
+    for backend in ("torch", "triton"):
+        for d in (None, draft):
+            n = ahead_tokens if (backend, d) == ("torch", None) else TOKENS
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            # A fixed k: the two backends' acceptance rates are compared, so both draft at every step.
+            llm = LLM(target, draft_model=d, num_speculative_tokens=3, attention_backend=backend,
+                      adaptive_draft_length=False, **kw)
+            outs = llm.generate(prompts, params)
+            key = f"{backend}{'+spec' if d else ''}"
+            res[key] = [o.token_ids for o in outs]
+            if d:
+                res[key + ":acceptance"] = llm.spec_stats(outs).acceptance_rate
+    # Speculation ahead with branches on the kernel path: the windows run through the draft loop (runner-up
+    # tokens from its step function, per-row guesses in column 0, scratch windows copied back on a hit).
+    llm = LLM(target, draft_model=draft, num_speculative_tokens=3, attention_backend="triton",
+              speculation_ahead=True, speculation_ahead_branches=4, adaptive_draft_length=False, **kw)
+    params = SamplingParams(max_tokens=ahead_tokens, temperature=0.0, ignore_eos=True)
+    res["triton+ahead4"] = [o.token_ids for o in llm.generate(prompts, params)]
+    st = llm.engine.executor.ahead.stats
+    res["triton+ahead4:hits"] = [st.hits_accept, st.hits_reject]
+
+
+def persistent_cases(res: dict, target: str, draft: str, prompts: list[list[int]], kw: dict) -> None:
+    """Every decoder layer of a decode step in one persistent launch (target and draft), staged on the
+    interpreter: the same tokens; the counts say the path ran on both models. Eight tokens (greedy: the first eight
+    of the reference's) still cross the 7-token window; they halve this part's time."""
+    calls = []
+    short = SamplingParams(max_tokens=PERSISTENT_TOKENS, temperature=0.0, ignore_eos=True)
+    for d in (None, draft):
+        llm = LLM(target, draft_model=d, num_speculative_tokens=3, attention_backend="triton",
+                  persistent_decode_rows=4, adaptive_draft_length=False, **kw)  # the draft runs every step
+        res[f"triton{'+spec' if d else ''}+persistent"] = [o.token_ids for o in llm.generate(prompts, short)]
+        runner = llm.engine.executor.draft if d else llm.engine.executor.target
+        calls.append(runner.model.model.persistent.calls)
+    res["persistent_tokens"] = PERSISTENT_TOKENS
+    res["persistent_calls"] = calls  # the target alone's decode steps, the draft's steps
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def _assert_released(llm: LLM) -> None:
 def test_async_greedy_speculation_is_lossless(tiny_models, tiny_drafts, near_drafts, target_greedy, target, draft, k,
                                               mode):
     llm = LLM(tiny_models[target].path, draft_model=_draft(tiny_drafts, near_drafts, target, draft),
-              num_speculative_tokens=k, rejection_sampling=mode, **ASYNC)
+              num_speculative_tokens=k, rejection_sampling=mode, adaptive_draft_length=False, **ASYNC)  # drafts counted
     seen = _watch(llm)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == target_greedy(target)
@@ -143,7 +143,7 @@ def test_async_stop_token_and_max_tokens_inside_a_step_in_flight(tiny_models, ta
     # is already in flight: that step's tokens must be dropped, and its blocks freed only after it lands.
     path = tiny_models["llama"].path
     ref = target_greedy("llama")
-    llm = LLM(path, draft_model=path, num_speculative_tokens=4, **ASYNC)
+    llm = LLM(path, draft_model=path, num_speculative_tokens=4, adaptive_draft_length=False, **ASYNC)  # k every step
     stops_and_max_tokens_inside(llm, ref, past=2, max_tokens=7)
     assert_kv_released(llm)
     _assert_released(llm)

@@ -102,7 +102,8 @@ def test_gpt_oss_on_the_kernel_path_equals_the_torch_path(tmp_path):
     kw = dict(device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=2, small_m_rows=0)
     res = {}
     for backend in ("torch", "triton"):
-        llm = LLM(m.path, draft_model=m.path, num_speculative_tokens=2, attention_backend=backend, **kw)
+        llm = LLM(m.path, draft_model=m.path, num_speculative_tokens=2, attention_backend=backend,
+                  adaptive_draft_length=False, **kw)  # a fixed k: the verify of k + 1 tokens runs every step
         outs = llm.generate(prompts, params)
         res[backend] = [o.token_ids for o in outs]
         assert llm.spec_stats(outs).acceptance_rate == 1.0

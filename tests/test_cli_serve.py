@@ -36,7 +36,8 @@ def test_vllm_launch_line_serves_with_speculation_then_two_signals_exit_cleanly(
          "--port", str(port), "--grpc-port", str(grpc_port), "--max-model-len", "128", "--served-model-name", "tiny",
          "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--block-size", "4", "--enforce-eager",
          "--gpu-memory-utilization", "0.8", "--dtype", "float32", "--kv-cache-dtype", "auto", "--seed", "0",
-         "--tokenizer", target, "--no-enable-prefix-caching", "-tp", "1", "--num-kv-blocks", "256"],
+         "--tokenizer", target, "--no-enable-prefix-caching", "-tp", "1", "--num-kv-blocks", "256",
+         "--no-adaptive-draft-length"],  # a fixed k: the draft's drafts are counted
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         text = wait_for_serve_cli(proc, Path(log.name), 180)

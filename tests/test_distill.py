@@ -114,7 +114,7 @@ def test_distilled_draft_is_lossless(distilled: DistillReport, tiny_models: dict
     target = tiny_models["llama"].path
     prompts = random_prompts([5, 9, 14], seed=3)
     want = _greedy(LLM(model=target), prompts)
-    llm = LLM(model=target, draft_model=str(distilled.out), num_speculative_tokens=4)
+    llm = LLM(model=target, draft_model=str(distilled.out), num_speculative_tokens=4, adaptive_draft_length=False)
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
     stats = llm.spec_stats(outs)
@@ -228,7 +228,8 @@ def test_bad_student_specs_are_refused(tiny_models: dict[str, TinyModel]) -> Non
 
 @pytest.mark.slow
 def test_bundled_draft_is_lossless_and_accepts() -> None:
-    llm = LLM(model="smollm2-135m-instruct", draft_model="smollm2-135m-draft", num_speculative_tokens=4)
+    llm = LLM(model="smollm2-135m-instruct", draft_model="smollm2-135m-draft", num_speculative_tokens=4,
+              adaptive_draft_length=False)  # a fixed k: the acceptance length is measured
     target = LLM(model="smollm2-135m-instruct")
     prompts = [encode_prompt(p, llm.tokenizer, 49152) for p in load_prompts("eval", 3)]
     params = SamplingParams(max_tokens=48, temperature=0.0)

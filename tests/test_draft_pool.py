@@ -61,7 +61,8 @@ def _config(models: tuple[str, str]) -> dict[str, Any]:
     # every test below, faults and moves included, runs with it.
     return serve_config(target, draft, max_model_len=MAX_MODEL_LEN, num_replicas=2, draft_replicas=1,
                         draft_tenant_timeout_s=30.0, drain_timeout_s=1.0, max_queued_requests=MAX_QUEUED,
-                        speculation_ahead=True, engine_kwargs={"num_kv_blocks": 64, "max_num_seqs": MAX_SEQS})
+                        speculation_ahead=True, engine_kwargs={"num_kv_blocks": 64, "max_num_seqs": MAX_SEQS},
+                        adaptive_draft_length=False)  # drafts every step: each response's drafts are counted
 
 
 @pytest.fixture(scope="module")

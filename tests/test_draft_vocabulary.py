@@ -104,7 +104,8 @@ def test_greedy_with_a_token_map_equals_the_target_alone(tiny_models, near_draft
     kept = sorted(set(by_count) - excluded)
     ids = kept + random_map(VOCAB // 2 - len(kept), seed=1, exclude=excluded | set(kept))
     llm = LLM(target, draft_model=near_drafts[family].path, num_speculative_tokens=3, async_scheduling=async_,
-              speculation_ahead=ahead, draft_token_map=write_map(tmp_path / "map.pt", torch.tensor(ids)), **ENGINE_KW)
+              speculation_ahead=ahead, draft_token_map=write_map(tmp_path / "map.pt", torch.tensor(ids)),
+              adaptive_draft_length=False, **ENGINE_KW)  # a fixed k: the proposals are checked
     proposed: list[int] = []
     proposer = llm.executor.step.draft.proposer
     propose = proposer.propose
@@ -130,7 +131,7 @@ def test_sampling_with_a_token_map_follows_target_distribution(small_vocab_pair,
     token_map = write_map(tmp_path / "map.json", [0, 2, 3, 5, 6])
     llm = LLM(target_path, draft_model=draft_path, num_speculative_tokens=2, rejection_sampling=mode, seed=99,
               block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES, max_num_batched_tokens=3 * DIST_SAMPLES,
-              draft_token_map=token_map)
+              draft_token_map=token_map, adaptive_draft_length=False)
     outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
     counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)
     for o in outs:

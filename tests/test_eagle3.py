@@ -57,7 +57,8 @@ def heads(tiny_models, tmp_path_factory) -> dict[tuple[str, str], str]:
 @pytest.mark.parametrize("family,fmt", [("llama", "flat"), ("llama", "speculators"), ("qwen3", "flat"),
                                         ("qwen3", "speculators")])
 def test_greedy_equals_target(tiny_models, heads, target_greedy, family, fmt, async_scheduling):
-    llm = _eagle(tiny_models[family].path, heads[family, fmt], async_scheduling=async_scheduling)
+    llm = _eagle(tiny_models[family].path, heads[family, fmt], async_scheduling=async_scheduling,
+                 adaptive_draft_length=False)  # a fixed k: the head's drafts are counted
     assert isinstance(llm.executor.proposer, Eagle3Proposer)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == target_greedy(family)
@@ -257,7 +258,7 @@ def test_probabilistic_rejection_follows_target(tmp_path):
     llm = LLM(target.path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 2,
                                                "rejection_sampling": "probabilistic"},
               seed=1234, block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES,
-              max_num_batched_tokens=3 * DIST_SAMPLES)
+              max_num_batched_tokens=3 * DIST_SAMPLES, adaptive_draft_length=False)
     counts, outs = first_three_counts(llm, DIST_PROMPT, DIST_SAMPLES, SMALL_VOCAB)
     stats = llm.spec_stats(outs)
     assert 0.05 < stats.acceptance_rate < 0.95, stats  # both accepted drafts and rejections shape the output

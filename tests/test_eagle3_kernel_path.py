@@ -40,7 +40,7 @@ def test_kernel_path_greedy_with_head_equals_hf():
                              root / "head")
     llm = LLM(m.path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 2},
               device="cpu", attention_backend="triton", block_size=4, num_kv_blocks=64, max_num_seqs=2,
-              small_m_rows=1, max_model_len=64)
+              small_m_rows=1, max_model_len=64, adaptive_draft_length=False)
     assert llm.executor.target.backend == llm.executor.draft.backend == "triton"
     assert isinstance(llm.executor.proposer, Eagle3Proposer)
     prompts = [[5, 9, 14, 3, 7], [8]]

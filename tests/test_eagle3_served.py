@@ -33,7 +33,7 @@ def test_speculative_config_flag_selects_the_head(tiny_models, llama_heads, targ
     args = build_parser().parse_args(["generate", "--prompt", "x", "--model", tiny_models["llama"].path,
                                       "--speculative-config", json.dumps(spec), "--device", "cpu",
                                       "--block-size", "4", "--max-model-len", "64",
-                                      "--max-num-batched-tokens", "20"])
+                                      "--max-num-batched-tokens", "20", "--no-adaptive-draft-length"])
     cfg = ServeConfig.from_dict(_given(args))
     assert (cfg.speculative_method, cfg.draft_model) == ("eagle3", llama_heads["flat"])
     llm = LLM(**cfg.engine_args())
@@ -57,7 +57,7 @@ def test_served_greedy_equals_target(ray_runtime, tiny_models, llama_heads, targ
     """One served case (Ray's start dominates its time): the speculators head, asynchronous scheduling (the Ray
     executor's default); the in-process tests cover both formats, sync and async."""
     engine = build_ray_engine(tiny_models["llama"].path, llama_heads["speculators"], speculative_method="eagle3",
-                              num_speculative_tokens=3, seed=5, **ENGINE_KW)
+                              num_speculative_tokens=3, seed=5, adaptive_draft_length=False, **ENGINE_KW)
     try:
         assert engine.executor.colocated  # the head runs where the target's hidden states are
         assert engine.async_scheduling

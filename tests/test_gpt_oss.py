@@ -88,7 +88,8 @@ def test_greedy_speculation_with_gpt_oss_draft_equals_target(gpt_oss, near_gpt_o
     alone = [o.token_ids for o in LLM(gpt_oss.path, **kw).generate(prompts, params)]
     assert alone == [hf_greedy(gpt_oss.hf, p, 20) for p in prompts]
     draft_path = near_gpt_oss.path if draft == "near" else gpt_oss.path
-    llm = LLM(gpt_oss.path, draft_model=draft_path, num_speculative_tokens=3, async_scheduling=async_scheduling, **kw)
+    llm = LLM(gpt_oss.path, draft_model=draft_path, num_speculative_tokens=3, async_scheduling=async_scheduling,
+              adaptive_draft_length=False, **kw)  # a fixed k: the acceptance is checked
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == alone
     stats = llm.spec_stats(outs)

@@ -32,7 +32,8 @@ def test_seed_launch_line_serves_harmony_chat(tmp_path: Path) -> None:
     log = (tmp_path / "serve.log").open("w+")
     proc = subprocess.Popen([*SERVE_CLI, *SEED_LINE, "--device", "cpu", "--port", str(port), "--grpc-port",
                              str(grpc_port), "--max-model-len", "512", "--block-size", "4", "--num-kv-blocks", "256",
-                             "--max-num-batched-tokens", "64"],
+                             "--max-num-batched-tokens", "64",
+                             "--no-adaptive-draft-length"],  # a fixed k: the draft's drafts are counted
                             cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for_serve_cli(proc, Path(log.name), 240)

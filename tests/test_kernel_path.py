@@ -41,9 +41,11 @@ def test_kernel_path_greedy_equals_torch_path(results, family):
     sequences, and gemma3 has two KV-cache groups."""
     res = results["generate"][family]
     ref = res["torch"]
-    assert res["triton"] == ref
-    assert res["triton+spec"] == ref
-    assert res["torch+spec"] == ref
+    # Fewer tokens than the reference's (greedy: a prefix of it), still past the windows; the speculation ahead case
+    # below runs the reference's length.
+    n = res["tokens"]
+    assert n > 7 and all(len(ids) >= n for ids in ref)
+    assert res["triton"] == res["triton+spec"] == res["torch+spec"] == [ids[:n] for ids in ref]
     # Both paths see the same drafts, so they accept the same share of them; and speculation did happen.
     assert res["triton+spec:acceptance"] == res["torch+spec:acceptance"] > 0.3
     # Speculation ahead with four windows per request, through the draft loop: windows hit, rejection windows (in

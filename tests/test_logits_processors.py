@@ -105,8 +105,8 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_with_processors_equals_reference(tiny_models, near_drafts, case, draft) -> None:
     tm = tiny_models["llama"]
-    kw = dict(draft_model=near_drafts["llama"].path, num_speculative_tokens=3, rejection_sampling=draft) \
-        if draft else {}
+    kw = dict(draft_model=near_drafts["llama"].path, num_speculative_tokens=3, rejection_sampling=draft,
+              adaptive_draft_length=False) if draft else {}  # a fixed k: acceptance is counted
     llm = LLM(tm.path, **kw, **ENGINE_KW)
     prompts = random_prompts([6, 3], seed=21)
     sp = SamplingParams(max_tokens=12, temperature=0.0, **CASES[case])
@@ -180,7 +180,7 @@ def test_speculative_sampling_with_processing_is_exact(tmp_path, mode, extra) ->
     _small_vocab_model(tmp_path / "draft", seed=1, hidden=32, layers=1, head_scale=8.0)
     llm = LLM(str(tmp_path / "target"), draft_model=str(tmp_path / "draft"), num_speculative_tokens=2,
               rejection_sampling=mode, seed=99, block_size=4, max_model_len=16, max_num_seqs=SAMPLES,
-              max_num_batched_tokens=3 * SAMPLES)
+              max_num_batched_tokens=3 * SAMPLES, adaptive_draft_length=False)
     prompt = [5]
     sp = SamplingParams(max_tokens=3, ignore_eos=True, **PROCESSED, **extra)
     outs = llm.generate([prompt] * SAMPLES, sp)

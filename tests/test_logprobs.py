@@ -40,8 +40,8 @@ def _check(outputs, prompts, model) -> None:
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, seed=7)], ids=["greedy", "seeded"])
 def test_logprobs_equal_hf(tiny_models, near_drafts, draft, sampling) -> None:
     tm = tiny_models["llama"]
-    kw = dict(draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
-              rejection_sampling="probabilistic") if draft else {}
+    kw = dict(draft_model=near_drafts["llama"].path, num_speculative_tokens=3, rejection_sampling="probabilistic",
+              adaptive_draft_length=False) if draft else {}  # a fixed k: both the accept and reject paths run
     llm = LLM(tm.path, **kw, **ENGINE_KW)
     prompts = random_prompts([5, 9, 3], seed=11)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=TOP, **sampling))

@@ -340,8 +340,9 @@ class DraftGroupExecutor:
 
 
 def test_a_new_draft_group_is_sent_everything(tiny_models, near_drafts, target_greedy):
+    # A fixed k: the new draft group drafts in the steps after it is attached.
     llm = LLM(tiny_models["gemma3"].path, draft_model=near_drafts["gemma3"].path, num_speculative_tokens=3,
-              block_size=4, max_model_len=64)
+              block_size=4, max_model_len=64, adaptive_draft_length=False)
     engine = llm.engine
     ex = engine.executor = DraftGroupExecutor(engine.executor)
     reqs = start_requests(engine, PROMPTS, GREEDY, steps=3)

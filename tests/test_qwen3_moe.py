@@ -89,7 +89,7 @@ def test_greedy_speculation_with_dense_draft_equals_target(moe_models, dense_dra
     alone = [o.token_ids for o in LLM(m.path, **kw).generate(prompts, params)]
     assert alone == [hf_greedy(m.hf, p, 20) for p in prompts]
     llm = LLM(m.path, draft_model=dense_draft.path, num_speculative_tokens=3, async_scheduling=async_scheduling,
-              **kw)
+              adaptive_draft_length=False, **kw)  # a fixed k: the drafts are counted
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == alone
     assert llm.spec_stats(outs).num_draft_tokens > 0
@@ -135,7 +135,8 @@ def test_speculative_sampling_on_moe_target_follows_its_distribution(tmp_path):
     draft = _small(tmp_path / "d", Qwen3Config(**common, hidden_size=32, intermediate_size=64, num_hidden_layers=1),
                    seed=1, head_scale=8.0)
     llm = LLM(str(tmp_path / "t"), draft_model=str(tmp_path / "d"), num_speculative_tokens=2, seed=1234,
-              block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES, max_num_batched_tokens=3 * DIST_SAMPLES)
+              block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES, max_num_batched_tokens=3 * DIST_SAMPLES,
+              adaptive_draft_length=False)
     counts, outs = first_three_counts(llm, DIST_PROMPT, DIST_SAMPLES, SMALL_VOCAB)
     stats = llm.spec_stats(outs)
     assert 0.05 < stats.acceptance_rate < 0.95, stats

@@ -55,7 +55,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def server(models: tuple[str, str]) -> Iterator[Server]:
     target, draft = models
     cfg = serve_config(target, draft, max_model_len=MAX_MODEL_LEN, max_queued_requests=MAX_QUEUED,
-                       continue_without_draft=True, engine_kwargs={"max_num_seqs": MAX_SEQS})
+                       continue_without_draft=True, engine_kwargs={"max_num_seqs": MAX_SEQS},
+                       adaptive_draft_length=False)  # drafts every step: the new draft group must propose
     with running_server(cfg, num_cpus=8) as srv:
         yield srv
 

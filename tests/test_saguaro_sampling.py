@@ -341,7 +341,7 @@ def test_engine_output_follows_target_distribution(small_vocab_pair):  # noqa: F
     n = 4000
     llm = LLM(target_path, draft_model=draft_path, num_speculative_tokens=1, seed=99, block_size=4, max_model_len=16,
               max_num_seqs=n, max_num_batched_tokens=3 * n, speculation_ahead=True,
-              speculation_ahead_branches=3, speculation_ahead_saguaro=FACTOR)
+              speculation_ahead_branches=3, speculation_ahead_saguaro=FACTOR, adaptive_draft_length=False)
     # max_tokens=4: the windows after the first verify still have a draft to make (k' = 1).
     outs = llm.generate([DIST_PROMPT] * n, SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True))
     stats = _ahead(llm).stats

@@ -42,7 +42,8 @@ def test_served_random_weights_equal_the_offline_engine(shape_dirs: tuple[str, s
     offline = LLM(target, load_format="dummy", device="cpu", max_model_len=128, block_size=4)
     expected = [o.text for o in offline.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                                         ignore_eos=True))]
-    config = serve_config(target, draft, draft_tensor_parallel_size=2, engine_kwargs={"load_format": "dummy"})
+    config = serve_config(target, draft, draft_tensor_parallel_size=2, engine_kwargs={"load_format": "dummy"},
+                          adaptive_draft_length=False)  # drafts every step: the verify inputs are built meanwhile
     with running_server(config) as server, server.http() as client:
         texts = []
         for prompt in PROMPTS:

@@ -17,9 +17,9 @@ skip_without_triton()
 
 @in_parent
 def test_small_m_linear_under_interpreter():
-    # Two children side by side (tests/interpreter_children.py), of about equal work: the kernel checks and Gemma 3,
-    # and the two Qwen families.
-    assert_pytest_children_pass(__file__, split_by("references or gemma3"))
+    # Two children side by side (tests/interpreter_children.py), of about equal work: the Qwen3 models (the family's
+    # greedy run and draft loop, and the measured wide layer), and the rest (the kernel checks, Qwen2, Gemma 3).
+    assert_pytest_children_pass(__file__, split_by("qwen3 or wide"))
 
 
 def check_small_m_linear(device: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 2, 3, 5),
@@ -189,7 +189,8 @@ def test_greedy_through_small_m_kernels_equals_hf(tmp_path, family):
     prompts = random_prompts([5, 9, 14, 3], seed=4)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     llm = LLM(target.path, draft_model=draft.path, num_speculative_tokens=3, attention_backend="triton",
-              device="cpu", block_size=4, num_kv_blocks=200, max_num_seqs=4, small_m_rows=16)
+              device="cpu", block_size=4, num_kv_blocks=200, max_num_seqs=4, small_m_rows=16,
+              adaptive_draft_length=False)  # a fixed k: verifies of k + 1 rows every step, acceptance checked
     layer = llm.executor.target.model.model.layers[0]
     assert layer.small_m_rows == 16 and layer.mlp.small_m_rows == 16
     outs = llm.generate(prompts, params)
@@ -234,7 +235,8 @@ def test_a_measured_wide_layer_takes_its_verify_rows_and_equals_hf(tmp_path, mon
 
     monkeypatch.setattr(LlamaDecoderLayer, "_forward_wide", counted)
     llm = LLM(target.path, draft_model=draft.path, num_speculative_tokens=4, attention_backend="triton",
-              device="cpu", block_size=4, num_kv_blocks=200, max_num_seqs=2, small_m_rows=1)
+              device="cpu", block_size=4, num_kv_blocks=200, max_num_seqs=2, small_m_rows=1,
+              adaptive_draft_length=False)  # a fixed k: verifies of k + 1 = 5 rows a request
     runner = llm.executor.target
     first = runner.model.model.layers[0]
     assert first.product_shapes() == products

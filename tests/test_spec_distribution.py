@@ -99,7 +99,7 @@ def test_speculative_sampling_follows_target_distribution(small_vocab_pair, mode
     target_path, target_hf, draft_path, draft_hf = small_vocab_pair
     llm = LLM(target_path, draft_model=draft_path, num_speculative_tokens=2, rejection_sampling=mode, seed=1234,
               block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES,
-              max_num_batched_tokens=3 * DIST_SAMPLES)
+              max_num_batched_tokens=3 * DIST_SAMPLES, adaptive_draft_length=False)
     params = SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, ignore_eos=True)
     outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES, params)
     counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)

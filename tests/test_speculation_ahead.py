@@ -67,7 +67,8 @@ def _exact_at_max_model_len(path: str, draft: str, **ahead: object) -> LLM:
     kw = dict(block_size=4, max_model_len=13)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     ref = LLM(path, **kw).generate(prompts, params)
-    llm = LLM(path, draft_model=draft, num_speculative_tokens=2, speculation_ahead=True, **ahead, **kw)
+    llm = LLM(path, draft_model=draft, num_speculative_tokens=2, speculation_ahead=True, adaptive_draft_length=False,
+              **ahead, **kw)  # a fixed k: the callers count hits
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     return llm
@@ -180,7 +181,7 @@ def test_ahead_sampling_follows_target_distribution(small_vocab_pair, mode, asyn
     target_path, target_hf, draft_path, draft_hf = small_vocab_pair
     llm = LLM(target_path, draft_model=draft_path, num_speculative_tokens=1, rejection_sampling=mode, seed=4321,
               block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES, max_num_batched_tokens=3 * DIST_SAMPLES,
-              async_scheduling=async_, speculation_ahead=True)
+              async_scheduling=async_, speculation_ahead=True, adaptive_draft_length=False)
     outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True))
     # Strict acceptance needs the draft's own sample to equal the target's, so fewer windows hit.
     assert _ahead(llm).stats.hits > DIST_SAMPLES // (10 if mode == "probabilistic" else 50)

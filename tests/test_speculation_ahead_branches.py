@@ -228,7 +228,7 @@ def test_branches_sampling_follows_target_distribution(small_vocab_pair, mode, a
     llm = LLM(target_path, draft_model=draft_path if draft == "draft" else target_path, num_speculative_tokens=1,
               rejection_sampling=mode, seed=4321, block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES,
               max_num_batched_tokens=3 * DIST_SAMPLES, async_scheduling=async_, speculation_ahead=True,
-              speculation_ahead_branches=3)
+              speculation_ahead_branches=3, adaptive_draft_length=False)
     outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True))
     stats = _ahead(llm).stats
     # Ten thousand requests outgrow the scratch reserve (a quarter of the draft's blocks): some windows are skipped.

@@ -52,7 +52,7 @@ def test_bad_profiles_are_refused(table, words) -> None:
 def _tree_hits(path: str, draft: str, fanout: int, table: list[list[float]]) -> tuple[int, int]:
     llm = LLM(path, draft_model=draft, num_speculative_tokens=2, rejection_sampling="synthetic",
               synthetic_acceptance_rate=0.5, synthetic_top_f_agreement=table, speculation_ahead=True,
-              speculation_ahead_tree_fanout=fanout, **ENGINE_KW)
+              speculation_ahead_tree_fanout=fanout, adaptive_draft_length=False, **ENGINE_KW)  # a tree every step
     llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
     stats = _ahead(llm).stats
     return stats.lookups, stats.hits

@@ -116,7 +116,8 @@ def test_tree_hit_leaves_the_kv_of_the_ordinary_path(tiny_models, near_drafts, b
     # full ones, two KV-cache groups. After a hit, the draft's KV at the positions the proposal stands for must equal
     # what drafting afresh writes: a run without speculation ahead, at the same step (greedy: the same schedule).
     target, draft = tiny_models["gemma3"].path, near_drafts["gemma3"].path
-    kw = dict(draft_model=draft, num_speculative_tokens=3, **dict(ENGINE_KW, block_size=block_size))
+    kw = dict(draft_model=draft, num_speculative_tokens=3, adaptive_draft_length=False,  # one k: the same schedule
+              **dict(ENGINE_KW, block_size=block_size))
     tree_kv = _hit_kv(LLM(target, speculation_ahead=True, speculation_ahead_tree_fanout=3, **kw))
     assert len(tree_kv) >= 3
     plain = LLM(target, **kw)
@@ -199,6 +200,7 @@ def test_tree_sampling_follows_target_distribution(small_vocab_pair, mode, async
     llm = LLM(target_path, draft_model=draft_path, num_speculative_tokens=1, rejection_sampling=mode, seed=4321,
               block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES, max_num_batched_tokens=3 * DIST_SAMPLES,
               async_scheduling=async_, speculation_ahead=True, speculation_ahead_tree_fanout=2,
+              adaptive_draft_length=False,
               speculation_ahead_saguaro=saguaro)  # Saguaro: drafts drawn from q' (top 3 scaled), verified with q'
     outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True))
     stats = _ahead(llm).stats

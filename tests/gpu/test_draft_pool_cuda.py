@@ -49,7 +49,7 @@ def _samples_as_a_group_of_its_own(args: dict, pooled: list[list[int]]) -> None:
 def test_two_engines_share_one_draft_on_cuda(tiny_models, tiny_drafts) -> None:
     args = dict(model=tiny_models["gemma3"].path, draft_model=tiny_drafts["gemma3-2l"].path, device="cuda",
                 dtype="float32", seed=3, num_speculative_tokens=3, rejection_sampling="probabilistic",
-                target_resources=SHARE, draft_resources=SHARE, **KW)
+                target_resources=SHARE, draft_resources=SHARE, adaptive_draft_length=False, **KW)
     pool = DraftPoolReplica.func_or_class(args, "cuda", 2, 60.0)
     engines = [build_ray_engine(**args, draft_pool="cuda") for _ in range(2)]
     try:
@@ -76,7 +76,7 @@ def test_two_engines_draft_ahead_through_one_pool_on_cuda(tiny_models, near_draf
     args = dict(model=tiny_models["llama"].path, draft_model=near_drafts["llama"].path, device="cuda",
                 dtype="float32", seed=3, num_speculative_tokens=3, rejection_sampling="probabilistic",
                 speculation_ahead=True, speculation_ahead_adaptive=False, target_resources=SHARE,
-                draft_resources=SHARE, **ahead, **KW)
+                draft_resources=SHARE, adaptive_draft_length=False, **ahead, **KW)  # a fixed k: windows hit
     name = "cuda-ahead-" + "-".join(ahead)
     pool = DraftPoolReplica.func_or_class(args, name, 2, 60.0)
     engines = [build_ray_engine(**args, draft_pool=name) for _ in range(2)]

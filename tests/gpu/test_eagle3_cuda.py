@@ -21,7 +21,7 @@ def test_eager_head_greedy_matches_hf_on_cuda(tiny_models, tmp_path, family, fmt
     w = random_head(m.config, seed=1, layer_type="qwen3" if fmt == "speculators" else "llama")
     head = write_flat(w, tmp_path / "head") if fmt == "flat" else write_speculators(w, tmp_path / "head")
     llm = LLM(m.path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3},
-              enforce_eager=True, **KW)
+              enforce_eager=True, adaptive_draft_length=False, **KW)
     assert isinstance(llm.executor.proposer, Eagle3Proposer)
     prompts = random_prompts([5, 17, 40], seed=1)
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))

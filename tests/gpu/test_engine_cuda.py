@@ -31,7 +31,7 @@ def test_fp32_speculation_lossless_on_cuda_with_hybrid_draft(tiny_models, tiny_d
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     base = LLM(model=target.path, device="cuda", dtype="float32", **KW).generate(prompts, params)
     spec_llm = LLM(model=target.path, draft_model=draft.path, num_speculative_tokens=k, device="cuda",
-                   dtype="float32", **KW)
+                   dtype="float32", adaptive_draft_length=False, **KW)
     verifier = spec_llm.executor.verifier
     paths = []
     ids_on_device = verifier.ids_on_device
@@ -46,7 +46,8 @@ def test_fp32_speculation_lossless_on_cuda_with_hybrid_draft(tiny_models, tiny_d
 
 def test_bf16_default_runs_and_self_draft_accepts(tiny_models):
     m = tiny_models["llama"]
-    llm = LLM(model=m.path, draft_model=m.path, num_speculative_tokens=3, device="cuda", **KW)
+    llm = LLM(model=m.path, draft_model=m.path, num_speculative_tokens=3, device="cuda", adaptive_draft_length=False,
+              **KW)
     assert llm.engine_config.dtype == torch.bfloat16
     outs = llm.generate(random_prompts([8, 30], seed=3), SamplingParams(max_tokens=20, ignore_eos=True))
     assert all(len(o.token_ids) == 20 for o in outs)

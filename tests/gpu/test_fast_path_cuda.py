@@ -28,7 +28,7 @@ def test_graph_replay_equals_eager(tiny_models, tiny_drafts, dtype, batch):
         runs = {}
         for eager in (True, False):
             llm = LLM(model=target.path, draft_model=d, num_speculative_tokens=3, device="cuda", dtype=dtype,
-                      enforce_eager=eager, **KW)
+                      enforce_eager=eager, adaptive_draft_length=False, **KW)  # verify graphs every step
             runs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
             if not eager:
                 graphs = llm.executor.target.graphs

@@ -120,7 +120,7 @@ def test_verify_launched_ahead_gives_the_ordinary_paths_tokens(tiny_models, tiny
     prompts = random_prompts([3, 21, 9, 40, 17], seed=4)
     params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=temperature)
     kw = dict(model=target.path, draft_model=draft.path, num_speculative_tokens=4, device="cuda", dtype="float32",
-              rejection_sampling="probabilistic", seed=3, **KW)
+              rejection_sampling="probabilistic", seed=3, adaptive_draft_length=False, **KW)  # the same k's each run
     ordinary = [o.token_ids for o in LLM(**kw).generate(prompts, params)]
     if temperature == 0.0:
         alone = LLM(model=target.path, device="cuda", dtype="float32", **KW).generate(prompts, params)
@@ -144,7 +144,7 @@ def test_a_gate_that_gave_up_costs_time_not_tokens(tiny_models, tiny_drafts, mon
     counter = [0]
     _launched_verify(monkeypatch, counter, delay_s=0.01, timeout_ns=1_000_000)
     llm = LLM(model=target.path, draft_model=draft.path, num_speculative_tokens=3, device="cuda", dtype="float32",
-              **KW)
+              adaptive_draft_length=False, **KW)  # a verify behind the gate every step
     out = llm.generate(prompts, params)
     assert counter[0] > 3
     assert llm.executor.verifier.gate.timed_out()  # the last step's gate gave up too

@@ -18,7 +18,9 @@ from engine.sample.saguaro import SaguaroSampling, saguaro_probs
 from engine.speculation.draft_loop import DraftLoop
 
 pytestmark = pytest.mark.gpu
-KW = dict(max_model_len=256, block_size=16, num_kv_blocks=256, max_num_seqs=8, cuda_graph_batch_sizes=(1, 4, 8))
+# A fixed k (the draft length rule off): the tests count what the draft drafted ahead and hit.
+KW = dict(max_model_len=256, block_size=16, num_kv_blocks=256, max_num_seqs=8, cuda_graph_batch_sizes=(1, 4, 8),
+          adaptive_draft_length=False)
 
 
 @pytest.mark.parametrize("target,draft", [("llama", "self"), ("gemma3", "gemma3-2l")])

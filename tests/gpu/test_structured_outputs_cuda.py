@@ -30,7 +30,7 @@ def test_grammar_steps_draft_under_the_grammar_on_cuda(byte_models):
               cuda_graph_batch_sizes=(1, 2, 4))
     params = [SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA))]
     base = LLM(model=target, **kw).generate(["a", "b"], params * 2)
-    llm = LLM(model=target, draft_model=draft, num_speculative_tokens=3, **kw)
+    llm = LLM(model=target, draft_model=draft, num_speculative_tokens=3, adaptive_draft_length=False, **kw)
     loop = llm.executor.proposer.loop
     assert loop is not None
     outs = llm.generate(["a", "b"], params * 2)
