@@ -223,11 +223,62 @@ class ModelRunner:
 
     def forward_chunks(self, chunks: list[Chunk]) -> torch.Tensor:
         """Build the step's input (attention metadata for every KV-cache group) and run it: a graph replay
-        when one fits, else eagerly. A step whose ids are not all known yet uses prepare_forward/run_forward."""
-        return self.run_forward(self.prepare_forward(chunks))
+        when one fits, else eagerly. A step whose ids are not all known yet uses prepare_forward/run_forward.
+        Chunks past the input buffers (a draft's catch-up) run their leading tokens first (`fit_chunks`)."""
+        return self.run_forward(self.prepare_forward(self.fit_chunks(chunks)))
+
+    def fit_chunks(self, chunks: list[Chunk]) -> list[Chunk]:
+        """The chunks, cut to fit the input buffers. A draft's catch-up after steps at draft length 0 (or after a
+        prefix hit of the target's beyond its own) is not charged to the step's token budget, so its tokens may
+        exceed what the buffers hold. Then every chunk's leading tokens, all but its last max(num_logits, 1), run
+        now, in forwards that fit (the KV written as prefill chunks write it, each request's tokens in order, no
+        logits), and what is returned is the rest: the same chunks, in the same order, with their logits rows, each
+        holding only its tail, a forward that fits (a graph's shape, where one is captured). Only a length check
+        when the chunks fit; on the torch reference path (fresh tensors every step) nothing is cut."""
+        if self.buffers is None:
+            return chunks
+        cap = self.buffers.max_num_tokens
+        if sum(len(c.token_ids) for c in chunks) <= cap:
+            return chunks
+        rest = []
+        # (chunk, its first token, its tokens) of the leading segments, in order: pieces take them in turn
+        pending: list[tuple[Chunk, int, int]] = []
+        for c in chunks:
+            keep = min(len(c.token_ids), max(c.num_logits, 1))
+            head = len(c.token_ids) - keep
+            if head:
+                pending.append((c, 0, head))
+            rest.append(Chunk(c.token_ids[head:], c.start_pos + head, c.num_logits, c.block_tables))
+        if len(rest) > self.buffers.max_num_reqs or sum(len(c.token_ids) for c in rest) > cap:
+            raise ValueError(f"a forward of {len(rest)} requests wanting {sum(c.num_logits for c in chunks)} logits "
+                             f"rows does not fit the input buffers ({self.buffers.max_num_reqs} / {cap} tokens)")
+        while pending:
+            piece: list[Chunk] = []
+            room = cap
+            later: list[tuple[Chunk, int, int]] = []
+            for c, first, n in pending:
+                take = min(n, room)
+                if take:
+                    piece.append(Chunk(c.token_ids[first:first + take], c.start_pos + first, 0, c.block_tables))
+                    room -= take
+                if take < n:  # its later tokens go in the next piece, after these
+                    later.append((c, first + take, n - take))
+            self._prefill_piece(piece)
+            pending = later
+        return rest
+
+    @torch.inference_mode()
+    def _prefill_piece(self, chunks: list[Chunk]) -> None:
+        """One forward over chunks that need no logits, for the KV it writes (eagerly: off the usual shapes)."""
+        step = self.buffers.load(chunks)
+        self.model(step.input_ids, step.positions, step.attn)
 
     def prepare_forward(self, chunks: list[Chunk]) -> PreparedForward:
-        """The step's input on the device, not run yet (placeholders may stand where ids are still missing)."""
+        """The step's input on the device, not run yet (placeholders may stand where ids are still missing). Not cut to
+        fit the buffers (a placeholder among leading tokens run ahead would be read before it is written): its
+        callers (the target's verify, the scheduler's budget bounds its tokens; an EAGLE-3 head's forward, which
+        pairs every row with a target state) pass chunks that fit, and chunks that do not are refused by the
+        buffers with a ValueError."""
         num_tokens = sum(len(c.token_ids) for c in chunks)
         if self.buffers is None:
             return PreparedForward(build_step_input(chunks, self.kv_groups, self.device), None, num_tokens)

@@ -204,6 +204,8 @@ class DraftLoop:
         needs alternatives). After the run `alt` holds each row's runner-up tokens (when alternatives).
         Returns ids [num_reqs, max(ks)] int64 (-1 beyond a row's count) and q [num_reqs, max(ks), V] (a view
         of the static buffer, valid until the next proposal) or None when every row is greedy."""
+        # A catch-up past the input buffers runs its leading tokens first; the rest, one chunk per row, fits.
+        chunks = self.runner.fit_chunks(chunks)
         n = len(chunks)
         max_k = max(ks)
         guesses = guesses if guesses is not None else [1 if guess_first else 0] * n
