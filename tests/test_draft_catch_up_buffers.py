@@ -73,17 +73,36 @@ def test_fit_chunks_refuses_logits_rows_past_the_buffers(kernel_llm, monkeypatch
     assert pieces == []
 
 
-def test_draft_resumes_after_many_steps_at_k0_on_the_kernel_path(tiny_models, tmp_path):
-    """Greedy with a draft that sat at k = 0 for ten steps and then drafts: its catch-up (both requests' prompts
-    and about ten tokens each) overflows the input buffers, is run ahead in pieces under Triton's interpreter, and
-    the output is the target's alone, and HF's."""
-    target = tiny_models["llama"]
-    draft = make_tiny_model(tmp_path, "llama-draft", TINY_CONFIGS["llama"], scale=5.9)  # a near copy: it accepts
+@pytest.fixture(scope="module")
+def interpreted_runs(tiny_models, tmp_path_factory) -> dict:
+    """Both drafters' runs of CASE on the kernel path, one interpreted child each, side by side: a draft model (a near
+    copy of the Llama target: it accepts) and an EAGLE-3 head over a Qwen3 target (whose pending target states wait
+    through the steps at k = 0 as the draft model's missed tokens do)."""
+    from eagle3_support import random_head, write_speculators
+
+    root = tmp_path_factory.mktemp("catch_up")
+    draft = make_tiny_model(root, "llama-draft", TINY_CONFIGS["llama"], scale=5.9)
+    qwen3 = tiny_models["qwen3"]
+    head = write_speculators(random_head(qwen3.config, seed=1, layer_type="qwen3", norm_before_residual=True),
+                             root / "head")
     script = str(Path(__file__).resolve().parent / "draft_catch_up_run.py")
-    [(rc, stdout, stderr)] = run_side_by_side([[sys.executable, script, target.path, draft.path, json.dumps(CASE)]])
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-    assert rc == 0 and lines, stderr[-3000:]
-    res = json.loads(lines[-1][len("RESULT "):])
+    cases = {"llama": [tiny_models["llama"].path, draft.path, "draft"], "qwen3": [qwen3.path, head, "eagle3"]}
+    runs = run_side_by_side([[sys.executable, script, *args, json.dumps(CASE)] for args in cases.values()])
+    out = {}
+    for name, (rc, stdout, stderr) in zip(cases, runs):
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        assert rc == 0 and lines, f"{name}: {stderr[-3000:]}"
+        out[name] = json.loads(lines[-1][len("RESULT "):])
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_draft_resumes_after_many_steps_at_k0_on_the_kernel_path(tiny_models, interpreted_runs, family):
+    """Greedy with a drafter that sat at k = 0 for ten steps and then drafts: its catch-up (both requests' prompts
+    and about ten tokens each) overflows the input buffers, is run ahead in pieces under Triton's interpreter, and
+    the output is the target's alone, and HF's. llama: a draft model; qwen3: an EAGLE-3 head."""
+    target = tiny_models[family]
+    res = interpreted_runs[family]
     params = SamplingParams(max_tokens=CASE["max_tokens"], temperature=0.0, ignore_eos=True)
     alone = [o.token_ids for o in LLM(target.path, **{**ENGINE_KW, "attention_backend": "torch"}).generate(
         CASE["prompts"], params)]
@@ -91,6 +110,5 @@ def test_draft_resumes_after_many_steps_at_k0_on_the_kernel_path(tiny_models, tm
     assert res["tokens"] == alone
     assert 0 in res["chosen"] and 2 in res["chosen"] and res["num_drafts"] > 0
     cap = res["capacity"]
-    run_ahead = sum(n for piece in res["pieces"] for _, n in piece)
-    assert run_ahead > cap, res  # the catch-up held more than the buffers: it ran ahead in pieces
-    assert all(sum(n for _, n in piece) <= cap for piece in res["pieces"])
+    assert sum(map(sum, res["pieces"])) > cap, res  # the catch-up held more than the buffers: it ran ahead in pieces
+    assert all(sum(piece) <= cap for piece in res["pieces"])

@@ -235,6 +235,12 @@ class Eagle3Proposer:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over `chunks` (hidden: their rows' states, in order) -> (logits [rows wanting logits, V] float32
         over the target's vocabulary, the head's pre-norm states of those rows [rows, hidden_size])."""
+        if from_target:  # a catch-up past the input buffers (pending pairs of steps at k = 0): its leading rows first
+            cut = self.runner.cut_to_fit(chunks)
+            if cut is not None:
+                for piece, rows in cut.pieces:
+                    self._forward(piece, hidden[to_device(rows, torch.int64, hidden.device)], from_target)
+                chunks, hidden = cut.rest, hidden[to_device(cut.rest_rows, torch.int64, hidden.device)]
         step = self.runner.prepare_forward(chunks).step
         if step.num_tokens != hidden.shape[0]:
             raise RuntimeError(f"{hidden.shape[0]} hidden states for a head forward of {step.num_tokens} tokens")
