@@ -8,7 +8,9 @@ every position, a verify's input token and accepted drafts, not the rejected one
 re-runs them through the head (a catch-up: its KV at those positions written from the target's states, over whatever
 its own drafting had left there) and samples the first draft from the last one; each later draft step feeds the token
 just drafted with the head's own pre-norm state of the step before. A request's pending states survive steps in which
-the proposer does not run (no speculation that step), and are dropped when the request finishes or is preempted. A
+the proposer does not run (no speculation that step; the catch-up after many such steps may hold more rows than the
+runner's input buffers: its leading rows then run ahead in forwards that fit, `ModelRunner.cut_to_fit`, each with
+its target states), and are dropped when the request finishes or is preempted. A
 request that speculates before the target has run its last token (a one-token prompt's first step) has no state to
 draft from: its drafts that step are drawn blind (`_draft_blind`).
 
