@@ -9,7 +9,9 @@ Waiting requests are admitted while budget, sequence slots and KV blocks allow.
 Speculation adapts to load: each step takes its draft length from the batch size (`draft_length_fn`, the
 SpeculativeConfig's schedule). A step with draft length 0 does not run the draft at all: the draft falls
 behind (its KV is not allocated or written) and catches up on the missed tokens, in one chunk, at the next
-step that speculates.
+step that speculates. That catch-up is not charged to the step's token budget (only the target's tokens are): a
+kernel-path runner whose input buffers cannot hold it runs its leading tokens ahead, in forwards that fit
+(engine/runner/model_runner.py, `cut_to_fit`).
 
 Asynchronous scheduling (EngineCore): step n+1 is scheduled while step n is in flight, so a request's committed
 state lags by that step. `schedule(optimistic=True)` plans from the committed state advanced by the step in flight

@@ -21,7 +21,14 @@ from engine.quantization import is_quantized, weights_summary
 from engine.runner.cuda_graphs import ForwardGraphs, GraphPool
 from engine.runner.draft_vocabulary import DraftVocabularyHead, restrict_draft_head
 from engine.runner.input_buffers import InputBuffers
-from engine.runner.step_input import Chunk, DeviceTokens, PreparedForward, StepInput, build_step_input
+from engine.runner.step_input import (
+    Chunk,
+    CutForward,
+    DeviceTokens,
+    PreparedForward,
+    StepInput,
+    build_step_input,
+)
 from engine.runner.tree_graphs import TreeGraphs
 
 logger = logging.getLogger("specserve")
@@ -218,11 +225,80 @@ class ModelRunner:
 
     def forward_chunks(self, chunks: list[Chunk]) -> torch.Tensor:
         """Build the step's input (attention metadata for every KV-cache group) and run it: a graph replay
-        when one fits, else eagerly. A step whose ids are not all known yet uses prepare_forward/run_forward."""
-        return self.run_forward(self.prepare_forward(chunks))
+        when one fits, else eagerly. A step whose ids are not all known yet uses prepare_forward/run_forward.
+        Chunks past the input buffers (a draft's catch-up) run their leading tokens first (`fit_chunks`)."""
+        return self.run_forward(self.prepare_forward(self.fit_chunks(chunks)))
+
+    def fit_chunks(self, chunks: list[Chunk]) -> list[Chunk]:
+        """The chunks, cut to fit the input buffers. A draft's catch-up after steps at draft length 0 (or after a
+        prefix hit of the target's beyond its own) is not charged to the step's token budget, so its tokens may
+        exceed what the buffers hold. Then every chunk's leading tokens (`cut_to_fit`) run now, in forwards that fit
+        (the KV written as prefill chunks write it, each request's tokens in order, no logits), and what is returned
+        is the rest, a forward that fits (a graph's shape, where one is captured). Only a length check when the
+        chunks fit; on the torch reference path (fresh tensors every step) nothing is cut."""
+        cut = self.cut_to_fit(chunks)
+        if cut is None:
+            return chunks
+        for piece, _ in cut.pieces:
+            self._prefill_piece(piece)
+        return cut.rest
+
+    def cut_to_fit(self, chunks: list[Chunk]) -> CutForward | None:
+        """None where the chunks fit the input buffers (or there are none: the torch path); else the pieces to run
+        ahead and the rest. The rest is the same chunks, in the same order, with their logits rows, each holding its
+        last max(num_logits, 1) tokens; the pieces hold everything before, each request's tokens in order, at most
+        one segment of a request a piece, each piece as many tokens as the buffers hold."""
+        if self.buffers is None:
+            return None
+        cap = self.buffers.max_num_tokens
+        if sum(len(c.token_ids) for c in chunks) <= cap:
+            return None
+        rest: list[Chunk] = []
+        rest_rows: list[int] = []
+        # (chunk, its first token, its tokens, its first row in the chunks' flat tokens) of the leading segments
+        pending: list[tuple[Chunk, int, int, int]] = []
+        offset = 0
+        for c in chunks:
+            keep = min(len(c.token_ids), max(c.num_logits, 1))
+            head = len(c.token_ids) - keep
+            if head:
+                pending.append((c, 0, head, offset))
+            rest.append(Chunk(c.token_ids[head:], c.start_pos + head, c.num_logits, c.block_tables))
+            rest_rows.extend(range(offset + head, offset + len(c.token_ids)))
+            offset += len(c.token_ids)
+        if len(rest) > self.buffers.max_num_reqs or len(rest_rows) > cap:
+            raise ValueError(f"a forward of {len(rest)} requests wanting {sum(c.num_logits for c in chunks)} logits "
+                             f"rows does not fit the input buffers ({self.buffers.max_num_reqs} / {cap} tokens)")
+        pieces: list[tuple[list[Chunk], list[int]]] = []
+        while pending:
+            piece: list[Chunk] = []
+            rows: list[int] = []
+            room = cap
+            later: list[tuple[Chunk, int, int, int]] = []
+            for c, first, n, row in pending:
+                take = min(n, room)
+                if take:
+                    piece.append(Chunk(c.token_ids[first:first + take], c.start_pos + first, 0, c.block_tables))
+                    rows.extend(range(row + first, row + first + take))
+                    room -= take
+                if take < n:  # its later tokens go in the next piece, after these
+                    later.append((c, first + take, n - take, row))
+            pieces.append((piece, rows))
+            pending = later
+        return CutForward(pieces, rest, rest_rows)
+
+    @torch.inference_mode()
+    def _prefill_piece(self, chunks: list[Chunk]) -> None:
+        """One forward over chunks that need no logits, for the KV it writes (eagerly: off the usual shapes)."""
+        step = self.buffers.load(chunks)
+        self.model(step.input_ids, step.positions, step.attn)
 
     def prepare_forward(self, chunks: list[Chunk]) -> PreparedForward:
-        """The step's input on the device, not run yet (placeholders may stand where ids are still missing)."""
+        """The step's input on the device, not run yet (placeholders may stand where ids are still missing). Not cut to
+        fit the buffers (a placeholder among leading tokens run ahead would be read before it is written): its
+        callers (the target's verify, the scheduler's budget bounds its tokens; an EAGLE-3 head's forward, which
+        pairs every row with a target state) pass chunks that fit, and chunks that do not are refused by the
+        buffers with a ValueError."""
         num_tokens = sum(len(c.token_ids) for c in chunks)
         if self.buffers is None:
             return PreparedForward(build_step_input(chunks, self.kv_groups, self.device), None, num_tokens)

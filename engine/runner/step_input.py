@@ -59,6 +59,17 @@ class PreparedForward:
     num_tokens: int  # real rows of the output: tokens eagerly, logits rows on a graph (padding rows after them)
 
 
+@dataclass
+class CutForward:
+    """A forward whose chunks hold more tokens than the input buffers, cut (`ModelRunner.cut_to_fit`): pieces of
+    leading tokens that need no logits, run first, in order, then the rest. Rows index the original chunks' tokens
+    flattened in order (what a forward that reads per-token inputs beside the ids, an EAGLE-3 head, selects with)."""
+
+    pieces: list[tuple[list[Chunk], list[int]]]  # [num_pieces] (chunks, their rows); each fits the buffers
+    rest: list[Chunk]  # one per original chunk, its last max(num_logits, 1) tokens
+    rest_rows: list[int]  # [rest's tokens] the rows of the rest's tokens
+
+
 def build_step_input(chunks: list[Chunk], groups: list[KVCacheGroupSpec], device: torch.device) -> StepInput:
     """Flatten the chunks and build attention metadata for every KV-cache group of this model."""
     if not chunks:

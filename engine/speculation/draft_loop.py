@@ -9,7 +9,8 @@ index is a device tensor and k replays need no host work between them.
 
 The first step also catches the draft up (the last accepted token and the bonus token: up to 2 tokens per
 request; or a prefill chunk, whose forward replays one of the runner's mixed graphs, padded to a token bucket, or
-runs eagerly past the largest), so it is a separate graph of query length 2; when every request
+runs eagerly past the largest; or a catch-up past the input buffers, whose leading tokens the runner runs ahead in
+forwards that fit, `ModelRunner.fit_chunks`), so it is a separate graph of query length 2; when every request
 catches up one token (after a rejection, the target's correction) the later steps' graph of query length 1 runs
 it. Requests with fewer drafts than the batch's k, and padding rows, keep running but write nowhere (slot -1) and
 read only position 0: their extra tokens are dropped.
@@ -204,6 +205,8 @@ class DraftLoop:
         needs alternatives). After the run `alt` holds each row's runner-up tokens (when alternatives).
         Returns ids [num_reqs, max(ks)] int64 (-1 beyond a row's count) and q [num_reqs, max(ks), V] (a view
         of the static buffer, valid until the next proposal) or None when every row is greedy."""
+        # A catch-up past the input buffers runs its leading tokens first; the rest, one chunk per row, fits.
+        chunks = self.runner.fit_chunks(chunks)
         n = len(chunks)
         max_k = max(ks)
         guesses = guesses if guesses is not None else [1 if guess_first else 0] * n

@@ -8,7 +8,9 @@ every position, a verify's input token and accepted drafts, not the rejected one
 re-runs them through the head (a catch-up: its KV at those positions written from the target's states, over whatever
 its own drafting had left there) and samples the first draft from the last one; each later draft step feeds the token
 just drafted with the head's own pre-norm state of the step before. A request's pending states survive steps in which
-the proposer does not run (no speculation that step), and are dropped when the request finishes or is preempted. A
+the proposer does not run (no speculation that step; the catch-up after many such steps may hold more rows than the
+runner's input buffers: its leading rows then run ahead in forwards that fit, `ModelRunner.cut_to_fit`, each with
+its target states), and are dropped when the request finishes or is preempted. A
 request that speculates before the target has run its last token (a one-token prompt's first step) has no state to
 draft from: its drafts that step are drawn blind (`_draft_blind`).
 
@@ -235,6 +237,12 @@ class Eagle3Proposer:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over `chunks` (hidden: their rows' states, in order) -> (logits [rows wanting logits, V] float32
         over the target's vocabulary, the head's pre-norm states of those rows [rows, hidden_size])."""
+        if from_target:  # a catch-up past the input buffers (pending pairs of steps at k = 0): its leading rows first
+            cut = self.runner.cut_to_fit(chunks)
+            if cut is not None:
+                for piece, rows in cut.pieces:
+                    self._forward(piece, hidden[to_device(rows, torch.int64, hidden.device)], from_target)
+                chunks, hidden = cut.rest, hidden[to_device(cut.rest_rows, torch.int64, hidden.device)]
         step = self.runner.prepare_forward(chunks).step
         if step.num_tokens != hidden.shape[0]:
             raise RuntimeError(f"{hidden.shape[0]} hidden states for a head forward of {step.num_tokens} tokens")
