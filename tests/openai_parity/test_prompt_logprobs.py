@@ -39,7 +39,7 @@ def test_echo_with_logprobs_scores_the_prompt(client: httpx.Client, llm: LLM) ->
     assert choice["text"].startswith(PROMPT) and "prompt_logprobs" not in choice  # not asked for by name
     chunks = [json.loads(e) for e in sse_events(client.post("/v1/completions", json={**req, "stream": True}))[:-1]]
     streamed = [v for ch in chunks for v in ch["choices"][0]["logprobs"]["token_logprobs"]]
-    assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-6)
+    assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-4)  # a separate pass: float32 rounds apart
 
 
 def test_prompt_logprobs_field(client: httpx.Client, llm: LLM) -> None:
