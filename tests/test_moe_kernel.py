@@ -75,6 +75,13 @@ def test_moe_kernel_matches_reference(activation, packed, bias):
     for splits in ((2, 3), (3, 2)):
         torch.testing.assert_close(moe_small_m.moe_experts(x2, w2, ids2, wide, num_splits=splits),
                                    moe_experts_ref(x2, w2, ids2, wide), atol=1e-4, rtol=1e-4)
+    # Other tilings (benchmarks/gpu_moe.py sweeps them): a K step wider than a slice of the narrow layer, and
+    # narrow tiles with several steps a slice.
+    for tiles in ({"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}, {"BLOCK_N": 64, "BLOCK_K": 32, "programs": 8}):
+        torch.testing.assert_close(moe_small_m.moe_experts(x2, w2, ids2, wide, tiles=tiles),
+                                   moe_experts_ref(x2, w2, ids2, wide), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="BLOCK_K a power of two"):
+        moe_small_m.moe_experts(x2, w2, ids2, wide, tiles={"BLOCK_K": 48})
     assert moe_small_m.k_splits(rows=4, n_tiles=90, k=2880) > 1  # a gpt-oss-20b decode is split
     if activation == "swiglu_oai":  # the clamp is active on these rows: a kernel without it would be caught
         ex.limit = 1e9

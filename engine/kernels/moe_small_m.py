@@ -22,9 +22,10 @@ from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl,
 __all__ = ["HAS_TRITON", "MAX_ROUTED_ROWS", "moe_experts"]
 
 MAX_ROUTED_ROWS = 64  # routed rows (tokens x top_k) up to which the model takes these kernels
-_BLOCK_N, _BLOCK_K = 32, 64
-# Programs a launch aims for: about four per SM of an H100 (132), so the loads of many programs overlap.
-_TARGET_PROGRAMS = 528
+# The launch's tiles: output features a program (BLOCK_N), inputs a step of its K walk (BLOCK_K, a multiple of
+# MXFP4's 32-value block), warps, and the programs a launch aims for (about four per SM of an H100's 132, so the
+# loads of many programs overlap). `moe_experts(tiles=...)` overrides them (benchmarks/gpu_moe.py sweeps them).
+TILES = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "programs": 528}
 
 
 @triton.jit
@@ -36,13 +37,12 @@ def _load_weight(w_ptr, expert, rows, cols, mask, stride_we, stride_wr):
 
 @triton.jit
 def _e2m1(nib):
-    """e2m1 codes (uint32, 0..15: sign bit 3, exponent bits 1-2, mantissa bit 0) -> float32, by bit pattern: a
-    normal code's float32 has the sign, exponent + 126 and the mantissa bit in place; exponent 0 is 0 or 0.5."""
-    exp = (nib >> 1) & 3
-    man = nib & 1
-    normal = (((nib & 8) << 28) | ((exp + 126) << 23) | (man << 22)).to(tl.float32, bitcast=True)
-    small = tl.where((nib & 8) != 0, -0.5, 0.5) * man.to(tl.float32)
-    return tl.where(exp == 0, small, normal)
+    """e2m1 codes (uint32, 0..15: sign bit 3, exponent bits 1-2, mantissa bit 0) -> float32 values / 2 ** 14, by
+    bit pattern in three integer operations: placed at float16's sign and low exponent / top mantissa bits, a code
+    is the float16 of its value times 2 ** -14 (exponent 0 lands on float16's subnormals, which are exact there);
+    the caller folds the 2 ** 14 into the block's scale."""
+    bits = ((nib & 8) << 12) | ((nib & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -54,14 +54,17 @@ def _packed_dot(blocks_ptr, scales_ptr, expert, rows, rows_ok, blocks_e, blocks_
     e = expert.to(tl.int64)
     j = tl.arange(0, BLOCK_K // 2)
     ok = rows_ok[:, None] & ((k0 + 2 * j) < k_end)[None, :]
-    byte = tl.load(blocks_ptr + e * blocks_e + rows[:, None] * blocks_r + (k0 // 2 + j)[None, :], mask=ok,
+    # k0 is a whole number of BLOCK_K steps: the hint lets the byte loads go out as wide vectors.
+    start = tl.multiple_of(k0 // 2, BLOCK_K // 2)
+    byte = tl.load(blocks_ptr + e * blocks_e + rows[:, None] * blocks_r + (start + j)[None, :], mask=ok,
                    other=0).to(tl.uint32)
     prod = _e2m1(byte & 15) * x_lo[None, :] + _e2m1(byte >> 4) * x_hi[None, :]  # [BLOCK_N, BLOCK_K / 2]
     per_block = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 32, 16)), axis=2)  # [BLOCK_N, BLOCK_K / 32]
     g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     scale = tl.load(scales_ptr + e * scales_e + rows[:, None] * scales_r + g[None, :],
                     mask=rows_ok[:, None] & (g * 32 < k_end)[None, :], other=127).to(tl.float32)
-    return tl.sum(per_block * tl.exp2(scale - 127.0), axis=1)
+    # _e2m1's 2 ** 14 back on the block sums (not in the exponent: a scale of 254 would overflow there).
+    return tl.sum(per_block * 16384.0 * tl.exp2(scale - 127.0), axis=1)
 
 
 @triton.jit
@@ -176,19 +179,21 @@ def _down_kernel(act_ptr, ids_ptr, route_w_ptr, w_ptr, blocks_ptr, scales_ptr, b
     tl.store(y_ptr + (s * rows + row) * hidden + n, acc, mask=n_ok)
 
 
-def k_splits(rows: int, n_tiles: int, k: int, target: int = _TARGET_PROGRAMS) -> int:
+def k_splits(rows: int, n_tiles: int, k: int, block_k: int = TILES["BLOCK_K"],
+             target: int = TILES["programs"]) -> int:
     """Slices of K for a grid of rows x n_tiles programs: enough for about `target` programs (a few rows' grid alone
     leaves most SMs idle and each program a long serial walk over K), at most one BLOCK_K step a slice."""
-    return max(1, min(triton.cdiv(k, _BLOCK_K), triton.cdiv(target, rows * n_tiles)))
+    return max(1, min(triton.cdiv(k, block_k), triton.cdiv(target, rows * n_tiles)))
 
 
 def moe_experts(x: torch.Tensor,  # [T, H]
                 weights: torch.Tensor,  # [T, top_k] routing weights
                 ids: torch.Tensor,  # [T, top_k] expert ids
                 experts: torch.nn.Module,  # engine.models.moe.FusedExperts
-                num_splits: tuple[int, int] | None = None) -> torch.Tensor:
+                num_splits: tuple[int, int] | None = None, tiles: dict | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H] in x's dtype (float32 inside). num_splits: the
-    slices of K of (gate_up, down); None: k_splits's. The slices' partial sums are added in a fixed order."""
+    slices of K of (gate_up, down); None: k_splits's. The slices' partial sums are added in a fixed order.
+    tiles: TILES's keys to override."""
     require_triton("moe_experts", x, weights, ids)
     t, h = x.shape
     top_k = ids.shape[1]
@@ -200,11 +205,17 @@ def moe_experts(x: torch.Tensor,  # [T, H]
     ids_flat, w_flat = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
     if rows == 0:
         return torch.zeros_like(x)
-    gu_tiles, down_tiles = triton.cdiv(inter, _BLOCK_N), triton.cdiv(h, _BLOCK_N)
-    s_gu, s_down = num_splits or (k_splits(rows, gu_tiles, h), k_splits(rows, down_tiles, inter))
+    cfg = {**TILES, **(tiles or {})}
+    block_n, block_k, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    if block_k % 32 or block_k & (block_k - 1) or block_n & (block_n - 1):
+        raise ValueError(f"moe_experts: BLOCK_K a power of two and a multiple of 32, BLOCK_N a power of two; got "
+                         f"{block_k} and {block_n}")
+    gu_tiles, down_tiles = triton.cdiv(inter, block_n), triton.cdiv(h, block_n)
+    s_gu, s_down = num_splits or (k_splits(rows, gu_tiles, h, block_k, cfg["programs"]),
+                                  k_splits(rows, down_tiles, inter, block_k, cfg["programs"]))
     # Each slice a whole number of BLOCK_K steps, so no step straddles two slices.
-    slice_gu = triton.cdiv(triton.cdiv(h, s_gu), _BLOCK_K) * _BLOCK_K
-    slice_down = triton.cdiv(triton.cdiv(inter, s_down), _BLOCK_K) * _BLOCK_K
+    slice_gu = triton.cdiv(triton.cdiv(h, s_gu), block_k) * block_k
+    slice_down = triton.cdiv(triton.cdiv(inter, s_down), block_k) * block_k
     part = torch.empty(s_gu, 2, rows, inter, dtype=torch.float32, device=x.device)
     act = torch.empty(rows, inter, dtype=torch.float32, device=x.device)
     y = torch.empty(s_down, rows, h, dtype=torch.float32, device=x.device)
@@ -224,12 +235,13 @@ def moe_experts(x: torch.Tensor,  # [T, H]
     down_bias = experts.down_proj_bias if has_bias else act
     launch(_gate_up_kernel, (rows, gu_tiles, s_gu), x.device,
            x, ids_flat, gu[0], gu[1], gu[2], part, top_k, h, inter, rows, slice_gu, x.stride(0), *gu[3:],
-           PACKED=packed, OAI=oai, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
+           PACKED=packed, OAI=oai, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     launch(_act_kernel, (rows, gu_tiles), x.device,
            part, ids_flat, gu_bias, act, inter, rows, s_gu, float(experts.alpha), float(experts.limit),
-           gu_bias.stride(0), HAS_BIAS=has_bias, OAI=oai, BLOCK_N=_BLOCK_N)
+           gu_bias.stride(0), HAS_BIAS=has_bias, OAI=oai, BLOCK_N=block_n, num_warps=warps)
     launch(_down_kernel, (rows, down_tiles, s_down), x.device,
            act, ids_flat, w_flat, down[0], down[1], down[2], down_bias, y, h, inter, rows, slice_down, *down[3:],
-           down_bias.stride(0), PACKED=packed, HAS_BIAS=has_bias, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
+           down_bias.stride(0), PACKED=packed, HAS_BIAS=has_bias, BLOCK_N=block_n, BLOCK_K=block_k,
+           num_warps=warps)
     # The slices, then each token's top_k pairs, summed in a fixed order (deterministic, unlike atomics).
     return y.view(s_down, t, top_k, h).sum(dim=(0, 2)).to(x.dtype)

@@ -12,7 +12,7 @@ draft's steps) on the kernel devices takes engine/kernels/moe_small_m.py instead
 more rows outside a graph capture (a prefill chunk) reads the runs' lengths on the host once and takes each touched
 expert's weights once for all its rows (`experts_grouped`): the reference's cost per row would make a 2k-token
 prefill of gpt-oss-120b read 8192 experts' weights a layer. So the runner captures graphs of an MoE model only for
-steps the kernels take (ModelRunner.max_graph_tokens).
+steps the kernels take (max_graph_tokens below).
 """
 
 from __future__ import annotations
@@ -188,14 +188,29 @@ def experts_ref(experts: FusedExperts, x: torch.Tensor, rows: RoutedRows) -> tor
     for start in range(0, n, chunk):
         e = rows.expert[start:start + chunk]
         tok = rows.token[start:start + chunk]
-        h = torch.bmm(experts.gate_up_weight(e, dtype), x[tok][:, :, None])[..., 0]  # [n, 2I]
-        if experts.gate_up_proj_bias is not None:
-            h = h + experts.gate_up_proj_bias[e].to(dtype)
-        y = torch.bmm(experts.down_weight(e, dtype), experts.act(h)[:, :, None])[..., 0]  # [n, H]
-        if experts.down_proj_bias is not None:
-            y = y + experts.down_proj_bias[e].to(dtype)
+        y = _through_experts(experts, x[tok], e, experts.gate_up_weight(e, dtype), experts.down_weight(e, dtype))
         out.index_add_(0, tok, y * rows.weight[start:start + chunk, None].to(dtype))
     return out
+
+
+def _through_experts(experts: FusedExperts, x: torch.Tensor,  # [n, H]
+                     ids: torch.Tensor,  # [n] each row's expert, or [1] one expert for every row
+                     gate_up: torch.Tensor,  # [n, 2I, H] each row's weight, or [1, 2I, H]
+                     down: torch.Tensor,  # [n, H, I] or [1, H, I]
+                     ) -> torch.Tensor:
+    """Rows through their experts' gate_up (+ bias), activation and down (+ bias) -> [n, H]: each row its own
+    expert (a batched product) or all rows one expert (one product)."""
+    if ids.shape[0] == 1:
+        h = x @ gate_up[0].T  # [n, 2I]
+    else:
+        h = torch.bmm(gate_up, x[:, :, None])[..., 0]
+    if experts.gate_up_proj_bias is not None:
+        h = h + experts.gate_up_proj_bias[ids].to(x.dtype)
+    a = experts.act(h)  # [n, I]
+    y = a @ down[0].T if ids.shape[0] == 1 else torch.bmm(down, a[:, :, None])[..., 0]
+    if experts.down_proj_bias is not None:
+        y = y + experts.down_proj_bias[ids].to(x.dtype)
+    return y
 
 
 def _capturing(x: torch.Tensor) -> bool:
@@ -228,12 +243,8 @@ def experts_grouped(experts: FusedExperts, x: torch.Tensor, rows: RoutedRows) ->
             continue
         one = torch.tensor([e], device=x.device)
         tok = rows.token[lo:hi]
-        h = x[tok] @ experts.gate_up_weight(one, dtype)[0].T  # [n, 2I]
-        if experts.gate_up_proj_bias is not None:
-            h = h + experts.gate_up_proj_bias[e].to(dtype)
-        y = experts.act(h) @ experts.down_weight(one, dtype)[0].T  # [n, H]
-        if experts.down_proj_bias is not None:
-            y = y + experts.down_proj_bias[e].to(dtype)
+        y = _through_experts(experts, x[tok], one, experts.gate_up_weight(one, dtype),
+                             experts.down_weight(one, dtype))
         out.index_add_(0, tok, y * rows.weight[lo:hi, None].to(dtype))
     return out
 

@@ -19,9 +19,10 @@ decayed count of attempts and accepts), over every request and per request. A re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 
 SMOOTHING = 0.3  # weight of a new sample in a step-time running mean
-DECAY = 0.98  # a position's counts shrink by this at each of its updates: the acceptance follows the text
+DECAY = 0.995  # a position's counts shrink by this at each step that attempts it: the acceptance follows the text
 PRIOR_ACCEPTANCE = 0.5  # a position never attempted (and none before it either)
 
 
@@ -110,18 +111,31 @@ class Acceptance:
     accepts: list[float] = field(default_factory=list)
     drafts: int = 0  # verifies recorded
 
-    def record(self, k: int, accepted: int) -> None:
+    def record(self, k: int, accepted: int, decay: bool = True) -> None:
         """A verify of k drafts that accepted `accepted` of them: positions 1..accepted + 1 (up to k) were
-        attempted, 1..accepted accepted."""
+        attempted, 1..accepted accepted. decay: shrink the older counts first (False: a step's verifies after
+        its first, so that the counts decay by step, not by request: a large batch's figure covers as many steps
+        as a small one's, from far more verifies)."""
         if k <= 0:
             return
         self.drafts += 1
         while len(self.attempts) < k:
             self.attempts.append(0.0)
             self.accepts.append(0.0)
+        d = DECAY if decay else 1.0
         for i in range(min(accepted + 1, k)):
-            self.attempts[i] = self.attempts[i] * DECAY + 1.0
-            self.accepts[i] = self.accepts[i] * DECAY + (1.0 if i < accepted else 0.0)
+            self.attempts[i] = self.attempts[i] * d + 1.0
+            self.accepts[i] = self.accepts[i] * d + (1.0 if i < accepted else 0.0)
+
+    def variances(self, k: int) -> list[float]:
+        """The variance of each of a_1..a_k's estimates: a Beta posterior's over its decayed counts (uniform
+        prior), so a position with few attempts (or none: 1/12) is uncertain and one at 0 or 1 is not exactly so."""
+        out = []
+        for i in range(k):
+            n = self.attempts[i] if i < len(self.attempts) else 0.0
+            s = self.accepts[i] if i < len(self.accepts) else 0.0
+            out.append((s + 1.0) * (n - s + 1.0) / ((n + 2.0) ** 2 * (n + 3.0)))
+        return out
 
     def rates(self, k: int, fallback: list[float] | None = None) -> list[float]:
         """a_1..a_k: each position's own figure; one never attempted takes `fallback`'s, else the position
@@ -149,3 +163,15 @@ def reach(rates: list[float]) -> list[float]:
 def expected_tokens(rates: list[float], k: int) -> float:
     """Tokens a request commits on average at k: 1 + the expected accepted drafts."""
     return 1.0 + sum(reach(rates[:k]))
+
+
+def expected_tokens_std(rates: list[float], variances: list[float], k: int) -> float:
+    """The standard deviation of expected_tokens(rates, k) from its positions' estimates (first order: the
+    positions' estimates independent, d c_i / d a_j the product of the other a's up to i)."""
+    var = 0.0
+    for j in range(k):
+        d = 0.0
+        for i in range(j, k):
+            d += prod(a for m, a in enumerate(rates[:i + 1]) if m != j)
+        var += d * d * variances[j]
+    return var ** 0.5

@@ -9,6 +9,10 @@ engine measures (engine/speculation/draft_cost_model.py) and chooses, every step
 that maximizes E(k) / T(k): E(k) the tokens a request commits on average at k (from the acceptance per position),
 T(k) the step's seconds at k at the current load. k = 0 stops speculating: the draft does not run, and it catches up
 on the tokens it missed in one batched prefill (from its prefix cache where it has one) at the next step with k > 0.
+k = 0 measures no acceptance, so an estimate that put it first by bad luck would hold there until a probe: the rule
+takes k = 0 only where it also beats the best k > 0 by UNCERTAINTY standard deviations of that k's estimate (from
+the acceptance counts' own spread, draft_cost_model.expected_tokens_std). A near tie (a pair whose best k gains 6%,
+about the spread of an estimate from a few dozen verifies) stays speculating; a draft that loses clearly stops.
 
 Probes: the figures of the k's not chosen go stale as load and acceptance change (and the acceptance is only
 measured while drafting), so the rule runs PROBE_STEPS steps at another k now and then: the one whose figure is
@@ -39,7 +43,14 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.speculation.draft_cost_model import SMOOTHING, Acceptance, BucketCosts, expected_tokens, reach
+from engine.speculation.draft_cost_model import (
+    SMOOTHING,
+    Acceptance,
+    BucketCosts,
+    expected_tokens,
+    expected_tokens_std,
+    reach,
+)
 
 SETTLE_STEPS = 1  # steps after a switch of k or bucket not timed (a catch-up, or the step before still in flight)
 WINDOW_STEPS = 3  # timed steps a probe runs
@@ -47,6 +58,7 @@ PROBE_STEPS = SETTLE_STEPS + WINDOW_STEPS
 MIN_PROBE_GAP = 32  # steps of a bucket between the starts of two probes, at least
 PROBE_SHARE = 0.03  # share of the engine's time probes may take
 MARGIN = 0.02  # the current k is kept unless another promises this share more tokens a second
+UNCERTAINTY = 1.0  # standard deviations of a k > 0's acceptance-driven estimate by which k = 0 must beat it
 MIN_REQUEST_DRAFTS = 8  # a request's own acceptance counts from this many of its verifies
 MAX_PLANNED = 64  # plans awaiting their commit kept at most
 MAX_REQUESTS = 4096  # per-request acceptance kept for at most this many requests (oldest dropped)
@@ -180,6 +192,16 @@ class DraftLengthRule:
         cur = self._current.get(b)
         if cur is not None and cur in rates and rates[cur] >= (1.0 - MARGIN) * rates[best]:
             best = cur
+        if best == 0:
+            # k = 0 measures no acceptance, so a move there on an unlucky estimate would stick until a probe: it
+            # takes k = 0 beating the best k > 0's estimate by UNCERTAINTY standard deviations of it as well.
+            drafting = [k for k in rates if k > 0]
+            if drafting:
+                kb = max(drafting, key=lambda k: (rates[k], -k))
+                a = self.acceptance.rates(kb)
+                spread = expected_tokens_std(a, self.acceptance.variances(kb), kb) / st.seconds(kb)
+                if rates[kb] + UNCERTAINTY * spread >= (1.0 - MARGIN) * rates[0]:
+                    best = kb
         self._current[b] = best
         return best
 
@@ -212,8 +234,8 @@ class DraftLengthRule:
     def observe(self, step_id: int, verifies: list[tuple[str, int, int]], propose_seconds: float | None) -> None:
         """Step `step_id` committed (now). verifies: (request id, k, accepted) of each request it verified drafts
         for; propose_seconds: its propose phase."""
-        for rid, k, accepted in verifies:
-            self.acceptance.record(k, accepted)
+        for n, (rid, k, accepted) in enumerate(verifies):
+            self.acceptance.record(k, accepted, decay=n == 0)
             mine = self.requests.get(rid)
             if mine is None:
                 mine = self.requests[rid] = Acceptance()

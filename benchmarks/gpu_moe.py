@@ -1,0 +1,110 @@
+"""The few-row MoE experts kernels (engine/kernels/moe_small_m.py) alone on one GPU, at a model's expert shape:
+each tiling's time per layer against the floor (the bytes of the experts the step routes to, over the copy
+bandwidth measured in the same run), and its result against the float32 reference.
+
+    python benchmarks/gpu_moe.py --shape gpt-oss-20b --tokens 1,2,8 --out moe.json
+
+Per token count: `layers` MoE layers of random weights at the shape (MXFP4-packed where the shape's config says so;
+enough of them that one layer's weights are out of L2 when its turn comes, as in a real step), each called once in a
+CUDA graph whose replays are timed; every token routes to `top_k` distinct random experts. `bytes`: the experts'
+weights the calls read (each distinct expert of a call counted once, with its scales and biases). The first row of
+each token count is the default tiling (moe_small_m.TILES); the table ends with the fastest tiling per count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+from common import environment, graph_us, markdown_table, save_json
+from gpu_shapes import copy_bandwidth, hf_config
+
+from engine.kernels import moe_small_m
+from engine.models.moe import FusedExperts, moe_experts_ref, route_topk_then_softmax
+from engine.quantization import mxfp4
+
+
+def make_layer(cfg, packed: bool, gen: torch.Generator) -> FusedExperts:
+    """Random experts of the shape, weights ~ N(0, 0.02) quantized to MXFP4 per expert where packed."""
+    oai = cfg.model_type == "gpt_oss"  # otherwise Qwen3-MoE's config names
+    e = cfg.num_local_experts if oai else cfg.num_experts
+    h, i = cfg.hidden_size, cfg.intermediate_size if oai else cfg.moe_intermediate_size
+    ex = FusedExperts(e, h, i, bias=oai, activation="swiglu_oai" if oai else "silu", packed=packed).cuda()
+    with torch.no_grad():
+        for name, (rows, cols) in (("gate_up_proj", (2 * i, h)), ("down_proj", (h, i))):
+            if packed:
+                blocks, scales = getattr(ex, name + "_blocks"), getattr(ex, name + "_scales")
+                for x in range(e):
+                    w = torch.empty(rows, cols, device="cuda").normal_(0.0, 0.02, generator=gen)
+                    blocks[x], scales[x] = mxfp4.quantize(w)
+            else:
+                getattr(ex, name).data = torch.empty(e, rows, cols, device="cuda", dtype=torch.bfloat16).normal_(
+                    0.0, 0.02, generator=gen)
+        if oai:
+            ex.gate_up_proj_bias.data = ex.gate_up_proj_bias.data.cuda().normal_(0.0, 0.02, generator=gen)
+            ex.down_proj_bias.data = ex.down_proj_bias.data.cuda().normal_(0.0, 0.02, generator=gen)
+    return ex
+
+
+def expert_bytes(ex: FusedExperts) -> int:
+    """One expert's bytes: its weights (or blocks and scales) and biases."""
+    return sum(t[0].numel() * t.element_size() for t in ex.parameters())
+
+
+def tilings(quick: bool) -> list[dict]:
+    grid = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "programs": p}
+            for n, k, w, p in itertools.product((16, 32, 64), (64, 128, 256), (2, 4, 8), (528, 1056))
+            if n * k <= 16384]
+    return grid[:6] if quick else grid
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="gpt-oss-20b")
+    ap.add_argument("--tokens", default="1,2,8", help="tokens a call (routed rows: tokens x top_k)")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--bf16", action="store_true", help="bf16 experts even where the shape is MXFP4")
+    ap.add_argument("--quick", action="store_true", help="the first few tilings only")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    cfg = hf_config(args.shape)
+    packed = not args.bf16 and bool(getattr(cfg, "quantization_config", None))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = [make_layer(cfg, packed, gen) for _ in range(args.layers)]
+    top_k = cfg.num_experts_per_tok
+    bandwidth = copy_bandwidth()
+    rows, table = [], []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        x = torch.randn(tokens, cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+        logits = torch.randn(tokens, layers[0].num_experts, device="cuda", generator=gen)
+        weights, ids = route_topk_then_softmax(logits, top_k)
+        touched = ids.unique().numel()
+        nbytes = touched * expert_bytes(layers[0])
+        ref = moe_experts_ref(x.float(), weights, ids, layers[0])
+        best = None
+        for tiles in [moe_small_m.TILES] + tilings(args.quick):
+            out = moe_small_m.moe_experts(x, weights, ids, layers[0], tiles=tiles)
+            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            def call(i: int, x=x, weights=weights, ids=ids, tiles=tiles) -> torch.Tensor:
+                return moe_small_m.moe_experts(x, weights, ids, layers[i % len(layers)], tiles=tiles)
+
+            us = graph_us(call, calls=len(layers))
+            row = {"shape": args.shape, "packed": packed, "tokens": tokens, "rows": tokens * top_k,
+                   "experts": touched, **{k: tiles[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "programs")},
+                   "us": round(us, 2), "floor_us": round(nbytes / bandwidth * 1e6, 2),
+                   "x_floor": round(us / (nbytes / bandwidth * 1e6), 2), "GBps": round(nbytes / us / 1e3, 1),
+                   "rel_err": f"{err:.1e}", "default": tiles is moe_small_m.TILES}
+            rows.append(row)
+            if best is None or row["us"] < best["us"]:
+                best = row
+        table += [r for r in rows if r["tokens"] == tokens and r["default"]] + [best]
+    cols = ["shape", "packed", "tokens", "rows", "experts", "BLOCK_N", "BLOCK_K", "num_warps", "programs", "us",
+            "floor_us", "x_floor", "GBps", "rel_err"]
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print(markdown_table(table, cols))
+    save_json(args.out, {"env": environment(), "bandwidth": bandwidth, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
