@@ -4,15 +4,18 @@ tests/test_mxfp4.py (the logits by tests/test_models_vs_hf.py too)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from conftest import VOCAB, TinyModel
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GptOssConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.model_config import ModelConfig
+from engine.quantization import mxfp4
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, build_step_input
 
@@ -115,3 +118,31 @@ def hf_logits(hf: torch.nn.Module, prompts: list[list[int]], decode_tokens: list
 def decode_tokens(steps: int, batch: int, seed: int = 5) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (steps, batch), generator=g).tolist()
+
+
+RELEASE_NOT_CONVERTED = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
+
+
+def save_packed_copy(m: TinyModel, root: Path) -> tuple[str, str]:
+    """A GPT-OSS model's experts quantized to MXFP4 and saved in the release layout (gate_up_proj_blocks
+    [E, 2I, H / 32, 16], out x in, gate and up interleaved as in the unquantized [E, H, 2I]; down_proj_blocks
+    [E, H, I / 32, 16]; biases unquantized; quantization_config mxfp4), and the dequantized copy (HF loads it).
+    Loads the dequantized weights into m.hf. Returns (packed dir, dequantized dir)."""
+    state = {n: t.detach().clone() for n, t in m.hf.state_dict().items()}
+    packed_state: dict[str, torch.Tensor] = {}
+    for n, t in state.items():
+        if n.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4.quantize(t.transpose(1, 2))  # [E, in, out] -> out x in
+            packed_state[f"{n}_blocks"], packed_state[f"{n}_scales"] = blocks, scales
+            state[n] = mxfp4.dequantize(blocks, scales).transpose(1, 2).contiguous()  # the dequantized copy
+        else:
+            packed_state[n] = t.contiguous()
+    m.hf.load_state_dict(state)
+    m.hf.save_pretrained(root / "dequantized")
+    packed = root / "packed"
+    packed.mkdir()
+    save_file(packed_state, str(packed / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((root / "dequantized" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": list(RELEASE_NOT_CONVERTED)}
+    (packed / "config.json").write_text(json.dumps(cfg))
+    return str(packed), str(root / "dequantized")

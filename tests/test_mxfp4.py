@@ -4,22 +4,27 @@ run from its packed bytes giving the logits of its dequantized copy and of HF on
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from conftest import random_prompts
-from moe_support import ATOL, RTOL, decode_tokens, engine_logits, gpt_oss_config, hf_logits, make_model, runner
-from safetensors.torch import save_file
+from moe_support import (
+    ATOL,
+    RELEASE_NOT_CONVERTED,
+    RTOL,
+    decode_tokens,
+    engine_logits,
+    gpt_oss_config,
+    hf_logits,
+    make_model,
+    runner,
+    save_packed_copy,
+)
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from engine.models.moe import FusedExperts
 from engine.quantization import mxfp4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-RELEASE_NOT_CONVERTED = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
-
 
 def _random_packed(*shape: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -84,26 +89,10 @@ def test_packed_checkpoint_equals_its_dequantized_copy(tmp_path):
     """The release layout: gate_up_proj_blocks [E, 2I, H / 32, 16] (out x in, gate and up interleaved as in the
     unquantized [E, H, 2I]) and down_proj_blocks [E, H, I / 32, 16]; biases unquantized."""
     m = make_model(tmp_path, "source", gpt_oss_config())
-    state = {n: t.detach().clone() for n, t in m.hf.state_dict().items()}
-    packed_state: dict[str, torch.Tensor] = {}
-    for n, t in state.items():
-        if n.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = mxfp4.quantize(t.transpose(1, 2))  # [E, in, out] -> out x in
-            packed_state[f"{n}_blocks"], packed_state[f"{n}_scales"] = blocks, scales
-            state[n] = mxfp4.dequantize(blocks, scales).transpose(1, 2).contiguous()  # the dequantized copy
-        else:
-            packed_state[n] = t.contiguous()
-    m.hf.load_state_dict(state)
-    m.hf.save_pretrained(tmp_path / "dequantized")
-    packed = tmp_path / "packed"
-    packed.mkdir()
-    save_file(packed_state, str(packed / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((tmp_path / "dequantized" / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": list(RELEASE_NOT_CONVERTED)}
-    (packed / "config.json").write_text(json.dumps(cfg))
+    packed, dequantized = save_packed_copy(m, tmp_path)
 
     prompts, decodes = random_prompts([5, 11, 18], seed=3), decode_tokens(6, 3)
-    r_packed, r_copy = runner(str(packed)), runner(str(tmp_path / "dequantized"))
+    r_packed, r_copy = runner(packed), runner(dequantized)
     experts = [mod for mod in r_packed.model.modules() if isinstance(mod, FusedExperts)]
     assert len(experts) == 3 and all(e.packed for e in experts)
     # kept packed: the experts hold their bytes and scales only (plus the small float biases)

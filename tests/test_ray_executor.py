@@ -20,7 +20,8 @@ from collections.abc import Iterator
 import pytest
 import ray
 import torch
-from conftest import TinyModel, local_ray, random_prompts, run_to_completion
+from conftest import TinyModel, hf_greedy, local_ray, random_prompts, run_to_completion
+from moe_support import gpt_oss_config, make_model, save_packed_copy
 
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
@@ -126,6 +127,24 @@ def test_target_alone_pipelined_tp2_compiled_plain_and_in_process_agree(tiny_mod
             engine.executor.shutdown()
         assert [r.output_token_ids for r in reqs] == expected, compiled
         assert queued[0] == queued[1] > len(reqs), queued  # both ranks queued alike, most steps ahead
+
+
+def test_gpt_oss_with_mxfp4_experts_over_two_ranks(tmp_path_factory) -> None:
+    """A packed GPT-OSS (MXFP4 experts, attention sinks, sliding and full layers) at tensor_parallel_size 2: each
+    rank holds half of every expert's intermediate features (one MXFP4 block of two) and half the heads and sinks,
+    the ranks' expert outputs summed by the layer's all-reduce; greedy output equals HF's on the dequantized copy."""
+    root = tmp_path_factory.mktemp("gpt_oss_tp")
+    m = make_model(root, "source", gpt_oss_config())
+    packed, _ = save_packed_copy(m, root)
+    engine = build_ray_engine(packed, tensor_parallel_size=2, **ENGINE_KW)
+    try:
+        got = greedy_tokens(engine)
+        shards = [ray.get(w.__ray_call__.remote(lambda self: self.runner.model.model.layers[0].mlp.experts.shard))
+                  for w in engine.executor.target.workers]
+    finally:
+        engine.executor.shutdown()
+    assert shards == [(0, 32), (32, 64)]
+    assert got == [hf_greedy(m.hf, p, NEW_TOKENS) for p in PROMPTS]
 
 
 def test_random_weights_are_the_same_model_at_every_tensor_parallel_size(tiny_models: dict[str, TinyModel]) -> None:

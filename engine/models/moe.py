@@ -89,19 +89,28 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, bias: bool, activation: str,
                  packed: bool = False, in_by_out: bool = False, alpha: float = 1.702, limit: float = 7.0) -> None:
         super().__init__()
-        if get_tp_group().size != 1:
-            raise ValueError("MoE experts are not split across tensor-parallel ranks yet: run MoE models with "
-                             "tensor_parallel_size 1")
         if activation not in ("swiglu_oai", "silu"):
             raise ValueError(f"unknown experts' activation {activation!r}")
-        e, h, i = num_experts, hidden_size, intermediate_size
-        self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
+        e, h = num_experts, hidden_size
+        if packed and (h % mxfp4.BLOCK or intermediate_size % mxfp4.BLOCK):
+            raise ValueError(f"MXFP4 experts need hidden ({h}) and intermediate ({intermediate_size}) sizes that are "
+                             f"multiples of {mxfp4.BLOCK}")
+        # Tensor parallelism: each rank holds every expert's slice [lo, hi) of the intermediate features (gate_up's
+        # rows of those features, down's columns), so an expert's product needs no exchange and the ranks' partial
+        # outputs are summed once a layer, as a dense MLP's are. Packed down weights are split along their input,
+        # so at whole MXFP4 blocks: ranks may differ by a block (gpt-oss's 2880 = 90 blocks over 4 ranks).
+        tp = get_tp_group()
+        unit = mxfp4.BLOCK if packed else 1
+        lo, hi = (intermediate_size // unit * r // tp.size * unit for r in (tp.rank, tp.rank + 1))
+        if hi == lo:
+            raise ValueError(f"{intermediate_size} intermediate features of the experts cannot be split over "
+                             f"{tp.size} tensor-parallel ranks in blocks of {unit}")
+        self.full_intermediate_size, self.shard, self.tp_rank = intermediate_size, (lo, hi), tp.rank
+        i = hi - lo
+        self.num_experts, self.hidden_size, self.intermediate_size = e, h, i  # intermediate: this rank's
         self.activation, self.alpha, self.limit, self.packed = activation, alpha, limit, packed
         self.in_by_out = in_by_out  # the checkpoint's unquantized weights are [E, in, out] (GPT-OSS)
         if packed:
-            if h % mxfp4.BLOCK or i % mxfp4.BLOCK:
-                raise ValueError(f"MXFP4 experts need hidden ({h}) and intermediate ({i}) sizes that are multiples "
-                                 f"of {mxfp4.BLOCK}")
 
             def u8(*shape: int) -> nn.Parameter:
                 return nn.Parameter(torch.zeros(*shape, dtype=torch.uint8), requires_grad=False)
@@ -128,17 +137,39 @@ class FusedExperts(nn.Module):
         return None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if isinstance(shard_id, tuple):  # one expert's Linear weight
+        lo, hi = self.shard
+        if isinstance(shard_id, tuple):  # one expert's Linear weight: gate or up [I, H], down [H, I]
             expert, part = shard_id
             i = self.intermediate_size
-            dst = param.data[expert] if part == 2 else param.data[expert].narrow(0, part * i, i)
-        elif self.in_by_out and param.dim() == 3 and param.dtype != torch.uint8:
-            dst, loaded = param.data, loaded.transpose(1, 2)
+            if part == 2:
+                dst, loaded = param.data[expert], loaded[:, lo:hi]
+            else:
+                dst, loaded = param.data[expert].narrow(0, part * i, i), loaded[lo:hi]
         else:
-            dst = param.data
+            if self.in_by_out and param.dim() == 3 and param.dtype != torch.uint8:
+                loaded = loaded.transpose(1, 2)
+            dst, loaded = param.data, self._rank_part(param, loaded)
         if dst.shape != loaded.shape:
             raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit the model's {tuple(dst.shape)}")
         dst.copy_(loaded)
+
+    def _rank_part(self, param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole parameter (in this module's layout): gate_up's rows of the rank's
+        intermediate features (GPT-OSS's gate and up interleaved, else gate rows then up rows), down's columns
+        (blocks and scales at whole MXFP4 blocks), and down's bias on rank 0 only (the ranks' outputs are summed)."""
+        lo, hi = self.shard
+        full_i = self.full_intermediate_size
+        if (lo, hi) == (0, full_i) or full.dim() < 2:
+            return full
+        name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
+        if name.startswith("gate_up_proj"):
+            if self.activation == "swiglu_oai":
+                return full[:, 2 * lo:2 * hi]
+            return torch.cat([full[:, lo:hi], full[:, full_i + lo:full_i + hi]], dim=1)
+        if name == "down_proj_bias":
+            return full if self.tp_rank == 0 else torch.zeros_like(full)
+        unit = mxfp4.BLOCK if name in ("down_proj_blocks", "down_proj_scales") else 1
+        return full[:, :, lo // unit:hi // unit]
 
     def gate_up_weight(self, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[n] expert ids -> [n, 2I, H] in `dtype` (dequantized from the packed bytes of those experts only)."""
@@ -164,17 +195,21 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing weights and expert ids [T, top_k] -> sum over each token's experts of
-        weight * expert(x) [T, H]. A few routed rows on the kernel devices take engine/kernels/moe_small_m.py (the
-        choice reads host shapes only); other steps the reference, rows sorted by expert."""
+        weight * expert(x) [T, H], summed over the tensor-parallel ranks' slices. A few routed rows on the kernel
+        devices take engine/kernels/moe_small_m.py (the choice reads host shapes only); other steps the reference,
+        rows sorted by expert."""
         n = ids.numel()
         # In a graph capture the kernels take any count (the reference's per-row cost is worse, and the grouped path
         # reads the host); the runner keeps MoE graphs to steps of a few hundred routed rows (max_graph_tokens).
         if use_fused_kernels(x) and 0 < n and (n <= MAX_ROUTED_ROWS or _capturing(x)):
-            return moe_experts(x, weights, ids, self)
-        rows = sort_by_expert(weights, ids, self.num_experts)
-        if n > self.num_experts and not _capturing(x):
-            return experts_grouped(self, x, rows)
-        return experts_ref(self, x, rows)
+            out = moe_experts(x, weights, ids, self)
+        else:
+            rows = sort_by_expert(weights, ids, self.num_experts)
+            if n > self.num_experts and not _capturing(x):
+                out = experts_grouped(self, x, rows)
+            else:
+                out = experts_ref(self, x, rows)
+        return get_tp_group().all_reduce(out)  # the ranks' slices of the intermediate features summed
 
 
 def experts_ref(experts: FusedExperts, x: torch.Tensor, rows: RoutedRows) -> torch.Tensor:
