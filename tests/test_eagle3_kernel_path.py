@@ -1,7 +1,10 @@
 """An EAGLE-3 head on the kernel path (input buffers at fixed addresses, Triton attention, the few-row products), on
 CPU under Triton's interpreter, in a child process (tests/interpreter_children.py): greedy with the head equals HF's
 for a Qwen3 target and a speculators head with a Qwen3 layer (the head drafts; a one-token prompt takes its blind first
-drafts there too). One case: interpreted steps are slow, and the torch path's tests cover the rest."""
+drafts there too); and the head's loop (engine/speculation/eagle3_loop.py: steps 1..k-1 from static buffers, the
+head's state carried from step to step, every KV-cache group's metadata rebuilt in place) proposes what the
+plain-torch reference does, proposal by proposal. Interpreted steps are slow, and the torch path's tests cover the
+rest."""
 
 from __future__ import annotations
 
@@ -47,3 +50,37 @@ def test_kernel_path_greedy_with_head_equals_hf():
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(m.hf, p, 5) for p in prompts]
     assert llm.spec_stats(outs).num_draft_tokens > 0
+
+
+@interpreted
+def test_head_loop_proposals_match_reference():
+    """k = 3 (two steps on the loop a proposal), 4-token blocks (the loop's steps cross blocks), synthetic acceptance
+    (accepted runs, which the first step re-runs from the target's states): every proposal equals the reference's,
+    and the loop ran them."""
+    import torch
+    from eagle3_support import random_head, reference_drafts, write_flat
+    from test_eagle3 import _deep_target, _record_cases
+
+    from engine import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp())
+    target = _deep_target(root, "llama")
+    w = random_head(target.config, seed=4)
+    head = write_flat(w, root / "head", aux_in_config=False)
+    llm = LLM(target.path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3},
+              device="cpu", attention_backend="triton", block_size=4, num_kv_blocks=64, max_num_seqs=2,
+              small_m_rows=1, max_model_len=64, adaptive_draft_length=False, rejection_sampling="synthetic",
+              synthetic_acceptance_rate=0.6)
+    loop = llm.executor.proposer.loop
+    assert loop is not None
+    runs = []
+    run_later = loop.run_later
+    loop.run_later = lambda *a, **kw: runs.append(1) or run_later(*a, **kw)
+    cases = _record_cases(llm)
+    prompts = [[5, 9, 14, 3, 7], [8, 21, 4]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert llm.spec_stats(outs).num_accepted_tokens > 3 and len(runs) >= 2
+    assert any(len(drafts) == 3 for _, drafts in cases)
+    for context, drafts in cases:
+        assert drafts == reference_drafts(w, target.hf, context, len(drafts)), context

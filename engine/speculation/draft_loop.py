@@ -35,7 +35,7 @@ from engine.kernels.draft_advance import advance_draft_inputs, advance_draft_inp
 from engine.kernels.rms_norm import use_fused_kernels
 from engine.runner.cuda_graphs import GraphPool, no_gc_while_capturing
 from engine.runner.model_runner import ModelRunner
-from engine.runner.step_input import Chunk
+from engine.runner.step_input import Chunk, StepInput
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.processing import logits_to_probs
 from engine.sample.saguaro import SaguaroSampling, saguaro_probs
@@ -46,6 +46,8 @@ FIRST_QUERY_LEN = 2  # last accepted token + bonus token
 
 class DraftLoop:
     """Static buffers and graphs of the draft loop for batches of up to max_num_reqs requests."""
+
+    captures_first = True  # a graph of the first step (the catch-up of up to FIRST_QUERY_LEN tokens a request)
 
     def __init__(self, runner: ModelRunner, max_k: int, keep_probs: bool, alternatives: bool = False,
                  saguaro: SaguaroSampling | None = None) -> None:
@@ -128,13 +130,17 @@ class DraftLoop:
             advance_draft_inputs_ref(*args)
         return self.ids
 
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        """The step's logits [b, V] float32 (an EAGLE-3 head's loop feeds its hidden states too: eagle3_loop.py)."""
+        return self.runner.execute(step)
+
     def _first_step(self, b: int, num_tokens: int, query_len: int, greedy: bool) -> torch.Tensor:
         step = self.buffers.view(b, num_tokens, query_len, self.runner.config.max_model_len, b)
-        return self._sample_and_advance(self.runner.execute(step), b, greedy)
+        return self._sample_and_advance(self._forward(step), b, greedy)
 
     def _next_step(self, b: int, greedy: bool) -> torch.Tensor:
         step = self.buffers.view(b, b, 1, self.runner.config.max_model_len, b)
-        return self._sample_and_advance(self.runner.execute(step), b, greedy)
+        return self._sample_and_advance(self._forward(step), b, greedy)
 
     # ---- graphs -----------------------------------------------------------------------------------------
     def capture(self) -> None:
@@ -147,7 +153,7 @@ class DraftLoop:
         with no_gc_while_capturing():
             for b in reversed(self.batch_sizes):
                 for greedy in (True, False):
-                    for first in (True, False):
+                    for first in (True, False) if self.captures_first else (False,):
                         def fn(b: int = b, greedy: bool = greedy, first: bool = first) -> torch.Tensor:
                             # Each run rewrites the inputs, so reload the dummy batch and reset the step index.
                             self.buffers.load_dummy(b, FIRST_QUERY_LEN if first else 1)
@@ -212,36 +218,13 @@ class DraftLoop:
         guesses = guesses if guesses is not None else [1 if guess_first else 0] * n
         if any(g == 2 for g in guesses) and self.alt is None:
             raise ValueError("a runner-up guess needs a draft loop built with alternatives=True")
-        guess_rows = [i for i, g in enumerate(guesses) if g]
         if max_k > self.max_k:
             raise ValueError(f"draft length {max_k} exceeds the draft loop's {self.max_k}")
-        greedy = md.all_greedy
-        b = self._bucket(n) if self.next_graphs else None
-        graphed = b is not None
-        b = b if graphed else n
+        b, graphed, greedy = self._prepare(ks, md, seeded_gens, default_gen, guesses)
         first_graph = graphed and all(len(c.token_ids) <= FIRST_QUERY_LEN for c in chunks)
         # After a rejection every request catches up one token (the target's correction), not two: the step is then
         # a later step's shape, so the later step's graph runs it: rows of one token, not two padded.
         one_token = first_graph and all(len(c.token_ids) == 1 for c in chunks)
-        dev = self.runner.device
-        self._set_row_settings(b, ks, guesses)
-        if not greedy:
-            self.temperature[:n].copy_(md.temperature)
-            self.top_p[:n].copy_(md.top_p)
-            self.top_k[:n].copy_(md.top_k)
-            self.temperature[n:b] = 0
-            self.top_p[n:b] = 1
-            self.top_k[n:b] = 0
-            noise = self.noise[:n, :max_k]
-            noise.exponential_(generator=default_gen)
-            for row, gen in seeded_gens.items():
-                first = 1 if guesses[row] else 0
-                noise[row, first:ks[row]].exponential_(generator=gen)
-            noise.clamp_(min=torch.finfo(torch.float32).tiny)
-            if len(guess_rows) == n:
-                noise[:, 0] = 1.0
-            elif guess_rows:
-                noise[to_device(guess_rows, torch.int64, dev), 0] = 1.0
         self.step_idx.zero_()
         if one_token:
             self.buffers.load(chunks, num_reqs=b, num_tokens=b, max_query_len=1, num_logits_padded=b)
@@ -267,7 +250,45 @@ class DraftLoop:
             else:
                 step = self.buffers.load(chunks, num_reqs=b, num_logits_padded=b)
                 self._first_step(b, step.num_tokens, step.attn.common.max_query_len, greedy)
-        for _ in range(1, max_k):
+        return self._later_steps(n, 1, max_k, b, graphed, greedy)
+
+    def _prepare(self, ks: list[int], md: SamplingMetadata, seeded_gens: dict[int, torch.Generator],
+                 default_gen: torch.Generator, guesses: list[int]) -> tuple[int, bool, bool]:
+        """A proposal's rows (ks: each one's draft count) into the buffers: the batch bucket whose graphs run them
+        (or the row count where none does), their draft counts, guess modes, sampling settings and noise.
+        Returns (rows b the steps run, whether graphed, whether all greedy)."""
+        n, max_k = len(ks), max(ks)
+        guess_rows = [i for i, g in enumerate(guesses) if g]
+        greedy = md.all_greedy
+        b = self._bucket(n) if self.next_graphs else None
+        graphed = b is not None
+        b = b if graphed else n
+        dev = self.runner.device
+        self._set_row_settings(b, ks, guesses)
+        if not greedy:
+            self.temperature[:n].copy_(md.temperature)
+            self.top_p[:n].copy_(md.top_p)
+            self.top_k[:n].copy_(md.top_k)
+            self.temperature[n:b] = 0
+            self.top_p[n:b] = 1
+            self.top_k[n:b] = 0
+            noise = self.noise[:n, :max_k]
+            noise.exponential_(generator=default_gen)
+            for row, gen in seeded_gens.items():
+                first = 1 if guesses[row] else 0
+                noise[row, first:ks[row]].exponential_(generator=gen)
+            noise.clamp_(min=torch.finfo(torch.float32).tiny)
+            if len(guess_rows) == n:
+                noise[:, 0] = 1.0
+            elif guess_rows:
+                noise[to_device(guess_rows, torch.int64, dev), 0] = 1.0
+        return b, graphed, greedy
+
+    def _later_steps(self, n: int, start: int, max_k: int, b: int, graphed: bool, greedy: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Steps start..max_k - 1 (step_idx holds start) from the inputs in the buffers, then the proposal's ids
+        and q (see run)."""
+        for _ in range(start, max_k):
             if graphed:
                 self.next_graphs[(b, greedy)].replay()
                 self.num_graph_replays += 1

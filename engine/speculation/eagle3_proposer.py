@@ -19,8 +19,10 @@ model's): head position p <= the draft model's position p + 1, so a draft model'
 target skipped positions (a prefix-cache hit) the head keeps what its cached blocks hold there and starts from the
 target's first computed position: drafts may be worse there, never wrong (the verify decides).
 
-The head runs eagerly on every device (its forwards are one layer; a graphed k-step loop is future work), beside a
-target whose CUDA graphs keep the auxiliary states as a side output (`keep_target_states`). Grammar masks and logits
+The first step (the catch-up from the target's states, and column 0's draws) runs eagerly; on the kernel path steps
+1..k-1 run on the head's loop (engine/speculation/eagle3_loop.py: the draft loop's buffers, in-place metadata rebuild
+and CUDA graphs, with the head's state carried from step to step), beside a target whose CUDA graphs keep the
+auxiliary states as a side output (`keep_target_states`). Grammar masks and logits
 processing are not applied to the head's drafts: rejection sampling reads the q each draft was drawn from, so the
 output is exact either way.
 """
@@ -36,6 +38,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import Sampler
+from engine.speculation.eagle3_loop import Eagle3Loop
 from engine.step.plan import StepPlan, StepResult
 from engine.step.plan_sampling import DRAFT_STREAM, sampling_metadata
 from engine.step.proposal import DraftProposal, empty_proposal
@@ -76,9 +79,13 @@ class Eagle3Proposer:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed(seed + 1)
-        self.loop = None  # no draft loop (DraftProposer's graphed path): every proposal is eager
         head.share_embedding(target.model.model.embed_tokens)
         runner.warm_up_attention()  # now that the head can embed (its runner skipped it at start-up)
+        # Kernel path: steps 1..k-1 on the head's loop (CUDA graphs where captured); the first step stays eager.
+        self.loop: Eagle3Loop | None = None
+        if runner.buffers is not None:
+            self.loop = Eagle3Loop(runner, runner.config.num_speculative_tokens, keep_probs)
+            self.loop.capture()
         self.pending: dict[str, _Pending] = {}
 
     @staticmethod
@@ -166,6 +173,9 @@ class Eagle3Proposer:
         md = sampling_metadata([reqs[i] for i in drafting], DRAFT_STREAM, self.generator, dev)
         rows = list(range(len(drafting)))  # the drafting requests (indices into `drafting`) this step feeds
         tok = self._draw(logits, md, rows, len(drafting), ids, probs, drafting, 0)
+        if self.loop is not None and max_k > 1:
+            self._later_on_loop(reqs, ks, drafting, last_pos, tok, prenorm, md, ids, probs)
+            return DraftProposal(ids, probs)
         for j in range(1, max_k):
             keep = [m for m, n in enumerate(rows) if ks[drafting[n]] > j]
             if not keep:
@@ -180,6 +190,32 @@ class Eagle3Proposer:
             logits, prenorm = self._forward(chunks, prenorm, from_target=False)
             tok = self._draw(logits, md, rows, len(drafting), ids, probs, drafting, j)
         return DraftProposal(ids, probs)
+
+    def _later_on_loop(self, reqs: list, ks: list[int], drafting: list[int], last_pos: list[int], tok: torch.Tensor,
+                       prenorm: torch.Tensor, md: SamplingMetadata, ids: torch.Tensor, probs: torch.Tensor | None
+                       ) -> None:
+        """Drafts 1..k-1 of the drafting rows with more than one, on the head's loop (eagle3_loop.py), into the
+        proposal's ids and probs. tok, prenorm: the first step's drafts and pre-norm states of every drafting
+        row; md: their sampling settings, whose seeded generators are past the first draw."""
+        later = [m for m, i in enumerate(drafting) if ks[i] > 1]
+        if not later:
+            return
+        dev = self.runner.device
+        index = to_device(later, torch.int64, dev)
+        first = tok.index_select(0, index)
+        # SYNC: the second step's input ids are built on the host (once a proposal; the loop's steps need none).
+        prev = first.tolist()
+        chunks = [Chunk([prev[n]], last_pos[m] + 1, 1, reqs[drafting[m]].draft_block_tables)
+                  for n, m in enumerate(later)]
+        sub = md.select(later)
+        seeded = {n: g for n, g in sub.generators.items() if reqs[drafting[later[n]]].temperature > 0}
+        loop_ids, loop_probs = self.loop.run_later(chunks, [ks[drafting[m]] for m in later], first,
+                                                   prenorm.index_select(0, index), sub, seeded, self.generator)
+        dest = to_device([drafting[m] for m in later], torch.int64, dev)
+        width = loop_ids.shape[1]
+        ids[dest, 1:width] = loop_ids[:, 1:]
+        if probs is not None and loop_probs is not None:
+            probs[dest, 1:width] = loop_probs[:, 1:]
 
     def _draft_blind(self, plan: StepPlan, rows: list[int], ids: torch.Tensor, probs: torch.Tensor | None) -> None:
         """Drafts for requests whose last token the target has not run yet (a one-token prompt speculates in its
@@ -251,5 +287,6 @@ class Eagle3Proposer:
         return self.head.compute_logits(prenorm), prenorm
 
     def eager(self, plan: StepPlan) -> bool:
-        """Every EAGLE-3 proposal is drafted eagerly (DraftProposer.eager's question)."""
-        return True
+        """Whether proposals draw a seeded request's random numbers draft by draft (DraftProposer.eager's
+        question): off the kernel path; on it the head's loop draws each row's later columns up front."""
+        return self.loop is None
