@@ -42,6 +42,7 @@ from serving.gc_heap import freeze_startup_heap
 from serving.router.admission_queue import AdmissionQueue
 from serving.router.draft_moves import DraftMoves
 from serving.router.recovery import EngineRecovery
+from serving.serving_defaults import DRAIN_TIMEOUT_S
 from serving.workers.node_placement import GroupNodes
 
 if TYPE_CHECKING:
@@ -189,7 +190,7 @@ class Router:
                 "num_running": self.engine.num_running(),
                 "num_waiting": self._num_waiting(), "weights": self.weights()}
 
-    async def drain(self, timeout_s: float = 30.0) -> dict[str, Any]:
+    async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> dict[str, Any]:
         """For shutdown: refuse new requests (503) from now on and wait up to `timeout_s` for the ones in flight
         to finish. Returns whether they all did and how many are left."""
         self._draining = True
