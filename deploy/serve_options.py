@@ -22,6 +22,7 @@ from serving.openai.reasoning_parser import REASONING_PARSERS
 from serving.openai.tool_parsers import TOOL_PARSERS
 from serving.router.request_stream import STREAM_INTERVAL_MS
 from serving.serve_process_env import HTTP_PROXIES
+from serving.serving_defaults import DRAIN_TIMEOUT_S, TENANT_TIMEOUT_S
 
 DEFAULT_MODEL = option_default("model")
 DEFAULT_DRAFT = "smollm2-135m-draft"  # the bundled distilled draft of DEFAULT_MODEL
@@ -251,10 +252,10 @@ class ServingOptions:
              "'{min_replicas: 1, max_replicas: 3}' (Serve's autoscaling_config; its policy: each replica's busy "
              "fraction, aimed at policy_kwargs.target_busy, 0.5 unless given; targets move to new replicas and off "
              "stopping ones)")
-    draft_tenant_timeout_s: float = option(60.0, minimum=1.0,
+    draft_tenant_timeout_s: float = option(TENANT_TIMEOUT_S, minimum=1.0,
                                            help="with a draft pool: a draft replica frees the share of an engine "
                                                 "replica it has not heard from for this long")
-    drain_timeout_s: float = option(30.0, minimum=0.0,
+    drain_timeout_s: float = option(DRAIN_TIMEOUT_S, minimum=0.0,
                                     help="on shutdown, seconds the requests in flight may take to finish")
     # --- chat: tool calls, templates, reasoning (vLLM's flags; docs/tool_calling.md) ------------------
     enable_auto_tool_choice: bool = option(False, help="serve tool_choice auto (the default when tools are given): "

@@ -23,15 +23,18 @@ from engine.config import EngineConfig, SpeculativeConfig
 from engine.detokenizer import OutputProcessor
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.request_limits import check_prompt_fits, check_request_limits
 from engine.sample.logits_params import logits_params_of
 from engine.sample.structured_output import grammar_spec_of
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.speculation.ahead.planner import AheadPlanner
+from engine.speculation.draft_length_control import DraftLengthControl
 from engine.speculation.draft_length_rule import DraftLengthRule
+from engine.speculation.draft_settings import check_draft_settings
 from engine.step.commit import commit_result
 from engine.step.executor import Executor
 from engine.step.inflight_steps import InFlightStep, InFlightSteps
-from engine.step.phases import COMMIT, PROPOSE, SCHEDULE, StepStats
+from engine.step.phases import COMMIT, SCHEDULE, StepStats
 from engine.step.plan import StepPlan, StepResult
 from engine.step.plan_builder import build_plan
 from engine.step.plan_deltas import SentState
@@ -50,17 +53,17 @@ class EngineCore:
         self.draft_kv = (KVCacheManager(executor.draft_kv_groups, executor.draft_num_blocks, bs, caching)
                          if executor.draft_kv_groups is not None else None)
         managers = [self.target_kv] + ([self.draft_kv] if self.draft_kv is not None else [])
-        # The draft length of each step: the rule's, from measured costs (engine/speculation/draft_length_rule.py),
-        # unless it is off or a static schedule overrides it (engine/draft_schedule.py).
-        self.draft_rule = (DraftLengthRule(k) if self.spec_config is not None and engine_config.adaptive_draft_length
-                           and not self.spec_config.has_static_schedule() else None)
-        draft_length_fn = (self._rule_draft_length if self.draft_rule is not None
-                           else self.spec_config.draft_length if self.spec_config else None)
         self.scheduler = Scheduler(managers, engine_config.max_num_seqs, engine_config.max_num_batched_tokens,
                                    engine_config.max_model_len, num_speculative_tokens=k,
-                                   draft_length_fn=draft_length_fn, enable_prefix_caching=caching)
-        if self.draft_rule is not None:
-            self.scheduler.request_draft_length = self._rule_request_draft_length
+                                   draft_length_fn=self.spec_config.draft_length if self.spec_config else None,
+                                   enable_prefix_caching=caching)
+        # The draft length of each step: the rule's, from measured costs (engine/speculation/draft_length_control.py
+        # sets the scheduler's k to its choices), unless it is off or a static schedule overrides it
+        # (engine/draft_schedule.py).
+        self.draft_lengths = (DraftLengthControl(k, self.scheduler, engine_config.max_num_seqs,
+                                                 lambda: self.draft_kv is not None)
+                              if self.spec_config is not None and engine_config.adaptive_draft_length
+                              and not self.spec_config.has_static_schedule() else None)
         self.scheduler.draft_catches_up = _draft_catches_up(self.spec_config)
         self.output = OutputProcessor(tokenizer, eos_token_ids, engine_config.max_model_len)
         self.vocab_size = executor.vocab_size
@@ -72,19 +75,7 @@ class EngineCore:
         self._finished_ids: list[str] = []  # ids the sides may forget
         self.sent = SentState()  # what the model sides know of each request: plans carry the rest
         self.scheduler.speculation_ahead = self.spec_config is not None and executor.speculation_ahead
-        if engine_config.draft_token_map is not None and self.spec_config is None:
-            raise ValueError("draft_token_map restricts a draft model's LM head: give a draft model, or leave it unset")
-        for name in ("synthetic_bonus_agreement", "synthetic_top_f_agreement"):
-            if getattr(engine_config, name) is not None and (
-                    self.spec_config is None or self.spec_config.rejection_sampling != "synthetic"):
-                raise ValueError(f"{name} is a benchmark setting for rejection_sampling='synthetic'")
-        if engine_config.speculation_ahead_saguaro not in (None, 1.0) and not (
-                self.scheduler.speculation_ahead and self.spec_config.rejection_sampling == "probabilistic"):
-            # Strict and synthetic acceptance emit the target's own sample at a rejection, whatever q: the scaling
-            # would only cost accepted drafts.
-            raise ValueError("speculation_ahead_saguaro needs a draft model, speculation ahead on (it is "
-                             f"{'on' if self.scheduler.speculation_ahead else 'off'}) and "
-                             "rejection_sampling='probabilistic'")
+        check_draft_settings(engine_config, self.spec_config, self.scheduler.speculation_ahead)
         # Each plan's share of speculation ahead, from its budget and gate (engine/speculation/ahead/planner.py).
         self.speculation_ahead = AheadPlanner(self.config, self.scheduler.speculation_ahead,
                                               executor.ahead_overlaps_verify)
@@ -97,20 +88,7 @@ class EngineCore:
 
     def validate_request(self, request: Request) -> None:
         """Raise ValueError for a request the engine cannot serve; changes nothing."""
-        n, limit = request.num_prompt_tokens, self.config.max_model_len
-        if n == 0:
-            raise ValueError("prompt is empty: give at least one token")
-        if n >= limit:
-            raise ValueError(f"prompt has {n} tokens but max_model_len is {limit}, which leaves no room to "
-                             f"generate; shorten the prompt to at most {limit - 1} tokens")
-        vocab = self.vocab_size
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        for name, ids in request.params.token_ids_used().items():
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name} names token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        check_request_limits(request, self.config.max_model_len, self.vocab_size)  # engine/request_limits.py
         if request.request_id in self.scheduler.requests or self.in_flight.holds(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._grammar(request)  # a grammar the backend cannot compile is refused here (compiled once, cached)
@@ -229,14 +207,8 @@ class EngineCore:
 
     def check_fits(self, num_prompt_tokens: int) -> None:
         """Raise ValueError for a prompt whose KV alone outgrows a model's whole cache: it could never run, and
-        saying so up front beats failing it once it reaches the head of the queue."""
-        for model, kv in self.kv_managers():
-            need = -(-num_prompt_tokens // kv.block_size)
-            have = min(pool.num_usable for pool in kv.pools)
-            if need > have:
-                raise ValueError(f"prompt has {num_prompt_tokens} tokens, which need {need} KV blocks of "
-                                 f"{kv.block_size} tokens, but the {model} model's KV cache holds {have} blocks "
-                                 f"({have * kv.block_size} tokens); shorten the prompt")
+        saying so up front beats failing it once it reaches the head of the queue (engine/request_limits.py)."""
+        check_prompt_fits(num_prompt_tokens, self.kv_managers())
 
     def kv_usage(self) -> dict[tuple[str, int], float]:
         """Fraction of each (model, KV-cache group)'s blocks in use."""
@@ -368,46 +340,22 @@ class EngineCore:
         finished, self._finished_ids = self._finished_ids, []
         plan = build_plan(next(self._step_ids), scheduled, self.target_kv, self.draft_kv, self.config.max_model_len,
                           self.spec_config, finished, self.sent)
-        if self.draft_rule is not None:
-            # Timed only where every request decodes: a prefill chunk's cost is not the draft length's.
-            timed = all(s.samples and s.num_new_tokens == 1 + s.num_draft_tokens for s in scheduled)
-            self.draft_rule.planned(plan.step_id, self.scheduler.step_draft_length, timed)
+        if self.draft_lengths is not None:
+            self.draft_lengths.planned(plan.step_id, scheduled)
         self.speculation_ahead.plan(plan, scheduled)
         return plan
 
     def commit(self, scheduled: list[ScheduledRequest], result: StepResult) -> list[Request]:
         """Commit a collected step (engine/step/commit.py); returns the requests it gave tokens or finished."""
         self.speculation_ahead.observe(result)
-        if self.draft_rule is not None:
-            self._observe_draft_rule(scheduled, result)
+        if self.draft_lengths is not None:
+            self.draft_lengths.observe(scheduled, result)
         return commit_result(self.scheduler, self.output, scheduled, result, self._finish)
 
-    def _rule_draft_length(self, batch_size: int) -> int:
-        """The draft length rule's k for the next step; num_speculative_tokens while a seeded request at temperature
-        > 0 may run: its samples depend on the k's it is verified at, and a seed promises the same output however
-        the load (and so the rule's choices) goes."""
-        rule = self.draft_rule
-        sched = self.scheduler
-        # What the draft missed (while k was 0), for the cost of a probe of k > 0: one catch-up forward.
-        missed = sum(max(r.num_tokens - 1 - r.num_draft_computed_tokens, 0) for r in sched.running) if (
-            self.draft_kv is not None and rule.last_k == 0) else 0
-        k = rule.choose(batch_size, missed)
-        candidates = itertools.chain(sched.running, itertools.islice(sched.waiting, self.config.max_num_seqs))
-        if any(_seeded(r) for r in candidates):
-            return rule.pin(rule.max_k)
-        return k
-
-    def _rule_request_draft_length(self, request: Request, k: int) -> int:
-        return k if _seeded(request) else self.draft_rule.request_k(request.request_id, k)
-
-    def _observe_draft_rule(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
-        """Feed the draft length rule a committed step: each verify's k and accepted drafts, the propose phase."""
-        verifies = []
-        for n, (s, tokens, accepted) in enumerate(zip(scheduled, result.sampled, result.num_accepted)):
-            k = result.num_draft_tokens[n] if result.num_draft_tokens is not None else s.num_draft_tokens
-            if tokens is not None and k and not s.request.status.finished:
-                verifies.append((s.request.request_id, k, accepted))
-        self.draft_rule.observe(result.step_id, verifies, result.phase_seconds.get(PROPOSE))
+    @property
+    def draft_rule(self) -> DraftLengthRule | None:
+        """The draft length rule (engine/speculation/draft_length_rule.py); None where it is off."""
+        return self.draft_lengths.rule if self.draft_lengths is not None else None
 
     def draft_rule_stats(self) -> tuple[int, int, dict[str, dict[int, float]]] | None:
         """The draft length rule's (steps chosen, of those at k = 0, its estimates); None where it is off."""
@@ -420,7 +368,3 @@ def _draft_catches_up(spec: SpeculativeConfig | None) -> bool:
     can, from their tokens; an EAGLE-3 head cannot, it reads the target's states of each position it runs."""
     return spec is None or spec.speculative_method != "eagle3"
 
-
-def _seeded(request: Request) -> bool:
-    """A request whose output a seed fixes (sampled, with a seed): its k must not follow the load."""
-    return request.params.seed is not None and request.params.temperature > 0.0

@@ -21,6 +21,7 @@ from serving.engine_builders import DEFAULT_ENGINE_BUILDER, LOCAL_ENGINE_BUILDER
 from serving.engine_deployment import ENGINE_DEPLOYMENT, EngineReplica
 from serving.front_end import FrontEnd, tokenizer_source
 from serving.gc_heap import freeze_startup_heap
+from serving.serving_defaults import DRAIN_TIMEOUT_S, TENANT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from deploy.serve_options import ServingOptions
@@ -156,7 +157,7 @@ def _draft_pool(engine_args: dict[str, Any], options: ServingOptions,
     if engine_args.get("draft_model") is None:
         raise ValueError("draft_replicas shares draft models between engine replicas: give a draft_model")
     pool = uuid.uuid4().hex[:12]
-    drain_s = float(getattr(options, "drain_timeout_s", 30.0))
+    drain_s = float(getattr(options, "drain_timeout_s", DRAIN_TIMEOUT_S))
     # The replica only supervises its group: the draft's ranks hold the resources (draft_resources).
     # Its health check only pings the ranks: checked often, a dead group is replaced (and its targets speculate
     # again) sooner. On scale-down it waits for its targets to move (up to drain_timeout_s) before Serve ends it.
@@ -170,11 +171,11 @@ def _draft_pool(engine_args: dict[str, Any], options: ServingOptions,
         pool_options["num_replicas"] = int(options.draft_replicas)
         slots = slots_per_draft(max_engines, int(options.draft_replicas))
     deployment = DraftPoolReplica.options(**pool_options).bind(
-        engine_args, pool, slots, float(getattr(options, "draft_tenant_timeout_s", 60.0)), drain_s)
+        engine_args, pool, slots, float(getattr(options, "draft_tenant_timeout_s", TENANT_TIMEOUT_S)), drain_s)
     return deployment, {**engine_args, "draft_pool": pool}
 
 
-def drain(timeout_s: float = 30.0, app_name: str = "specserve") -> list[dict[str, Any]]:
+def drain(timeout_s: float = DRAIN_TIMEOUT_S, app_name: str = "specserve") -> list[dict[str, Any]]:
     """Graceful shutdown, first half: every engine replica of the application refuses new requests (503) and
     waits up to `timeout_s` for the requests in flight to finish. Call it before serve.shutdown(); returns each
     replica's report."""

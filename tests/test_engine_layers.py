@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine.quantization",),
     ("engine.config", "engine.model_config"),
     ("engine.sample",),
-    ("engine.request",),
+    ("engine.request", "engine.request_limits"),
     ("engine.kv_cache",),
     ("engine.attention",),
     ("engine.models",),

@@ -153,6 +153,31 @@ def test_builders_take_their_defaults_from_the_declaration() -> None:
         assert inspect.signature(fn).parameters["draft_placement"].default == served, fn.__qualname__
 
 
+def test_serving_timeouts_default_to_the_serve_options() -> None:
+    """The drain and tenant timeouts are serving options whose functions take them too: each has one default, the
+    option's, wherever a function defaults it."""
+    from serving import app
+    from serving.draft_pool.pool import DraftPoolReplica
+    from serving.router.router import Router
+
+    served = ServeConfig()
+    pool = inspect.signature(DraftPoolReplica.func_or_class.__init__).parameters
+    assert pool["tenant_timeout_s"].default == served.draft_tenant_timeout_s
+    for name, param in (("DraftPoolReplica", pool["drain_timeout_s"]),
+                        ("Router.drain", inspect.signature(Router.drain).parameters["timeout_s"]),
+                        ("serving.app.drain", inspect.signature(app.drain).parameters["timeout_s"])):
+        assert param.default == served.drain_timeout_s, name
+    # The defaults are not written into the functions again: a different declared value would reach them all.
+    for path in ("serving/app.py", "serving/draft_pool/pool.py", "serving/router/router.py", "deploy/serve_options.py"):
+        source = (ROOT / path).read_text()
+        assert f"= {served.drain_timeout_s!r}" not in source and f"= {served.draft_tenant_timeout_s!r}" not in source, \
+            path
+        assert f'"drain_timeout_s", {served.drain_timeout_s!r}' not in source, path
+        assert f'"draft_tenant_timeout_s", {served.draft_tenant_timeout_s!r}' not in source, path
+        assert f"option({served.drain_timeout_s!r}," not in source, path
+        assert f"option({served.draft_tenant_timeout_s!r}," not in source, path
+
+
 def test_llm_without_options_runs_every_declared_default(tmp_path: Path) -> None:
     """LLM(model, draft_model) builds the EngineConfig and SpeculativeConfig of their fields' defaults; served
     defaults reach the same engine; unknown names are a TypeError naming each."""

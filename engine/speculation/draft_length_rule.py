@@ -28,8 +28,9 @@ that position costs (its expected accepted tokens under E(k) x v / T(k), v the v
 across the batch) drafts fewer than the step's k; the step's structure takes one k a request (ScheduledRequest's
 num_draft_tokens), the draft forwards the step's k at most. It never drafts more than the step's k.
 
-A seeded request at temperature > 0 keeps num_speculative_tokens (EngineCore pins the steps it runs in): its samples
-depend on the k's it is verified at, and its seed promises one output however the load goes.
+A seeded request at temperature > 0 keeps num_speculative_tokens (engine/speculation/draft_length_control.py pins the
+steps it runs in): its samples depend on the k's it is verified at, and its seed promises one output however the load
+goes.
 
 Exactness does not depend on the rule: k is chosen from what earlier steps committed, before the step's drafts
 exist, and every k verifies losslessly.

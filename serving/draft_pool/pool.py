@@ -35,6 +35,8 @@ from typing import Any
 import ray
 from ray import serve
 
+from serving.serving_defaults import DRAIN_TIMEOUT_S, TENANT_TIMEOUT_S
+
 logger = logging.getLogger("specserve")
 
 DRAFT_DEPLOYMENT = "SpecServeDraft"
@@ -89,8 +91,8 @@ def draft_worker_config(engine_args: dict[str, Any], slots: int) -> tuple[str, A
 class DraftPoolReplica:
     """One draft group of the pool, and the loop that frees the shares of targets that left."""
 
-    def __init__(self, engine_args: dict[str, Any], pool: str, slots: int, tenant_timeout_s: float = 60.0,
-                 drain_timeout_s: float = 30.0) -> None:
+    def __init__(self, engine_args: dict[str, Any], pool: str, slots: int, tenant_timeout_s: float = TENANT_TIMEOUT_S,
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """drain_timeout_s: on scale-down, how long the replica waits for its targets to move elsewhere."""
         from engine.model_config import ModelConfig
         from serving.draft_pool.worker import PooledDraftWorker, rank0_concurrency

@@ -14,12 +14,14 @@ queued arrival before its next step, so a wave of arrivals is one prefill and no
 step thread copies each step's token deltas before the next step runs and the event loop publishes the copies,
 so a stream never reads a request that a running step is writing.
 
-Reliability: the waiting queue is bounded (past `max_queued_requests` a request is refused with 429 and a retry
-hint instead of growing memory); a dead model worker fails the requests in flight with a 503 that says so, and the
-router rebuilds its worker groups in place (or, with `continue_without_draft`, drops a dead draft group and serves
-on the target alone until a new draft group is attached): serving/router/recovery.py, whose `EngineRecovery` the
-Router holds, as it holds the watch of a draft pool's placement (serving/router/draft_moves.py); `drain()` refuses
-new requests and waits for those in flight, for shutdown.
+Reliability: the waiting queue is bounded (past `max_queued_requests` a request is refused with 429 and a retry hint
+instead of growing memory); a dead model worker fails the requests in flight with a 503 that says so (which requests
+a failed step fails: serving/router/step_failure.py), and the router rebuilds its worker groups in place (or, with
+`continue_without_draft`, drops a dead draft group and serves on the target alone until a new draft group is
+attached): serving/router/recovery.py, whose `EngineRecovery` the Router holds, as it holds the watch of a draft
+pool's placement (serving/router/draft_moves.py); `drain()` refuses new requests and waits for those in flight, for
+shutdown. What the router reports of its engine (its summary line, info, metrics pulled at scrape time):
+serving/router/engine_report.py.
 
 Engine imports stay inside functions: a process that only names the class (the ingress, Serve's controller)
 must not import torch for it.
@@ -41,7 +43,10 @@ from serving.engine_builders import DEFAULT_ENGINE_BUILDER, import_builder
 from serving.gc_heap import freeze_startup_heap
 from serving.router.admission_queue import AdmissionQueue
 from serving.router.draft_moves import DraftMoves
+from serving.router.engine_report import engine_info, engine_summary, engine_weights, scraped_metrics
 from serving.router.recovery import EngineRecovery
+from serving.router.step_failure import fail_step_requests, worker_died
+from serving.serving_defaults import DRAIN_TIMEOUT_S
 from serving.workers.node_placement import GroupNodes
 
 if TYPE_CHECKING:
@@ -107,24 +112,14 @@ class Router:
         self.gc_frozen = freeze_startup_heap(f"router of {self.model_name}") if self.FREEZE_HEAP_AT_INIT else 0
 
     def summary(self) -> str:
-        """What this replica serves, in a line: models, speculation, device, context and KV blocks."""
-        cfg, spec = self.engine.config, self.engine.spec_config
-        draft = (f" + draft {spec.draft_model} (k={spec.num_speculative_tokens}, {spec.rejection_sampling})"
-                 if spec is not None else " (no draft)")
-        kv = f"{self.engine.executor.target_num_blocks} target"
-        if self.engine.draft_kv is not None:
-            kv += f" / {self.engine.executor.draft_num_blocks} draft"
-        weights = ", ".join(f"{role} weights {w['format']} {w['bytes'] / 2**20:.1f} MiB"
-                            for role, w in self.weights().items() if w is not None)
-        return (f"{self.engine_args.get('model')}{draft} on {cfg.device} {str(cfg.dtype).removeprefix('torch.')}, "
-                f"max_model_len {cfg.max_model_len}, max_num_seqs {cfg.max_num_seqs}, KV blocks {kv} of "
-                f"{cfg.block_size} tokens" + (f", {weights}" if weights else ""))
+        """What this replica serves, in a line: models, speculation, device, context and KV blocks
+        (serving/router/engine_report.py)."""
+        return engine_summary(self.engine, self.engine_args.get("model"), self.weights())
 
     def weights(self) -> dict[str, dict[str, Any] | None]:
         """What each model's weights hold (a tensor-parallel model's: each rank's), {"bytes", "format"}; None
         where an engine builder's executor does not say."""
-        ex = self.engine.executor
-        return {"target": getattr(ex, "target_weights", None), "draft": getattr(ex, "draft_weights", None)}
+        return engine_weights(self.engine)
 
     # --- public methods -------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -189,7 +184,7 @@ class Router:
                 "num_running": self.engine.num_running(),
                 "num_waiting": self._num_waiting(), "weights": self.weights()}
 
-    async def drain(self, timeout_s: float = 30.0) -> dict[str, Any]:
+    async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> dict[str, Any]:
         """For shutdown: refuse new requests (503) from now on and wait up to `timeout_s` for the ones in flight
         to finish. Returns whether they all did and how many are left."""
         self._draining = True
@@ -199,29 +194,11 @@ class Router:
         return {"drained": not self._streams, "num_in_flight": len(self._streams)}
 
     async def metrics_text(self) -> str:
-        # Prefix-cache and speculation-ahead counters are pulled at scrape time: the engine keeps running totals,
-        # so the step loop carries nothing for them.
-        self.metrics.on_prefix_cache(self.engine.prefix_cache_stats())
-        self.metrics.on_speculation_ahead(self.engine.speculation_ahead_stats())
-        self.metrics.ahead_branches.set(self.engine.speculation_ahead_branches())
-        self.metrics.on_ahead_off_steps(self.engine.speculation_ahead_off_steps())
-        self.metrics.set_group_nodes(await asyncio.to_thread(self._group_nodes.of, self.engine.executor))
-        self.metrics.draft_rule.on_rule(self.engine.draft_rule_stats())
-        text = self.metrics.exposition()
-        executor = self.engine.executor
-        if getattr(executor, "draft_pool", None) is not None:  # the draft replica this engine is attached to
-            from serving.metrics import label_draft_series
-
-            draft = executor.draft.workers[0].replica if executor.draft is not None else "none"
-            text = label_draft_series(text, draft)
-        return text
+        """The metrics' exposition, the engine's running totals brought up first (serving/router/engine_report.py)."""
+        return await scraped_metrics(self.metrics, self.engine, self._group_nodes)
 
     async def info(self) -> dict[str, Any]:
-        spec = self.engine.spec_config
-        return {"model": self.model_name, "max_model_len": self.engine.config.max_model_len,
-                "vocab_size": self.engine.vocab_size, "draft_model": spec.draft_model if spec else None,
-                "num_speculative_tokens": spec.num_speculative_tokens if spec else 0,
-                "rejection_sampling": spec.rejection_sampling if spec else None}
+        return engine_info(self.engine, self.model_name)
 
     async def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "num_streams": len(self._streams), "healthy": self.recovery.unhealthy is None,
@@ -330,33 +307,12 @@ class Router:
 
     def _on_step_error(self, error: Exception) -> None:
         """Fail the requests the error belongs to; if it cannot be pinned on some, fail them all. A dead draft
-        worker with `continue_without_draft` fails none: the engine goes on without speculation."""
-        dead = isinstance(error, ray.exceptions.RayActorError) or type(error).__name__ == "WorkerDiedError"
+        worker with `continue_without_draft` fails none: the engine goes on without speculation
+        (serving/router/step_failure.py)."""
+        dead = worker_died(error)
         if dead and self.recovery.serve_without_draft(error):
             return
-        # The engine's own culprits: requests it ended (aborted) in the failed step, which no step published.
-        # Requests still queued for admission never reached the engine: the failed step cannot be theirs.
-        culprits = [s for s in self._streams.values()
-                    if s.finish_reason is None and not self.engine.has_request(s.request.request_id)
-                    and not self._admission.holds(s.request.request_id)]
-        if culprits and not dead:
-            logger.warning("engine step failed for %d request(s): %s", len(culprits), error)
-        else:
-            logger.error("engine step failed; failing every request in flight", exc_info=error)
-            self._admission.take_all()  # their streams are failed below with the rest: none may reach the engine
-            culprits = [s for s in self._streams.values() if s.finish_reason is None]
-            for s in culprits:
-                try:
-                    self.engine.abort_request(s.request.request_id)
-                except Exception:  # noqa: BLE001 - the state is suspect; the streams still get their error
-                    logger.exception("aborting %s after a failed step", s.request.request_id)
-        for s in culprits:
-            what = "a model worker died" if dead else "the engine failed"
-            s.error = (f"{what}: {error}; the request was aborted" + (", retry shortly" if dead else ""),
-                       503 if dead else 500)
-            s.finish_reason = "abort"
-            self.metrics.on_finished("abort", 0.0)
-            s.event.set()
+        fail_step_requests(error, dead, self._streams.values(), self.engine, self._admission, self.metrics)
         self._update_queue_and_kv()
         if dead:
             self.recovery.declare_dead(error)

@@ -1,5 +1,6 @@
 """One model's tensor-parallel ranks as the Ray executor holds them, and the checks and policies that decide how a
-group is built: whether a model splits over its ranks, and whether the target's ranks launch the verify ahead."""
+group is built: whether a model splits over its ranks, where the draft runs, and whether the target's ranks launch
+the verify ahead."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from engine.model_config import ModelConfig
+from engine.runner.draft_vocabulary import check_token_map
 from serving.engine_builders import DRAFT_PLACEMENTS
 from serving.workers.worker import WorkerInfo
 
@@ -45,6 +47,19 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, role: str) -> None:
                          "use a size that divides the KV head count or is a multiple of it")
 
 
+def check_group_models(model_path: str, draft_model_path: str | None, tp: int, draft_tp: int,
+                       draft_token_map: str | None, colocated: bool) -> None:
+    """Fail on the router, before any worker starts, for a model that cannot be split over its ranks or a draft token
+    map the draft cannot take. draft_model_path: a draft model's (None: no draft, or an EAGLE-3 head, whose checks
+    ran in configure_engine); colocated: the draft runs on the target's ranks, hence at the target's size."""
+    check_tensor_parallel(ModelConfig.from_path(model_path), tp, "target")
+    if draft_model_path is not None:
+        draft_config = ModelConfig.from_path(draft_model_path)
+        check_tensor_parallel(draft_config, draft_tp, "draft")
+        if draft_token_map is not None:
+            check_token_map(draft_token_map, draft_config.vocab_size, tp if colocated else draft_tp)
+
+
 def check_draft_placement(placement: str, tp: int, draft_tp: int) -> None:
     """Fail on the router, before any worker starts, for a placement the executor cannot build. A colocated draft
     runs in each target rank's process on the target's tensor-parallel group, so it needs the target's size."""
@@ -71,6 +86,26 @@ def resolve_draft_placement(placement: str, device_type: str, tp: int, draft_tp:
     if device_type == "cuda" and draft_tp == tp and not draft_resources_given and cluster_gpus < tp + draft_tp:
         return "colocated"
     return "separate"
+
+
+def draft_placement_of(placement: str, has_draft: bool, eagle3: bool, pooled: bool, device_type: str, tp: int,
+                       draft_tp: int, draft_resources_given: bool) -> str:
+    """Where the executor runs its draft: an EAGLE-3 head colocated (it reads the target's hidden states where the
+    target computes them), a pooled draft's share separate (serving/draft_pool/pool.py), anything else as asked, with
+    "auto" decided from the cluster's GPUs (`resolve_draft_placement`). has_draft: a draft model or head is given."""
+    if eagle3:
+        # The head reads the target's hidden states where the target computes them.
+        if placement == "separate" or pooled:
+            raise ValueError("an EAGLE-3 head runs inside the target's processes, where its hidden states are: "
+                             "draft_placement must be 'colocated' or 'auto', without a draft pool")
+        placement = "colocated"
+    if pooled:
+        placement = "separate"
+    resolved = resolve_draft_placement(placement, device_type, tp, draft_tp, ray.cluster_resources().get("GPU", 0.0),
+                                       draft_resources_given)
+    if has_draft and placement == "auto":
+        logger.info("draft_placement 'auto': %s", resolved)
+    return resolved
 
 
 def launch_verify_ahead_for(requested: bool | None, device_type: str, bundles: list[dict[str, float]],

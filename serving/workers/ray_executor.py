@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -35,25 +34,24 @@ import ray
 from ray.actor import ActorHandle
 
 from engine.config import EngineConfig
-from engine.decode_pipeline import LaggedResults
 from engine.kv_cache.spec import KVCacheGroupSpec
-from engine.model_config import ModelConfig
 from engine.models.eagle3_config import is_eagle3_checkpoint
-from engine.runner.draft_vocabulary import check_token_map
 from engine.step.phases import HOST, book_dispatch
 from engine.step.plan import StepPlan, StepResult
 from serving.engine_builders import DEFAULT_DRAFT_PLACEMENT
 from serving.workers.draft_group import DraftGroupReplacement
 from serving.workers.group import (  # noqa: F401 - check_tensor_parallel and launch_verify_ahead_for are public here too
     WorkerGroup,
+    check_group_models,
     check_tensor_parallel,
+    draft_placement_of,
     gather_info,
     launch_verify_ahead_for,
     release_group,
-    resolve_draft_placement,
     speculation_ahead_for,
 )
 from serving.workers.health import WorkerDiedError, WorkerHealth  # noqa: F401 - WorkerDiedError is public here too
+from serving.workers.pipelined_executions import PipelinedExecutions
 from serving.workers.placement import actor_options, bundle_task_options, create_group_placement, make_bundle
 from serving.workers.step_topology import GraphCalls, PlainCalls, step_nodes
 from serving.workers.worker import ModelWorker, node_ip_and_free_port
@@ -119,11 +117,9 @@ class RayExecutor:
         self.target: WorkerGroup | None = None
         self.draft: WorkerGroup | None = None
         self._graph: Any = None  # ray.dag.CompiledDAG
-        # Pipelined (a target alone, asynchronous scheduling: engine/decode_pipeline.py): each execution returns
-        # the result of the step submitted before it, so the outputs not read yet and the results read but not yet
-        # collected are kept here.
-        self._executions: deque[Any] = deque()
-        self._done = LaggedResults()
+        # Pipelined (a target alone, asynchronous scheduling): each execution returns the result of the step
+        # submitted before it (serving/workers/pipelined_executions.py).
+        self._pipelined = PipelinedExecutions(self._dispatch, self._get)
         self._last_collected = 0.0  # when the last step's result came back (perf_counter)
         # Whether the workers are alive, and whether a failed step broke this executor for good.
         self.health = WorkerHealth(lambda: (self.target, self.draft), self.draft_pool is not None, step_timeout_s)
@@ -133,29 +129,15 @@ class RayExecutor:
             rejection_sampling, placement_timeout_s, init_timeout_s, f"specserve-draft-{id(self):x}",
             draft_node_labels)
         eagle3 = draft_model_path is not None and is_eagle3_checkpoint(draft_model_path)
-        if eagle3:
-            # The head reads the target's hidden states where the target computes them.
-            if draft_placement == "separate" or self.draft_pool is not None:
-                raise ValueError("an EAGLE-3 head runs inside the target's processes, where its hidden states are: "
-                                 "draft_placement must be 'colocated' or 'auto', without a draft pool")
-            draft_placement = "colocated"
         self._node_labels = {"target": target_node_labels, "draft": draft_node_labels}
-        if self.draft_pool is not None:
-            draft_placement = "separate"
-        self.draft_placement = resolve_draft_placement(
-            draft_placement, engine_config.device.type, tensor_parallel_size, draft_tensor_parallel_size,
-            ray.cluster_resources().get("GPU", 0.0), draft_resources is not None or draft_node_labels is not None)
-        if draft_model_path is not None and draft_placement == "auto":
-            logger.info("draft_placement 'auto': %s", self.draft_placement)
+        self.draft_placement = draft_placement_of(  # serving/workers/group.py
+            draft_placement, draft_model_path is not None, eagle3, self.draft_pool is not None,
+            engine_config.device.type, tensor_parallel_size, draft_tensor_parallel_size,
+            draft_resources is not None or draft_node_labels is not None)
         # A draft in the target's processes: one group of workers, each running the whole step.
         self.colocated = draft_model_path is not None and self.draft_placement == "colocated"
-        check_tensor_parallel(ModelConfig.from_path(model_path), tensor_parallel_size, "target")
-        if draft_model_path is not None and not eagle3:  # a head's checks ran in configure_engine
-            draft_config = ModelConfig.from_path(draft_model_path)
-            check_tensor_parallel(draft_config, draft_tensor_parallel_size, "draft")
-            if engine_config.draft_token_map is not None:  # before any worker starts, as the checks above
-                check_token_map(engine_config.draft_token_map, draft_config.vocab_size,
-                                tensor_parallel_size if self.colocated else draft_tensor_parallel_size)
+        check_group_models(model_path, None if eagle3 else draft_model_path, tensor_parallel_size,
+                           draft_tensor_parallel_size, engine_config.draft_token_map, self.colocated)
         try:
             self._start(model_path, draft_model_path, rejection_sampling, tensor_parallel_size,
                         draft_tensor_parallel_size, target_resources, draft_resources, placement_timeout_s,
@@ -268,20 +250,24 @@ class RayExecutor:
         self.health.check_usable()
         t0 = time.perf_counter()
         plan.sent_at, plan.sent_host = t0, HOST
-        try:
-            ref = self._graph.execute(plan) if self._graph is not None else self._submit_plain(plan)
-        except Exception as e:
-            self.health.raise_step_error(e)
+        ref = self._dispatch(plan)
         if not self.pipelined:
             return ref, t0
-        self._executions.append(ref)
+        self._pipelined.add(ref)
         return plan.step_id, t0
+
+    def _dispatch(self, plan: StepPlan | None) -> Any:
+        """A graph execution, or the plain actor calls, of `plan`; a failure to send it is the step's error."""
+        try:
+            return self._graph.execute(plan) if self._graph is not None else self._submit_plain(plan)
+        except Exception as e:
+            self.health.raise_step_error(e)
 
     def collect(self, handle: tuple[Any, float]) -> StepResult:
         """Wait for a submitted step's result (target rank 0's)."""
         ref, t0 = handle
         if isinstance(ref, int):
-            result = self._collect_pipelined(ref)
+            result = self._pipelined.result(ref)
         else:
             result = self._get(ref)[0]
         now = time.perf_counter()
@@ -296,30 +282,8 @@ class RayExecutor:
             # SYNC: the router needs the step's tokens to commit them (one step late with asynchronous scheduling).
             return ray.get(ref, timeout=self.step_timeout_s)
         except Exception as e:
-            self._executions.clear()
-            self._done.clear()
+            self._pipelined.clear()
             self.health.raise_step_error(e)
-
-    def _collect_pipelined(self, step_id: int) -> StepResult:
-        """Step `step_id`'s result: the output of the execution submitted after it, or of an empty one (a plan of
-        None: the ranks queue nothing and return what they held) when none was."""
-        return self._done.take(step_id, self._next_pipelined_result)
-
-    def _next_pipelined_result(self) -> StepResult | None:
-        """The next result target rank 0 hands back (the first execution's output is None: no step before it);
-        None once an empty execution found nothing held."""
-        while True:
-            flush = not self._executions
-            if not flush:
-                ref = self._executions.popleft()
-            else:
-                try:
-                    ref = self._graph.execute(None) if self._graph is not None else self._submit_plain(None)
-                except Exception as e:
-                    self.health.raise_step_error(e)
-            result = self._get(ref)[0]
-            if result is not None or flush:
-                return result
 
     def _submit_plain(self, plan: StepPlan | None) -> list[Any]:
         """The graph's calls as plain actor calls (each actor runs its calls in order). The proposal travels as an
