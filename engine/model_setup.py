@@ -140,9 +140,11 @@ def _check_eagle3_options(spec: SpeculativeConfig, options: dict[str, Any], tens
     if options.get("draft_token_map") is not None:
         raise ValueError("draft_token_map restricts a draft model's LM head; an EAGLE-3 head has its own draft "
                          "vocabulary (d2t)")
-    if spec.draft_tensor_parallel_size != 1 or tensor_parallel_size != 1:
-        raise ValueError("an EAGLE-3 head runs in the target's one process so far (tensor_parallel_size and "
-                         "draft_tensor_parallel_size 1)")
+    if spec.draft_tensor_parallel_size not in (1, tensor_parallel_size):
+        raise ValueError(f"an EAGLE-3 head runs in the target's processes, split as the target is: "
+                         f"draft_tensor_parallel_size must be tensor_parallel_size ({tensor_parallel_size}) or "
+                         f"left at 1, got {spec.draft_tensor_parallel_size}")
+    spec.draft_tensor_parallel_size = tensor_parallel_size
 
 
 # Targets whose decoder keeps the auxiliary states a head reads (engine/models/decoder.py). Not Gemma 3: its

@@ -1,6 +1,7 @@
 """EAGLE-3 heads served: vLLM's `--speculative-config '{"method": "eagle3", ...}'` read into the engine's options and
 honoured by the offline engine built from the flags, and the Ray engine running the head inside the target's worker
-(draft_placement colocated, forced for a head) with greedy output equal to the target alone, sync and async."""
+(draft_placement colocated, forced for a head) with greedy output equal to the target alone, sync and async; and a
+head split over the target's two tensor-parallel ranks drafting what one process's head drafts."""
 
 from __future__ import annotations
 
@@ -72,3 +73,26 @@ def test_served_head_must_be_colocated(ray_runtime, tiny_models, llama_heads):
     with pytest.raises(ValueError, match="draft_placement must be 'colocated' or 'auto'"):
         build_ray_engine(tiny_models["llama"].path, llama_heads["flat"], speculative_method="eagle3",
                          draft_placement="separate", **ENGINE_KW)
+
+
+def test_head_split_over_two_ranks_drafts_as_one(ray_runtime, tiny_models, llama_heads):
+    """Target and head at tensor_parallel_size 2 (each rank half the head's attention heads, MLP and draft vocabulary,
+    the auxiliary states the replicated residual stream): under synthetic acceptance the accepted drafts are the
+    output, so it equals one process's only if the split head drafts the same tokens. Synchronous scheduling on both
+    sides (the acceptance draws then come in one order)."""
+    kw = dict(ENGINE_KW, adaptive_draft_length=False, rejection_sampling="synthetic", synthetic_acceptance_rate=0.6,
+              seed=5)
+    spec = {"method": "eagle3", "model": llama_heads["flat"], "num_speculative_tokens": 3}
+    one = LLM(tiny_models["llama"].path, speculative_config=spec, **kw).generate(PROMPTS, GREEDY)
+    engine = build_ray_engine(tiny_models["llama"].path, llama_heads["flat"], speculative_method="eagle3",
+                              num_speculative_tokens=3, tensor_parallel_size=2, async_scheduling=False, **kw)
+    try:
+        assert engine.executor.colocated and len(engine.executor.target.workers) == 2
+        reqs = run_to_completion(engine, PROMPTS, [GREEDY] * len(PROMPTS))
+    finally:
+        engine.executor.shutdown()
+    assert [r.output_token_ids for r in reqs] == [o.token_ids for o in one]
+    assert sum(r.spec.num_accepted_tokens for r in reqs) > 10
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size must be tensor_parallel_size"):
+        build_ray_engine(tiny_models["llama"].path, llama_heads["flat"], speculative_method="eagle3",
+                         tensor_parallel_size=2, draft_tensor_parallel_size=3, **ENGINE_KW)
