@@ -18,8 +18,9 @@ skip_without_triton()
 @in_parent
 def test_small_m_linear_under_interpreter():
     # Two children side by side (tests/interpreter_children.py), of about equal work: the Qwen3 models (the family's
-    # greedy run and draft loop, and the measured wide layer), and the rest (the kernel checks, Qwen2, Gemma 3).
-    assert_pytest_children_pass(__file__, split_by("qwen3 or wide"))
+    # greedy run and draft loop, and the measured wide layer) with the per-form and split-K kernel checks, and the
+    # rest (the wide-path checks, Qwen2, Gemma 3).
+    assert_pytest_children_pass(__file__, split_by("qwen3 or wide or matches_references"))
 
 
 def check_small_m_linear(device: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 2, 3, 5),
