@@ -20,7 +20,9 @@ interpreted = pytest.mark.skipif(not interpreting(), reason="runs in the TRITON_
 
 @pytest.mark.skipif(interpreting(), reason="already under the interpreter")
 def test_fused_kernels_under_interpreter():
-    assert_pytest_children_pass(__file__, split_by("fused_kernels_match_references"))  # tests/interpreter_children.py
+    # Two children side by side (tests/interpreter_children.py), of about equal work: the float16 kernel checks, and
+    # the float32 ones with the rest.
+    assert_pytest_children_pass(__file__, split_by("fused_kernels_match_references and dtype1"))
 
 
 def check_fused_kernels(device: str, dtype: torch.dtype) -> None:

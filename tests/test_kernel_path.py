@@ -42,7 +42,7 @@ def test_kernel_path_greedy_equals_torch_path(results, family):
     res = results["generate"][family]
     ref = res["torch"]
     # Fewer tokens than the reference's (greedy: a prefix of it), still past the windows; the speculation ahead case
-    # below runs the reference's length.
+    # below runs its own length (the reference's for the Mistral pair).
     n = res["tokens"]
     assert n > 7 and all(len(ids) >= n for ids in ref)
     assert res["triton"] == res["triton+spec"] == res["torch+spec"] == [ids[:n] for ids in ref]
@@ -51,13 +51,15 @@ def test_kernel_path_greedy_equals_torch_path(results, family):
     # Speculation ahead with four windows per request, through the draft loop: windows hit, rejection windows (in
     # scratch blocks) too where the draft's runner-up guesses the target's token (the Mistral pair; the Gemma 3
     # pair's rejections are too few here).
-    assert res["triton+ahead4"] == ref
+    n_ahead = res["ahead_tokens"]
+    assert n_ahead >= 7 and all(len(ids) >= n_ahead for ids in ref)
+    assert res["triton+ahead4"] == [ids[:n_ahead] for ids in ref]
     hits_accept, hits_reject = res["triton+ahead4:hits"]
     assert hits_accept > 0 and (hits_reject > 0 or family == "gemma3"), res["triton+ahead4:hits"]
     if family == "mistral":  # the persistent decoder (engine/kernels/persistent_decoder.py), window shorter than
         # the sequences: a target's decode steps and a draft's steps ran through it
         n_short = res["persistent_tokens"]  # fewer tokens than above, still past the window (greedy: a prefix of ref)
-        assert n_short > 7
+        assert n_short >= 6  # the 3-token prompt's last decode step at position 7: its window leaves position 0
         assert res["triton+persistent"] == res["triton+spec+persistent"] == [ids[:n_short] for ids in ref]
         assert all(n > 0 for n in res["persistent_calls"]), res["persistent_calls"]
 
