@@ -189,8 +189,11 @@ def test_kv_exhaustion_preempts_and_recomputes(server: Server, tmp_path: Path, o
     target, _ = make_byte_models(tmp_path / "m", draft_layers=3 if which == "target" else 8)
     draft = str(tmp_path / "m" / "draft")
     kv = {"num_kv_blocks": 40} if which == "target" else {"kv_cache_memory_bytes": 160 * 2 * 1024}
+    # A fixed k: the draft's KV must fill up, so it must draft every step (the draft length rule, timed on a loaded
+    # machine, may rest the draft at k = 0 long enough that it never runs out).
     args = dict(model=target, draft_model=draft, num_speculative_tokens=3, rejection_sampling="strict",
-                max_model_len=128, device="cpu", block_size=4, max_num_batched_tokens=64, **kv)
+                max_model_len=128, device="cpu", block_size=4, max_num_batched_tokens=64, adaptive_draft_length=False,
+                **kv)
     out, stats, exposition, pools = _router_run(args, PROMPTS, 100)
     need = sum(-(-(len(ids(p)) + 100 + 3) // 4) for p in PROMPTS)  # blocks for every request at full length
     if which == "draft":
