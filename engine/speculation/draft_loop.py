@@ -250,7 +250,7 @@ class DraftLoop:
             else:
                 step = self.buffers.load(chunks, num_reqs=b, num_logits_padded=b)
                 self._first_step(b, step.num_tokens, step.attn.common.max_query_len, greedy)
-        return self._later_steps(n, 1, max_k, b, graphed, greedy)
+        return self._later_steps(n, max_k, b, graphed, greedy)
 
     def _prepare(self, ks: list[int], md: SamplingMetadata, seeded_gens: dict[int, torch.Generator],
                  default_gen: torch.Generator, guesses: list[int]) -> tuple[int, bool, bool]:
@@ -284,11 +284,11 @@ class DraftLoop:
                 noise[to_device(guess_rows, torch.int64, dev), 0] = 1.0
         return b, graphed, greedy
 
-    def _later_steps(self, n: int, start: int, max_k: int, b: int, graphed: bool, greedy: bool
+    def _later_steps(self, n: int, max_k: int, b: int, graphed: bool, greedy: bool
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Steps start..max_k - 1 (step_idx holds start) from the inputs in the buffers, then the proposal's ids
-        and q (see run)."""
-        for _ in range(start, max_k):
+        """Steps 1..max_k - 1 (step_idx holds 1) from the inputs in the buffers, then the proposal's ids and q
+        (see run)."""
+        for _ in range(1, max_k):
             if graphed:
                 self.next_graphs[(b, greedy)].replay()
                 self.num_graph_replays += 1

@@ -44,22 +44,21 @@ class Eagle3Loop(DraftLoop):
         return self.head.compute_logits(prenorm)
 
     @torch.inference_mode()
-    def run_later(self, chunks: list[Chunk], ks: list[int], first: torch.Tensor, prenorm: torch.Tensor,
-                  md: SamplingMetadata, seeded_gens: dict[int, torch.Generator], default_gen: torch.Generator
+    def run_later(self, chunks: list[Chunk], ks: list[int], prenorm: torch.Tensor, md: SamplingMetadata,
+                  seeded_gens: dict[int, torch.Generator], default_gen: torch.Generator
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Steps 1..max(ks)-1 of rows whose first step the proposer ran. chunks: each row's first draft at its head
-        position (one token, num_logits 1); ks: each row's draft count (> 1); first: [n] int64 the first drafts
-        (column 0 of the result); prenorm: [n, hidden_size] the first step's pre-norm states; md, seeded_gens,
-        default_gen: the rows' sampling settings and generators, those of a seeded row already past its first
-        draw (later columns draw fresh numbers, never its first draft's again). Returns ids [n, max(ks)] int64
-        (-1 beyond a row's count) and q [n, max(ks), V] (column 0 not written: the proposer holds it; a view of
-        the static buffer, valid until the next proposal) or None when every row is greedy."""
+        position (one token, num_logits 1); ks: each row's draft count (> 1); prenorm: [n, hidden_size] the first
+        step's pre-norm states; md, seeded_gens, default_gen: the rows' sampling settings and generators, those of
+        a seeded row already past its first draw (later columns draw fresh numbers, never its first draft's
+        again). Returns ids [n, max(ks)] int64 (-1 beyond a row's count) and q [n, max(ks), V] (a view of the
+        static buffer, valid until the next proposal) or None when every row is greedy; column 0 of both is not
+        written (the proposer holds the first drafts)."""
         n, max_k = len(chunks), max(ks)
         if max_k > self.max_k:
             raise ValueError(f"draft length {max_k} exceeds the head loop's {self.max_k}")
         b, graphed, greedy = self._prepare(ks, md, seeded_gens, default_gen, [0] * n)
-        self.ids[:n, 0] = first
         self.hidden_in[:n].copy_(prenorm)
         self.buffers.load(chunks, num_reqs=b, num_tokens=b, max_query_len=1, num_logits_padded=b)
         self.step_idx.fill_(1)
-        return self._later_steps(n, 1, max_k, b, graphed, greedy)
+        return self._later_steps(n, max_k, b, graphed, greedy)

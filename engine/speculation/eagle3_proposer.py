@@ -202,14 +202,13 @@ class Eagle3Proposer:
             return
         dev = self.runner.device
         index = to_device(later, torch.int64, dev)
-        first = tok.index_select(0, index)
         # SYNC: the second step's input ids are built on the host (once a proposal; the loop's steps need none).
-        prev = first.tolist()
+        prev = tok.index_select(0, index).tolist()
         chunks = [Chunk([prev[n]], last_pos[m] + 1, 1, reqs[drafting[m]].draft_block_tables)
                   for n, m in enumerate(later)]
         sub = md.select(later)
         seeded = {n: g for n, g in sub.generators.items() if reqs[drafting[later[n]]].temperature > 0}
-        loop_ids, loop_probs = self.loop.run_later(chunks, [ks[drafting[m]] for m in later], first,
+        loop_ids, loop_probs = self.loop.run_later(chunks, [ks[drafting[m]] for m in later],
                                                    prenorm.index_select(0, index), sub, seeded, self.generator)
         dest = to_device([drafting[m] for m in later], torch.int64, dev)
         width = loop_ids.shape[1]
