@@ -22,9 +22,38 @@ from gpu_shapes import eagle3_head_dir, shape_dir
 
 from engine import LLM, SamplingParams
 from engine.kernels.triton_compat import set_pdl
+from engine.speculation.draft_length_rule import bucket_of
 
 
-def tokens_per_s(llm: LLM, batch: int, context: int, new_tokens: int, repeats: int) -> tuple[float, float, float]:
+class ChoiceLog:
+    """The draft length rule's choices during the timed runs: k -> steps, and how many were probes."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.rule = llm.engine.draft_lengths.rule
+        self.on = False
+        self.ks: dict[int, int] = {}
+        self.probes = 0
+        choose = self.rule.choose
+
+        def logged(batch_size: int, catch_up_tokens: int = 0) -> int:
+            k = choose(batch_size, catch_up_tokens)
+            if self.on and batch_size > 0:
+                self.ks[k] = self.ks.get(k, 0) + 1
+                self.probes += self.rule._probing
+            return k
+
+        self.rule.choose = logged
+
+    def summary(self, batch: int) -> str:
+        st = self.rule.buckets.get(bucket_of(batch))
+        times = " ".join(f"{k}:{t * 1e3:.2f}" for k in range(self.rule.max_k + 1)
+                         if st is not None and (t := st.seconds(k)) is not None)
+        return (f"k steps {dict(sorted(self.ks.items()))}, probes {self.probes}; the bucket's step ms {times}; "
+                f"acceptance {[round(a, 3) for a in self.rule.acceptance.rates(self.rule.max_k)]}")
+
+
+def tokens_per_s(llm: LLM, batch: int, context: int, new_tokens: int, repeats: int,
+                 log: ChoiceLog | None = None) -> tuple[float, float, float]:
     """(output tokens/s of whole requests, tokens/s of the decode phase after the first token, mean acceptance rate
     over the runs).
     The decode figure leaves out the prefill step (time to first token), which speculation does not change but
@@ -40,8 +69,12 @@ def tokens_per_s(llm: LLM, batch: int, context: int, new_tokens: int, repeats: i
         first.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        if log is not None:
+            log.on = True
         outs = llm.generate(prompts, params)
         times.append(time.perf_counter() - t0)
+        if log is not None:
+            log.on = False
         stats = llm.spec_stats(outs)
         acc.append(stats.acceptance_rate if stats.num_draft_tokens else 0.0)
     total, ttft = statistics.median(times), statistics.median(first)
@@ -101,10 +134,13 @@ def main() -> None:
         for rate in (float(r) for r in args.rates.split(",")):
             llm.engine.spec_config.synthetic_acceptance_rate = rate
             for b in batches:
-                tps, decode, acc = tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats)
+                log = ChoiceLog(llm) if rule else None
+                tps, decode, acc = tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats, log)
                 rows.append({"k": k, "rate": rate, "batch": b, "tok_s": tps, "speedup": tps / base[b][0],
                              "decode_tok_s": decode, "decode_speedup": decode / base[b][1],
-                             "measured_acceptance": acc})
+                             "measured_acceptance": acc, **({"choices": log.summary(b)} if log else {})})
+                if log:
+                    print(f"rule, acceptance {rate}, batch {b}: {log.summary(b)}", flush=True)
         del llm
         gc.collect()
         torch.cuda.empty_cache()

@@ -248,10 +248,15 @@ class DraftLengthRule:
         last, self._last_commit = self._last_commit, now
         if p is None:
             return
-        # Idle before the plan (no step in flight) is not the step's time.
-        dt = max(0.0, now - (p.at if last is None else max(last, p.at)))
-        # A probe pays its real time (a catch-up included) out of the credit; every other step earns its share.
-        self.credit += -dt if p.probe else PROBE_SHARE * dt
+        # The engine's period from the last commit to this one: all a step costs, the host's share too (committing
+        # and detokenizing the last step's tokens, scheduling this one), which in-process speculation runs between
+        # a commit and the next plan. Timing from the plan instead left that out: 1-5 ms a step of a batch of 32 on
+        # a GPU, enough to make a losing k look 1.6x faster than it ran. Idle time (no request running) ends in a
+        # step with a prefill, which is never timed and earns no credit.
+        dt = max(0.0, now - (p.at if last is None else last))
+        if p.timed:
+            # A probe pays its real time (a catch-up included) out of the credit; every other step earns its share.
+            self.credit += -dt if p.probe else PROBE_SHARE * dt
         if self._run != (p.bucket, p.k):
             self._run, self._run_steps = (p.bucket, p.k), 0
         self._run_steps += 1
