@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton
+from engine.kernels.triton_compat import HAS_TRITON, interpreting, launch, require_triton, tl, triton
 
 __all__ = ["HAS_TRITON", "MAX_ROUTED_ROWS", "moe_experts"]
 
 MAX_ROUTED_ROWS = 64  # routed rows (tokens x top_k) up to which the model takes these kernels
 # The launch's tiles: output features a program (BLOCK_N), inputs a step of its K walk (BLOCK_K, a multiple of
 # MXFP4's 32-value block), warps, and the programs a launch aims for (about four per SM of an H100's 132, so the
-# loads of many programs overlap). `moe_experts(tiles=...)` overrides them (benchmarks/gpu_moe.py sweeps them).
-TILES = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "programs": 528}
+# loads of many programs overlap), and whether MXFP4 is decoded by the PTX of _e2m1_ptx (where the kernels compile
+# for a GPU; Triton's interpreter runs _e2m1). `moe_experts(tiles=...)` overrides them (benchmarks/gpu_moe.py sweeps
+# them).
+TILES = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 2, "programs": 528, "ptx": True}
 
 
 @triton.jit
@@ -46,8 +48,56 @@ def _e2m1(nib):
 
 
 @triton.jit
+def _e2m1_ptx(byte):
+    """(low, high) nibbles of uint8 `byte` -> float32 values / 2 ** 14, as _e2m1 gives them one code at a time.
+    Four packed bytes (eight codes) a register ($8); $0-$3 the low nibbles of bytes 0-3, $4-$7 the high ones. Two
+    codes at once: the same nibble of bytes 0 and 2 (or 1 and 3) moved to float16's sign and low exponent / top
+    mantissa bits of the two halves of one register (shifts, masks and an or, which the compiler folds into LOP3s),
+    each half then widened to float32: about 2.5 instructions a code against _e2m1's 8. The decode, not the
+    memory, held the kernels at about 700 GB/s on an H100."""
+    return tl.inline_asm_elementwise("""
+{
+.reg .b32 a, b, c, d, t;
+.reg .b16 h<8>;
+shl.b32 a, $8, 9;
+and.b32 a, a, 0x0E000E00;
+shl.b32 t, $8, 12;
+and.b32 t, t, 0x80008000;
+or.b32 a, a, t;
+shl.b32 b, $8, 5;
+and.b32 b, b, 0x0E000E00;
+shl.b32 t, $8, 8;
+and.b32 t, t, 0x80008000;
+or.b32 b, b, t;
+shl.b32 c, $8, 1;
+and.b32 c, c, 0x0E000E00;
+shl.b32 t, $8, 4;
+and.b32 t, t, 0x80008000;
+or.b32 c, c, t;
+shr.b32 d, $8, 3;
+and.b32 d, d, 0x0E000E00;
+and.b32 t, $8, 0x80008000;
+or.b32 d, d, t;
+mov.b32 {h0, h1}, a;
+mov.b32 {h2, h3}, b;
+mov.b32 {h4, h5}, c;
+mov.b32 {h6, h7}, d;
+cvt.f32.f16 $0, h0;
+cvt.f32.f16 $1, h4;
+cvt.f32.f16 $2, h1;
+cvt.f32.f16 $3, h5;
+cvt.f32.f16 $4, h2;
+cvt.f32.f16 $5, h6;
+cvt.f32.f16 $6, h3;
+cvt.f32.f16 $7, h7;
+}
+""", "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                     dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+
+
+@triton.jit
 def _packed_dot(blocks_ptr, scales_ptr, expert, rows, rows_ok, blocks_e, blocks_r, scales_e, scales_r, x_lo, x_hi,
-                k0, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                k0, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
     """[BLOCK_N] sum over the BLOCK_K inputs from k0 of W[rows, k] * x[k], W decoded from MXFP4 in the kernel:
     BLOCK_K / 2 bytes a row loaded as one tile, the low nibble (even k) against x_lo = x[k0 + 2j], the high one
     against x_hi = x[k0 + 2j + 1]; each 32-value block's products summed, then scaled by 2 ** (scale - 127) once."""
@@ -56,9 +106,12 @@ def _packed_dot(blocks_ptr, scales_ptr, expert, rows, rows_ok, blocks_e, blocks_
     ok = rows_ok[:, None] & ((k0 + 2 * j) < k_end)[None, :]
     # k0 is a whole number of BLOCK_K steps: the hint lets the byte loads go out as wide vectors.
     start = tl.multiple_of(k0 // 2, BLOCK_K // 2)
-    byte = tl.load(blocks_ptr + e * blocks_e + rows[:, None] * blocks_r + (start + j)[None, :], mask=ok,
-                   other=0).to(tl.uint32)
-    prod = _e2m1(byte & 15) * x_lo[None, :] + _e2m1(byte >> 4) * x_hi[None, :]  # [BLOCK_N, BLOCK_K / 2]
+    byte = tl.load(blocks_ptr + e * blocks_e + rows[:, None] * blocks_r + (start + j)[None, :], mask=ok, other=0)
+    if PTX:
+        lo, hi = _e2m1_ptx(byte)
+    else:
+        lo, hi = _e2m1(byte.to(tl.uint32) & 15), _e2m1(byte.to(tl.uint32) >> 4)
+    prod = lo * x_lo[None, :] + hi * x_hi[None, :]  # [BLOCK_N, BLOCK_K / 2]
     per_block = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 32, 16)), axis=2)  # [BLOCK_N, BLOCK_K / 32]
     g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     scale = tl.load(scales_ptr + e * scales_e + rows[:, None] * scales_r + g[None, :],
@@ -84,7 +137,7 @@ def _gate_up_rows(n, inter, OAI: tl.constexpr):
 def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, part_ptr, top_k, hidden, inter, rows, k_slice,
                     stride_xt, stride_we, stride_wr, blocks_e, blocks_r, scales_e, scales_r,
                     PACKED: tl.constexpr, OAI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+                    PTX: tl.constexpr, USE_PDL: tl.constexpr):
     """Gate and up partial sums of one routed row over one slice of K: part[s, 0 | 1, row, n]."""
     row = tl.program_id(0).to(tl.int64)  # routed row: token * top_k + j
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] intermediate features
@@ -103,9 +156,9 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, part_ptr, top
             x_lo = tl.load(x_row + even, mask=even < k_end, other=0.0).to(tl.float32)
             x_hi = tl.load(x_row + even + 1, mask=even + 1 < k_end, other=0.0).to(tl.float32)
             acc_g += _packed_dot(blocks_ptr, scales_ptr, expert, g_rows, n_ok, blocks_e, blocks_r, scales_e,
-                                 scales_r, x_lo, x_hi, k0, k_end, BLOCK_N, BLOCK_K)
+                                 scales_r, x_lo, x_hi, k0, k_end, BLOCK_N, BLOCK_K, PTX)
             acc_u += _packed_dot(blocks_ptr, scales_ptr, expert, u_rows, n_ok, blocks_e, blocks_r, scales_e,
-                                 scales_r, x_lo, x_hi, k0, k_end, BLOCK_N, BLOCK_K)
+                                 scales_r, x_lo, x_hi, k0, k_end, BLOCK_N, BLOCK_K, PTX)
         else:
             k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
             k_ok = k < k_end
@@ -149,7 +202,7 @@ def _act_kernel(part_ptr, ids_ptr, bias_ptr, act_ptr, inter, rows, splits, alpha
 def _down_kernel(act_ptr, ids_ptr, route_w_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr, y_ptr, hidden, inter,
                  rows, k_slice, stride_we, stride_wr, blocks_e, blocks_r, scales_e, scales_r, stride_be,
                  PACKED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 PTX: tl.constexpr, USE_PDL: tl.constexpr):
     """One K slice's weighted partial sum of one routed row's down projection: y[s, row, n] (the bias in slice 0)."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] hidden features
@@ -165,7 +218,7 @@ def _down_kernel(act_ptr, ids_ptr, route_w_ptr, w_ptr, blocks_ptr, scales_ptr, b
             a_lo = tl.load(a_row + even, mask=even < k_end, other=0.0)
             a_hi = tl.load(a_row + even + 1, mask=even + 1 < k_end, other=0.0)
             acc += _packed_dot(blocks_ptr, scales_ptr, expert, n, n_ok, blocks_e, blocks_r, scales_e, scales_r, a_lo,
-                               a_hi, k0, k_end, BLOCK_N, BLOCK_K)
+                               a_hi, k0, k_end, BLOCK_N, BLOCK_K, PTX)
         else:
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < k_end
@@ -177,6 +230,11 @@ def _down_kernel(act_ptr, ids_ptr, route_w_ptr, w_ptr, blocks_ptr, scales_ptr, b
         acc += first * tl.load(bias_ptr + expert.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
     acc = acc * tl.load(route_w_ptr + row).to(tl.float32)
     tl.store(y_ptr + (s * rows + row) * hidden + n, acc, mask=n_ok)
+
+
+def packed_on_gpu(x: torch.Tensor) -> bool:
+    """Whether the kernels compile for a GPU here (PTX runs), not under Triton's interpreter."""
+    return x.device.type == "cuda" and not interpreting()
 
 
 def k_splits(rows: int, n_tiles: int, k: int, block_k: int = TILES["BLOCK_K"],
@@ -210,6 +268,7 @@ def moe_experts(x: torch.Tensor,  # [T, H]
     if block_k % 32 or block_k & (block_k - 1) or block_n & (block_n - 1):
         raise ValueError(f"moe_experts: BLOCK_K a power of two and a multiple of 32, BLOCK_N a power of two; got "
                          f"{block_k} and {block_n}")
+    ptx = bool(cfg["ptx"]) and packed_on_gpu(x)
     gu_tiles, down_tiles = triton.cdiv(inter, block_n), triton.cdiv(h, block_n)
     s_gu, s_down = num_splits or (k_splits(rows, gu_tiles, h, block_k, cfg["programs"]),
                                   k_splits(rows, down_tiles, inter, block_k, cfg["programs"]))
@@ -235,13 +294,13 @@ def moe_experts(x: torch.Tensor,  # [T, H]
     down_bias = experts.down_proj_bias if has_bias else act
     launch(_gate_up_kernel, (rows, gu_tiles, s_gu), x.device,
            x, ids_flat, gu[0], gu[1], gu[2], part, top_k, h, inter, rows, slice_gu, x.stride(0), *gu[3:],
-           PACKED=packed, OAI=oai, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+           PACKED=packed, OAI=oai, BLOCK_N=block_n, BLOCK_K=block_k, PTX=ptx, num_warps=warps)
     launch(_act_kernel, (rows, gu_tiles), x.device,
            part, ids_flat, gu_bias, act, inter, rows, s_gu, float(experts.alpha), float(experts.limit),
            gu_bias.stride(0), HAS_BIAS=has_bias, OAI=oai, BLOCK_N=block_n, num_warps=warps)
     launch(_down_kernel, (rows, down_tiles, s_down), x.device,
            act, ids_flat, w_flat, down[0], down[1], down[2], down_bias, y, h, inter, rows, slice_down, *down[3:],
-           down_bias.stride(0), PACKED=packed, HAS_BIAS=has_bias, BLOCK_N=block_n, BLOCK_K=block_k,
+           down_bias.stride(0), PACKED=packed, HAS_BIAS=has_bias, BLOCK_N=block_n, BLOCK_K=block_k, PTX=ptx,
            num_warps=warps)
     # The slices, then each token's top_k pairs, summed in a fixed order (deterministic, unlike atomics).
     return y.view(s_down, t, top_k, h).sum(dim=(0, 2)).to(x.dtype)

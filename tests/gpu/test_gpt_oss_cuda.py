@@ -12,6 +12,7 @@ from moe_support import gpt_oss_config, make_model
 
 from engine import LLM, SamplingParams
 from engine.kernels import moe_small_m
+from engine.kernels.triton_compat import tl, triton
 from engine.models.moe import FusedExperts, moe_experts_ref, route_topk_then_softmax
 from engine.quantization import mxfp4
 
@@ -40,6 +41,25 @@ def _experts(packed: bool, e: int = 32, h: int = 2880, i: int = 2880) -> FusedEx
     return ex
 
 
+@triton.jit
+def _decode_every_byte(bytes_ptr, out_ptr):
+    j = tl.arange(0, 256)
+    b = tl.load(bytes_ptr + j)
+    lo, hi = moe_small_m._e2m1_ptx(b)
+    tl.store(out_ptr + j, lo)
+    tl.store(out_ptr + 256 + j, hi)
+
+
+def test_ptx_decode_of_every_byte():
+    """The PTX decode (two codes a register) gives every byte's two e2m1 values / 2 ** 14, bit for bit."""
+    every = torch.arange(256, dtype=torch.uint8, device="cuda")
+    out = torch.empty(512, device="cuda")
+    _decode_every_byte[(1,)](every, out)
+    values = torch.tensor(mxfp4.E2M1_VALUES, device="cuda") * 2.0 ** -14
+    want = torch.cat([values[every.long() & 15], values[every.long() >> 4]])
+    assert torch.equal(out, want) and torch.equal(out.signbit(), want.signbit())
+
+
 @pytest.mark.parametrize("packed", [True, False], ids=["mxfp4", "bf16"])
 def test_moe_kernel_at_gpt_oss_20b_shape(packed):
     ex = _experts(packed)
@@ -47,10 +67,11 @@ def test_moe_kernel_at_gpt_oss_20b_shape(packed):
     for tokens in (1, 4, 8, 16):  # a decode, a verify of K + 1 = 4, a batch of eight, a verify of eight at K = 1
         x = torch.randn(tokens, 2880, device="cuda", generator=g).to(torch.bfloat16)
         weights, ids = route_topk_then_softmax(torch.randn(tokens, 32, device="cuda", generator=g), 4)
-        out = moe_small_m.moe_experts(x, weights, ids, ex)
         ref = moe_experts_ref(x.float(), weights, ids, ex)  # bf16 or packed weights, exact in float32
-        assert out.dtype == x.dtype and torch.isfinite(out).all()
-        torch.testing.assert_close(out.float(), ref, **BF16)
+        for ptx in (True, False) if packed else (True,):  # MXFP4 decoded by the PTX (the default) and by Triton
+            out = moe_small_m.moe_experts(x, weights, ids, ex, tiles={"ptx": ptx})
+            assert out.dtype == x.dtype and torch.isfinite(out).all()
+            torch.testing.assert_close(out.float(), ref, **BF16)
 
 
 @pytest.mark.parametrize("window,splits", [(None, None), (128, None), (None, 8), (128, 4)])
