@@ -52,8 +52,32 @@ class ChoiceLog:
                 f"acceptance {[round(a, 3) for a in self.rule.acceptance.rates(self.rule.max_k)]}")
 
 
+class PhaseLog:
+    """The engine's phases of each decode or verify step (at most 8 tokens a request: never a prompt's) during the
+    timed runs: medians in ms."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.engine = llm.engine
+        self.on = False
+        self.steps: list[dict[str, float]] = []
+        step = self.engine.step
+
+        def logged(*a, **kw):  # noqa: ANN002, ANN003, ANN202 - the engine's own step
+            out = step(*a, **kw)
+            last = self.engine.last_step
+            if self.on and last.phase_seconds and 0 < last.num_batched_tokens <= 8 * last.num_scheduled:
+                self.steps.append(dict(last.phase_seconds))
+            return out
+
+        self.engine.step = logged
+
+    def medians(self) -> dict[str, float]:
+        names = sorted({k for p in self.steps for k in p})
+        return {k: round(statistics.median(p.get(k, 0.0) for p in self.steps) * 1e3, 3) for k in names}
+
+
 def tokens_per_s(llm: LLM, batch: int, context: int, new_tokens: int, repeats: int,
-                 log: ChoiceLog | None = None) -> tuple[float, float, float]:
+                 log: ChoiceLog | None = None, phases: PhaseLog | None = None) -> tuple[float, float, float]:
     """(output tokens/s of whole requests, tokens/s of the decode phase after the first token, mean acceptance rate
     over the runs).
     The decode figure leaves out the prefill step (time to first token), which speculation does not change but
@@ -69,12 +93,14 @@ def tokens_per_s(llm: LLM, batch: int, context: int, new_tokens: int, repeats: i
         first.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        if log is not None:
-            log.on = True
+        for x in (log, phases):
+            if x is not None:
+                x.on = True
         outs = llm.generate(prompts, params)
         times.append(time.perf_counter() - t0)
-        if log is not None:
-            log.on = False
+        for x in (log, phases):
+            if x is not None:
+                x.on = False
         stats = llm.spec_stats(outs)
         acc.append(stats.acceptance_rate if stats.num_draft_tokens else 0.0)
     total, ttft = statistics.median(times), statistics.median(first)
@@ -135,10 +161,14 @@ def main() -> None:
             llm.engine.spec_config.synthetic_acceptance_rate = rate
             for b in batches:
                 log = ChoiceLog(llm) if rule else None
-                tps, decode, acc = tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats, log)
+                phases = PhaseLog(llm)
+                tps, decode, acc = tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats, log, phases)
+                print(f"k {k}, acceptance {rate}, batch {b}: decode step phases, median ms {phases.medians()}",
+                      flush=True)
                 rows.append({"k": k, "rate": rate, "batch": b, "tok_s": tps, "speedup": tps / base[b][0],
                              "decode_tok_s": decode, "decode_speedup": decode / base[b][1],
-                             "measured_acceptance": acc, **({"choices": log.summary(b)} if log else {})})
+                             "measured_acceptance": acc, "phases_ms": phases.medians(),
+                             **({"choices": log.summary(b)} if log else {})})
                 if log:
                     print(f"rule, acceptance {rate}, batch {b}: {log.summary(b)}", flush=True)
         del llm
