@@ -25,6 +25,19 @@ from engine.kernels.triton_compat import set_pdl
 from engine.speculation.draft_length_rule import bucket_of
 
 
+def per_position() -> None:
+    """The synthetic acceptance of --position-rate: a benchmark's own setting, so it lives here (the engine's synthetic
+    mode keeps vLLM's reading of the rate)."""
+    from engine.kernels import rejection
+    from engine.speculation import rejection_sampler
+
+    def same_at_every_k(rate: float, k: int) -> float:
+        return float(rate)
+
+    rejection.synthetic_position_rate = same_at_every_k
+    rejection_sampler.synthetic_position_rate = same_at_every_k
+
+
 class ChoiceLog:
     """The draft length rule's choices during the timed runs: k -> steps, and how many were probes."""
 
@@ -130,9 +143,16 @@ def main() -> None:
                          "it with the best fixed k")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="KV-cache memory of each model, GiB (a pair that "
                     "fills the GPU with weights, e.g. gpt-oss-120b + 20b, needs less)")
+    ap.add_argument("--position-rate", action="store_true",
+                    help="every draft position accepted with probability --rates at any k (a real draft's acceptance "
+                         "does not depend on k), instead of the engine's synthetic mode, whose per-position rate is "
+                         "solved per k so that accepted / drafted equals the rate at every k: judged there, a rule "
+                         "that learns the acceptance per position at one k and predicts another is misled")
     ap.add_argument("--out")
     args = ap.parse_args()
     set_pdl(not args.no_pdl)
+    if args.position_rate:
+        per_position()
     batches = [int(b) for b in args.batch.split(",")]
     common = dict(seed=args.seed, load_format="dummy", device="cuda",
                   max_model_len=args.context + args.new_tokens + 16, max_num_seqs=max(batches),
