@@ -57,6 +57,9 @@ class ChoiceLog:
 
         self.rule.choose = logged
 
+    def reset(self) -> None:
+        self.ks, self.probes = {}, 0
+
     def summary(self, batch: int) -> str:
         st = self.rule.buckets.get(bucket_of(batch))
         times = " ".join(f"{k}:{t * 1e3:.2f}" for k in range(self.rule.max_k + 1)
@@ -83,6 +86,9 @@ class PhaseLog:
             return out
 
         self.engine.step = logged
+
+    def reset(self) -> None:
+        self.steps = []
 
     def medians(self) -> dict[str, float]:
         names = sorted({k for p in self.steps for k in p})
@@ -177,11 +183,15 @@ def main() -> None:
                    else dict(draft_model=shape_dir(args.draft), num_speculative_tokens=num, draft_token_map=token_map))
         llm = LLM(target, rejection_sampling="synthetic", synthetic_acceptance_rate=0.8, adaptive_draft_length=rule,
                   **drafter, **common)
+        # One of each a model pair (each wraps an engine method once), emptied before each row.
+        log = ChoiceLog(llm) if rule else None
+        phases = PhaseLog(llm)
         for rate in (float(r) for r in args.rates.split(",")):
             llm.engine.spec_config.synthetic_acceptance_rate = rate
             for b in batches:
-                log = ChoiceLog(llm) if rule else None
-                phases = PhaseLog(llm)
+                for x in (log, phases):
+                    if x is not None:
+                        x.reset()
                 tps, decode, acc = tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats, log, phases)
                 print(f"k {k}, acceptance {rate}, batch {b}: decode step phases, median ms {phases.medians()}",
                       flush=True)
