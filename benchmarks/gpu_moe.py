@@ -1,15 +1,15 @@
-"""The few-row MoE experts kernels (engine/kernels/moe_small_m.py) alone on one GPU, at a model's expert shape:
-each tiling's time per layer against the floor (the bytes of the experts the step routes to, over the copy
-bandwidth measured in the same run), and its result against the float32 reference.
+"""The MoE experts kernels alone on one GPU, at a model's expert shape: the few-row kernels
+(engine/kernels/moe_small_m.py) and the kernels over rows grouped by expert (engine/kernels/moe_grouped.py), each
+tiling's time per layer against the floor (the bytes of the experts the step routes to, over the copy bandwidth
+measured in the same run), and its result against the float32 reference.
 
-    python benchmarks/gpu_moe.py --shape gpt-oss-20b --tokens 1,2,8 --out moe.json
+    python benchmarks/gpu_moe.py --shape gpt-oss-20b --tokens 1,5,16,64 --out moe.json
 
 Per token count: `layers` MoE layers of random weights at the shape (MXFP4-packed where the shape's config says so;
 enough of them that one layer's weights are out of L2 when its turn comes, as in a real step), each called once in a
 CUDA graph whose replays are timed; every token routes to `top_k` distinct random experts. `bytes`: the experts'
-weights the calls read (each distinct expert of a call counted once, with its scales and biases). The first row of
-each token count is the default tiling (moe_small_m.TILES); the table ends with the fastest tiling per count.
-"""
+weights the calls read (each distinct expert of a call counted once, with its scales and biases). Per token count
+the table shows each kernel's default tiling (moe_small_m.TILES, moe_grouped.TILES), then each kernel's fastest."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from common import environment, graph_us, markdown_table, save_json
 from gpu_shapes import copy_bandwidth, hf_config
 
-from engine.kernels import moe_small_m
+from engine.kernels import moe_grouped, moe_small_m
 from engine.models.moe import FusedExperts, moe_experts_ref, route_topk_then_softmax
 from engine.quantization import mxfp4
 
@@ -60,6 +60,13 @@ def tilings(quick: bool) -> list[dict]:
     return grid[:6] if quick else grid
 
 
+def grouped_tilings() -> list[dict]:
+    """The grouped kernel's tilings: output features and inputs a tile, warps (few enough to sweep in full; --quick
+    cuts the few-row kernel's sweep only)."""
+    return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
+            for n, k, w in itertools.product((32, 64, 128), (64, 128), (4, 8))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="gpt-oss-20b")
@@ -83,30 +90,34 @@ def main() -> None:
         touched = ids.unique().numel()
         nbytes = touched * expert_bytes(layers[0])
         ref = moe_experts_ref(x.float(), weights, ids, layers[0])
-        best = None
-        for tiles in [moe_small_m.TILES] + tilings(args.quick):
+        best: dict[str, dict] = {}
+        variants = [("small_m", moe_small_m.TILES)] + [("small_m", t) for t in tilings(args.quick)]
+        variants += [("grouped", moe_grouped.TILES)] + [("grouped", t) for t in grouped_tilings()]
+        for kernel, tiles in variants:
+            fn = moe_small_m.moe_experts if kernel == "small_m" else moe_grouped.moe_experts_grouped
             try:
-                out = moe_small_m.moe_experts(x, weights, ids, layers[0], tiles=tiles)
+                out = fn(x, weights, ids, layers[0], tiles=tiles)
             except Exception as e:  # a variant that does not compile here: said, and the sweep goes on
-                print(f"tiles {tiles}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"{kernel} tiles {tiles}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
 
-            def call(i: int, x=x, weights=weights, ids=ids, tiles=tiles) -> torch.Tensor:
-                return moe_small_m.moe_experts(x, weights, ids, layers[i % len(layers)], tiles=tiles)
+            def call(i: int, x=x, weights=weights, ids=ids, tiles=tiles, fn=fn) -> torch.Tensor:
+                return fn(x, weights, ids, layers[i % len(layers)], tiles=tiles)
 
             us = graph_us(call, calls=len(layers))
             row = {"shape": args.shape, "packed": packed, "tokens": tokens, "rows": tokens * top_k,
-                   "experts": touched, **{k: tiles[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "programs", "ptx")},
+                   "experts": touched, "kernel": kernel,
+                   **{k: tiles.get(k, "") for k in ("BLOCK_N", "BLOCK_K", "num_warps", "programs", "ptx")},
                    "us": round(us, 2), "floor_us": round(nbytes / bandwidth * 1e6, 2),
                    "x_floor": round(us / (nbytes / bandwidth * 1e6), 2), "GBps": round(nbytes / us / 1e3, 1),
-                   "rel_err": f"{err:.1e}", "default": tiles is moe_small_m.TILES}
+                   "rel_err": f"{err:.1e}", "default": tiles is moe_small_m.TILES or tiles is moe_grouped.TILES}
             rows.append(row)
-            if best is None or row["us"] < best["us"]:
-                best = row
-        table += [r for r in rows if r["tokens"] == tokens and r["default"]] + ([best] if best else [])
-    cols = ["shape", "packed", "tokens", "rows", "experts", "ptx", "BLOCK_N", "BLOCK_K", "num_warps", "programs", "us",
-            "floor_us", "x_floor", "GBps", "rel_err"]
+            if kernel not in best or row["us"] < best[kernel]["us"]:
+                best[kernel] = row
+        table += [r for r in rows if r["tokens"] == tokens and r["default"]] + list(best.values())
+    cols = ["shape", "packed", "tokens", "rows", "experts", "kernel", "ptx", "BLOCK_N", "BLOCK_K", "num_warps",
+            "programs", "us", "floor_us", "x_floor", "GBps", "rel_err"]
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print(markdown_table(table, cols))
     save_json(args.out, {"env": environment(), "bandwidth": bandwidth, "rows": rows})

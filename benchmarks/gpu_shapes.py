@@ -9,7 +9,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+
+def _llama3_rope(factor: float) -> dict:
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
 
 SHAPES = {
     # Qwen3-8B and Qwen3-0.6B (their published configs), SmolLM2-135M(-Instruct), Gemma 3 270M and 1B (five
@@ -44,11 +50,28 @@ SHAPES = {
     # sliding windows alternating with full layers, the experts MXFP4 (everything else bf16), as released.
     "gpt-oss-20b": lambda: _gpt_oss(num_hidden_layers=24, num_local_experts=32),
     "gpt-oss-120b": lambda: _gpt_oss(num_hidden_layers=36, num_local_experts=128),
+    # Qwen3-30B-A3B (the published config): 128 bf16 experts of 768 features, top-8 normalized, every layer MoE.
+    "qwen3-30b-a3b": lambda: Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                            num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                            head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                            decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+                                            max_position_embeddings=40960, tie_word_embeddings=False,
+                                            rope_theta=1e6),
+    # Llama-3.1-8B and Llama-3.2-1B (the published configs, llama3 RoPE scaling): the EAGLE-3 heads' first target.
+    "llama-3.1-8b": lambda: LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                        max_position_embeddings=131072, tie_word_embeddings=False,
+                                        rope_theta=500000.0, rope_scaling=_llama3_rope(8.0)),
+    "llama-3.2-1b": lambda: LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                        num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                        vocab_size=128256, max_position_embeddings=131072, tie_word_embeddings=True,
+                                        rope_theta=500000.0, rope_scaling=_llama3_rope(32.0)),
 }
 ARCH = {"qwen3-32b": "Qwen3ForCausalLM", "qwen3-1.7b": "Qwen3ForCausalLM", "gpt-oss-20b": "GptOssForCausalLM",
         "gpt-oss-120b": "GptOssForCausalLM", "qwen3-8b": "Qwen3ForCausalLM",
         "qwen3-0.6b": "Qwen3ForCausalLM", "smollm2-135m": "LlamaForCausalLM",
-        "gemma3-270m": "Gemma3ForCausalLM", "gemma3-1b": "Gemma3ForCausalLM", "qwen2.5-0.5b": "Qwen2ForCausalLM"}
+        "gemma3-270m": "Gemma3ForCausalLM", "gemma3-1b": "Gemma3ForCausalLM", "qwen2.5-0.5b": "Qwen2ForCausalLM",
+        "qwen3-30b-a3b": "Qwen3MoeForCausalLM", "llama-3.1-8b": "LlamaForCausalLM", "llama-3.2-1b": "LlamaForCausalLM"}
 
 
 # A shape's name with this suffix is the shape's FP8 checkpoint: block-quantized 128 x 128 e4m3 weights with

@@ -101,7 +101,7 @@ def tokens_per_s(llm: LLM, batch: int, context: int, new_tokens: int, repeats: i
     over the runs).
     The decode figure leaves out the prefill step (time to first token), which speculation does not change but
     which weighs more against the faster decode."""
-    prompts = [torch.randint(0, 150000, (context,)).tolist() for _ in range(batch)]
+    prompts = [torch.randint(0, min(150000, llm.engine.vocab_size), (context,)).tolist() for _ in range(batch)]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     times, first, acc = [], [], []
@@ -154,6 +154,8 @@ def main() -> None:
                          "does not depend on k), instead of the engine's synthetic mode, whose per-position rate is "
                          "solved per k so that accepted / drafted equals the rate at every k: judged there, a rule "
                          "that learns the acceptance per position at one k and predicts another is misled")
+    ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                    help="EngineConfig.async_scheduling of every engine (auto: the engine's default)")
     ap.add_argument("--out")
     args = ap.parse_args()
     set_pdl(not args.no_pdl)
@@ -163,6 +165,7 @@ def main() -> None:
     common = dict(seed=args.seed, load_format="dummy", device="cuda",
                   max_model_len=args.context + args.new_tokens + 16, max_num_seqs=max(batches),
                   kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)), cuda_graph_batch_sizes=tuple(batches),
+                  async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
                   **({} if args.small_m_rows is None else {"small_m_rows": args.small_m_rows}))
     target = shape_dir(args.target)
     token_map = prefix_token_map(args.draft_vocab)
@@ -189,9 +192,9 @@ def main() -> None:
         for rate in (float(r) for r in args.rates.split(",")):
             llm.engine.spec_config.synthetic_acceptance_rate = rate
             for b in batches:
-                for x in (log, phases):
-                    if x is not None:
-                        x.reset()
+                phases.reset()
+                if log is not None:
+                    log.reset()
                 tps, decode, acc = tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats, log, phases)
                 print(f"k {k}, acceptance {rate}, batch {b}: decode step phases, median ms {phases.medians()}",
                       flush=True)
@@ -201,7 +204,7 @@ def main() -> None:
                              **({"choices": log.summary(b)} if log else {})})
                 if log:
                     print(f"rule, acceptance {rate}, batch {b}: {log.summary(b)}", flush=True)
-        del llm
+        del llm, log, phases  # the logs hold the engine: a model as large as the GPU must go before the next
         gc.collect()
         torch.cuda.empty_cache()
     print(f"{args.target} + {args.draft} (synthetic), context {args.context}, {args.new_tokens} new tokens; "

@@ -93,8 +93,8 @@ EngineOptions = options_class("EngineOptions", "The target model and how the eng
     engine_option("attention_backend", engine="extra", choices=("auto", "torch", "triton"),
                   help="auto: the Triton kernels on CUDA, the torch reference elsewhere"),
     engine_option("async_scheduling", engine="extra",
-                  help="schedule step n+1 while step n runs; unset: on with the Ray executor and for a target alone "
-                       "on a GPU"),
+                  help="schedule step n+1 while step n runs; unset: on with the Ray executor, and on a GPU in "
+                       "process for a target alone or a draft model (not an EAGLE-3 head, not speculation ahead)"),
     engine_option("load_format", engine="extra", choices=("auto", "dummy"),
                   help="auto: the checkpoint's weights; dummy: random weights of the config's shape (benchmarks)"),
     engine_option("quantization", engine="extra", choices=QUANTIZE_AT_LOAD, flags=("-q",),

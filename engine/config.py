@@ -119,10 +119,11 @@ class EngineConfig:
     quantization: str | None = None
     draft_quantization: str | None = None
     # Schedule step n+1 while step n runs (its tokens arrive one step later): the scheduler's hops and
-    # bookkeeping leave the models' critical path, and a target without a draft queues step n+1 on the GPU before
-    # it reads step n's tokens (engine/decode_pipeline.py). None: on where the models run in other processes (the
-    # Ray executor) and for a target alone on a GPU in process; off for in-process speculation and on CPU, where
-    # it would only add a step of latency.
+    # bookkeeping leave the models' critical path, and a step the target runs alone is queued on the GPU before
+    # step n's tokens are read (engine/decode_pipeline.py). None: on where the models run in other processes (the
+    # Ray executor), and on a GPU in process for a target alone or a draft model with the draft length rule (its
+    # k = 0 steps queue so); off in process with an EAGLE-3 head or speculation ahead and on CPU, where it would
+    # only add a step of latency.
     async_scheduling: bool | None = None
     # Reuse the KV of full blocks whose token prefix was computed before (engine/kv_cache): both models' caches.
     enable_prefix_caching: bool = True

@@ -3,6 +3,7 @@ the speculation step (engine/speculation/speculative_step.py) itself."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,8 @@ from engine.step.request_table import RequestTable
 
 class LocalExecutor:
     """Target and (optional) draft in this process: one SpeculativeStep (engine/speculation/speculative_step.py), whose
-    sides share one request table, or for a target alone under asynchronous scheduling a DecodePipeline."""
+    sides share one request table, and under asynchronous scheduling a DecodePipeline for the steps the target runs
+    alone."""
 
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, keep_draft_probs: bool, seed: int) -> None:
         self.target = target
@@ -38,13 +40,21 @@ class LocalExecutor:
         self.draft_weights: dict[str, Any] | None = draft.weights if draft is not None else None
         self.vocab_size = target.vocab_size
         # A target alone on a GPU queues each step before it reads the last one's tokens
-        # (engine/decode_pipeline.py): that needs the next plan before those tokens, i.e. asynchronous scheduling,
-        # which is then on by default.
-        # With a draft, and on CPU (where a queued step runs at once), submitting early saves nothing and only
-        # delays each step's tokens by one step, so it is off unless asked for (tests exercise it here).
-        asked = target.config.async_scheduling
-        self.async_scheduling = (draft is None and target.device.type == "cuda") if asked is None else bool(asked)
-        self.pipeline = DecodePipeline(self.verifier, self.table) if draft is None and self.async_scheduling else None
+        # (engine/decode_pipeline.py): that needs the next plan before those tokens, i.e. asynchronous scheduling.
+        # With a draft model the steps without speculation (the draft length rule's k = 0) queue alike, the draft
+        # sitting them out and catching up at the next step that speculates; steps that speculate run when
+        # collected, in order, so that the scheduler plans the next one meanwhile and each step's time is its own.
+        # An EAGLE-3 head reads every target forward's hidden states on the host's schedule, and speculation ahead
+        # drafts after every verify: their steps all run at once, where submitting early saves nothing and only
+        # delays each step's tokens by one step (off unless asked for; tests exercise it). On CPU a queued step
+        # runs at once: off unless asked for there too.
+        eagle3 = draft is not None and draft.model_config.family == "eagle3"
+        queues = draft is None or not (eagle3 or self.speculation_ahead)
+        asked = cfg.async_scheduling
+        default = target.device.type == "cuda" and queues and (draft is None or cfg.adaptive_draft_length)
+        self.async_scheduling = default if asked is None else bool(asked)
+        self.pipeline = DecodePipeline(self.verifier, self.table) if queues and self.async_scheduling else None
+        self._deferred: deque[StepPlan] = deque()  # steps that speculate, submitted and not run yet (oldest first)
         self._done = LaggedResults()
 
     @property
@@ -64,17 +74,39 @@ class LocalExecutor:
         return self.step.draft.ahead if self.step.draft is not None else None
 
     def submit(self, plan: StepPlan) -> StepResult | int:
-        """Runs the step now: the handle is its result. Pipelined: queues it; the handle is its step id."""
+        """Runs the step now: the handle is its result. Pipelined: queues a step without drafts (after running every
+        step submitted before it), keeps one that speculates for `collect`; the handle is its step id."""
         if self.pipeline is None:
             return self.execute(plan)
-        self._done.add(self.pipeline.step(plan))
+        try:
+            if _speculates(plan):
+                self._deferred.append(plan)
+            else:
+                while self._deferred:
+                    self._done.add(self._next_result())
+                self._done.add(self.pipeline.step(plan))
+        except BaseException:
+            self._deferred.clear()  # the engine forgets every step in flight (and plans explicit input next)
+            raise
         return plan.step_id
 
     def collect(self, handle: StepResult | int) -> StepResult:
         if isinstance(handle, StepResult):
             return handle
-        pipeline = self.pipeline
-        return self._done.take(handle, lambda: pipeline.step(None) if pipeline is not None else None)
+        try:
+            return self._done.take(handle, self._next_result)
+        except BaseException:
+            self._deferred.clear()
+            raise
+
+    def _next_result(self) -> StepResult | None:
+        """The result of the oldest step submitted and not yet given: the pipeline's queued step (always older than
+        any kept one), else the oldest kept step, run now; None when none is left."""
+        if self.pipeline is not None and self.pipeline.pending is not None:
+            return self.pipeline.step(None)
+        if self._deferred:
+            return self.step.run(self._deferred.popleft())
+        return None
 
     def execute(self, plan: StepPlan, on_dispatched: Callable[[], None] | None = None) -> StepResult:
         if self.pipeline is not None:
@@ -104,3 +136,8 @@ class LocalExecutor:
 
     def attach_draft(self) -> None:
         raise RuntimeError(f"{type(self).__name__} cannot attach a draft group")
+
+
+def _speculates(plan: StepPlan) -> bool:
+    """Whether the draft works in this step (drafts, or its catch-up or prefill): else the target runs it alone."""
+    return any(r.num_draft_tokens or r.draft_runs for r in plan.requests)

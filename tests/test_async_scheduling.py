@@ -4,8 +4,9 @@ sees must be what synchronous scheduling gives: greedy tokens equal to the targe
 sampled outputs exact in distribution, stops and max_tokens at the right token, aborts and preemptions exact, and
 every KV block and every side's request state released at the end.
 
-The in-process executor runs a step where it is submitted, so these tests exercise the whole protocol (open
-entries, bounds, deferred frees, finished ids) without Ray; tests/test_ray_executor.py runs it across processes.
+The in-process executor runs a step that speculates when it is collected (a step without drafts it queues on the
+device at once, engine/decode_pipeline.py), so these tests exercise the whole protocol (open entries, bounds,
+deferred frees, finished ids) without Ray; tests/test_ray_executor.py runs it across processes.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ def _draft(tiny_drafts, near_drafts, target: str, draft: str) -> str:
 
 
 def _watch(llm: LLM) -> dict[str, list]:
-    """Record, per step the executor runs, its plan as sent (open entries included) and as resolved."""
+    """Record, per step the executor runs, its plan as sent (open entries included) and as resolved, and the order
+    of the engine's submits and collects."""
     seen: dict[str, list] = {"sent": [], "resolved": [], "order": []}
     ex = llm.engine.executor
-    resolve, run, collect = ex.table.resolve, ex.step.run_resolved, ex.collect
+    resolve, run, submit, collect = ex.table.resolve, ex.step.run_resolved, ex.submit, ex.collect
 
     def rec_resolve(plan):
         seen["sent"].append(plan)
@@ -52,14 +54,17 @@ def _watch(llm: LLM) -> dict[str, list]:
 
     def rec_run(plan):
         seen["resolved"].append(plan)
-        seen["order"].append(("run", plan.step_id))
         return run(plan)
 
+    def rec_submit(plan):
+        seen["order"].append(("submit", plan.step_id))
+        return submit(plan)
+
     def rec_collect(handle):
-        seen["order"].append(("collect", handle.step_id))
+        seen["order"].append(("collect", handle if isinstance(handle, int) else handle.step_id))
         return collect(handle)
 
-    ex.table.resolve, ex.step.run_resolved, ex.collect = rec_resolve, rec_run, rec_collect
+    ex.table.resolve, ex.step.run_resolved, ex.submit, ex.collect = rec_resolve, rec_run, rec_submit, rec_collect
     return seen
 
 
@@ -86,9 +91,9 @@ def test_async_greedy_speculation_is_lossless(tiny_models, tiny_drafts, near_dra
     # collected, so their decodes went out open and were resolved by the executor's side.
     open_entries = sum(p.token_ids is None for plan in seen["sent"] for p in plan.requests)
     assert open_entries > len(seen["sent"]) // 2, open_entries
-    runs_before_collect = sum(1 for a, b in zip(seen["order"], seen["order"][1:])
-                              if a[0] == "run" and b == ("collect", a[1] - 1))
-    assert runs_before_collect > len(seen["sent"]) // 2
+    submits_before_collect = sum(1 for a, b in zip(seen["order"], seen["order"][1:])
+                                 if a[0] == "submit" and b == ("collect", a[1] - 1))
+    assert submits_before_collect > len(seen["sent"]) // 2
     assert all(p.token_ids is not None for plan in seen["resolved"] for p in plan.requests)
     assert_kv_released(llm)
     _assert_released(llm)

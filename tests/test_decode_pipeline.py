@@ -1,5 +1,6 @@
 """A target alone with its steps queued one ahead (engine/decode_pipeline.py), in process: each step goes on the
-device, its open inputs filled there from the step before, before that step's tokens are read back.
+device, its open inputs filled there from the step before, before that step's tokens are read back. A draft model
+pair's steps without speculation (k = 0) queue the same way.
 
 The pipeline must not change a single token: greedy outputs equal the target alone run step by step (which equals
 HF's, through the target_greedy fixture), and sampled outputs are identical token for token, seeded or not, since
@@ -152,11 +153,39 @@ def test_a_placeholder_no_queued_step_fills_is_refused():
     assert _pending_slots(StepPlan(0, [PlannedRequest("y", [4, 5], 0, 0, True, [[0]])]), None) == ([], [])
 
 
-def test_pipelining_is_off_with_a_draft_and_by_default_on_cpu(tiny_models):
+def test_pipelining_by_default_on_cpu_and_with_each_kind_of_draft(tiny_models, near_drafts):
+    """Off by default on CPU (a queued step runs at once); asked for, on for a target alone and for a draft model,
+    whose steps without speculation it queues; off where every step must run at once (speculation ahead)."""
     path = tiny_models["llama"].path
-    assert LLM(path, **ENGINE_KW).engine.executor.pipeline is None  # CPU: a queued step runs at once
-    assert LLM(path, draft_model=path, num_speculative_tokens=2, **PIPELINED).engine.executor.pipeline is None
+    assert LLM(path, **ENGINE_KW).engine.executor.pipeline is None
+    assert LLM(path, draft_model=near_drafts["llama"].path, num_speculative_tokens=2,
+               **ENGINE_KW).engine.executor.pipeline is None
     assert _pipeline(LLM(path, **PIPELINED)) is not None
+    assert _pipeline(LLM(path, draft_model=near_drafts["llama"].path, num_speculative_tokens=2, **PIPELINED))
+    ahead = LLM(path, draft_model=near_drafts["llama"].path, num_speculative_tokens=2, speculation_ahead=True,
+                **PIPELINED)
+    assert ahead.engine.executor.pipeline is None and ahead.engine.async_scheduling
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_steps_without_speculation_queue_beside_a_draft(tiny_models, near_drafts, tiny_drafts, target_greedy,
+                                                        family):
+    """A draft model pair whose k is 0 for runs of steps and 2 between them: the k = 0 steps queue one ahead as a
+    target alone's do, while the draft sits out; the steps that speculate drain the queue, the draft catches up over
+    what it missed, and greedy output stays the target's token for token."""
+    draft = near_drafts["llama"].path if family == "llama" else tiny_drafts["gemma3-2l"].path
+    llm = LLM(tiny_models[family].path, draft_model=draft, num_speculative_tokens=2, rejection_sampling="strict",
+              **PIPELINED)
+    ks = [0, 0, 0, 2, 0, 0, 2, 2]
+    llm.engine.scheduler.draft_length_fn = lambda batch, it=iter(ks * 100): next(it)
+    submitted = _count_steps(llm)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == target_greedy(family)
+    assert all(o.spec.num_drafts > 0 for o in outs)  # it did speculate between the queued runs
+    pipeline = _pipeline(llm)
+    assert pipeline.num_queued_ahead > len(submitted) // 4, (pipeline.num_queued_ahead, len(submitted))
+    assert pipeline.pending is None and not llm.engine.executor._deferred
+    assert llm.engine.draft_kv.num_used_blocks() == [0] * len(llm.engine.draft_kv.num_used_blocks())
 
 
 @pytest.mark.parametrize("fail_at", [2, 3, 5])

@@ -314,6 +314,8 @@ def test_greedy_stays_the_targets_while_k_changes_every_step(tiny_models, tiny_d
     drafted = {s.num_draft_tokens for s in steps}
     assert {0, 1, 2, 3} <= drafted, drafted  # verifies of every k, and plain decodes between them
     assert all(o.spec.num_drafts > 0 for o in outs)
+    if async_scheduling:  # runs of k = 0 steps queued one ahead, as the target alone's do
+        assert llm.engine.executor.pipeline.num_queued_ahead > 0
     kv = llm.engine
     assert kv.draft_kv.num_used_blocks() == [0] * len(kv.draft_kv.num_used_blocks())
 

@@ -24,11 +24,12 @@ def scale_rows(scale: torch.Tensor, n: int, block: tuple[int, int] | None) -> to
     return scale if block is None else scale.repeat_interleave(block[0], 0)[:n]
 
 
-def check_fp8_linear(device: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 3, 16),
+def check_fp8_linear(device: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 3, 16, 40, 130),
                      shapes: tuple[tuple[int, int], ...] = ((70, 300), (96, 256))) -> None:
     """Per-channel scales and 128 x 128 blocks (partial at the edges: N 70, K 300), with and without a bias, each
-    row count against the reference (which dequantizes to the activations' dtype): a tolerance of one rounding of
-    the output in `dtype` (float32: 1e-4) for sums over K of a few hundred."""
+    row count (one block of rows, and several: 130 rows are three of 64, the last partial) against the reference
+    (which dequantizes to the activations' dtype): a tolerance of one rounding of the output in `dtype` (float32:
+    1e-4) for sums over K of a few hundred."""
     g = torch.Generator().manual_seed(0)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     for n, k in shapes:
@@ -73,8 +74,8 @@ def test_fp8_linear_dispatch():
             x = torch.randn(*shape, generator=g)
             ref = fl.fp8_linear_ref(x.reshape(-1, 64), q, s, block[1]).reshape(*shape[:-1], 40)
             torch.testing.assert_close(fl.fp8_linear(x, q, s, block[1]), ref, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        fl.fp8_linear_kernel(torch.randn(17, 64), q, s, 40)
+    with pytest.raises(ValueError, match=f"at most {fl.FEW_ROWS} rows"):
+        fl.fp8_linear_kernel(torch.randn(fl.FEW_ROWS + 1, 64), q, s, 40)
 
 
 def check_scaled_mm(device: str) -> None:
@@ -106,7 +107,7 @@ def test_fp8_scaled_mm_matches_reference():
 @interpreted
 def test_greedy_through_the_fp8_kernel_equals_hf(tmp_path):
     """A 1-layer Qwen2 (q/k/v biases: the kernel's bias epilogue) in block FP8, its prefill and decode steps (up to
-    16 rows) through the kernel, float32: token for token HF's greedy output on the dequantized weights."""
+    FEW_ROWS rows) through the kernel, float32: token for token HF's greedy output on the dequantized weights."""
     from conftest import TINY_CONFIGS, hf_greedy, make_tiny_model, random_prompts
     from fp8_checkpoints import write_fp8_checkpoint
 

@@ -1,6 +1,7 @@
-"""The few-row MoE kernels (engine/kernels/moe_small_m.py) against the layer's torch reference under Triton's
-interpreter: both families' activations, with and without biases, weights in float and MXFP4-packed; and the
-reference itself against a per-token loop over each token's experts (HF's reading of the layer)."""
+"""The MoE kernels (few rows: engine/kernels/moe_small_m.py; rows grouped by expert: engine/kernels/moe_grouped.py)
+against the layer's torch reference under Triton's interpreter: both families' activations, with and without
+biases, weights in float and MXFP4-packed; and the reference itself against a per-token loop over each token's
+experts (HF's reading of the layer)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from interpreter_children import assert_pytest_children_pass, split_by
 
-from engine.kernels import moe_small_m
+from engine.kernels import moe_grouped, moe_small_m
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.models.moe import (
     FusedExperts,
@@ -90,6 +91,52 @@ def test_moe_kernel_matches_reference(activation, packed, bias):
         assert (moe_experts_ref(x, weights, ids, ex) - ref).abs().max() > 1e-2
 
 
+@interpreted
+@pytest.mark.parametrize("activation,packed,bias", [("swiglu_oai", False, True), ("swiglu_oai", True, True),
+                                                     ("silu", False, False), ("silu", True, False)])
+def test_grouped_kernel_matches_reference(activation, packed, bias):
+    """Rows grouped by expert: one row, an expert's rows past one group of 16, an expert no row picked, and the
+    layer's choice of this kernel past moe_small_m's rows."""
+    ex = _experts(activation, packed, bias, seed=2, e=6)
+    for tokens, top_k in ((1, 2), (9, 2), (40, 4)):
+        x, weights, ids = _routing(tokens, 6, top_k, seed=10 + tokens)
+        ids = torch.where(ids == 5, torch.full_like(ids, 2), ids)  # expert 5 idle, expert 2 over 16 rows at 40
+        out = moe_grouped.moe_experts_grouped(x, weights, ids, ex)
+        torch.testing.assert_close(out, moe_experts_ref(x, weights, ids, ex), atol=1e-4, rtol=1e-4)
+    assert ids.numel() > moe_small_m.MAX_ROUTED_ROWS
+    assert torch.equal(ex(x, weights, ids), out)  # the layer takes the grouped kernel at 160 routed rows
+    tiles = {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 2}  # several K steps and output tiles a call
+    torch.testing.assert_close(moe_grouped.moe_experts_grouped(x, weights, ids, ex, tiles=tiles), out, atol=1e-4,
+                               rtol=1e-4)
+    with pytest.raises(ValueError, match="BLOCK_N a power of two >= 16"):
+        moe_grouped.moe_experts_grouped(x, weights, ids, ex, tiles={"BLOCK_N": 8})
+
+
+def test_rows_aligned_by_expert_in_groups():
+    """Every routed row in exactly one slot, in a block of its own expert, in row order within the expert; each
+    expert's run padded to whole groups; blocks past the last run unused. A bound from the row count alone."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 7, (23, 3), generator=g)
+    ids[ids == 4] = 1  # expert 4 idle
+    slot_rows, block_expert = moe_grouped.align_rows(ids, 7, group=4)
+    flat = ids.reshape(-1)
+    assert block_expert.shape == (18 + 7,) and slot_rows.shape == (4 * 25,)  # cdiv(69, 4) + min(69, 7)
+    blocks = slot_rows.view(-1, 4)
+    assert sorted(slot_rows[slot_rows >= 0].tolist()) == list(range(69))
+    for b, e in enumerate(block_expert.tolist()):
+        rows = [r for r in blocks[b].tolist() if r >= 0]
+        if e < 0:
+            assert not rows
+            continue
+        assert rows and all(flat[r] == e for r in rows)
+    used = [e for e in block_expert.tolist() if e >= 0]
+    assert used == sorted(used) and 4 not in used
+    for e in set(used):
+        assert [r for b, x in enumerate(block_expert.tolist()) if x == e for r in blocks[b].tolist() if r >= 0] == \
+            [r for r in range(69) if flat[r] == e]
+        assert used.count(e) == -(-int((flat == e).sum()) // 4)
+
+
 def test_reference_equals_a_loop_over_each_tokens_experts():
     ex = _experts("silu", packed=True, bias=False, seed=2)
     g = torch.Generator().manual_seed(3)
@@ -115,4 +162,6 @@ def test_grouped_path_equals_reference(activation, packed, bias):
     ids = torch.where(ids == 5, torch.full_like(ids, 4), ids)  # expert 5 idle
     rows = sort_by_expert(weights, ids, 6)
     torch.testing.assert_close(experts_grouped(ex, x, rows), moe_experts_ref(x, weights, ids, ex), atol=1e-4, rtol=1e-4)
-    assert torch.equal(ex(x, weights, ids), experts_grouped(ex, x, rows))  # the layer takes it at 80 routed rows
+    # The layer takes it at 80 routed rows where the kernels do not run (under the interpreter they do)
+    layer = moe_grouped.moe_experts_grouped if INTERPRETED else experts_grouped
+    assert torch.equal(ex(x, weights, ids), layer(x, weights, ids, ex) if INTERPRETED else layer(ex, x, rows))

@@ -19,7 +19,7 @@ import torch
 
 from engine.kernels.triton_compat import HAS_TRITON, interpreting, launch, require_triton, tl, triton
 
-__all__ = ["HAS_TRITON", "MAX_ROUTED_ROWS", "moe_experts"]
+__all__ = ["HAS_TRITON", "MAX_ROUTED_ROWS", "check_routed", "expert_operands", "moe_experts"]
 
 MAX_ROUTED_ROWS = 64  # routed rows (tokens x top_k) up to which the model takes these kernels
 # The launch's tiles: output features a program (BLOCK_N), inputs a step of its K walk (BLOCK_K, a multiple of
@@ -101,6 +101,19 @@ def _packed_dot(blocks_ptr, scales_ptr, expert, rows, rows_ok, blocks_e, blocks_
     """[BLOCK_N] sum over the BLOCK_K inputs from k0 of W[rows, k] * x[k], W decoded from MXFP4 in the kernel:
     BLOCK_K / 2 bytes a row loaded as one tile, the low nibble (even k) against x_lo = x[k0 + 2j], the high one
     against x_hi = x[k0 + 2j + 1]; each 32-value block's products summed, then scaled by 2 ** (scale - 127) once."""
+    lo, hi = _packed_codes(blocks_ptr, expert, rows, rows_ok, blocks_e, blocks_r, k0, k_end, BLOCK_K, PTX)
+    prod = lo * x_lo[None, :] + hi * x_hi[None, :]  # [BLOCK_N, BLOCK_K / 2]
+    per_block = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 32, 16)), axis=2)  # [BLOCK_N, BLOCK_K / 32]
+    # _e2m1's 2 ** 14 back on the block sums (not in the exponent: a scale of 254 would overflow there).
+    return tl.sum(per_block * 16384.0 * _block_powers(scales_ptr, expert, rows, rows_ok, scales_e, scales_r, k0, k_end,
+                                                      BLOCK_K), axis=1)
+
+
+@triton.jit
+def _packed_codes(blocks_ptr, expert, rows, rows_ok, blocks_e, blocks_r, k0, k_end, BLOCK_K: tl.constexpr,
+                  PTX: tl.constexpr):
+    """Expert `expert`'s MXFP4 codes of W[rows, k0:k0 + BLOCK_K] as (even k, odd k) float32 tiles [rows, BLOCK_K / 2]
+    of their values / 2 ** 14 (_e2m1): BLOCK_K / 2 bytes a row loaded as one tile, low nibble first."""
     e = expert.to(tl.int64)
     j = tl.arange(0, BLOCK_K // 2)
     ok = rows_ok[:, None] & ((k0 + 2 * j) < k_end)[None, :]
@@ -111,13 +124,16 @@ def _packed_dot(blocks_ptr, scales_ptr, expert, rows, rows_ok, blocks_e, blocks_
         lo, hi = _e2m1_ptx(byte)
     else:
         lo, hi = _e2m1(byte.to(tl.uint32) & 15), _e2m1(byte.to(tl.uint32) >> 4)
-    prod = lo * x_lo[None, :] + hi * x_hi[None, :]  # [BLOCK_N, BLOCK_K / 2]
-    per_block = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 32, 16)), axis=2)  # [BLOCK_N, BLOCK_K / 32]
+    return lo, hi
+
+
+@triton.jit
+def _block_powers(scales_ptr, expert, rows, rows_ok, scales_e, scales_r, k0, k_end, BLOCK_K: tl.constexpr):
+    """[rows, BLOCK_K / 32] float32 2 ** (scale - 127) of each 32-value block of W[rows, k0:k0 + BLOCK_K] (e8m0)."""
     g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    scale = tl.load(scales_ptr + e * scales_e + rows[:, None] * scales_r + g[None, :],
+    scale = tl.load(scales_ptr + expert.to(tl.int64) * scales_e + rows[:, None] * scales_r + g[None, :],
                     mask=rows_ok[:, None] & (g * 32 < k_end)[None, :], other=127).to(tl.float32)
-    # _e2m1's 2 ** 14 back on the block sums (not in the exponent: a scale of 254 would overflow there).
-    return tl.sum(per_block * 16384.0 * tl.exp2(scale - 127.0), axis=1)
+    return tl.exp2(scale - 127.0)
 
 
 @triton.jit
@@ -189,13 +205,20 @@ def _act_kernel(part_ptr, ids_ptr, bias_ptr, act_ptr, inter, rows, splits, alpha
         b = bias_ptr + tl.load(ids_ptr + row).to(tl.int64) * stride_be
         acc_g += tl.load(b + g_rows, mask=n_ok, other=0.0).to(tl.float32)
         acc_u += tl.load(b + u_rows, mask=n_ok, other=0.0).to(tl.float32)
-    if OAI:  # GPT-OSS: gate clamped from above, up both sides, (up + 1) * gate * sigmoid(alpha * gate)
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    tl.store(act_ptr + row * inter + n, _activation(acc_g, acc_u, alpha, limit, OAI), mask=n_ok)
+
+
+@triton.jit
+def _activation(gate, up, alpha, limit, OAI: tl.constexpr):
+    """The experts' activation of float32 gate and up sums: GPT-OSS's (gate clamped from above, up both sides,
+    (up + 1) * gate * sigmoid(alpha * gate)), else silu(gate) * up."""
+    if OAI:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
         out = (u + 1.0) * g * tl.sigmoid(alpha * g)
     else:
-        out = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(act_ptr + row * inter + n, out, mask=n_ok)
+        out = gate * tl.sigmoid(gate) * up
+    return out
 
 
 @triton.jit
@@ -232,6 +255,26 @@ def _down_kernel(act_ptr, ids_ptr, route_w_ptr, w_ptr, blocks_ptr, scales_ptr, b
     tl.store(y_ptr + (s * rows + row) * hidden + n, acc, mask=n_ok)
 
 
+def check_routed(name: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: torch.nn.Module
+                 ) -> None:
+    """Raise ValueError unless x is [T, H] and weights and ids [T, top_k] for `experts`; Triton must be there."""
+    require_triton(name, x, weights, ids)
+    t, h = x.shape
+    if weights.shape != ids.shape or ids.shape[0] != t or h != experts.hidden_size:
+        raise ValueError(f"{name}: x [T, {experts.hidden_size}], weights and ids [T, top_k], got "
+                         f"{tuple(x.shape)}, {tuple(weights.shape)} and {tuple(ids.shape)}")
+
+
+def expert_operands(experts: torch.nn.Module, name: str) -> tuple:
+    """(weight, blocks, scales, their strides) of projection `name` of FusedExperts `experts`, for the kernels'
+    arguments: the unused pointers alias a used tensor."""
+    if experts.packed:
+        blocks, scales = getattr(experts, f"{name}_blocks"), getattr(experts, f"{name}_scales")
+        return blocks, blocks, scales, 0, 0, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1)
+    w = getattr(experts, name)
+    return w, w, w, w.stride(0), w.stride(1), 0, 0, 0, 0
+
+
 def packed_on_gpu(x: torch.Tensor) -> bool:
     """Whether the kernels compile for a GPU here (PTX runs), not under Triton's interpreter."""
     return x.device.type == "cuda" and not interpreting()
@@ -252,12 +295,9 @@ def moe_experts(x: torch.Tensor,  # [T, H]
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H] in x's dtype (float32 inside). num_splits: the
     slices of K of (gate_up, down); None: k_splits's. The slices' partial sums are added in a fixed order.
     tiles: TILES's keys to override."""
-    require_triton("moe_experts", x, weights, ids)
+    check_routed("moe_experts", x, weights, ids, experts)
     t, h = x.shape
     top_k = ids.shape[1]
-    if weights.shape != ids.shape or ids.shape[0] != t or h != experts.hidden_size:
-        raise ValueError(f"moe_experts: x [T, {experts.hidden_size}], weights and ids [T, top_k], got "
-                         f"{tuple(x.shape)}, {tuple(weights.shape)} and {tuple(ids.shape)}")
     rows, inter = t * top_k, experts.intermediate_size
     x = x.contiguous()
     ids_flat, w_flat = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
@@ -280,16 +320,7 @@ def moe_experts(x: torch.Tensor,  # [T, H]
     y = torch.empty(s_down, rows, h, dtype=torch.float32, device=x.device)
     packed, has_bias, oai = experts.packed, experts.gate_up_proj_bias is not None, experts.activation == "swiglu_oai"
 
-    def operands(name: str) -> tuple:
-        """(weight, blocks, scales, their strides) of one projection; the unused pointers alias a used tensor."""
-        if packed:
-            blocks, scales = getattr(experts, f"{name}_blocks"), getattr(experts, f"{name}_scales")
-            return (blocks, blocks, scales, 0, 0, blocks.stride(0), blocks.stride(1), scales.stride(0),
-                    scales.stride(1))
-        w = getattr(experts, name)
-        return w, w, w, w.stride(0), w.stride(1), 0, 0, 0, 0
-
-    gu, down = operands("gate_up_proj"), operands("down_proj")
+    gu, down = expert_operands(experts, "gate_up_proj"), expert_operands(experts, "down_proj")
     gu_bias = experts.gate_up_proj_bias if has_bias else act
     down_bias = experts.down_proj_bias if has_bias else act
     launch(_gate_up_kernel, (rows, gu_tiles, s_gu), x.device,

@@ -7,12 +7,13 @@ got. The routed rows are sorted by expert (a stable argsort of the flat expert i
 located by offsets made with scatter_add (bincount would read the largest id on the host to size its output), for a
 grouped kernel to walk. The reference below does the same work without knowing the runs' lengths on the host: it
 reads each routed row's expert weights by index (dequantizing packed ones there), so its cost per row is one
-expert's weights, and it is chunked by a host-side bound of rows. A step of few routed rows (decode, verify, the
-draft's steps) on the kernel devices takes engine/kernels/moe_small_m.py instead, over the router's order. A step of
-more rows outside a graph capture (a prefill chunk) reads the runs' lengths on the host once and takes each touched
-expert's weights once for all its rows (`experts_grouped`): the reference's cost per row would make a 2k-token
-prefill of gpt-oss-120b read 8192 experts' weights a layer. So the runner captures graphs of an MoE model only for
-steps the kernels take (max_graph_tokens below).
+expert's weights, and it is chunked by a host-side bound of rows. On the kernel devices a step of few routed rows
+(decode, a verify, the draft's steps) takes engine/kernels/moe_small_m.py instead, over the router's order, and a
+step of more rows up to MAX_GRAPH_ROUTED_ROWS (or any step inside a graph capture) engine/kernels/moe_grouped.py,
+over the rows grouped by expert on the device. A step of more rows outside a capture (a prefill chunk) reads the
+runs' lengths on the host once and takes each touched expert's weights once for all its rows (`experts_grouped`):
+the reference's cost per row would make a 2k-token prefill of gpt-oss-120b read 8192 experts' weights a layer. So
+the runner captures mixed graphs of an MoE model only up to that many rows (max_graph_tokens below).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.moe_grouped import moe_experts_grouped
 from engine.kernels.moe_small_m import MAX_ROUTED_ROWS, moe_experts
 from engine.kernels.rms_norm import use_fused_kernels
 from engine.parallel import get_tp_group
@@ -196,13 +198,14 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing weights and expert ids [T, top_k] -> sum over each token's experts of
         weight * expert(x) [T, H], summed over the tensor-parallel ranks' slices. A few routed rows on the kernel
-        devices take engine/kernels/moe_small_m.py (the choice reads host shapes only); other steps the reference,
-        rows sorted by expert."""
+        devices take engine/kernels/moe_small_m.py, more engine/kernels/moe_grouped.py (the choice reads host shapes
+        only); other steps the reference or experts_grouped, rows sorted by expert."""
         n = ids.numel()
         # In a graph capture the kernels take any count (the reference's per-row cost is worse, and the grouped path
-        # reads the host); the runner keeps MoE graphs to steps of a few hundred routed rows (max_graph_tokens).
-        if use_fused_kernels(x) and 0 < n and (n <= MAX_ROUTED_ROWS or _capturing(x)):
-            out = moe_experts(x, weights, ids, self)
+        # reads the host); the runner keeps mixed MoE graphs to steps of a few hundred routed rows (max_graph_tokens).
+        if use_fused_kernels(x) and 0 < n and (n <= MAX_GRAPH_ROUTED_ROWS or _capturing(x)):
+            kernel = moe_experts if n <= MAX_ROUTED_ROWS else moe_experts_grouped
+            out = kernel(x, weights, ids, self)
         else:
             rows = sort_by_expert(weights, ids, self.num_experts)
             if n > self.num_experts and not _capturing(x):
@@ -253,8 +256,9 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-# Routed rows up to which the runner captures an MoE model's mixed graphs (prefill chunks beside decodes): past
-# them a chunk runs eagerly through experts_grouped, which reads each touched expert once.
+# Routed rows up to which the runner captures an MoE model's mixed graphs (prefill chunks beside decodes), and the
+# kernel devices take the kernels outside a capture: past them a chunk runs eagerly through experts_grouped, which
+# dequantizes each touched expert once into a bf16 product.
 MAX_GRAPH_ROUTED_ROWS = 256
 
 

@@ -1,11 +1,12 @@
 """y = x (W * s)^T + b for an FP8 weight W [N, K] with float32 scales s [N, G] over groups of `group_k` columns
 (engine/quantization/fp8.py holds every FP8 scheme that way).
 
-A few rows (decode, verify, a draft's steps) run a Triton kernel that reads W as FP8, one byte a weight, and applies
-each group's scales to its partial products in the kernel: a step of a few rows is bound by the weight bytes it
-reads. More rows (prefill) on a GPU: with a scale a row, the FP8 tensor cores through torch._scaled_mm, the
-activations quantized to FP8 per token at run time (what a compressed-tensors FP8-dynamic checkpoint asks for);
-with block scales, W dequantized to the activations' dtype and one matmul. Off the GPU (and for the reference) the
+Up to a few hundred rows (decode, a verify of several requests, a draft's steps) run a Triton kernel that reads W as
+FP8, one byte a weight, and applies each group's scales to its partial products in the kernel: a step of a few rows
+is bound by the weight bytes it reads, and one of more reads W once per 64 rows. More rows (prefill) on a GPU: with
+a scale a row, the FP8 tensor cores through torch._scaled_mm, the activations quantized to FP8 per token at run time
+(what a compressed-tensors FP8-dynamic checkpoint asks for); with block scales, W dequantized to the activations'
+dtype and one matmul. Off the GPU (and for the reference) the
 weight is dequantized in plain torch, the activations kept as they are.
 """
 
@@ -18,8 +19,12 @@ import torch.nn.functional as F
 
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 
-# Rows up to which a GPU forward runs the kernel; beyond, dequantize and matmul (a prefill's cost is the matmul).
-FEW_ROWS = 16
+# Rows up to which a GPU forward runs the kernel; beyond, dequantize and matmul (a prefill's cost is the matmul). The
+# kernel reads W once per MAX_BLOCK_M rows: at 256 rows four times, still less than a dequantized copy's bytes
+# (written, then read: 4 bytes a weight). Capped at 16 rows before, a verify of 8 requests at k = 4 (40 rows) of a
+# Qwen3-8B shape in block FP8 ran 87 ms on an H100, dequantizing every weight each step.
+FEW_ROWS = 256
+MAX_BLOCK_M = 64
 
 if HAS_TRITON:
     import triton
@@ -30,13 +35,13 @@ if HAS_TRITON:
                            stride_xm, stride_wn, stride_sn, stride_om, HAS_BIAS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            PRECISION: tl.constexpr, SPLIT: tl.constexpr):
-        """One program a BLOCK_N slice of the outputs for every row over one slice of K; each BLOCK_K step lies in
+        """One program a BLOCK_N slice of the outputs for BLOCK_M rows over one slice of K; each BLOCK_K step lies in
         one scale group (BLOCK_K divides group_k, or G is 1), so the group's scales multiply the step's partial
         products. SPLIT: the slice's float32 partial sums go to out[slice] for _sum_slices_kernel; else the
         output (with the bias) in out's dtype."""
         pid = tl.program_id(0)
         sl = tl.program_id(1)
-        rm = tl.arange(0, BLOCK_M)
+        rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         m_ok, n_ok = rm < M, rn < N
@@ -105,16 +110,19 @@ def fp8_linear_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     block_k = _block_k(group_k, groups)
     tiles = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
-    splits = num_splits or max(1, min(steps, _TARGET_PROGRAMS // tiles))
+    # One block of rows where they fit (W read once), else blocks of MAX_BLOCK_M (tl.dot's least M is 16).
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+    m_blocks = triton.cdiv(m, block_m)
+    splits = num_splits or max(1, min(steps, _TARGET_PROGRAMS // (tiles * m_blocks)))
     k_slice = triton.cdiv(steps, splits) * block_k  # whole steps a slice: a step never straddles two
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-    _fp8_linear_kernel[(tiles, splits)](x, weight.view(torch.uint8), scale, bias if bias is not None else scale,
-                             part, m, n, k, groups, group_k, k_slice, x.stride(0), weight.stride(0), scale.stride(0),
-                             out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-                             SPLIT=splits > 1,
-                             # float32 activations: products in IEEE float32, as the reference's matmul (tl.dot would
-                             # round them to TF32); the 16-bit types are exact in either.
-                             PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    _fp8_linear_kernel[(tiles, splits, m_blocks)](
+        x, weight.view(torch.uint8), scale, bias if bias is not None else scale, part, m, n, k, groups, group_k,
+        k_slice, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits > 1,
+        # float32 activations: products in IEEE float32, as the reference's matmul (tl.dot would round them to TF32);
+        # the 16-bit types are exact in either.
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if splits > 1:
         _sum_slices_kernel[(m, triton.cdiv(n, 256))](part, bias if bias is not None else part, out, m, n, splits,
                                                      out.stride(0), HAS_BIAS=bias is not None, BLOCK=256)

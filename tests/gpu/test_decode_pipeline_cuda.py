@@ -35,3 +35,24 @@ def test_pipelined_equals_step_by_step_on_cuda(tiny_models, family):
     assert llm.engine.target_kv.num_used_blocks() == [0] * llm.engine.target_kv.num_groups
     print(f"{family}: {pipeline.num_queued_ahead} steps queued ahead, {pipeline.num_overlapped} while the GPU "
           "still ran the step before")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_steps_without_speculation_queue_beside_a_draft_on_cuda(tiny_models, near_drafts, family):
+    """A draft model pair on CUDA schedules asynchronously by default: its k = 0 steps replay queued one ahead (the
+    draft sits them out), its steps that speculate run in order between them, the draft catching up. Greedy output
+    equals the target alone's token for token."""
+    path = tiny_models[family].path
+    prompts = random_prompts([3, 21, 9, 40, 5, 6], seed=2)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(path, async_scheduling=False, **KW).generate(prompts, params)]
+    llm = LLM(path, draft_model=near_drafts[family].path, num_speculative_tokens=3, **KW)
+    assert llm.engine.async_scheduling
+    ks = [0, 0, 0, 0, 3, 3, 0, 0, 2]
+    llm.engine.scheduler.draft_length_fn = lambda batch, it=iter(ks * 100): next(it)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.spec.num_drafts > 0 for o in outs)
+    pipeline = llm.engine.executor.pipeline
+    assert pipeline.num_queued_ahead > 10 and pipeline.pending is None
+    assert llm.engine.draft_kv.num_used_blocks() == [0] * llm.engine.draft_kv.num_groups

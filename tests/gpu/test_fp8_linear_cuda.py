@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_matches_reference_on_cuda(dtype):
-    check_fp8_linear("cuda", dtype, rows=(1, 4, 8, 16), shapes=((70, 300), (6144, 4096)))
+    check_fp8_linear("cuda", dtype, rows=(1, 4, 8, 16, 40, 130), shapes=((70, 300), (6144, 4096)))
 
 
 def test_fp8_scaled_mm_matches_reference_on_cuda():
