@@ -62,9 +62,10 @@ def test_fp8_linear_kernel_matches_reference(dtype):
 
 
 @interpreted
-def test_fp8_linear_dispatch():
+def test_fp8_linear_dispatch(monkeypatch):
     """A few rows go through the kernel (also with leading batch dimensions), more rows and scale groups the kernel
-    cannot step through (not a multiple of 16 columns) through the reference; both equal the reference."""
+    cannot step through (not a multiple of 16 columns) through the reference; both equal the reference. How many
+    rows take the kernel depends on the scales' form."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(40, 64, generator=g)
     for block in ((16, 32), (8, 40)):
@@ -76,6 +77,20 @@ def test_fp8_linear_dispatch():
             torch.testing.assert_close(fl.fp8_linear(x, q, s, block[1]), ref, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match=f"at most {fl.FEW_ROWS} rows"):
         fl.fp8_linear_kernel(torch.randn(fl.FEW_ROWS + 1, 64), q, s, 40)
+    # A scale a row: the kernel up to one block of rows, more through the FP8 tensor cores on a GPU
+    # (torch._scaled_mm, one read of W as well; the reference here). Block scales: the kernel past one block too.
+    calls: list[int] = []
+    real = fl.fp8_linear_kernel
+    monkeypatch.setattr(fl, "fp8_linear_kernel", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    q_row, s_row = quantize_fp8(w, None)
+    s_row = scale_rows(s_row, 40, None)
+    for m in (fl.MAX_BLOCK_M, fl.MAX_BLOCK_M + 1):
+        x = torch.randn(m, 64, generator=g)
+        torch.testing.assert_close(fl.fp8_linear(x, q_row, s_row, 64), fl.fp8_linear_ref(x, q_row, s_row, 64),
+                                   atol=1e-4, rtol=1e-4)
+    q_blk, s_blk = quantize_fp8(w, (16, 32))
+    fl.fp8_linear(torch.randn(fl.MAX_BLOCK_M + 1, 64, generator=g), q_blk, scale_rows(s_blk, 40, (16, 32)), 32)
+    assert calls == [fl.MAX_BLOCK_M, fl.MAX_BLOCK_M + 1]
 
 
 def check_scaled_mm(device: str) -> None:

@@ -19,10 +19,11 @@ import torch.nn.functional as F
 
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 
-# Rows up to which a GPU forward runs the kernel; beyond, dequantize and matmul (a prefill's cost is the matmul). The
-# kernel reads W once per MAX_BLOCK_M rows: at 256 rows four times, still less than a dequantized copy's bytes
-# (written, then read: 4 bytes a weight). Capped at 16 rows before, a verify of 8 requests at k = 4 (40 rows) of a
-# Qwen3-8B shape in block FP8 ran 87 ms on an H100, dequantizing every weight each step.
+# Rows up to which a GPU forward runs the kernel for block scales; beyond, dequantize and matmul (a prefill's cost is
+# the matmul). The kernel reads W once per MAX_BLOCK_M rows: at 256 rows four times, still less than a dequantized
+# copy's bytes (written, then read: 4 bytes a weight). A scale a row takes the kernel up to MAX_BLOCK_M rows only
+# (kernel_rows): past them torch._scaled_mm reads W once. Capped at 16 rows before, a verify of 8 requests at k = 4
+# (40 rows) of a Qwen3-8B shape in block FP8 ran 87 ms on an H100, dequantizing every weight each step.
 FEW_ROWS = 256
 MAX_BLOCK_M = 64
 
@@ -161,6 +162,13 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
 
 
+def kernel_rows(scale: torch.Tensor) -> int:
+    """Rows up to which fp8_linear takes the kernel for a weight of these scales [N, G]: MAX_BLOCK_M (one read of W)
+    for a scale a row, whose more rows go to torch._scaled_mm's FP8 tensor cores (one read of W too); FEW_ROWS for
+    block scales, whose more rows are dequantized whole."""
+    return MAX_BLOCK_M if scale.shape[1] == 1 else FEW_ROWS
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N]: the kernel for a few rows on a GPU (or under Triton's interpreter); more rows on a GPU
@@ -170,9 +178,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
     x2 = x.reshape(-1, x.shape[-1])
     kernel_groups = scale.shape[1] == 1 or group_k % 16 == 0  # the kernel's K steps lie within a scale group
     on_kernels = interpreting() or (x.is_cuda and _has_fp8(x.device))
-    if HAS_TRITON and on_kernels and 0 < x2.shape[0] <= FEW_ROWS and kernel_groups:
+    rows = x2.shape[0]
+    if HAS_TRITON and on_kernels and 0 < rows <= kernel_rows(scale) and kernel_groups:
         out = fp8_linear_kernel(x2, weight, scale, group_k, bias)
-    elif x2.shape[0] > FEW_ROWS and _scaled_mm_fits(x2, weight, scale):
+    elif rows > MAX_BLOCK_M and _scaled_mm_fits(x2, weight, scale):
         out = fp8_linear_scaled_mm(x2.contiguous(), weight, scale, bias)
     else:
         out = fp8_linear_ref(x2, weight, scale, group_k, bias)
