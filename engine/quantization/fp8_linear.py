@@ -1,13 +1,13 @@
 """y = x (W * s)^T + b for an FP8 weight W [N, K] with float32 scales s [N, G] over groups of `group_k` columns
 (engine/quantization/fp8.py holds every FP8 scheme that way).
 
-Up to a few hundred rows (decode, a verify of several requests, a draft's steps) run a Triton kernel that reads W as
-FP8, one byte a weight, and applies each group's scales to its partial products in the kernel: a step of a few rows
-is bound by the weight bytes it reads, and one of more reads W once per 64 rows. More rows (prefill) on a GPU: with
-a scale a row, the FP8 tensor cores through torch._scaled_mm, the activations quantized to FP8 per token at run time
-(what a compressed-tensors FP8-dynamic checkpoint asks for); with block scales, W dequantized to the activations'
-dtype and one matmul. Off the GPU (and for the reference) the
-weight is dequantized in plain torch, the activations kept as they are.
+Decode, verify and draft steps run a Triton kernel that reads W as FP8, one byte a weight, and applies each group's
+scales to its partial products in the kernel: a step of a few rows is bound by the weight bytes it reads, and one of
+more reads W once per 64 rows (kernel_rows: up to 64 rows with a scale a row, 256 with block scales). More rows on a
+GPU: with a scale a row, the FP8 tensor cores through torch._scaled_mm, the activations quantized to FP8 per token
+at run time (what a compressed-tensors FP8-dynamic checkpoint asks for); with block scales, W dequantized to the
+activations' dtype and one matmul. Off the GPU (and for the reference) the weight is dequantized in plain torch, the
+activations kept as they are.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def kernel_rows(scale: torch.Tensor) -> int:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N]: the kernel for a few rows on a GPU (or under Triton's interpreter); more rows on a GPU
+    """x [..., K] -> [..., N]: the kernel up to kernel_rows rows on a GPU (or under Triton's interpreter); more on a GPU
     through the FP8 tensor cores where the scales are a row's (else dequantized); off the GPU the dequantizing
     reference."""
     lead = x.shape[:-1]
