@@ -21,7 +21,8 @@ from common import environment, graph_us, markdown_table, save_json
 from gpu_shapes import copy_bandwidth, hf_config
 
 from engine.kernels import moe_grouped, moe_small_m
-from engine.models.moe import FusedExperts, moe_experts_ref, route_topk_then_softmax
+from engine.kernels.moe_router import route_topk_then_softmax
+from engine.models.moe import FusedExperts, moe_experts_ref
 from engine.quantization import mxfp4
 
 

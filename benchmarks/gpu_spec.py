@@ -22,6 +22,7 @@ from gpu_shapes import eagle3_head_dir, shape_dir
 
 from engine import LLM, SamplingParams
 from engine.kernels.triton_compat import set_pdl
+from engine.speculation.draft_cost_model import BucketCosts
 from engine.speculation.draft_length_rule import bucket_of
 
 
@@ -46,7 +47,16 @@ class ChoiceLog:
         self.on = False
         self.ks: dict[int, int] = {}
         self.probes = 0
+        self.samples: dict[int, list[float]] = {}  # k -> the step seconds the rule took in, in order
         choose = self.rule.choose
+        observe = BucketCosts.observe
+
+        def sampled(st: BucketCosts, k: int, seconds: float, propose_seconds: float | None) -> None:
+            if self.on:
+                self.samples.setdefault(k, []).append(seconds)
+            observe(st, k, seconds, propose_seconds)
+
+        BucketCosts.observe = sampled  # one rule engine at a time: gpu_spec runs one
 
         def logged(batch_size: int, catch_up_tokens: int = 0) -> int:
             k = choose(batch_size, catch_up_tokens)
@@ -58,14 +68,17 @@ class ChoiceLog:
         self.rule.choose = logged
 
     def reset(self) -> None:
-        self.ks, self.probes = {}, 0
+        self.ks, self.probes, self.samples = {}, 0, {}
 
     def summary(self, batch: int) -> str:
         st = self.rule.buckets.get(bucket_of(batch))
         times = " ".join(f"{k}:{t * 1e3:.2f}" for k in range(self.rule.max_k + 1)
                          if st is not None and (t := st.seconds(k)) is not None)
+        taken = "; ".join(f"{k}: {len(v)} median {statistics.median(v) * 1e3:.2f} max {max(v) * 1e3:.2f} first "
+                          f"{[round(x * 1e3, 2) for x in v[:6]]}" for k, v in sorted(self.samples.items()))
         return (f"k steps {dict(sorted(self.ks.items()))}, probes {self.probes}; the bucket's step ms {times}; "
-                f"acceptance {[round(a, 3) for a in self.rule.acceptance.rates(self.rule.max_k)]}")
+                f"acceptance {[round(a, 3) for a in self.rule.acceptance.rates(self.rule.max_k)]}; "
+                f"step ms taken in by k: {taken}")
 
 
 class PhaseLog:

@@ -44,12 +44,10 @@ class LocalExecutor:
         # With a draft model the steps without speculation (the draft length rule's k = 0) queue alike, the draft
         # sitting them out and catching up at the next step that speculates; steps that speculate run when
         # collected, in order, so that the scheduler plans the next one meanwhile and each step's time is its own.
-        # An EAGLE-3 head reads every target forward's hidden states on the host's schedule, and speculation ahead
-        # drafts after every verify: their steps all run at once, where submitting early saves nothing and only
-        # delays each step's tokens by one step (off unless asked for; tests exercise it). On CPU a queued step
-        # runs at once: off unless asked for there too.
-        eagle3 = draft is not None and draft.model_config.family == "eagle3"
-        queues = draft is None or not (eagle3 or self.speculation_ahead)
+        # An EAGLE-3 head and speculation ahead need every step whole (DraftSide.sits_out_queued_steps): their steps
+        # all run at once, where submitting early saves nothing and only delays each step's tokens by one step (off
+        # unless asked for; tests exercise it). On CPU a queued step runs at once: off unless asked for there too.
+        queues = self.step.draft is None or self.step.draft.sits_out_queued_steps
         asked = cfg.async_scheduling
         default = target.device.type == "cuda" and queues and (draft is None or cfg.adaptive_draft_length)
         self.async_scheduling = default if asked is None else bool(asked)

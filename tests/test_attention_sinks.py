@@ -88,8 +88,9 @@ def test_bad_sinks_are_refused():
 @interpreted
 def test_gpt_oss_on_the_kernel_path_equals_the_torch_path(tmp_path):
     """A tiny GPT-OSS through the Triton kernels (sinks in prefill, decode and a verify of k + 1 tokens; the
-    sliding-window group's window under a KV block; q/k/v biases and YaRN tables in the fused rotary store): the
-    torch path's greedy tokens, which tests/test_gpt_oss.py checks against HF."""
+    sliding-window group's window under a KV block; q/k/v biases and YaRN tables in the fused rotary store; the
+    verify's and the draft's rows through the folded norm+qkv and o_proj+residual products, and the router kernel):
+    the torch path's greedy tokens, which tests/test_gpt_oss.py checks against HF."""
     from conftest import random_prompts
     from moe_support import gpt_oss_config, make_model
 
@@ -99,11 +100,11 @@ def test_gpt_oss_on_the_kernel_path_equals_the_torch_path(tmp_path):
     m = make_model(tmp_path, "gpt-oss", gpt_oss_config())
     prompts = random_prompts([5, 9], seed=4)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    kw = dict(device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=2, small_m_rows=0)
+    kw = dict(device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=2)
     res = {}
-    for backend in ("torch", "triton"):
+    for backend, rows in (("torch", 0), ("triton", 8)):  # 8: a verify of 2 x 3 tokens folds its norms and adds
         llm = LLM(m.path, draft_model=m.path, num_speculative_tokens=2, attention_backend=backend,
-                  adaptive_draft_length=False, **kw)  # a fixed k: the verify of k + 1 tokens runs every step
+                  adaptive_draft_length=False, small_m_rows=rows, **kw)  # a fixed k: a verify every step
         outs = llm.generate(prompts, params)
         res[backend] = [o.token_ids for o in outs]
         assert llm.spec_stats(outs).acceptance_rate == 1.0

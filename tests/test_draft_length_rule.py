@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -157,13 +158,11 @@ DEVICE_MS = {0: 2.26, 1: 3.84, 2: 5.08, 3: 6.36}
 HOST_MS = {0: 0.4, 1: 3.9, 2: 3.2, 3: 5.0}
 
 
-def test_the_hosts_time_between_steps_is_the_steps():
-    """In-process speculation commits, detokenizes and schedules between a step's commit and the next plan: that
-    time is the step's too. Timed from the plan, k = 1 looked as fast as the target alone (a near tie kept
-    drafting); timed commit to commit, the rule stops speculating."""
-    clock = Clock()
-    rule = DraftLengthRule(3, clock=clock)
-    rng = random.Random(0)
+def drive_batch_of_32(rule: DraftLengthRule, clock: Clock, rng: random.Random, accept: float,
+                      device_ms: Callable[[int], float], host_ms: Callable[[int], float] = lambda k: 0.0) -> float:
+    """600 steps of 32 requests, each draft accepted with chance `accept`: a step at k takes device_ms(k) to its
+    commit, then host_ms(k) before the next plan (the draft's share of a step: a fifth of its device time). Returns
+    the tokens a second committed."""
     tokens = 0
     for i in range(600):
         k = rule.choose(32)
@@ -171,16 +170,48 @@ def test_the_hosts_time_between_steps_is_the_steps():
         verifies = []
         for r in range(32):
             n = 0
-            while n < k and rng.random() < 0.7:
+            while n < k and rng.random() < accept:
                 n += 1
             tokens += 1 + n
             if k:
                 verifies.append((f"r{r}", k, n))
-        clock.t += DEVICE_MS[k] / 1e3
-        rule.observe(i, verifies, 0.2 * DEVICE_MS[k] / 1e3 if k else None)
-        clock.t += HOST_MS[k] / 1e3  # after the commit, before the next plan
+        device = device_ms(k)
+        clock.t += device / 1e3
+        rule.observe(i, verifies, 0.2 * device / 1e3 if k else None)
+        clock.t += host_ms(k) / 1e3  # after the commit, before the next plan
+    return tokens / clock.t
+
+
+def test_the_hosts_time_between_steps_is_the_steps():
+    """In-process speculation commits, detokenizes and schedules between a step's commit and the next plan: that
+    time is the step's too. Timed from the plan, k = 1 looked as fast as the target alone (a near tie kept
+    drafting); timed commit to commit, the rule stops speculating."""
+    clock = Clock()
+    rule = DraftLengthRule(3, clock=clock)
+    rate = drive_batch_of_32(rule, clock, random.Random(0), 0.7, DEVICE_MS.get, HOST_MS.get)
     alone = 32 / ((DEVICE_MS[0] + HOST_MS[0]) / 1e3)
-    assert rule.last_k == 0 and tokens / clock.t >= 0.9 * alone, (rule.last_k, tokens / clock.t / alone)
+    assert rule.last_k == 0 and rate >= 0.9 * alone, (rule.last_k, rate / alone)
+
+
+# The same pair at batch 32 on an H100 with its k = 0 steps queued (ms, the medians of what the rule took in), and
+# the share of steps that ran slow there (the slowest k = 0 step took 6.95 ms).
+QUEUED_MS = {0: 2.38, 1: 7.36, 2: 11.6, 3: 10.5}
+SLOW_SHARE, SLOW_MS = 0.03, 4.6
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_slow_step_in_a_probe_does_not_hold_up_a_k(seed):
+    """A k the rule does not run is measured in probes of three steps. One slow step among them (a garbage
+    collection, a host hiccup) held a running mean of k = 0 at 1.6x its steps' time on a GPU, enough to make a k
+    that loses by a quarter look as good, and the rule spent a quarter of its steps there. The median of the last
+    steps does not move for one slow step: the rule stays at k = 0, within 5% of the target alone."""
+    clock = Clock()
+    rule = DraftLengthRule(3, clock=clock)
+    rng = random.Random(seed)
+    rate = drive_batch_of_32(rule, clock, rng, 0.75,
+                             lambda k: QUEUED_MS[k] + (SLOW_MS if rng.random() < SLOW_SHARE else 0.0))
+    alone = 32 / ((QUEUED_MS[0] + SLOW_SHARE * SLOW_MS) / 1e3)  # its slow steps too
+    assert rate >= 0.95 * alone, (rate / alone, rule.steps_at_zero)
 
 
 def test_probes_are_bounded():

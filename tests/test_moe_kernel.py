@@ -1,7 +1,7 @@
-"""The MoE kernels (few rows: engine/kernels/moe_small_m.py; rows grouped by expert: engine/kernels/moe_grouped.py)
-against the layer's torch reference under Triton's interpreter: both families' activations, with and without
-biases, weights in float and MXFP4-packed; and the reference itself against a per-token loop over each token's
-experts (HF's reading of the layer)."""
+"""The MoE kernels (few rows: engine/kernels/moe_small_m.py; rows grouped by expert: engine/kernels/moe_grouped.py;
+the router: engine/kernels/moe_router.py) against the layer's torch reference under Triton's interpreter: both
+families' activations and routings, with and without biases, weights in float and MXFP4-packed; and the reference
+itself against a per-token loop over each token's experts (HF's reading of the layer)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ import pytest
 import torch
 from interpreter_children import assert_pytest_children_pass, split_by
 
-from engine.kernels import moe_grouped, moe_small_m
+from engine.kernels import moe_grouped, moe_router, moe_small_m
+from engine.kernels.moe_router import route_softmax_then_topk, route_topk_then_softmax
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.models.moe import (
     FusedExperts,
     experts_grouped,
     moe_experts_ref,
-    route_softmax_then_topk,
-    route_topk_then_softmax,
     sort_by_expert,
 )
 from engine.quantization import mxfp4
@@ -110,6 +109,37 @@ def test_grouped_kernel_matches_reference(activation, packed, bias):
                                rtol=1e-4)
     with pytest.raises(ValueError, match="BLOCK_N a power of two >= 16"):
         moe_grouped.moe_experts_grouped(x, weights, ids, ex, tiles={"BLOCK_N": 8})
+
+
+@interpreted
+@pytest.mark.parametrize("softmax_first,normalize,bias", [(False, False, True), (True, True, False),
+                                                          (True, False, True)])
+def test_router_kernel_matches_reference(softmax_first, normalize, bias):
+    """GPT-OSS's routing (top-k logits, then their softmax) and Qwen3-MoE's (softmax, top-k, renormalised or not):
+    the experts in the reference's order and their weights, for one program a token (8 experts) and several, the
+    last one short (60), over a hidden size a tile does not divide; and its refusals."""
+    g = torch.Generator().manual_seed(3)
+    for experts, top_k, hidden, tokens in ((8, 2, 64, 1), (60, 4, 200, 5), (32, 8, 96, 3)):
+        x = torch.randn(tokens, hidden, generator=g)
+        w = torch.randn(experts, hidden, generator=g)
+        b = torch.randn(experts, generator=g) if bias else None
+        weights, ids = moe_router.route(x, w, b, top_k, softmax_first, normalize)
+        ref_weights, ref_ids = moe_router.route_ref(x, w, b, top_k, softmax_first, normalize)
+        assert torch.equal(ids, ref_ids), (ids, ref_ids)
+        torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-5)
+    # A padding row of a captured step holds whatever its buffer held: NaN logits still route to experts that exist.
+    x_nan = x.clone()
+    x_nan[1] = float("nan")
+    _, nan_ids = moe_router.route(x_nan, w, b, top_k, softmax_first, normalize)
+    assert bool(((nan_ids >= 0) & (nan_ids < experts)).all()) and torch.equal(nan_ids[0], ids[0]), nan_ids
+    # Twice in a row: the token's arrival counter was set back to 0 (else the second call's last program never
+    # finishes a token and its outputs are left unwritten).
+    again, again_ids = moe_router.route(x, w, b, top_k, softmax_first, normalize)
+    assert torch.equal(again_ids, ids) and torch.equal(again, weights)
+    with pytest.raises(ValueError, match="do not fit"):
+        moe_router.route(x, w[:, :-1], b, top_k, softmax_first, normalize)
+    with pytest.raises(ValueError, match="top_k 33 of 32 experts"):
+        moe_router.route(x, w, b, 33, softmax_first, normalize)
 
 
 def test_rows_aligned_by_expert_in_groups():

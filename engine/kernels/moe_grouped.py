@@ -27,7 +27,7 @@ from engine.kernels.moe_small_m import (
     expert_operands,
     packed_on_gpu,
 )
-from engine.kernels.triton_compat import launch, tl, triton
+from engine.kernels.triton_compat import launch, tl, triton, wait_for_previous_kernel
 
 __all__ = ["GROUP", "TILES", "align_rows", "moe_experts_grouped"]
 
@@ -123,6 +123,7 @@ def _gate_up_act_kernel(x_ptr, slot_rows_ptr, block_expert_ptr, w_ptr, blocks_pt
                         OAI: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PTX: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """act[slot, n] of one block of GROUP_M slots (one expert's rows) and one tile of intermediate features."""
+    wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     expert, slots, row, row_ok = _block(slot_rows_ptr, block_expert_ptr, GROUP_M)
     if expert >= 0:
         token = tl.where(row_ok, row // top_k, 0)
@@ -154,6 +155,7 @@ def _down_kernel(act_ptr, slot_rows_ptr, block_expert_ptr, route_w_ptr, w_ptr, b
                  BLOCK_K: tl.constexpr, PTX: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
                  USE_PDL: tl.constexpr):
     """y[row, n] = routing weight * (down(act[slot]) + bias) of one block's rows and one tile of hidden features."""
+    wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     expert, slots, row, row_ok = _block(slot_rows_ptr, block_expert_ptr, GROUP_M)
     if expert >= 0:
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -17,7 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.triton_compat import HAS_TRITON, interpreting, launch, require_triton, tl, triton
+from engine.kernels.triton_compat import (
+    HAS_TRITON,
+    interpreting,
+    launch,
+    require_triton,
+    tl,
+    triton,
+    wait_for_previous_kernel,
+)
 
 __all__ = ["HAS_TRITON", "MAX_ROUTED_ROWS", "check_routed", "expert_operands", "moe_experts"]
 
@@ -155,6 +163,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, part_ptr, top
                     PACKED: tl.constexpr, OAI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PTX: tl.constexpr, USE_PDL: tl.constexpr):
     """Gate and up partial sums of one routed row over one slice of K: part[s, 0 | 1, row, n]."""
+    wait_for_previous_kernel(USE_PDL)  # first: x and the expert ids are the kernels' before (the router's)
     row = tl.program_id(0).to(tl.int64)  # routed row: token * top_k + j
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] intermediate features
     s = tl.program_id(2).to(tl.int64)  # the K slice
@@ -191,6 +200,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, part_ptr, top
 def _act_kernel(part_ptr, ids_ptr, bias_ptr, act_ptr, inter, rows, splits, alpha, limit, stride_be,
                 HAS_BIAS: tl.constexpr, OAI: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     """act[row, n] from the K slices' gate and up partial sums (added in slice order), the bias and the activation."""
+    wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     row = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
@@ -227,6 +237,7 @@ def _down_kernel(act_ptr, ids_ptr, route_w_ptr, w_ptr, blocks_ptr, scales_ptr, b
                  PACKED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PTX: tl.constexpr, USE_PDL: tl.constexpr):
     """One K slice's weighted partial sum of one routed row's down projection: y[s, row, n] (the bias in slice 0)."""
+    wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     row = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] hidden features
     s = tl.program_id(2).to(tl.int64)

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
+from engine.kernels.small_m_linear import linear_add, norm_linear, takes_rows
 from engine.model_config import ModelConfig
 from engine.models.layers import (
     ParallelLMHead,
@@ -71,7 +72,15 @@ def input_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) ->
 
 
 class PreNormDecoderLayer(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)), each add deferred into the next norm's kernel."""
+    """x + attn(norm(x)), then + mlp(norm(.)), each add deferred into the next norm's kernel.
+
+    Up to `small_m_rows` rows (a decode, a verify, a draft's steps; the runner sets it: ModelRunner._set_small_m_rows)
+    the attention's products fold the input norm and the residual add (engine/kernels/small_m_linear.py), biases
+    included, and the feed-forward runs as it is after the post-attention norm: the MoE layers' path (GPT-OSS,
+    Qwen3-MoE), whose feed-forward has kernels of its own. cuBLAS took qkv and o_proj with their biases there, and the
+    norms and adds were launches of their own. Llama and Gemma 3 fold their MLPs too (their own forwards)."""
+
+    small_m_rows = 0
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, input_layernorm: RMSNorm,
                  post_attention_layernorm: RMSNorm) -> None:
@@ -85,9 +94,22 @@ class PreNormDecoderLayer(nn.Module):
                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this layer's input before the residual add (the previous layer's MLP output, or the embeddings with
         residual None). Returns (MLP output, residual stream before it): the add lands in the next norm's kernel."""
+        if takes_rows(x, self.small_m_rows):
+            return self._forward_small_m(positions, x, residual, md)
         h, residual = input_norm(self.input_layernorm, x, residual)
         h, residual = self.post_attention_layernorm.forward_with_residual(self.self_attn(positions, h, md), residual)
         return self.mlp(h), residual
+
+    def _forward_small_m(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                         md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward for a few rows: norm+qkv, attention, o_proj+residual in the folded kernels, then the post-attention
+        norm and the feed-forward; the feed-forward's output's add is deferred as in `forward`."""
+        attn, n1, n2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = norm_linear(x, residual, n1.weight, n1.eps, n1.offset, attn.qkv_proj.weight,
+                                    attn.qkv_proj.bias)
+        o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, *attn.qk_norms(), sinks=attn.sink_logits())
+        residual = linear_add(o, attn.o_proj.weight, attn.o_proj.bias, residual)
+        return self.mlp(n2(residual)), residual
 
 
 # (cfg, layer_id, the layer's rotary embedding) -> the decoder layer

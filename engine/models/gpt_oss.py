@@ -5,7 +5,6 @@ logits, softmax over those k; clamped SwiGLU experts with biases, optionally MXF
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.rms_norm import use_fused_kernels
@@ -18,7 +17,7 @@ from engine.models.decoder import (
     PreNormDecoderLayer,
 )
 from engine.models.layers import RMSNorm, RotaryEmbedding
-from engine.models.moe import FusedExperts, route_topk_then_softmax
+from engine.models.moe import FusedExperts, route_tokens
 from engine.parallel import get_tp_group
 from engine.quantization import mxfp4
 
@@ -62,6 +61,8 @@ class GptOssAttention(DecoderAttention):
 
 
 class GptOssMoE(nn.Module):
+    softmax_first = False  # GPT-OSS routes by the top-k logits, then a softmax over those k
+
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         hf = cfg.hf_config
@@ -77,7 +78,7 @@ class GptOssMoE(nn.Module):
                                     alpha=getattr(hf, "swiglu_alpha", 1.702), limit=getattr(hf, "swiglu_limit", 7.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_topk_then_softmax(F.linear(x, self.router.weight, self.router.bias), self.top_k)
+        weights, ids = route_tokens(x, self.router.weight, self.router.bias, self.top_k, self.softmax_first)
         return self.experts(x, weights, ids)
 
 

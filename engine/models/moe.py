@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.moe_grouped import moe_experts_grouped
+from engine.kernels.moe_router import route, route_ref, takes_tokens
 from engine.kernels.moe_small_m import MAX_ROUTED_ROWS, moe_experts
 from engine.kernels.rms_norm import use_fused_kernels
 from engine.parallel import get_tp_group
@@ -45,20 +46,14 @@ class RoutedRows:
     expert_offsets: torch.Tensor  # [num_experts + 1] int64; expert e's rows are expert_offsets[e]:expert_offsets[e+1]
 
 
-def route_topk_then_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPT-OSS: the top-k logits, a softmax over those k. logits [T, E] -> (weights [T, k], ids [T, k])."""
-    values, ids = torch.topk(logits, top_k, dim=-1)
-    return values.softmax(dim=-1), ids
-
-
-def route_softmax_then_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-MoE: a float32 softmax over every expert, its top k, renormalised to sum 1 with `normalize`
-    (norm_topk_prob). logits [T, E] -> (weights [T, k] in logits' dtype, ids [T, k])."""
-    probs = logits.softmax(dim=-1, dtype=torch.float32)
-    values, ids = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        values = values / values.sum(dim=-1, keepdim=True)
-    return values.to(logits.dtype), ids
+def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, softmax_first: bool,
+                 normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] through the router (weight [E, H], bias [E]) to (routing weights [T, top_k], expert ids [T, top_k]):
+    one kernel (engine/kernels/moe_router.py) where it takes the step, else its torch reference. softmax_first:
+    Qwen3-MoE's order (softmax over every expert, then top-k, renormalised with `normalize`); else GPT-OSS's."""
+    if takes_tokens(x, weight.shape[0]):
+        return route(x, weight, bias, top_k, softmax_first, normalize)
+    return route_ref(x, weight, bias, top_k, softmax_first, normalize)
 
 
 def sort_by_expert(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> RoutedRows:

@@ -7,14 +7,13 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
 from engine.models.layers import RMSNorm, RotaryEmbedding
 from engine.models.llama import GatedMLP, LlamaAttention
-from engine.models.moe import FusedExperts, route_softmax_then_topk
+from engine.models.moe import FusedExperts, route_tokens
 
 
 def is_sparse_layer(hf_config: object, layer_id: int) -> bool:
@@ -38,7 +37,7 @@ class Qwen3SparseMoE(nn.Module):
                                     activation="silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_softmax_then_topk(F.linear(x, self.gate.weight), self.top_k, self.normalize)
+        weights, ids = route_tokens(x, self.gate.weight, None, self.top_k, True, self.normalize)
         return self.experts(x, weights, ids)
 
 

@@ -2,8 +2,13 @@
 (engine/speculation/draft_length_rule.py) chooses k from.
 
 Cost, per load bucket (the requests that want to run, by powers of two, as the speculation-ahead gate buckets):
-- the step's seconds at each k measured (a running mean of the wall time from the commit before it to its own
-  commit: what the engine's throughput is made of, whatever of it the draft, the verify or the host spend);
+- the step's seconds at each k measured (the median of its last RECENT_STEPS steps' wall time from the commit
+  before each to its own commit: what the engine's throughput is made of, whatever of it the draft, the verify or
+  the host spend). A median, not a running mean: a k the rule does not run is measured only in probes of three
+  steps, and one slow step among them (a garbage collection, a host hiccup) held a running mean at 1.6x the step's
+  time until the next probe (gemma-3-1b + 270m at batch 32 on a GPU: k = 0 at 3.9 ms for steps of 2.4, enough to
+  make speculation at 0.74x the target alone look as good). Three new steps of five outvote two old ones, so a
+  change of load shows within one probe;
 - the draft's seconds a forward (the step's propose phase over its k), so that the verify's share of a step is
   what is left;
 - for a k not measured in the bucket, a straight line between the measured k's either side of it, or beyond them
@@ -18,16 +23,21 @@ decayed count of attempts and accepts), over every request and per request. A re
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from math import prod
 
-SMOOTHING = 0.3  # weight of a new sample in a step-time running mean
+SMOOTHING = 0.3  # weight of a new sample in a running mean (a draft forward's seconds, a catch-up token's)
+RECENT_STEPS = 5  # a k's step time is the median of its last this many timed steps
 DECAY = 0.995  # a position's counts shrink by this at each step that attempts it: the acceptance follows the text
 PRIOR_ACCEPTANCE = 0.5  # a position never attempted (and none before it either)
 
 
 @dataclass
 class Mean:
+    """A running mean (SMOOTHING the weight of a new sample)."""
+
     value: float
     samples: int = 1
     at: int = 0  # the bucket's step count when last updated
@@ -39,17 +49,39 @@ class Mean:
 
 
 @dataclass
+class RecentMedian:
+    """The median of the last RECENT_STEPS samples: one outlier among them does not move it."""
+
+    recent: deque[float]  # [<= RECENT_STEPS] the last samples, oldest first
+    samples: int = 1
+    at: int = 0  # the bucket's step count when last updated
+
+    @classmethod
+    def of(cls, x: float, at: int) -> RecentMedian:
+        return cls(deque([x], maxlen=RECENT_STEPS), 1, at)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.recent)
+
+    def add(self, x: float, at: int) -> None:
+        self.recent.append(x)
+        self.samples += 1
+        self.at = at
+
+
+@dataclass
 class BucketCosts:
     """One load bucket's figures."""
 
-    step: dict[int, Mean] = field(default_factory=dict)  # k -> seconds a step
+    step: dict[int, RecentMedian] = field(default_factory=dict)  # k -> seconds a step
     draft_forward: Mean | None = None  # seconds one draft forward takes (propose / k)
     steps: int = 0  # steps planned in this bucket
 
     def observe(self, k: int, seconds: float, propose_seconds: float | None) -> None:
         m = self.step.get(k)
         if m is None:
-            self.step[k] = Mean(seconds, 1, self.steps)
+            self.step[k] = RecentMedian.of(seconds, self.steps)
         else:
             m.add(seconds, self.steps)
         if k > 0 and propose_seconds is not None and propose_seconds > 0.0:

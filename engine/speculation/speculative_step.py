@@ -62,6 +62,13 @@ class DraftSide:
         # The last proposal and its plan, for `speculate_ahead`: the window ahead follows the proposal that went out.
         self._proposed: tuple[StepPlan, DraftProposal] | None = None
 
+    @property
+    def sits_out_queued_steps(self) -> bool:
+        """Whether the target's steps without drafts may be queued ahead without this side (engine/decode_pipeline.py):
+        a draft model sits them out and catches up at its next proposal; an EAGLE-3 head reads every target
+        forward's states on the host's schedule, and speculation ahead drafts after every verify."""
+        return self.ahead is None and not isinstance(self.proposer, Eagle3Proposer)
+
     def resolve(self, plan: StepPlan) -> StepPlan:
         return self.table.resolve(plan)
 

@@ -1,4 +1,5 @@
-"""GPT-OSS on the GPU: the few-row MoE kernels at gpt-oss-20b's expert shape (float and MXFP4-packed) and the
+"""GPT-OSS on the GPU: the few-row MoE kernels at gpt-oss-20b's expert shape (float and MXFP4-packed), the router
+kernel at gpt-oss-20b's and Qwen3-30B-A3B's router shapes (also replayed in a CUDA graph), and the
 sink-aware attention kernels at its head shape against their torch references, then a tiny GPT-OSS (packed and
 not) through the engine on CUDA, graphs and eager, alone and with a draft, against HF transformers' greedy output."""
 
@@ -11,9 +12,10 @@ from kernel_support import attention_case, check_sink_attention
 from moe_support import gpt_oss_config, make_model
 
 from engine import LLM, SamplingParams
-from engine.kernels import moe_grouped, moe_small_m
+from engine.kernels import moe_grouped, moe_router, moe_small_m
+from engine.kernels.moe_router import route_topk_then_softmax
 from engine.kernels.triton_compat import tl, triton
-from engine.models.moe import MAX_GRAPH_ROUTED_ROWS, FusedExperts, moe_experts_ref, route_topk_then_softmax
+from engine.models.moe import MAX_GRAPH_ROUTED_ROWS, FusedExperts, moe_experts_ref
 from engine.quantization import mxfp4
 
 pytestmark = pytest.mark.gpu
@@ -91,6 +93,49 @@ def test_grouped_moe_kernel_at_gpt_oss_20b_shape(packed):
         err = (out.float() - ref).abs().max() / ref.abs().max()
         assert err < 1e-2, (tokens, err)
         assert torch.equal(ex(x, weights, ids), out) or tokens * 4 > MAX_GRAPH_ROUTED_ROWS  # the layer's choice
+
+
+@pytest.mark.parametrize("experts,hidden,top_k,softmax_first", [(32, 2880, 4, False), (128, 2048, 8, True)],
+                         ids=["gpt-oss-20b", "qwen3-30b-a3b"])
+def test_router_kernel_at_moe_shapes(experts, hidden, top_k, softmax_first):
+    """bf16 router products rounded as F.linear's; the experts chosen are the reference's wherever the reference's
+    k-th and (k+1)-th values are apart by more than a bf16 rounding (cuBLAS sums in another order), and the weights
+    within bf16's rounding; rows of NaN (a captured step's padding) route to experts that exist. In a CUDA graph,
+    two replays give the eager result (the arrival counters go back to 0)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = (torch.randn(experts, hidden, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    b = None if softmax_first else torch.randn(experts, device="cuda", generator=g).to(torch.bfloat16)
+    compared = total = 0
+    for tokens in (1, 5, 40, moe_router.MAX_ROUTER_TOKENS):
+        x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+        weights, ids = moe_router.route(x, w, b, top_k, softmax_first, normalize=softmax_first)
+        ref_w, ref_ids = moe_router.route_ref(x, w, b, top_k, softmax_first, normalize=softmax_first)
+        logits = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        top = logits.topk(top_k + 1, dim=-1).values
+        # Each side's logits are within half a bf16 step (2^-8 relative) of the exact ones: the k-th and the next
+        # are ordered alike where they are further apart than that twice over, with a margin.
+        clear = top[:, -2] - top[:, -1] > 3 * 2.0 ** -8 * top.abs().max(dim=-1).values
+        compared, total = compared + int(clear.sum()), total + tokens
+        mine, order = ids.sort(dim=-1)
+        theirs, ref_order = ref_ids.sort(dim=-1)
+        assert torch.equal(mine[clear], theirs[clear])  # the same experts (their order may differ within a tie)
+        torch.testing.assert_close(weights.gather(1, order)[clear], ref_w.gather(1, ref_order)[clear], atol=1e-2,
+                                   rtol=1e-2)
+    assert compared > total / 2, (compared, total)  # most tokens were compared
+    nan_rows = torch.full((3, hidden), float("nan"), device="cuda", dtype=torch.bfloat16)
+    nan_ids = moe_router.route(nan_rows, w, b, top_k, softmax_first, normalize=softmax_first)[1]
+    assert bool(((nan_ids >= 0) & (nan_ids < experts)).all())  # a padding row's ids name experts that exist
+    x = torch.randn(5, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    eager = moe_router.route(x, w, b, top_k, softmax_first, normalize=softmax_first)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = moe_router.route(x, w, b, top_k, softmax_first, normalize=softmax_first)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[1], eager[1]) and torch.equal(captured[0], eager[0])
 
 
 @pytest.mark.parametrize("window,splits", [(None, None), (128, None), (None, 8), (128, 4)])
