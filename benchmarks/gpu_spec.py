@@ -7,6 +7,9 @@ can be measured without a trained pair): a Qwen3-8B-shaped target with a Qwen3-0
 Fixed-k rows run with the draft length rule off (adaptive_draft_length=False). --rule adds rows "rule": the engine's
 default, k chosen each step in 0..max(--k) (engine/speculation/draft_length_rule.py), each with its ratio to the
 target alone and to the best fixed k (0..max(--k), k = 0 being the target alone) at that acceptance and batch.
+Before its timed runs each row runs --warmup-tokens tokens a request at its batch, untimed: with a whole row there
+(the default), the rule's rows measure the choices it settles on, as a server that has run a while makes them;
+`--warmup-tokens 8` also times the steps it learns in.
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ class PhaseLog:
         return {k: round(statistics.median(p.get(k, 0.0) for p in self.steps) * 1e3, 3) for k in names}
 
 
-def tokens_per_s(llm: LLM, batch: int, context: int, new_tokens: int, repeats: int,
+def tokens_per_s(llm: LLM, batch: int, context: int, new_tokens: int, repeats: int, warmup_tokens: int,
                  log: ChoiceLog | None = None, phases: PhaseLog | None = None) -> tuple[float, float, float]:
     """(output tokens/s of whole requests, tokens/s of the decode phase after the first token, mean acceptance rate
     over the runs).
@@ -116,7 +119,7 @@ def tokens_per_s(llm: LLM, batch: int, context: int, new_tokens: int, repeats: i
     which weighs more against the faster decode."""
     prompts = [torch.randint(0, min(150000, llm.engine.vocab_size), (context,)).tolist() for _ in range(batch)]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    llm.generate(prompts, SamplingParams(max_tokens=warmup_tokens, ignore_eos=True))
     times, first, acc = [], [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -150,6 +153,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup-tokens", type=int, default=None,
+                    help="tokens a request of each row's untimed warm-up (default: --new-tokens, a whole row)")
     ap.add_argument("--seed", type=int, default=0, help="engine seed: the synthetic acceptance draws follow it")
     ap.add_argument("--small-m-rows", type=int, default=None,
                     help="EngineConfig.small_m_rows (0: cuBLAS products and separate norm/activation kernels)")
@@ -175,6 +180,7 @@ def main() -> None:
     if args.position_rate:
         per_position()
     batches = [int(b) for b in args.batch.split(",")]
+    warmup = args.new_tokens if args.warmup_tokens is None else args.warmup_tokens
     common = dict(seed=args.seed, load_format="dummy", device="cuda",
                   max_model_len=args.context + args.new_tokens + 16, max_num_seqs=max(batches),
                   kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)), cuda_graph_batch_sizes=tuple(batches),
@@ -184,7 +190,7 @@ def main() -> None:
     token_map = prefix_token_map(args.draft_vocab)
     t0 = time.perf_counter()
     llm = LLM(target, **common)
-    base = {b: tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats)[:2] for b in batches}
+    base = {b: tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats, warmup)[:2] for b in batches}
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -208,7 +214,8 @@ def main() -> None:
                 phases.reset()
                 if log is not None:
                     log.reset()
-                tps, decode, acc = tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats, log, phases)
+                tps, decode, acc = tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats, warmup, log,
+                                                 phases)
                 print(f"k {k}, acceptance {rate}, batch {b}: decode step phases, median ms {phases.medians()}",
                       flush=True)
                 rows.append({"k": k, "rate": rate, "batch": b, "tok_s": tps, "speedup": tps / base[b][0],

@@ -64,7 +64,9 @@ def test_moe_kernels_under_interpreter():
                                                      ("silu", False, False), ("silu", True, False)])
 def test_moe_kernel_matches_reference(activation, packed, bias):
     ex = _experts(activation, packed, bias, seed=1)
-    for tokens, top_k in ((1, 2), (5, 2), (16, 4)):  # a decode, a verify of 5, a batch of draft steps
+    # A decode, a verify of 5, a batch of draft steps; one expert a token and K in one slice: the output written
+    # by its one program, no sum.
+    for tokens, top_k in ((1, 2), (5, 2), (16, 4), (2, 1)):
         x, weights, ids = _routing(tokens, 4, top_k, seed=tokens)
         out = moe_small_m.moe_experts(x, weights, ids, ex)
         ref = moe_experts_ref(x, weights, ids, ex)
@@ -116,17 +118,20 @@ def test_grouped_kernel_matches_reference(activation, packed, bias):
                                                           (True, False, True)])
 def test_router_kernel_matches_reference(softmax_first, normalize, bias):
     """GPT-OSS's routing (top-k logits, then their softmax) and Qwen3-MoE's (softmax, top-k, renormalised or not):
-    the experts in the reference's order and their weights, for one program a token (8 experts) and several, the
-    last one short (60), over a hidden size a tile does not divide; and its refusals."""
+    the experts in the reference's order and their weights, at the default tiles (a program a block of experts, the
+    whole hidden size in one load) and at 8 experts a program walking the hidden size in steps of 64: one program a
+    token (8 experts) and several, the last one short (60), a hidden size a step does not divide (200); 24 tokens
+    take the tiles of many; and its refusals."""
     g = torch.Generator().manual_seed(3)
-    for experts, top_k, hidden, tokens in ((8, 2, 64, 1), (60, 4, 200, 5), (32, 8, 96, 3)):
+    for experts, top_k, hidden, tokens in ((8, 2, 64, 1), (60, 4, 200, 5), (32, 8, 96, 3), (16, 2, 64, 24)):
         x = torch.randn(tokens, hidden, generator=g)
         w = torch.randn(experts, hidden, generator=g)
         b = torch.randn(experts, generator=g) if bias else None
-        weights, ids = moe_router.route(x, w, b, top_k, softmax_first, normalize)
         ref_weights, ref_ids = moe_router.route_ref(x, w, b, top_k, softmax_first, normalize)
-        assert torch.equal(ids, ref_ids), (ids, ref_ids)
-        torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-5)
+        for tiles in (None, {"BLOCK_E": 8, "BLOCK_H": 64}):
+            weights, ids = moe_router.route(x, w, b, top_k, softmax_first, normalize, tiles=tiles)
+            assert torch.equal(ids, ref_ids), (tiles, ids, ref_ids)
+            torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-5)
     # A padding row of a captured step holds whatever its buffer held: NaN logits still route to experts that exist.
     x_nan = x.clone()
     x_nan[1] = float("nan")
@@ -138,8 +143,8 @@ def test_router_kernel_matches_reference(softmax_first, normalize, bias):
     assert torch.equal(again_ids, ids) and torch.equal(again, weights)
     with pytest.raises(ValueError, match="do not fit"):
         moe_router.route(x, w[:, :-1], b, top_k, softmax_first, normalize)
-    with pytest.raises(ValueError, match="top_k 33 of 32 experts"):
-        moe_router.route(x, w, b, 33, softmax_first, normalize)
+    with pytest.raises(ValueError, match=f"top_k {experts + 1} of {experts} experts"):
+        moe_router.route(x, w, b, experts + 1, softmax_first, normalize)
 
 
 def test_rows_aligned_by_expert_in_groups():

@@ -37,8 +37,19 @@ __all__ = ["MAX_EXPERTS", "MAX_ROUTER_TOKENS", "route", "route_ref", "route_soft
 
 MAX_EXPERTS = 256  # experts the last program of a token holds in registers at once
 MAX_ROUTER_TOKENS = 256  # tokens of a step up to which the layers route here (a verify of 64 requests x 4 drafts)
-BLOCK_E = 8  # experts a program computes: 4 programs a token for gpt-oss-20b's 32, 16 for 128
-BLOCK_H = 256  # hidden features a program reads at a time
+# The launch's tiles: experts a program computes (BLOCK_E), hidden features it reads at a time (BLOCK_H), warps;
+# `route(tiles=...)` overrides them. Measured on an H100 (benchmarks/gpu_router.py, benchmarks/RESULTS.md): up to
+# FEW_TOKENS tokens the grid is little more than a token's programs, so each program takes two experts and the whole
+# hidden size in one load (gpt-oss-20b, one token: 3.6 us against 9.3 with 8 experts in loads of 256); more tokens
+# fill the GPU anyway and share the router's weights through L2, so eight experts a program.
+FEW_TOKENS = 16
+TILES_FEW = {"BLOCK_E": 2, "BLOCK_H": 4096, "num_warps": 2}
+TILES_MANY = {"BLOCK_E": 8, "BLOCK_H": 512, "num_warps": 2}
+
+
+def tiles_for(tokens: int) -> dict:
+    """The default tiles for a step of `tokens` tokens."""
+    return TILES_FEW if tokens <= FEW_TOKENS else TILES_MANY
 
 
 def route_topk_then_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,8 +151,10 @@ def takes_tokens(x: torch.Tensor, num_experts: int) -> bool:
 def route(x: torch.Tensor,  # [T, H]
           weight: torch.Tensor,  # [E, H] the router's
           bias: torch.Tensor | None,  # [E]
-          top_k: int, softmax_first: bool, normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (routing weights [T, top_k] in x's dtype, expert ids [T, top_k] int64), as route_ref."""
+          top_k: int, softmax_first: bool, normalize: bool = False, tiles: dict | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (routing weights [T, top_k] in x's dtype, expert ids [T, top_k] int64), as route_ref. tiles: keys of
+    tiles_for(T) to override."""
     require_triton("route", x)
     t, h = x.shape
     e = weight.shape[0]
@@ -156,7 +169,11 @@ def route(x: torch.Tensor,  # [T, H]
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     if t == 0:
         return weights, ids
-    blocks = triton.cdiv(e, BLOCK_E)
+    cfg = {**tiles_for(t), **(tiles or {})}
+    block_e, block_h = cfg["BLOCK_E"], min(cfg["BLOCK_H"], triton.next_power_of_2(h))
+    if block_e & (block_e - 1) or block_h & (block_h - 1):
+        raise ValueError(f"route: BLOCK_E and BLOCK_H powers of two, got {block_e} and {block_h}")
+    blocks = triton.cdiv(e, block_e)
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
     counts = arrival_counters(x.device, t) if blocks > 1 else logits
     launch(_router_kernel, (t, blocks), x.device,
@@ -164,5 +181,5 @@ def route(x: torch.Tensor,  # [T, H]
            h, e, x.stride(0), weight.stride(0),
            TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e), NUM_BLOCKS=blocks,
            HAS_BIAS=bias is not None, SOFTMAX_FIRST=softmax_first, NORMALIZE=normalize,
-           BLOCK_E=BLOCK_E, BLOCK_H=min(BLOCK_H, triton.next_power_of_2(h)), num_warps=4)
+           BLOCK_E=block_e, BLOCK_H=block_h, num_warps=cfg["num_warps"])
     return weights, ids

@@ -81,26 +81,28 @@ if HAS_TRITON:
         tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _block_k(group_k: int, groups: int) -> int:
-    """The K step: 128 at most, and within one scale group (it divides group_k) unless one group spans K."""
+def _block_k(group_k: int, groups: int, most: int = 128) -> int:
+    """The K step: `most` at most, and within one scale group (it divides group_k) unless one group spans K."""
     if groups == 1:
-        return 128
-    for b in (128, 64, 32, 16):
-        if group_k % b == 0:
+        return most
+    for b in (512, 256, 128, 64, 32, 16):
+        if b <= most and group_k % b == 0:
             return b
     raise ValueError(f"FP8 scale groups of {group_k} columns: the kernel needs a multiple of 16")
 
 
-# Programs a launch aims for (about four per SM of an H100): fewer output tiles than that split K in slices.
-_TARGET_PROGRAMS = 528
+# The launch's tiles: output features a program (BLOCK_N), the largest K step (BLOCK_K; within a scale group),
+# warps, pipeline stages, and the programs a launch aims for (about four per SM of an H100; fewer output tiles than
+# that split K in slices). `fp8_linear_kernel(tiles=...)` overrides them (benchmarks/gpu_fp8.py sweeps them).
+TILES = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs": 528}
 
 
 def fp8_linear_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int,
-                      bias: torch.Tensor | None = None, block_n: int = 32, num_splits: int | None = None
+                      bias: torch.Tensor | None = None, num_splits: int | None = None, tiles: dict | None = None
                       ) -> torch.Tensor:
     """x [M, K] (M <= FEW_ROWS; bf16, fp16 or float32), weight [N, K] float8_e4m3fn, scale [N, G] float32 ->
-    [M, N] in x's dtype, through the Triton kernel. num_splits: slices of K (None: enough for about
-    _TARGET_PROGRAMS programs), their partial sums added in order by a second kernel."""
+    [M, N] in x's dtype, through the Triton kernel. num_splits: slices of K (None: enough for about TILES's
+    programs), their partial sums added in order by a second kernel. tiles: TILES's keys to override."""
     m, k = x.shape
     n = weight.shape[0]
     if m > FEW_ROWS:
@@ -108,19 +110,24 @@ def fp8_linear_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     groups = scale.shape[1]
-    block_k = _block_k(group_k, groups)
-    tiles = triton.cdiv(n, block_n)
+    cfg = {**TILES, **(tiles or {})}
+    block_n = cfg["BLOCK_N"]
+    block_k = _block_k(group_k, groups, cfg["BLOCK_K"])
+    n_tiles = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
     # One block of rows where they fit (W read once), else blocks of MAX_BLOCK_M (tl.dot's least M is 16).
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
     m_blocks = triton.cdiv(m, block_m)
-    splits = num_splits or max(1, min(steps, _TARGET_PROGRAMS // (tiles * m_blocks)))
+    splits = num_splits or max(1, min(steps, cfg["programs"] // (n_tiles * m_blocks)))
     k_slice = triton.cdiv(steps, splits) * block_k  # whole steps a slice: a step never straddles two
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-    _fp8_linear_kernel[(tiles, splits, m_blocks)](
+    # Launched the ordinary way, not as a programmatic dependent: with dependent launch a Qwen3-8B FP8 step measured
+    # 1.6% faster at batch 1 and 5% slower at batch 8 on an H100 (benchmarks/RESULTS.md).
+    _fp8_linear_kernel[(n_tiles, splits, m_blocks)](
         x, weight.view(torch.uint8), scale, bias if bias is not None else scale, part, m, n, k, groups, group_k,
         k_slice, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits > 1,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits > 1, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
         # float32 activations: products in IEEE float32, as the reference's matmul (tl.dot would round them to TF32);
         # the 16-bit types are exact in either.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
