@@ -64,8 +64,7 @@ def test_moe_kernels_under_interpreter():
                                                      ("silu", False, False), ("silu", True, False)])
 def test_moe_kernel_matches_reference(activation, packed, bias):
     ex = _experts(activation, packed, bias, seed=1)
-    # A decode, a verify of 5, a batch of draft steps; one expert a token and K in one slice: the output written
-    # by its one program, no sum.
+    # A decode, a verify of 5, a batch of draft steps, and one expert a token (the sum over a single pair).
     for tokens, top_k in ((1, 2), (5, 2), (16, 4), (2, 1)):
         x, weights, ids = _routing(tokens, 4, top_k, seed=tokens)
         out = moe_small_m.moe_experts(x, weights, ids, ex)
@@ -132,6 +131,7 @@ def test_router_kernel_matches_reference(softmax_first, normalize, bias):
             weights, ids = moe_router.route(x, w, b, top_k, softmax_first, normalize, tiles=tiles)
             assert torch.equal(ids, ref_ids), (tiles, ids, ref_ids)
             torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-5)
+    weights, ids = moe_router.route(x, w, b, top_k, softmax_first, normalize)  # the checks below: default tiles
     # A padding row of a captured step holds whatever its buffer held: NaN logits still route to experts that exist.
     x_nan = x.clone()
     x_nan[1] = float("nan")
