@@ -51,7 +51,19 @@ class ChoiceLog:
         self.ks: dict[int, int] = {}
         self.probes = 0
         self.samples: dict[int, list[float]] = {}  # k -> the step seconds the rule took in, in order
+        # Every committed step in order: (k, probe, timed, catch-up tokens, ms from the commit before it).
+        self.trace: list[tuple[int, bool, bool, int, float]] = []
         choose = self.rule.choose
+        observe_step = self.rule.observe
+
+        def traced(step_id: int, verifies: list, propose_seconds: float | None) -> None:
+            p, last = self.rule._planned.get(step_id), self.rule._last_commit
+            observe_step(step_id, verifies, propose_seconds)
+            if self.on and p is not None and last is not None:
+                ms = round((self.rule._last_commit - last) * 1e3, 3)
+                self.trace.append((p.k, p.probe, p.timed, p.catch_up, ms))
+
+        self.rule.observe = traced
         observe = BucketCosts.observe
 
         def sampled(st: BucketCosts, k: int, seconds: float, propose_seconds: float | None) -> None:
@@ -71,7 +83,7 @@ class ChoiceLog:
         self.rule.choose = logged
 
     def reset(self) -> None:
-        self.ks, self.probes, self.samples = {}, 0, {}
+        self.ks, self.probes, self.samples, self.trace = {}, 0, {}, []
 
     def summary(self, batch: int) -> str:
         st = self.rule.buckets.get(bucket_of(batch))
@@ -221,7 +233,7 @@ def main() -> None:
                 rows.append({"k": k, "rate": rate, "batch": b, "tok_s": tps, "speedup": tps / base[b][0],
                              "decode_tok_s": decode, "decode_speedup": decode / base[b][1],
                              "measured_acceptance": acc, "phases_ms": phases.medians(),
-                             **({"choices": log.summary(b)} if log else {})})
+                             **({"choices": log.summary(b), "trace": log.trace} if log else {})})
                 if log:
                     print(f"rule, acceptance {rate}, batch {b}: {log.summary(b)}", flush=True)
         del llm, log, phases  # the logs hold the engine: a model as large as the GPU must go before the next

@@ -256,14 +256,24 @@ def test_request_table_resolves_like_the_scheduler_commits():
     assert (nxt.token_ids, nxt.start_pos, nxt.num_output_tokens) == ([9], 3, 1)
     assert (nxt.draft_token_ids, nxt.draft_start_pos) == ([9], 3)
     table.record(StepResult([[10, 11, 12]], [2], step_id=1))  # 2 of 3 drafts accepted, then a recovered token
-    last = table.resolve(StepPlan(2, [PlannedRequest("a", None, -1, 3, True, [[0]], draft_runs=True)])).requests[0]
+    # An open entry whose block tables are tails (the side copies it to fill them) and one sent whole: each resolves
+    # to a new entry, and the plan's own entry stays as sent (open), whatever else the side reads from it later.
+    sent = PlannedRequest("a", None, -1, 3, True, [[1]], draft_runs=True, block_table_starts=[1])
+    last = table.resolve(StepPlan(2, [sent])).requests[0]
+    assert last is not sent and (sent.token_ids, sent.start_pos, sent.num_output_tokens) == (None, -1, 0)
+    assert last.block_tables == [[0, 1]] and last.block_table_starts is None and sent.block_tables == [[1]]
     assert (last.token_ids, last.start_pos, last.num_output_tokens) == ([12], 6, 4)
     # The draft holds KV for the frontier plus k - 1 = 2 drafts: both accepted ones, so only the new token is new.
     assert (last.draft_token_ids, last.draft_start_pos) == ([12], 6)
+    table._unrecorded.clear()  # step 2's result never comes: resolve the same open entry again, sent whole
+    whole = PlannedRequest("a", None, -1, 3, True, [[0, 1]], draft_runs=True)
+    again = table.resolve(StepPlan(3, [whole])).requests[0]
+    assert again is not whole and (whole.token_ids, whole.draft_token_ids) == (None, [])
+    assert (again.token_ids, again.start_pos, again.draft_token_ids) == ([12], 6, [12])
     with pytest.raises(RuntimeError, match="did not run"):
         table.record(StepResult([[1]], [0], step_id=99))
     # A finished id drops the request before anything else in the plan.
-    table.resolve(StepPlan(3, [], finished_ids=["a"]))
+    table.resolve(StepPlan(4, [], finished_ids=["a"]))
     assert len(table) == 0
 
 

@@ -69,7 +69,9 @@ class KVCacheManager:
             need = self._num_new_blocks(table, num_total_tokens)
             if request_id not in self._tables and prefix is not None:
                 need += pool.num_reviving(table)
-            if need > pool.num_free + self._num_released(g, table, num_computed, start):
+            # The window's releases are counted only where the free blocks fall short (a decode step needs none,
+            # or one of many free: that count, a scan of the table, was a step's largest KV cost a request).
+            if need > pool.num_free and need > pool.num_free + self._num_released(g, table, num_computed, start):
                 return False
         return True
 

@@ -101,10 +101,15 @@ class RequestTable:
             return self._fill_unsent(p, t)
         if t is None:
             raise RuntimeError(f"the plan leaves request {p.request_id}'s input to this side, which does not know it")
-        p = self._fill_unsent(p, t)
+        filled = self._fill_unsent(p, t)
         frontier = t.num_tokens
-        entry = dataclasses.replace(p, token_ids=t.tokens_from(t.num_computed), start_pos=t.num_computed,
-                                    num_output_tokens=t.num_output_tokens)
+        # The resolved entry: _fill_unsent's copy where it made one, else a copy of its own (the plan's entry stays
+        # as sent). Copied without __init__'s checks, which dataclasses.replace would run: under asynchronous
+        # scheduling every decode entry is open, and that was the host's largest cost a request a step.
+        entry = filled if filled is not p else _copy_entry(p)
+        entry.token_ids, entry.start_pos = t.tokens_from(t.num_computed), t.num_computed
+        entry.num_output_tokens = t.num_output_tokens
+        p = filled
         if p.token_limit:
             entry.num_draft_tokens = max(0, min(p.num_draft_tokens, p.token_limit - frontier - 1))
         if p.output_token_ids is not None:
@@ -131,8 +136,7 @@ class RequestTable:
                                                  p.draft_block_tables)
         if p.sampling is not None and p.block_table_starts is None and p.draft_block_table_starts is None:
             return p
-        entry = object.__new__(PlannedRequest)  # a copy (without __init__'s checks): the plan's entry stays as sent
-        entry.__dict__.update(p.__dict__)
+        entry = _copy_entry(p)  # the plan's entry stays as sent
         entry.sampling, entry.block_tables, entry.block_table_starts = t.sampling, t.block_tables, None
         if p.draft_runs:
             entry.draft_block_tables, entry.draft_block_table_starts = t.draft_block_tables, None
@@ -176,3 +180,10 @@ class RequestTable:
             return  # ended meanwhile, or that far back is dropped: nothing reads it again
         if t.token_ids[position - t.base] == PENDING_TOKEN:
             t.token_ids[position - t.base] = token
+
+
+def _copy_entry(p: PlannedRequest) -> PlannedRequest:
+    """A shallow copy of a plan entry without __init__'s checks (the entry passed them when it was made)."""
+    entry = object.__new__(PlannedRequest)
+    entry.__dict__.update(p.__dict__)
+    return entry
