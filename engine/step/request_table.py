@@ -101,15 +101,15 @@ class RequestTable:
             return self._fill_unsent(p, t)
         if t is None:
             raise RuntimeError(f"the plan leaves request {p.request_id}'s input to this side, which does not know it")
-        filled = self._fill_unsent(p, t)
-        frontier = t.num_tokens
         # The resolved entry: _fill_unsent's copy where it made one, else a copy of its own (the plan's entry stays
-        # as sent). Copied without __init__'s checks, which dataclasses.replace would run: under asynchronous
-        # scheduling every decode entry is open, and that was the host's largest cost a request a step.
+        # as sent; the fields read from p below are the same in both). Copied without __init__'s checks, which
+        # dataclasses.replace would run: under asynchronous scheduling every decode entry is open, and that was the
+        # host's largest cost a request a step.
+        filled = self._fill_unsent(p, t)
         entry = filled if filled is not p else _copy_entry(p)
+        frontier = t.num_tokens
         entry.token_ids, entry.start_pos = t.tokens_from(t.num_computed), t.num_computed
         entry.num_output_tokens = t.num_output_tokens
-        p = filled
         if p.token_limit:
             entry.num_draft_tokens = max(0, min(p.num_draft_tokens, p.token_limit - frontier - 1))
         if p.output_token_ids is not None:
