@@ -25,6 +25,7 @@ from common import environment, markdown_table, save_json
 from gpu_shapes import copy_bandwidth, hf_config, kv_bytes_read, kv_memory_bytes, prefill, shape_dir, step_bytes
 
 from engine import LLM, SamplingParams
+from engine.kernels import small_m_tiles
 from engine.kernels.triton_compat import set_pdl
 from engine.request import Request
 from engine.runner.step_input import Chunk
@@ -139,9 +140,13 @@ def main() -> None:
                     help="EngineConfig.small_m_rows (0: cuBLAS products and separate norm/activation kernels)")
     ap.add_argument("--no-pdl", action="store_true", help="launch every kernel the ordinary way (no programmatic "
                     "dependent launch), as before it existed")
+    ap.add_argument("--fp8-folded", action="store_true", help="an FP8 shape's layers through the folded few-row "
+                    "products on this GPU (small_m_tiles.FP8_FOLDED_MEASURED), as where they measured faster")
     ap.add_argument("--out")
     args = ap.parse_args()
     set_pdl(not args.no_pdl)
+    if args.fp8_folded:
+        small_m_tiles.FP8_FOLDED_MEASURED.add(small_m_tiles.device_name(torch.device("cuda")))
     batches = [int(b) for b in args.batch.split(",")]
     bw = copy_bandwidth()
     rows = []

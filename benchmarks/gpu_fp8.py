@@ -5,6 +5,10 @@ row (compressed-tensors FP8).
 
     python benchmarks/gpu_fp8.py --shape qwen3-8b --rows 1,8 --out fp8.json
 
+--kernel folded times the folded few-row products (engine/kernels/small_m_linear.py, the FMA form at 1-4 rows) on
+the same FP8 weights instead: linear_add (the product and a residual add) at fp8_tiles' tiling first, then a sweep of
+FMA tilings (K tiles within the 128-column scale groups for block scales, K split or not).
+
 Per product and row count: enough copies of the weight that one is out of L2 when its turn comes (as in a real
 step), each called once in a CUDA graph whose replays are timed; the default tiling (fp8_linear.TILES) first, then
 the fastest of the sweep. The summary line adds the four products' times a layer, default against the sweep's best,
@@ -21,6 +25,8 @@ import torch
 from common import environment, graph_us, markdown_table, save_json
 from gpu_shapes import copy_bandwidth, hf_config
 
+from engine.kernels import small_m_linear as sml
+from engine.kernels.small_m_tiles import fp8_tiles
 from engine.quantization import fp8_linear
 from engine.quantization.fp8 import quantize_fp8
 
@@ -36,10 +42,23 @@ def products(cfg) -> dict[str, tuple[int, int]]:  # noqa: ANN001 - a transformer
     return {"qkv": (q + 2 * kv, h), "o_proj": (h, q), "gate_up": (2 * i, h), "down": (h, i)}
 
 
-def caller(x: torch.Tensor, weights: list, group_k: int, tiles: dict) -> Callable[[int], torch.Tensor]:
-    """Call i: x through copy i of the weight (of `weights`) at `tiles`."""
+def folded_tilings(m: int, block: bool) -> list[dict]:
+    """FMA-form tilings of the folded products at m rows (1-4)."""
+    widths = (64, 128) if block else (256, 512, 1024, 2048)
+    return [dict(USE_DOT=False, BLOCK_M=1 << (m - 1).bit_length(), BLOCK_N=n, BLOCK_K=k, num_warps=w, SPLIT_K=sp)
+            for n, k, w, sp in itertools.product((4, 8, 16, 32, 64, 128), widths, (4, 8), (1, 2, 4, 8))
+            if 64 * 32 <= n * k * m <= 64 * 32 * w * 2]
+
+
+def caller(x: torch.Tensor, weights: list, group_k: int, tiles: dict | None, folded: bool = False
+           ) -> Callable[[int], torch.Tensor]:
+    """Call i: x through copy i of the weight (of `weights`) at `tiles` (folded: linear_add's, None its default)."""
+    add = torch.zeros(x.shape[0], weights[0][0].shape[0], dtype=x.dtype, device=x.device)
+
     def call(i: int) -> torch.Tensor:
         wq, ws = weights[i % len(weights)]
+        if folded:
+            return sml.linear_add(x, wq, None, add, config=tiles, scale=ws, group_k=group_k)
         return fp8_linear.fp8_linear_kernel(x, wq, ws, group_k, tiles=tiles)
     return call
 
@@ -49,8 +68,10 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--scales", default="block,row", help="block: 128 x 128 scale blocks; row: a scale a row")
+    ap.add_argument("--kernel", default="standalone", choices=("standalone", "folded"))
     ap.add_argument("--out")
     args = ap.parse_args()
+    folded = args.kernel == "folded"
     cfg = hf_config(args.shape)
     bandwidth = copy_bandwidth()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -72,8 +93,9 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
                 ref = fp8_linear.fp8_linear_ref(x.float(), q, s, group)
                 best = None
-                for tiles in [fp8_linear.TILES] + grid:
-                    call = caller(x, weights, group, tiles)
+                default_tiles = None if folded else fp8_linear.TILES
+                for tiles in [default_tiles] + (folded_tilings(m, bool(block)) if folded else grid):
+                    call = caller(x, weights, group, tiles, folded)
                     try:
                         out = call(0)
                     except Exception as exc:  # a tiling that does not compile here: said, and the sweep goes on
@@ -82,9 +104,10 @@ def main() -> None:
                     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
                     us = graph_us(call, calls=copies)
                     floor = nbytes / bandwidth * 1e6
-                    row = {"scales": scheme, "product": name, "N": n, "K": k, "rows": m, **tiles, "us": round(us, 2),
+                    shown = tiles or fp8_tiles(m, n, k, 128 if block else 0, x.device)
+                    row = {"scales": scheme, "product": name, "N": n, "K": k, "rows": m, **shown, "us": round(us, 2),
                            "floor_us": round(floor, 2), "x_floor": round(us / floor, 3), "rel_err": f"{err:.1e}",
-                           "default": tiles is fp8_linear.TILES}
+                           "default": tiles is default_tiles}
                     rows.append(row)
                     if not row["default"] and (best is None or us < best["us"]):
                         best = row
@@ -96,8 +119,9 @@ def main() -> None:
                 per[1] += (best or default)["us"]
                 per[2] += default["floor_us"]
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print(markdown_table(table, ["scales", "product", "N", "K", "rows", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages",
-                                 "programs", "us", "floor_us", "x_floor", "rel_err"]))
+    extra = ["SPLIT_K"] if folded else ["num_stages", "programs"]
+    print(markdown_table(table, ["scales", "product", "N", "K", "rows", "BLOCK_N", "BLOCK_K", "num_warps", *extra,
+                                 "us", "floor_us", "x_floor", "rel_err"]))
     for (scheme, m), (d, b, f) in layer.items():
         print(f"{scheme} scales, {m} rows: a layer's four products {d:.1f} us with the default tiling, "
               f"{b:.1f} us with each product's best, floor {f:.1f} us ({d / f:.2f}x -> {b / f:.2f}x); "

@@ -134,7 +134,8 @@ def test_greedy_through_the_fp8_kernel_equals_hf(tmp_path):
     cfg = Qwen2Config(**{**TINY_CONFIGS["qwen2"].to_dict(), "num_hidden_layers": 1, "layer_types": None})
     m = make_tiny_model(tmp_path, "qwen2", cfg)
     oracle = write_fp8_checkpoint(m.hf, cfg, tmp_path / "fp8", "fp8-block", (16, 32))
-    llm = LLM(str(tmp_path / "fp8"), device="cpu", block_size=4, max_model_len=64)
+    # small_m_rows=0: the decode steps' products through this kernel, not the folded ones (tests/test_small_m_fp8.py)
+    llm = LLM(str(tmp_path / "fp8"), device="cpu", block_size=4, max_model_len=64, small_m_rows=0)
     calls = []
     real = fl.fp8_linear_kernel
     fl.fp8_linear_kernel = lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k)

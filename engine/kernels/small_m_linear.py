@@ -51,7 +51,7 @@ import torch
 from engine.kernels.activation import ACTIVATIONS
 from engine.kernels.arrival_counters import arrival_counters
 from engine.kernels.rms_norm import use_fused_kernels
-from engine.kernels.small_m_parts import accumulate_pair, store_output
+from engine.kernels.small_m_parts import accumulate_pair, store_output, weight_tile
 from engine.kernels.small_m_reference import (
     PROLOGUE_ACT,
     PROLOGUE_NONE,
@@ -62,7 +62,7 @@ from engine.kernels.small_m_reference import (
     norm_linear_ref,
     unfused_product,
 )
-from engine.kernels.small_m_tiles import FMA_MAX_ROWS, fit_stages, split_k_range, tiles_for
+from engine.kernels.small_m_tiles import FMA_MAX_ROWS, fit_stages, fp8_tiles, split_k_range, tiles_for
 from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["FMA_MAX_ROWS", "MAX_ROWS", "takes_rows", "rows_limit", "norm_linear", "norm_linear_ref", "act_linear",
@@ -73,10 +73,11 @@ MAX_ROWS = 64  # rows the kernel takes (split-K DOT form beyond 4); larger batch
 
 @triton.jit
 def _small_m_linear_kernel(
-        x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, out_ptr, part_ptr, count_ptr, ss_in_ptr,
-        ss_out_ptr, M, N, K, K_SPLIT, NUM_SPLITS, SS_TILES, stride_x, stride_r, stride_ro, stride_w, stride_a,
-        stride_o, eps, offset,
-        PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
+        x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, add_ptr, out_ptr, part_ptr, count_ptr, ss_in_ptr,
+        ss_out_ptr, M, N, K, K_SPLIT, NUM_SPLITS, SS_TILES, stride_x, stride_r, stride_ro, stride_w, stride_s, group_k,
+        stride_a, stride_o, eps, offset,
+        W_SCALE: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr,
+        GELU_TANH: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
         ROW_LOOP: tl.constexpr, USE_PDL: tl.constexpr, SPLIT: tl.constexpr, GLU: tl.constexpr, SS_IN: tl.constexpr,
         SS_OUT: tl.constexpr, SS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -97,17 +98,21 @@ def _small_m_linear_kernel(
         first = (pid == 0) & (tl.program_id(1) == 0)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     w_up_rows = w_rows + N * stride_w  # GLU: the up half's rows, N below the gate's
+    # FP8 weights (W_SCALE 1: a scale a row, 2: a scale a row and group of group_k columns): the scales' rows
+    s_rows = s_ptr + cols * stride_s
+    s_up_rows = s_rows + N * stride_s
     kk = k_lo + offs_k
     k_mask = kk < k_hi
-    # The first weight tile is requested before the wait: no kernel writes the weights, so that is safe, and under
-    # dependent launch its HBM round trip then overlaps the previous kernel's tail instead of following it (at one
-    # row most programs own one or two tiles). Everything else this kernel reads or writes (the split-K partials
-    # and counters included) comes after the wait.
+    # The first weight tile is requested before the wait: no kernel writes the weights (or their scales), so that is
+    # safe, and under dependent launch its HBM round trip then overlaps the previous kernel's tail instead of
+    # following it (at one row most programs own one or two tiles). Everything else this kernel reads or writes (the
+    # split-K partials and counters included) comes after the wait.
     w_mask = n_mask[:, None] & k_mask[None, :]
-    w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+    w = weight_tile(w_rows, s_rows, kk, k_lo, group_k, w_mask, n_mask, x_ptr.dtype.element_ty, W_SCALE, USE_DOT)
     w_up = w
     if GLU:
-        w_up = tl.load(w_up_rows + kk[None, :], mask=w_mask, other=0.0)
+        w_up = weight_tile(w_up_rows, s_up_rows, kk, k_lo, group_k, w_mask, n_mask, x_ptr.dtype.element_ty, W_SCALE,
+                           USE_DOT)
     wait_for_previous_kernel(USE_PDL)  # see triton_compat (programmatic dependent launch)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1 and SS_IN:
@@ -146,15 +151,20 @@ def _small_m_linear_kernel(
         kk = k0 + offs_k
         k_mask = kk < k_hi
         w_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+        w = weight_tile(w_rows, s_rows, kk, k0, group_k, w_mask, n_mask, x_ptr.dtype.element_ty, W_SCALE, USE_DOT)
         if GLU:
-            w_up = tl.load(w_up_rows + kk[None, :], mask=w_mask, other=0.0)
+            w_up = weight_tile(w_up_rows, s_up_rows, kk, k0, group_k, w_mask, n_mask, x_ptr.dtype.element_ty, W_SCALE,
+                               USE_DOT)
         acc, acc_up = accumulate_pair(acc, acc_up, w, w_up, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask,
                                        stride_x, stride_r, K, rstd, offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH,
                                        USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M, GLU)
     if not USE_DOT and not ROW_LOOP:
         acc = tl.sum(acc, axis=2)
     if not SPLIT:
+        if W_SCALE == 1:  # a scale a row applies to the row's whole sum
+            acc = acc * tl.load(s_rows, mask=n_mask, other=0.0)[None, :]
+            if GLU:
+                acc_up = acc_up * tl.load(s_up_rows, mask=n_mask, other=0.0)[None, :]
         store_output(acc, acc_up, b_ptr, add_ptr, out_ptr, ss_out_ptr, rows, cols, m_mask, n_mask, M, stride_a,
                       stride_o, HAS_BIAS, HAS_ADD, GLU, GELU_TANH, SS_OUT)
     else:
@@ -170,6 +180,8 @@ def _small_m_linear_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(NUM_SPLITS):  # from L2 (.cg): another SM's writes, never a stale L1 line
                 acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if W_SCALE == 1:
+                acc = acc * tl.load(s_rows, mask=n_mask, other=0.0)[None, :]
             store_output(acc, acc, b_ptr, add_ptr, out_ptr, ss_out_ptr, rows, cols, m_mask, n_mask, M, stride_a,
                           stride_o, HAS_BIAS, HAS_ADD, False, GELU_TANH, SS_OUT)
             tl.atomic_xchg(count_ptr + pid, 0)
@@ -196,13 +208,33 @@ def rows_limit(setting: int, hidden_size: int) -> int:
     return min(setting, 1) if hidden_size >= 4096 else setting
 
 
+def fp8_scaling(weight: torch.Tensor, scale: torch.Tensor, group_k: int, k: int) -> int:
+    """The kernel's W_SCALE for an FP8 weight [N, K] and its scales [N, G] over group_k columns: 1 for a scale a
+    row (G = 1), 2 for a scale a group (K tiles within a group: group_k a multiple of 16)."""
+    n = weight.shape[0]
+    groups = -(-k // max(group_k, 1))
+    if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 or scale.stride(-1) != 1:
+        raise ValueError(f"an FP8 product takes a float8_e4m3fn weight and float32 scales, got {weight.dtype} and "
+                         f"{scale.dtype}")
+    if scale.dim() != 2 or scale.shape[0] != n or scale.shape[1] not in (1, groups):
+        raise ValueError(f"FP8 scales must be [{n}, 1] or [{n}, {groups}] (groups of {group_k} columns), got "
+                         f"{tuple(scale.shape)}")
+    if scale.shape[1] == 1:
+        return 1
+    if group_k % 16:
+        raise ValueError(f"FP8 scale groups of {group_k} columns: the kernel's K tiles need a multiple of 16")
+    return 2
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int, k: int,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             offset: float = 0.0, act: str = "silu", add: torch.Tensor | None = None, config: dict | None = None,
-            glu: bool = False, ss_in: torch.Tensor | None = None, ss_out: bool = False
+            glu: bool = False, ss_in: torch.Tensor | None = None, ss_out: bool = False,
+            scale: torch.Tensor | None = None, group_k: int = 0
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(output, residual sum or None, the output rows' sums of squares per column tile or None)."""
-    tensors = [t for t in (x, weight, bias, residual, norm_weight, add, ss_in) if t is not None]
+    """(output, residual sum or None, the output rows' sums of squares per column tile or None). scale: an FP8
+    weight's float32 scales [N, G], each over group_k columns (engine/quantization/fp8.py)."""
+    tensors = [t for t in (x, weight, bias, residual, norm_weight, add, ss_in, scale) if t is not None]
     require_triton("small_m_linear", *tensors)
     m, n = x.shape[0], weight.shape[0] // (2 if glu else 1)
     if x.dim() != 2 or x.stride(-1) != 1 or weight.dim() != 2 or weight.stride(-1) != 1 or weight.shape[1] != k:
@@ -210,7 +242,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
     if m > MAX_ROWS:
         raise ValueError(f"small_m_linear takes at most {MAX_ROWS} rows, got {m}")
-    if x.dtype != weight.dtype:
+    w_scale = fp8_scaling(weight, scale, group_k, k) if scale is not None else 0
+    if x.dtype != weight.dtype and not w_scale:
         raise ValueError(f"x and weight dtypes differ: {x.dtype} and {weight.dtype}")
     for t, shape in ((residual, (m, k)), (add, (m, n)), (bias, (weight.shape[0],)), (norm_weight, (k,))):
         if t is not None and (tuple(t.shape) != shape or t.stride(-1) != 1):
@@ -221,12 +254,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         raise ValueError(f"row_ss must be float32 [column tiles, {m}], contiguous, with no residual to add; got "
                          f"{tuple(ss_in.shape)} {ss_in.dtype}")
     cfg = {}
-    if m:  # an explicit config (tests, sweeps) overrides the rule's tiles, not this GPU model's exceptions: it asks
-        # for the kernel, unless it is CUBLAS itself
+    if m and w_scale:  # FP8: tiles of their own (measured in the activations' dtype, the others may say CUBLAS)
+        cfg = {"ROW_LOOP": False, **fp8_tiles(m, weight.shape[0], k, group_k if w_scale == 2 else 0, x.device),
+               **({"SPLIT_K": 1} if glu else {}), **(config or {})}
+    elif m:  # an explicit config (tests, sweeps) overrides the rule's tiles, not this GPU model's exceptions: it
+        # asks for the kernel, unless it is CUBLAS itself
         cfg = {"ROW_LOOP": False, "SPLIT_K": 1, **tiles_for(m, weight.shape[0], k, x.device, measured=config is None),
                **({"SPLIT_K": 1} if glu else {}), **(config or {})}  # the gated epilogue takes no split
     if m and config is None:
         cfg = fit_stages(cfg, x.element_size(), 2 if glu else 1, x.device)
+    if w_scale == 2 and m and group_k % cfg["BLOCK_K"]:
+        raise ValueError(f"an FP8 weight's K tile must divide its scale groups of {group_k} columns, got {cfg}")
+    if cfg.get("CUBLAS") and w_scale:
+        raise ValueError("an FP8 weight has no cuBLAS form here (fp8_linear is its unfused product)")
     if cfg.get("CUBLAS"):
         return unfused_product(x, weight, bias, prologue, residual, norm_weight, eps, offset, act, add, glu, ss_out)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -246,13 +286,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         ss_tiles = ss_in.shape[0] if ss_in is not None else 1
         launch(_small_m_linear_kernel, (tiles, splits), x.device,
                x, residual if residual is not None else x, res_out if res_out is not None else out,
-               norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
+               norm_weight if norm_weight is not None else x, weight.view(torch.uint8) if w_scale else weight,
+               scale if scale is not None else out, bias if bias is not None else out,
                add if add is not None else out, out, parts, counts, ss_in if ss_in is not None else out,
                ss if ss is not None else out,
                m, n, k, k_split, splits, ss_tiles, x.stride(0), residual.stride(0) if residual is not None else 0,
                res_out.stride(0) if res_out is not None else 0, weight.stride(0),
-               add.stride(0) if add is not None else 0, out.stride(0), eps, offset,
-               PROLOGUE=prologue, HAS_RES=residual is not None, HAS_OFFSET=bool(offset),
+               scale.stride(0) if scale is not None else 0, max(group_k, 1), add.stride(0) if add is not None else 0,
+               out.stride(0), eps, offset, W_SCALE=w_scale, PROLOGUE=prologue, HAS_RES=residual is not None,
+               HAS_OFFSET=bool(offset),
                GELU_TANH=act == "gelu_pytorch_tanh", HAS_BIAS=bias is not None, HAS_ADD=add is not None,
                DOT_IEEE=x.dtype == torch.float32, SPLIT=splits > 1, GLU=glu, SS_IN=ss_in is not None,
                SS_OUT=ss_out, SS_BLOCK=triton.next_power_of_2(ss_tiles), **cfg)
@@ -267,7 +309,9 @@ def norm_linear(x: torch.Tensor,  # [rows, K], rows <= MAX_ROWS
                 bias: torch.Tensor | None = None,  # [N]
                 config: dict | None = None,
                 row_ss: torch.Tensor | None = None,  # [column tiles, rows] float32, from linear_add_ss; residual None
-                glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                glu: str | None = None,
+                scale: torch.Tensor | None = None,  # [N, G] float32: an FP8 weight's scales (quantization/fp8.py)
+                group_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ weight.T + bias, x + residual), x itself as the second when residual is None.
     row_ss: x's rows' sums of squares as linear_add_ss wrote x, so the norm reads them instead of x's whole rows.
     glu: an activation of ACTIVATIONS; the output is act_and_mul of the product, [rows, I] (a gated MLP's gate_up
@@ -276,39 +320,49 @@ def norm_linear(x: torch.Tensor,  # [rows, K], rows <= MAX_ROWS
         raise ValueError(f"glu takes an activation of {ACTIVATIONS} and a [2 * I, K] weight, got {glu!r} and "
                          f"{tuple(weight.shape)}")
     out, res, _ = _launch(x, weight, bias, PROLOGUE_NORM, x.shape[-1], residual, norm_weight, eps, offset,
-                          act=glu or "silu", config=config, glu=glu is not None, ss_in=row_ss)
+                          act=glu or "silu", config=config, glu=glu is not None, ss_in=row_ss, scale=scale,
+                          group_k=group_k)
     return out, (res if res is not None else x)
 
 
 def act_linear(gate_up: torch.Tensor,  # [rows, 2 * I]: gate then up
                act: str,
                weight: torch.Tensor,  # [N, I]
-               config: dict | None = None) -> torch.Tensor:
+               config: dict | None = None,
+               scale: torch.Tensor | None = None,  # [N, G] float32, an FP8 weight's
+               group_k: int = 0) -> torch.Tensor:
     """act_and_mul(gate_up) @ weight.T: a gated MLP's down projection with its activation."""
     if act not in ACTIVATIONS:
         raise ValueError(f"act_linear supports {ACTIVATIONS}, got {act!r}")
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [rows, 2 * I], got {tuple(gate_up.shape)}")
-    return _launch(gate_up, weight, None, PROLOGUE_ACT, gate_up.shape[1] // 2, act=act, config=config)[0]
+    return _launch(gate_up, weight, None, PROLOGUE_ACT, gate_up.shape[1] // 2, act=act, config=config, scale=scale,
+                   group_k=group_k)[0]
 
 
 def linear_add(x: torch.Tensor,  # [rows, K]
                weight: torch.Tensor,  # [N, K]
                bias: torch.Tensor | None,  # [N]
                add: torch.Tensor,  # [rows, N]
-               config: dict | None = None) -> torch.Tensor:
+               config: dict | None = None,
+               scale: torch.Tensor | None = None,  # [N, G] float32, an FP8 weight's
+               group_k: int = 0) -> torch.Tensor:
     """x @ weight.T + bias, rounded, + add: a projection and the residual add after it."""
-    return _launch(x, weight, bias, PROLOGUE_NONE, x.shape[-1], add=add, config=config)[0]
+    return _launch(x, weight, bias, PROLOGUE_NONE, x.shape[-1], add=add, config=config, scale=scale,
+                   group_k=group_k)[0]
 
 
 def linear_add_ss(x: torch.Tensor,  # [rows, K]
                   weight: torch.Tensor,  # [N, K]
                   bias: torch.Tensor | None,  # [N]
                   add: torch.Tensor,  # [rows, N]
-                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: dict | None = None,
+                  scale: torch.Tensor | None = None,  # [N, G] float32, an FP8 weight's
+                  group_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear_add's output y, y's rows' sums of squares per column tile: float32 [column tiles, rows]), the
     second for the next norm (norm_linear's row_ss), whose statistics then cost no pass over y."""
-    out, _, ss = _launch(x, weight, bias, PROLOGUE_NONE, x.shape[-1], add=add, config=config, ss_out=True)
+    out, _, ss = _launch(x, weight, bias, PROLOGUE_NONE, x.shape[-1], add=add, config=config, ss_out=True,
+                         scale=scale, group_k=group_k)
     return out, ss
 
 

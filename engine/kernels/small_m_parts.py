@@ -6,7 +6,26 @@ from __future__ import annotations
 
 from engine.kernels.triton_compat import tl, triton
 
-__all__ = ["accumulate_pair", "store_output"]
+__all__ = ["accumulate_pair", "store_output", "weight_tile"]
+
+
+@triton.jit
+def weight_tile(w_rows, s_rows, kk, k0, group_k, w_mask, n_mask, x_dtype: tl.constexpr, W_SCALE: tl.constexpr,
+                USE_DOT: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at columns kk (from k0), as the multiply-add takes it. W_SCALE 0: as
+    stored, in the activations' dtype. FP8 (stored as bytes, read as float8_e4m3fn: one byte a weight, half the
+    bytes a step reads): converted exactly to float32; W_SCALE 2 multiplies each row by its scale of the column
+    group the tile lies in (the tile never straddles two: BLOCK_K divides group_k), W_SCALE 1 leaves the row's one
+    scale to the finished sum. The tl.dot form takes the tile in the activations' dtype: dequantized and rounded
+    there as the plain-torch reference dequantizes the whole weight."""
+    if W_SCALE == 0:
+        return tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+    w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if W_SCALE == 2:
+        w = w * tl.load(s_rows + k0 // group_k, mask=n_mask, other=0.0)[:, None]
+    if USE_DOT:
+        w = w.to(x_dtype)
+    return w
 
 
 @triton.jit

@@ -13,7 +13,8 @@ from engine.kernels.triton_compat import shared_memory as _shared_memory
 from engine.kernels.triton_compat import triton
 
 __all__ = ["FMA_MAX_ROWS", "CUBLAS", "FEW_ROWS_MEASURED", "DOT_MEASURED", "DOT_TILES", "DOT_PROGRAMS_PER_SM",
-           "WIDE_LAYERS_MEASURED", "num_sms", "device_name", "tiles_for", "wide_layer_rows", "fit_stages",
+           "WIDE_LAYERS_MEASURED", "FP8_FOLDED_MEASURED", "num_sms", "device_name", "tiles_for", "fp8_tiles",
+           "folds_fp8", "wide_layer_rows", "fit_stages",
            "split_k_range"]
 
 FMA_MAX_ROWS = 4  # up to this many rows the FMA form or the row loop (or tl.dot, by shape); above it tl.dot
@@ -210,23 +211,56 @@ WIDE_LAYERS_MEASURED: dict[str, dict[tuple[tuple[int, int], ...], int]] = {
 }
 
 
+# GPU models on which an FP8 model's layers take the folded products (engine/kernels/small_m_linear.py reading the FP8
+# weights, tiles from fp8_tiles) where they measured faster than the FP8 kernel (engine/quantization/fp8_linear.py)
+# beside separate norm, activation and add kernels: `benchmarks/gpu_decode.py --shape qwen3-8b-fp8 --fp8-folded`
+# against the same without. None yet: the folded FP8 forms are tested against their references
+# (tests/test_small_m_fp8.py under Triton's interpreter, tests/gpu/test_small_m_fp8_cuda.py) but not timed on a GPU,
+# so until a run lists a GPU model here an FP8 model keeps the FP8 kernel there; under the interpreter its layers fold.
+FP8_FOLDED_MEASURED: set[str] = set()
+
+
+def folds_fp8(device: torch.device) -> bool:
+    """Whether an FP8 model's layers take the folded few-row products on this device (FP8_FOLDED_MEASURED)."""
+    return device.type != "cuda" or device_name(device) in FP8_FOLDED_MEASURED
+
+
 def wide_layer_rows(products: tuple[tuple[int, int], ...], device: torch.device) -> int:
     """Up to how many rows (past FMA_MAX_ROWS) a layer whose products have these (N, K) takes the wide path on this
     device by WIDE_LAYERS_MEASURED; 0: none (the engine's setting alone decides)."""
     return WIDE_LAYERS_MEASURED.get(device_name(device), {}).get(tuple(products), 0)
 
 
-def _dot_config(m: int, n: int, k: int, device: torch.device) -> dict:
+def fp8_tiles(m: int, n: int, k: int, group_k: int, device: torch.device) -> dict:
+    """Tiles of an FP8 weight's product (small_m_linear with an FP8 weight's scales): the rule's (the measured
+    tables were swept in 16-bit weights, and may send a shape to cuBLAS, which FP8 has not here). group_k: the scale
+    groups' width (0: a scale a row): a K tile lies within one group, so where the rule's is wider the tile narrows
+    to the group's largest power of two, the FMA form keeping the tile's elements in more output features; where
+    the column tiles are then fewer than DOT_PROGRAMS_PER_SM a SM, K is split (the last program to arrive sums)."""
+    cfg = {"SPLIT_K": 1, **(tiles_for(m, n, k, device, measured=False) if m <= FMA_MAX_ROWS
+                            else _dot_config(m, n, k, device, measured=False))}
+    most = group_k & -group_k
+    if group_k and cfg["BLOCK_K"] > most:
+        if not cfg["USE_DOT"]:
+            cfg["BLOCK_N"] = cfg["BLOCK_N"] * (cfg["BLOCK_K"] // most)
+        cfg["BLOCK_K"] = most
+        tiles, sms = triton.cdiv(n, cfg["BLOCK_N"]), num_sms(device)
+        if tiles < DOT_PROGRAMS_PER_SM * sms:
+            cfg["SPLIT_K"] = max(1, min(triton.cdiv(k, most), triton.cdiv(DOT_PROGRAMS_PER_SM * sms, tiles)))
+    return cfg
+
+
+def _dot_config(m: int, n: int, k: int, device: torch.device, measured: bool = True) -> dict:
     """Rows 5-64: tl.dot on BLOCK_M-row tiles, K split so that the grid has about DOT_PROGRAMS_PER_SM programs per
     SM. Without the split a program owns BLOCK_N features and the whole K, and a 1024-wide projection (a 0.6B
     model's o_proj and down) gets 32-64 programs on 132 SMs: most of the GPU idles while they stream the weights.
     Each split streams a contiguous K range; the splits are made equal (a multiple of BLOCK_K each), none empty."""
     block_m, sms = max(16, triton.next_power_of_2(m)), num_sms(device)
-    measured = DOT_MEASURED.get(device_name(device), {}).get((block_m, n, k))
-    if measured is CUBLAS:
-        return measured
-    if measured is not None:
-        return {"USE_DOT": True, "BLOCK_M": block_m, "SPLIT_K": 1, **measured}
+    tiles = DOT_MEASURED.get(device_name(device), {}).get((block_m, n, k)) if measured else None
+    if tiles is CUBLAS:
+        return tiles
+    if tiles is not None:
+        return {"USE_DOT": True, "BLOCK_M": block_m, "SPLIT_K": 1, **tiles}
     block_n, block_k, warps, stages = DOT_TILES[block_m]
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     split = min(triton.cdiv(k, block_k), max(1, triton.cdiv(DOT_PROGRAMS_PER_SM * sms, triton.cdiv(n, block_n))))

@@ -22,6 +22,7 @@ from engine.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from engine.quantization.fp8 import folded_scales
 
 # checkpoint name fragment -> (our fused parameter fragment, shard id): q/k/v into the fused qkv projection
 QKV_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
@@ -106,9 +107,9 @@ class PreNormDecoderLayer(nn.Module):
         norm and the feed-forward; the feed-forward's output's add is deferred as in `forward`."""
         attn, n1, n2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
         qkv, residual = norm_linear(x, residual, n1.weight, n1.eps, n1.offset, attn.qkv_proj.weight,
-                                    attn.qkv_proj.bias)
+                                    attn.qkv_proj.bias, **folded_scales(attn.qkv_proj))
         o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, *attn.qk_norms(), sinks=attn.sink_logits())
-        residual = linear_add(o, attn.o_proj.weight, attn.o_proj.bias, residual)
+        residual = linear_add(o, attn.o_proj.weight, attn.o_proj.bias, residual, **folded_scales(attn.o_proj))
         return self.mlp(n2(residual)), residual
 
 

@@ -14,6 +14,7 @@ from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderAttention, DecoderModel, input_norm
 from engine.models.layers import RMSNorm, RotaryEmbedding
 from engine.models.llama import GatedMLP, LlamaForCausalLM
+from engine.quantization.fp8 import folded_scales
 
 
 class Gemma3Attention(DecoderAttention):
@@ -64,10 +65,10 @@ class Gemma3DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         n_in, n_ff = self.input_layernorm, self.pre_feedforward_layernorm
         qkv, residual = norm_linear(x, residual, n_in.weight, n_in.eps, n_in.offset, attn.qkv_proj.weight,
-                                    attn.qkv_proj.bias)
+                                    attn.qkv_proj.bias, **folded_scales(attn.qkv_proj))
         o = attn.o_proj(attn.attn.forward_qkv(qkv, positions, md, attn.rotary, attn.q_norm, attn.k_norm))
         gate_up, residual = norm_linear(self.post_attention_layernorm(o), residual, n_ff.weight, n_ff.eps,
-                                        n_ff.offset, mlp.gate_up_proj.weight)
+                                        n_ff.offset, mlp.gate_up_proj.weight, **folded_scales(mlp.gate_up_proj))
         return self.post_feedforward_layernorm(mlp.forward_gate_up(gate_up)), residual
 
 

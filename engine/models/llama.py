@@ -22,6 +22,7 @@ from engine.kernels.small_m_linear import (
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderAttention, DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
 from engine.models.layers import MergedColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
+from engine.quantization.fp8 import folded_scales
 
 
 class LlamaAttention(DecoderAttention):
@@ -63,7 +64,7 @@ class GatedMLP(nn.Module):
     def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
         """down(act(gate) * up) from the gate_up projection's output."""
         if self.act_name in ACTIVATIONS and takes_rows(gate_up, self.small_m_rows):
-            return act_linear(gate_up, self.act_name, self.down_proj.weight)
+            return act_linear(gate_up, self.act_name, self.down_proj.weight, **folded_scales(self.down_proj))
         if self.act_name in ACTIVATIONS and use_fused_kernels(gate_up):
             return self.down_proj(act_and_mul(gate_up, self.act_name))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -107,10 +108,11 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         attention, o_proj+residual, norm+gate_up, act+down (six launches, seven with split-KV attention)."""
         attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         qkv, residual = norm_linear(x, residual, n1.weight, n1.eps, n1.offset, attn.qkv_proj.weight,
-                                    attn.qkv_proj.bias)
+                                    attn.qkv_proj.bias, **folded_scales(attn.qkv_proj))
         o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, *attn.qk_norms())
-        residual = linear_add(o, attn.o_proj.weight, attn.o_proj.bias, residual)
-        gate_up, _ = norm_linear(residual, None, n2.weight, n2.eps, n2.offset, mlp.gate_up_proj.weight)
+        residual = linear_add(o, attn.o_proj.weight, attn.o_proj.bias, residual, **folded_scales(attn.o_proj))
+        gate_up, _ = norm_linear(residual, None, n2.weight, n2.eps, n2.offset, mlp.gate_up_proj.weight,
+                                 **folded_scales(mlp.gate_up_proj))
         return mlp.forward_gate_up(gate_up), residual
 
     def _forward_wide(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | RowSquares | None,
@@ -123,15 +125,15 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         if isinstance(residual, RowSquares):
             qkv, residual = norm_linear(x, None, n1.weight, n1.eps, n1.offset, attn.qkv_proj.weight,
-                                        attn.qkv_proj.bias, row_ss=residual.ss)
+                                        attn.qkv_proj.bias, row_ss=residual.ss, **folded_scales(attn.qkv_proj))
         else:
             qkv, residual = norm_linear(x, residual, n1.weight, n1.eps, n1.offset, attn.qkv_proj.weight,
-                                        attn.qkv_proj.bias)
+                                        attn.qkv_proj.bias, **folded_scales(attn.qkv_proj))
         o = attn.attn.forward_qkv(qkv, positions, md, attn.rotary, *attn.qk_norms())
-        residual, ss = linear_add_ss(o, attn.o_proj.weight, attn.o_proj.bias, residual)
+        residual, ss = linear_add_ss(o, attn.o_proj.weight, attn.o_proj.bias, residual, **folded_scales(attn.o_proj))
         act, _ = norm_linear(residual, None, n2.weight, n2.eps, n2.offset, mlp.gate_up_proj.weight, row_ss=ss,
-                             glu=mlp.act_name)
-        out, ss = linear_add_ss(act, mlp.down_proj.weight, None, residual)
+                             glu=mlp.act_name, **folded_scales(mlp.gate_up_proj))
+        out, ss = linear_add_ss(act, mlp.down_proj.weight, None, residual, **folded_scales(mlp.down_proj))
         return out, RowSquares(ss)
 
 

@@ -118,6 +118,29 @@ class Fp8LinearMethod(QuantizedMethod):
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.scale_group_k, bias)
 
 
+def folded_scales(layer: nn.Module) -> dict[str, Any]:
+    """What the few-row products (engine/kernels/small_m_linear.py) take besides a linear's weight: an FP8 weight's
+    scale rows and their group width, nothing for a weight in the model's dtype."""
+    if isinstance(getattr(layer, "quant_method", None), Fp8LinearMethod):
+        return {"scale": layer.weight_scale, "group_k": layer.scale_group_k}
+    return {}
+
+
+def folds_quantized(model: nn.Module) -> bool:
+    """Whether the few-row products can read every quantized weight of `model`: FP8 linears whose scale groups the
+    kernel steps through (a scale a row, or groups of a multiple of 16 columns). Other formats (none today) run
+    through their own kernels, the model's layers unfolded."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        if not isinstance(method, Fp8LinearMethod):
+            return False
+        if module.weight_scale.shape[1] > 1 and module.scale_group_k % 16:
+            return False
+    return True
+
+
 class Fp8Config(QuantizationConfig):
     """FP8 weights for every linear but those the config leaves out."""
 

@@ -10,7 +10,7 @@ import torch
 from engine.config import EngineConfig, graph_batch_sizes, mixed_graph_token_sizes, resolve_attention_backend
 from engine.kernels.activation import ACTIVATIONS
 from engine.kernels.small_m_linear import rows_limit
-from engine.kernels.small_m_tiles import wide_layer_rows
+from engine.kernels.small_m_tiles import folds_fp8, wide_layer_rows
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
 from engine.model_config import ModelConfig
 from engine.models.eagle3 import build_eagle3_head
@@ -18,6 +18,7 @@ from engine.models.loader import build_model
 from engine.models.moe import max_graph_tokens
 from engine.parallel import get_tp_group
 from engine.quantization import is_quantized, weights_summary
+from engine.quantization.fp8 import folds_quantized
 from engine.runner.cuda_graphs import ForwardGraphs, GraphPool
 from engine.runner.draft_vocabulary import DraftVocabularyHead, restrict_draft_head
 from engine.runner.input_buffers import InputBuffers
@@ -124,15 +125,20 @@ class ModelRunner:
         wide layer takes past that cap where this GPU measured its wide path faster (`wide_layer_rows`). Not under
         tensor parallelism: a row-parallel product's partial sums must be all-reduced before the residual add that
         the kernel would fold into it."""
-        # Quantized products run through their own kernels (engine/quantization); the folded kernels read bf16.
-        on = rows > 0 and get_tp_group().size == 1 and not is_quantized(self.model)
+        # FP8 weights fold as the model's dtype does (the kernels read them as bytes and scale them) where that was
+        # measured faster (small_m_tiles.folds_fp8); the wide layers' rows were measured in 16-bit weights, so an FP8
+        # model's stop at the cap.
+        quantized = is_quantized(self.model)
+        on = (rows > 0 and get_tp_group().size == 1
+              and (not quantized or (folds_quantized(self.model) and folds_fp8(self.device))))
         rows = rows_limit(rows, self.model_config.hidden_size) if on else 0
+        wide = on and not quantized
         for module in self.model.modules():
             if hasattr(module, "small_m_rows"):
                 module.small_m_rows = rows
             if hasattr(module, "wide_rows") and module.mlp.act_name in ACTIVATIONS:
                 # past the cap: a wide layer's verify rows where this GPU measured its wide path faster
-                module.wide_rows = wide_layer_rows(module.product_shapes(), self.device) if on else 0
+                module.wide_rows = wide_layer_rows(module.product_shapes(), self.device) if wide else 0
 
     def _build_persistent_decoder(self, rows: int) -> None:
         """Give the model its persistent decoder (engine/kernels/persistent_plan.py) where EngineConfig asks for one
