@@ -18,13 +18,16 @@ def weight_tile(w_rows, s_rows, kk, k0, group_k, w_mask, n_mask, x_dtype: tl.con
     group the tile lies in (the tile never straddles two: BLOCK_K divides group_k), W_SCALE 1 leaves the row's one
     scale to the finished sum. The tl.dot form takes the tile in the activations' dtype: dequantized and rounded
     there as the plain-torch reference dequantizes the whole weight."""
+    # if/else, not an early return: the compiler still builds what follows a return inside a constexpr branch,
+    # and the FP8 conversion does not build for a 16-bit weight
     if W_SCALE == 0:
-        return tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
-    w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    if W_SCALE == 2:
-        w = w * tl.load(s_rows + k0 // group_k, mask=n_mask, other=0.0)[:, None]
-    if USE_DOT:
-        w = w.to(x_dtype)
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+    else:
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if W_SCALE == 2:
+            w = w * tl.load(s_rows + k0 // group_k, mask=n_mask, other=0.0)[:, None]
+        if USE_DOT:
+            w = w.to(x_dtype)
     return w
 
 
