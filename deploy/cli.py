@@ -168,7 +168,10 @@ def _serve(args: argparse.Namespace) -> int:
         # A local cluster for this process, with a logical CPU for each HTTP/gRPC replica, and for each engine
         # replica's router and model ranks: each reserves one, and on a small box they would otherwise wait forever
         # for each other; they are single-threaded and mostly idle, so oversubscribing the cores is harmless.
-        ray.init(num_cpus=max(os.cpu_count() or 1, _local_cpus(cfg)), include_dashboard=False,
+        # address="local": a cluster of its own even where a run that crashed left Ray's current-cluster file
+        # behind, which ray.init() without an address would try to join (and fail: "When connecting to an existing
+        # cluster, num_cpus and num_gpus must not be provided").
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, _local_cpus(cfg)), include_dashboard=False,
                  logging_level=logging.INFO if args.verbose else logging.WARNING)
     # The handler only appends to a list: a threading.Event set from a handler deadlocks when a second signal (a
     # second Ctrl-C, a supervisor's SIGTERM after SIGINT) lands while the first handler holds the Event's lock.

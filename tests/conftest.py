@@ -230,7 +230,8 @@ def local_ray(num_cpus: int = 4, num_gpus: int | None = None) -> Iterator[None]:
     from serving import serve_process_env
 
     serve_process_env.apply()  # the Serve process settings `specserve serve` runs with
-    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
+    # address="local": this module's own cluster, whatever Ray's current-cluster file says (a killed run leaves it)
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
     try:
         yield

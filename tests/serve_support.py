@@ -116,7 +116,8 @@ def running_server(config: dict[str, Any], num_cpus: int = 6, address: str | Non
     os.environ["RAY_SERVE_HAPROXY_STATS_PORT"], os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = (
         str(free_port()), str(free_port()))
     apply_local_cluster_env(config)  # the Serve process settings `specserve serve` runs with
-    where: dict[str, Any] = {"address": address} if address else {"num_cpus": num_cpus, "include_dashboard": False}
+    where: dict[str, Any] = ({"address": address} if address
+                             else {"address": "local", "num_cpus": num_cpus, "include_dashboard": False})
     ray.init(**where, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
                                        "OMP_NUM_THREADS": "1"}})

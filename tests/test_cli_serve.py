@@ -3,7 +3,8 @@ model positional, `--speculative-config` JSON, vLLM's engine flags), HAProxy in 
 completion through its port that speculates, then signals in a row (an impatient user's Ctrl-Cs, a supervisor's
 SIGTERM after them): it must drain, shut down and exit 0. (Its handler takes no lock: a threading.Event set there hung
 the CLI for good when a second signal landed inside the first one's handler, seen by hand with SIGINT then SIGTERM;
-that race is timing-dependent and this test does not force it.) Bad models and flags fail before Ray starts."""
+that race is timing-dependent and this test does not force it.) It starts with a stale current-cluster file of Ray's
+left behind, as a crashed run leaves it. Bad models and flags fail before Ray starts."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from byte_models import make_byte_models
+from ray._common.utils import get_ray_address_file
 from serve_support import REPO, SERVE_CLI, free_port, scrape, wait_for_serve_cli
 
 from serving.serve_process_env import haproxy_binary
@@ -29,6 +31,12 @@ def test_vllm_launch_line_serves_with_speculation_then_two_signals_exit_cleanly(
     port, grpc_port = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     log = (tmp_path / "serve.log").open("w+")
+    # A run that crashed left Ray's current-cluster file behind, naming a cluster long gone: `ray.init()` without an
+    # address would try to join it and fail; the CLI starts a cluster of its own.
+    stale = Path(get_ray_address_file(None))
+    before = stale.read_text() if stale.exists() else None
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text("192.0.2.1:6379")
     spec = {"model": draft, "num_speculative_tokens": 3, "method": "draft_model", "draft_tensor_parallel_size": 1,
             "rejection_sampling": "strict", "draft_placement": "colocated"}  # one worker process, not two
     proc = subprocess.Popen(
@@ -64,6 +72,10 @@ def test_vllm_launch_line_serves_with_speculation_then_two_signals_exit_cleanly(
             proc.kill()
             proc.wait()
         log.close()
+        if before is not None:
+            stale.write_text(before)
+        elif stale.exists() and stale.read_text() == "192.0.2.1:6379":
+            stale.unlink()
 
 
 @pytest.mark.parametrize("args, cause", [

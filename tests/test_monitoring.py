@@ -159,7 +159,7 @@ def stack(tmp_path_factory):
     from serving import serve_process_env
 
     serve_process_env.apply()  # the Serve process settings `specserve serve` runs with
-    ray.init(num_cpus=6, resources=pools, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=6, resources=pools, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=ray_port,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
                                        "OMP_NUM_THREADS": "1"}})
