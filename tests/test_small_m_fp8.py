@@ -22,12 +22,13 @@ def test_small_m_fp8_under_interpreter():
     assert_pytest_children_pass(__file__, split_by("greedy"))
 
 
-def fp8_weight(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(FP8 weight, its scales held a row [N, G], group_k) as engine/quantization/fp8.py holds them."""
+def fp8_weight(w: torch.Tensor, block: tuple[int, int] | None, device: str = "cpu"
+               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(FP8 weight, its scales held a row [N, G], group_k) on `device`, as engine/quantization/fp8.py holds them."""
     q, s = quantize_fp8(w, block)
     if block is None:
-        return q, s.contiguous(), w.shape[1]
-    return q, s.repeat_interleave(block[0], 0)[:w.shape[0]].contiguous(), block[1]
+        return q.to(device), s.contiguous().to(device), w.shape[1]
+    return q.to(device), s.repeat_interleave(block[0], 0)[:w.shape[0]].contiguous().to(device), block[1]
 
 
 def check_small_m_fp8(device: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 2, 3, 5, 17),
@@ -46,11 +47,9 @@ def check_small_m_fp8(device: str, dtype: torch.dtype, rows: tuple[int, ...] = (
 
     for k, n in shapes:
         for block in blocks:
-            q, s, gk = (t.to(device) if isinstance(t, torch.Tensor) else t
-                        for t in fp8_weight(torch.randn(n, k, generator=g) * k ** -0.5, block))
+            q, s, gk = fp8_weight(torch.randn(n, k, generator=g) * k ** -0.5, block, device)
             w = dequantize_rows(q, s, gk, dtype)
-            gu_q, gu_s, _ = (t.to(device) if isinstance(t, torch.Tensor) else t
-                             for t in fp8_weight(torch.randn(2 * n, k, generator=g) * k ** -0.5, block))
+            gu_q, gu_s, _ = fp8_weight(torch.randn(2 * n, k, generator=g) * k ** -0.5, block, device)
             gu_w = dequantize_rows(gu_q, gu_s, gk, dtype)
             fp8 = dict(scale=s, group_k=gk, config=config)
             bias, nw = rand(n), rand(k, scale=0.1) + 1.0

@@ -254,13 +254,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         raise ValueError(f"row_ss must be float32 [column tiles, {m}], contiguous, with no residual to add; got "
                          f"{tuple(ss_in.shape)} {ss_in.dtype}")
     cfg = {}
-    if m and w_scale:  # FP8: tiles of their own (measured in the activations' dtype, the others may say CUBLAS)
-        cfg = {"ROW_LOOP": False, **fp8_tiles(m, weight.shape[0], k, group_k if w_scale == 2 else 0, x.device),
-               **({"SPLIT_K": 1} if glu else {}), **(config or {})}
-    elif m:  # an explicit config (tests, sweeps) overrides the rule's tiles, not this GPU model's exceptions: it
-        # asks for the kernel, unless it is CUBLAS itself
-        cfg = {"ROW_LOOP": False, "SPLIT_K": 1, **tiles_for(m, weight.shape[0], k, x.device, measured=config is None),
-               **({"SPLIT_K": 1} if glu else {}), **(config or {})}  # the gated epilogue takes no split
+    if m:
+        # FP8: tiles of their own (the tables were measured in 16-bit weights and may say CUBLAS). Otherwise an
+        # explicit config (tests, sweeps) overrides the rule's tiles, not this GPU model's exceptions: it asks for
+        # the kernel, unless it is CUBLAS itself. The gated epilogue takes no split.
+        tiles = (fp8_tiles(m, weight.shape[0], k, group_k if w_scale == 2 else 0, x.device) if w_scale
+                 else {"SPLIT_K": 1, **tiles_for(m, weight.shape[0], k, x.device, measured=config is None)})
+        cfg = {"ROW_LOOP": False, **tiles, **({"SPLIT_K": 1} if glu else {}), **(config or {})}
     if m and config is None:
         cfg = fit_stages(cfg, x.element_size(), 2 if glu else 1, x.device)
     if w_scale == 2 and m and group_k % cfg["BLOCK_K"]:

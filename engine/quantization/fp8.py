@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.quantization import QuantizationConfig, QuantizedMethod, all_or_none, register_quantization
-from engine.quantization.fp8_linear import fp8_linear
+from engine.quantization.fp8_linear import fp8_linear, steps_within_groups
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -136,7 +136,7 @@ def folds_quantized(model: nn.Module) -> bool:
             continue
         if not isinstance(method, Fp8LinearMethod):
             return False
-        if module.weight_scale.shape[1] > 1 and module.scale_group_k % 16:
+        if not steps_within_groups(module.weight_scale, module.scale_group_k):
             return False
     return True
 

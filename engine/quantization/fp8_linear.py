@@ -169,6 +169,12 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
 
 
+def steps_within_groups(scale: torch.Tensor, group_k: int) -> bool:
+    """Whether a few-row kernel's K steps can each lie within one scale group of these scales [N, G]: a scale a row,
+    or groups of a multiple of 16 columns (the least K step)."""
+    return scale.shape[1] == 1 or group_k % 16 == 0
+
+
 def kernel_rows(scale: torch.Tensor) -> int:
     """Rows up to which fp8_linear takes the kernel for a weight of these scales [N, G]: MAX_BLOCK_M (one read of W)
     for a scale a row, whose more rows go to torch._scaled_mm's FP8 tensor cores (one read of W too); FEW_ROWS for
@@ -183,7 +189,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
     reference."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    kernel_groups = scale.shape[1] == 1 or group_k % 16 == 0  # the kernel's K steps lie within a scale group
+    kernel_groups = steps_within_groups(scale, group_k)
     on_kernels = interpreting() or (x.is_cuda and _has_fp8(x.device))
     rows = x2.shape[0]
     if HAS_TRITON and on_kernels and 0 < rows <= kernel_rows(scale) and kernel_groups:
