@@ -9,6 +9,9 @@ PIP := $(PY) -m pip
 # A CPU build; machines with CUDA can install their own torch first (>= 2.5 is accepted).
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
+# Test processes side by side (pytest-xdist), each taking whole files (their module fixtures, a Ray cluster among
+# them, start once). Two keep both cores of a CI machine busy where one test waits on a server or a child process.
+TEST_WORKERS ?= 2
 # Flags of `specserve serve` / `specserve generate` for `make serve` / `make generate`.
 ARGS ?=
 
@@ -61,7 +64,7 @@ lint: install-test
 
 test: install-test test-tools
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench-cpu: install-test
 	$(PY) benchmarks/cpu_decode.py

@@ -25,7 +25,7 @@ from gpu_shapes import eagle3_head_dir, shape_dir
 
 from engine import LLM, SamplingParams
 from engine.kernels.triton_compat import set_pdl
-from engine.speculation.draft_cost_model import BucketCosts
+from engine.speculation.draft_cost_model import Acceptance, BucketCosts
 from engine.speculation.draft_length_rule import bucket_of
 
 
@@ -222,6 +222,11 @@ def main() -> None:
         phases = PhaseLog(llm)
         for rate in (float(r) for r in args.rates.split(",")):
             llm.engine.spec_config.synthetic_acceptance_rate = rate
+            if rule:
+                # A row is a server whose traffic accepts at this rate: the rule's acceptance counts start afresh,
+                # not from the last rate's (they decay over a few hundred steps, longer than a row's warm-up).
+                llm.engine.draft_lengths.rule.acceptance = Acceptance()
+                llm.engine.draft_lengths.rule.requests.clear()
             for b in batches:
                 phases.reset()
                 if log is not None:

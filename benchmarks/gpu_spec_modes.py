@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import statistics
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 from common import environment, markdown_table, save_json
 from gpu_shapes import shape_dir
-from gpu_spec import PhaseLog, per_position
+from gpu_spec import ChoiceLog, PhaseLog, per_position
 
 from engine import LLM, SamplingParams
 
@@ -88,6 +89,20 @@ def main() -> None:
     for mode in modes:
         llms[mode] = LLM(target, **mode_options(mode, draft, args.k, args.rate), **common)
         phases[mode] = PhaseLog(llms[mode])
+    # The draft length rule's choices and step times, of the first rule mode (ChoiceLog patches a class: one engine)
+    pauses: list[float] = []  # ms of each full (generation 2) garbage collection in the timed rounds
+    started: list[float] = []
+
+    def gc_timer(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                started[:] = [time.perf_counter()]
+            elif started:
+                pauses.append((time.perf_counter() - started[0]) * 1e3)
+
+    gc.callbacks.append(gc_timer)
+    rule_mode = next((m for m in modes if m.startswith("rule")), None)
+    choices = ChoiceLog(llms[rule_mode]) if rule_mode is not None else None
     vocab = llms[modes[0]].engine.vocab_size
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     cuda = args.device.startswith("cuda")
@@ -100,6 +115,10 @@ def main() -> None:
         for ph in phases.values():
             ph.reset()
             ph.on = True
+        if choices is not None:
+            choices.reset()
+            choices.on = True
+        pauses.clear()
         for _ in range(args.rounds):
             for mode, llm in llms.items():
                 if cuda:
@@ -109,13 +128,20 @@ def main() -> None:
                 tok_s[mode].append(b * args.new_tokens / (time.perf_counter() - t0))
         for ph in phases.values():
             ph.on = False
+        if choices is not None:
+            choices.on = False
+            print(f"batch {b} {rule_mode}: {choices.summary(b)}", flush=True)
+        gc_ms = sorted(pauses, reverse=True)
+        print(f"batch {b}: {len(gc_ms)} full garbage collections in the timed rounds, longest ms "
+              f"{[round(x, 1) for x in gc_ms[:6]]}", flush=True)
         base = statistics.median(tok_s["alone"]) if "alone" in tok_s else None
         for mode in modes:
             t = statistics.median(tok_s[mode])
             pl = llms[mode].engine.executor.pipeline
             rows.append({"mode": mode, "batch": b, "tok_s": t, "vs_alone": t / base if base else None,
                          "queued_ahead": pl.num_queued_ahead if pl else None,
-                         "overlapped": pl.num_overlapped if pl else None, "phases_ms": phases[mode].medians()})
+                         "overlapped": pl.num_overlapped if pl else None, "phases_ms": phases[mode].medians(),
+                         **({"choices": choices.summary(b), "trace": choices.trace} if mode == rule_mode else {})})
             print(f"batch {b} {mode}: {t:.1f} tok/s; phases (ms) {phases[mode].medians()}", flush=True)
     print(markdown_table(rows, ["mode", "batch", "tok_s", "vs_alone", "queued_ahead", "overlapped"]))
     if args.profile_batch is not None:

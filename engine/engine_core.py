@@ -284,6 +284,11 @@ class EngineCore:
         if self.async_scheduling and on_dispatched is not None:
             on_dispatched()
         self.in_flight.add(InFlightStep(scheduled, handle, self.last_step, schedule_seconds))
+        if self.async_scheduling and self.executor.runs_when_collected(handle):
+            # The step runs only when collected (a step that speculates, in process): planning the next one from
+            # bounds before it would overlap nothing and cost the host more (a plan of open entries, resolved
+            # later). Collect it first; steps without speculation still queue one ahead.
+            self.in_flight.sync_next = True
 
     def _collect(self) -> list[Request]:
         """Wait for the oldest step in flight and commit it; returns the requests it gave tokens or finished."""

@@ -43,7 +43,8 @@ class LocalExecutor:
         # (engine/decode_pipeline.py): that needs the next plan before those tokens, i.e. asynchronous scheduling.
         # With a draft model the steps without speculation (the draft length rule's k = 0) queue alike, the draft
         # sitting them out and catching up at the next step that speculates; steps that speculate run when
-        # collected, in order, so that the scheduler plans the next one meanwhile and each step's time is its own.
+        # collected, in order, and the engine collects such a step before it plans the next (runs_when_collected):
+        # planned ahead of it, the next plan overlapped nothing and cost the host more.
         # An EAGLE-3 head and speculation ahead need every step whole (DraftSide.sits_out_queued_steps): their steps
         # all run at once, where submitting early saves nothing and only delays each step's tokens by one step (off
         # unless asked for; tests exercise it). On CPU a queued step runs at once: off unless asked for there too.
@@ -87,6 +88,10 @@ class LocalExecutor:
             self._deferred.clear()  # the engine forgets every step in flight (and plans explicit input next)
             raise
         return plan.step_id
+
+    def runs_when_collected(self, handle: StepResult | int) -> bool:
+        """A step that speculates, kept for `collect` (see submit)."""
+        return bool(self._deferred) and self._deferred[-1].step_id == handle
 
     def collect(self, handle: StepResult | int) -> StepResult:
         if isinstance(handle, StepResult):

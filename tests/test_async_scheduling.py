@@ -5,8 +5,11 @@ sampled outputs exact in distribution, stops and max_tokens at the right token, 
 every KV block and every side's request state released at the end.
 
 The in-process executor runs a step that speculates when it is collected (a step without drafts it queues on the
-device at once, engine/decode_pipeline.py), so these tests exercise the whole protocol (open entries, bounds,
-deferred frees, finished ids) without Ray; tests/test_ray_executor.py runs it across processes.
+device at once, engine/decode_pipeline.py), and by default the engine collects such a step before it plans the
+next (planning ahead of it would overlap nothing). These tests plan ahead of it all the same (`plans_ahead`), as
+the engine does with an executor that sends each step at submit (Ray's workers), so that they exercise the whole
+protocol (open entries, bounds, deferred frees, finished ids) without Ray; tests/test_ray_executor.py runs it across
+processes, and the last test here checks the in-process default.
 """
 
 from __future__ import annotations
@@ -28,11 +31,20 @@ from test_spec_distribution import (
 )
 
 from engine import LLM, SamplingParams
+from engine.local_executor import LocalExecutor
 from engine.request import Request
 from engine.step.plan import PlannedRequest, StepPlan
 from engine.step.request_table import RequestTable
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "plans_ahead")
+
+
+@pytest.fixture
+def plans_ahead(request, monkeypatch):
+    """The engine plans the next step before it collects one that speculates, as it does with Ray's executor (a
+    test marked `in_process_default` keeps the in-process executor's own answer)."""
+    if "in_process_default" not in request.keywords:
+        monkeypatch.setattr(LocalExecutor, "runs_when_collected", lambda self, handle: False)
 
 ASYNC = dict(ENGINE_KW, async_scheduling=True)
 
@@ -333,3 +345,19 @@ def test_a_step_whose_commit_fails_is_never_committed_again(tiny_models, near_dr
     ref = target_greedy("llama")
     assert [r.output_token_ids for r in fresh] == ref[:2]
     assert_kv_released(llm)
+
+
+@pytest.mark.in_process_default
+def test_in_process_collects_a_speculating_step_before_planning_the_next(tiny_models, near_drafts, target_greedy):
+    """In process a step that speculates runs when collected, so the engine collects it before planning the next:
+    no plan goes out with open entries, every submit comes after the collect of the step before, and the tokens are
+    the target alone's."""
+    llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
+              adaptive_draft_length=False, **ASYNC)
+    seen = _watch(llm)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == target_greedy("llama")
+    assert llm.spec_stats(outs).num_drafts > 0
+    assert seen["sent"] and not any(p.token_ids is None for plan in seen["sent"] for p in plan.requests)
+    assert not any(a[0] == "submit" and b == ("collect", a[1] - 1) for a, b in zip(seen["order"], seen["order"][1:]))
+    _assert_released(llm)

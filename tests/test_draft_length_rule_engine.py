@@ -137,7 +137,7 @@ def test_sampling_follows_target_while_k_changes(small_vocab_pair, async_schedul
     llm = LLM(target_path, draft_model=draft_path, num_speculative_tokens=2, rejection_sampling="probabilistic",
               seed=77, block_size=4, max_model_len=16, max_num_seqs=DIST_SAMPLES // 7,
               max_num_batched_tokens=3 * DIST_SAMPLES, async_scheduling=async_scheduling)
-    chosen = _cycling(llm, [2, 0, 1, 2, 0])
+    chosen = _cycling(llm, [2, 0, 1, 1, 2, 0, 2])
     steps = record_commits(llm)
     outs = llm.generate([DIST_PROMPT] * DIST_SAMPLES, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
     assert all(len(o.token_ids) == 3 for o in outs)

@@ -23,6 +23,14 @@ covered by a credit that grows by PROBE_SHARE of every other step's time and pay
 catch-up included), so probing a slow k costs about that share of the time however slow it is. The first probe of a
 bucket (its second k, the other end of 0..K: the line needs two points) comes as soon as the first k has a figure.
 
+Rechecks: a burst of slow steps (a garbage collection, a host stall: several steps in a row, whatever their k) can
+lift the figure of the k running through it, and the rule then leaves that k for another; or it can fall on a k's
+first probe. Such a figure would hold until a probe, and the credit rations probes by that very figure (gemma-3-1b
++ 270m at batch 64 on an H100: after one burst lifted k = 0's figure to 3x its steps, the rule ran k = 1-2 for the
+rest of the run, where k = 0 ran at the target alone's speed). So a k the rule leaves, and a k measured once and
+not chosen, is measured again RECHECK_STEPS steps later whatever the credit (which still pays for it): once per
+leave or first figure.
+
 Per request: a request whose own acceptance (enough drafts of its own measured) puts a draft position below what
 that position costs (its expected accepted tokens under E(k) x v / T(k), v the verify's seconds for one more k
 across the batch) drafts fewer than the step's k; the step's structure takes one k a request (ScheduledRequest's
@@ -57,6 +65,7 @@ SETTLE_STEPS = 1  # steps after a switch of k or bucket not timed (a catch-up, o
 WINDOW_STEPS = 3  # timed steps a probe runs
 PROBE_STEPS = SETTLE_STEPS + WINDOW_STEPS
 MIN_PROBE_GAP = 32  # steps of a bucket between the starts of two probes, at least
+RECHECK_STEPS = 16  # steps of a bucket after which a k left or measured once is measured again (see Rechecks)
 PROBE_SHARE = 0.03  # share of the engine's time probes may take
 MARGIN = 0.02  # the current k is kept unless another promises this share more tokens a second
 UNCERTAINTY = 1.0  # standard deviations of a k > 0's acceptance-driven estimate by which k = 0 must beat it
@@ -93,6 +102,7 @@ class DraftLengthRule:
         self._current: dict[int, int] = {}  # bucket -> the k it runs outside probes
         self._probe: dict[int, tuple[int, int]] = {}  # bucket -> (probed k, steps left)
         self._last_probe: dict[int, int] = {}  # bucket -> its step count at its last probe's start
+        self._recheck: dict[int, dict[int, int]] = {}  # bucket -> {k to measure again: the bucket's step count then}
         self._run: tuple[int, int] | None = None  # (bucket, k) of the steps committed since the last switch
         self._run_steps = 0
         self._last_commit: float | None = None
@@ -150,6 +160,12 @@ class DraftLengthRule:
                 return only, False
             return self._start_probe(b, st, self.max_k if only == 0 else 0), True  # the line's second point
         best = self._best(b, st)
+        due = self._recheck.get(b, {})
+        due.pop(best, None)  # the k that runs is measured as it runs
+        k = min((k for k, at in due.items() if st.steps - at >= RECHECK_STEPS), key=due.get, default=None)
+        if k is not None:
+            del due[k]
+            return self._start_probe(b, st, k), True
         target = self._probe_target(st, best)
         if target is not None and st.steps - self._last_probe.get(b, 0) >= MIN_PROBE_GAP:
             cost = PROBE_STEPS * (st.seconds(target) or 0.0)
@@ -203,6 +219,8 @@ class DraftLengthRule:
                 spread = expected_tokens_std(a, self.acceptance.variances(kb), kb) / st.seconds(kb)
                 if rates[kb] + UNCERTAINTY * spread >= (1.0 - MARGIN) * rates[0]:
                     best = kb
+        if cur is not None and cur != best:
+            self._recheck.setdefault(b, {})[cur] = st.steps  # left: measured again later (see Rechecks)
         self._current[b] = best
         return best
 
@@ -267,6 +285,8 @@ class DraftLengthRule:
             self.catch_up_token_seconds = x if c is None else c + SMOOTHING * (x - c)
         if self._run_steps <= SETTLE_STEPS or not p.timed or dt <= 0.0:
             return
+        if p.k not in st.step:
+            self._recheck.setdefault(p.bucket, {})[p.k] = st.steps  # a first figure: confirmed later (Rechecks)
         st.observe(p.k, dt, propose_seconds if p.k else None)
 
     def forget(self, request_id: str) -> None:

@@ -35,6 +35,11 @@ class Executor(Protocol):
         """Send the plan on its way; returns a handle for `collect`. Steps run in the order submitted."""
         ...
 
+    def runs_when_collected(self, handle: Any) -> bool:
+        """Whether a submitted step waits for `collect` to run at all (nothing of it is on its way yet): planning
+        the next step before collecting it would then overlap nothing, so the engine collects it first."""
+        ...
+
     def collect(self, handle: Any) -> StepResult:
         """Wait for a submitted step's result (handles are collected in the order submitted)."""
         ...

@@ -263,6 +263,9 @@ class RayExecutor:
         except Exception as e:
             self.health.raise_step_error(e)
 
+    def runs_when_collected(self, handle: tuple[Any, float]) -> bool:
+        return False  # submitted is sent: the workers run it while the router plans the next
+
     def collect(self, handle: tuple[Any, float]) -> StepResult:
         """Wait for a submitted step's result (target rank 0's)."""
         ref, t0 = handle
