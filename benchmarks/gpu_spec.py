@@ -67,11 +67,12 @@ class ChoiceLog:
         observe = BucketCosts.observe
 
         def sampled(st: BucketCosts, k: int, seconds: float, propose_seconds: float | None) -> None:
-            if self.on:
+            # The patch is the class's, seen by every rule engine of the process: keep this rule's samples only.
+            if self.on and any(st is mine for mine in self.rule.buckets.values()):
                 self.samples.setdefault(k, []).append(seconds)
             observe(st, k, seconds, propose_seconds)
 
-        BucketCosts.observe = sampled  # one rule engine at a time: gpu_spec runs one
+        BucketCosts.observe = sampled
 
         def logged(batch_size: int, catch_up_tokens: int = 0) -> int:
             k = choose(batch_size, catch_up_tokens)

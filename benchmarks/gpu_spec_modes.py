@@ -89,7 +89,7 @@ def main() -> None:
     for mode in modes:
         llms[mode] = LLM(target, **mode_options(mode, draft, args.k, args.rate), **common)
         phases[mode] = PhaseLog(llms[mode])
-    # The draft length rule's choices and step times, of the first rule mode (ChoiceLog patches a class: one engine)
+    # The draft length rule's choices and step times, of the first rule mode
     pauses: list[float] = []  # ms of each full (generation 2) garbage collection in the timed rounds
     started: list[float] = []
 
