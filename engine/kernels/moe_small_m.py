@@ -110,29 +110,39 @@ cvt.f32.f16 $7, h7;
 
 @triton.jit
 def _packed_dot(blocks_ptr, scales_ptr, expert, rows, rows_ok, blocks_e, blocks_r, scales_e, scales_r, x_lo, x_hi,
-                k0, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
-    """[BLOCK_N] sum over the BLOCK_K inputs from k0 of W[rows, k] * x[k], W decoded from MXFP4 in the kernel:
-    BLOCK_K / 2 bytes a row loaded as one tile, the low nibble (even k) against x_lo = x[k0 + 2j], the high one
-    against x_hi = x[k0 + 2j + 1]; each 32-value block's products summed, then scaled by 2 ** (scale - 127) once."""
-    lo, hi = _packed_codes(blocks_ptr, expert, rows, rows_ok, blocks_e, blocks_r, k0, k_end, BLOCK_K, PTX)
-    prod = lo * x_lo[None, :] + hi * x_hi[None, :]  # [BLOCK_N, BLOCK_K / 2]
-    per_block = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 32, 16)), axis=2)  # [BLOCK_N, BLOCK_K / 32]
-    # _e2m1's 2 ** 14 back on the block sums (not in the exponent: a scale of 254 would overflow there).
-    return tl.sum(per_block * 16384.0 * _block_powers(scales_ptr, expert, rows, rows_ok, scales_e, scales_r, k0, k_end,
-                                                      BLOCK_K), axis=1)
+                g, g_ok, PTX: tl.constexpr):
+    """[BLOCK_N] sum over the 32-value blocks g of W[rows, 32 g:32 g + 32] . x, W decoded from MXFP4 in the kernel;
+    x_lo / x_hi [G, 16]: x[32 g + 2 j] / x[32 g + 2 j + 1], against the low / high nibbles. Each block's sum is
+    scaled once."""
+    lo, hi = _packed_codes(blocks_ptr, expert, rows, rows_ok, blocks_e, blocks_r, g, g_ok, PTX)
+    per_block = tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], axis=2)  # [N, G]
+    # _e2m1's 2 ** 14 back on the block sums (not in the exponent: a scale of 241 or more would overflow there).
+    return tl.sum(per_block * 16384.0 * _block_powers(scales_ptr, expert, rows, rows_ok, scales_e, scales_r, g, g_ok),
+                  axis=1)
 
 
 @triton.jit
-def _packed_codes(blocks_ptr, expert, rows, rows_ok, blocks_e, blocks_r, k0, k_end, BLOCK_K: tl.constexpr,
-                  PTX: tl.constexpr):
-    """Expert `expert`'s MXFP4 codes of W[rows, k0:k0 + BLOCK_K] as (even k, odd k) float32 tiles [rows, BLOCK_K / 2]
-    of their values / 2 ** 14 (_e2m1): BLOCK_K / 2 bytes a row loaded as one tile, low nibble first."""
-    e = expert.to(tl.int64)
-    j = tl.arange(0, BLOCK_K // 2)
-    ok = rows_ok[:, None] & ((k0 + 2 * j) < k_end)[None, :]
-    # k0 is a whole number of BLOCK_K steps: the hint lets the byte loads go out as wide vectors.
-    start = tl.multiple_of(k0 // 2, BLOCK_K // 2)
-    byte = tl.load(blocks_ptr + e * blocks_e + rows[:, None] * blocks_r + (start + j)[None, :], mask=ok, other=0)
+def _block_pairs(v_ptr, g, g_ok):
+    """([G, 16], [G, 16]) float32 v[32 g + 2 j] and v[32 g + 2 j + 1]: a vector's values against the low and high
+    nibbles of blocks g."""
+    j = tl.arange(0, 16)
+    p = v_ptr + g[:, None] * 32 + 2 * j[None, :]
+    return (tl.load(p, mask=g_ok[:, None], other=0.0).to(tl.float32),
+            tl.load(p + 1, mask=g_ok[:, None], other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _packed_codes(blocks_ptr, expert, rows, rows_ok, blocks_e, blocks_r, g, g_ok, PTX: tl.constexpr):
+    """Expert `expert`'s MXFP4 codes of W[rows, 32 g:32 g + 32] as (even k, odd k) float32 tiles [rows, G, 16] of
+    their values / 2 ** 14 (_e2m1), low nibble first.
+
+    The bytes are loaded as an [N, G, 16] tile, a block's 16 bytes a (row, g), and masked by block: each thread
+    loads a block with one 16-byte load and (in _packed_dot) sums it in its registers. Loaded as [N, 16 G] and
+    masked by code, the same tile went out as one-byte loads and was moved between threads for the blocks' sums:
+    about 9 instructions a weight in the compiled loop for an H100, against 5.5 in this form."""
+    offs = rows[:, None, None] * blocks_r + g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    byte = tl.load(blocks_ptr + expert.to(tl.int64) * blocks_e + offs,
+                   mask=rows_ok[:, None, None] & g_ok[None, :, None], other=0)  # [N, G, 16] uint8
     if PTX:
         lo, hi = _e2m1_ptx(byte)
     else:
@@ -141,11 +151,10 @@ def _packed_codes(blocks_ptr, expert, rows, rows_ok, blocks_e, blocks_r, k0, k_e
 
 
 @triton.jit
-def _block_powers(scales_ptr, expert, rows, rows_ok, scales_e, scales_r, k0, k_end, BLOCK_K: tl.constexpr):
-    """[rows, BLOCK_K / 32] float32 2 ** (scale - 127) of each 32-value block of W[rows, k0:k0 + BLOCK_K] (e8m0)."""
-    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+def _block_powers(scales_ptr, expert, rows, rows_ok, scales_e, scales_r, g, g_ok):
+    """[rows, G] float32 2 ** (scale - 127) of each 32-value block g of W[rows] (e8m0)."""
     scale = tl.load(scales_ptr + expert.to(tl.int64) * scales_e + rows[:, None] * scales_r + g[None, :],
-                    mask=rows_ok[:, None] & (g * 32 < k_end)[None, :], other=127).to(tl.float32)
+                    mask=rows_ok[:, None] & g_ok[None, :], other=127).to(tl.float32)
     return tl.exp2(scale - 127.0)
 
 
@@ -181,14 +190,14 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, part_ptr, top
     k_end = tl.minimum(s * k_slice + k_slice, hidden)
     x_row = x_ptr + token * stride_xt
     for k0 in range(s * k_slice, k_end, BLOCK_K):
-        if PACKED:
-            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            x_lo = tl.load(x_row + even, mask=even < k_end, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_row + even + 1, mask=even + 1 < k_end, other=0.0).to(tl.float32)
+        if PACKED:  # K is whole 32-value blocks (MXFP4's), and so are the slices
+            g = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # [G] blocks
+            g_ok = g * 32 < k_end
+            x_lo, x_hi = _block_pairs(x_row, g, g_ok)
             acc_g += _packed_dot(blocks_ptr, scales_ptr, expert, g_rows, n_ok, blocks_e, blocks_r, scales_e,
-                                 scales_r, x_lo, x_hi, k0, k_end, BLOCK_N, BLOCK_K, PTX)
+                                 scales_r, x_lo, x_hi, g, g_ok, PTX)
             acc_u += _packed_dot(blocks_ptr, scales_ptr, expert, u_rows, n_ok, blocks_e, blocks_r, scales_e,
-                                 scales_r, x_lo, x_hi, k0, k_end, BLOCK_N, BLOCK_K, PTX)
+                                 scales_r, x_lo, x_hi, g, g_ok, PTX)
         else:
             k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
             k_ok = k < k_end
@@ -253,11 +262,11 @@ def _down_kernel(act_ptr, ids_ptr, route_w_ptr, w_ptr, blocks_ptr, scales_ptr, b
     a_row = act_ptr + row * inter
     for k0 in range(s * k_slice, k_end, BLOCK_K):
         if PACKED:
-            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            a_lo = tl.load(a_row + even, mask=even < k_end, other=0.0)
-            a_hi = tl.load(a_row + even + 1, mask=even + 1 < k_end, other=0.0)
+            g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            g_ok = g * 32 < k_end
+            a_lo, a_hi = _block_pairs(a_row, g, g_ok)
             acc += _packed_dot(blocks_ptr, scales_ptr, expert, n, n_ok, blocks_e, blocks_r, scales_e, scales_r, a_lo,
-                               a_hi, k0, k_end, BLOCK_N, BLOCK_K, PTX)
+                               a_hi, g, g_ok, PTX)
         else:
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < k_end

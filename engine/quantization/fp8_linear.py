@@ -35,11 +35,11 @@ if HAS_TRITON:
     def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, G, group_k, k_slice,
                            stride_xm, stride_wn, stride_sn, stride_om, HAS_BIAS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+                           PRECISION: tl.constexpr, SPLIT: tl.constexpr, W_PTX: tl.constexpr):
         """One program a BLOCK_N slice of the outputs for BLOCK_M rows over one slice of K; each BLOCK_K step lies in
         one scale group (BLOCK_K divides group_k, or G is 1), so the group's scales multiply the step's partial
         products. SPLIT: the slice's float32 partial sums go to out[slice] for _sum_slices_kernel; else the
-        output (with the bias) in out's dtype."""
+        output (with the bias) in out's dtype. W_PTX: bfloat16 activations, the weight converted by _e4m3_bf16."""
         pid = tl.program_id(0)
         sl = tl.program_id(1)
         rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -54,7 +54,10 @@ if HAS_TRITON:
             x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             # The weight as bytes, read as float8_e4m3fn: every FP8 value is exact in the activations' dtype.
             w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-            w = w.to(tl.float8e4nv, bitcast=True).to(x.dtype)
+            if W_PTX:
+                w = _e4m3_bf16(w)
+            else:
+                w = w.to(tl.float8e4nv, bitcast=True).to(x.dtype)
             g = tl.minimum(k0 // group_k, G - 1)
             s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0)
             acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32, input_precision=PRECISION) * s[None, :]
@@ -65,6 +68,33 @@ if HAS_TRITON:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             out = acc.to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _e4m3_bf16(byte):
+        """float8_e4m3fn bytes -> bfloat16, exact (NaN aside), on the integer and bf16 pipes: each byte moved to
+        the high byte of a 16-bit half, its exponent and mantissa shifted to bfloat16's low exponent bits (sign
+        kept), then the half times 2 ** 120 (bfloat16's exponent bias less e4m3's; e4m3's subnormals land on
+        bfloat16's, exact there too). Triton's own conversion goes through float16 and a float16 -> bfloat16
+        convert a weight, and Hopper converts types at 16 a clock per SM: 2.5 TB/s of FP8 weights at most on an
+        H100, below its memory's 3. Four bytes ($2) make two registers of two halves."""
+        return tl.inline_asm_elementwise("""
+            {
+            .reg .b32 a, b, c;
+            mov.b32 c, 0x7B807B80;
+            prmt.b32 a, $2, 0, 0x1404;
+            prmt.b32 b, $2, 0, 0x3424;
+            shr.b32 $0, a, 4;
+            and.b32 $0, $0, 0x07F007F0;
+            and.b32 a, a, 0x80008000;
+            or.b32 $0, $0, a;
+            mul.rn.bf16x2 $0, $0, c;
+            shr.b32 $1, b, 4;
+            and.b32 $1, $1, 0x07F007F0;
+            and.b32 b, b, 0x80008000;
+            or.b32 $1, $1, b;
+            mul.rn.bf16x2 $1, $1, c;
+            }
+            """, "=r,=r,r", [byte], dtype=tl.bfloat16, is_pure=True, pack=4)
 
     @triton.jit
     def _sum_slices_kernel(part_ptr, b_ptr, out_ptr, M, N, S, stride_om, HAS_BIAS: tl.constexpr,
@@ -94,7 +124,7 @@ def _block_k(group_k: int, groups: int, most: int = 128) -> int:
 # The launch's tiles: output features a program (BLOCK_N), the largest K step (BLOCK_K; within a scale group),
 # warps, pipeline stages, and the programs a launch aims for (about four per SM of an H100; fewer output tiles than
 # that split K in slices). `fp8_linear_kernel(tiles=...)` overrides them (benchmarks/gpu_fp8.py sweeps them).
-TILES = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs": 528}
+TILES = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs": 528, "ptx": True}
 
 
 def fp8_linear_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int,
@@ -126,7 +156,9 @@ def fp8_linear_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     _fp8_linear_kernel[(n_tiles, splits, m_blocks)](
         x, weight.view(torch.uint8), scale, bias if bias is not None else scale, part, m, n, k, groups, group_k,
         k_slice, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits > 1, num_warps=cfg["num_warps"],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits > 1,
+        W_PTX=bool(cfg["ptx"]) and x.dtype == torch.bfloat16 and x.is_cuda and not interpreting(),
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         # float32 activations: products in IEEE float32, as the reference's matmul (tl.dot would round them to TF32);
         # the 16-bit types are exact in either.
