@@ -1,5 +1,5 @@
 """How long one full garbage collection takes in a process that holds an engine, before and after its startup heap
-is frozen (serving/gc_heap.py, which every serving process calls once started).
+is frozen (engine/gc_heap.py, which every serving process calls once started).
 
 Python runs a full collection whenever the objects that survived earlier ones have grown by a quarter; in a serving
 process that pause stalls every request in flight. This builds the in-process engine (engine.LLM) as a worker or
@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import LLM, SamplingParams  # noqa: E402
-from serving.gc_heap import freeze_startup_heap  # noqa: E402
+from engine.gc_heap import freeze_startup_heap  # noqa: E402
 
 
 def full_collections_ms(repeats: int) -> list[float]:

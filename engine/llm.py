@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import LaunchConfig, option_default, resolve_device, resolve_dtype
 from engine.engine_core import EngineCore
+from engine.gc_heap import freeze_startup_heap
 from engine.local_executor import LocalExecutor
 from engine.model_setup import configure_engine, read_speculative_config, split_launch
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, SpecStats
@@ -71,6 +72,7 @@ class LLM:
         self.executor = LocalExecutor(target, draft, keep_probs, self.engine_config.seed)
         self.engine = EngineCore(self.executor, self.engine_config, self.tokenizer, target_cfg.eos_token_ids, spec)
         self._ids = itertools.count()
+        self.gc_frozen = freeze_startup_heap(f"offline engine of {launch.model}")  # engine/gc_heap.py: why
 
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

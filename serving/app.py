@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from engine.gc_heap import freeze_startup_heap
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, LOCAL_ENGINE_BUILDER
 from serving.engine_deployment import ENGINE_DEPLOYMENT, EngineReplica
 from serving.front_end import FrontEnd, tokenizer_source
-from serving.gc_heap import freeze_startup_heap
 from serving.serving_defaults import DRAIN_TIMEOUT_S, TENANT_TIMEOUT_S
 
 if TYPE_CHECKING:

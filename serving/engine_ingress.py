@@ -21,10 +21,10 @@ from typing import Any
 
 from ray import serve
 
+from engine.gc_heap import freeze_startup_heap
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER
 from serving.engine_deployment import ENGINE_DEPLOYMENT, EngineReplica
 from serving.front_end import FrontEnd, tokenizer_source
-from serving.gc_heap import freeze_startup_heap
 
 
 class InProcessStream:

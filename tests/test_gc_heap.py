@@ -1,6 +1,7 @@
-"""serving/gc_heap.py: a serving process's startup heap frozen out of garbage collection, garbage collected first.
-The processes that call it (workers, routers, ingress replicas) are checked where they start: tests/
-test_ray_executor.py (worker actors) and tests/test_reliability_faults.py (a router actor)."""
+"""engine/gc_heap.py: an engine's or serving process's startup heap frozen out of garbage collection, garbage
+collected first. The offline engine is checked here; the serving processes that call it (workers, routers, ingress
+replicas) where they start: tests/test_ray_executor.py (worker actors) and tests/test_reliability_faults.py (a router
+actor)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import weakref
 
 import pytest
 
-from serving.gc_heap import freeze_startup_heap
+from engine.gc_heap import freeze_startup_heap
 
 
 @pytest.fixture
@@ -40,3 +41,20 @@ def test_live_objects_are_frozen_and_garbage_is_collected_first(unfrozen) -> Non
     # Objects made afterwards are tracked (and collected) as usual.
     later = _Node()
     assert id(later) in {id(o) for o in gc.get_objects()}
+
+
+def test_the_offline_engine_freezes_its_heap_and_a_later_one_reclaims_the_first(unfrozen, tiny_models) -> None:
+    from engine.llm import LLM
+
+    first = LLM(tiny_models["llama"].path, device="cpu", dtype="float32")
+    assert first.gc_frozen > 10_000  # torch, transformers and the model: the engine's startup heap
+    node = _Node()
+    node.other = _Node()
+    node.other.other = node  # a reference cycle, frozen with the first engine
+    gc.freeze()
+    dead = weakref.ref(node)
+    del node
+    gc.collect()
+    assert dead() is not None  # frozen garbage outlives a collection...
+    LLM(tiny_models["llama"].path, device="cpu", dtype="float32")
+    assert dead() is None  # ...until the next engine thaws and collects it before freezing

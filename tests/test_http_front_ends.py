@@ -105,7 +105,7 @@ def test_haproxy_holds_the_ports_and_the_app_has_its_deployments(server: Server,
         proc = _listener(port)
         assert "haproxy" in proc.name(), (port, proc.name(), proc.cmdline()[:2])
     assert set(serve.status().applications[APP].deployments) == FRONT_ENDS[front_end][1]
-    # The engine replica froze its startup heap once it was built (serving/gc_heap.py); with direct streaming
+    # The engine replica froze its startup heap once it was built (engine/gc_heap.py); with direct streaming
     # that is after its front end (tokenizer, HTTP app) too, so the count covers it.
     stats = serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP).stats.remote().result(timeout_s=30)
     assert stats["gc_frozen_objects"] > 10_000, stats

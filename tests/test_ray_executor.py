@@ -66,7 +66,7 @@ def test_target_only_tp1_matches_llm(tiny_models: dict[str, TinyModel]) -> None:
         # The worker process switches threads every 200 us, not Python's 5 ms (see set_gil_switch_interval).
         interval = ray.get(engine.executor.target.workers[0].__ray_call__.remote(lambda self: sys.getswitchinterval()))
         assert interval == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_S)
-        # Its startup heap (torch, the model) is frozen out of garbage collection (serving/gc_heap.py); a frozen
+        # Its startup heap (torch, the model) is frozen out of garbage collection (engine/gc_heap.py); a frozen
         # object freed by its reference count since leaves the count.
         info = ray.get(engine.executor.target.workers[0].info.remote())
         frozen = ray.get(engine.executor.target.workers[0].__ray_call__.remote(lambda self: gc.get_freeze_count()))

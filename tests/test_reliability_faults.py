@@ -204,7 +204,7 @@ def test_kv_exhaustion_preempts_and_recomputes(server: Server, tmp_path: Path, o
     assert _preemptions(exposition) > 0
     assert stats["kv_blocks_used"] == {"target/0": 0, "draft/0": 0}, stats
     assert stats["healthy"] and stats["num_running"] == 0 and stats["num_waiting"] == 0
-    assert stats["gc_frozen_objects"] > 10_000, stats  # the router's startup heap (serving/gc_heap.py)
+    assert stats["gc_frozen_objects"] > 10_000, stats  # the router's startup heap (engine/gc_heap.py)
 
 
 # --- a worker killed mid-stream ----------------------------------------------------------------------------

@@ -40,7 +40,7 @@ MAX_ROUTED_ROWS = 64  # routed rows (tokens x top_k) up to which the model takes
 # loads of many programs overlap), and whether MXFP4 is decoded by the PTX of _e2m1_ptx (where the kernels compile
 # for a GPU; Triton's interpreter runs _e2m1). `moe_experts(tiles=...)` overrides them (benchmarks/gpu_moe.py sweeps
 # them).
-TILES = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 2, "programs": 1056, "ptx": True}
+TILES = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "programs": 2112, "ptx": True}
 
 
 @triton.jit

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from engine.gc_heap import freeze_startup_heap
 from serving.engine_builders import DEFAULT_ENGINE_BUILDER, import_builder
-from serving.gc_heap import freeze_startup_heap
 from serving.router.admission_queue import AdmissionQueue
 from serving.router.draft_moves import DraftMoves
 from serving.router.engine_report import engine_info, engine_summary, engine_weights, scraped_metrics
@@ -58,7 +58,7 @@ logger = logging.getLogger("specserve")
 class Router:
     """Owns one EngineCore. `engine_args` go to the builder (LLM's arguments for the local engine)."""
 
-    FREEZE_HEAP_AT_INIT = True  # serving.gc_heap: freeze the startup heap at the end of __init__
+    FREEZE_HEAP_AT_INIT = True  # engine.gc_heap: freeze the startup heap at the end of __init__
 
     def __init__(self, engine_args: dict[str, Any], engine_builder: str = DEFAULT_ENGINE_BUILDER,
                  model_name: str | None = None, max_queued_requests: int | None = None,

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, resolve_dtype
 from engine.decode_pipeline import DecodePipeline
+from engine.gc_heap import freeze_startup_heap
 from engine.kv_cache.spec import KVCacheGroupSpec
 from engine.model_config import ModelConfig
 from engine.models.eagle3_config import is_eagle3_checkpoint
@@ -43,7 +44,6 @@ from engine.step.phases import HOST, book_between, book_remote_proposal
 from engine.step.plan import StepPlan, StepResult
 from engine.step.proposal import DraftProposal
 from engine.step.request_table import RequestTable
-from serving.gc_heap import freeze_startup_heap
 from serving.thread_switch import set_gil_switch_interval
 from serving.workers.step_topology import graph_node
 
@@ -68,7 +68,7 @@ class WorkerInfo:
     # A draft colocated in the target's ranks (RayExecutor's draft_placement "colocated"): its KV caches.
     draft_kv_groups: list[KVCacheGroupSpec] | None = None
     draft_num_blocks: int = 0
-    gc_frozen: int = 0  # objects frozen out of garbage collection at start (serving/gc_heap.py)
+    gc_frozen: int = 0  # objects frozen out of garbage collection at start (engine/gc_heap.py)
     # What the rank's weights hold, {"bytes", "format"} (engine/quantization.weights_summary), and its colocated
     # draft's.
     weights: dict[str, Any] | None = None
