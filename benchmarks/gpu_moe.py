@@ -54,11 +54,11 @@ def expert_bytes(ex: FusedExperts) -> int:
 
 
 def tilings(quick: bool) -> list[dict]:
-    """Each tiling with the PTX decode (Triton's own decode lost at every tiling on an H100, as did BLOCK_K 64 and 8
-    warps): output features a program x inputs a step x warps x programs a launch aims for."""
-    grid = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "programs": p, "ptx": True}
-            for n, k, w, p in itertools.product((16, 32, 64), (128, 256, 512), (2, 4), (1056, 2112))
-            if n * k <= 16384]
+    """Each tiling with the PTX decode (Triton's own decode lost at every tiling on an H100, as did BLOCK_K 64, 2
+    warps and fewer than 1056 programs after the block-wise loads on an H200): output features a program x inputs a
+    step x warps x programs a launch aims for x the K walk's pipeline stages."""
+    grid = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "programs": p, "ptx": True, "stages": st}
+            for n, k, w, p, st in itertools.product((16, 32), (256, 512), (4, 8), (2112, 4224), (1, 3))]
     return grid[:6] if quick else grid
 
 
@@ -110,7 +110,7 @@ def main() -> None:
             us = graph_us(call, calls=len(layers))
             row = {"shape": args.shape, "packed": packed, "tokens": tokens, "rows": tokens * top_k,
                    "experts": touched, "kernel": kernel,
-                   **{k: tiles.get(k, "") for k in ("BLOCK_N", "BLOCK_K", "num_warps", "programs", "ptx")},
+                   **{k: tiles.get(k, "") for k in ("BLOCK_N", "BLOCK_K", "num_warps", "programs", "ptx", "stages")},
                    "us": round(us, 2), "floor_us": round(nbytes / bandwidth * 1e6, 2),
                    "x_floor": round(us / (nbytes / bandwidth * 1e6), 2), "GBps": round(nbytes / us / 1e3, 1),
                    "rel_err": f"{err:.1e}", "default": tiles is moe_small_m.TILES or tiles is moe_grouped.TILES}
@@ -119,7 +119,7 @@ def main() -> None:
                 best[kernel] = row
         table += [r for r in rows if r["tokens"] == tokens and r["default"]] + list(best.values())
     cols = ["shape", "packed", "tokens", "rows", "experts", "kernel", "ptx", "BLOCK_N", "BLOCK_K", "num_warps",
-            "programs", "us", "floor_us", "x_floor", "GBps", "rel_err"]
+            "programs", "stages", "us", "floor_us", "x_floor", "GBps", "rel_err"]
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print(markdown_table(table, cols))
     save_json(args.out, {"env": environment(), "bandwidth": bandwidth, "rows": rows})

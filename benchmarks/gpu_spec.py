@@ -53,6 +53,9 @@ class ChoiceLog:
         self.samples: dict[int, list[float]] = {}  # k -> the step seconds the rule took in, in order
         # Every committed step in order: (k, probe, timed, catch-up tokens, ms from the commit before it).
         self.trace: list[tuple[int, bool, bool, int, float]] = []
+        # Each choice of a new k outside probes: (trace index, batch size, k before, k, the bucket's step ms by k,
+        # the acceptance by position), the figures the rule chose from.
+        self.switches: list[tuple] = []
         choose = self.rule.choose
         observe_step = self.rule.observe
 
@@ -75,16 +78,23 @@ class ChoiceLog:
         BucketCosts.observe = sampled
 
         def logged(batch_size: int, catch_up_tokens: int = 0) -> int:
+            before = self.rule.last_k
             k = choose(batch_size, catch_up_tokens)
             if self.on and batch_size > 0:
                 self.ks[k] = self.ks.get(k, 0) + 1
                 self.probes += self.rule._probing
+                if k != before and not self.rule._probing:
+                    st = self.rule.buckets.get(bucket_of(batch_size))
+                    ms = {j: round(t * 1e3, 3) for j in range(self.rule.max_k + 1)
+                          if st is not None and (t := st.seconds(j)) is not None}
+                    self.switches.append((len(self.trace), batch_size, before, k, ms,
+                                          [round(a, 3) for a in self.rule.acceptance.rates(self.rule.max_k)]))
             return k
 
         self.rule.choose = logged
 
     def reset(self) -> None:
-        self.ks, self.probes, self.samples, self.trace = {}, 0, {}, []
+        self.ks, self.probes, self.samples, self.trace, self.switches = {}, 0, {}, [], []
 
     def summary(self, batch: int) -> str:
         st = self.rule.buckets.get(bucket_of(batch))

@@ -131,6 +131,9 @@ def main() -> None:
         if choices is not None:
             choices.on = False
             print(f"batch {b} {rule_mode}: {choices.summary(b)}", flush=True)
+            for sw in choices.switches[:12]:
+                print(f"  switch at step {sw[0]}: batch {sw[1]}, k {sw[2]} -> {sw[3]}, step ms {sw[4]}, "
+                      f"acceptance {sw[5]}", flush=True)
         gc_ms = sorted(pauses, reverse=True)
         print(f"batch {b}: {len(gc_ms)} full garbage collections in the timed rounds, longest ms "
               f"{[round(x, 1) for x in gc_ms[:6]]}", flush=True)
@@ -141,7 +144,8 @@ def main() -> None:
             rows.append({"mode": mode, "batch": b, "tok_s": t, "vs_alone": t / base if base else None,
                          "queued_ahead": pl.num_queued_ahead if pl else None,
                          "overlapped": pl.num_overlapped if pl else None, "phases_ms": phases[mode].medians(),
-                         **({"choices": choices.summary(b), "trace": choices.trace} if mode == rule_mode else {})})
+                         **({"choices": choices.summary(b), "trace": choices.trace, "switches": choices.switches}
+                            if mode == rule_mode else {})})
             print(f"batch {b} {mode}: {t:.1f} tok/s; phases (ms) {phases[mode].medians()}", flush=True)
     print(markdown_table(rows, ["mode", "batch", "tok_s", "vs_alone", "queued_ahead", "overlapped"]))
     if args.profile_batch is not None:

@@ -27,7 +27,7 @@ from engine.kernels import moe_grouped, moe_small_m
 from engine.quantization import fp8_linear
 
 
-def _kernels(block_n: int, block_k: int, ptx: bool) -> dict[str, tuple]:
+def _kernels(block_n: int, block_k: int, ptx: bool, stages: int = 1) -> dict[str, tuple]:
     """name -> (kernel, {arg: type}, divisible-by-16 args, constexprs, weights a program handles a trip)."""
     moe_args = ("top_k hidden inter rows k_slice stride_xt stride_we stride_wr blocks_e blocks_r scales_e scales_r"
                 .split())
@@ -43,7 +43,8 @@ def _kernels(block_n: int, block_k: int, ptx: bool) -> dict[str, tuple]:
     return {
         "moe_gate_up": (moe_small_m._gate_up_kernel, gate_up,
                         {"hidden", "inter", "k_slice", "stride_xt", "blocks_e", "blocks_r", "scales_e"},
-                        dict(PACKED=True, OAI=True, BLOCK_N=block_n, BLOCK_K=block_k, PTX=ptx, USE_PDL=False),
+                        dict(PACKED=True, OAI=True, BLOCK_N=block_n, BLOCK_K=block_k, PTX=ptx, STAGES=stages,
+                             USE_PDL=False),
                         2 * block_n * block_k),
         "moe_grouped_gate_up": (moe_grouped._gate_up_act_kernel, grouped,
                                 {"hidden", "inter", "stride_xt", "blocks_e", "blocks_r", "scales_e", "stride_be"},
@@ -57,9 +58,9 @@ def _kernels(block_n: int, block_k: int, ptx: bool) -> dict[str, tuple]:
     }
 
 
-def loop_stats(name: str, block_n: int, block_k: int, warps: int, ptx: bool) -> dict:
+def loop_stats(name: str, block_n: int, block_k: int, warps: int, ptx: bool, stages: int = 1) -> dict:
     """The K loop's SASS instruction count, per weight of a thread, and its ten commonest opcodes."""
-    fn, sig, div16, consts, weights = _kernels(block_n, block_k, ptx)[name]
+    fn, sig, div16, consts, weights = _kernels(block_n, block_k, ptx, stages)[name]
     index = {a: i for i, a in enumerate(fn.arg_names)}
     attrs = {(index[a],): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr") or a in div16}
     src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")},
@@ -83,9 +84,10 @@ def main() -> None:
     ap.add_argument("kernel", choices=sorted(_kernels(16, 256, True)))
     ap.add_argument("--tiles", default="16,256,4", help="BLOCK_N,BLOCK_K,num_warps")
     ap.add_argument("--ptx", type=int, default=1, help="the kernel's PTX decode or conversion (1) or Triton's (0)")
+    ap.add_argument("--stages", type=int, default=1, help="the MoE few-row kernel's K-walk pipeline stages")
     args = ap.parse_args()
     n, k, w = (int(v) for v in args.tiles.split(","))
-    print(loop_stats(args.kernel, n, k, w, bool(args.ptx)))
+    print(loop_stats(args.kernel, n, k, w, bool(args.ptx), args.stages))
 
 
 if __name__ == "__main__":

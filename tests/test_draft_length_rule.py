@@ -228,6 +228,80 @@ def test_a_burst_of_slow_steps_does_not_hold_the_rule_off_its_k(burst_at):
     assert rule.last_k == 0
 
 
+# The gemma-3-1b + 270m shapes at batch 8 on an H200, queued k = 0 steps (ms), and a short burst that fell in a run
+# of k = 0 there (1.58, 3.07, 3.09, 2.13 ms against 1.45).
+BATCH_8_MS = {0: 1.45, 1: 3.1, 2: 4.0, 3: 4.8}
+SHORT_BURST_MS = (0.13, 1.62, 1.64, 0.68)
+
+
+def test_a_short_burst_does_not_move_the_rule_off_its_k():
+    """A few slow steps in a row within a run of the winning k: with a k's figure the median of its last five steps,
+    three of them were enough to lift k = 0's above k = 2's, and the rule ran ten steps at k > 0 (13% of the target
+    alone's rate over the run on the GPU). The figure's window is long enough that they do not move it."""
+    clock = Clock()
+    rule = DraftLengthRule(3, clock=clock)
+    rng = random.Random(0)
+    ks = []
+    for i in range(400):
+        k = rule.choose(8)
+        probed = rule._probing
+        rule.planned(i, k, timed=True)
+        verifies = []
+        for r in range(8):
+            n = 0
+            while n < k and rng.random() < 0.7:
+                n += 1
+            if k:
+                verifies.append((f"r{r}", k, n))
+        clock.t += (BATCH_8_MS[k] + (SHORT_BURST_MS[i - 300] if 0 <= i - 300 < len(SHORT_BURST_MS) else 0.0)) / 1e3
+        rule.observe(i, verifies, None)
+        ks.append((k, probed))
+    assert settled(ks[:300], 100) == [0] * len([1 for _, p in ks[200:300] if not p])  # k = 0 wins before it
+    assert settled(ks, 100) == [0] * len([1 for _, p in ks[300:] if not p]), ks[300:320]
+
+
+# The gemma-3-1b + 270m shapes at batch 64 on an H100 (ms), the draft's catch-up a missed token, and a slowdown of
+# every step that came there for a few steps (k = 0 steps at 4.6 ms against 2.5).
+BATCH_64_MS = {0: 2.5, 1: 7.0, 2: 9.8, 3: 11.0}
+CATCH_UP_MS = 0.01
+
+
+def test_a_slowdown_of_every_k_does_not_move_the_rule_on_old_figures():
+    """k = 0's figure, fresh, rose with a slowdown of every step; k = 1's, hundreds of steps old, did not: the rule
+    moved to k = 1, paid the draft's catch-up on everything it had missed (95 ms, 38 steps' worth) and ran at k > 0
+    for tens of steps (0.63x the target alone over the run). A move waits for a fresh figure of its destination,
+    and a probe of it waits for the credit to cover the catch-up."""
+    clock = Clock()
+    rule = DraftLengthRule(3, clock=clock)
+    rng = random.Random(0)
+    missed, ks, spent = 0, [], 0.0
+    for i in range(600):
+        k = rule.choose(64, missed)
+        probed = rule._probing
+        rule.planned(i, k, timed=True)
+        verifies = []
+        for r in range(64):
+            n = 0
+            while n < k and rng.random() < 0.7:
+                n += 1
+            if k:
+                verifies.append((f"r{r}", k, n))
+        ms = BATCH_64_MS[k] * (1.8 if 400 <= i < 408 else 1.0)
+        if k:
+            ms, missed = ms + missed * CATCH_UP_MS, 0
+        else:
+            missed += 64
+        clock.t += ms / 1e3
+        spent += ms if i >= 300 else 0.0
+        rule.observe(i, verifies, None)
+        ks.append((k, probed))
+    assert settled(ks[:400], 100) == [0] * len([1 for _, p in ks[300:400] if not p])  # k = 0 wins before it
+    moved = [i for i, (k, p) in enumerate(ks) if i >= 400 and k and not p]
+    assert not moved, ks[400:440]
+    alone = 300 * BATCH_64_MS[0] + 8 * 0.8 * BATCH_64_MS[0]
+    assert spent <= 1.05 * alone, spent / alone
+
+
 def test_probes_are_bounded():
     clock = Clock()
     rule = DraftLengthRule(K, clock=clock)

@@ -38,9 +38,10 @@ MAX_ROUTED_ROWS = 64  # routed rows (tokens x top_k) up to which the model takes
 # The launch's tiles: output features a program (BLOCK_N), inputs a step of its K walk (BLOCK_K, a multiple of
 # MXFP4's 32-value block), warps, and the programs a launch aims for (about four per SM of an H100's 132, so the
 # loads of many programs overlap), and whether MXFP4 is decoded by the PTX of _e2m1_ptx (where the kernels compile
-# for a GPU; Triton's interpreter runs _e2m1). `moe_experts(tiles=...)` overrides them (benchmarks/gpu_moe.py sweeps
-# them).
-TILES = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "programs": 2112, "ptx": True}
+# for a GPU; Triton's interpreter runs _e2m1), and the K walk's pipeline stages (above 1, the next steps' weight bytes
+# are copied to shared memory asynchronously while a step computes). `moe_experts(tiles=...)` overrides them
+# (benchmarks/gpu_moe.py sweeps them).
+TILES = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "programs": 2112, "ptx": True, "stages": 1}
 
 
 @triton.jit
@@ -175,7 +176,7 @@ def _gate_up_rows(n, inter, OAI: tl.constexpr):
 def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, part_ptr, top_k, hidden, inter, rows, k_slice,
                     stride_xt, stride_we, stride_wr, blocks_e, blocks_r, scales_e, scales_r,
                     PACKED: tl.constexpr, OAI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PTX: tl.constexpr, USE_PDL: tl.constexpr):
+                    PTX: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """Gate and up partial sums of one routed row over one slice of K: part[s, 0 | 1, row, n]."""
     wait_for_previous_kernel(USE_PDL)  # first: x and the expert ids are the kernels' before (the router's)
     row = tl.program_id(0).to(tl.int64)  # routed row: token * top_k + j
@@ -189,7 +190,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, part_ptr, top
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     k_end = tl.minimum(s * k_slice + k_slice, hidden)
     x_row = x_ptr + token * stride_xt
-    for k0 in range(s * k_slice, k_end, BLOCK_K):
+    for k0 in tl.range(s * k_slice, k_end, BLOCK_K, num_stages=STAGES):
         if PACKED:  # K is whole 32-value blocks (MXFP4's), and so are the slices
             g = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # [G] blocks
             g_ok = g * 32 < k_end
@@ -249,7 +250,7 @@ def _activation(gate, up, alpha, limit, OAI: tl.constexpr):
 def _down_kernel(act_ptr, ids_ptr, route_w_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr, y_ptr, hidden, inter,
                  rows, k_slice, stride_we, stride_wr, blocks_e, blocks_r, scales_e, scales_r, stride_be,
                  PACKED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PTX: tl.constexpr, USE_PDL: tl.constexpr):
+                 PTX: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """One K slice's weighted partial sum of one routed row's down projection: y[s, row, n] (the bias in slice 0)."""
     wait_for_previous_kernel(USE_PDL)  # first: see triton_compat (programmatic dependent launch)
     row = tl.program_id(0).to(tl.int64)
@@ -260,7 +261,7 @@ def _down_kernel(act_ptr, ids_ptr, route_w_ptr, w_ptr, blocks_ptr, scales_ptr, b
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     k_end = tl.minimum(s * k_slice + k_slice, inter)
     a_row = act_ptr + row * inter
-    for k0 in range(s * k_slice, k_end, BLOCK_K):
+    for k0 in tl.range(s * k_slice, k_end, BLOCK_K, num_stages=STAGES):
         if PACKED:
             g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             g_ok = g * 32 < k_end
@@ -347,7 +348,7 @@ def moe_experts(x: torch.Tensor,  # [T, H]
     if rows == 0:
         return torch.zeros_like(x)
     cfg = {**TILES, **(tiles or {})}
-    block_n, block_k, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    block_n, block_k, warps, stages = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["stages"]
     if block_k % 32 or block_k & (block_k - 1) or block_n & (block_n - 1):
         raise ValueError(f"moe_experts: BLOCK_K a power of two and a multiple of 32, BLOCK_N a power of two; got "
                          f"{block_k} and {block_n}")
@@ -368,14 +369,14 @@ def moe_experts(x: torch.Tensor,  # [T, H]
     down_bias = experts.down_proj_bias if has_bias else act
     launch(_gate_up_kernel, (rows, gu_tiles, s_gu), x.device,
            x, ids_flat, gu[0], gu[1], gu[2], part, top_k, h, inter, rows, slice_gu, x.stride(0), *gu[3:],
-           PACKED=packed, OAI=oai, BLOCK_N=block_n, BLOCK_K=block_k, PTX=ptx, num_warps=warps)
+           PACKED=packed, OAI=oai, BLOCK_N=block_n, BLOCK_K=block_k, PTX=ptx, STAGES=stages, num_warps=warps)
     launch(_act_kernel, (rows, gu_tiles), x.device,
            part, ids_flat, gu_bias, act, inter, rows, s_gu, float(experts.alpha), float(experts.limit),
            gu_bias.stride(0), HAS_BIAS=has_bias, OAI=oai, BLOCK_N=block_n, num_warps=warps)
     launch(_down_kernel, (rows, down_tiles, s_down), x.device,
            act, ids_flat, w_flat, down[0], down[1], down[2], down_bias, y, h, inter, rows, slice_down, *down[3:],
            down_bias.stride(0), PACKED=packed, HAS_BIAS=has_bias, BLOCK_N=block_n, BLOCK_K=block_k, PTX=ptx,
-           num_warps=warps)
+           STAGES=stages, num_warps=warps)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     launch(_sum_pairs_kernel, (t, triton.cdiv(h, SUM_BLOCK)), x.device, y, out, t * top_k, top_k, s_down, h,
            BLOCK=SUM_BLOCK, num_warps=4)

@@ -29,7 +29,13 @@ first probe. Such a figure would hold until a probe, and the credit rations prob
 + 270m at batch 64 on an H100: after one burst lifted k = 0's figure to 3x its steps, the rule ran k = 1-2 for the
 rest of the run, where k = 0 ran at the target alone's speed). So a k the rule leaves, and a k measured once and
 not chosen, is measured again RECHECK_STEPS steps later whatever the credit (which still pays for it): once per
-leave or first figure.
+leave or first figure, and the recheck's steps replace the k's figure (its window of RECENT_STEPS steps, long enough
+that a short burst does not move it, would otherwise still hold the burst's).
+
+Leaving k = 0: the rule moves from k = 0 to a k > 0 only on a fresh figure of it (taken in the last FRESH_STEPS
+steps of the bucket); where the figure is older, it probes that k first (within the credit, the draft's catch-up
+included) and stays at k = 0 until then. A slowdown of every k shows first in the k that runs: read against an old
+figure of another k, it looks like a win, and the move costs the catch-up on every token the draft missed.
 
 Per request: a request whose own acceptance (enough drafts of its own measured) puts a draft position below what
 that position costs (its expected accepted tokens under E(k) x v / T(k), v the verify's seconds for one more k
@@ -66,6 +72,7 @@ WINDOW_STEPS = 3  # timed steps a probe runs
 PROBE_STEPS = SETTLE_STEPS + WINDOW_STEPS
 MIN_PROBE_GAP = 32  # steps of a bucket between the starts of two probes, at least
 RECHECK_STEPS = 16  # steps of a bucket after which a k left or measured once is measured again (see Rechecks)
+FRESH_STEPS = 32  # a k's figure taken within this many steps of its bucket may move the rule there from k = 0
 PROBE_SHARE = 0.03  # share of the engine's time probes may take
 MARGIN = 0.02  # the current k is kept unless another promises this share more tokens a second
 UNCERTAINTY = 1.0  # standard deviations of a k > 0's acceptance-driven estimate by which k = 0 must beat it
@@ -159,21 +166,44 @@ class DraftLengthRule:
             if not measured:
                 return only, False
             return self._start_probe(b, st, self.max_k if only == 0 else 0), True  # the line's second point
+        cur = self._current.get(b)
         best = self._best(b, st)
+        wanted = None
+        if cur == 0 and best > 0 and self._stale(st, best):
+            # Leaving k = 0 needs the destination's figure from now: a slowdown of every k (the host's, the
+            # device's) shows first in the k that runs, and against an old figure of another it reads as that k
+            # winning (gemma-3-1b + 270m at batch 64 on an H100: k = 0 steps slowed from 2.5 to 4.6 ms for a few
+            # steps, the rule moved to k = 1 on its figure from hundreds of steps before, paid a 95 ms catch-up
+            # and ran at k > 0 for tens of steps at twice their figures). The destination is probed first, within
+            # the credit (its catch-up included), and the rule stays at k = 0 until then.
+            self._current[b] = 0
+            wanted, best = best, 0
         due = self._recheck.get(b, {})
         due.pop(best, None)  # the k that runs is measured as it runs
         k = min((k for k, at in due.items() if st.steps - at >= RECHECK_STEPS), key=due.get, default=None)
         if k is not None:
             del due[k]
+            if k in st.step:
+                st.step[k].restart()  # measured again: the burst's samples go
             return self._start_probe(b, st, k), True
-        target = self._probe_target(st, best)
-        if target is not None and st.steps - self._last_probe.get(b, 0) >= MIN_PROBE_GAP:
-            cost = PROBE_STEPS * (st.seconds(target) or 0.0)
-            if target > 0 and self.catch_up_token_seconds is not None:
-                cost += self._catch_up_tokens * self.catch_up_token_seconds
-            if self.credit >= cost:
-                return self._start_probe(b, st, target), True
+        target = wanted if wanted is not None else self._probe_target(st, best)
+        if (target is not None and st.steps - self._last_probe.get(b, 0) >= MIN_PROBE_GAP
+                and self.credit >= self._probe_cost(st, target)):
+            return self._start_probe(b, st, target), True
         return best, False
+
+    def _probe_cost(self, st: BucketCosts, k: int) -> float:
+        """Seconds a probe of k is expected to take: its steps, and the draft's catch-up on what it missed."""
+        cost = PROBE_STEPS * (st.seconds(k) or 0.0)
+        if k > 0 and self.catch_up_token_seconds is not None:
+            cost += self._catch_up_tokens * self.catch_up_token_seconds
+        return cost
+
+    @staticmethod
+    def _stale(st: BucketCosts, k: int) -> bool:
+        """Whether k's figure is not from the bucket's last FRESH_STEPS steps (or not measured at all)."""
+        m = st.step.get(k)
+        return m is None or st.steps - m.at > FRESH_STEPS
 
     def _start_probe(self, b: int, st: BucketCosts, k: int) -> int:
         self._last_probe[b] = st.steps
