@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Lowest first. A module belongs to the longest prefix that names it.
 LAYERS: list[tuple[str, ...]] = [
-    ("engine.host_copy", "engine.parallel", "engine.draft_schedule", "engine.agreement_profile"),
+    ("engine.host_copy", "engine.parallel", "engine.draft_schedule", "engine.agreement_profile", "engine.gc_heap"),
     ("engine.kernels",),
     # Weight formats (FP8, MXFP4) and the loader's seam: their products are kernels; the config validates them.
     ("engine.quantization",),
