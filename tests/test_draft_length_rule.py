@@ -234,28 +234,43 @@ BATCH_8_MS = {0: 1.45, 1: 3.1, 2: 4.0, 3: 4.8}
 SHORT_BURST_MS = (0.13, 1.62, 1.64, 0.68)
 
 
+def drive_ms(rule: DraftLengthRule, clock: Clock, batch: int, steps: int, step_ms: Callable[[int, int], float],
+             catch_up_ms: float = 0.0) -> list[tuple[int, bool, float]]:
+    """`steps` steps of `batch` requests, each draft accepted with chance 0.7; step i at k takes step_ms(i, k) ms,
+    plus catch_up_ms a token the draft missed at k = 0 on the first step after. Returns (k, probed, ms) a step."""
+    rng = random.Random(0)
+    missed, out = 0, []
+    for i in range(steps):
+        k = rule.choose(batch, missed)
+        probed = rule._probing
+        rule.planned(i, k, timed=True)
+        verifies = []
+        for r in range(batch):
+            n = 0
+            while n < k and rng.random() < 0.7:
+                n += 1
+            if k:
+                verifies.append((f"r{r}", k, n))
+        ms = step_ms(i, k)
+        if k:
+            ms, missed = ms + missed * catch_up_ms, 0
+        else:
+            missed += batch
+        clock.t += ms / 1e3
+        rule.observe(i, verifies, None)
+        out.append((k, probed, ms))
+    return out
+
+
 def test_a_short_burst_does_not_move_the_rule_off_its_k():
     """A few slow steps in a row within a run of the winning k: with a k's figure the median of its last five steps,
     three of them were enough to lift k = 0's above k = 2's, and the rule ran ten steps at k > 0 (13% of the target
     alone's rate over the run on the GPU). The figure's window is long enough that they do not move it."""
     clock = Clock()
     rule = DraftLengthRule(3, clock=clock)
-    rng = random.Random(0)
-    ks = []
-    for i in range(400):
-        k = rule.choose(8)
-        probed = rule._probing
-        rule.planned(i, k, timed=True)
-        verifies = []
-        for r in range(8):
-            n = 0
-            while n < k and rng.random() < 0.7:
-                n += 1
-            if k:
-                verifies.append((f"r{r}", k, n))
-        clock.t += (BATCH_8_MS[k] + (SHORT_BURST_MS[i - 300] if 0 <= i - 300 < len(SHORT_BURST_MS) else 0.0)) / 1e3
-        rule.observe(i, verifies, None)
-        ks.append((k, probed))
+    steps = drive_ms(rule, clock, 8, 400, lambda i, k: BATCH_8_MS[k] + (
+        SHORT_BURST_MS[i - 300] if 0 <= i - 300 < len(SHORT_BURST_MS) else 0.0))
+    ks = [(k, p) for k, p, _ in steps]
     assert settled(ks[:300], 100) == [0] * len([1 for _, p in ks[200:300] if not p])  # k = 0 wins before it
     assert settled(ks, 100) == [0] * len([1 for _, p in ks[300:] if not p]), ks[300:320]
 
@@ -273,31 +288,13 @@ def test_a_slowdown_of_every_k_does_not_move_the_rule_on_old_figures():
     and a probe of it waits for the credit to cover the catch-up."""
     clock = Clock()
     rule = DraftLengthRule(3, clock=clock)
-    rng = random.Random(0)
-    missed, ks, spent = 0, [], 0.0
-    for i in range(600):
-        k = rule.choose(64, missed)
-        probed = rule._probing
-        rule.planned(i, k, timed=True)
-        verifies = []
-        for r in range(64):
-            n = 0
-            while n < k and rng.random() < 0.7:
-                n += 1
-            if k:
-                verifies.append((f"r{r}", k, n))
-        ms = BATCH_64_MS[k] * (1.8 if 400 <= i < 408 else 1.0)
-        if k:
-            ms, missed = ms + missed * CATCH_UP_MS, 0
-        else:
-            missed += 64
-        clock.t += ms / 1e3
-        spent += ms if i >= 300 else 0.0
-        rule.observe(i, verifies, None)
-        ks.append((k, probed))
+    steps = drive_ms(rule, clock, 64, 600, lambda i, k: BATCH_64_MS[k] * (1.8 if 400 <= i < 408 else 1.0),
+                     CATCH_UP_MS)
+    ks = [(k, p) for k, p, _ in steps]
     assert settled(ks[:400], 100) == [0] * len([1 for _, p in ks[300:400] if not p])  # k = 0 wins before it
     moved = [i for i, (k, p) in enumerate(ks) if i >= 400 and k and not p]
     assert not moved, ks[400:440]
+    spent = sum(ms for _, _, ms in steps[300:])
     alone = 300 * BATCH_64_MS[0] + 8 * 0.8 * BATCH_64_MS[0]
     assert spent <= 1.05 * alone, spent / alone
 
