@@ -21,6 +21,7 @@ import torch
 from engine.kernels.moe_small_m import (
     _activation,
     _block_powers,
+    _blocks,
     _gate_up_rows,
     _packed_codes,
     check_routed,
@@ -73,8 +74,7 @@ def _packed_tile(blocks_ptr, scales_ptr, expert, rows, rows_ok, blocks_e, blocks
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, DTYPE: tl.constexpr):
     """Expert `expert`'s weights W[rows, k0:k0 + BLOCK_K] decoded from MXFP4 and scaled, as (even k, odd k) tiles
     [BLOCK_N, BLOCK_K / 2] in DTYPE: e2m1 times a power of two is exact in bfloat16 and float32."""
-    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # [G] blocks (K is whole 32-value blocks)
-    g_ok = g * 32 < k_end
+    g, g_ok = _blocks(k0, k_end, BLOCK_K)
     lo, hi = _packed_codes(blocks_ptr, expert, rows, rows_ok, blocks_e, blocks_r, g, g_ok, PTX)
     # _e2m1's 2 ** 14 back on the codes first: folded into the power, a scale of 241 or more would overflow it.
     f = _block_powers(scales_ptr, expert, rows, rows_ok, scales_e, scales_r, g, g_ok)[:, :, None]

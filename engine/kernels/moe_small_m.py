@@ -123,6 +123,14 @@ def _packed_dot(blocks_ptr, scales_ptr, expert, rows, rows_ok, blocks_e, blocks_
 
 
 @triton.jit
+def _blocks(k0, k_end, BLOCK_K: tl.constexpr):
+    """The 32-value blocks g of a K step from k0 ([BLOCK_K / 32]) and which lie before k_end (K and its slices are
+    whole MXFP4 blocks, so a block is in or out whole)."""
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    return g, g * 32 < k_end
+
+
+@triton.jit
 def _block_pairs(v_ptr, g, g_ok):
     """([G, 16], [G, 16]) float32 v[32 g + 2 j] and v[32 g + 2 j + 1]: a vector's values against the low and high
     nibbles of blocks g."""
@@ -191,9 +199,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, part_ptr, top
     k_end = tl.minimum(s * k_slice + k_slice, hidden)
     x_row = x_ptr + token * stride_xt
     for k0 in tl.range(s * k_slice, k_end, BLOCK_K, num_stages=STAGES):
-        if PACKED:  # K is whole 32-value blocks (MXFP4's), and so are the slices
-            g = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # [G] blocks
-            g_ok = g * 32 < k_end
+        if PACKED:
+            g, g_ok = _blocks(k0, k_end, BLOCK_K)
             x_lo, x_hi = _block_pairs(x_row, g, g_ok)
             acc_g += _packed_dot(blocks_ptr, scales_ptr, expert, g_rows, n_ok, blocks_e, blocks_r, scales_e,
                                  scales_r, x_lo, x_hi, g, g_ok, PTX)
@@ -263,8 +270,7 @@ def _down_kernel(act_ptr, ids_ptr, route_w_ptr, w_ptr, blocks_ptr, scales_ptr, b
     a_row = act_ptr + row * inter
     for k0 in tl.range(s * k_slice, k_end, BLOCK_K, num_stages=STAGES):
         if PACKED:
-            g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            g_ok = g * 32 < k_end
+            g, g_ok = _blocks(k0, k_end, BLOCK_K)
             a_lo, a_hi = _block_pairs(a_row, g, g_ok)
             acc += _packed_dot(blocks_ptr, scales_ptr, expert, n, n_ok, blocks_e, blocks_r, scales_e, scales_r, a_lo,
                                a_hi, g, g_ok, PTX)

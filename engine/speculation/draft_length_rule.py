@@ -170,18 +170,7 @@ class DraftLengthRule:
             if not measured:
                 return only, False
             return self._start_probe(b, st, self.max_k if only == 0 else 0), True  # the line's second point
-        cur = self._current.get(b)
-        best = self._best(b, st)
-        wanted = None
-        if cur == 0 and best > 0 and self._stale(st, best):
-            # Leaving k = 0 needs the destination's figure from now: a slowdown of every k (the host's, the
-            # device's) shows first in the k that runs, and against an old figure of another it reads as that k
-            # winning (gemma-3-1b + 270m at batch 64 on an H100: k = 0 steps slowed from 2.5 to 4.6 ms for a few
-            # steps, the rule moved to k = 1 on its figure from hundreds of steps before, paid a 95 ms catch-up
-            # and ran at k > 0 for tens of steps at twice their figures). The destination is probed first, within
-            # the credit (its catch-up included), and the rule stays at k = 0 until then.
-            self._current[b] = 0
-            wanted, best = best, 0
+        best, wanted = self._best(b, st)
         due = self._recheck.get(b, {})
         due.pop(best, None)  # the k that runs is measured as it runs
         k = min((k for k, at in due.items() if st.steps - at >= RECHECK_STEPS), key=due.get, default=None)
@@ -237,7 +226,8 @@ class DraftLengthRule:
                 out[k] = expected_tokens(a, k) / t
         return out
 
-    def _best(self, b: int, st: BucketCosts) -> int:
+    def _best(self, b: int, st: BucketCosts) -> tuple[int, int | None]:
+        """(the k to run, a k > 0 to probe first before leaving k = 0 for it, or None)."""
         rates = self.rates(st)
         best = max(rates, key=lambda k: (rates[k], -k))  # ties: the smaller k (less work)
         cur = self._current.get(b)
@@ -253,10 +243,19 @@ class DraftLengthRule:
                 spread = expected_tokens_std(a, self.acceptance.variances(kb), kb) / st.seconds(kb)
                 if rates[kb] + UNCERTAINTY * spread >= (1.0 - MARGIN) * rates[0]:
                     best = kb
+        wanted = None
+        if cur == 0 and best > 0 and self._stale(st, best):
+            # Leaving k = 0 needs the destination's figure from now: a slowdown of every k (the host's, the
+            # device's) shows first in the k that runs, and against an old figure of another it reads as that k
+            # winning (gemma-3-1b + 270m at batch 64 on an H100: k = 0 steps slowed from 2.5 to 4.6 ms for a few
+            # steps, the rule moved to k = 1 on its figure from hundreds of steps before, paid a 95 ms catch-up
+            # and ran at k > 0 for tens of steps at twice their figures). The destination is probed first, within
+            # the credit (its catch-up included), and the rule stays at k = 0 until then.
+            wanted, best = best, 0
         if cur is not None and cur != best:
             self._recheck.setdefault(b, {})[cur] = st.steps  # left: measured again later (see Rechecks)
         self._current[b] = best
-        return best
+        return best, wanted
 
     def request_k(self, request_id: str, k: int) -> int:
         """The k of one request in a step of k: less where its own acceptance does not pay for the last drafts."""
