@@ -105,7 +105,8 @@ def hf_config(name: str):
 def eagle3_head_dir(target: str, draft_vocab: int = 32000, root: str | Path | None = None) -> str:
     """A directory holding only an EAGLE-3 head's config.json for the `target` shape, in the flat EAGLE / SpecForge
     format: one Llama layer of the target's width and attention shape (the public heads for Qwen3-8B and gpt-oss
-    are so), an MLP three times the width, a draft vocabulary of `draft_vocab` tokens, the default auxiliary layers."""
+    are so), an MLP three times the width, a draft vocabulary of `draft_vocab` tokens, the default auxiliary layers;
+    a gpt-oss head normalises the concatenated states before fc (norm_before_fc), as the public ones do."""
     cfg = hf_config(target)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     raw = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": cfg.hidden_size,
@@ -113,7 +114,7 @@ def eagle3_head_dir(target: str, draft_vocab: int = 32000, root: str | Path | No
            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
            "head_dim": head_dim, "vocab_size": cfg.vocab_size, "draft_vocab_size": draft_vocab,
            "rms_norm_eps": 1e-6, "max_position_embeddings": cfg.max_position_embeddings, "rope_theta": 1e6,
-           "torch_dtype": "bfloat16"}
+           "torch_dtype": "bfloat16", "norm_before_fc": target.startswith("gpt-oss")}
     path = Path(root if root is not None else Path(tempfile.gettempdir()) / "specserve-shapes") / f"{target}-eagle3"
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(raw))

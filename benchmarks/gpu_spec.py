@@ -169,7 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="qwen3-8b")
     ap.add_argument("--draft", default="qwen3-0.6b", help="a draft model's shape, or 'eagle3': an EAGLE-3 head for "
-                    "the target's shape (gpu_shapes.eagle3_head_dir), the head eager beside the target's graphs")
+                    "the target's shape (gpu_shapes.eagle3_head_dir)")
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--k", default="2,4,6")
     ap.add_argument("--rates", default="0.6,0.8")

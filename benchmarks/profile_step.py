@@ -5,6 +5,7 @@ the profiler the kernels, the host's own time per operation, and how much of the
 
     python benchmarks/profile_step.py --shape qwen3-0.6b --batch 1
     python benchmarks/profile_step.py --shape qwen3-8b --draft qwen3-0.6b --k 4
+    python benchmarks/profile_step.py --shape qwen3-8b --draft eagle3 --k 4   # an EAGLE-3 head of the shape
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 import torch
 from gpu_decode import cuda_median_ms
-from gpu_shapes import shape_dir
+from gpu_shapes import eagle3_head_dir, shape_dir
 from torch.profiler import ProfilerActivity, profile
 
 from engine import LLM, SamplingParams
@@ -26,8 +27,10 @@ from engine.runner.step_input import Chunk
 def profile_spec(args: argparse.Namespace) -> None:
     """Median phases of a speculative engine's decode steps (no profiler), then one generate() under the profiler."""
     max_len = args.context + args.steps * (args.k + 1) + 64
-    spec = dict(draft_model=shape_dir(args.draft), num_speculative_tokens=args.k, rejection_sampling="synthetic",
-                synthetic_acceptance_rate=args.rate) if args.k else {}
+    drafter = (dict(speculative_config={"method": "eagle3", "model": eagle3_head_dir(args.shape),
+                                        "num_speculative_tokens": args.k}) if args.draft == "eagle3"
+               else dict(draft_model=shape_dir(args.draft), num_speculative_tokens=args.k))
+    spec = dict(**drafter, rejection_sampling="synthetic", synthetic_acceptance_rate=args.rate) if args.k else {}
     llm = LLM(shape_dir(args.shape), **spec, load_format="dummy", device="cuda", max_model_len=max_len,
               max_num_seqs=args.batch, kv_cache_memory_bytes=4 << 30, cuda_graph_batch_sizes=(args.batch,),
               enforce_eager=args.eager)
@@ -76,7 +79,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--draft", help="profile a speculative engine step with this draft shape")
+    ap.add_argument("--draft", help="profile a speculative engine step with this draft shape ('eagle3': an EAGLE-3 "
+                    "head of the target's shape)")
     ap.add_argument("--k", type=int, default=4, help="with --draft; 0: the target alone")
     ap.add_argument("--rate", type=float, default=0.8)
     ap.add_argument("--small-m-rows", type=int, default=EngineConfig.small_m_rows,

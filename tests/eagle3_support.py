@@ -29,6 +29,10 @@ class HeadWeights:
     norm_before_residual: bool
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     eps: float = 1e-6
+    # The speculators options (input_norm / fc_norm.i weights in `tensors` where set).
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
 
     @property
     def target_ids(self) -> torch.Tensor:  # [draft_vocab] int64
@@ -37,9 +41,11 @@ class HeadWeights:
 
 def random_head(target_config, *, draft_vocab: int = 48, seed: int = 0, layer_type: str = "llama",
                 aux_layers: tuple[int, ...] | None = None, norm_before_residual: bool = False,
-                scale: float = 4.0) -> HeadWeights:
+                scale: float = 4.0, norm_before_fc: bool = False, fc_norm: bool = False,
+                norm_output: bool = False) -> HeadWeights:
     """A random head for `target_config`'s hidden states; matrices scaled up (peaked distributions, clear argmaxes)
-    and norm weights away from 1 (so a skipped norm shows)."""
+    and norm weights away from 1 (so a skipped norm shows). norm_before_fc, fc_norm, norm_output: the speculators
+    options (their norms' weights drawn too)."""
     g = torch.Generator().manual_seed(seed)
     h, nh, nkv, hd = target_config.hidden_size, 4, 2, 16
     inter, vocab = 96, target_config.vocab_size
@@ -76,7 +82,13 @@ def random_head(target_config, *, draft_vocab: int = 48, seed: int = 0, layer_ty
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[target_ids] = True
     t["t2d"] = t2d
-    return HeadWeights(h, nh, nkv, hd, inter, vocab, draft_vocab, layer_type, tuple(aux), norm_before_residual, t)
+    if norm_before_fc:
+        t["input_norm.weight"] = norm(len(aux) * h)
+    if fc_norm:
+        for i in range(len(aux)):
+            t[f"fc_norm.{i}.weight"] = norm(h)
+    return HeadWeights(h, nh, nkv, hd, inter, vocab, draft_vocab, layer_type, tuple(aux), norm_before_residual, t,
+                       norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output)
 
 
 def _layer_config(w: HeadWeights) -> dict:
@@ -109,7 +121,8 @@ def write_speculators(w: HeadWeights, path: Path, embedding: torch.Tensor | None
     cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
            "transformer_layer_config": _layer_config(w), "draft_vocab_size": w.draft_vocab,
            "norm_before_residual": w.norm_before_residual, "target_hidden_size": None,
-           "eagle_aux_hidden_state_layer_ids": list(w.aux_layers)}
+           "eagle_aux_hidden_state_layer_ids": list(w.aux_layers), "norm_before_fc": w.norm_before_fc,
+           "fc_norm": w.fc_norm, "norm_output": w.norm_output}
     (path / "config.json").write_text(json.dumps(cfg))
     tensors = {(("layers.0." + k[len("layer."):]) if k.startswith("layer.") else k): v.contiguous()
                for k, v in w.tensors.items()}
@@ -169,9 +182,11 @@ def reference_head_layer(w: HeadWeights, emb: torch.Tensor, hidden: torch.Tensor
 
 def reference_drafts(w: HeadWeights, target_hf: torch.nn.Module, context: list[int], k: int,
                      aux_layers: tuple[int, ...] | None = None, skip_hidden_norm: bool = False,
-                     target_ids: torch.Tensor | None = None) -> list[int]:
+                     target_ids: torch.Tensor | None = None, skip_fc_norms: bool = False,
+                     feed_prenorm: bool = False) -> list[int]:
     """The head's k greedy drafts after `context` (prompt and output so far; its last token has no target state
-    yet). The keyword arguments break the reference on purpose (the tests show each makes it disagree)."""
+    yet). The keyword arguments break the reference on purpose (the tests show each makes it disagree): skip_fc_norms
+    leaves out norm_before_fc's and fc_norm's norms, feed_prenorm ignores norm_output."""
     aux_layers = aux_layers if aux_layers is not None else w.aux_layers
     ids = target_ids if target_ids is not None else w.target_ids
     with torch.no_grad():
@@ -180,14 +195,23 @@ def reference_drafts(w: HeadWeights, target_hf: torch.nn.Module, context: list[i
         aux = torch.cat([out.hidden_states[i][0] for i in sorted(aux_layers)], dim=-1)[:-1]  # [T, 3H]
         embed = target_hf.get_input_embeddings().weight
         tokens = list(context[1:])  # the token each head position pairs with its state
-        hidden = aux.float() @ w.tensors["fc.weight"].T  # [T, H]
+        aux = aux.float()
+        if w.norm_before_fc and not skip_fc_norms:
+            aux = _rms(aux, w.tensors["input_norm.weight"], w.eps)
+        if w.fc_norm and not skip_fc_norms:
+            parts = aux.chunk(len(aux_layers), dim=-1)
+            aux = torch.cat([_rms(x, w.tensors[f"fc_norm.{i}.weight"], w.eps) for i, x in enumerate(parts)], dim=-1)
+        hidden = aux @ w.tensors["fc.weight"].T  # [T, H]
         drafts: list[int] = []
         for _ in range(k):
             pre = reference_head_layer(w, embed[torch.tensor(tokens)], hidden, skip_hidden_norm)
             last = pre[-1]
-            logits = _rms(last, w.tensors["norm.weight"], w.eps) @ w.tensors["lm_head.weight"].T
+            normed = _rms(last, w.tensors["norm.weight"], w.eps)
+            logits = normed @ w.tensors["lm_head.weight"].T
             d = int(ids[int(logits.argmax())])
             drafts.append(d)
             tokens.append(d)
-            hidden = torch.cat([hidden, last[None]], dim=0)
+            # Eagle 3.1 (norm_output): the next step reads the final norm's output.
+            fed = normed if w.norm_output and not feed_prenorm else last
+            hidden = torch.cat([hidden, fed[None]], dim=0)
     return drafts

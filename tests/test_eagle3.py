@@ -186,12 +186,20 @@ def _record_cases(llm: LLM) -> list[tuple[list[int], list[int]]]:
     return cases
 
 
-@pytest.mark.parametrize("family,layer_type", [("llama", "llama"), ("qwen3", "qwen3"), ("gpt_oss", "llama")])
-def test_proposals_match_reference(tmp_path, family, layer_type):
+# The speculators options: gpt-oss heads normalise the concatenated states before fc (norm_before_fc); Eagle 3.1 heads
+# feed the final norm's output forward (norm_output); fc_norm normalises each state on its own.
+OPTIONS = {"": {}, "norm_before_fc+norm_output": dict(norm_before_fc=True, norm_output=True),
+           "fc_norm": dict(fc_norm=True)}
+
+
+@pytest.mark.parametrize("family,layer_type,options", [
+    ("llama", "llama", ""), ("qwen3", "qwen3", ""), ("gpt_oss", "llama", ""),
+    ("gpt_oss", "llama", "norm_before_fc+norm_output"), ("llama", "llama", "fc_norm")])
+def test_proposals_match_reference(tmp_path, family, layer_type, options):
     target = _deep_target(tmp_path, family)
-    w = random_head(target.config, seed=4, layer_type=layer_type)
+    w = random_head(target.config, seed=4, layer_type=layer_type, **OPTIONS[options])
     assert w.aux_layers == (2, 4, 5)
-    head = (write_flat(w, tmp_path / "head", aux_in_config=False) if layer_type == "llama"
+    head = (write_flat(w, tmp_path / "head", aux_in_config=False) if layer_type == "llama" and not options
             else write_speculators(w, tmp_path / "head"))
     llm = _eagle(target.path, head, rejection_sampling="synthetic", synthetic_acceptance_rate=0.6,
                  adaptive_draft_length=False)
@@ -203,6 +211,8 @@ def test_proposals_match_reference(tmp_path, family, layer_type):
         assert drafts == reference_drafts(w, target.hf, context, len(drafts)), context
     # The reference can tell: each of these mistakes changes some proposal.
     wrong = [dict(aux_layers=(2, 4, 6)), dict(skip_hidden_norm=True), dict(target_ids=w.target_ids.roll(1))]
+    wrong += [dict(skip_fc_norms=True)] if w.norm_before_fc or w.fc_norm else []
+    wrong += [dict(feed_prenorm=True)] if w.norm_output else []
     for kw in wrong:
         assert any(drafts != reference_drafts(w, target.hf, context, len(drafts), **kw)
                    for context, drafts in cases), kw
@@ -308,12 +318,18 @@ def test_bad_heads_refused(tiny_models, tmp_path):
     w.tensors["d2t"] = w.tensors["d2t"] + 200
     with pytest.raises(ValueError, match="d2t maps draft ids outside the target's vocabulary"):
         _eagle(tiny_models["llama"].path, write_flat(w, tmp_path / "d2t"))
-    w = random_head(cfg, seed=1)
-    path = write_speculators(w, tmp_path / "fc-norm")
+    w = random_head(cfg, seed=1, norm_before_fc=True)
+    path = write_speculators(w, tmp_path / "both-norms")
     import json
     from pathlib import Path
 
     raw = json.loads((Path(path) / "config.json").read_text())
-    (Path(path) / "config.json").write_text(json.dumps({**raw, "norm_before_fc": True}))
-    with pytest.raises(ValueError, match=r"option\(s\) \['norm_before_fc'\] are not supported"):
+    (Path(path) / "config.json").write_text(json.dumps({**raw, "fc_norm": True}))
+    with pytest.raises(ValueError, match="norm_before_fc and fc_norm exclude each other"):
+        _eagle(tiny_models["llama"].path, path)
+    # A head whose config asks for norms its checkpoint lacks is refused by the loader, not run with unit norms.
+    path = write_speculators(random_head(cfg, seed=1), tmp_path / "no-norms")
+    raw = json.loads((Path(path) / "config.json").read_text())
+    (Path(path) / "config.json").write_text(json.dumps({**raw, "fc_norm": True}))
+    with pytest.raises(ValueError, match=r"missing 3 tensors.*fc_norm\.0\.weight"):
         _eagle(tiny_models["llama"].path, path)

@@ -1,9 +1,10 @@
 """An EAGLE-3 head on the kernel path (input buffers at fixed addresses, Triton attention, the few-row products), on
 CPU under Triton's interpreter, in a child process (tests/interpreter_children.py): greedy with the head equals HF's
 for a Qwen3 target and a speculators head with a Qwen3 layer (the head drafts; a one-token prompt takes its blind first
-drafts there too); and the head's loop (engine/speculation/eagle3_loop.py: steps 1..k-1 from static buffers, the
-head's state carried from step to step, every KV-cache group's metadata rebuilt in place) proposes what the
-plain-torch reference does, proposal by proposal. Interpreted steps are slow, and the torch path's tests cover the
+drafts there too); and the head's loop (engine/speculation/eagle3_loop.py: whole proposals from static buffers, the
+target's states and the head's own carried from step to step, every KV-cache group's metadata rebuilt in place; and
+steps 1..k-1 after an eager first step over a longer catch-up) proposes what the plain-torch reference does, proposal
+by proposal, for a head with the speculators norms. Interpreted steps are slow, and the torch path's tests cover the
 rest."""
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ def test_kernel_path_greedy_with_head_equals_hf():
 
 @interpreted
 def test_head_loop_proposals_match_reference():
-    """k = 3 (two steps on the loop a proposal), 4-token blocks (the loop's steps cross blocks), synthetic acceptance
-    (accepted runs, which the first step re-runs from the target's states): every proposal equals the reference's,
-    and the loop ran them."""
+    """k = 3, 4-token blocks (the loop's steps cross blocks), synthetic acceptance (accepted runs, which the first step
+    re-runs from the target's states), a head with norm_before_fc and norm_output: every proposal equals the
+    reference's, and the loop ran them: whole proposals (catch-ups of at most k + 1 tokens) and the later steps after
+    a prompt's catch-up."""
     import torch
-    from eagle3_support import random_head, reference_drafts, write_flat
+    from eagle3_support import random_head, reference_drafts, write_speculators
     from test_eagle3 import _deep_target, _record_cases
 
     from engine import LLM, SamplingParams
@@ -67,8 +69,8 @@ def test_head_loop_proposals_match_reference():
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp())
     target = _deep_target(root, "llama")
-    w = random_head(target.config, seed=4)
-    head = write_flat(w, root / "head", aux_in_config=False)
+    w = random_head(target.config, seed=4, norm_before_fc=True, norm_output=True)
+    head = write_speculators(w, root / "head")
     llm = LLM(target.path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3},
               device="cpu", attention_backend="triton", block_size=4, num_kv_blocks=64, max_num_seqs=2,
               small_m_rows=1, max_model_len=64, adaptive_draft_length=False, rejection_sampling="synthetic",
@@ -76,12 +78,14 @@ def test_head_loop_proposals_match_reference():
     loop = llm.executor.proposer.loop
     assert loop is not None
     runs = []
-    run_later = loop.run_later
-    loop.run_later = lambda *a, **kw: runs.append(1) or run_later(*a, **kw)
+    run_first, run_later = loop.run_first, loop.run_later
+    loop.run_first = lambda *a, **kw: runs.append("first") or run_first(*a, **kw)
+    loop.run_later = lambda *a, **kw: runs.append("later") or run_later(*a, **kw)
     cases = _record_cases(llm)
     prompts = [[5, 9, 14, 3, 7], [8, 21, 4]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    assert llm.spec_stats(outs).num_accepted_tokens > 3 and len(runs) >= 2
+    assert llm.spec_stats(outs).num_accepted_tokens > 3
+    assert runs.count("first") >= 2 and runs.count("later") >= 1, runs
     assert any(len(drafts) == 3 for _, drafts in cases)
     for context, drafts in cases:
         assert drafts == reference_drafts(w, target.hf, context, len(drafts)), context

@@ -1,5 +1,6 @@
 """The fused elementwise kernels of the model layers (RMSNorm with and without the residual add, act(gate) * up,
-rotary embedding, attention's prologue of q/k norm + rotary + KV store) against their torch references, on CPU
+rotary embedding, attention's prologue of q/k norm + rotary + KV store) and a greedy step's argmax against their
+torch references, on CPU
 under Triton's interpreter (in child processes, tests/interpreter_children.py: the interpreter must be switched on
 before triton is first imported). CUDA runs them in tests/gpu/test_fused_kernels_cuda.py."""
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from interpreter_children import assert_pytest_children_pass, split_by
 
-from engine.kernels import activation, draft_advance, qk_norm_rope_store, rms_norm, rotary
+from engine.kernels import activation, argmax, draft_advance, qk_norm_rope_store, rms_norm, rotary
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 
 if not HAS_TRITON:
@@ -48,6 +49,13 @@ def check_fused_kernels(device: str, dtype: torch.dtype) -> None:
         heads = qkv[:, :dim].reshape(rows, dim // 8, 8) if dim % 8 == 0 else qkv[:, :dim].reshape(rows, 1, dim)
         w = rand(heads.shape[-1]) + 1.0
         torch.testing.assert_close(rms_norm.rms_norm(heads, w, 1e-6), rms_norm.rms_norm_ref(heads, w, 1e-6), **tol)
+    # Greedy tokens: exact; ties (rounded copies of one value) go to the first column, a row of -inf to column 0.
+    for rows, n in ((1, 32000), (3, 2049), (2, 100)):
+        x = rand(rows, n, scale=3.0)
+        x[:, n // 3] = x[:, n - 1] = x.max() + 1  # a tie across slices: the first wins
+        if rows > 1:
+            x[-1] = float("-inf")
+        assert torch.equal(argmax.argmax_rows(x), argmax.argmax_rows_ref(x))
     for act in activation.ACTIVATIONS:
         for rows, inter in ((1, 64), (4, 1536), (2, 1000)):
             x = rand(rows, 2 * inter, scale=3.0)

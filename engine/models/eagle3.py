@@ -7,6 +7,11 @@ for a position the head drafts itself, the head's own pre-norm output at p - 1. 
 keeps the hidden state (normalised or not: norm_before_residual) as the residual. The final norm's input is the
 pre-norm state the next draft step feeds; its output goes through the head's LM head over the draft vocabulary,
 whose ids map to the target's through d2t (target id = draft id + d2t[draft id]).
+
+Three speculators options change that math (as the speculators library defines them): norm_before_fc (one RMSNorm
+over the concatenated auxiliary states before fc: `input_norm`, as gpt-oss heads are trained), fc_norm (an RMSNorm
+per auxiliary state before the concatenation: `fc_norm.i`) and norm_output (the state a draft step feeds the next is
+the final norm's output, not its input: Eagle 3.1).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch import nn
 
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
+from engine.kernels.argmax import greedy_tokens
 from engine.models.eagle3_config import Eagle3ModelConfig
 from engine.models.layers import ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from engine.models.llama import GatedMLP, LlamaAttention
@@ -71,7 +77,12 @@ class Eagle3Head(nn.Module):
         # tree so the loader does not ask the checkpoint for it.
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, h) if own_embedding else None
         self._shared_embedding: list[VocabParallelEmbedding] = []
-        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, h, bias=False)
+        num_aux, eps = len(cfg.aux_layer_ids), cfg.hf_config.rms_norm_eps
+        self.input_norm = RMSNorm(num_aux * cfg.target_hidden_size, eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, eps) for _ in range(num_aux)]
+                                     ) if cfg.fc_norm else None
+        self.norm_output = cfg.norm_output
+        self.fc = nn.Linear(num_aux * cfg.target_hidden_size, h, bias=False)
         self.fc.weight.requires_grad_(False)
         rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len)
         self.layer = Eagle3DecoderLayer(cfg, rotary)
@@ -102,16 +113,44 @@ class Eagle3Head(nn.Module):
                                  device=input_ids.device)
             from_target = False
         if from_target:
-            hidden = self.fc(hidden)
+            hidden = self.fc(self._fc_input(hidden))
         return self.layer(positions, self.embed(input_ids), hidden, md)
 
-    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] pre-norm states -> [n, target vocab] float32: the draft vocabulary's logits at their target
-        ids, -inf elsewhere (so the softmax is the draft's distribution scattered over the target's vocabulary)."""
-        draft = self.lm_head(self.norm(prenorm)).float()
-        out = draft.new_full((draft.shape[0], self.config.vocab_size), float("-inf"))
-        out[:, self.draft_to_target] = draft
+    def _fc_input(self, aux: torch.Tensor) -> torch.Tensor:
+        """[n, len(aux) * target_hidden] target states through the head's input norms (none by default)."""
+        if self.input_norm is not None:
+            return self.input_norm(aux)
+        if self.fc_norm is not None:
+            parts = aux.chunk(len(self.fc_norm), dim=-1)
+            return torch.cat([norm(x) for norm, x in zip(self.fc_norm, parts, strict=True)], dim=-1)
+        return aux
+
+    def next_state(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] the state a draft step hands the next: the layer's output, or with norm_output its final
+        norm's."""
+        return self.norm(prenorm) if self.norm_output else prenorm
+
+    def draft_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] pre-norm states -> [n, draft vocab] logits in the head's dtype."""
+        return self.lm_head(self.norm(prenorm))
+
+    def greedy_ids(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[n] int64 target ids of the rows' argmax. Taken over the draft vocabulary, then mapped: a greedy step
+        never builds the target-wide logits (a fill, a scatter and an argmax over 150k float32 columns cost a
+        Qwen3-8B head's graphed step a few us of its 305) and the argmax runs in slices (engine/kernels/argmax.py)."""
+        return self.draft_to_target[greedy_tokens(draft_logits)]
+
+    def to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[n, draft vocab] -> [n, target vocab] float32: the draft vocabulary's logits at their target ids, -inf
+        elsewhere (so the softmax is the draft's distribution scattered over the target's vocabulary)."""
+        out = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"),
+                                    dtype=torch.float32)
+        out[:, self.draft_to_target] = draft_logits.float()
         return out
+
+    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] pre-norm states -> [n, target vocab] float32 (to_target of draft_logits)."""
+        return self.to_target(self.draft_logits(prenorm))
 
     def attention_layers(self) -> list[Attention]:
         return [self.layer.self_attn.attn]

@@ -7,7 +7,8 @@
 - speculators: architectures ["Eagle3Speculator"], the layer's shape in `transformer_layer_config` (a Llama or Qwen3
   config), `draft_vocab_size`, `norm_before_residual`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids`.
   Weights: layers.0.*, fc, norm, lm_head, d2t, t2d, and an embed_tokens of its own where the head was trained with
-  one.
+  one. Its options norm_before_fc (weights input_norm), fc_norm (fc_norm.i) and norm_output change the head's math
+  (engine/models/eagle3.py); the first two exclude each other.
 
 Keys absent take the defaults vLLM reads them with: auxiliary layers (2, L // 2, L - 3) of an L-layer target,
 norm_before_residual false (also the default of the speculators library's saved Eagle3SpeculatorConfig; newer
@@ -28,8 +29,6 @@ from engine.model_config import ModelConfig
 
 FLAT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHITECTURES = ("Eagle3Speculator",)
-# speculators options that change the head's math and are not implemented here: refused when set, never ignored.
-_UNSUPPORTED_TRUE = ("norm_before_fc", "fc_norm", "norm_output")
 _LAYER_CONFIGS: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "qwen3": Qwen3Config}
 
 
@@ -62,6 +61,9 @@ class Eagle3ModelConfig(ModelConfig):
     aux_layer_ids: tuple[int, ...] = ()  # target layers whose incoming residual stream the head reads
     target_hidden_size: int = 0  # width of each auxiliary state (the fc's input is len(aux_layer_ids) times it)
     norm_before_residual: bool = False  # hidden_norm applied before the residual is taken (True) or after
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated auxiliary states before fc
+    fc_norm: bool = False  # an RMSNorm per auxiliary state before the concatenation
+    norm_output: bool = False  # a draft step feeds the next its final norm's output, not its input
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -84,9 +86,9 @@ class Eagle3ModelConfig(ModelConfig):
         else:
             raise ValueError(f"{path} is not an EAGLE-3 head: architectures {archs}; expected one of "
                              f"{list(FLAT_ARCHITECTURES + SPECULATORS_ARCHITECTURES)}")
-        set_true = [k for k in _UNSUPPORTED_TRUE if raw.get(k)]
-        if set_true:
-            raise ValueError(f"{path}: EAGLE-3 option(s) {set_true} are not supported yet")
+        if raw.get("norm_before_fc") and raw.get("fc_norm"):
+            raise ValueError(f"{path}: norm_before_fc and fc_norm exclude each other (one norm over the concatenated "
+                             "states, or one per state)")
         model_type = layer_raw.get("model_type", "llama")
         if model_type not in _LAYER_CONFIGS:
             raise ValueError(f"{path}: the head's layer is a {model_type!r} layer; supported: "
@@ -119,4 +121,6 @@ class Eagle3ModelConfig(ModelConfig):
             vocab_size=target.vocab_size, max_position_embeddings=target.max_position_embeddings,
             layer_sliding_windows=[None], layer_types=["full_attention"], max_model_len=target.max_model_len,
             checkpoint_format=fmt, draft_vocab_size=draft_vocab, aux_layer_ids=aux_ids,
-            target_hidden_size=target_hidden, norm_before_residual=bool(raw.get("norm_before_residual", False)))
+            target_hidden_size=target_hidden, norm_before_residual=bool(raw.get("norm_before_residual", False)),
+            norm_before_fc=bool(raw.get("norm_before_fc", False)), fc_norm=bool(raw.get("fc_norm", False)),
+            norm_output=bool(raw.get("norm_output", False)))

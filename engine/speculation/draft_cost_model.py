@@ -59,6 +59,7 @@ class RecentMedian:
     samples: int = 1
     at: int = 0  # the bucket's step count when last updated
     restarting: bool = False  # the next sample starts the window afresh
+    _median: float | None = None  # the window's median, kept until it changes (the rule reads it many times a step)
 
     @classmethod
     def of(cls, x: float, at: int) -> RecentMedian:
@@ -66,7 +67,9 @@ class RecentMedian:
 
     @property
     def value(self) -> float:
-        return statistics.median(self.recent)
+        if self._median is None:
+            self._median = statistics.median(self.recent)
+        return self._median
 
     def restart(self) -> None:
         """A measurement again (a recheck): the samples from its next on replace the window, which keeps its value
@@ -78,6 +81,7 @@ class RecentMedian:
             self.recent.clear()
             self.restarting = False
         self.recent.append(x)
+        self._median = None
         self.samples += 1
         self.at = at
 

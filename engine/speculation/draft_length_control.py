@@ -36,10 +36,12 @@ class DraftLengthControl:
         the load (and so the rule's choices) goes."""
         rule = self.rule
         sched = self.scheduler
-        # What the draft missed (while k was 0), for the cost of a probe of k > 0: one catch-up forward.
-        missed = sum(max(r.num_tokens - 1 - r.num_draft_computed_tokens, 0) for r in sched.running) if (
-            self.has_draft_kv() and rule.last_k == 0) else 0
-        k = rule.choose(batch_size, missed)
+        # What the draft missed (while k was 0), for the cost of a probe of k > 0: one catch-up forward. Counted only
+        # where the rule needs it (a batch's count at every step cost about what the choice does).
+        def missed() -> int:
+            return sum(max(r.num_tokens - 1 - r.num_draft_computed_tokens, 0) for r in sched.running)
+
+        k = rule.choose(batch_size, missed if self.has_draft_kv() and rule.last_k == 0 else 0)
         candidates = itertools.chain(sched.running, itertools.islice(sched.waiting, self.max_num_seqs))
         if any(_seeded(r) for r in candidates):
             return rule.pin(rule.max_k)

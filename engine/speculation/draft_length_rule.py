@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.speculation.draft_cost_model import (
@@ -124,16 +125,25 @@ class DraftLengthRule:
         self.probe_steps = 0  # steps run as probes
         self.steps = 0  # steps chosen
         self._probing = False  # the last choice was a probe
-        self._catch_up_tokens = 0  # what the draft missed, as of the last choice
+        # What the draft missed, as of the last choice: a count, or a function counting it (called only where a
+        # figure needs it: leaving k = 0, or pricing a probe; a count over the running requests at every step of a
+        # batch of 64 cost as much host time as the rule's choice).
+        self._catch_up_tokens: int | Callable[[], int] = 0
         # Seconds a token of the draft's catch-up adds to a step (the first step at k > 0 after k = 0): a probe of
         # k > 0 from k = 0 costs its catch-up too, which grows with the time at k = 0.
         self.catch_up_token_seconds: float | None = None
+        # (k, threshold, the batch's rates) of the last choice: the reach below which a request's draft is cut and
+        # the rates its own positions fall back on, worked out once a step (per request, they cost a batch of 32
+        # up to a millisecond of host time a step).
+        self._cut: tuple[int, float | None, list[float]] | None = None
 
     # --- choosing --------------------------------------------------------------------------------------
-    def choose(self, batch_size: int, catch_up_tokens: int = 0) -> int:
+    def choose(self, batch_size: int, catch_up_tokens: int | Callable[[], int] = 0) -> int:
         """k for the next step, whose load is `batch_size` requests; catch_up_tokens: what the draft would have to
-        catch up on at a step with k > 0 (the tokens it missed while k was 0), a probe's cost beyond its steps."""
+        catch up on at a step with k > 0 (the tokens it missed while k was 0), a probe's cost beyond its steps (or a
+        function that counts them, called only where needed)."""
         self._catch_up_tokens = catch_up_tokens
+        self._cut = None
         b = bucket_of(batch_size)
         st = self.buckets.setdefault(b, BucketCosts())
         st.steps += 1
@@ -181,16 +191,25 @@ class DraftLengthRule:
             return self._start_probe(b, st, k), True
         target = wanted if wanted is not None else self._probe_target(st, best)
         if (target is not None and st.steps - self._last_probe.get(b, 0) >= MIN_PROBE_GAP
-                and self.credit >= self._probe_cost(st, target)):
+                and self._affordable(st, target)):
             return self._start_probe(b, st, target), True
         return best, False
 
-    def _probe_cost(self, st: BucketCosts, k: int) -> float:
-        """Seconds a probe of k is expected to take: its steps, and the draft's catch-up on what it missed."""
+    def _affordable(self, st: BucketCosts, k: int) -> bool:
+        """Whether the credit covers a probe of k: its steps, and the draft's catch-up on what it missed (counted
+        only once the steps alone fit: most steps between probes are short of them)."""
         cost = PROBE_STEPS * (st.seconds(k) or 0.0)
+        if self.credit < cost:
+            return False
         if k > 0 and self.catch_up_token_seconds is not None:
-            cost += self._catch_up_tokens * self.catch_up_token_seconds
-        return cost
+            cost += self._missed() * self.catch_up_token_seconds
+        return self.credit >= cost
+
+    def _missed(self) -> int:
+        """The last choice's catch-up tokens (counted once, where given as a function)."""
+        if callable(self._catch_up_tokens):
+            self._catch_up_tokens = int(self._catch_up_tokens())
+        return self._catch_up_tokens
 
     @staticmethod
     def _stale(st: BucketCosts, k: int) -> bool:
@@ -262,23 +281,35 @@ class DraftLengthRule:
         mine = self.requests.get(request_id)
         if k <= 0 or mine is None or mine.drafts < MIN_REQUEST_DRAFTS:
             return k
-        st = self.buckets.get(self.last_bucket)
-        if st is None:
+        threshold, batch_rates = self._threshold(k)
+        if threshold is None:
             return k
-        t, v = st.seconds(k), st.verify_slope()
-        if t is None or v is None or t <= 0.0:
-            return k
-        threshold = expected_tokens(self.acceptance.rates(k), k) * v / (self.last_batch * t)
-        own = reach(mine.rates(k, fallback=self.acceptance.rates(k)))
+        own = reach(mine.rates(k, fallback=batch_rates))
         while k > 0 and own[k - 1] < threshold:
             k -= 1
         return k
+
+    def _threshold(self, k: int) -> tuple[float | None, list[float]]:
+        """(the reach a request's last draft at k must have to pay for its row of the verify (see Per request):
+        E(k) x (v / B) / T(k), from the figures of the last choice's bucket, None without them; the batch's rates
+        a_1..a_k). Worked out once a step: the figures change only at a commit, and a step's requests share them."""
+        if self._cut is not None and self._cut[0] == k:
+            return self._cut[1], self._cut[2]
+        threshold = None
+        rates = self.acceptance.rates(k)
+        st = self.buckets.get(self.last_bucket)
+        if st is not None:
+            t, v = st.seconds(k), st.verify_slope()
+            if t is not None and v is not None and t > 0.0:
+                threshold = expected_tokens(rates, k) * v / (self.last_batch * t)
+        self._cut = (k, threshold, rates)
+        return threshold, rates
 
     # --- measuring -------------------------------------------------------------------------------------
     def planned(self, step_id: int, k: int, timed: bool) -> None:
         """Step `step_id` was planned (now) at k, the k the last `choose` returned. timed: every request of it
         decodes."""
-        catch_up = self._catch_up_tokens if k > 0 else 0
+        catch_up = self._missed() if k > 0 else 0
         self._planned[step_id] = _Planned(self.last_bucket, k, self.clock(), timed, self._probing, catch_up)
         while len(self._planned) > MAX_PLANNED:  # plans never committed (a failed step) are not kept for ever
             self._planned.pop(next(iter(self._planned)))
@@ -286,6 +317,7 @@ class DraftLengthRule:
     def observe(self, step_id: int, verifies: list[tuple[str, int, int]], propose_seconds: float | None) -> None:
         """Step `step_id` committed (now). verifies: (request id, k, accepted) of each request it verified drafts
         for; propose_seconds: its propose phase."""
+        self._cut = None  # the figures the cut reads change with this commit
         for n, (rid, k, accepted) in enumerate(verifies):
             self.acceptance.record(k, accepted, decay=n == 0)
             mine = self.requests.get(rid)

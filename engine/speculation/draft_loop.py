@@ -31,6 +31,7 @@ import torch
 
 from engine.config import graph_batch_sizes
 from engine.host_copy import to_device
+from engine.kernels.argmax import greedy_tokens
 from engine.kernels.draft_advance import advance_draft_inputs, advance_draft_inputs_ref
 from engine.kernels.rms_norm import use_fused_kernels
 from engine.runner.cuda_graphs import GraphPool, no_gc_while_capturing
@@ -47,7 +48,10 @@ FIRST_QUERY_LEN = 2  # last accepted token + bonus token
 class DraftLoop:
     """Static buffers and graphs of the draft loop for batches of up to max_num_reqs requests."""
 
-    captures_first = True  # a graph of the first step (the catch-up of up to FIRST_QUERY_LEN tokens a request)
+    captures_first = True  # a graph of the first step (the catch-up of up to first_query_len tokens a request)
+    # A first step of one-token rows may replay the later steps' graph (their forward is the same); not where the
+    # first step's forward differs from the later ones' (an EAGLE-3 head's reads the target's states).
+    one_token_first = True
 
     def __init__(self, runner: ModelRunner, max_k: int, keep_probs: bool, alternatives: bool = False,
                  saguaro: SaguaroSampling | None = None) -> None:
@@ -80,6 +84,7 @@ class DraftLoop:
         self.top_p = torch.ones(r, dtype=torch.float32, device=dev)  # [max_num_reqs] float32
         self.top_k = torch.zeros(r, dtype=torch.int64, device=dev)  # [max_num_reqs] int64
         self.step_idx = torch.zeros(1, dtype=torch.int64, device=dev)  # [1] int64; column the step writes
+        self.first_query_len = FIRST_QUERY_LEN  # tokens a request the first step's graph holds
         self.alternatives = alternatives
         self.saguaro = saguaro
         # [max_num_reqs, max_k] int64: per row and step, the most likely token other than the one drawn there.
@@ -98,15 +103,18 @@ class DraftLoop:
         self.next_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.num_graph_replays = 0
         self.num_one_token_first_steps = 0  # first steps run by the later step's graph (every row one token)
+        self.num_first_graph_steps = 0  # first steps run by the first step's own graph
         self.num_mixed_first_steps = 0  # first steps with a prefill chunk, run by the runner's mixed graph
 
     # ---- the step functions (run eagerly or captured) -------------------------------------------------
     def _sample_and_advance(self, logits: torch.Tensor, b: int, greedy: bool) -> torch.Tensor:
-        """logits: [b, V]. Writes column step_idx of ids (and probs), then the next step's inputs."""
+        """logits: the step's forward's ([b, V]: `_forward`). Writes column step_idx of ids (and probs), then the
+        next step's inputs."""
         j = self.step_idx
         if greedy:
-            tok = logits.argmax(dim=-1)
+            tok = self._greedy(logits)
         else:
+            logits = self._target_logits(logits)
             md = SamplingMetadata(self.temperature[:b], self.top_p[:b], self.top_k[:b], all_greedy=False,
                                   all_random=False, no_top_p=False, no_top_k=False, generators={})
             probs = logits_to_probs(logits, md)
@@ -131,12 +139,25 @@ class DraftLoop:
         return self.ids
 
     def _forward(self, step: StepInput) -> torch.Tensor:
-        """The step's logits [b, V] float32 (an EAGLE-3 head's loop feeds its hidden states too: eagle3_loop.py)."""
+        """The step's logits [b, V] float32 (an EAGLE-3 head's loop feeds its hidden states too, and returns its
+        draft vocabulary's: eagle3_loop.py)."""
         return self.runner.execute(step)
+
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """[b] int64 target ids: each row's argmax of the forward's logits."""
+        return greedy_tokens(logits)
+
+    def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The forward's logits over the target's vocabulary [b, V] float32 (what q is a law over)."""
+        return logits
+
+    def _forward_first(self, step: StepInput) -> torch.Tensor:
+        """The first step's logits [b, V] float32: the later steps' forward (a draft model catches up as it drafts)."""
+        return self._forward(step)
 
     def _first_step(self, b: int, num_tokens: int, query_len: int, greedy: bool) -> torch.Tensor:
         step = self.buffers.view(b, num_tokens, query_len, self.runner.config.max_model_len, b)
-        return self._sample_and_advance(self._forward(step), b, greedy)
+        return self._sample_and_advance(self._forward_first(step), b, greedy)
 
     def _next_step(self, b: int, greedy: bool) -> torch.Tensor:
         step = self.buffers.view(b, b, 1, self.runner.config.max_model_len, b)
@@ -154,18 +175,22 @@ class DraftLoop:
             for b in reversed(self.batch_sizes):
                 for greedy in (True, False):
                     for first in (True, False) if self.captures_first else (False,):
-                        def fn(b: int = b, greedy: bool = greedy, first: bool = first) -> torch.Tensor:
+                        q = self.first_query_len if first else 1
+                        if b * q > self.buffers.max_num_tokens:
+                            continue  # a first step this wide runs eagerly
+
+                        def fn(b: int = b, greedy: bool = greedy, first: bool = first, q: int = q) -> torch.Tensor:
                             # Each run rewrites the inputs, so reload the dummy batch and reset the step index.
-                            self.buffers.load_dummy(b, FIRST_QUERY_LEN if first else 1)
+                            self.buffers.load_dummy(b, q)
                             self.step_idx.zero_()
                             if first:
-                                return self._first_step(b, b * FIRST_QUERY_LEN, FIRST_QUERY_LEN, greedy)
+                                return self._first_step(b, b * q, q, greedy)
                             return self._next_step(b, greedy)
                         with torch.inference_mode():
                             fn()  # warm-up outside the capture stream: compiles the kernels
-                        self.buffers.load_dummy(b, FIRST_QUERY_LEN if first else 1)
-                        graph, _ = self.pool.capture(lambda b=b, greedy=greedy, first=first: (
-                            self._first_step(b, b * FIRST_QUERY_LEN, FIRST_QUERY_LEN, greedy) if first
+                        self.buffers.load_dummy(b, q)
+                        graph, _ = self.pool.capture(lambda b=b, greedy=greedy, first=first, q=q: (
+                            self._first_step(b, b * q, q, greedy) if first
                             else self._next_step(b, greedy)), warmup=0)
                         (self.first_graphs if first else self.next_graphs)[(b, greedy)] = graph
 
@@ -221,10 +246,11 @@ class DraftLoop:
         if max_k > self.max_k:
             raise ValueError(f"draft length {max_k} exceeds the draft loop's {self.max_k}")
         b, graphed, greedy = self._prepare(ks, md, seeded_gens, default_gen, guesses)
-        first_graph = graphed and all(len(c.token_ids) <= FIRST_QUERY_LEN for c in chunks)
+        q = self.first_query_len
+        first_graph = graphed and (b, greedy) in self.first_graphs and all(len(c.token_ids) <= q for c in chunks)
         # After a rejection every request catches up one token (the target's correction), not two: the step is then
         # a later step's shape, so the later step's graph runs it: rows of one token, not two padded.
-        one_token = first_graph and all(len(c.token_ids) == 1 for c in chunks)
+        one_token = first_graph and self.one_token_first and all(len(c.token_ids) == 1 for c in chunks)
         self.step_idx.zero_()
         if one_token:
             self.buffers.load(chunks, num_reqs=b, num_tokens=b, max_query_len=1, num_logits_padded=b)
@@ -232,10 +258,10 @@ class DraftLoop:
             self.num_graph_replays += 1
             self.num_one_token_first_steps += 1
         elif first_graph:
-            self.buffers.load(chunks, num_reqs=b, num_tokens=b * FIRST_QUERY_LEN, max_query_len=FIRST_QUERY_LEN,
-                              num_logits_padded=b)
+            self.buffers.load(chunks, num_reqs=b, num_tokens=b * q, max_query_len=q, num_logits_padded=b)
             self.first_graphs[(b, greedy)].replay()
             self.num_graph_replays += 1
+            self.num_first_graph_steps += 1
         else:
             mixed = self._mixed_key(chunks) if graphed else None
             if mixed is not None:

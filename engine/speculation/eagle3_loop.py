@@ -1,16 +1,20 @@
-"""An EAGLE-3 head's later draft steps on the kernel path: the draft loop (draft_loop.py) with the head's own state
-fed from step to step, captured as CUDA graphs and replayed.
+"""An EAGLE-3 head's k draft steps on the kernel path: the draft loop (draft_loop.py) with the head's states fed in,
+captured as CUDA graphs and replayed.
 
-A head step after the first reads, besides the token just drafted, the head's own pre-norm output of the step before
-(engine/models/eagle3.py). That state lives in a static buffer (`hidden_in`, one row a request): each step's forward
-reads it and writes its own output over it, in the step function, so a replayed graph carries it to the next replay
-as the loop's in-place metadata rebuild carries positions and slots. Sampling, the draft probabilities q (inside the
-replay, where probabilistic rejection reads them) and the rebuild of every KV-cache group's metadata are the draft
-loop's.
+The first step catches the head up from the target: each request's pending positions (the verify's input token and
+its accepted drafts, at most k + 1 rows) pair the tokens after them with the target's auxiliary states, which the
+proposer copies into a static buffer (`target_in`, rows packed as the step's tokens are); the step's forward takes
+them through `fc` (and the head's input norms), writes the head's KV at those positions and samples column 0 from
+each request's last row. Every later step reads, besides the token just drafted, the head's state of the step before
+(engine/models/eagle3.py: its pre-norm output, or its final norm's output with norm_output), in a second static
+buffer (`hidden_in`, one row a request): each step's forward reads it and writes its own over it, so a replayed graph
+carries it to the next replay as the loop's in-place metadata rebuild carries positions and slots. Sampling, the
+draft probabilities q (inside the replay, where probabilistic rejection reads them) and the rebuild of every KV-cache
+group's metadata are the draft loop's. So a proposal whose catch-ups fit is k graph replays and no host sync.
 
-The first step stays with the proposer (engine/speculation/eagle3_proposer.py), eagerly: it re-runs each request's
-pending target states through the head (any number of rows a request, through `fc`) and draws column 0. It hands
-the loop each drafting row's first token and pre-norm state (`run_later`), and the loop runs steps 1..k-1.
+A longer catch-up (a prompt's states, or the positions of steps the head sat out at k = 0) runs its first step
+eagerly in the proposer (engine/speculation/eagle3_proposer.py), which hands the loop each drafting row's first
+token and state (`run_later`) for steps 1..k-1.
 """
 
 from __future__ import annotations
@@ -24,41 +28,86 @@ from engine.speculation.draft_loop import DraftLoop
 
 
 class Eagle3Loop(DraftLoop):
-    """Buffers and graphs of an EAGLE-3 head's steps 1..k-1 for up to max_num_reqs requests."""
+    """Buffers and graphs of an EAGLE-3 head's k steps for up to max_num_reqs requests."""
 
-    captures_first = False  # the first step (the catch-up from the target's states) runs eagerly in the proposer
+    one_token_first = False  # the first step reads the target's states through fc: never the later steps' graph
 
     def __init__(self, runner: ModelRunner, max_k: int, keep_probs: bool) -> None:
         super().__init__(runner, max_k, keep_probs)
         self.head = runner.model
-        # [max_num_reqs, hidden_size] in the head's dtype: each row's pre-norm state of the step before.
-        self.hidden_in = torch.zeros(runner.buffers.max_num_reqs, self.head.config.hidden_size,
-                                     dtype=runner.dtype, device=runner.device)
+        cfg = self.head.config
+        r = runner.buffers.max_num_reqs
+        # A catch-up after a verify: its input token and up to k accepted drafts.
+        self.first_query_len = self.max_k + 1
+        # [max_num_reqs, hidden_size] in the head's dtype: each row's state of the step before.
+        self.hidden_in = torch.zeros(r, cfg.hidden_size, dtype=runner.dtype, device=runner.device)
+        # [max_num_reqs * first_query_len, len(aux) * target_hidden] in the head's dtype: the first step's target
+        # states, packed as its tokens; padding rows keep earlier proposals' values (finite; slot -1, never read).
+        rows = min(r * self.first_query_len, runner.buffers.max_num_tokens)
+        self.target_in = torch.zeros(rows, len(cfg.aux_layer_ids) * cfg.target_hidden_size, dtype=runner.dtype,
+                                     device=runner.device)
+
+    def fits(self, chunks: list[Chunk]) -> bool:
+        """Whether a first step of these catch-ups runs on the loop: rows and tokens within its buffers."""
+        return (0 < len(chunks) <= self.buffers.max_num_reqs
+                and all(0 < len(c.token_ids) <= self.first_query_len for c in chunks)
+                and sum(len(c.token_ids) for c in chunks) <= self.target_in.shape[0])
+
+    def _forward_first(self, step: StepInput) -> torch.Tensor:
+        """The head over the catch-up's tokens and the target's states of them; keeps each row's state for the next
+        step. Logits over the draft vocabulary [b, draft vocab] (`_greedy` and `_target_logits` map them)."""
+        out = self.head(step.input_ids, step.positions, step.attn, self.target_in[:step.num_tokens],
+                        True)[step.logits_indices]
+        self.hidden_in[:out.shape[0]].copy_(self.head.next_state(out))
+        return self.head.draft_logits(out)
 
     def _forward(self, step: StepInput) -> torch.Tensor:
         """The head over the step's tokens and the rows' states of the step before; keeps this step's states for
-        the next. Logits [b, target vocab] float32 (-inf off the draft vocabulary)."""
-        prenorm = self.head(step.input_ids, step.positions, step.attn, self.hidden_in[:step.num_tokens],
-                            False)[step.logits_indices]
-        self.hidden_in[:prenorm.shape[0]].copy_(prenorm)
-        return self.head.compute_logits(prenorm)
+        the next. Logits over the draft vocabulary [b, draft vocab]."""
+        out = self.head(step.input_ids, step.positions, step.attn, self.hidden_in[:step.num_tokens],
+                        False)[step.logits_indices]
+        self.hidden_in[:out.shape[0]].copy_(self.head.next_state(out))
+        return self.head.draft_logits(out)
+
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.head.greedy_ids(logits)
+
+    def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.head.to_target(logits)
+
+    def _mixed_key(self, chunks: list[Chunk]) -> None:
+        return None  # the runner's mixed graphs run the forward without the head's states
 
     @torch.inference_mode()
-    def run_later(self, chunks: list[Chunk], ks: list[int], prenorm: torch.Tensor, md: SamplingMetadata,
+    def run_first(self, chunks: list[Chunk], ks: list[int], states: torch.Tensor, md: SamplingMetadata,
+                  seeded_gens: dict[int, torch.Generator], default_gen: torch.Generator
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A whole proposal on the loop. chunks: each row's catch-up (`fits`), one logits row each; ks: each row's
+        draft count (0: a catch-up only); states: [total tokens, len(aux) * target_hidden] the target's states of
+        the chunks' tokens, in order; md, seeded_gens, default_gen: as DraftLoop.run. Returns DraftLoop.run's."""
+        if not self.fits(chunks):
+            raise ValueError("these catch-ups do not fit the head loop's first step")
+        if states.shape[0] != sum(len(c.token_ids) for c in chunks):
+            raise ValueError(f"{states.shape[0]} target states for {sum(len(c.token_ids) for c in chunks)} tokens")
+        self.target_in[:states.shape[0]].copy_(states)
+        return self.run(chunks, ks, md, seeded_gens, default_gen)
+
+    @torch.inference_mode()
+    def run_later(self, chunks: list[Chunk], ks: list[int], state: torch.Tensor, md: SamplingMetadata,
                   seeded_gens: dict[int, torch.Generator], default_gen: torch.Generator
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Steps 1..max(ks)-1 of rows whose first step the proposer ran. chunks: each row's first draft at its head
-        position (one token, num_logits 1); ks: each row's draft count (> 1); prenorm: [n, hidden_size] the first
-        step's pre-norm states; md, seeded_gens, default_gen: the rows' sampling settings and generators, those of
-        a seeded row already past its first draw (later columns draw fresh numbers, never its first draft's
-        again). Returns ids [n, max(ks)] int64 (-1 beyond a row's count) and q [n, max(ks), V] (a view of the
-        static buffer, valid until the next proposal) or None when every row is greedy; column 0 of both is not
-        written (the proposer holds the first drafts)."""
+        position (one token, num_logits 1); ks: each row's draft count (> 1); state: [n, hidden_size] the first
+        step's states fed forward (Eagle3Head.next_state); md, seeded_gens, default_gen: the rows' sampling
+        settings and generators, those of a seeded row already past its first draw (later columns draw fresh
+        numbers, never its first draft's again). Returns ids [n, max(ks)] int64 (-1 beyond a row's count) and q
+        [n, max(ks), V] (a view of the static buffer, valid until the next proposal) or None when every row is
+        greedy; column 0 of both is not written (the proposer holds the first drafts)."""
         n, max_k = len(chunks), max(ks)
         if max_k > self.max_k:
             raise ValueError(f"draft length {max_k} exceeds the head loop's {self.max_k}")
         b, graphed, greedy = self._prepare(ks, md, seeded_gens, default_gen, [0] * n)
-        self.hidden_in[:n].copy_(prenorm)
+        self.hidden_in[:n].copy_(state)
         self.buffers.load(chunks, num_reqs=b, num_tokens=b, max_query_len=1, num_logits_padded=b)
         self.step_idx.fill_(1)
         return self._later_steps(n, max_k, b, graphed, greedy)

@@ -19,10 +19,11 @@ model's): head position p <= the draft model's position p + 1, so a draft model'
 target skipped positions (a prefix-cache hit) the head keeps what its cached blocks hold there and starts from the
 target's first computed position: drafts may be worse there, never wrong (the verify decides).
 
-The first step (the catch-up from the target's states, and column 0's draws) runs eagerly; on the kernel path steps
-1..k-1 run on the head's loop (engine/speculation/eagle3_loop.py: the draft loop's buffers, in-place metadata rebuild
-and CUDA graphs, with the head's state carried from step to step), beside a target whose CUDA graphs keep the
-auxiliary states as a side output (`keep_target_states`). Grammar masks and logits
+On the kernel path a proposal runs on the head's loop (engine/speculation/eagle3_loop.py: the draft loop's buffers,
+in-place metadata rebuild and CUDA graphs, the target's states and the head's own carried from step to step), beside
+a target whose CUDA graphs keep the auxiliary states as a side output (`keep_target_states`): its first step too
+where every request's catch-up is a verify's (at most k + 1 positions), else that step runs eagerly here and the
+loop runs the later ones. Grammar masks and logits
 processing are not applied to the head's drafts: rejection sampling reads the q each draft was drawn from, so the
 output is exact either way.
 """
@@ -148,9 +149,8 @@ class Eagle3Proposer:
         reqs = plan.requests
         ks = [r.num_draft_tokens for r in reqs]
         max_k = max(ks, default=0)
-        ids, probs = empty_proposal(len(reqs), max_k, self.runner.vocab_size, self.keep_probs, dev)
         # Step 0: every request's pending pairs through the head, from the target's states.
-        chunks, states, drafting, last_pos, blind = [], [], [], [], []
+        chunks, states, drafting, last_pos, blind, owners = [], [], [], [], [], []
         for i, r in enumerate(reqs):
             chunk = self._catch_up(r.request_id, r.draft_block_tables, want_logits=ks[i] > 0)
             if chunk is None:
@@ -159,10 +159,17 @@ class Eagle3Proposer:
                 continue
             c, hidden = chunk
             chunks.append(c)
+            owners.append(i)
             states.append(hidden)
             if ks[i]:
                 drafting.append(i)
                 last_pos.append(c.start_pos + len(c.token_ids) - 1)
+        if not blind and max_k > 0 and self.loop is not None:
+            # Every logits row a request: rows without drafts (k = 0) sample a token no one reads.
+            full = [Chunk(c.token_ids, c.start_pos, 1, c.block_tables) for c in chunks]
+            if self.loop.fits(full):
+                return self._propose_on_loop(reqs, ks, owners, full, torch.cat(states))
+        ids, probs = empty_proposal(len(reqs), max_k, self.runner.vocab_size, self.keep_probs, dev)
         if blind:
             self._draft_blind(plan, blind, ids, probs)
         if not chunks:
@@ -173,30 +180,51 @@ class Eagle3Proposer:
         md = sampling_metadata([reqs[i] for i in drafting], DRAFT_STREAM, self.generator, dev)
         rows = list(range(len(drafting)))  # the drafting requests (indices into `drafting`) this step feeds
         tok = self._draw(logits, md, rows, len(drafting), ids, probs, drafting, 0)
+        state = self.head.next_state(prenorm)
         if self.loop is not None and max_k > 1:
-            self._later_on_loop(reqs, ks, drafting, last_pos, tok, prenorm, md, ids, probs)
+            self._later_on_loop(reqs, ks, drafting, last_pos, tok, state, md, ids, probs)
             return DraftProposal(ids, probs)
         for j in range(1, max_k):
             keep = [m for m, n in enumerate(rows) if ks[drafting[n]] > j]
             if not keep:
                 break
             index = to_device(keep, torch.int64, dev)
-            tok, prenorm = tok.index_select(0, index), prenorm.index_select(0, index)
+            tok, state = tok.index_select(0, index), state.index_select(0, index)
             rows = [rows[m] for m in keep]
             # SYNC: the next step's input ids are built on the host (one small copy a step).
             prev = tok.tolist()
             chunks = [Chunk([prev[m]], last_pos[n] + j, 1, reqs[drafting[n]].draft_block_tables)
                       for m, n in enumerate(rows)]
-            logits, prenorm = self._forward(chunks, prenorm, from_target=False)
+            logits, prenorm = self._forward(chunks, state, from_target=False)
+            state = self.head.next_state(prenorm)
             tok = self._draw(logits, md, rows, len(drafting), ids, probs, drafting, j)
         return DraftProposal(ids, probs)
 
+    def _propose_on_loop(self, reqs: list, ks: list[int], rows: list[int], chunks: list[Chunk], states: torch.Tensor
+                         ) -> DraftProposal:
+        """The whole proposal on the head's loop. rows: the requests (indices into reqs) with a catch-up, every one
+        that drafts among them; chunks: their catch-ups, one logits row each; states: their target states, in order.
+        Returns the proposal: the loop's drafts (and q) at the rows, -1 elsewhere."""
+        sub = [reqs[i] for i in rows]
+        md = sampling_metadata(sub, DRAFT_STREAM, self.generator, self.runner.device)
+        seeded = {n: g for n, g in md.generators.items() if sub[n].temperature > 0}
+        loop_ids, loop_probs = self.loop.run_first(chunks, [ks[i] for i in rows], states, md, seeded, self.generator)
+        if len(rows) == len(reqs):  # every request catches up (the usual case): no scatter
+            return DraftProposal(loop_ids, loop_probs if self.keep_probs else None)
+        ids, probs = empty_proposal(len(reqs), loop_ids.shape[1], self.runner.vocab_size,
+                                    self.keep_probs and loop_probs is not None, self.runner.device)
+        dest = to_device(rows, torch.int64, self.runner.device)
+        ids[dest] = loop_ids
+        if probs is not None:
+            probs[dest] = loop_probs
+        return DraftProposal(ids, probs)
+
     def _later_on_loop(self, reqs: list, ks: list[int], drafting: list[int], last_pos: list[int], tok: torch.Tensor,
-                       prenorm: torch.Tensor, md: SamplingMetadata, ids: torch.Tensor, probs: torch.Tensor | None
+                       state: torch.Tensor, md: SamplingMetadata, ids: torch.Tensor, probs: torch.Tensor | None
                        ) -> None:
         """Drafts 1..k-1 of the drafting rows with more than one, on the head's loop (eagle3_loop.py), into the
-        proposal's ids and probs. tok, prenorm: the first step's drafts and pre-norm states of every drafting
-        row; md: their sampling settings, whose seeded generators are past the first draw."""
+        proposal's ids and probs. tok, state: the first step's drafts and the states it feeds forward, of every
+        drafting row; md: their sampling settings, whose seeded generators are past the first draw."""
         later = [m for m, i in enumerate(drafting) if ks[i] > 1]
         if not later:
             return
@@ -209,7 +237,7 @@ class Eagle3Proposer:
         sub = md.select(later)
         seeded = {n: g for n, g in sub.generators.items() if reqs[drafting[later[n]]].temperature > 0}
         loop_ids, loop_probs = self.loop.run_later(chunks, [ks[drafting[m]] for m in later],
-                                                   prenorm.index_select(0, index), sub, seeded, self.generator)
+                                                   state.index_select(0, index), sub, seeded, self.generator)
         dest = to_device([drafting[m] for m in later], torch.int64, dev)
         width = loop_ids.shape[1]
         ids[dest, 1:width] = loop_ids[:, 1:]
@@ -224,8 +252,7 @@ class Eagle3Proposer:
         dev = self.runner.device
         reqs = [plan.requests[i] for i in rows]
         md = sampling_metadata(reqs, DRAFT_STREAM, self.generator, dev)
-        logits = torch.full((len(rows), self.runner.vocab_size), float("-inf"), device=dev)
-        logits[:, self.head.draft_to_target] = 0.0
+        logits = torch.zeros(len(rows), self.head.config.draft_vocab_size, device=dev)  # over the draft vocabulary
         ks = [r.num_draft_tokens for r in reqs]
         for j in range(max(ks)):
             live = [n for n, k in enumerate(ks) if k > j]
@@ -233,14 +260,15 @@ class Eagle3Proposer:
 
     def _draw(self, logits: torch.Tensor, md: SamplingMetadata, rows: list[int], num_drafting: int, ids: torch.Tensor,
               probs: torch.Tensor | None, drafting: list[int], j: int) -> torch.Tensor:
-        """Sample column j's drafts of `rows` (indices into `drafting`) from logits [len(rows), V]; write them (and q
-        where kept) into the proposal's buffers. Returns the drafts [len(rows)] int64."""
+        """Sample column j's drafts of `rows` (indices into `drafting`) from logits over the draft vocabulary
+        [len(rows), draft vocab]; write them (and q where kept) into the proposal's buffers. Returns the drafts
+        [len(rows)] int64 (target ids)."""
         row_md = md if len(rows) == num_drafting else md.select(rows)
         dest = to_device([drafting[n] for n in rows], torch.int64, self.runner.device)
         if row_md.all_greedy and probs is None:
-            tok = logits.argmax(dim=-1)
+            tok = self.head.greedy_ids(logits)  # as the loop's greedy steps take it
         else:
-            tok, p = self.sampler.sample_with_probs(logits, row_md)
+            tok, p = self.sampler.sample_with_probs(self.head.to_target(logits), row_md)
             if probs is not None:
                 probs[dest, j] = p
         ids[dest, j] = tok
@@ -270,8 +298,8 @@ class Eagle3Proposer:
 
     def _forward(self, chunks: list[Chunk], hidden: torch.Tensor, from_target: bool
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over `chunks` (hidden: their rows' states, in order) -> (logits [rows wanting logits, V] float32
-        over the target's vocabulary, the head's pre-norm states of those rows [rows, hidden_size])."""
+        """The head over `chunks` (hidden: their rows' states, in order) -> (logits [rows wanting logits, draft
+        vocab] over the draft vocabulary, the head's pre-norm states of those rows [rows, hidden_size])."""
         if from_target:  # a catch-up past the input buffers (pending pairs of steps at k = 0): its leading rows first
             cut = self.runner.cut_to_fit(chunks)
             if cut is not None:
@@ -283,7 +311,7 @@ class Eagle3Proposer:
             raise RuntimeError(f"{hidden.shape[0]} hidden states for a head forward of {step.num_tokens} tokens")
         prenorm = self.head(step.input_ids, step.positions, step.attn, hidden.to(self.runner.dtype),
                             from_target)[step.logits_indices]
-        return self.head.compute_logits(prenorm), prenorm
+        return self.head.draft_logits(prenorm), prenorm
 
     def eager(self, plan: StepPlan) -> bool:
         """Whether proposals draw a seeded request's random numbers draft by draft (DraftProposer.eager's

@@ -1,7 +1,7 @@
 """EAGLE-3 heads on CUDA, eagerly (the kernel path: Triton attention, the few-row products): fp32 greedy with the head
 equals HF's greedy on the same GPU for a Llama and a Qwen3 target, in both checkpoint formats; and with CUDA graphs
-(the target's keeping the auxiliary states, the head's loop replaying its steps 1..k-1), with the same drafts as
-eagerly, and the draft probabilities written inside the head loop's replays."""
+(the target's keeping the auxiliary states, the head's loop replaying its first step from the target's states and its
+later steps), with the same drafts as eagerly, and the draft probabilities written inside the head loop's replays."""
 
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def test_graphed_target_with_eager_head_matches_hf(tiny_models, tmp_path, family
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy_cuda(m.hf, p, 24)
     assert target.graphs.num_replays > 0
-    assert llm.executor.proposer.loop.num_graph_replays > 0  # the head's steps 1..k-1 replayed its graphs
+    loop = llm.executor.proposer.loop
+    assert loop.num_first_graph_steps > 0  # whole proposals replayed: the first step from the target's states too
+    assert loop.num_graph_replays > loop.num_first_graph_steps  # and the later steps
     eager = LLM(m.path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3},
                 adaptive_draft_length=False, enforce_eager=True, **KW)
     want = eager.spec_stats(eager.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True)))
@@ -57,8 +59,9 @@ def test_graphed_target_with_eager_head_matches_hf(tiny_models, tmp_path, family
 
 
 def test_head_loop_writes_draft_probabilities_in_replay(tiny_models, tmp_path):
-    """Sampled drafts on the head's graphed loop: the q of columns 1..k-1 (what probabilistic rejection reads) come
-    out of the replays as distributions over the draft vocabulary (zero off it), one per row and column drafted."""
+    """Sampled drafts on the head's graphed loop: the q of every column it drafts (what probabilistic rejection reads:
+    all k where the whole proposal replays, 1..k-1 after an eager first step) come out of the replays as
+    distributions over the draft vocabulary (zero off it), one per row and column drafted."""
     import torch
 
     m = tiny_models["llama"]
@@ -68,21 +71,22 @@ def test_head_loop_writes_draft_probabilities_in_replay(tiny_models, tmp_path):
               adaptive_draft_length=False, **KW)
     loop = llm.executor.proposer.loop
     seen = []
-    run_later = loop.run_later
 
-    def recording(chunks, ks, *a, **kw):
-        ids, q = run_later(chunks, ks, *a, **kw)
-        seen.append((list(ks), None if q is None else q.clone()))
-        return ids, q
+    def recording(run, first_column):
+        def record(chunks, ks, *a, **kw):
+            ids, q = run(chunks, ks, *a, **kw)
+            seen.append((first_column, list(ks), None if q is None else q.clone()))
+            return ids, q
+        return record
 
-    loop.run_later = recording
+    loop.run_first, loop.run_later = recording(loop.run_first, 0), recording(loop.run_later, 1)
     llm.generate(random_prompts([5, 17], seed=3), SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True))
-    assert loop.num_graph_replays > 0 and seen
+    assert loop.num_first_graph_steps > 0 and {first for first, _, _ in seen} == {0, 1}
     off = torch.ones(m.config.vocab_size, dtype=torch.bool, device="cuda")
     off[llm.executor.proposer.head.draft_to_target] = False
-    for ks, q in seen:
+    for first, ks, q in seen:
         assert q is not None
         for row, k in enumerate(ks):
-            for j in range(1, k):
+            for j in range(first, k):
                 torch.testing.assert_close(q[row, j].sum().item(), 1.0, atol=1e-4, rtol=0)
                 assert not q[row, j][off].any()
