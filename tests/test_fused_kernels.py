@@ -56,6 +56,9 @@ def check_fused_kernels(device: str, dtype: torch.dtype) -> None:
         if rows > 1:
             x[-1] = float("-inf")
         assert torch.equal(argmax.argmax_rows(x), argmax.argmax_rows_ref(x))
+        # A NaN (random weights overflow) wins, as in torch: never a column past the row.
+        x[0, n // 2] = float("nan")
+        assert torch.equal(argmax.argmax_rows(x), argmax.argmax_rows_ref(x))
     for act in activation.ACTIVATIONS:
         for rows, inter in ((1, 64), (4, 1536), (2, 1000)):
             x = rand(rows, 2 * inter, scale=3.0)

@@ -4,8 +4,8 @@ wrapper + torch reference).
 torch's argmax reduces a row in one thread block: one row of 32000 bfloat16 logits took 9-11 us of an EAGLE-3 head's
 graphed step on an H100 (of 210-300 us), about four memory round trips in a row. Here slices of the row reduce in
 parallel (one program each, a (max, column) pair out), then one program a row picks among them. Ties go to the
-smallest column, as torch's do, so the kernel and the reference agree exactly; a NaN is not handled (logits hold
-none; torch would pick it).
+smallest column, as torch's do, so the kernel and the reference agree exactly. A NaN wins, as in torch (random
+weights overflow to NaN logits; the first NaN's column, where the row holds no +inf before it).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def _slice_argmax_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, num_slices, 
     s = tl.program_id(1)
     cols = s * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("inf"))  # a NaN (x != x) as the largest value, so it wins as in torch
     m = tl.max(x, axis=0)
     # The slice's first column holding its max (a slice of -inf only: its first column).
     first = tl.min(tl.where(x == m, cols, 2147483647), axis=0)

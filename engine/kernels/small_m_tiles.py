@@ -67,6 +67,12 @@ FEW_ROWS_MEASURED: dict[str, dict[tuple[int, int, int], dict]] = {
         (4, 9728, 896): CUBLAS,  # 8.45 against 14.3 (the rule's DOT form at 5 stages; 9.54 at 3)
         (1, 896, 4864): dict(BLOCK_N=4, BLOCK_K=2048, num_warps=8),  # Qwen2.5-0.5B down: 4.88 against 6.08
     },
+    # One row, K of 2880 (gpt-oss): the rule's 2048-wide tiles cover K in 1.4 tiles, 1024-wide ones in 2.8.
+    "NVIDIA H100 80GB HBM3": {
+        (1, 5120, 2880): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),  # gpt-oss qkv: 14.1 us against 21.8
+        (1, 5760, 2880): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4),  # 2880 -> 5760: 15.4 us against 24.1
+        (1, 2880, 2880): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4),  # 2880 -> 2880: 7.21 us against 11.5
+    },
 }
 
 
