@@ -73,7 +73,12 @@ def graph_us(fn: Callable[[int], object], calls: int, replays: int = 30) -> floa
     with torch.cuda.graph(graph):
         for i in range(calls):
             fn(i)
-    for _ in range(3):
+    return replay_us(graph, replays) / calls
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 30, warmup: int = 3) -> float:
+    """Median microseconds of one replay of a captured graph (CUDA events), after `warmup` replays."""
+    for _ in range(warmup):
         graph.replay()
     times = []
     for _ in range(replays):
@@ -82,7 +87,7 @@ def graph_us(fn: Callable[[int], object], calls: int, replays: int = 30) -> floa
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
+        times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
 
 

@@ -9,28 +9,13 @@ then the later step's kernels under torch.profiler.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from common import replay_us
 from gpu_shapes import copy_bandwidth, eagle3_head_dir, shape_dir
 from torch.profiler import ProfilerActivity, profile
 
 from engine import LLM, SamplingParams
-
-
-def replay_us(graph: torch.cuda.CUDAGraph, repeats: int = 200) -> float:
-    """Median microseconds of one replay (CUDA events), after 10 warm-up replays."""
-    for _ in range(10):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -57,9 +42,9 @@ def main() -> None:
           f"copy {bw / 1e12:.2f} TB/s")
     later, first = loop.next_graphs[(1, True)], loop.first_graphs[(1, True)]
     loop.step_idx.fill_(1)
-    t_later = replay_us(later)
+    t_later = replay_us(later, 200, warmup=10)
     loop.step_idx.zero_()
-    t_first = replay_us(first)
+    t_first = replay_us(first, 200, warmup=10)
     loop_us, floor_us = t_first + (args.k - 1) * t_later, (first_bytes + (args.k - 1) * step_bytes) / bw * 1e6
     print(f"later step {t_later:.1f} us against {step_bytes / bw * 1e6:.1f} us of {step_bytes / 1e6:.1f} MB "
           f"({t_later / (step_bytes / bw * 1e6):.2f}x); first step {t_first:.1f} us against "
