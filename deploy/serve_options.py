@@ -120,8 +120,8 @@ SpeculationOptions = options_class(
                            "draft of the default model when installed"),
         engine_option("speculative_method", engine="extra", choices=SPECULATIVE_METHODS,
                       help="draft_model: the draft is a model of the target's vocabulary; eagle3: an EAGLE-3 head "
-                           "over the target's hidden states, run in the target's processes (vLLM's "
-                           "speculative_config method)"),
+                           "over the target's hidden states, run in the target's processes unless draft_placement "
+                           "is separate (vLLM's speculative_config method)"),
         engine_option("num_speculative_tokens", engine="llm", minimum=1, maximum=16, help="draft tokens per step, k"),
         engine_option("rejection_sampling", engine="llm", choices=REJECTION_MODES,
                       help="strict: greedy equality; probabilistic: lossless at any temperature; synthetic: a fixed "
@@ -147,9 +147,10 @@ SpeculationOptions = options_class(
         engine_option("draft_tensor_parallel_size", engine="llm", minimum=1, help="GPUs the draft is split across"),
         serving_option("draft_placement", str,
                        option(DEFAULT_DRAFT_PLACEMENT, engine="extra", choices=DRAFT_PLACEMENTS,
-                              help="separate: the draft's ranks are actors of their own; colocated: inside the "
-                                   "target's ranks, on their GPUs; auto: colocated where the draft could only share "
-                                   "the target's GPUs")),
+                              help="separate: the draft's ranks are actors of their own (an EAGLE-3 head's read "
+                                   "the target's states from each result); colocated: inside the target's ranks, on "
+                                   "their GPUs; auto: colocated where the draft could only share the target's GPUs, "
+                                   "and for an EAGLE-3 head")),
         _placement_option(
             "draft_resources",
             "Ray resources of each draft rank (of a draft pool's replicas too), merged into its bundle, e.g. "

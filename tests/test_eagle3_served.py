@@ -1,7 +1,9 @@
 """EAGLE-3 heads served: vLLM's `--speculative-config '{"method": "eagle3", ...}'` read into the engine's options and
 honoured by the offline engine built from the flags, and the Ray engine running the head inside the target's worker
-(draft_placement colocated, forced for a head) with greedy output equal to the target alone, sync and async; and a
-head split over the target's two tensor-parallel ranks drafting what one process's head drafts."""
+(draft_placement colocated, the default for a head) with greedy output equal to the target alone; a head split over
+the target's two tensor-parallel ranks drafting what one process's head drafts; and a head on workers of its own
+(draft_placement separate: the target's states travel with each result) drafting what one process's head drafts,
+sync, and with greedy output equal to the target alone, async."""
 
 from __future__ import annotations
 
@@ -69,10 +71,38 @@ def test_served_greedy_equals_target(ray_runtime, tiny_models, llama_heads, targ
         engine.executor.shutdown()
 
 
-def test_served_head_must_be_colocated(ray_runtime, tiny_models, llama_heads):
-    with pytest.raises(ValueError, match="draft_placement must be 'colocated' or 'auto'"):
-        build_ray_engine(tiny_models["llama"].path, llama_heads["flat"], speculative_method="eagle3",
-                         draft_placement="separate", **ENGINE_KW)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_head_on_workers_of_its_own(ray_runtime, tiny_models, llama_heads, target_greedy, async_scheduling):
+    """draft_placement separate: the head's rank reads each forward's states from target rank 0's result. Sync, under
+    synthetic acceptance, the output is the accepted drafts, so it equals one process's only if the head apart drafts
+    the same tokens (states lost or misaligned on the way would change them); async, strict, greedy output is the
+    target's."""
+    target, head = tiny_models["llama"].path, llama_heads["flat"]
+    kw = dict(ENGINE_KW, adaptive_draft_length=False, seed=5)
+    if not async_scheduling:
+        kw.update(rejection_sampling="synthetic", synthetic_acceptance_rate=0.6)
+    engine = build_ray_engine(target, head, speculative_method="eagle3", num_speculative_tokens=3,
+                              draft_placement="separate", async_scheduling=async_scheduling, **kw)
+    try:
+        assert not engine.executor.colocated and engine.executor.draft is not None
+        reqs = run_to_completion(engine, PROMPTS, [GREEDY] * len(PROMPTS))
+    finally:
+        engine.executor.shutdown()
+    if async_scheduling:
+        assert [r.output_token_ids for r in reqs] == target_greedy("llama")
+        assert sum(r.spec.num_draft_tokens for r in reqs) > 0
+        return
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    one = LLM(target, speculative_config=spec, **kw).generate(PROMPTS, GREEDY)
+    assert [r.output_token_ids for r in reqs] == [o.token_ids for o in one]
+    assert sum(r.spec.num_accepted_tokens for r in reqs) > 10
+
+
+def test_head_placement_refused_where_it_cannot_run():
+    from serving.workers.group import draft_placement_of
+
+    with pytest.raises(ValueError, match="cannot be a draft pool's"):
+        draft_placement_of("auto", True, True, True, "cpu", 1, 1, False)
 
 
 def test_head_split_over_two_ranks_drafts_as_one(ray_runtime, tiny_models, llama_heads):

@@ -38,6 +38,16 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, sf.get_tensor(name)
 
 
+def checkpoint_tensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor of a checkpoint directory by its name (wrapping prefixes rewritten as for loading), read alone."""
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for stored in sf.keys():
+                if _rewrite_prefix(stored) == name:
+                    return sf.get_tensor(stored)
+    raise ValueError(f"{path} has no tensor {name!r}")
+
+
 # A distilled draft (engine/distill) may leave out tensors it shares, frozen, with its target (the embedding
 # table, and an untied lm_head): its config.json names the model they come from and the checkpoint names taken.
 # Storing them again would cost a 135M target's draft 57 MB of its 25 MB budget.

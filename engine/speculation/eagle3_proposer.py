@@ -30,11 +30,15 @@ output is exact either way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from engine.host_copy import to_device
+from engine.models.layers import VocabParallelEmbedding
+from engine.models.loader import checkpoint_tensor
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk
 from engine.sample.metadata import SamplingMetadata
@@ -62,15 +66,19 @@ class _Pending:
 
 class Eagle3Proposer:
     """Behind the draft proposer's interface (`propose(plan) -> DraftProposal`), over the head's runner; the target's
-    runner keeps the auxiliary states of every forward for it."""
+    runner keeps the auxiliary states of every forward for it. `target` None: the head runs on workers of its own
+    (served, draft_placement separate), where each target forward's states come with its result
+    (StepResult.target_states, `ship_target_states`) and the embedding is read from the target's checkpoint at
+    `target_path` where the head has none of its own."""
 
-    def __init__(self, runner: ModelRunner, target: ModelRunner, keep_probs: bool, seed: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, target: ModelRunner | None, keep_probs: bool, seed: int = 0,
+                 target_path: str | None = None) -> None:
         from engine.models.eagle3 import Eagle3Head
 
         head = runner.model
         if not isinstance(head, Eagle3Head):
             raise TypeError(f"an EAGLE-3 proposer needs an EAGLE-3 head, got {type(head).__name__}")
-        if tuple(target.model.model.aux_layer_ids) != tuple(runner.model_config.aux_layer_ids):
+        if target is not None and tuple(target.model.model.aux_layer_ids) != tuple(runner.model_config.aux_layer_ids):
             raise RuntimeError("the target keeps no auxiliary states for this head: call keep_target_states before "
                                "the target's graphs are captured")
         self.runner = runner
@@ -80,7 +88,13 @@ class Eagle3Proposer:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed(seed + 1)
-        head.share_embedding(target.model.model.embed_tokens)
+        if target is not None:
+            head.share_embedding(target.model.model.embed_tokens)
+        elif head.embed_tokens is None:
+            if target_path is None:
+                raise ValueError("a head without an embedding of its own, away from its target, needs the target's "
+                                 "checkpoint (target_path) to read the embedding from")
+            head.share_embedding(_target_embedding(runner, target_path))
         runner.warm_up_attention()  # now that the head can embed (its runner skipped it at start-up)
         # Kernel path: steps 1..k-1 on the head's loop (CUDA graphs where captured); the first step stays eager.
         self.loop: Eagle3Loop | None = None
@@ -98,12 +112,38 @@ class Eagle3Proposer:
             raise RuntimeError("the target's graphs are already captured without the head's auxiliary states")
         target.model.model.aux_layer_ids = tuple(head.model_config.aux_layer_ids)
 
+    @staticmethod
+    def ship_target_states(target: ModelRunner, aux_layer_ids: tuple[int, ...]) -> Callable[
+            [StepPlan, list[int], StepResult], None]:
+        """For a head on workers of its own: have every target forward keep the states entering `aux_layer_ids`
+        (before the target's graphs are captured) and return the verifier's `on_forward` hook that puts them on the
+        host, in the result (StepResult.target_states: every token of the forward, as `absorb_target` reads them)."""
+        if target.graphs is not None:
+            raise RuntimeError("the target's graphs are already captured without the head's auxiliary states")
+        target.model.model.aux_layer_ids = tuple(aux_layer_ids)
+
+        def ship(plan: StepPlan, counts: list[int], result: StepResult) -> None:
+            aux = target.model.model.aux_hidden
+            if aux is None:
+                raise RuntimeError("the target kept no auxiliary states in its forward")
+            rows = aux[:sum(len(r.token_ids or ()) + k for r, k in zip(plan.requests, counts))]
+            # SYNC: after the step's sampling sync; a host copy either way (the buffer is the next forward's).
+            result.target_states = rows.cpu() if rows.is_cuda else rows.clone()
+
+        return ship
+
     # ---- after every target forward --------------------------------------------------------------------
     def absorb_target(self, plan: StepPlan, counts: list[int], result: StepResult) -> None:
         """Keep the auxiliary states of the positions that stand after the target's forward of `plan` (counts: the
-        drafts it verified per request), and the tokens known after them."""
+        drafts it verified per request), and the tokens known after them. The states: the target's of this process,
+        or those the result brought (StepResult.target_states: a head on workers of its own)."""
         self._forget(plan)
-        aux = self.target.model.model.aux_hidden
+        if self.target is not None:
+            aux = self.target.model.model.aux_hidden
+        elif result.target_states is not None:
+            aux = result.target_states.to(self.runner.device, self.runner.dtype, non_blocking=True)
+        else:
+            aux = None
         if aux is None:
             raise RuntimeError("the target kept no auxiliary states in its forward")
         offset = 0
@@ -317,3 +357,18 @@ class Eagle3Proposer:
         """Whether proposals draw a seeded request's random numbers draft by draft (DraftProposer.eager's
         question): off the kernel path; on it the head's loop draws each row's later columns up front."""
         return self.loop is None
+
+
+def _target_embedding(runner: ModelRunner, target_path: str) -> VocabParallelEmbedding:
+    """The target's embedding table for a head on workers of its own, read from the target's checkpoint (random,
+    as the target's, under load_format "dummy"), sharded as the head's runner is."""
+    cfg = runner.model_config
+    with torch.device(runner.device):
+        emb = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size).to(runner.dtype)
+    if runner.config.load_format == "dummy":
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        weight = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen) * cfg.hidden_size ** -0.5
+    else:
+        weight = checkpoint_tensor(Path(target_path), "model.embed_tokens.weight")
+    emb.weight_loader(emb.weight, weight.to(runner.dtype))
+    return emb

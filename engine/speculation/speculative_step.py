@@ -61,6 +61,10 @@ class DraftSide:
                       if speculation_ahead else None)
         # The last proposal and its plan, for `speculate_ahead`: the window ahead follows the proposal that went out.
         self._proposed: tuple[StepPlan, DraftProposal] | None = None
+        # An EAGLE-3 head on workers of its own reads each target forward's states from its result (`absorb`),
+        # with the plan it proposed for.
+        self.reads_target_states = isinstance(self.proposer, Eagle3Proposer) and self.proposer.target is None
+        self._last_plan: StepPlan | None = None
 
     @property
     def sits_out_queued_steps(self) -> bool:
@@ -75,6 +79,7 @@ class DraftSide:
     def propose(self, plan: StepPlan) -> DraftProposal:
         """The proposal of a resolved plan: from the speculation cache where it hits, else drafted now."""
         if self.ahead is None:
+            self._last_plan = plan
             return self.proposer.propose(plan)
         proposal = self.ahead.propose(plan)
         self._proposed = (plan, proposal)
@@ -93,8 +98,16 @@ class DraftSide:
             self.ahead.speculate_ahead(*last)
 
     def absorb(self, result: StepResult) -> None:
-        """The target's result of the step this side proposed for (a table of its own: served)."""
+        """The target's result of the step this side proposed for (a table of its own: served); a head on workers of
+        its own also takes the target's states of the step's forward."""
         self.table.record(result)
+        if self.reads_target_states:
+            plan = self._last_plan
+            if plan is None or plan.step_id != result.step_id:
+                raise RuntimeError(f"the head proposed for step {plan.step_id if plan else None}, not the result's "
+                                   f"{result.step_id}")
+            counts = result.num_draft_tokens or [r.num_draft_tokens for r in plan.requests]
+            self.proposer.absorb_target(plan, counts, result)
 
     @property
     def speculation_ahead_totals(self) -> tuple[int, ...] | None:

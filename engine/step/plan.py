@@ -166,3 +166,7 @@ class StepResult:
     # Per planned request, the logprobs of its entry's prompt_targets, (logprob, rank, top tokens) each
     # (engine.sample.logprobs.PromptTokenLogprobs); None when no entry of the step had prompt_targets.
     prompt_logprobs: list[list[tuple[float, int, list[tuple[int, float]]]] | None] | None = None
+    # [the forward's tokens, len(aux) * target_hidden] on the host: the target's auxiliary states of every token of
+    # the step's forward (each request's input and its drafts, in plan order), for an EAGLE-3 head on workers of its
+    # own (engine/speculation/eagle3_proposer.py); None elsewhere.
+    target_states: Any = None

@@ -34,6 +34,8 @@ class DraftGroupReplacement:
         self.args = (model_path, tensor_parallel_size, resources, rejection_sampling, placement_timeout_s,
                      init_timeout_s)
         self.node_labels = node_labels  # the Ray node labels a new group is placed by (None: any node)
+        # More of ModelWorker's keyword arguments for a new group's ranks (an EAGLE-3 head's: target_model_path).
+        self.worker_kwargs: dict[str, object] = {}
         self.pending: WorkerGroup | None = None  # started, not attached yet
 
     def attach_pooled(self, timeout_s: float, exclude: str | None = None) -> WorkerGroup:
@@ -79,7 +81,7 @@ class DraftGroupReplacement:
         for rank in range(size):
             group.workers.append(actor_cls.options(**actor_options(pg, rank, bundle)).remote(
                 "draft", path, self.engine_config, rank, size, addr, port, rejection_sampling,
-                int(bundle.get("CPU", 1)), speculation_ahead=speculation_ahead))
+                int(bundle.get("CPU", 1)), speculation_ahead=speculation_ahead, **self.worker_kwargs))
         group.info = gather_info(group, init_timeout_s)
 
     def start_pooled_move(self, current: str, timeout_s: float) -> WorkerGroup:

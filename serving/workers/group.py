@@ -90,15 +90,16 @@ def resolve_draft_placement(placement: str, device_type: str, tp: int, draft_tp:
 
 def draft_placement_of(placement: str, has_draft: bool, eagle3: bool, pooled: bool, device_type: str, tp: int,
                        draft_tp: int, draft_resources_given: bool) -> str:
-    """Where the executor runs its draft: an EAGLE-3 head colocated (it reads the target's hidden states where the
-    target computes them), a pooled draft's share separate (serving/draft_pool/pool.py), anything else as asked, with
-    "auto" decided from the cluster's GPUs (`resolve_draft_placement`). has_draft: a draft model or head is given."""
+    """Where the executor runs its draft: an EAGLE-3 head colocated unless asked "separate" (it reads the target's
+    hidden states, which then travel with each result), a pooled draft's share separate (serving/draft_pool/pool.py),
+    anything else as asked, with "auto" decided from the cluster's GPUs (`resolve_draft_placement`). has_draft: a
+    draft model or head is given."""
     if eagle3:
-        # The head reads the target's hidden states where the target computes them.
-        if placement == "separate" or pooled:
-            raise ValueError("an EAGLE-3 head runs inside the target's processes, where its hidden states are: "
-                             "draft_placement must be 'colocated' or 'auto', without a draft pool")
-        placement = "colocated"
+        if pooled:
+            raise ValueError("an EAGLE-3 head reads its own target's hidden states: it cannot be a draft pool's")
+        # Beside the target by default: its states stay in the target's process (a separate head's cross with each
+        # result, benchmarks/RESULTS.md).
+        placement = "separate" if placement == "separate" else "colocated"
     if pooled:
         placement = "separate"
     resolved = resolve_draft_placement(placement, device_type, tp, draft_tp, ray.cluster_resources().get("GPU", 0.0),

@@ -136,6 +136,18 @@ class RayExecutor:
             draft_resources is not None or draft_node_labels is not None)
         # A draft in the target's processes: one group of workers, each running the whole step.
         self.colocated = draft_model_path is not None and self.draft_placement == "colocated"
+        # An EAGLE-3 head on workers of its own: the target's rank 0 sends each forward's states with its result,
+        # which the head's ranks read at every step (`draft_absorb`, synchronous scheduling too).
+        self.head_apart = eagle3 and not self.colocated
+        self._head_aux_layers: tuple[int, ...] | None = None
+        if self.head_apart:
+            from engine.model_config import ModelConfig
+            from engine.models.eagle3_config import Eagle3ModelConfig
+
+            assert draft_model_path is not None
+            self._head_aux_layers = Eagle3ModelConfig.from_head(draft_model_path,
+                                                                ModelConfig.from_path(model_path)).aux_layer_ids
+            self.draft_groups.worker_kwargs = {"target_model_path": model_path}
         check_group_models(model_path, None if eagle3 else draft_model_path, tensor_parallel_size,
                            draft_tensor_parallel_size, engine_config.draft_token_map, self.colocated)
         try:
@@ -185,7 +197,7 @@ class RayExecutor:
                 self.draft = group
         ahead = launch_verify_ahead_for(self.launch_verify_ahead, dev, [b for *_, b in specs], self.use_compiled_graph)
         # A colocated draft drafts ahead after the verify, as in process: only where asked.
-        self.speculation_ahead = draft_model_path is not None and self.draft_pool is None and (
+        self.speculation_ahead = draft_model_path is not None and self.draft_pool is None and not self.head_apart and (
             bool(self.engine_config.speculation_ahead) if self.colocated
             else speculation_ahead_for(self.engine_config.speculation_ahead, dev, [b for *_, b in specs]))
         self.ahead_overlaps_verify = self.speculation_ahead and not self.colocated
@@ -205,7 +217,9 @@ class RayExecutor:
                     rejection_sampling if group.role == "draft" or self.colocated else None,
                     int(bundle.get("CPU", 1)), launch_verify_ahead=ahead and group.role == "target",
                     speculation_ahead=self.speculation_ahead and (group.role == "draft" or self.colocated),
-                    draft_model_path=colocated_draft if group.role == "target" else None))
+                    draft_model_path=colocated_draft if group.role == "target" else None,
+                    head_aux_layers=self._head_aux_layers if group.role == "target" else None,
+                    **(self.draft_groups.worker_kwargs if group.role == "draft" else {})))
         for group, _ in groups:
             group.info = gather_info(group, init_timeout_s)
         if self.draft_pool is not None:
@@ -229,7 +243,8 @@ class RayExecutor:
         assert self.target is not None
         return step_nodes(calls, plan, self.target.workers, self.draft.workers if self.draft is not None else [],
                           pipelined=self.pipelined, speculation_ahead=self.speculation_ahead,
-                          async_scheduling=self.async_scheduling, colocated=self.colocated)
+                          async_scheduling=self.async_scheduling, colocated=self.colocated,
+                          draft_reads_results=self.head_apart)
 
     # --- steps ---------------------------------------------------------------------------------------
     @property

@@ -6,7 +6,7 @@ were made.
     plan ──> draft[0..D-1].draft_step(plan) ──(draft[0]'s proposal)──> target[0..T-1].target_step ──> router
          └──> target[0..T-1].target_prepare(plan) ──(the same rank's verify input)──┘      │
                   draft[0..D-1].draft_speculate_ahead (speculation ahead: after the rank's draft_step)
-                                   draft[0..D-1].draft_absorb <──(target[0]'s result)──────┘  (async only)
+                                   draft[0..D-1].draft_absorb <──(target[0]'s result)──────┘  (async, or a head apart)
 
 How a call of the step order becomes nodes: every rank of its side runs it (`WORKER_METHODS` names the worker
 method); an input from the same side is the same rank's output; an input from the other side is that side's rank
@@ -112,9 +112,11 @@ WORKER_METHODS = {(DRAFT, "propose"): "draft_step", (TARGET, "prepare"): "target
 
 def step_nodes(calls: GraphCalls | PlainCalls, plan: Any, targets: list[ActorHandle], drafts: list[ActorHandle],
                *, pipelined: bool, speculation_ahead: bool, async_scheduling: bool,
-               colocated: bool = False) -> list[Any]:
+               colocated: bool = False, draft_reads_results: bool = False) -> list[Any]:
     """One step's calls; returns what the router reads, target rank 0's result first. `plan` is the graph's input
-    node or the plan itself; `drafts` empty: the target alone, or (colocated) a draft inside each target rank."""
+    node or the plan itself; `drafts` empty: the target alone, or (colocated) a draft inside each target rank.
+    draft_reads_results: the draft's ranks take every result (`draft_absorb`) under synchronous scheduling too (an
+    EAGLE-3 head on workers of its own: the result brings the target's states it drafts from)."""
     if colocated:
         return calls.outputs([calls(w, "spec_step", plan) for w in targets])
     if pipelined:
@@ -124,7 +126,7 @@ def step_nodes(calls: GraphCalls | PlainCalls, plan: Any, targets: list[ActorHan
     # Each target rank builds its verify input while the draft proposes (graph only); the draft's ranks keep
     # tables of their own, which learn each result from target rank 0 under asynchronous scheduling.
     mode = StepMode(prepares_verify=calls.prepares_verify, speculation_ahead=speculation_ahead,
-                    draft_has_own_table=async_scheduling)
+                    draft_has_own_table=async_scheduling or draft_reads_results)
     ranks = {DRAFT: drafts, TARGET: targets}
     made: dict[str, tuple[str, list[Any]]] = {}  # per call: its side and each rank's node (left out: its input's)
     crossed: dict[str, Any] = {}  # a draft call's rank-0 node as the target's ranks read it

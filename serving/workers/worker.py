@@ -38,6 +38,7 @@ from engine.models.eagle3_config import is_eagle3_checkpoint
 from engine.parallel import TensorParallelGroup, set_tp_group
 from engine.runner.model_runner import ModelRunner
 from engine.speculation.ahead.proposer import AheadProposer
+from engine.speculation.eagle3_proposer import Eagle3Proposer
 from engine.speculation.speculative_step import DraftSide, SpeculativeStep, TargetSide
 from engine.speculation.verifier import VerifyInput
 from engine.step.phases import HOST, book_between, book_remote_proposal
@@ -135,9 +136,13 @@ class ModelWorker:
                  world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0,
                  rejection_sampling: str | None = None, cpu_threads: int = 1,
                  launch_verify_ahead: bool = False, speculation_ahead: bool = False,
-                 draft_model_path: str | None = None) -> None:
+                 draft_model_path: str | None = None, target_model_path: str | None = None,
+                 head_aux_layers: tuple[int, ...] | None = None) -> None:
         """draft_model_path (role "target" only): a draft colocated in this rank's process, on its device and
-        tensor-parallel group; the rank then runs whole steps (`spec_step`), as the in-process engine does."""
+        tensor-parallel group; the rank then runs whole steps (`spec_step`), as the in-process engine does. An EAGLE-3
+        head on workers of its own: its ranks (role "draft") take the target's checkpoint (target_model_path: its
+        config, and its embedding where the head has none), and the target's ranks the head's auxiliary layers
+        (head_aux_layers), whose states rank 0 sends with each result."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if draft_model_path is not None and role != "target":
@@ -157,7 +162,14 @@ class ModelWorker:
             torch.set_num_threads(max(1, cpu_threads))
         self.config = config
         set_tp_group(self._init_distributed(master_addr, master_port))
-        self.runner = _load_runner(model_path, config, f"{role}[{rank}/{world_size}]", draft=role == "draft")
+        head_target = None
+        if role == "draft" and is_eagle3_checkpoint(model_path):
+            if target_model_path is None:
+                raise ValueError("an EAGLE-3 head's worker needs the target's checkpoint (target_model_path)")
+            head_target = ModelConfig.from_path(target_model_path)
+            head_target.max_model_len = config.max_model_len
+        self.runner = _load_runner(model_path, config, f"{role}[{rank}/{world_size}]", draft=role == "draft",
+                                   target=head_target)
         # A colocated draft is built right after the target, as the in-process engine builds them: each sizes its
         # KV cache from the device memory the one before left. Both use the tensor-parallel group set above.
         self.draft_runner = (_load_runner(draft_model_path, config, f"draft[{rank}/{world_size}]", draft=True,
@@ -170,15 +182,23 @@ class ModelWorker:
         self.target_side: TargetSide | None = None
         self.spec: SpeculativeStep | None = None  # both sides in this process (a colocated draft), one table
         if role == "draft":
-            self.draft_side = DraftSide(self.runner, keep_probs, config.seed, speculation_ahead)
+            proposer = (Eagle3Proposer(self.runner, None, keep_probs, config.seed, target_model_path)
+                        if head_target is not None else None)
+            self.draft_side = DraftSide(self.runner, keep_probs, config.seed, speculation_ahead, proposer=proposer)
         elif self.draft_runner is not None:
             self.spec = SpeculativeStep.build(self.runner, self.draft_runner, keep_probs, config.seed,
                                               speculation_ahead)
             self.target_side, self.draft_side = self.spec.target, self.spec.draft
         else:
+            # A head on workers of its own reads the states of every target forward: kept before the graphs are
+            # captured (by the verifier), sent by rank 0 with each result.
+            ship = (Eagle3Proposer.ship_target_states(self.runner, tuple(head_aux_layers))
+                    if head_aux_layers is not None else None)
             # Queue each verify forward before the draft's ids come (Verifier.enable_gated_launch): only where
             # graphs replay on CUDA, so it stays off on CPU and under enforce_eager whatever was asked.
             self.target_side = TargetSide(self.runner, config.seed, gated_launch=launch_verify_ahead)
+            if ship is not None and rank == 0:
+                self.target_side.verifier.on_forward = ship
         # A target without a draft queues each step before reading the last one's tokens (`target_decode`).
         self.pipeline: DecodePipeline | None = None
         self._returned_at = 0.0  # when `spec_step` last returned a result (rank 0): the `between` phase
