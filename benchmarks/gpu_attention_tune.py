@@ -1,7 +1,7 @@
 """Paged attention's launch parameters: key tile width, warps, software-pipeline stages and key splits of
-engine/kernels/paged_attention.py, swept one launch at a time against the KV-read floor.
+engine/kernels/attention/paged.py, swept one launch at a time against the KV-read floor.
 
-The engine picks its tile width, warps and splits from the grid (engine/kernels/attention_launch.py) and leaves the
+The engine picks its tile width, warps and splits from the grid (engine/kernels/attention/launch.py) and leaves the
 stages to Triton (3); this sweep overrides each of them, so that a rule change is chosen from measurements. One
 launch is one layer's attention of a decode step (--query-len 1) or a verify: every request has --query-len query
 tokens at --contexts keys, in blocks scattered over the cache as in serving. Times are GPU times of a CUDA graph of
@@ -27,8 +27,8 @@ from gpu_kernels import gpu_ms, graph_of  # noqa: E402
 from gpu_shapes import copy_bandwidth  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import engine.kernels.attention_launch as al  # noqa: E402
-import engine.kernels.paged_attention as pa  # noqa: E402
+import engine.kernels.attention.launch as al  # noqa: E402
+import engine.kernels.attention.paged as pa  # noqa: E402
 
 BLOCK_SIZE = 16
 

@@ -25,7 +25,7 @@ from common import environment, markdown_table, save_json
 from gpu_shapes import copy_bandwidth, hf_config, kv_bytes_read, kv_memory_bytes, prefill, shape_dir, step_bytes
 
 from engine import LLM, SamplingParams
-from engine.kernels import small_m_tiles
+from engine.kernels.small_m import tiles as small_m_tiles
 from engine.kernels.triton_compat import set_pdl
 from engine.request import Request
 from engine.runner.step_input import Chunk

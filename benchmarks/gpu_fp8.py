@@ -5,7 +5,7 @@ row (compressed-tensors FP8).
 
     python benchmarks/gpu_fp8.py --shape qwen3-8b --rows 1,8 --out fp8.json
 
---kernel folded times the folded few-row products (engine/kernels/small_m_linear.py, the FMA form at 1-4 rows) on
+--kernel folded times the folded few-row products (engine/kernels/small_m/linear.py, the FMA form at 1-4 rows) on
 the same FP8 weights instead: linear_add (the product and a residual add) at fp8_tiles' tiling first, then a sweep of
 FMA tilings (K tiles within the 128-column scale groups for block scales, K split or not).
 
@@ -25,8 +25,8 @@ import torch
 from common import environment, graph_us, markdown_table, save_json
 from gpu_shapes import copy_bandwidth, hf_config
 
-from engine.kernels import small_m_linear as sml
-from engine.kernels.small_m_tiles import fp8_tiles
+from engine.kernels.small_m import linear as sml
+from engine.kernels.small_m.tiles import fp8_tiles
 from engine.quantization import fp8_linear
 from engine.quantization.fp8 import quantize_fp8
 

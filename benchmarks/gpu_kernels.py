@@ -8,7 +8,7 @@ request at --seq-len keys. Times are GPU times from CUDA events, medians of --re
 "graph" replays a CUDA graph of --launches back-to-back launches (no Python launch cost: what a captured
 decode step pays), "eager" times the same launches from Python. The floor is the bytes of K and V that one
 launch must read over the device-to-device copy bandwidth measured in the same run (bytes read + written
-per second). The torch reference (engine.kernels.paged_attention.paged_attention_ref, one request at a
+per second). The torch reference (engine.kernels.attention.paged.paged_attention_ref, one request at a
 time, with host syncs) and the engine's torch backend layout (blocks gathered into a dense tensor + SDPA)
 are timed for comparison.
 """
@@ -29,9 +29,9 @@ from common import environment, markdown_table, save_json  # noqa: E402
 from gpu_shapes import copy_bandwidth  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.kernels.kv_store import store_kv  # noqa: E402
-from engine.kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
-from engine.kernels.rejection import rejection_sample_from_noise as rejection_triton  # noqa: E402
+from engine.kernels.attention.kv_store import store_kv  # noqa: E402
+from engine.kernels.attention.paged import paged_attention, paged_attention_ref  # noqa: E402
+from engine.kernels.speculation.rejection import rejection_sample_from_noise as rejection_triton  # noqa: E402
 from engine.speculation.rejection_sampler import rejection_sample_from_noise as rejection_torch  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16

@@ -3,7 +3,7 @@ loop of a Qwen3-0.6B shape (gpu_draft.loop_ms: ms per draft token, CUDA graphs, 
 under the engine's split rule and under alternatives, with the floor (weights and every request's KV read once).
 
 A rule is (most splits, waves of programs per SM, fewest key tiles per split) replacing
-engine/kernels/attention_launch.py's `_auto_splits`, or `wide:N`: the engine's rules with a tiny grid split up to N
+engine/kernels/attention/launch.py's `_auto_splits`, or `wide:N`: the engine's rules with a tiny grid split up to N
 ways (`WIDE_SPLITS`) instead of its own cap. Graphs choose their splits from the block table's width (the
 model's longest context), so each context here runs with max_model_len just above it, as a long-context
 deployment would; `--max-model-len` instead sizes every run for that longest context (short requests served by a
@@ -21,7 +21,7 @@ from common import environment, markdown_table, save_json
 from gpu_draft import loop_ms
 from gpu_shapes import copy_bandwidth
 
-import engine.kernels.attention_launch as al
+import engine.kernels.attention.launch as al
 
 
 def split_rule(max_splits: int, waves: int, min_tiles: int):

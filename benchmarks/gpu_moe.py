@@ -1,5 +1,5 @@
 """The MoE experts kernels alone on one GPU, at a model's expert shape: the few-row kernels
-(engine/kernels/moe_small_m.py) and the kernels over rows grouped by expert (engine/kernels/moe_grouped.py), each
+(engine/kernels/moe/small_m.py) and the kernels over rows grouped by expert (engine/kernels/moe/grouped.py), each
 tiling's time per layer against the floor (the bytes of the experts the step routes to, over the copy bandwidth
 measured in the same run), and its result against the float32 reference.
 
@@ -20,8 +20,9 @@ import torch
 from common import environment, graph_us, markdown_table, save_json
 from gpu_shapes import copy_bandwidth, hf_config
 
-from engine.kernels import moe_grouped, moe_small_m
-from engine.kernels.moe_router import route_topk_then_softmax
+from engine.kernels.moe import grouped as moe_grouped
+from engine.kernels.moe import small_m as moe_small_m
+from engine.kernels.moe.router import route_topk_then_softmax
 from engine.models.moe import FusedExperts, moe_experts_ref
 from engine.quantization import mxfp4
 

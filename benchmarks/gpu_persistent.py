@@ -1,4 +1,4 @@
-"""The persistent decoder (engine/kernels/persistent_decoder.py) against the layers' own kernels, on one GPU: a
+"""The persistent decoder (engine/kernels/persistent/decoder.py) against the layers' own kernels, on one GPU: a
 decode forward of 1-8 rows (embeddings, every decoder layer, the final norm; no LM head) of a draft shape with
 random weights in bf16 at a 512-token context, each captured as a CUDA graph and replayed; tilings and warps
 swept; kernels per forward counted (torch.profiler over one eager forward); the floor is the layers' weight bytes
@@ -21,7 +21,7 @@ from gpu_decode import cuda_median_ms
 from gpu_shapes import copy_bandwidth, kv_bytes_read, kv_memory_bytes, prefill, shape_dir
 
 from engine.config import EngineConfig
-from engine.kernels.persistent_plan import PersistentDecoder
+from engine.kernels.persistent.plan import PersistentDecoder
 from engine.model_config import ModelConfig
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk

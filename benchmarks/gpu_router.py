@@ -1,4 +1,4 @@
-"""An MoE layer's router alone on one GPU, at a model's shape: the one-kernel router (engine/kernels/moe_router.py)
+"""An MoE layer's router alone on one GPU, at a model's shape: the one-kernel router (engine/kernels/moe/router.py)
 at each tiling against the torch path it replaces (the router's product, torch.topk and the softmax: five launches),
 both in CUDA graphs, and its expert ids against the reference's.
 
@@ -20,7 +20,7 @@ import torch
 from common import environment, graph_us, markdown_table, save_json
 from gpu_shapes import hf_config
 
-from engine.kernels import moe_router
+from engine.kernels.moe import router as moe_router
 
 
 def tilings() -> list[dict]:

@@ -1,5 +1,5 @@
 """A decoder layer's products at 1-64 rows on one GPU: the few-row kernels with norms, activation and residual adds
-folded in (engine/kernels/small_m_linear.py) against cuBLAS with the separate elementwise kernels, plus the number
+folded in (engine/kernels/small_m/linear.py) against cuBLAS with the separate elementwise kernels, plus the number
 of kernels one step launches either way.
 
     python benchmarks/gpu_small_m.py --shapes qwen3-0.6b,qwen3-8b --rows 1,2,5,8,16,32,64 [--sweep] --out small_m.json
@@ -44,11 +44,11 @@ from small_m_sweep import (
 )
 from torch.profiler import ProfilerActivity, profile
 
-from engine.kernels import small_m_linear as sml
-from engine.kernels import small_m_tiles
 from engine.kernels.activation import act_and_mul
 from engine.kernels.rms_norm import add_rms_norm, rms_norm
-from engine.kernels.small_m_tiles import tiles_for
+from engine.kernels.small_m import linear as sml
+from engine.kernels.small_m import tiles as small_m_tiles
+from engine.kernels.small_m.tiles import tiles_for
 from engine.kernels.triton_compat import set_pdl
 
 L2_BYTES = 200 << 20  # rotate weights over at least this much memory
@@ -372,9 +372,9 @@ def main() -> None:
     if split:
         print(markdown_table(split, ["shape", "rows", "proj", "one_row_us", "default_us", "best_us", "unfused_us",
                                      "floor_us", "best_vs_one_row", "best_vs_unfused", "rule_vs_best", "best"]))
-        print(f"DOT_MEASURED[{torch.cuda.get_device_name()!r}] =", measured_table(split))  # small_m_tiles.py
+        print(f"DOT_MEASURED[{torch.cuda.get_device_name()!r}] =", measured_table(split))  # small_m/tiles.py
     few = [b for b in best if "one_row_us" not in b and b["rows"] <= sml.FMA_MAX_ROWS]
-    if few:  # for engine/kernels/small_m_tiles.py ("CUBLAS" stands for small_m_tiles.CUBLAS)
+    if few:  # for engine/kernels/small_m/tiles.py ("CUBLAS" stands for small_m_tiles.CUBLAS)
         print(f"FEW_ROWS_MEASURED[{torch.cuda.get_device_name()!r}] =", few_rows_table(few))
     if counts:
         print(markdown_table(counts, ["shape", "step", "batch", "small_m_rows", "kernels", "per_layer", "copies"]))

@@ -32,7 +32,7 @@ from engine.speculation.draft_length_rule import bucket_of
 def per_position() -> None:
     """The synthetic acceptance of --position-rate: a benchmark's own setting, so it lives here (the engine's synthetic
     mode keeps vLLM's reading of the rate)."""
-    from engine.kernels import rejection
+    from engine.kernels.speculation import rejection
     from engine.speculation import rejection_sampler
 
     def same_at_every_k(rate: float, k: int) -> float:

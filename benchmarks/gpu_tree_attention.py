@@ -1,4 +1,4 @@
-"""Tree forward of a draft on the kernel path (Triton tree attention, engine/kernels/tree_attention.py): one request's
+"""Tree forward of a draft on the kernel path (Triton tree attention, engine/kernels/attention/tree.py): one request's
 tree of R rows over a committed prefix, against R = 1, on one GPU (random weights, bf16). Per prefix length and row
 count: the whole draft forward (embedding to logits) eagerly (a small draft's eager forward is bound by the host's
 launches), and its GPU time from a CUDA graph of it (what draft_tree's graphs of tree buckets cost, less their
@@ -21,8 +21,8 @@ from gpu_decode import cuda_median_ms
 from gpu_shapes import shape_dir
 
 from engine.config import EngineConfig
-from engine.kernels import tree_attention as tree_attention_kernels
-from engine.kernels.tree_attention import tree_attention
+from engine.kernels.attention import tree as tree_attention_kernels
+from engine.kernels.attention.tree import tree_attention
 from engine.model_config import ModelConfig
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, StepInput

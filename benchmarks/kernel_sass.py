@@ -23,7 +23,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from engine.kernels import moe_grouped, moe_small_m
+from engine.kernels.moe import grouped as moe_grouped
+from engine.kernels.moe import small_m as moe_small_m
 from engine.quantization import fp8_linear
 
 

@@ -1,4 +1,4 @@
-"""The tiling sweeps of benchmarks/gpu_small_m.py, and the tables they print for engine/kernels/small_m_tiles.py:
+"""The tiling sweeps of benchmarks/gpu_small_m.py, and the tables they print for engine/kernels/small_m/tiles.py:
 `sweep_one` times the FMA, row-loop and DOT tilings of one projection at some rows, `sweep_splitk` the split-K DOT
 tilings at 5-64 rows; `measured_table` turns a split-K sweep into DOT_MEASURED, `few_rows_table` a sweep at 1-4
 rows into a GPU model's FEW_ROWS_MEASURED entry."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from common import graph_us
 
-from engine.kernels.small_m_tiles import split_k_range
+from engine.kernels.small_m.tiles import split_k_range
 
 
 def sweep_grid(m: int, forms: str = "fma,dot,row") -> list[dict]:

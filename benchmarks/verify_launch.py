@@ -1,6 +1,6 @@
 """What a target worker pays between a remote draft's ids landing and the step's tokens: the ordinary path (copy the
 ids in, then launch the verify graph on an idle GPU) against the forward launched ahead behind the ids gate
-(engine/kernels/ids_gate.py), in one process on one GPU.
+(engine/kernels/speculation/ids_gate.py), in one process on one GPU.
 
     python benchmarks/verify_launch.py                      # Qwen3-8B-shaped target, Qwen3-0.6B-shaped draft, k=4
     python benchmarks/verify_launch.py --batch 1 16 --wait-ms 2 --tokens 96

@@ -175,7 +175,7 @@ class EngineConfig:
     # its outcome hits with the profile's top-n rate (engine/speculation/ahead/synthetic_agreement.py), so tree mode's
     # fan-out changes hits as on a real pair.
     synthetic_top_f_agreement: list[list[float]] | None = None
-    # Forwards of at most this many tokens run each decoder layer's products through engine/kernels/small_m_linear.py,
+    # Forwards of at most this many tokens run each decoder layer's products through engine/kernels/small_m/linear.py,
     # norms, activation and residual adds folded in: fewer launches where a step is launch-bound (a batch-1 decode
     # or draft step, a draft's catch-up of two tokens, speculation-ahead branches). 4 by default, and 1 for layers
     # of hidden size 4096 and more (small_m_linear.rows_limit): beyond those the kernels were slower than cuBLAS on
@@ -189,7 +189,7 @@ class EngineConfig:
     # small_m_tiles.WIDE_LAYERS_MEASURED) takes it at those rows unless this is 0.
     small_m_rows: int = 4
     # Decode steps of at most this many requests of one token each (a draft's steps at batch 1-8) run every decoder
-    # layer in one persistent launch (engine/kernels/persistent_decoder.py): one program per SM walks the layers,
+    # layer in one persistent launch (engine/kernels/persistent/decoder.py): one program per SM walks the layers,
     # meeting at grid barriers on the device, and streams the next stage's weights while it waits, instead of seven
     # launches a layer that each pay a ramp-up and a tail. Llama-family models (Llama, SmolLM2, Qwen2, Qwen3,
     # Mistral) of one KV-cache group, hidden size below 4096, without tensor parallelism, on CUDA; other steps and

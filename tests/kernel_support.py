@@ -219,7 +219,7 @@ def check_sink_attention(case: AttentionCase, sinks: torch.Tensor, splits: int |
     """The paged-attention kernel with attention sinks (GPT-OSS) against its reference within `tol`, keys outside a
     window poisoned; and the sinks must move the reference's output by more than `min_effect` somewhere (ten times
     the tolerance unless given), or a kernel that dropped them would pass."""
-    from engine.kernels import paged_attention
+    from engine.kernels.attention import paged as paged_attention
 
     out, ref, plain = (torch.full_like(case.query, 7.0) for _ in range(3))
     paged_attention.paged_attention_ref(*case.args(ref), sinks=sinks)

@@ -10,7 +10,7 @@ import torch
 from interpreter_children import assert_pytest_children_pass, split_by
 from kernel_support import attention_case, check_sink_attention
 
-from engine.kernels import paged_attention
+from engine.kernels.attention import paged as paged_attention
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 
 INTERPRETED = interpreting()
@@ -115,7 +115,7 @@ def test_gpt_oss_on_the_kernel_path_equals_the_torch_path(tmp_path):
 def test_tree_attention_with_sinks_matches_reference():
     from kernel_support import tree_case
 
-    from engine.kernels import tree_attention
+    from engine.kernels.attention import tree as tree_attention
 
     for window, splits, dtype in ((None, None, torch.float32), (5, None, torch.float32), (None, 4, torch.float16),
                                   (7, 2, torch.float16)):
@@ -136,7 +136,7 @@ def test_torch_backend_tree_sinks_match_reference():
 
     from engine.attention import torch_backend
     from engine.attention.metadata import GroupAttentionMetadata
-    from engine.kernels import tree_attention
+    from engine.kernels.attention import tree as tree_attention
 
     for window in (None, 5):
         case = tree_case(4, 2, 32, 8, [37, 32, 17, 0], [13, 6, 9, 4], [8, 3, 9, 2], window, torch.float32, seed=7)

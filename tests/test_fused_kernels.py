@@ -10,7 +10,9 @@ import pytest
 import torch
 from interpreter_children import assert_pytest_children_pass, split_by
 
-from engine.kernels import activation, argmax, draft_advance, qk_norm_rope_store, rms_norm, rotary
+from engine.kernels import activation, rms_norm
+from engine.kernels.attention import qk_norm_rope_store, rotary
+from engine.kernels.speculation import argmax, draft_advance
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 
 if not HAS_TRITON:

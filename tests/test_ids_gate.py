@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kernels import ids_gate
-from engine.kernels.ids_gate import IdsGate, gate_ref, pack_slots
+from engine.kernels.speculation import ids_gate
+from engine.kernels.speculation.ids_gate import IdsGate, gate_ref, pack_slots
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 
 

@@ -56,7 +56,7 @@ def test_kernel_path_greedy_equals_torch_path(results, family):
     assert res["triton+ahead4"] == [ids[:n_ahead] for ids in ref]
     hits_accept, hits_reject = res["triton+ahead4:hits"]
     assert hits_accept > 0 and (hits_reject > 0 or family == "gemma3"), res["triton+ahead4:hits"]
-    if family == "mistral":  # the persistent decoder (engine/kernels/persistent_decoder.py), window shorter than
+    if family == "mistral":  # the persistent decoder (engine/kernels/persistent/decoder.py), window shorter than
         # the sequences: a target's decode steps and a draft's steps ran through it
         n_short = res["persistent_tokens"]  # fewer tokens than above, still past the window (greedy: a prefix of ref)
         assert n_short >= 6  # the 3-token prompt's last decode step at position 7: its window leaves position 0

@@ -19,7 +19,10 @@ import torch
 from interpreter_children import assert_pytest_children_pass, split_by
 from kernel_support import attention_case, poison_outside_window, rejection_case
 
-from engine.kernels import attention_launch, kv_store, paged_attention, rejection
+from engine.kernels.attention import kv_store
+from engine.kernels.attention import launch as attention_launch
+from engine.kernels.attention import paged as paged_attention
+from engine.kernels.speculation import rejection
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.speculation import rejection_sampler
 

@@ -1,5 +1,5 @@
-"""The MoE kernels (few rows: engine/kernels/moe_small_m.py; rows grouped by expert: engine/kernels/moe_grouped.py;
-the router: engine/kernels/moe_router.py) against the layer's torch reference under Triton's interpreter: both
+"""The MoE kernels (few rows: engine/kernels/moe/small_m.py; rows grouped by expert: engine/kernels/moe/grouped.py;
+the router: engine/kernels/moe/router.py) against the layer's torch reference under Triton's interpreter: both
 families' activations and routings, with and without biases, weights in float and MXFP4-packed; and the reference
 itself against a per-token loop over each token's experts (HF's reading of the layer)."""
 
@@ -9,8 +9,10 @@ import pytest
 import torch
 from interpreter_children import assert_pytest_children_pass, split_by
 
-from engine.kernels import moe_grouped, moe_router, moe_small_m
-from engine.kernels.moe_router import route_softmax_then_topk, route_topk_then_softmax
+from engine.kernels.moe import grouped as moe_grouped
+from engine.kernels.moe import router as moe_router
+from engine.kernels.moe import small_m as moe_small_m
+from engine.kernels.moe.router import route_softmax_then_topk, route_topk_then_softmax
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.models.moe import (
     FusedExperts,

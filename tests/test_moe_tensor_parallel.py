@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.moe_router import route_topk_then_softmax
+from engine.kernels.moe.router import route_topk_then_softmax
 from engine.models.moe import FusedExperts, experts_ref, sort_by_expert
 from engine.parallel import TensorParallelGroup, get_tp_group, set_tp_group
 from engine.quantization import mxfp4

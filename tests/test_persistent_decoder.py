@@ -1,5 +1,5 @@
 """The persistent decoder (every decoder layer of a few-row decode step in one launch, engine/kernels/
-persistent_decoder.py) against its torch reference (the unfused layers' own references), on CPU under Triton's
+persistent/decoder.py) against its torch reference (the unfused layers' own references), on CPU under Triton's
 interpreter (in a child process: tests/interpreter_children.py), one (layer, stage) a launch as the interpreter
 runs it; its refusals; and the engine's greedy output with it equal to the torch path (tests/kernel_path_run.py,
 Mistral). tests/gpu/test_persistent_decoder_cuda.py runs the one-launch form with its grid barriers."""
@@ -16,7 +16,7 @@ from engine.kernels.triton_compat import HAS_TRITON, interpreting
 if not HAS_TRITON:
     pytest.skip("triton is not installed (the `test` extra installs it on Linux)", allow_module_level=True)
 
-from engine.kernels.persistent_plan import (  # noqa: E402
+from engine.kernels.persistent.plan import (  # noqa: E402
     DecoderShape,
     LayerWeights,
     PersistentDecoder,

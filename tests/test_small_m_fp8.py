@@ -1,4 +1,4 @@
-"""The few-row products with folded norms, activation and residual adds (engine/kernels/small_m_linear.py) on FP8
+"""The few-row products with folded norms, activation and residual adds (engine/kernels/small_m/linear.py) on FP8
 weights: each form against the references on the dequantized weight, and greedy decoding of an FP8 checkpoint
 through them against HF on its dequantized weights, on CPU under Triton's interpreter (in child processes,
 tests/interpreter_children.py). tests/gpu/test_small_m_fp8_cuda.py runs the kernel checks on CUDA."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 from interpreter_children import assert_pytest_children_pass, in_parent, interpreted, skip_without_triton, split_by
 
-from engine.kernels import small_m_linear as sml
-from engine.kernels import small_m_tiles
+from engine.kernels.small_m import linear as sml
+from engine.kernels.small_m import tiles as small_m_tiles
 from engine.quantization.fp8 import dequantize_rows, quantize_fp8
 
 skip_without_triton()

@@ -1,4 +1,4 @@
-"""The few-row products with folded norms, activation and residual adds (engine/kernels/small_m_linear.py) against
+"""The few-row products with folded norms, activation and residual adds (engine/kernels/small_m/linear.py) against
 their torch references, and greedy decoding through them (target decode and verify, and the draft loop) against
 HF for the families the other kernel-path tests leave out, on CPU under Triton's interpreter (in child processes,
 tests/interpreter_children.py). CUDA runs the kernel checks in tests/gpu/test_small_m_linear_cuda.py."""
@@ -9,8 +9,9 @@ import pytest
 import torch
 from interpreter_children import assert_pytest_children_pass, in_parent, interpreted, skip_without_triton, split_by
 
-from engine.kernels import arrival_counters, small_m_tiles
-from engine.kernels import small_m_linear as sml
+from engine.kernels.small_m import arrival_counters
+from engine.kernels.small_m import linear as sml
+from engine.kernels.small_m import tiles as small_m_tiles
 
 skip_without_triton()
 

@@ -1,5 +1,5 @@
-"""How the few-row products (engine/kernels/small_m_linear.py) pick their form and tiles
-(engine/kernels/small_m_tiles.py): the rules per row count on an H100's SM count, each GPU model's measured
+"""How the few-row products (engine/kernels/small_m/linear.py) pick their form and tiles
+(engine/kernels/small_m/tiles.py): the rules per row count on an H100's SM count, each GPU model's measured
 exceptions and the sweeps that write them (benchmarks/small_m_sweep.py), the split-K rule, pipelines fit to the shared
 memory, and the row limits. No kernel runs here: tests/test_small_m_linear.py runs them."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import small_m_linear as sml
-from engine.kernels import small_m_tiles
+from engine.kernels.small_m import linear as sml
+from engine.kernels.small_m import tiles as small_m_tiles
 from engine.kernels.triton_compat import HAS_TRITON
 
 if not HAS_TRITON:
@@ -74,7 +74,7 @@ def test_one_row_exceptions_per_gpu_model(monkeypatch):
 def test_few_rows_sweeps_write_the_table_entry():
     """benchmarks/small_m_sweep.py's few_rows_table on the H200 sweeps' figures (benchmarks/RESULTS.md, "One row on
     an H200", "Attention at head dims 64 and 256" and "Two and four rows on an H200"; the first timed bare cuBLAS, so
-    its unfused times here add the ~1.5 us of the separate kernel): the entry engine/kernels/small_m_tiles.py holds
+    its unfused times here add the ~1.5 us of the separate kernel): the entry engine/kernels/small_m/tiles.py holds
     for that GPU model, with the row loop's and the DOT form's flags, and nothing where the rule is within 5% of the
     best (Qwen3-0.6B at one and two rows, the 270M model's gate_up and down), less the entries a draft loop measured
     level or slower with than without (SmolLM2 at one and two rows, the 270M model at two and four, Qwen3-0.6B at

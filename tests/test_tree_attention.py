@@ -1,4 +1,4 @@
-"""The Triton tree-attention kernel (engine/kernels/tree_attention.py) against its torch reference, and tree
+"""The Triton tree-attention kernel (engine/kernels/attention/tree.py) against its torch reference, and tree
 drafting on the kernel path against the torch path, on CPU under Triton's interpreter.
 
 As in tests/test_kernels.py, the interpreted tests run in a child pytest process started with TRITON_INTERPRET=1
@@ -18,7 +18,7 @@ from test_tree_draft import SCRATCH_FIRST, _request, tree_runner
 
 from engine.attention import torch_backend
 from engine.attention.metadata import GroupAttentionMetadata
-from engine.kernels import tree_attention
+from engine.kernels.attention import tree as tree_attention
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.speculation.ahead.tree_draft import draft_tree
 

@@ -38,11 +38,11 @@ class Attention(nn.Module):
         sinks: [num_heads] float, one learned logit per query head that joins the softmax's denominator and
         attends to nothing (GPT-OSS), or None.
         Returns [num_tokens, num_heads * head_dim]. On the kernel path norms, rotation and the KV store are one
-        kernel (engine/kernels/qk_norm_rope_store.py); in a tree forward the group's slot mapping is the rows' scratch
-        slots, so the same kernel stores the nodes' KV."""
+        kernel (engine/kernels/attention/qk_norm_rope_store.py); in a tree forward the group's slot mapping is the
+        rows' scratch slots, so the same kernel stores the nodes' KV."""
         n = qkv.shape[0]
         if md.backend == "triton":
-            from engine.kernels.qk_norm_rope_store import qk_norm_rope_store
+            from engine.kernels.attention.qk_norm_rope_store import qk_norm_rope_store
 
             kv = self._bound_cache()
             eps, offset = (q_norm.eps, q_norm.offset) if q_norm is not None else (0.0, 0.0)
@@ -72,7 +72,7 @@ class Attention(nn.Module):
         group = md.groups[self.kv_group_id]
         if md.backend == "triton":
             # Imported here: the kernels need triton, which CPU-only installs may lack.
-            from engine.kernels.kv_store import store_kv
+            from engine.kernels.attention.kv_store import store_kv
 
             store_kv(k, v, kv_cache[0], kv_cache[1], group.slot_mapping)
             out = self._attend_triton(q, md, sinks)
@@ -92,12 +92,12 @@ class Attention(nn.Module):
     def _attend_triton(self, q: torch.Tensor, md: AttentionMetadata, sinks: torch.Tensor | None = None
                        ) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim] -> the same shape, over this layer's group of the cache."""
-        from engine.kernels.paged_attention import paged_attention
+        from engine.kernels.attention.paged import paged_attention
 
         kv, group, c = self._bound_cache(), md.groups[self.kv_group_id], md.common
         out = torch.empty_like(q)
         if md.tree is not None:
-            from engine.kernels.tree_attention import tree_attention
+            from engine.kernels.attention.tree import tree_attention
 
             t = md.tree
             tree_attention(q, kv[0], kv[1], out, group.block_table, t.row_index, t.row_positions, t.prefix_lens,

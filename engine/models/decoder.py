@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
-from engine.kernels.small_m_linear import linear_add, norm_linear, takes_rows
+from engine.kernels.small_m.linear import linear_add, norm_linear, takes_rows
 from engine.model_config import ModelConfig
 from engine.models.layers import (
     ParallelLMHead,
@@ -76,7 +76,7 @@ class PreNormDecoderLayer(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)), each add deferred into the next norm's kernel.
 
     Up to `small_m_rows` rows (a decode, a verify, a draft's steps; the runner sets it: ModelRunner._set_small_m_rows)
-    the attention's products fold the input norm and the residual add (engine/kernels/small_m_linear.py), biases
+    the attention's products fold the input norm and the residual add (engine/kernels/small_m/linear.py), biases
     included, and the feed-forward runs as it is after the post-attention norm: the MoE layers' path (GPT-OSS,
     Qwen3-MoE), whose feed-forward has kernels of its own. cuBLAS took qkv and o_proj with their biases there, and the
     norms and adds were launches of their own. Llama and Gemma 3 fold their MLPs too (their own forwards)."""

@@ -24,7 +24,7 @@ from torch import nn
 
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
-from engine.kernels.argmax import greedy_tokens
+from engine.kernels.speculation.argmax import greedy_tokens
 from engine.models.eagle3_config import Eagle3ModelConfig
 from engine.models.layers import ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from engine.models.llama import GatedMLP, LlamaAttention
@@ -137,7 +137,8 @@ class Eagle3Head(nn.Module):
     def greedy_ids(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[n] int64 target ids of the rows' argmax. Taken over the draft vocabulary, then mapped: a greedy step
         never builds the target-wide logits (a fill, a scatter and an argmax over 150k float32 columns cost a
-        Qwen3-8B head's graphed step a few us of its 305) and the argmax runs in slices (engine/kernels/argmax.py)."""
+        Qwen3-8B head's graphed step a few us of its 305) and the argmax runs in slices
+        (engine/kernels/speculation/argmax.py)."""
         return self.draft_to_target[greedy_tokens(draft_logits)]
 
     def to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:

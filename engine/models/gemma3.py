@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kernels.small_m_linear import norm_linear, takes_rows
+from engine.kernels.small_m.linear import norm_linear, takes_rows
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderAttention, DecoderModel, input_norm
 from engine.models.layers import RMSNorm, RotaryEmbedding
@@ -60,7 +60,7 @@ class Gemma3DecoderLayer(nn.Module):
     def _forward_small_m(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                          md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """forward for a few rows: the input norm runs in the qkv product, the pre-feed-forward add+norm in the
-        gate_up product and the activation in the down product (engine/kernels/small_m_linear.py). The
+        gate_up product and the activation in the down product (engine/kernels/small_m/linear.py). The
         post-attention norm stays a kernel of its own: it sits between the o_proj product and the residual add."""
         attn, mlp = self.self_attn, self.mlp
         n_in, n_ff = self.input_layernorm, self.pre_feedforward_layernorm

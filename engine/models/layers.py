@@ -9,8 +9,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.kernels.attention.rotary import rotary_embedding, rotary_embedding_ref
 from engine.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref, use_fused_kernels
-from engine.kernels.rotary import rotary_embedding, rotary_embedding_ref
 from engine.parallel import divide, get_tp_group
 from engine.quantization import QuantizedMethod
 

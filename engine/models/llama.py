@@ -8,9 +8,9 @@ from transformers.activations import ACT2FN
 
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.activation import ACTIVATIONS, act_and_mul
-from engine.kernels.persistent_plan import DecoderShape, LayerWeights, PersistentDecoder
+from engine.kernels.persistent.plan import DecoderShape, LayerWeights, PersistentDecoder
 from engine.kernels.rms_norm import use_fused_kernels
-from engine.kernels.small_m_linear import (
+from engine.kernels.small_m.linear import (
     FMA_MAX_ROWS,
     RowSquares,
     act_linear,
@@ -54,7 +54,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.act = ACT2FN[act]
         self.act_name = act
-        # Rows up to which the activation runs as the down projection's prologue (engine/kernels/small_m_linear.py);
+        # Rows up to which the activation runs as the down projection's prologue (engine/kernels/small_m/linear.py);
         # 0: never. The runner sets it (0 under tensor parallelism, whose down projection is all-reduced).
         self.small_m_rows = 0
 
@@ -140,7 +140,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 class LlamaModel(DecoderModel):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, LlamaDecoderLayer)
-        # Every layer of a few-row decode step in one launch (engine/kernels/persistent_plan.py); the runner sets it.
+        # Every layer of a few-row decode step in one launch (engine/kernels/persistent/plan.py); the runner sets it.
         self.persistent: PersistentDecoder | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:

@@ -8,8 +8,8 @@ located by offsets made with scatter_add (bincount would read the largest id on 
 grouped kernel to walk. The reference below does the same work without knowing the runs' lengths on the host: it
 reads each routed row's expert weights by index (dequantizing packed ones there), so its cost per row is one
 expert's weights, and it is chunked by a host-side bound of rows. On the kernel devices a step of few routed rows
-(decode, a verify, the draft's steps) takes engine/kernels/moe_small_m.py instead, over the router's order, and a
-step of more rows up to MAX_GRAPH_ROUTED_ROWS (or any step inside a graph capture) engine/kernels/moe_grouped.py,
+(decode, a verify, the draft's steps) takes engine/kernels/moe/small_m.py instead, over the router's order, and a
+step of more rows up to MAX_GRAPH_ROUTED_ROWS (or any step inside a graph capture) engine/kernels/moe/grouped.py,
 over the rows grouped by expert on the device. A step of more rows outside a capture (a prefill chunk) reads the
 runs' lengths on the host once and takes each touched expert's weights once for all its rows (`experts_grouped`):
 the reference's cost per row would make a 2k-token prefill of gpt-oss-120b read 8192 experts' weights a layer. So
@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.moe_grouped import moe_experts_grouped
-from engine.kernels.moe_router import route, route_ref, takes_tokens
-from engine.kernels.moe_small_m import MAX_ROUTED_ROWS, moe_experts
+from engine.kernels.moe.grouped import moe_experts_grouped
+from engine.kernels.moe.router import route, route_ref, takes_tokens
+from engine.kernels.moe.small_m import MAX_ROUTED_ROWS, moe_experts
 from engine.kernels.rms_norm import use_fused_kernels
 from engine.parallel import get_tp_group
 from engine.quantization import mxfp4
@@ -49,7 +49,7 @@ class RoutedRows:
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, softmax_first: bool,
                  normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] through the router (weight [E, H], bias [E]) to (routing weights [T, top_k], expert ids [T, top_k]):
-    one kernel (engine/kernels/moe_router.py) where it takes the step, else its torch reference. softmax_first:
+    one kernel (engine/kernels/moe/router.py) where it takes the step, else its torch reference. softmax_first:
     Qwen3-MoE's order (softmax over every expert, then top-k, renormalised with `normalize`); else GPT-OSS's."""
     if takes_tokens(x, weight.shape[0]):
         return route(x, weight, bias, top_k, softmax_first, normalize)
@@ -193,7 +193,7 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing weights and expert ids [T, top_k] -> sum over each token's experts of
         weight * expert(x) [T, H], summed over the tensor-parallel ranks' slices. A few routed rows on the kernel
-        devices take engine/kernels/moe_small_m.py, more engine/kernels/moe_grouped.py (the choice reads host shapes
+        devices take engine/kernels/moe/small_m.py, more engine/kernels/moe/grouped.py (the choice reads host shapes
         only); other steps the reference or experts_grouped, rows sorted by expert."""
         n = ids.numel()
         # In a graph capture the kernels take any count (the reference's per-row cost is worse, and the grouped path
@@ -284,6 +284,6 @@ def experts_grouped(experts: FusedExperts, x: torch.Tensor, rows: RoutedRows) ->
 
 
 def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.Module) -> torch.Tensor:
-    """Plain-torch reference of engine/kernels/moe_small_m.py's `moe_experts` (same arguments): the layer's
+    """Plain-torch reference of engine/kernels/moe/small_m.py's `moe_experts` (same arguments): the layer's
     reference over the rows sorted by expert."""
     return experts_ref(experts, x, sort_by_expert(weights, ids, experts.num_experts))

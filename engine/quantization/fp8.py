@@ -119,7 +119,7 @@ class Fp8LinearMethod(QuantizedMethod):
 
 
 def folded_scales(layer: nn.Module) -> dict[str, Any]:
-    """What the few-row products (engine/kernels/small_m_linear.py) take besides a linear's weight: an FP8 weight's
+    """What the few-row products (engine/kernels/small_m/linear.py) take besides a linear's weight: an FP8 weight's
     scale rows and their group width, nothing for a weight in the model's dtype."""
     if isinstance(getattr(layer, "quant_method", None), Fp8LinearMethod):
         return {"scale": layer.weight_scale, "group_k": layer.scale_group_k}

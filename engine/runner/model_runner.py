@@ -9,8 +9,8 @@ import torch
 
 from engine.config import EngineConfig, graph_batch_sizes, mixed_graph_token_sizes, resolve_attention_backend
 from engine.kernels.activation import ACTIVATIONS
-from engine.kernels.small_m_linear import rows_limit
-from engine.kernels.small_m_tiles import folds_fp8, wide_layer_rows
+from engine.kernels.small_m.linear import rows_limit
+from engine.kernels.small_m.tiles import folds_fp8, wide_layer_rows
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
 from engine.model_config import ModelConfig
 from engine.models.eagle3 import build_eagle3_head
@@ -101,7 +101,7 @@ class ModelRunner:
         query) shapes run."""
         if self.buffers is None or self.device.type != "cuda":
             return []
-        from engine.kernels.attention_launch import compiled_variant
+        from engine.kernels.attention.launch import compiled_variant
 
         b = self.buffers
         max_keys = b.max_blocks * self.config.block_size
@@ -121,7 +121,7 @@ class ModelRunner:
 
     def _set_small_m_rows(self, rows: int) -> None:
         """Tell the layers up to how many rows a forward folds its norms and adds into the products
-        (engine/kernels/small_m_linear.py), the setting capped for this model's width (`rows_limit`), and the rows a
+        (engine/kernels/small_m/linear.py), the setting capped for this model's width (`rows_limit`), and the rows a
         wide layer takes past that cap where this GPU measured its wide path faster (`wide_layer_rows`). Not under
         tensor parallelism: a row-parallel product's partial sums must be all-reduced before the residual add that
         the kernel would fold into it."""
@@ -141,7 +141,7 @@ class ModelRunner:
                 module.wide_rows = wide_layer_rows(module.product_shapes(), self.device) if wide else 0
 
     def _build_persistent_decoder(self, rows: int) -> None:
-        """Give the model its persistent decoder (engine/kernels/persistent_plan.py) where EngineConfig asks for one
+        """Give the model its persistent decoder (engine/kernels/persistent/plan.py) where EngineConfig asks for one
         and it applies: one KV-cache group, no tensor parallelism, a layer narrower than 4096, a model that lays its
         layers out for it. Otherwise its layers run as they are."""
         from engine.kernels.triton_compat import interpreting
@@ -156,7 +156,7 @@ class ModelRunner:
         laid_out = self.model.persistent_layers()
         if laid_out is None:
             return
-        from engine.kernels.persistent_plan import PersistentDecoder
+        from engine.kernels.persistent.plan import PersistentDecoder
 
         shape, weights = laid_out
         rotary = self.model.model.layers[0].self_attn.rotary

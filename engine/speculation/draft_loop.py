@@ -31,9 +31,9 @@ import torch
 
 from engine.config import graph_batch_sizes
 from engine.host_copy import to_device
-from engine.kernels.argmax import greedy_tokens
-from engine.kernels.draft_advance import advance_draft_inputs, advance_draft_inputs_ref
 from engine.kernels.rms_norm import use_fused_kernels
+from engine.kernels.speculation.argmax import greedy_tokens
+from engine.kernels.speculation.draft_advance import advance_draft_inputs, advance_draft_inputs_ref
 from engine.runner.cuda_graphs import GraphPool, no_gc_while_capturing
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, StepInput

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.kernels.rejection_output import (  # noqa: F401 - public here
+from engine.kernels.speculation.rejection_output import (  # noqa: F401 - public here
     MODES,
     RejectionOutput,
     synthetic_position_rate,
@@ -82,7 +82,7 @@ def rejection_sample(draft_token_ids: Tensor,  # [num_reqs, max_k] int64, -1 bey
         target_probs = logits_to_probs(target_logits, md)
     core = rejection_sample_from_noise
     if target_probs.is_cuda:
-        from engine.kernels import rejection as rejection_kernel
+        from engine.kernels.speculation import rejection as rejection_kernel
 
         if rejection_kernel.HAS_TRITON:
             # One Triton program per request instead of ~30 small torch kernels: same tokens, bit for bit

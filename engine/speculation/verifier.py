@@ -6,7 +6,7 @@ go, and `run` writes the draft ids in on the device and runs it. In process they
 builds the input while the GPU runs the draft); a target worker prepares while the draft's worker proposes, so
 that only the ids' small copy waits for the proposal. With `gated_launch` (a remote draft on GPUs of its own) the
 prepared forward is even queued on the GPU before the ids exist, behind a kernel that waits for them
-(engine/kernels/ids_gate.py), and `run` only writes them into pinned memory."""
+(engine/kernels/speculation/ids_gate.py), and `run` only writes them into pinned memory."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from engine.host_copy import to_device
-from engine.kernels.ids_gate import IdsGate
+from engine.kernels.speculation.ids_gate import IdsGate
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_input import Chunk, DeviceTokens, PreparedForward
@@ -78,7 +78,7 @@ class Verifier:
         runner.capture_graphs(list(range(1, k + 2)))
         self.rejection_variants_warmed = 0
         if k and runner.buffers is not None:
-            from engine.kernels import rejection as rejection_kernel
+            from engine.kernels.speculation import rejection as rejection_kernel
 
             self.rejection_variants_warmed = rejection_kernel.warm_up(runner.vocab_size, runner.device)
 

@@ -83,8 +83,8 @@ class RayExecutor:
         i.e. the draft's forwards can run beside the target's): each draft rank drafts the next window while the
         target verifies (`draft_speculate_ahead`, a node between `draft_step` and `draft_absorb`).
         launch_verify_ahead: the target's ranks queue each verify forward on the GPU while the draft proposes,
-        behind a kernel that waits for the draft's ids (engine/kernels/ids_gate.py), so the forward starts the
-        moment they land. None (the default): on CUDA where every rank of both models has whole GPUs; a waiting
+        behind a kernel that waits for the draft's ids (engine/kernels/speculation/ids_gate.py), so the forward starts
+        the moment they land. None (the default): on CUDA where every rank of both models has whole GPUs; a waiting
         kernel would take a draft's time slices on a GPU the two share.
         draft_placement: "separate" runs the draft's ranks as actors of their own; "colocated" builds
         the draft inside each target rank's process, on its device and tensor-parallel group (the draft's size must

@@ -12,8 +12,10 @@ from kernel_support import attention_case, check_sink_attention
 from moe_support import gpt_oss_config, make_model
 
 from engine import LLM, SamplingParams
-from engine.kernels import moe_grouped, moe_router, moe_small_m
-from engine.kernels.moe_router import route_topk_then_softmax
+from engine.kernels.moe import grouped as moe_grouped
+from engine.kernels.moe import router as moe_router
+from engine.kernels.moe import small_m as moe_small_m
+from engine.kernels.moe.router import route_topk_then_softmax
 from engine.kernels.triton_compat import tl, triton
 from engine.models.moe import MAX_GRAPH_ROUTED_ROWS, FusedExperts, moe_experts_ref
 from engine.quantization import mxfp4

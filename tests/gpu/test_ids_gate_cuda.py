@@ -13,7 +13,7 @@ import torch
 from conftest import random_prompts
 
 from engine import LLM, SamplingParams
-from engine.kernels.ids_gate import IdsGate, gate_ref, pack_slots
+from engine.kernels.speculation.ids_gate import IdsGate, gate_ref, pack_slots
 from engine.speculation.verifier import Verifier
 
 pytestmark = pytest.mark.gpu

@@ -8,7 +8,8 @@ import pytest
 from conftest import random_prompts
 
 from engine import LLM, SamplingParams
-from engine.kernels import paged_attention, rejection
+from engine.kernels.attention import paged as paged_attention
+from engine.kernels.speculation import rejection
 
 pytestmark = pytest.mark.gpu
 KW = dict(max_model_len=512, block_size=16, num_kv_blocks=512, max_num_seqs=8, cuda_graph_batch_sizes=(1, 4, 8),
@@ -49,8 +50,8 @@ def test_no_rejection_variant_compiles_as_the_draft_length_changes(tiny_models, 
 
 @pytest.mark.parametrize("mode", ["probabilistic", "strict", "synthetic"])
 def test_no_rejection_variant_compiles_on_the_first_requests(tiny_models, tiny_drafts, mode):
-    """The verifier compiles every rejection variant at start (engine/kernels/rejection.py `warm_up`): the first
-    greedy and sampled requests of a fresh engine compile none."""
+    """The verifier compiles every rejection variant at start (engine/kernels/speculation/rejection.py `warm_up`): the
+    first greedy and sampled requests of a fresh engine compile none."""
     rate = dict(synthetic_acceptance_rate=0.7) if mode == "synthetic" else {}
     llm = LLM(tiny_models["llama"].path, draft_model=tiny_drafts["llama-1l"].path, num_speculative_tokens=3,
               rejection_sampling=mode, **rate, **KW)

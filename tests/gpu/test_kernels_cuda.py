@@ -7,9 +7,9 @@ import pytest
 import torch
 from kernel_support import attention_case, poison_outside_window, rejection_case
 
-from engine.kernels.kv_store import store_kv, store_kv_ref
-from engine.kernels.paged_attention import paged_attention, paged_attention_ref
-from engine.kernels.rejection import rejection_sample_from_noise
+from engine.kernels.attention.kv_store import store_kv, store_kv_ref
+from engine.kernels.attention.paged import paged_attention, paged_attention_ref
+from engine.kernels.speculation.rejection import rejection_sample_from_noise
 from engine.speculation import rejection_sampler
 
 pytestmark = pytest.mark.gpu
@@ -110,7 +110,7 @@ def test_wide_split_grid_in_cuda_graph_uses_each_requests_own_splits():
     """Batch 1 of an 8-KV-head model gets a wide grid (more than 16 splits, sized for a 4096-key block table). Replays
     over 3000, 40, 1500 and again 40 keys use 47, 1, 24 and 1 of its splits: each must equal the reference, the short
     ones reading none of the partial results a longer replay left in the workspace."""
-    from engine.kernels.attention_launch import kernel_variant
+    from engine.kernels.attention.launch import kernel_variant
 
     dtype, shape = torch.bfloat16, dict(num_heads=16, num_kv_heads=8, head_dim=128, block_size=16)
     kv = torch.zeros(2, 300, 16, 8, 128, dtype=dtype, device="cuda")
@@ -151,7 +151,7 @@ def test_long_context_launches_match_reference(shape, batch, context, dtype):
     """Decode steps at long context take the launches measured for each head dim (attention_launch: wide splits, 128-
     key tiles at head dims 64 and 128, 64-key tiles with 8 warps or 32 with 2 at head dim 256; float32 caches the
     tiles their shared memory holds): each against the reference."""
-    from engine.kernels.attention_launch import kernel_variant
+    from engine.kernels.attention.launch import kernel_variant
 
     num_heads, num_kv_heads, head_dim = shape
     case = attention_case(num_heads, num_kv_heads, head_dim, 16, [1] * batch, [context - 1 - i for i in range(batch)],

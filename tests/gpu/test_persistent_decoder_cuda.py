@@ -39,7 +39,7 @@ def test_one_launch_matches_reference_and_stages(variant, dtype):
 
 def test_graph_replays_follow_new_inputs():
     case = make_case("cuda", torch.float32, "qwen3")
-    from engine.kernels.persistent_plan import PersistentDecoder
+    from engine.kernels.persistent.plan import PersistentDecoder
 
     pd = PersistentDecoder(case["shape"], case["weights"], case["cos"], case["sin"], max_rows=4)
     h = case["h"].clone()

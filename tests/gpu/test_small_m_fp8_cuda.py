@@ -9,7 +9,7 @@ from conftest import random_prompts
 from test_small_m_fp8 import check_small_m_fp8
 
 from engine import LLM, SamplingParams
-from engine.kernels import small_m_tiles
+from engine.kernels.small_m import tiles as small_m_tiles
 
 pytestmark = pytest.mark.gpu
 

@@ -11,9 +11,10 @@ from test_small_m_linear import check_small_m_linear
 from test_small_m_tiles import QWEN3_PROJECTIONS
 
 from engine import LLM, SamplingParams
-from engine.kernels import arrival_counters, small_m_tiles
-from engine.kernels import small_m_linear as sml
-from engine.kernels.small_m_tiles import split_k_range, tiles_for
+from engine.kernels.small_m import arrival_counters
+from engine.kernels.small_m import linear as sml
+from engine.kernels.small_m import tiles as small_m_tiles
+from engine.kernels.small_m.tiles import split_k_range, tiles_for
 
 pytestmark = pytest.mark.gpu
 

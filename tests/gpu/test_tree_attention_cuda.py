@@ -9,7 +9,7 @@ import torch
 from kernel_support import tree_case
 from test_tree_draft import SCRATCH_FIRST, _request, tree_runner
 
-from engine.kernels.tree_attention import tree_attention, tree_attention_ref
+from engine.kernels.attention.tree import tree_attention, tree_attention_ref
 from engine.speculation.ahead.tree_draft import draft_tree
 
 pytestmark = pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Tree-batched pre-drafting on CUDA (see tests/test_tree_draft.py): the eager forwards give every branch the
 logits and tokens of drafting it alone, for a Llama and a Gemma 3 hybrid draft, on the torch path and on the kernel
-path (the Triton tree kernel, engine/kernels/tree_attention.py), eagerly and as CUDA graphs of tree forwards
+path (the Triton tree kernel, engine/kernels/attention/tree.py), eagerly and as CUDA graphs of tree forwards
 (engine/runner/tree_graphs.py)."""
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ with the window led by the last committed token, so that its logits cover every 
 Each forward replays a CUDA graph of its (trees, rows a tree) bucket where the runner captured one
 (engine/runner/tree_graphs.py: ModelRunner.build_tree_graphs, which speculation ahead's tree mode calls at start-up),
 else runs eagerly on either attention path (the torch reference, or the Triton tree kernel,
-engine/kernels/tree_attention.py).
+engine/kernels/attention/tree.py).
 """
 
 from __future__ import annotations

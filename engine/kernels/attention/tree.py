@@ -6,7 +6,7 @@ the forward sits at a node; it attends to the prefix's keys and to the nodes tha
 ancestors and itself, never a sibling branch), with a sliding window W counted back from the row's own position
 over both: key position > row position - W.
 
-Layout of the work (grid = (M blocks, trees, KV heads x splits)): as in paged_attention.py, a program takes one KV
+Layout of the work (grid = (M blocks, trees, KV heads x splits)): as in paged.py, a program takes one KV
 head and BLOCK_M rows of (tree row x query head of this KV head) pairs, row m being the tree's row m //
 heads_per_kv and head m % heads_per_kv. So every row of a tree shares the prefix pass: each prefix K/V tile is
 loaded once for all the tree's rows and heads (up to BLOCK_M = 64 pairs; a wider tree takes a second M block,
@@ -34,8 +34,8 @@ import math
 
 import torch
 
-from engine.kernels.attention_args import check_launch, check_query_and_cache, check_sinks, check_sliding_window
-from engine.kernels.attention_launch import MAX_AUTO_SPLITS, _auto_splits, _tile_n, default_tile_and_warps
+from engine.kernels.attention.args import check_launch, check_query_and_cache, check_sinks, check_sliding_window
+from engine.kernels.attention.launch import MAX_AUTO_SPLITS, _auto_splits, _tile_n, default_tile_and_warps
 from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["HAS_TRITON", "tree_attention", "tree_attention_ref", "tree_kernel_variant"]

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.kv_store import store_kv_ref
+from engine.kernels.attention.kv_store import store_kv_ref
+from engine.kernels.attention.rotary import rotary_embedding_ref
 from engine.kernels.rms_norm import rms_norm_ref
-from engine.kernels.rotary import rotary_embedding_ref
 from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["qk_norm_rope_store", "qk_norm_rope_store_ref"]

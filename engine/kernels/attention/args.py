@@ -1,4 +1,4 @@
-"""Argument checks shared by the attention kernels over the paged KV cache (paged_attention.py, tree_attention.py)
+"""Argument checks shared by the attention kernels over the paged KV cache (paged.py, tree.py)
 and their torch references: shapes and host values only, no device data is read."""
 
 from __future__ import annotations

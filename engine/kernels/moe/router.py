@@ -7,7 +7,7 @@ five launches a layer, about 17 us of a gpt-oss-20b decode layer on an H100 for 
 experts): each program computes BLOCK_E experts' logits for one token over the whole hidden size, rounds them as
 F.linear's output is rounded (float32 sum, the bias added in float32, one rounding to the activations' dtype) and
 writes them to a float32 workspace; the program that arrives last at the token's arrival counter
-(engine/kernels/arrival_counters.py: zero between launches, so the launch replays in a CUDA graph) reads the
+(engine/kernels/small_m/arrival_counters.py: zero between launches, so the launch replays in a CUDA graph) reads the
 token's logits and picks its experts:
 
 - GPT-OSS (`softmax_first` False): the top_k logits, then a float32 softmax over those k, rounded to the dtype;
@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.arrival_counters import arrival_counters
 from engine.kernels.rms_norm import use_fused_kernels
+from engine.kernels.small_m.arrival_counters import arrival_counters
 from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["MAX_EXPERTS", "MAX_ROUTER_TOKENS", "route", "route_ref", "route_softmax_then_topk",

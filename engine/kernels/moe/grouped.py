@@ -3,7 +3,7 @@ model, a prefill chunk inside a CUDA graph) in two Triton kernels over the rows 
 bias and activation, then down with its bias and routing weight. A program takes GROUP rows of one expert and one
 output tile, and loads (and, for MXFP4, decodes) each weight tile once for all of them, on the tensor cores.
 
-engine/kernels/moe_small_m.py walks one routed row a program: at a few rows that spreads a step over every SM, but
+engine/kernels/moe/small_m.py walks one routed row a program: at a few rows that spreads a step over every SM, but
 each row re-reads its expert, so its time grows with the rows (on an H100 at gpt-oss-20b's shape: 63 us at 4 rows,
 740 us at 64, 2.8 ms at 256). Here the time grows with the experts the rows touch.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.moe_small_m import (
+from engine.kernels.moe.small_m import (
     _activation,
     _block_powers,
     _blocks,

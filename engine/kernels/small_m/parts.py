@@ -1,4 +1,4 @@
-"""The few-row kernel's (engine/kernels/small_m_linear.py) building blocks: the input tile with its prologue (a
+"""The few-row kernel's (engine/kernels/small_m/linear.py) building blocks: the input tile with its prologue (a
 norm, or the gated activation), the multiply-add forms (FMA, row loop, tl.dot), and the output store with its
 epilogues (bias, the gated activation, the residual add, the rows' sums of squares). Rounding as that file says."""
 

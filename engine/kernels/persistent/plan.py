@@ -1,5 +1,5 @@
 """The persistent decoder's plan (shapes, tiles, the per-layer pointer table, workspaces), its typed wrapper and its
-plain-torch reference; the kernel is engine/kernels/persistent_decoder.py.
+plain-torch reference; the kernel is engine/kernels/persistent/decoder.py.
 
 `PersistentDecoder` is built once per model after the KV cache is bound (the pointer table holds each layer's
 cache addresses) and called inside the model's forward, CUDA-graph captured like the rest of it: a decode step of
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels.activation import act_and_mul_ref
-from engine.kernels.paged_attention import paged_attention_ref
-from engine.kernels.persistent_decoder import NUM_PTRS, NUM_STAGES, _persistent_decoder_kernel
-from engine.kernels.qk_norm_rope_store import qk_norm_rope_store_ref
+from engine.kernels.attention.paged import paged_attention_ref
+from engine.kernels.attention.qk_norm_rope_store import qk_norm_rope_store_ref
+from engine.kernels.persistent.decoder import NUM_PTRS, NUM_STAGES, _persistent_decoder_kernel
 from engine.kernels.rms_norm import rms_norm_ref
 from engine.kernels.triton_compat import interpreting, require_triton, triton
 
@@ -70,7 +70,7 @@ def _tile_rows(n: int, k: int, programs: int, elems: int) -> int:
 
 
 class PersistentDecoder:
-    """Every decoder layer of a few-row decode step in one launch (engine/kernels/persistent_decoder.py)."""
+    """Every decoder layer of a few-row decode step in one launch (engine/kernels/persistent/decoder.py)."""
 
     def __init__(self, shape: DecoderShape, layers: list[LayerWeights], cos: torch.Tensor, sin: torch.Tensor,
                  max_rows: int, programs: int | None = None, tile_elems: int = _TILE_ELEMS,

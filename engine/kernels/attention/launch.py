@@ -1,5 +1,5 @@
 """How a paged-attention launch is laid out, from host ints only: rows a program takes, flash-decoding splits, key
-tile width and warps (engine/kernels/paged_attention.py launches it; tree attention shares the split rule).
+tile width and warps (engine/kernels/attention/paged.py launches it; tree attention shares the split rule).
 
 Every choice depends on host-side shapes and the GPU's SM count alone, never on device data, so a captured graph
 keeps its grid while the lengths it reads change between replays.

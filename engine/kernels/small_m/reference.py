@@ -1,4 +1,4 @@
-"""The few-row products (engine/kernels/small_m_linear.py) in plain torch: their references, and the cuBLAS form the
+"""The few-row products (engine/kernels/small_m/linear.py) in plain torch: their references, and the cuBLAS form the
 engine takes where a GPU model's measured table says CUBLAS (small_m_tiles.CUBLAS): the product through cuBLAS, its
 prologue or epilogue a kernel of its own (the engine's norm and activation kernels, a plain add). Both round as the
 unfused layers do."""

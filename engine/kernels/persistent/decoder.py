@@ -1,5 +1,5 @@
 """Every decoder layer of a decode step in one launch (Triton kernel; its plan, typed wrapper and torch reference are
-in engine/kernels/persistent_plan.py).
+in engine/kernels/persistent/plan.py).
 
 Why: a draft token of a 0.6B model at batch 1 reads about 1.2 GB, 0.4 ms at an H100's copy bandwidth, yet its step
 of seven kernels a layer took 0.83-1.0 ms: each of about 200 launches pays a ramp-up and a tail of its own (a few
@@ -20,26 +20,26 @@ over the whole K, so the weight tile is a single load of up to 64 KB):
   3 o_proj    h += attn Wo^T                       (each program owns BN columns of h: no race)
   4 gate_up   x = rmsnorm(h) ; a = act(x Wg^T) * (x Wu^T)
   5 down      h += a Wd^T
-The barrier is engine/kernels/grid_barrier.py (a counter zeroed before the launch; a wait that spins too long sets
-the error flag, which tests read, rather than hang the GPU). The grid is at most one program per SM, so every
+The barrier is engine/kernels/persistent/grid_barrier.py (a counter zeroed before the launch; a wait that spins too
+long sets the error flag, which tests read, rather than hang the GPU). The grid is at most one program per SM, so every
 program is resident at once.
 
 Under Triton's interpreter the programs of one launch run one after another, so a spinning barrier would never
 open: there the wrapper launches each (layer, stage) on its own (ONLY_STAGE >= 0, no barrier), the same code. The
 GPU test runs both ways.
 
-Rounding is the unfused layers' (engine/kernels/small_m_linear.py, qk_norm_rope_store.py, paged_attention.py): the
-norm's output, each product, act(gate), act * up, q and k after the norm and rotation, and every residual sum are
-rounded to the activation dtype; products and softmax accumulate in float32 (exp2 of scaled scores; p rounded to the
-cache dtype before it weighs the values). Only the order of float32 sums differs.
+Rounding is the unfused layers' (engine/kernels/small_m/linear.py, attention/qk_norm_rope_store.py,
+attention/paged.py): the norm's output, each product, act(gate), act * up, q and k after the norm and rotation, and
+every residual sum are rounded to the activation dtype; products and softmax accumulate in float32 (exp2 of scaled
+scores; p rounded to the cache dtype before it weighs the values). Only the order of float32 sums differs.
 """
 
 from __future__ import annotations
 
-from engine.kernels.grid_barrier import arrive as _arrive
-from engine.kernels.grid_barrier import stamp as _stamp
-from engine.kernels.grid_barrier import wait as _wait
-from engine.kernels.qk_norm_rope_store import _norm_half
+from engine.kernels.attention.qk_norm_rope_store import _norm_half
+from engine.kernels.persistent.grid_barrier import arrive as _arrive
+from engine.kernels.persistent.grid_barrier import stamp as _stamp
+from engine.kernels.persistent.grid_barrier import wait as _wait
 from engine.kernels.triton_compat import tl, triton
 
 # Columns of the per-layer pointer table (int64 addresses; 0 for an absent bias or norm), in this order: qkv, qkv

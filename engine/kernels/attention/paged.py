@@ -34,8 +34,8 @@ import math
 
 import torch
 
-from engine.kernels.attention_args import check_launch, check_query_and_cache, check_sinks, check_sliding_window
-from engine.kernels.attention_launch import kernel_variant
+from engine.kernels.attention.args import check_launch, check_query_and_cache, check_sinks, check_sliding_window
+from engine.kernels.attention.launch import kernel_variant
 from engine.kernels.triton_compat import HAS_TRITON, launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["HAS_TRITON", "paged_attention", "paged_attention_ref"]

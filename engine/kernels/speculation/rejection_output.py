@@ -1,7 +1,7 @@
 """What rejection sampling returns and the modes it takes, shared by the reference
 (engine/speculation/rejection_sampler.py, whose module docstring defines the modes and terms) and its Triton kernel
-(engine/kernels/rejection.py), which the reference calls on CUDA: a module of its own so that the kernel need not
-import the reference."""
+(engine/kernels/speculation/rejection.py), which the reference calls on CUDA: a module of its own so that the kernel
+need not import the reference."""
 
 from __future__ import annotations
 

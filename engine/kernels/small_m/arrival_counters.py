@@ -1,6 +1,6 @@
 """Arrival counters of split-K products: persistent zeroed int32 buffers, one counter per output tile.
 
-A split-K launch (engine/kernels/small_m_linear.py) gives each output tile SPLIT_K programs; each writes its
+A split-K launch (engine/kernels/small_m/linear.py) gives each output tile SPLIT_K programs; each writes its
 partial sums, then increments its tile's counter, and the one that arrives last sums the partials and sets the
 counter back to 0. So a buffer is zero between launches and needs no memset per call, which also makes the launch
 capturable in a CUDA graph and replayable any number of times (no host sync, nothing allocated that differs

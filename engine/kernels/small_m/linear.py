@@ -20,7 +20,7 @@ tl.dot on 16-64-row tiles keeps the arithmetic off the CUDA cores. `small_m_tile
 Split K (DOT form at 5-64 rows): a tl.dot tile of 16+ rows wants 32-64 output features, so a 1024-wide projection
 would get 16-32 programs owning the whole K each, on a GPU of 132 SMs. The grid is (column tiles, SPLIT_K) instead:
 each program takes a contiguous K range, writes its float32 partials to a workspace and increments its column
-tile's arrival counter (engine/kernels/arrival_counters.py: zero between launches, so no memset per call and the
+tile's arrival counter (engine/kernels/small_m/arrival_counters.py: zero between launches, so no memset per call and the
 launch replays in a CUDA graph); the program that arrives last sums the SPLIT_K partials in split order, adds the
 bias, rounds, applies the epilogue and sets the counter back to 0. The norm's row statistics still span the whole
 K in every program (unless given, below), and one program writes the residual sum. SPLIT_K=1 is the plain path,
@@ -49,10 +49,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels.activation import ACTIVATIONS
-from engine.kernels.arrival_counters import arrival_counters
 from engine.kernels.rms_norm import use_fused_kernels
-from engine.kernels.small_m_parts import accumulate_pair, store_output, weight_tile
-from engine.kernels.small_m_reference import (
+from engine.kernels.small_m.arrival_counters import arrival_counters
+from engine.kernels.small_m.parts import accumulate_pair, store_output, weight_tile
+from engine.kernels.small_m.reference import (
     PROLOGUE_ACT,
     PROLOGUE_NONE,
     PROLOGUE_NORM,
@@ -62,7 +62,7 @@ from engine.kernels.small_m_reference import (
     norm_linear_ref,
     unfused_product,
 )
-from engine.kernels.small_m_tiles import FMA_MAX_ROWS, fit_stages, fp8_tiles, split_k_range, tiles_for
+from engine.kernels.small_m.tiles import FMA_MAX_ROWS, fit_stages, fp8_tiles, split_k_range, tiles_for
 from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["FMA_MAX_ROWS", "MAX_ROWS", "takes_rows", "rows_limit", "norm_linear", "norm_linear_ref", "act_linear",

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from engine.kernels.rejection_output import MODES, RejectionOutput, synthetic_position_rate
+from engine.kernels.speculation.rejection_output import MODES, RejectionOutput, synthetic_position_rate
 from engine.kernels.triton_compat import HAS_TRITON, require_triton, tl, triton
 
 __all__ = ["HAS_TRITON", "rejection_sample_from_noise"]

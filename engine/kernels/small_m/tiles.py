@@ -1,4 +1,4 @@
-"""Form, tile sizes and K split of the few-row products (engine/kernels/small_m_linear.py) per shape. The rules
+"""Form, tile sizes and K split of the few-row products (engine/kernels/small_m/linear.py) per shape. The rules
 for 1-4 rows come from sweeps on an H100 (benchmarks/gpu_small_m.py --sweep, figures in benchmarks/RESULTS.md); 1-4
 rows' measured exceptions per GPU model are in FEW_ROWS_MEASURED (an entry may send a product to cuBLAS); rows 5-64
 (the split-K DOT form) take this GPU model's DOT_MEASURED tilings (`--sweep splitk`) or else a rule."""
@@ -217,7 +217,7 @@ WIDE_LAYERS_MEASURED: dict[str, dict[tuple[tuple[int, int], ...], int]] = {
 }
 
 
-# GPU models on which an FP8 model's layers take the folded products (engine/kernels/small_m_linear.py reading the FP8
+# GPU models on which an FP8 model's layers take the folded products (engine/kernels/small_m/linear.py reading the FP8
 # weights, tiles from fp8_tiles) where they measured faster than the FP8 kernel (engine/quantization/fp8_linear.py)
 # beside separate norm, activation and add kernels: `benchmarks/gpu_decode.py --shape qwen3-8b-fp8 --fp8-folded`
 # against the same without. None: on an H100 (2026-12-07, benchmarks/RESULTS.md "FP8 weights in the folded few-row

@@ -1,4 +1,4 @@
-"""A grid barrier on the device for persistent kernels (engine/kernels/persistent_decoder.py), and a timer stamp.
+"""A grid barrier on the device for persistent kernels (engine/kernels/persistent/decoder.py), and a timer stamp.
 
 Programs of one launch meet at a counter in global memory that the wrapper zeroes before the launch: `arrive` adds 1
 with release semantics once every thread of the program has issued its stores; `wait` spins on acquiring reads

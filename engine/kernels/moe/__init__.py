@@ -1,0 +1,1 @@
+"""Mixture-of-experts kernels: routing, few-row experts and grouped experts for longer batches."""
