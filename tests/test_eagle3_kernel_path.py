@@ -89,3 +89,9 @@ def test_head_loop_proposals_match_reference():
     assert any(len(drafts) == 3 for _, drafts in cases)
     for context, drafts in cases:
         assert drafts == reference_drafts(w, target.hf, context, len(drafts)), context
+    # States that do not match the catch-up's tokens are refused before anything is copied or run.
+    from engine.runner.step_input import Chunk
+
+    width = loop.target_in.shape[1]
+    with pytest.raises(ValueError, match=r"target states of \[1\] tokens for chunks of \[2\]"):
+        run_first([Chunk([1, 2], 0, 1, [])], [1], [torch.zeros(1, width)], None, {}, None)

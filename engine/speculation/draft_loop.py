@@ -48,7 +48,6 @@ FIRST_QUERY_LEN = 2  # last accepted token + bonus token
 class DraftLoop:
     """Static buffers and graphs of the draft loop for batches of up to max_num_reqs requests."""
 
-    captures_first = True  # a graph of the first step (the catch-up of up to first_query_len tokens a request)
     # A first step of one-token rows may replay the later steps' graph (their forward is the same); not where the
     # first step's forward differs from the later ones' (an EAGLE-3 head's reads the target's states).
     one_token_first = True
@@ -174,7 +173,7 @@ class DraftLoop:
         with no_gc_while_capturing():
             for b in reversed(self.batch_sizes):
                 for greedy in (True, False):
-                    for first in (True, False) if self.captures_first else (False,):
+                    for first in (True, False):
                         q = self.first_query_len if first else 1
                         if b * q > self.buffers.max_num_tokens:
                             continue  # a first step this wide runs eagerly

@@ -54,18 +54,17 @@ class Eagle3Loop(DraftLoop):
                 and sum(len(c.token_ids) for c in chunks) <= self.target_in.shape[0])
 
     def _forward_first(self, step: StepInput) -> torch.Tensor:
-        """The head over the catch-up's tokens and the target's states of them; keeps each row's state for the next
-        step. Logits over the draft vocabulary [b, draft vocab] (`_greedy` and `_target_logits` map them)."""
-        out = self.head(step.input_ids, step.positions, step.attn, self.target_in[:step.num_tokens],
-                        True)[step.logits_indices]
-        self.hidden_in[:out.shape[0]].copy_(self.head.next_state(out))
-        return self.head.draft_logits(out)
+        """The head over the catch-up's tokens and the target's states of them (through fc)."""
+        return self._head_step(step, self.target_in[:step.num_tokens], from_target=True)
 
     def _forward(self, step: StepInput) -> torch.Tensor:
-        """The head over the step's tokens and the rows' states of the step before; keeps this step's states for
-        the next. Logits over the draft vocabulary [b, draft vocab]."""
-        out = self.head(step.input_ids, step.positions, step.attn, self.hidden_in[:step.num_tokens],
-                        False)[step.logits_indices]
+        """The head over the step's tokens and the rows' states of the step before."""
+        return self._head_step(step, self.hidden_in[:step.num_tokens], from_target=False)
+
+    def _head_step(self, step: StepInput, hidden: torch.Tensor, from_target: bool) -> torch.Tensor:
+        """One head forward; keeps each logits row's state for the next step in `hidden_in`. Returns logits over
+        the draft vocabulary [b, draft vocab] (`_greedy` and `_target_logits` map them)."""
+        out = self.head(step.input_ids, step.positions, step.attn, hidden, from_target)[step.logits_indices]
         self.hidden_in[:out.shape[0]].copy_(self.head.next_state(out))
         return self.head.draft_logits(out)
 
@@ -79,17 +78,19 @@ class Eagle3Loop(DraftLoop):
         return None  # the runner's mixed graphs run the forward without the head's states
 
     @torch.inference_mode()
-    def run_first(self, chunks: list[Chunk], ks: list[int], states: torch.Tensor, md: SamplingMetadata,
+    def run_first(self, chunks: list[Chunk], ks: list[int], states: list[torch.Tensor], md: SamplingMetadata,
                   seeded_gens: dict[int, torch.Generator], default_gen: torch.Generator
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A whole proposal on the loop. chunks: each row's catch-up (`fits`), one logits row each; ks: each row's
-        draft count (0: a catch-up only); states: [total tokens, len(aux) * target_hidden] the target's states of
-        the chunks' tokens, in order; md, seeded_gens, default_gen: as DraftLoop.run. Returns DraftLoop.run's."""
+        draft count (0: a catch-up only); states: each chunk's target states [len(chunk), len(aux) * target_hidden],
+        in order, concatenated straight into the static buffer; md, seeded_gens, default_gen: as DraftLoop.run.
+        Returns DraftLoop.run's."""
         if not self.fits(chunks):
             raise ValueError("these catch-ups do not fit the head loop's first step")
-        if states.shape[0] != sum(len(c.token_ids) for c in chunks):
-            raise ValueError(f"{states.shape[0]} target states for {sum(len(c.token_ids) for c in chunks)} tokens")
-        self.target_in[:states.shape[0]].copy_(states)
+        lengths = [len(c.token_ids) for c in chunks]
+        if [s.shape[0] for s in states] != lengths:
+            raise ValueError(f"target states of {[s.shape[0] for s in states]} tokens for chunks of {lengths}")
+        torch.cat(states, out=self.target_in[:sum(lengths)])
         return self.run(chunks, ks, md, seeded_gens, default_gen)
 
     @torch.inference_mode()

@@ -208,7 +208,7 @@ class Eagle3Proposer:
             # Every logits row a request: rows without drafts (k = 0) sample a token no one reads.
             full = [Chunk(c.token_ids, c.start_pos, 1, c.block_tables) for c in chunks]
             if self.loop.fits(full):
-                return self._propose_on_loop(reqs, ks, owners, full, torch.cat(states))
+                return self._propose_on_loop(reqs, ks, owners, full, states)
         ids, probs = empty_proposal(len(reqs), max_k, self.runner.vocab_size, self.keep_probs, dev)
         if blind:
             self._draft_blind(plan, blind, ids, probs)
@@ -240,8 +240,8 @@ class Eagle3Proposer:
             tok = self._draw(logits, md, rows, len(drafting), ids, probs, drafting, j)
         return DraftProposal(ids, probs)
 
-    def _propose_on_loop(self, reqs: list, ks: list[int], rows: list[int], chunks: list[Chunk], states: torch.Tensor
-                         ) -> DraftProposal:
+    def _propose_on_loop(self, reqs: list, ks: list[int], rows: list[int], chunks: list[Chunk],
+                         states: list[torch.Tensor]) -> DraftProposal:
         """The whole proposal on the head's loop. rows: the requests (indices into reqs) with a catch-up, every one
         that drafts among them; chunks: their catch-ups, one logits row each; states: their target states, in order.
         Returns the proposal: the loop's drafts (and q) at the rows, -1 elsewhere."""
