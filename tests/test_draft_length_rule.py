@@ -140,19 +140,50 @@ def test_a_near_tie_is_held_within_three_percent(seed, k3_seconds):
     assert tokens / clock.t >= 0.97 * best, (tokens / clock.t / best, rule.steps_at_zero)
 
 
-def test_probes_are_bounded():
+@pytest.mark.parametrize("seed,draft", [(5, 0.1), (15, 0.1), (5, 0.05), (15, 0.05)])
+def test_an_unlucky_early_reading_of_a_deep_position_does_not_hold_k_down(seed, draft):
+    """Batch 1, acceptance 0.8, k = 4 faster than k = 3 by 6-9%: the fourth draft is attempted only when the first
+    three are accepted, so its first readings are few, and rejections among them once held the rule at k = 3 until
+    a probe a few hundred steps later (these seeds, over 300 steps: 0.94 of the best fixed k at draft 0.1, 0.91 at
+    0.05). Over a short run, warm-up and probes included, the rule's k's must commit within 4% of the best
+    fixed k's expected tokens a second."""
     clock = Clock()
     rule = DraftLengthRule(K, clock=clock)
-    # A draft that accepts nothing and costs 3/4 of a target step: every probe of k > 0 is pure loss.
-    ks = drive(rule, clock, 3000, 8, 0.0, draft=0.75)
-    probe_time = sum(step_seconds(8, k, 0.75) for k, probed in ks if probed)
-    total = sum(step_seconds(8, k, 0.75) for k, _ in ks)
-    # The first probe (k = 0, the line's second point) is free; the rest pay from the credit.
-    assert probe_time <= rule_mod.PROBE_SHARE * total + 2 * rule_mod.PROBE_STEPS * step_seconds(8, K, 0.75)
+    ks = drive(rule, clock, 300, 1, 0.8, draft=draft, rng=random.Random(seed))
+    rates = {k: expected_tokens([0.8] * K, k) / step_seconds(1, k, draft) for k in range(K + 1)}
+    assert max(rates, key=rates.get) == K
+    got = sum(expected_tokens([0.8] * K, k) for k, _ in ks) / clock.t
+    assert got >= 0.96 * rates[K], (got / rates[K], [k for k, _ in ks[:60]])
+
+
+def test_probes_are_bounded():
+    """A draft that accepts nothing and costs 3/4 of a target step: every probe of k > 0 is pure loss. The probes
+    the credit buys lose at most PROBE_SHARE of the run's time (the last one may overdraw it by one probe); the
+    forced ones (the line's second point, one recheck a k left or first measured) are few."""
+    clock = Clock()
+    rule = DraftLengthRule(K, clock=clock)
+    batch, draft, steps = 8, 0.75, 6000
+    ks, paid_loss, forced_starts, total = [], 0.0, 0, 0.0
+    for i in range(steps):
+        k = rule.choose(batch)
+        probed = rule._probing
+        if probed and rule._probe.get(rule_mod.bucket_of(batch), (0, 0))[1] == rule_mod.PROBE_STEPS - 1:  # first step
+            forced_starts += rule._forced
+        rule.planned(i, k, timed=True)
+        dt = step_seconds(batch, k, draft)
+        if probed and not rule._forced:
+            paid_loss += dt - step_seconds(batch, 0, draft)  # k = 0 commits the same tokens in this time
+        clock.t += dt
+        total += dt
+        rule.observe(i, [(f"r{r}", k, 0) for r in range(batch)] if k else [], k * draft if k else None)
+        ks.append((k, probed))
+    worst = rule_mod.PROBE_STEPS * (step_seconds(batch, K, draft) - step_seconds(batch, 0, draft))
+    assert paid_loss <= rule_mod.PROBE_SHARE * total + worst, (paid_loss, total)
+    assert forced_starts <= 2 * (K + 1), forced_starts
     starts = sum(1 for (_, p), (_, q) in itertools.pairwise([(0, False)] + ks) if q and not p)
     assert starts <= len(ks) / rule_mod.MIN_PROBE_GAP + 1
-    assert starts >= 3  # it does probe: the losers' figures stay fresh
-    assert sum(k == 0 for k, _ in ks) >= 0.9 * len(ks)
+    assert starts - forced_starts >= 3  # it does buy probes: the losers' figures stay fresh
+    assert sum(k == 0 for k, _ in ks) >= 0.95 * len(ks)
     assert rule.steps_at_zero == sum(k == 0 for k, _ in ks)
 
 

@@ -15,22 +15,24 @@ the acceptance counts' own spread, draft_cost_model.expected_tokens_std). A near
 about the spread of an estimate from a few dozen verifies) stays speculating; a draft that loses clearly stops.
 
 Probes: the figures of the k's not chosen go stale as load and acceptance change (and the acceptance is only
-measured while drafting), so the rule runs PROBE_STEPS steps at another k now and then: the one whose figure is
-oldest (one never measured first, the likeliest winner among them). Probes are bounded twice: at most one every
-MIN_PROBE_GAP steps of a bucket, and only while the time they are expected to take (PROBE_STEPS x the probed k's
-estimated step, plus the draft's catch-up on what it missed at k = 0, at the measured seconds a caught-up token) is
-covered by a credit that grows by PROBE_SHARE of every other step's time and pays the probes' real time (their
-catch-up included), so probing a slow k costs about that share of the time however slow it is. The first probe of a
-bucket (its second k, the other end of 0..K: the line needs two points) comes as soon as the first k has a figure.
+measured while drafting), so the rule runs PROBE_STEPS steps at another k now and then: first one that may beat the
+best on its acceptance's uncertainty (UNCERTAINTY standard deviations added: a deep position is attempted only when
+every draft before it was accepted, so one unlucky early reading of it held a batch-1 pair at k = 3 where k = 4 was
+6-9% faster), then one never measured (the likeliest winner), then the one whose figure is oldest. At most one
+probe starts every MIN_PROBE_GAP steps of a bucket, and only while a credit covers its expected loss: the credit
+grows by PROBE_SHARE of every other step's time and pays each probe's real loss, its time less the time the best k
+takes to commit the same tokens (a catch-up after k = 0 is all loss). So probes cost about PROBE_SHARE of the
+throughput: a near tie's runner-up, which loses almost nothing, is probed as often as the gap allows, a draft that
+accepts nothing rarely (priced at their whole time, probes of k = 4 from k = 3 came every 140 steps at batch 1).
+Forced probes, the line's second point (the other end of 0..K, as soon as the first k has a figure) and the
+rechecks, run whatever the credit and are not paid from it: their own rules bound them, and paying for a bucket's
+warm-up left the credit in debt for hundreds of steps.
 
-Rechecks: a burst of slow steps (a garbage collection, a host stall: several steps in a row, whatever their k) can
-lift the figure of the k running through it, and the rule then leaves that k for another; or it can fall on a k's
-first probe. Such a figure would hold until a probe, and the credit rations probes by that very figure (gemma-3-1b
-+ 270m at batch 64 on an H100: after one burst lifted k = 0's figure to 3x its steps, the rule ran k = 1-2 for the
-rest of the run, where k = 0 ran at the target alone's speed). So a k the rule leaves, and a k measured once and
-not chosen, is measured again RECHECK_STEPS steps later whatever the credit (which still pays for it): once per
-leave or first figure, and the recheck's steps replace the k's figure (its window of RECENT_STEPS steps, long enough
-that a short burst does not move it, would otherwise still hold the burst's).
+Rechecks: a burst of slow steps (a garbage collection, a host stall) lifts the figure of the k running through it,
+or falls on a k's first probe, and such a figure would hold the rule off that k until a probe (an H100 gemma pair
+ran k = 1-2 for the rest of a run after one burst, where k = 0 ran at the target alone's speed). So a k the rule
+leaves, and a k measured once and not chosen, is measured again RECHECK_STEPS steps later, once per leave or first
+figure; the recheck's steps replace the k's figure (its RECENT_STEPS window would otherwise still hold the burst's).
 
 Leaving k = 0: the rule moves from k = 0 to a k > 0 only on a fresh figure of it (taken in the last FRESH_STEPS
 steps of the bucket); where the figure is older, it probes that k first (within the credit, the draft's catch-up
@@ -42,17 +44,13 @@ that position costs (its expected accepted tokens under E(k) x (v / B) / T(k), v
 k across the batch of B requests, so v / B one request's row) drafts fewer than the step's k; the step's structure
 takes one k a request (ScheduledRequest's num_draft_tokens), the draft forwards the step's k at most. It never
 drafts more than the step's k. (Priced at v, a whole batch's row, the cut took drafts from requests whose own
-few verifies read low by chance: a Qwen3-8B + 0.6B batch of 32 at acceptance 0.8, simulated with an H200's step
-times, ran at 0.76-0.83 of k = 3; on the H200 the rule ran at 0.88.)
+few verifies read low by chance: on an H200 a Qwen3-8B + 0.6B batch of 32 ran at 0.88 of k = 3.)
 
-A seeded request at temperature > 0 keeps num_speculative_tokens (engine/speculation/draft_length_control.py pins the
-steps it runs in): its samples depend on the k's it is verified at, and its seed promises one output however the load
-goes.
+A seeded request at temperature > 0 keeps num_speculative_tokens (engine/speculation/draft_length_control.py pins its
+steps): its samples depend on the k's it is verified at, and its seed promises one output whatever the load.
 
 Exactness does not depend on the rule: k is chosen from what earlier steps committed, before the step's drafts
-exist, and every k verifies losslessly.
-
-The clock is injectable: tests drive the rule with simulated step times.
+exist, and every k verifies losslessly. The clock is injectable: tests drive the rule with simulated step times.
 """
 
 from __future__ import annotations
@@ -77,7 +75,7 @@ PROBE_STEPS = SETTLE_STEPS + WINDOW_STEPS
 MIN_PROBE_GAP = 32  # steps of a bucket between the starts of two probes, at least
 RECHECK_STEPS = 16  # steps of a bucket after which a k left or measured once is measured again (see Rechecks)
 FRESH_STEPS = 32  # a k's figure taken within this many steps of its bucket may move the rule there from k = 0
-PROBE_SHARE = 0.03  # share of the engine's time probes may take
+PROBE_SHARE = 0.01  # share of the engine's time probes may lose (against the best k)
 MARGIN = 0.02  # the current k is kept unless another promises this share more tokens a second
 UNCERTAINTY = 1.0  # standard deviations of a k > 0's acceptance-driven estimate by which k = 0 must beat it
 MIN_REQUEST_DRAFTS = 8  # a request's own acceptance counts from this many of its verifies
@@ -96,8 +94,10 @@ class _Planned:
     k: int
     at: float
     timed: bool  # every request of the step decodes (prefill chunks would make its time another step's)
-    probe: bool
+    probe: bool  # a probe paid from the credit
     catch_up: int  # tokens the draft catches up on in this step
+    batch: int  # requests in the step
+    best_rate: float | None  # a paid probe's: tokens a second a request commits at the best k (its loss's measure)
 
 
 class DraftLengthRule:
@@ -111,13 +111,13 @@ class DraftLengthRule:
         self.requests: OrderedDict[str, Acceptance] = OrderedDict()
         self._planned: dict[int, _Planned] = {}
         self._current: dict[int, int] = {}  # bucket -> the k it runs outside probes
-        self._probe: dict[int, tuple[int, int]] = {}  # bucket -> (probed k, steps left)
+        self._probe: dict[int, tuple[int, int, bool]] = {}  # bucket -> (probed k, steps left, forced)
         self._last_probe: dict[int, int] = {}  # bucket -> its step count at its last probe's start
         self._recheck: dict[int, dict[int, int]] = {}  # bucket -> {k to measure again: the bucket's step count then}
         self._run: tuple[int, int] | None = None  # (bucket, k) of the steps committed since the last switch
         self._run_steps = 0
         self._last_commit: float | None = None
-        self.credit = 0.0  # seconds of probing earned (PROBE_SHARE of every step's time), less those spent
+        self.credit = 0.0  # seconds of probe loss earned (PROBE_SHARE of every step's time), less those lost
         self.last_k = max_k  # the last step's k
         self.last_bucket = 0
         self.last_batch = 1  # the last step's requests
@@ -125,6 +125,9 @@ class DraftLengthRule:
         self.probe_steps = 0  # steps run as probes
         self.steps = 0  # steps chosen
         self._probing = False  # the last choice was a probe
+        self._forced = False  # the last choice was a forced probe (see Probes): not paid from the credit
+        self._best_rate: float | None = None  # the best k's tokens a second a request, where the last choice read it
+        self._probe_rate: dict[int, float | None] = {}  # bucket -> the best k's rate its last probe is priced at
         # What the draft missed, as of the last choice: a count, or a function counting it (called only where a
         # figure needs it: leaving k = 0, or pricing a probe; a count over the running requests at every step of a
         # batch of 64 cost as much host time as the rule's choice).
@@ -164,14 +167,16 @@ class DraftLengthRule:
         return k
 
     def _choose(self, b: int, st: BucketCosts) -> tuple[int, bool]:
+        self._best_rate = None
         probe = self._probe.get(b)
         if probe is not None:
-            k, left = probe
+            k, left, self._forced = probe
             if left > 1:
-                self._probe[b] = (k, left - 1)
+                self._probe[b] = (k, left - 1, self._forced)
             else:
                 del self._probe[b]
             return k, True
+        self._forced = False
         measured = [k for k, m in st.step.items() if m.samples >= WINDOW_STEPS]
         if not st.step:
             return self.max_k, False  # nothing measured here: the configured k, to measure it
@@ -179,7 +184,7 @@ class DraftLengthRule:
             only = next(iter(st.step))
             if not measured:
                 return only, False
-            return self._start_probe(b, st, self.max_k if only == 0 else 0), True  # the line's second point
+            return self._start_probe(b, st, self.max_k if only == 0 else 0, forced=True), True  # the line's 2nd point
         best, wanted = self._best(b, st)
         due = self._recheck.get(b, {})
         due.pop(best, None)  # the k that runs is measured as it runs
@@ -188,17 +193,23 @@ class DraftLengthRule:
             del due[k]
             if k in st.step:
                 st.step[k].restart()  # measured again: the burst's samples go
-            return self._start_probe(b, st, k), True
-        target = wanted if wanted is not None else self._probe_target(st, best)
-        if (target is not None and st.steps - self._last_probe.get(b, 0) >= MIN_PROBE_GAP
-                and self._affordable(st, target)):
-            return self._start_probe(b, st, target), True
+            return self._start_probe(b, st, k, forced=True), True
+        if st.steps - self._last_probe.get(b, 0) >= MIN_PROBE_GAP:  # the target only then: it reads every k's figures
+            target = wanted if wanted is not None else self._probe_target(st, best)
+            if target is not None and self._affordable(st, target):
+                return self._start_probe(b, st, target), True
         return best, False
 
     def _affordable(self, st: BucketCosts, k: int) -> bool:
-        """Whether the credit covers a probe of k: its steps, and the draft's catch-up on what it missed (counted
-        only once the steps alone fit: most steps between probes are short of them)."""
-        cost = PROBE_STEPS * (st.seconds(k) or 0.0)
+        """Whether the credit covers a probe of k's expected loss: its steps' time less the time the best k takes
+        to commit the tokens they are expected to, and the draft's catch-up on what it missed (counted only once
+        the steps alone fit: most steps between probes are short of them)."""
+        t = st.seconds(k) or 0.0
+        self._best_rate = max(self.rates(st).values(), default=None)
+        lost = t
+        if self._best_rate:
+            lost = max(t - expected_tokens(self.acceptance.rates(k), k) / self._best_rate, 0.0)
+        cost = PROBE_STEPS * lost
         if self.credit < cost:
             return False
         if k > 0 and self.catch_up_token_seconds is not None:
@@ -217,23 +228,37 @@ class DraftLengthRule:
         m = st.step.get(k)
         return m is None or st.steps - m.at > FRESH_STEPS
 
-    def _start_probe(self, b: int, st: BucketCosts, k: int) -> int:
+    def _start_probe(self, b: int, st: BucketCosts, k: int, forced: bool = False) -> int:
+        self._forced = forced
+        self._probe_rate[b] = self._best_rate
         self._last_probe[b] = st.steps
         if PROBE_STEPS > 1:
-            self._probe[b] = (k, PROBE_STEPS - 1)
+            self._probe[b] = (k, PROBE_STEPS - 1, forced)
         return k
 
     def _probe_target(self, st: BucketCosts, best: int) -> int | None:
-        """The k to probe, other than `best`: one never measured first, the likeliest winner by the estimates
-        among them; then the one whose figure is oldest."""
+        """The k to probe, other than `best` (see Probes): one that may beat it, the likeliest first; then one never
+        measured, the likeliest winner among them; then the one whose figure is oldest."""
         others = [k for k in range(self.max_k + 1) if k != best]
         if not others:
             return None
+        rates = self.rates(st)
+        if best in rates:
+            hopeful = {k: rates[k] + UNCERTAINTY * self._spread(st, k) for k in others if k > 0 and k in rates}
+            hopeful = {k: r for k, r in hopeful.items() if r >= rates[best]}
+            if hopeful:
+                return max(hopeful, key=lambda k: (hopeful[k], -k))
         new = [k for k in others if k not in st.step]
         if new:
-            rates = self.rates(st)
             return max(new, key=lambda k: (rates.get(k, 0.0), -k))
         return min(others, key=lambda k: (st.step[k].at, k))
+
+    def _spread(self, st: BucketCosts, k: int) -> float:
+        """The standard deviation of k's tokens a second from its acceptance estimates (0 without a figure)."""
+        t = st.seconds(k)
+        if not t:
+            return 0.0
+        return expected_tokens_std(self.acceptance.rates(k), self.acceptance.variances(k), k) / t
 
     def rates(self, st: BucketCosts) -> dict[int, float]:
         """k -> the tokens a second a request is expected to commit at k (only k's with a time figure)."""
@@ -258,18 +283,13 @@ class DraftLengthRule:
             drafting = [k for k in rates if k > 0]
             if drafting:
                 kb = max(drafting, key=lambda k: (rates[k], -k))
-                a = self.acceptance.rates(kb)
-                spread = expected_tokens_std(a, self.acceptance.variances(kb), kb) / st.seconds(kb)
-                if rates[kb] + UNCERTAINTY * spread >= (1.0 - MARGIN) * rates[0]:
+                if rates[kb] + UNCERTAINTY * self._spread(st, kb) >= (1.0 - MARGIN) * rates[0]:
                     best = kb
         wanted = None
         if cur == 0 and best > 0 and self._stale(st, best):
-            # Leaving k = 0 needs the destination's figure from now: a slowdown of every k (the host's, the
-            # device's) shows first in the k that runs, and against an old figure of another it reads as that k
-            # winning (gemma-3-1b + 270m at batch 64 on an H100: k = 0 steps slowed from 2.5 to 4.6 ms for a few
-            # steps, the rule moved to k = 1 on its figure from hundreds of steps before, paid a 95 ms catch-up
-            # and ran at k > 0 for tens of steps at twice their figures). The destination is probed first, within
-            # the credit (its catch-up included), and the rule stays at k = 0 until then.
+            # Leaving k = 0 needs the destination's figure from now (see Leaving k = 0: an H100 gemma pair at batch
+            # 64 moved to k = 1 on a figure hundreds of steps old and paid a 95 ms catch-up): probed first, within
+            # the credit (its catch-up included), the rule staying at k = 0 until then.
             wanted, best = best, 0
         if cur is not None and cur != best:
             self._recheck.setdefault(b, {})[cur] = st.steps  # left: measured again later (see Rechecks)
@@ -310,7 +330,9 @@ class DraftLengthRule:
         """Step `step_id` was planned (now) at k, the k the last `choose` returned. timed: every request of it
         decodes."""
         catch_up = self._missed() if k > 0 else 0
-        self._planned[step_id] = _Planned(self.last_bucket, k, self.clock(), timed, self._probing, catch_up)
+        paid = self._probing and not self._forced
+        self._planned[step_id] = _Planned(self.last_bucket, k, self.clock(), timed, paid, catch_up, self.last_batch,
+                                          self._probe_rate.get(self.last_bucket) if paid else None)
         while len(self._planned) > MAX_PLANNED:  # plans never committed (a failed step) are not kept for ever
             self._planned.pop(next(iter(self._planned)))
 
@@ -339,7 +361,11 @@ class DraftLengthRule:
         dt = max(0.0, now - (p.at if last is None else last))
         if p.timed:
             # A probe pays its real time (a catch-up included) out of the credit; every other step earns its share.
-            self.credit += -dt if p.probe else PROBE_SHARE * dt
+            if not p.probe:
+                self.credit += PROBE_SHARE * dt
+            else:  # its time less the time the best k takes to commit its tokens (one at k = 0)
+                tokens = p.batch + sum(accepted for _, _, accepted in verifies)
+                self.credit -= max(dt - tokens / (p.best_rate * p.batch), 0.0) if p.best_rate else dt
         if self._run != (p.bucket, p.k):
             self._run, self._run_steps = (p.bucket, p.k), 0
         self._run_steps += 1
