@@ -1,6 +1,7 @@
 """EAGLE-3 heads served: vLLM's `--speculative-config '{"method": "eagle3", ...}'` read into the engine's options and
 honoured by the offline engine built from the flags, and the Ray engine running the head inside the target's worker
-(draft_placement colocated, the default for a head) with greedy output equal to the target alone; a head split over
+(draft_placement colocated, the default for a head) with greedy output equal to the target alone, Llama and Qwen3
+targets; a head split over
 the target's two tensor-parallel ranks drafting what one process's head drafts; and a head on workers of its own
 (draft_placement separate: the target's states travel with each result) drafting what one process's head drafts,
 sync, and with greedy output equal to the target alone, async."""
@@ -31,6 +32,16 @@ def llama_heads(tiny_models, tmp_path_factory) -> dict[str, str]:
     return {"flat": write_flat(w, root / "flat"), "speculators": write_speculators(w, root / "spec")}
 
 
+@pytest.fixture(scope="module")
+def qwen3_heads(tiny_models, tmp_path_factory) -> dict[str, str]:
+    """For the Qwen3 target: a speculators head whose layer is a Qwen3 one (q/k norms), and a flat one (a Llama
+    layer, as SpecForge trains for Qwen3 targets)."""
+    root = tmp_path_factory.mktemp("eagle3-served-qwen3")
+    cfg = tiny_models["qwen3"].config
+    return {"speculators": write_speculators(random_head(cfg, seed=2, layer_type="qwen3"), root / "spec"),
+            "flat": write_flat(random_head(cfg, seed=3), root / "flat")}
+
+
 def test_speculative_config_flag_selects_the_head(tiny_models, llama_heads, target_greedy):
     spec = {"method": "eagle3", "model": llama_heads["flat"], "num_speculative_tokens": 2}
     args = build_parser().parse_args(["generate", "--prompt", "x", "--model", tiny_models["llama"].path,
@@ -56,28 +67,33 @@ def ray_runtime() -> Iterator[None]:
         yield
 
 
-def test_served_greedy_equals_target(ray_runtime, tiny_models, llama_heads, target_greedy):
-    """One served case (Ray's start dominates its time): the speculators head, asynchronous scheduling (the Ray
-    executor's default); the in-process tests cover both formats, sync and async."""
-    engine = build_ray_engine(tiny_models["llama"].path, llama_heads["speculators"], speculative_method="eagle3",
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_served_greedy_equals_target(ray_runtime, tiny_models, llama_heads, qwen3_heads, target_greedy, family):
+    """One served case a target family (Ray's start dominates its time): a speculators head (its layer the
+    family's), asynchronous scheduling (the Ray executor's default); the in-process tests cover both formats, sync
+    and async, and the flat format is served below (a head apart)."""
+    heads = {"llama": llama_heads, "qwen3": qwen3_heads}[family]
+    engine = build_ray_engine(tiny_models[family].path, heads["speculators"], speculative_method="eagle3",
                               num_speculative_tokens=3, seed=5, adaptive_draft_length=False, **ENGINE_KW)
     try:
         assert engine.executor.colocated  # the head runs where the target's hidden states are
         assert engine.async_scheduling
         reqs = run_to_completion(engine, PROMPTS, [GREEDY] * len(PROMPTS))
-        assert [r.output_token_ids for r in reqs] == target_greedy("llama")
+        assert [r.output_token_ids for r in reqs] == target_greedy(family)
         assert sum(r.spec.num_draft_tokens for r in reqs) > 0
     finally:
         engine.executor.shutdown()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_head_on_workers_of_its_own(ray_runtime, tiny_models, llama_heads, target_greedy, async_scheduling):
+def test_head_on_workers_of_its_own(ray_runtime, tiny_models, llama_heads, qwen3_heads, target_greedy,
+                                    async_scheduling):
     """draft_placement separate: the head's rank reads each forward's states from target rank 0's result. Sync, under
     synthetic acceptance, the output is the accepted drafts, so it equals one process's only if the head apart drafts
-    the same tokens (states lost or misaligned on the way would change them); async, strict, greedy output is the
-    target's."""
-    target, head = tiny_models["llama"].path, llama_heads["flat"]
+    the same tokens (states lost or misaligned on the way would change them): a Llama target; async, strict, greedy
+    output is the target's: a Qwen3 target."""
+    family = "qwen3" if async_scheduling else "llama"
+    target, head = tiny_models[family].path, {"llama": llama_heads, "qwen3": qwen3_heads}[family]["flat"]
     kw = dict(ENGINE_KW, adaptive_draft_length=False, seed=5)
     if not async_scheduling:
         kw.update(rejection_sampling="synthetic", synthetic_acceptance_rate=0.6)
@@ -89,7 +105,7 @@ def test_head_on_workers_of_its_own(ray_runtime, tiny_models, llama_heads, targe
     finally:
         engine.executor.shutdown()
     if async_scheduling:
-        assert [r.output_token_ids for r in reqs] == target_greedy("llama")
+        assert [r.output_token_ids for r in reqs] == target_greedy(family)
         assert sum(r.spec.num_draft_tokens for r in reqs) > 0
         return
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
