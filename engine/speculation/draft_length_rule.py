@@ -128,6 +128,8 @@ class DraftLengthRule:
         self._forced = False  # the last choice was a forced probe (see Probes): not paid from the credit
         self._best_rate: float | None = None  # the best k's tokens a second a request, where the last choice read it
         self._probe_rate: dict[int, float | None] = {}  # bucket -> the best k's rate its last probe is priced at
+        self._short: dict[int, float] = {}  # bucket -> the credit its last priced probe needed (none bought)
+        self._rates: dict[int, float] = {}  # the last choice's tokens a second a request by k (see `rates`)
         # What the draft missed, as of the last choice: a count, or a function counting it (called only where a
         # figure needs it: leaving k = 0, or pricing a probe; a count over the running requests at every step of a
         # batch of 64 cost as much host time as the rule's choice).
@@ -194,27 +196,31 @@ class DraftLengthRule:
             if k in st.step:
                 st.step[k].restart()  # measured again: the burst's samples go
             return self._start_probe(b, st, k, forced=True), True
-        if st.steps - self._last_probe.get(b, 0) >= MIN_PROBE_GAP:  # the target only then: it reads every k's figures
+        # A probe's target and price read every k's figures: only past the gap, and not again until the credit
+        # reaches what the last priced probe needed (most steps between probes are short of it).
+        if st.steps - self._last_probe.get(b, 0) >= MIN_PROBE_GAP and self.credit >= self._short.get(b, 0.0):
             target = wanted if wanted is not None else self._probe_target(st, best)
-            if target is not None and self._affordable(st, target):
-                return self._start_probe(b, st, target), True
+            if target is not None:
+                cost = self._probe_cost(st, target)
+                if self.credit >= cost:
+                    self._short.pop(b, None)
+                    return self._start_probe(b, st, target), True
+                self._short[b] = cost
         return best, False
 
-    def _affordable(self, st: BucketCosts, k: int) -> bool:
-        """Whether the credit covers a probe of k's expected loss: its steps' time less the time the best k takes
-        to commit the tokens they are expected to, and the draft's catch-up on what it missed (counted only once
-        the steps alone fit: most steps between probes are short of them)."""
+    def _probe_cost(self, st: BucketCosts, k: int) -> float:
+        """A probe of k's expected loss: its steps' time less the time the best k takes to commit the tokens they
+        are expected to, and the draft's catch-up on what it missed (counted only once the steps alone fit the
+        credit: the count walks the running requests)."""
         t = st.seconds(k) or 0.0
-        self._best_rate = max(self.rates(st).values(), default=None)
+        self._best_rate = max(self._rates.values(), default=None)
         lost = t
         if self._best_rate:
             lost = max(t - expected_tokens(self.acceptance.rates(k), k) / self._best_rate, 0.0)
         cost = PROBE_STEPS * lost
-        if self.credit < cost:
-            return False
-        if k > 0 and self.catch_up_token_seconds is not None:
+        if self.credit >= cost and k > 0 and self.catch_up_token_seconds is not None:
             cost += self._missed() * self.catch_up_token_seconds
-        return self.credit >= cost
+        return cost
 
     def _missed(self) -> int:
         """The last choice's catch-up tokens (counted once, where given as a function)."""
@@ -242,7 +248,7 @@ class DraftLengthRule:
         others = [k for k in range(self.max_k + 1) if k != best]
         if not others:
             return None
-        rates = self.rates(st)
+        rates = self._rates
         if best in rates:
             hopeful = {k: rates[k] + UNCERTAINTY * self._spread(st, k) for k in others if k > 0 and k in rates}
             hopeful = {k: r for k, r in hopeful.items() if r >= rates[best]}
@@ -272,7 +278,7 @@ class DraftLengthRule:
 
     def _best(self, b: int, st: BucketCosts) -> tuple[int, int | None]:
         """(the k to run, a k > 0 to probe first before leaving k = 0 for it, or None)."""
-        rates = self.rates(st)
+        rates = self._rates = self.rates(st)  # the choice's figures, read again by a probe's target and price
         best = max(rates, key=lambda k: (rates[k], -k))  # ties: the smaller k (less work)
         cur = self._current.get(b)
         if cur is not None and cur in rates and rates[cur] >= (1.0 - MARGIN) * rates[best]:
