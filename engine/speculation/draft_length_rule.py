@@ -34,17 +34,14 @@ ran k = 1-2 for the rest of a run after one burst, where k = 0 ran at the target
 leaves, and a k measured once and not chosen, is measured again RECHECK_STEPS steps later, once per leave or first
 figure; the recheck's steps replace the k's figure (its RECENT_STEPS window would otherwise still hold the burst's).
 
-Leaving k = 0: the rule moves from k = 0 to a k > 0 only on a fresh figure of it (taken in the last FRESH_STEPS
-steps of the bucket); where the figure is older, it probes that k first (within the credit, the draft's catch-up
-included) and stays at k = 0 until then. A slowdown of every k shows first in the k that runs: read against an old
-figure of another k, it looks like a win, and the move costs the catch-up on every token the draft missed.
+Leaving k = 0 takes a figure of the destination from the bucket's last FRESH_STEPS steps, else a probe of it first
+(within the credit, catch-up included): a slowdown of every k shows first in the k that runs, reads as a win against
+an old figure of another, and the move costs the catch-up on every token the draft missed.
 
-Per request: a request whose own acceptance (enough drafts of its own measured) puts a draft position below what
-that position costs (its expected accepted tokens under E(k) x (v / B) / T(k), v the verify's seconds for one more
-k across the batch of B requests, so v / B one request's row) drafts fewer than the step's k; the step's structure
-takes one k a request (ScheduledRequest's num_draft_tokens), the draft forwards the step's k at most. It never
-drafts more than the step's k. (Priced at v, a whole batch's row, the cut took drafts from requests whose own
-few verifies read low by chance: on an H200 a Qwen3-8B + 0.6B batch of 32 ran at 0.88 of k = 3.)
+Per request: a request whose own acceptance (from MIN_REQUEST_DRAFTS verifies) puts a draft position below what it
+costs (expected accepted tokens under E(k) x (v / B) / T(k), v the verify's seconds for one more k across a batch of
+B, so v / B one request's row) drafts fewer than the step's k, never more (ScheduledRequest's num_draft_tokens).
+Priced at v, a whole batch's row, the cut took drafts from requests whose few verifies read low by chance.
 
 A seeded request at temperature > 0 keeps num_speculative_tokens (engine/speculation/draft_length_control.py pins its
 steps): its samples depend on the k's it is verified at, and its seed promises one output whatever the load.
@@ -74,6 +71,7 @@ WINDOW_STEPS = 3  # timed steps a probe runs
 PROBE_STEPS = SETTLE_STEPS + WINDOW_STEPS
 MIN_PROBE_GAP = 32  # steps of a bucket between the starts of two probes, at least
 RECHECK_STEPS = 16  # steps of a bucket after which a k left or measured once is measured again (see Rechecks)
+REPRICE_STEPS = 8  # steps of a bucket after which a probe the credit could not buy is priced again
 FRESH_STEPS = 32  # a k's figure taken within this many steps of its bucket may move the rule there from k = 0
 PROBE_SHARE = 0.01  # share of the engine's time probes may lose (against the best k)
 MARGIN = 0.02  # the current k is kept unless another promises this share more tokens a second
@@ -128,18 +126,15 @@ class DraftLengthRule:
         self._forced = False  # the last choice was a forced probe (see Probes): not paid from the credit
         self._best_rate: float | None = None  # the best k's tokens a second a request, where the last choice read it
         self._probe_rate: dict[int, float | None] = {}  # bucket -> the best k's rate its last probe is priced at
-        self._short: dict[int, float] = {}  # bucket -> the credit its last priced probe needed (none bought)
+        self._short: dict[int, tuple[float, int]] = {}  # bucket -> (credit its last priced probe needed, step then)
         self._rates: dict[int, float] = {}  # the last choice's tokens a second a request by k (see `rates`)
-        # What the draft missed, as of the last choice: a count, or a function counting it (called only where a
-        # figure needs it: leaving k = 0, or pricing a probe; a count over the running requests at every step of a
-        # batch of 64 cost as much host time as the rule's choice).
+        # What the draft missed, as of the last choice: a count, or a function counting it, called only where a probe
+        # is priced (a count over a batch of 64 at every step cost as much host time as the rule's choice).
         self._catch_up_tokens: int | Callable[[], int] = 0
-        # Seconds a token of the draft's catch-up adds to a step (the first step at k > 0 after k = 0): a probe of
-        # k > 0 from k = 0 costs its catch-up too, which grows with the time at k = 0.
+        # Seconds a token of the draft's catch-up adds to the first step at k > 0 after k = 0 (part of a probe's cost).
         self.catch_up_token_seconds: float | None = None
-        # (k, threshold, the batch's rates) of the last choice: the reach below which a request's draft is cut and
-        # the rates its own positions fall back on, worked out once a step (per request, they cost a batch of 32
-        # up to a millisecond of host time a step).
+        # (k, threshold, the batch's rates) of the last choice: the cut's figures, worked out once a step (per
+        # request, they cost a batch of 32 up to a millisecond of host time a step).
         self._cut: tuple[int, float | None, list[float]] | None = None
 
     # --- choosing --------------------------------------------------------------------------------------
@@ -196,16 +191,18 @@ class DraftLengthRule:
             if k in st.step:
                 st.step[k].restart()  # measured again: the burst's samples go
             return self._start_probe(b, st, k, forced=True), True
-        # A probe's target and price read every k's figures: only past the gap, and not again until the credit
-        # reaches what the last priced probe needed (most steps between probes are short of it).
-        if st.steps - self._last_probe.get(b, 0) >= MIN_PROBE_GAP and self.credit >= self._short.get(b, 0.0):
+        # A probe's target and price read every k's figures: only past the gap, and again only once the credit reaches
+        # what the last priced probe needed or REPRICE_STEPS later (the figures move; another target may be cheaper).
+        short, at = self._short.get(b, (0.0, 0))
+        if (st.steps - self._last_probe.get(b, 0) >= MIN_PROBE_GAP
+                and (self.credit >= short or st.steps - at >= REPRICE_STEPS)):
             target = wanted if wanted is not None else self._probe_target(st, best)
             if target is not None:
                 cost = self._probe_cost(st, target)
                 if self.credit >= cost:
                     self._short.pop(b, None)
                     return self._start_probe(b, st, target), True
-                self._short[b] = cost
+                self._short[b] = (cost, st.steps)
         return best, False
 
     def _probe_cost(self, st: BucketCosts, k: int) -> float:
@@ -227,12 +224,6 @@ class DraftLengthRule:
         if callable(self._catch_up_tokens):
             self._catch_up_tokens = int(self._catch_up_tokens())
         return self._catch_up_tokens
-
-    @staticmethod
-    def _stale(st: BucketCosts, k: int) -> bool:
-        """Whether k's figure is not from the bucket's last FRESH_STEPS steps (or not measured at all)."""
-        m = st.step.get(k)
-        return m is None or st.steps - m.at > FRESH_STEPS
 
     def _start_probe(self, b: int, st: BucketCosts, k: int, forced: bool = False) -> int:
         self._forced = forced
@@ -292,7 +283,7 @@ class DraftLengthRule:
                 if rates[kb] + UNCERTAINTY * self._spread(st, kb) >= (1.0 - MARGIN) * rates[0]:
                     best = kb
         wanted = None
-        if cur == 0 and best > 0 and self._stale(st, best):
+        if cur == 0 and best > 0 and ((m := st.step.get(best)) is None or st.steps - m.at > FRESH_STEPS):
             # Leaving k = 0 needs the destination's figure from now (see Leaving k = 0: an H100 gemma pair at batch
             # 64 moved to k = 1 on a figure hundreds of steps old and paid a 95 ms catch-up): probed first, within
             # the credit (its catch-up included), the rule staying at k = 0 until then.
