@@ -109,7 +109,7 @@ class DraftLengthRule:
         self.requests: OrderedDict[str, Acceptance] = OrderedDict()
         self._planned: dict[int, _Planned] = {}
         self._current: dict[int, int] = {}  # bucket -> the k it runs outside probes
-        self._probe: dict[int, tuple[int, int, bool]] = {}  # bucket -> (probed k, steps left, forced)
+        self._probe: dict[int, tuple[int, int, bool, float | None]] = {}  # bucket -> (k, steps left, forced, rate)
         self._last_probe: dict[int, int] = {}  # bucket -> its step count at its last probe's start
         self._recheck: dict[int, dict[int, int]] = {}  # bucket -> {k to measure again: the bucket's step count then}
         self._run: tuple[int, int] | None = None  # (bucket, k) of the steps committed since the last switch
@@ -124,8 +124,7 @@ class DraftLengthRule:
         self.steps = 0  # steps chosen
         self._probing = False  # the last choice was a probe
         self._forced = False  # the last choice was a forced probe (see Probes): not paid from the credit
-        self._best_rate: float | None = None  # the best k's tokens a second a request, where the last choice read it
-        self._probe_rate: dict[int, float | None] = {}  # bucket -> the best k's rate its last probe is priced at
+        self._paid_rate: float | None = None  # a paid probe's: the best k's tokens a second a request (its loss)
         self._short: dict[int, tuple[float, int]] = {}  # bucket -> (credit its last priced probe needed, step then)
         self._rates: dict[int, float] = {}  # the last choice's tokens a second a request by k (see `rates`)
         # What the draft missed, as of the last choice: a count, or a function counting it, called only where a probe
@@ -164,16 +163,15 @@ class DraftLengthRule:
         return k
 
     def _choose(self, b: int, st: BucketCosts) -> tuple[int, bool]:
-        self._best_rate = None
         probe = self._probe.get(b)
         if probe is not None:
-            k, left, self._forced = probe
+            k, left, self._forced, self._paid_rate = probe
             if left > 1:
-                self._probe[b] = (k, left - 1, self._forced)
+                self._probe[b] = (k, left - 1, self._forced, self._paid_rate)
             else:
                 del self._probe[b]
             return k, True
-        self._forced = False
+        self._forced, self._paid_rate = False, None
         measured = [k for k, m in st.step.items() if m.samples >= WINDOW_STEPS]
         if not st.step:
             return self.max_k, False  # nothing measured here: the configured k, to measure it
@@ -201,7 +199,7 @@ class DraftLengthRule:
                 cost = self._probe_cost(st, target)
                 if self.credit >= cost:
                     self._short.pop(b, None)
-                    return self._start_probe(b, st, target), True
+                    return self._start_probe(b, st, target, rate=max(self._rates.values(), default=None)), True
                 self._short[b] = (cost, st.steps)
         return best, False
 
@@ -210,10 +208,10 @@ class DraftLengthRule:
         are expected to, and the draft's catch-up on what it missed (counted only once the steps alone fit the
         credit: the count walks the running requests)."""
         t = st.seconds(k) or 0.0
-        self._best_rate = max(self._rates.values(), default=None)
+        best_rate = max(self._rates.values(), default=None)
         lost = t
-        if self._best_rate:
-            lost = max(t - expected_tokens(self.acceptance.rates(k), k) / self._best_rate, 0.0)
+        if best_rate:
+            lost = max(t - expected_tokens(self.acceptance.rates(k), k) / best_rate, 0.0)
         cost = PROBE_STEPS * lost
         if self.credit >= cost and k > 0 and self.catch_up_token_seconds is not None:
             cost += self._missed() * self.catch_up_token_seconds
@@ -225,12 +223,13 @@ class DraftLengthRule:
             self._catch_up_tokens = int(self._catch_up_tokens())
         return self._catch_up_tokens
 
-    def _start_probe(self, b: int, st: BucketCosts, k: int, forced: bool = False) -> int:
-        self._forced = forced
-        self._probe_rate[b] = self._best_rate
+    def _start_probe(self, b: int, st: BucketCosts, k: int, forced: bool = False, rate: float | None = None) -> int:
+        """Start a probe of k: forced (not paid from the credit), or paid and priced against `rate`, the best k's
+        tokens a second a request."""
+        self._forced, self._paid_rate = forced, rate
         self._last_probe[b] = st.steps
         if PROBE_STEPS > 1:
-            self._probe[b] = (k, PROBE_STEPS - 1, forced)
+            self._probe[b] = (k, PROBE_STEPS - 1, forced, rate)
         return k
 
     def _probe_target(self, st: BucketCosts, best: int) -> int | None:
@@ -329,7 +328,7 @@ class DraftLengthRule:
         catch_up = self._missed() if k > 0 else 0
         paid = self._probing and not self._forced
         self._planned[step_id] = _Planned(self.last_bucket, k, self.clock(), timed, paid, catch_up, self.last_batch,
-                                          self._probe_rate.get(self.last_bucket) if paid else None)
+                                          self._paid_rate if paid else None)
         while len(self._planned) > MAX_PLANNED:  # plans never committed (a failed step) are not kept for ever
             self._planned.pop(next(iter(self._planned)))
 

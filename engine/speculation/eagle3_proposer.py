@@ -104,13 +104,12 @@ class Eagle3Proposer:
         self.pending: dict[str, _Pending] = {}
 
     @staticmethod
-    def keep_target_states(target: ModelRunner, head: ModelRunner) -> None:
-        """Have every target forward keep the states entering the head's auxiliary layers. The head itself runs
-        eagerly (one layer: its k steps cost launches, not bytes); the target's CUDA graphs, captured after this,
-        keep the states as a side output (engine/runner/cuda_graphs.py)."""
+    def keep_target_states(target: ModelRunner, aux_layer_ids: tuple[int, ...]) -> None:
+        """Have every target forward keep the states entering a head's auxiliary layers: the target's CUDA graphs,
+        captured after this, keep them as a side output (engine/runner/cuda_graphs.py)."""
         if target.graphs is not None:
             raise RuntimeError("the target's graphs are already captured without the head's auxiliary states")
-        target.model.model.aux_layer_ids = tuple(head.model_config.aux_layer_ids)
+        target.model.model.aux_layer_ids = tuple(aux_layer_ids)
 
     @staticmethod
     def ship_target_states(target: ModelRunner, aux_layer_ids: tuple[int, ...]) -> Callable[
@@ -118,9 +117,7 @@ class Eagle3Proposer:
         """For a head on workers of its own: have every target forward keep the states entering `aux_layer_ids`
         (before the target's graphs are captured) and return the verifier's `on_forward` hook that puts them on the
         host, in the result (StepResult.target_states: every token of the forward, as `absorb_target` reads them)."""
-        if target.graphs is not None:
-            raise RuntimeError("the target's graphs are already captured without the head's auxiliary states")
-        target.model.model.aux_layer_ids = tuple(aux_layer_ids)
+        Eagle3Proposer.keep_target_states(target, aux_layer_ids)
 
         def ship(plan: StepPlan, counts: list[int], result: StepResult) -> None:
             aux = target.model.model.aux_hidden

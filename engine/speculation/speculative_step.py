@@ -179,7 +179,7 @@ class SpeculativeStep:
                 raise ValueError("speculation ahead cannot be used with an EAGLE-3 head: the head drafts from the "
                                  "verify's hidden states, which do not exist before the verify has run")
             # Before the target's graphs are captured: they keep these states as a side output.
-            Eagle3Proposer.keep_target_states(target, draft)
+            Eagle3Proposer.keep_target_states(target, draft.model_config.aux_layer_ids)
         # The target's side first: its verifier captures the target's CUDA graphs before the draft loop's.
         target_side = TargetSide(target, seed, table)
         proposer = None
