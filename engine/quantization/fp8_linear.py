@@ -17,6 +17,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.e4m3 import e4m3_to_bf16
+from engine.kernels.small_m.arrival_counters import arrival_counters
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 
 # Rows up to which a GPU forward runs the kernel for block scales; beyond, dequantize and matmul (a prefill's cost is
@@ -32,14 +34,16 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, G, group_k, k_slice,
-                           stride_xm, stride_wn, stride_sn, stride_om, HAS_BIAS: tl.constexpr,
+    def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, G, group_k, k_slice,
+                           num_splits, stride_xm, stride_wn, stride_sn, stride_om, HAS_BIAS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            PRECISION: tl.constexpr, SPLIT: tl.constexpr, W_PTX: tl.constexpr):
         """One program a BLOCK_N slice of the outputs for BLOCK_M rows over one slice of K; each BLOCK_K step lies in
         one scale group (BLOCK_K divides group_k, or G is 1), so the group's scales multiply the step's partial
-        products. SPLIT: the slice's float32 partial sums go to out[slice] for _sum_slices_kernel; else the
-        output (with the bias) in out's dtype. W_PTX: bfloat16 activations, the weight converted by _e4m3_bf16."""
+        products. SPLIT: the slice's float32 partial sums go to part[slice], and the program that arrives last at
+        its output tile's counter (engine/kernels/small_m/arrival_counters.py) adds the slices in order (the result
+        does not depend on which arrived last) and sets the counter back to 0. The output, with the bias, in out's
+        dtype. W_PTX: bfloat16 activations, the weight converted by e4m3_to_bf16."""
         pid = tl.program_id(0)
         sl = tl.program_id(1)
         rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -55,60 +59,29 @@ if HAS_TRITON:
             # The weight as bytes, read as float8_e4m3fn: every FP8 value is exact in the activations' dtype.
             w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
             if W_PTX:
-                w = _e4m3_bf16(w)
+                w = e4m3_to_bf16(w)
             else:
                 w = w.to(tl.float8e4nv, bitcast=True).to(x.dtype)
             g = tl.minimum(k0 // group_k, G - 1)
             s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0)
             acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32, input_precision=PRECISION) * s[None, :]
+        out_mask = m_ok[:, None] & n_ok[None, :]
+        last = True
         if SPLIT:
-            tl.store(out_ptr + (sl * M + rm[:, None]) * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
-        else:
+            parts = part_ptr + rm[:, None] * N + rn[None, :]
+            tl.store(parts + sl * M * N, acc, mask=out_mask)
+            tl.debug_barrier()  # every thread's partials stored before the (one-thread) release below
+            tile = tl.program_id(2) * tl.num_programs(0) + pid
+            last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == num_splits - 1
+            if last:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(0, num_splits):  # from L2 (.cg): another SM's writes, never a stale L1 line
+                    acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(count_ptr + tile, 0)
+        if last:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            out = acc.to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _e4m3_bf16(byte):
-        """float8_e4m3fn bytes -> bfloat16, exact (NaN aside), on the integer and bf16 pipes: each byte moved to
-        the high byte of a 16-bit half, its exponent and mantissa shifted to bfloat16's low exponent bits (sign
-        kept), then the half times 2 ** 120 (bfloat16's exponent bias less e4m3's; e4m3's subnormals land on
-        bfloat16's, exact there too). Triton's own conversion goes through float16 and a float16 -> bfloat16
-        convert a weight, and Hopper converts types at 16 a clock per SM: 2.5 TB/s of FP8 weights at most on an
-        H100, below its memory's 3. Four bytes ($2) make two registers of two halves."""
-        return tl.inline_asm_elementwise("""
-            {
-            .reg .b32 a, b, c;
-            mov.b32 c, 0x7B807B80;
-            prmt.b32 a, $2, 0, 0x1404;
-            prmt.b32 b, $2, 0, 0x3424;
-            shr.b32 $0, a, 4;
-            and.b32 $0, $0, 0x07F007F0;
-            and.b32 a, a, 0x80008000;
-            or.b32 $0, $0, a;
-            mul.rn.bf16x2 $0, $0, c;
-            shr.b32 $1, b, 4;
-            and.b32 $1, $1, 0x07F007F0;
-            and.b32 b, b, 0x80008000;
-            or.b32 $1, $1, b;
-            mul.rn.bf16x2 $1, $1, c;
-            }
-            """, "=r,=r,r", [byte], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-    @triton.jit
-    def _sum_slices_kernel(part_ptr, b_ptr, out_ptr, M, N, S, stride_om, HAS_BIAS: tl.constexpr,
-                           BLOCK: tl.constexpr):
-        """out[m, n] = sum over the slices (in order) of part[s, m, n], plus the bias, in out's dtype."""
-        m = tl.program_id(0)
-        rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        n_ok = rn < N
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(0, S):
-            acc += tl.load(part_ptr + (s * M + m) * N + rn, mask=n_ok, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _block_k(group_k: int, groups: int, most: int = 128) -> int:
@@ -132,7 +105,8 @@ def fp8_linear_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
                       ) -> torch.Tensor:
     """x [M, K] (M <= FEW_ROWS; bf16, fp16 or float32), weight [N, K] float8_e4m3fn, scale [N, G] float32 ->
     [M, N] in x's dtype, through the Triton kernel. num_splits: slices of K (None: enough for about TILES's
-    programs), their partial sums added in order by a second kernel. tiles: TILES's keys to override."""
+    programs), their partial sums added in order by the program that finishes last, in the same launch. tiles:
+    TILES's keys to override."""
     m, k = x.shape
     n = weight.shape[0]
     if m > FEW_ROWS:
@@ -150,22 +124,21 @@ def fp8_linear_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     m_blocks = triton.cdiv(m, block_m)
     splits = num_splits or max(1, min(steps, cfg["programs"] // (n_tiles * m_blocks)))
     k_slice = triton.cdiv(steps, splits) * block_k  # whole steps a slice: a step never straddles two
+    splits = triton.cdiv(k, k_slice)  # none empty
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    counts = arrival_counters(x.device, n_tiles * m_blocks) if splits > 1 else out
     # Launched the ordinary way, not as a programmatic dependent: with dependent launch a Qwen3-8B FP8 step measured
     # 1.6% faster at batch 1 and 5% slower at batch 8 on an H100 (benchmarks/RESULTS.md).
     _fp8_linear_kernel[(n_tiles, splits, m_blocks)](
-        x, weight.view(torch.uint8), scale, bias if bias is not None else scale, part, m, n, k, groups, group_k,
-        k_slice, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits > 1,
+        x, weight.view(torch.uint8), scale, bias if bias is not None else scale, out, part, counts, m, n, k, groups,
+        group_k, k_slice, splits, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits > 1,
         W_PTX=bool(cfg["ptx"]) and x.dtype == torch.bfloat16 and x.is_cuda and not interpreting(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         # float32 activations: products in IEEE float32, as the reference's matmul (tl.dot would round them to TF32);
         # the 16-bit types are exact in either.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    if splits > 1:
-        _sum_slices_kernel[(m, triton.cdiv(n, 256))](part, bias if bias is not None else part, out, m, n, splits,
-                                                     out.stride(0), HAS_BIAS=bias is not None, BLOCK=256)
     return out
 
 

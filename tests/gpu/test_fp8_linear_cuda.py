@@ -22,15 +22,15 @@ def test_fp8_scaled_mm_matches_reference_on_cuda():
 
 
 def test_e4m3_to_bf16_conversion_is_exact_on_cuda():
-    """The kernel's own FP8 -> bfloat16 conversion (fp8_linear._e4m3_bf16, bit operations and a bf16 multiply)
+    """The kernel's own FP8 -> bfloat16 conversion (engine/kernels/e4m3.py: bit operations and a bf16 multiply)
     against torch's for every byte but the two NaNs, subnormals and zeros of both signs included: bit for bit."""
     from engine.kernels.triton_compat import tl, triton
-    from engine.quantization import fp8_linear
+    from engine.kernels.e4m3 import e4m3_to_bf16
 
     @triton.jit
     def convert(src, dst, n, BLOCK: tl.constexpr):
         i = tl.arange(0, BLOCK)
-        tl.store(dst + i, fp8_linear._e4m3_bf16(tl.load(src + i, mask=i < n, other=0)), mask=i < n)
+        tl.store(dst + i, e4m3_to_bf16(tl.load(src + i, mask=i < n, other=0)), mask=i < n)
 
     codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8, device="cuda")
     out = torch.empty(codes.numel(), dtype=torch.bfloat16, device="cuda")
