@@ -5,9 +5,9 @@ row (compressed-tensors FP8).
 
     python benchmarks/gpu_fp8.py --shape qwen3-8b --rows 1,8 --out fp8.json
 
---kernel folded times the folded few-row products (engine/kernels/small_m/linear.py, the FMA form at 1-4 rows) on
-the same FP8 weights instead: linear_add (the product and a residual add) at fp8_tiles' tiling first, then a sweep of
-FMA tilings (K tiles within the 128-column scale groups for block scales, K split or not).
+--kernel folded times the folded few-row products (engine/kernels/small_m/linear.py, the tl.dot form) on the same FP8
+weights instead: linear_add (the product and a residual add, K split in one launch) at fp8_tiles' tiling first, then
+a sweep of tilings. --no-sweep times the default tiling alone.
 
 Per product and row count: enough copies of the weight that one is out of L2 when its turn comes (as in a real
 step), each called once in a CUDA graph whose replays are timed; the default tiling (fp8_linear.TILES) first, then
@@ -43,11 +43,12 @@ def products(cfg) -> dict[str, tuple[int, int]]:  # noqa: ANN001 - a transformer
 
 
 def folded_tilings(m: int, block: bool) -> list[dict]:
-    """FMA-form tilings of the folded products at m rows (1-4)."""
-    widths = (64, 128) if block else (256, 512, 1024, 2048)
-    return [dict(USE_DOT=False, BLOCK_M=1 << (m - 1).bit_length(), BLOCK_N=n, BLOCK_K=k, num_warps=w, SPLIT_K=sp)
-            for n, k, w, sp in itertools.product((4, 8, 16, 32, 64, 128), widths, (4, 8), (1, 2, 4, 8))
-            if 64 * 32 <= n * k * m <= 64 * 32 * w * 2]
+    """tl.dot-form tilings of the folded products at m rows (fp8_tiles' form): K tiles within the 128-column scale
+    groups for block scales, K split or not."""
+    widths = (64, 128) if block else (128, 256)
+    return [dict(USE_DOT=True, BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=n, BLOCK_K=k, num_warps=w,
+                 num_stages=st, SPLIT_K=sp)
+            for n, k, w, st, sp in itertools.product((32, 64), widths, (4,), (2, 3, 4), (1, 2, 4, 8))]
 
 
 def caller(x: torch.Tensor, weights: list, group_k: int, tiles: dict | None, folded: bool = False
@@ -69,6 +70,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--scales", default="block,row", help="block: 128 x 128 scale blocks; row: a scale a row")
     ap.add_argument("--kernel", default="standalone", choices=("standalone", "folded"))
+    ap.add_argument("--no-sweep", action="store_true", help="the default tiling only")
     ap.add_argument("--out")
     args = ap.parse_args()
     folded = args.kernel == "folded"
@@ -94,7 +96,8 @@ def main() -> None:
                 ref = fp8_linear.fp8_linear_ref(x.float(), q, s, group)
                 best = None
                 default_tiles = None if folded else fp8_linear.TILES
-                for tiles in [default_tiles] + (folded_tilings(m, bool(block)) if folded else grid):
+                sweep = [] if args.no_sweep else folded_tilings(m, bool(block)) if folded else grid
+                for tiles in [default_tiles] + sweep:
                     call = caller(x, weights, group, tiles, folded)
                     try:
                         out = call(0)

@@ -5,6 +5,7 @@ kernels and the FP8 product spend issue slots (benchmarks/RESULTS.md, 2026-12-07
 
     python benchmarks/kernel_sass.py moe_gate_up --tiles 16,256,4
     python benchmarks/kernel_sass.py fp8 --tiles 32,128,4 --ptx 0
+    python benchmarks/kernel_sass.py small_m_fp8 --tiles 32,128,4
 
 Integer arguments that a launch sees divisible by 16 (strides, sizes) are declared so, as Triton's launcher
 specializes them: without it the loads would not vectorize here while they do on the GPU."""
@@ -25,6 +26,7 @@ from triton.compiler import ASTSource
 
 from engine.kernels.moe import grouped as moe_grouped
 from engine.kernels.moe import small_m as moe_small_m
+from engine.kernels.small_m import linear as small_m_linear
 from engine.quantization import fp8_linear
 
 
@@ -39,8 +41,15 @@ def _kernels(block_n: int, block_k: int, ptx: bool, stages: int = 1) -> dict[str
                    top_k="i32", hidden="i32", inter="i32", alpha="fp32", limit="fp32",
                    **dict.fromkeys("stride_xt stride_we stride_wr blocks_e blocks_r scales_e scales_r stride_be"
                                    .split(), "i32"))
-    fp8 = dict(zip("x_ptr w_ptr s_ptr b_ptr out_ptr".split(), ["*bf16", "*u8", "*fp32", "*fp32", "*fp32"]),
-               **dict.fromkeys("M N K G group_k k_slice stride_xm stride_wn stride_sn stride_om".split(), "i32"))
+    ptrs = "x res res_out nw w s b add out part count ss_in ss_out".split()
+    small_m = dict(zip([f"{p}_ptr" for p in ptrs], ["*bf16"] * 4 + ["*u8", "*fp32", "*bf16", "*bf16", "*bf16", "*fp32",
+                                                                   "*i32", "*fp32", "*fp32"]),
+                   **dict.fromkeys("M N K K_SPLIT NUM_SPLITS SS_TILES stride_x stride_r stride_ro stride_w stride_s "
+                                   "stride_a stride_o".split(), "i32"), eps="fp32", offset="fp32")
+    fp8 = dict(zip("x_ptr w_ptr s_ptr b_ptr out_ptr part_ptr count_ptr".split(),
+                   ["*bf16", "*u8", "*fp32", "*fp32", "*bf16", "*fp32", "*i32"]),
+               **dict.fromkeys("M N K G group_k k_slice num_splits stride_xm stride_wn stride_sn stride_om".split(),
+                               "i32"))
     return {
         "moe_gate_up": (moe_small_m._gate_up_kernel, gate_up,
                         {"hidden", "inter", "k_slice", "stride_xt", "blocks_e", "blocks_r", "scales_e"},
@@ -52,6 +61,12 @@ def _kernels(block_n: int, block_k: int, ptx: bool, stages: int = 1) -> dict[str
                                 dict(PACKED=True, HAS_BIAS=True, OAI=True, GROUP_M=16, BLOCK_N=block_n,
                                      BLOCK_K=block_k, PTX=ptx, DTYPE=tl.bfloat16, PRECISION="tf32", USE_PDL=False),
                                 2 * block_n * block_k),
+        "small_m_fp8": (small_m_linear._small_m_linear_kernel, small_m,
+                        {"N", "K", "K_SPLIT", "stride_x", "stride_w", "stride_a", "stride_o"},
+                        dict(W_SCALE=2, GROUP_K=128, W_PTX=ptx, PROLOGUE=0, HAS_RES=False, HAS_OFFSET=False,
+                             GELU_TANH=False, HAS_BIAS=False, HAS_ADD=True, USE_DOT=True, DOT_IEEE=False,
+                             ROW_LOOP=False, USE_PDL=True, SPLIT=True, GLU=False, SS_IN=False, SS_OUT=False,
+                             SS_BLOCK=1, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k), block_n * block_k),
         "fp8": (fp8_linear._fp8_linear_kernel, fp8,
                 {"N", "K", "k_slice", "stride_xm", "stride_wn", "stride_om", "group_k"},
                 dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32", SPLIT=True,

@@ -35,10 +35,11 @@ def check_small_m_fp8(device: str, dtype: torch.dtype, rows: tuple[int, ...] = (
                       shapes: tuple[tuple[int, int], ...] = ((96, 40),), config: dict | None = None,
                       blocks: tuple[tuple[int, int] | None, ...] = (None, (16, 32))) -> None:
     """Each wrapper on an FP8 weight (a scale a row, and 16 x 32 blocks whose groups the K tiles must not straddle)
-    against its reference on the weight dequantized to the activations' dtype: one row (FMA form), two (the row
-    loop), three (tl.dot at few rows) and 5 and 17 (the split-K tl.dot form, and the gated epilogue); K 96 spans
-    three groups, N 40 leaves a partial column tile. Tolerance: one rounding of the output in `dtype` (the FMA forms
-    multiply the unrounded dequantized weight, the reference rounds it to `dtype` first)."""
+    against its reference on the weight dequantized to the activations' dtype: at fp8_tiles' tl.dot form (each K
+    tile's product times its group's scales, K split where the column tiles are few) or at `config`, at 1-3 rows and
+    at 5 and 17 (the wide path's forms, and the gated epilogue); K 96 spans three groups, N 40 leaves a partial
+    column tile. Tolerance: one rounding of the output in `dtype` (the kernel scales the exact FP8 values' products,
+    the reference rounds the dequantized weight to `dtype` first)."""
     g = torch.Generator().manual_seed(0)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
 
@@ -81,11 +82,14 @@ def test_small_m_fp8_matches_references(dtype):
 
 @interpreted
 def test_small_m_fp8_tiles_and_refusals(monkeypatch):
-    """The FMA form with K split (fp8_tiles splits where the narrowed K tile leaves too few column tiles) against
-    the reference; the tiles fp8_tiles picks keep K tiles within a scale group; and what the products refuse,
-    named: scales of the wrong shape or dtype, groups the kernel cannot step through, a K tile straddling groups."""
+    """The FMA form with K split and the row loop (reachable through an explicit config) against the reference;
+    the tiles fp8_tiles picks keep K tiles within a scale group and split K only into several ranges; and what the
+    products refuse, named: scales of the wrong shape or dtype, groups the kernel cannot step through, a K tile
+    straddling groups."""
     check_small_m_fp8("cpu", torch.float32, rows=(1, 3), config=dict(USE_DOT=False, BLOCK_M=4, BLOCK_N=8,
                                                                        BLOCK_K=32, SPLIT_K=3, num_warps=4))
+    check_small_m_fp8("cpu", torch.float32, rows=(2,), config=dict(USE_DOT=False, ROW_LOOP=True, BLOCK_M=2,
+                                                                     BLOCK_N=8, BLOCK_K=32, num_warps=4))
     for m in (1, 2, 4, 5, 64):
         for n, k in ((6144, 4096), (4096, 12288), (1024, 1024)):
             cfg = small_m_tiles.fp8_tiles(m, n, k, 128, torch.device("cpu"))
@@ -106,8 +110,8 @@ def test_small_m_fp8_tiles_and_refusals(monkeypatch):
 @interpreted
 def test_greedy_through_small_m_fp8_equals_hf(tmp_path):
     """A 2-layer Qwen3 (q/k norms) in block FP8 with a draft of its own shape in per-channel FP8: the draft's steps
-    (two requests: the row loop) and verifies of k + 1 = 4 rows a request (tl.dot) through the folded FP8 products,
-    float32: token for token HF's greedy output on the target's dequantized weights."""
+    (two requests) and verifies of k + 1 = 4 rows a request through the folded FP8 products (the wide path's tl.dot
+    forms), float32: token for token HF's greedy output on the target's dequantized weights."""
     from conftest import TINY_CONFIGS, hf_greedy, make_tiny_model, random_prompts
     from fp8_checkpoints import write_fp8_checkpoint
     from transformers import Qwen3Config
@@ -131,7 +135,9 @@ def test_greedy_through_small_m_fp8_equals_hf(tmp_path):
         llm = LLM(str(tmp_path / "fp8"), draft_model=draft.path, draft_quantization="fp8", num_speculative_tokens=3,
                   attention_backend="triton", device="cpu", block_size=4, num_kv_blocks=100, max_num_seqs=2,
                   small_m_rows=16, adaptive_draft_length=False)
-        assert llm.executor.target.model.model.layers[0].small_m_rows == 16
+        layer = llm.executor.target.model.model.layers[0]
+        # FP8 products are tl.dot forms at every row count: the layers take the wide path from one row, to 64 rows
+        assert layer.small_m_rows == 16 and layer.dot_products and layer.wide_rows == sml.MAX_ROWS
         prompts = random_prompts([5, 9], seed=4)
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     finally:

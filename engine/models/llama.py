@@ -81,6 +81,10 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         # Rows past FMA_MAX_ROWS up to which the layer takes the wide path whatever small_m_rows: where this GPU
         # measured that path faster for the layer's shape (small_m_tiles.WIDE_LAYERS_MEASURED); the runner sets it.
         self.wide_rows = 0
+        # Whether the layer's products take the tl.dot forms at every row count (FP8 weights: small_m_tiles.fp8_tiles),
+        # so that it takes the wide path from one row: the DOT form's narrow K tiles would make every program of a
+        # norm's product walk the whole row for its statistics, which the wide path's products write instead.
+        self.dot_products = False
 
     def product_shapes(self) -> tuple[tuple[int, int], ...]:
         """(N, K) of qkv, o_proj, gate_up and down: the key of the layer's measured tilings."""
@@ -92,7 +96,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         """x: this layer's input before the residual add (the previous layer's MLP output, or the embeddings
         with residual None). Returns (MLP output, residual stream): the add lands in the next norm's kernel. On the
         wide few-row path (5-64 rows) the layer returns (residual stream, RowSquares): the add done already."""
-        if x.shape[0] > FMA_MAX_ROWS and takes_rows(x, self.wide_rows):
+        if (x.shape[0] > FMA_MAX_ROWS or self.dot_products) and takes_rows(x, self.wide_rows):
             return self._forward_wide(positions, x, residual, md)
         if takes_rows(x, self.small_m_rows):
             if x.shape[0] > FMA_MAX_ROWS and self.mlp.act_name in ACTIVATIONS:

@@ -9,7 +9,7 @@ import torch
 
 from engine.config import EngineConfig, graph_batch_sizes, mixed_graph_token_sizes, resolve_attention_backend
 from engine.kernels.activation import ACTIVATIONS
-from engine.kernels.small_m.linear import rows_limit
+from engine.kernels.small_m.linear import MAX_ROWS, rows_limit
 from engine.kernels.small_m.tiles import folds_fp8, wide_layer_rows
 from engine.kv_cache.spec import AttentionSpec, KVCacheGroupSpec, group_layers
 from engine.model_config import ModelConfig
@@ -125,20 +125,21 @@ class ModelRunner:
         wide layer takes past that cap where this GPU measured its wide path faster (`wide_layer_rows`). Not under
         tensor parallelism: a row-parallel product's partial sums must be all-reduced before the residual add that
         the kernel would fold into it."""
-        # FP8 weights fold as the model's dtype does (the kernels read them as bytes and scale them) where that was
-        # measured faster (small_m_tiles.folds_fp8); the wide layers' rows were measured in 16-bit weights, so an FP8
-        # model's stop at the cap.
+        # FP8 weights fold where that was measured faster (small_m_tiles.folds_fp8): the kernels read them as bytes
+        # and take the tl.dot forms at every row count, as fast at 64 rows as at one (the weight read once), so a layer
+        # that can takes the wide path at every row count up to MAX_ROWS, whatever the cap.
         quantized = is_quantized(self.model)
         on = (rows > 0 and get_tp_group().size == 1
               and (not quantized or (folds_quantized(self.model) and folds_fp8(self.device))))
         rows = rows_limit(rows, self.model_config.hidden_size) if on else 0
-        wide = on and not quantized
         for module in self.model.modules():
             if hasattr(module, "small_m_rows"):
                 module.small_m_rows = rows
             if hasattr(module, "wide_rows") and module.mlp.act_name in ACTIVATIONS:
+                module.dot_products = on and quantized
                 # past the cap: a wide layer's verify rows where this GPU measured its wide path faster
-                module.wide_rows = wide_layer_rows(module.product_shapes(), self.device) if wide else 0
+                module.wide_rows = (MAX_ROWS if module.dot_products else
+                                    wide_layer_rows(module.product_shapes(), self.device) if on else 0)
 
     def _build_persistent_decoder(self, rows: int) -> None:
         """Give the model its persistent decoder (engine/kernels/persistent/plan.py) where EngineConfig asks for one

@@ -51,7 +51,7 @@ import torch
 from engine.kernels.activation import ACTIVATIONS
 from engine.kernels.rms_norm import use_fused_kernels
 from engine.kernels.small_m.arrival_counters import arrival_counters
-from engine.kernels.small_m.parts import accumulate_pair, store_output, weight_tile
+from engine.kernels.small_m.parts import accumulate_pair, group_scale, store_output, weight_tile
 from engine.kernels.small_m.reference import (
     PROLOGUE_ACT,
     PROLOGUE_NONE,
@@ -63,7 +63,7 @@ from engine.kernels.small_m.reference import (
     unfused_product,
 )
 from engine.kernels.small_m.tiles import FMA_MAX_ROWS, fit_stages, fp8_tiles, split_k_range, tiles_for
-from engine.kernels.triton_compat import launch, require_triton, tl, triton, wait_for_previous_kernel
+from engine.kernels.triton_compat import interpreting, launch, require_triton, tl, triton, wait_for_previous_kernel
 
 __all__ = ["FMA_MAX_ROWS", "MAX_ROWS", "takes_rows", "rows_limit", "norm_linear", "norm_linear_ref", "act_linear",
            "act_linear_ref", "linear_add", "linear_add_ref", "linear_add_ss", "linear_add_ss_ref", "RowSquares"]
@@ -74,14 +74,15 @@ MAX_ROWS = 64  # rows the kernel takes (split-K DOT form beyond 4); larger batch
 @triton.jit
 def _small_m_linear_kernel(
         x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, add_ptr, out_ptr, part_ptr, count_ptr, ss_in_ptr,
-        ss_out_ptr, M, N, K, K_SPLIT, NUM_SPLITS, SS_TILES, stride_x, stride_r, stride_ro, stride_w, stride_s, group_k,
+        ss_out_ptr, M, N, K, K_SPLIT, NUM_SPLITS, SS_TILES, stride_x, stride_r, stride_ro, stride_w, stride_s,
         stride_a, stride_o, eps, offset,
-        W_SCALE: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr,
+        W_SCALE: tl.constexpr, GROUP_K: tl.constexpr, W_PTX: tl.constexpr, PROLOGUE: tl.constexpr,
+        HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr,
         GELU_TANH: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
         ROW_LOOP: tl.constexpr, USE_PDL: tl.constexpr, SPLIT: tl.constexpr, GLU: tl.constexpr, SS_IN: tl.constexpr,
         SS_OUT: tl.constexpr, SS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr):
+        BLOCK_K: tl.constexpr, STATS_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     m_mask = rows < M
@@ -98,7 +99,7 @@ def _small_m_linear_kernel(
         first = (pid == 0) & (tl.program_id(1) == 0)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     w_up_rows = w_rows + N * stride_w  # GLU: the up half's rows, N below the gate's
-    # FP8 weights (W_SCALE 1: a scale a row, 2: a scale a row and group of group_k columns): the scales' rows
+    # FP8 weights (W_SCALE 1: a scale a row, 2: a scale a row and group of GROUP_K columns): the scales' rows
     s_rows = s_ptr + cols * stride_s
     s_up_rows = s_rows + N * stride_s
     kk = k_lo + offs_k
@@ -108,11 +109,14 @@ def _small_m_linear_kernel(
     # following it (at one row most programs own one or two tiles). Everything else this kernel reads or writes (the
     # split-K partials and counters included) comes after the wait.
     w_mask = n_mask[:, None] & k_mask[None, :]
-    w = weight_tile(w_rows, s_rows, kk, k_lo, group_k, w_mask, n_mask, x_ptr.dtype.element_ty, W_SCALE, USE_DOT)
-    w_up = w
+    w = weight_tile(w_rows, s_rows, kk, k_lo, GROUP_K, w_mask, n_mask, x_ptr.dtype.element_ty, W_SCALE, USE_DOT,
+                    W_PTX)
+    ws = group_scale(s_rows, k_lo, GROUP_K, n_mask, W_SCALE, USE_DOT)
+    w_up, ws_up = w, ws
     if GLU:
-        w_up = weight_tile(w_up_rows, s_up_rows, kk, k_lo, group_k, w_mask, n_mask, x_ptr.dtype.element_ty, W_SCALE,
-                           USE_DOT)
+        w_up = weight_tile(w_up_rows, s_up_rows, kk, k_lo, GROUP_K, w_mask, n_mask, x_ptr.dtype.element_ty, W_SCALE,
+                           USE_DOT, W_PTX)
+        ws_up = group_scale(s_up_rows, k_lo, GROUP_K, n_mask, W_SCALE, USE_DOT)
     wait_for_previous_kernel(USE_PDL)  # see triton_compat (programmatic dependent launch)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1 and SS_IN:
@@ -125,10 +129,12 @@ def _small_m_linear_kernel(
     elif PROLOGUE == 1:
         # Row statistics of the norm's input, over the whole K whatever the split: every program computes them (the
         # rows are a few KB, in L2); the first also writes the residual sum out, so each element is written once.
+        # STATS_K columns a trip (the DOT form's K tile is narrow: 32 trips of an L2 round trip each over a K of 4096
+        # at 128 columns, before the first product).
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         k_written = tl.where(first, K, 0)  # columns the residual sum is stored for: all in the first program only
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + offs_k
+        for k0 in range(0, K, STATS_K):
+            ks = k0 + tl.arange(0, STATS_K)
             ks_mask = ks < K
             mask = m_mask[:, None] & ks_mask[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=mask, other=0.0)
@@ -144,20 +150,24 @@ def _small_m_linear_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = acc
-    acc, acc_up = accumulate_pair(acc, acc_up, w, w_up, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask,
+    scaled = USE_DOT and W_SCALE == 2
+    acc, acc_up = accumulate_pair(acc, acc_up, w, w_up, ws, ws_up, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask,
                                    stride_x, stride_r, K, rstd, offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH,
-                                   USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M, GLU)
+                                   USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M, GLU, scaled)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k_hi
         w_mask = n_mask[:, None] & k_mask[None, :]
-        w = weight_tile(w_rows, s_rows, kk, k0, group_k, w_mask, n_mask, x_ptr.dtype.element_ty, W_SCALE, USE_DOT)
+        w = weight_tile(w_rows, s_rows, kk, k0, GROUP_K, w_mask, n_mask, x_ptr.dtype.element_ty, W_SCALE, USE_DOT,
+                        W_PTX)
+        ws = group_scale(s_rows, k0, GROUP_K, n_mask, W_SCALE, USE_DOT)
         if GLU:
-            w_up = weight_tile(w_up_rows, s_up_rows, kk, k0, group_k, w_mask, n_mask, x_ptr.dtype.element_ty, W_SCALE,
-                               USE_DOT)
-        acc, acc_up = accumulate_pair(acc, acc_up, w, w_up, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask,
-                                       stride_x, stride_r, K, rstd, offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH,
-                                       USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M, GLU)
+            w_up = weight_tile(w_up_rows, s_up_rows, kk, k0, GROUP_K, w_mask, n_mask, x_ptr.dtype.element_ty, W_SCALE,
+                               USE_DOT, W_PTX)
+            ws_up = group_scale(s_up_rows, k0, GROUP_K, n_mask, W_SCALE, USE_DOT)
+        acc, acc_up = accumulate_pair(acc, acc_up, w, w_up, ws, ws_up, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask,
+                                       k_mask, stride_x, stride_r, K, rstd, offset, PROLOGUE, HAS_RES, HAS_OFFSET,
+                                       GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M, GLU, scaled)
     if not USE_DOT and not ROW_LOOP:
         acc = tl.sum(acc, axis=2)
     if not SPLIT:
@@ -226,6 +236,14 @@ def fp8_scaling(weight: torch.Tensor, scale: torch.Tensor, group_k: int, k: int)
     return 2
 
 
+def _stats_k(cfg: dict, k: int) -> int:
+    """Columns a trip of the norm's row statistics over K: the K tile, widened in the DOT form to about 8192
+    elements a trip (its 16-64-row tile and 64-256-column K tile would take dozens of trips over a wide row)."""
+    if not cfg["USE_DOT"]:
+        return cfg["BLOCK_K"]
+    return max(cfg["BLOCK_K"], min(triton.next_power_of_2(k), 8192 // cfg["BLOCK_M"]))
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int, k: int,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             offset: float = 0.0, act: str = "silu", add: torch.Tensor | None = None, config: dict | None = None,
@@ -258,7 +276,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         # FP8: tiles of their own (the tables were measured in 16-bit weights and may say CUBLAS). Otherwise an
         # explicit config (tests, sweeps) overrides the rule's tiles, not this GPU model's exceptions: it asks for
         # the kernel, unless it is CUBLAS itself. The gated epilogue takes no split.
-        tiles = (fp8_tiles(m, weight.shape[0], k, group_k if w_scale == 2 else 0, x.device) if w_scale
+        tiles = (fp8_tiles(m, weight.shape[0], k, group_k if w_scale == 2 else 0, x.device, glu) if w_scale
                  else {"SPLIT_K": 1, **tiles_for(m, weight.shape[0], k, x.device, measured=config is None)})
         cfg = {"ROW_LOOP": False, **tiles, **({"SPLIT_K": 1} if glu else {}), **(config or {})}
     if m and config is None:
@@ -292,12 +310,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
                ss if ss is not None else out,
                m, n, k, k_split, splits, ss_tiles, x.stride(0), residual.stride(0) if residual is not None else 0,
                res_out.stride(0) if res_out is not None else 0, weight.stride(0),
-               scale.stride(0) if scale is not None else 0, max(group_k, 1), add.stride(0) if add is not None else 0,
-               out.stride(0), eps, offset, W_SCALE=w_scale, PROLOGUE=prologue, HAS_RES=residual is not None,
+               scale.stride(0) if scale is not None else 0, add.stride(0) if add is not None else 0,
+               out.stride(0), eps, offset, W_SCALE=w_scale, GROUP_K=group_k if w_scale == 2 else 1,
+               W_PTX=bool(w_scale) and x.dtype == torch.bfloat16 and x.is_cuda and not interpreting(),
+               PROLOGUE=prologue, HAS_RES=residual is not None,
                HAS_OFFSET=bool(offset),
                GELU_TANH=act == "gelu_pytorch_tanh", HAS_BIAS=bias is not None, HAS_ADD=add is not None,
                DOT_IEEE=x.dtype == torch.float32, SPLIT=splits > 1, GLU=glu, SS_IN=ss_in is not None,
-               SS_OUT=ss_out, SS_BLOCK=triton.next_power_of_2(ss_tiles), **cfg)
+               SS_OUT=ss_out, SS_BLOCK=triton.next_power_of_2(ss_tiles), STATS_K=_stats_k(cfg, k), **cfg)
     return out, res_out, ss
 
 

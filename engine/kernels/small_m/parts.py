@@ -4,31 +4,49 @@ epilogues (bias, the gated activation, the residual add, the rows' sums of squar
 
 from __future__ import annotations
 
+from engine.kernels.e4m3 import e4m3_to_bf16
 from engine.kernels.triton_compat import tl, triton
 
-__all__ = ["accumulate_pair", "store_output", "weight_tile"]
+__all__ = ["accumulate_pair", "group_scale", "store_output", "weight_tile"]
 
 
 @triton.jit
-def weight_tile(w_rows, s_rows, kk, k0, group_k, w_mask, n_mask, x_dtype: tl.constexpr, W_SCALE: tl.constexpr,
-                USE_DOT: tl.constexpr):
+def weight_tile(w_rows, s_rows, kk, k0, GROUP_K: tl.constexpr, w_mask, n_mask, x_dtype: tl.constexpr,
+                W_SCALE: tl.constexpr, USE_DOT: tl.constexpr, W_PTX: tl.constexpr):
     """The weight tile [BLOCK_N, BLOCK_K] at columns kk (from k0), as the multiply-add takes it. W_SCALE 0: as
     stored, in the activations' dtype. FP8 (stored as bytes, read as float8_e4m3fn: one byte a weight, half the
-    bytes a step reads): converted exactly to float32; W_SCALE 2 multiplies each row by its scale of the column
-    group the tile lies in (the tile never straddles two: BLOCK_K divides group_k), W_SCALE 1 leaves the row's one
-    scale to the finished sum. The tl.dot form takes the tile in the activations' dtype: dequantized and rounded
-    there as the plain-torch reference dequantizes the whole weight."""
+    bytes a step reads), the tl.dot form: converted exactly to the activations' dtype (W_PTX: bfloat16 through
+    e4m3_to_bf16), unscaled; the tile's partial product takes the scales (group_scale, or the row's at the end).
+    The FMA forms: converted exactly to float32; W_SCALE 2 multiplies each row by its scale of the column group the
+    tile lies in (the tile never straddles two: BLOCK_K divides GROUP_K), W_SCALE 1 leaves the row's one scale to
+    the finished sum."""
     # if/else, not an early return: the compiler still builds what follows a return inside a constexpr branch,
     # and the FP8 conversion does not build for a 16-bit weight
     if W_SCALE == 0:
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+    elif USE_DOT:
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0)
+        if W_PTX:
+            w = e4m3_to_bf16(w)
+        else:
+            w = w.to(tl.float8e4nv, bitcast=True).to(x_dtype)
     else:
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if W_SCALE == 2:
-            w = w * tl.load(s_rows + k0 // group_k, mask=n_mask, other=0.0)[:, None]
-        if USE_DOT:
-            w = w.to(x_dtype)
+            w = w * tl.load(s_rows + k0 // GROUP_K, mask=n_mask, other=0.0)[:, None]
     return w
+
+
+@triton.jit
+def group_scale(s_rows, k0, GROUP_K: tl.constexpr, n_mask, W_SCALE: tl.constexpr, USE_DOT: tl.constexpr):
+    """The scales [BLOCK_N] of the column group the K tile at k0 lies in, for the tl.dot form's partial product of an
+    FP8 weight with a scale a group (W_SCALE 2); elsewhere 1 (the FMA forms scale the weight tile, a scale a row
+    multiplies the finished sum)."""
+    if USE_DOT and W_SCALE == 2:
+        s = tl.load(s_rows + k0 // GROUP_K, mask=n_mask, other=0.0)
+    else:
+        s = 1.0
+    return s
 
 
 @triton.jit
@@ -65,24 +83,30 @@ def _act(gate, GELU_TANH: tl.constexpr):
 
 
 @triton.jit
-def _multiply_add(acc, a, w, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr):
+def _multiply_add(acc, a, w, s, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr, SCALED: tl.constexpr):
     """acc + a @ w.T for an input tile a [BLOCK_M, BLOCK_K] and a weight tile w [BLOCK_N, BLOCK_K]: into acc
-    [BLOCK_M, BLOCK_N] with tl.dot, or into acc [BLOCK_M, BLOCK_N, BLOCK_K] (FMA form, summed over K at the end)."""
+    [BLOCK_M, BLOCK_N] with tl.dot (SCALED: the product times the weight rows' scales s [BLOCK_N]), or into acc
+    [BLOCK_M, BLOCK_N, BLOCK_K] (FMA form, summed over K at the end)."""
     if USE_DOT:
         if DOT_IEEE:
-            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            part = tl.dot(a, tl.trans(w), input_precision="ieee")
         else:
-            acc += tl.dot(a.to(w.dtype), tl.trans(w))
+            part = tl.dot(a.to(w.dtype), tl.trans(w))
+        if SCALED:
+            part = part * s[None, :]
+        acc += part
     else:
         acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     return acc
 
 
 @triton.jit
-def _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, inter, rstd, offset,
-                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr,
-                USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr, ROW_LOOP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """acc plus the product of the input's columns kk with the weight tile w [BLOCK_N, BLOCK_K]. ROW_LOOP: one row
+def _accumulate(acc, w, s, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, inter, rstd,
+                offset, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                GELU_TANH: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr, ROW_LOOP: tl.constexpr,
+                BLOCK_M: tl.constexpr, SCALED: tl.constexpr):
+    """acc plus the product of the input's columns kk with the weight tile w [BLOCK_N, BLOCK_K] (SCALED: times the
+    rows' scales s, group_scale's). ROW_LOOP: one row
     at a time into acc [BLOCK_M, BLOCK_N], each row's products summed over the tile at once, so the weight tile
     keeps its one-row size whatever the rows (the FMA form's accumulator grows with them)."""
     if ROW_LOOP:
@@ -97,7 +121,7 @@ def _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, str
     else:
         a = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, m_mask, k_mask, stride_x, stride_r, inter, rstd, offset,
                         PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH)
-        acc = _multiply_add(acc, a, w, USE_DOT, DOT_IEEE)
+        acc = _multiply_add(acc, a, w, s, USE_DOT, DOT_IEEE, SCALED)
     return acc
 
 
@@ -127,17 +151,19 @@ def store_output(acc, acc_up, b_ptr, add_ptr, out_ptr, ss_ptr, rows, cols, m_mas
 
 
 @triton.jit
-def accumulate_pair(acc, acc_up, w, w_up, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r,
-                     inter, rstd, offset, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                     GELU_TANH: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr, ROW_LOOP: tl.constexpr,
-                     BLOCK_M: tl.constexpr, GLU: tl.constexpr):
-    """_accumulate, and with GLU (DOT form) the same input tile into the gate's acc and the up's acc_up."""
+def accumulate_pair(acc, acc_up, w, w_up, s, s_up, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x,
+                     stride_r, inter, rstd, offset, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+                     HAS_OFFSET: tl.constexpr, GELU_TANH: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
+                     ROW_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, GLU: tl.constexpr, SCALED: tl.constexpr):
+    """_accumulate, and with GLU (DOT form) the same input tile into the gate's acc and the up's acc_up (SCALED:
+    each product times its weight rows' scales, s and s_up)."""
     if GLU:
         a = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, m_mask, k_mask, stride_x, stride_r, inter, rstd, offset,
                         PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH)
-        acc = _multiply_add(acc, a, w, USE_DOT, DOT_IEEE)
-        acc_up = _multiply_add(acc_up, a, w_up, USE_DOT, DOT_IEEE)
+        acc = _multiply_add(acc, a, w, s, USE_DOT, DOT_IEEE, SCALED)
+        acc_up = _multiply_add(acc_up, a, w_up, s_up, USE_DOT, DOT_IEEE, SCALED)
     else:
-        acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, inter,
-                          rstd, offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M)
+        acc = _accumulate(acc, w, s, x_ptr, res_ptr, nw_ptr, M, rows, kk, m_mask, k_mask, stride_x, stride_r, inter,
+                          rstd, offset, PROLOGUE, HAS_RES, HAS_OFFSET, GELU_TANH, USE_DOT, DOT_IEEE, ROW_LOOP, BLOCK_M,
+                          SCALED)
     return acc, acc_up

@@ -13,9 +13,8 @@ from engine.kernels.triton_compat import shared_memory as _shared_memory
 from engine.kernels.triton_compat import triton
 
 __all__ = ["FMA_MAX_ROWS", "CUBLAS", "FEW_ROWS_MEASURED", "DOT_MEASURED", "DOT_TILES", "DOT_PROGRAMS_PER_SM",
-           "WIDE_LAYERS_MEASURED", "FP8_FOLDED_MEASURED", "num_sms", "device_name", "tiles_for", "fp8_tiles",
-           "folds_fp8", "wide_layer_rows", "fit_stages",
-           "split_k_range"]
+           "WIDE_LAYERS_MEASURED", "FP8_FOLDED_MEASURED", "FP8_TILES", "num_sms", "device_name", "tiles_for",
+           "fp8_tiles", "folds_fp8", "wide_layer_rows", "fit_stages", "split_k_range"]
 
 FMA_MAX_ROWS = 4  # up to this many rows the FMA form or the row loop (or tl.dot, by shape); above it tl.dot
 
@@ -238,23 +237,34 @@ def wide_layer_rows(products: tuple[tuple[int, int], ...], device: torch.device)
     return WIDE_LAYERS_MEASURED.get(device_name(device), {}).get(tuple(products), 0)
 
 
-def fp8_tiles(m: int, n: int, k: int, group_k: int, device: torch.device) -> dict:
-    """Tiles of an FP8 weight's product (small_m_linear with an FP8 weight's scales): the rule's (the measured
-    tables were swept in 16-bit weights, and may send a shape to cuBLAS, which FP8 has not here). group_k: the scale
-    groups' width (0: a scale a row): a K tile lies within one group, so where the rule's is wider the tile narrows
-    to the group's largest power of two, the FMA form keeping the tile's elements in more output features; where
-    the column tiles are then fewer than DOT_PROGRAMS_PER_SM a SM, K is split (the last program to arrive sums)."""
-    cfg = {"SPLIT_K": 1, **(tiles_for(m, n, k, device, measured=False) if m <= FMA_MAX_ROWS
-                            else _dot_config(m, n, k, device, measured=False))}
-    most = group_k & -group_k
-    if group_k and cfg["BLOCK_K"] > most:
-        if not cfg["USE_DOT"]:
-            cfg["BLOCK_N"] = cfg["BLOCK_N"] * (cfg["BLOCK_K"] // most)
-        cfg["BLOCK_K"] = most
-        tiles, sms = triton.cdiv(n, cfg["BLOCK_N"]), num_sms(device)
-        if tiles < DOT_PROGRAMS_PER_SM * sms:
-            cfg["SPLIT_K"] = max(1, min(triton.cdiv(k, most), triton.cdiv(DOT_PROGRAMS_PER_SM * sms, tiles)))
-    return cfg
+# FP8 weights at every row count (1-64): the tl.dot form on a 16-64-row tile, each weight tile converted to the
+# activations' dtype and its partial product scaled (engine/kernels/small_m/parts.py). Swept on an H100 at one row
+# (`python3 benchmarks/gpu_fp8.py --kernel folded --rows 1 --scales block`, Qwen3-8B's four products in 128 x 128
+# blocks, benchmarks/RESULTS.md): 64 output features a program, K tiles of 128 (one scale group), 4 warps and 3
+# stages were the best or within 4% of it for every product, with K split to about FP8_PROGRAMS_PER_SM programs a SM
+# (qkv 4 ways, o_proj and down 8, gate_up none). The gated epilogue (glu) reads a gate and an up tile a step: 32
+# features of each, the bytes of one 64-wide tile. The FMA forms' float32 multiply-adds read an FP8 byte at twice
+# the instructions of a bf16 weight's two bytes ("FP8 weights in the folded few-row products"); they stay reachable
+# through an explicit config.
+FP8_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+FP8_PROGRAMS_PER_SM = 4
+
+
+def fp8_tiles(m: int, n: int, k: int, group_k: int, device: torch.device, glu: bool = False) -> dict:
+    """Tiles of an FP8 weight's product (small_m_linear with an FP8 weight's scales) at m rows: FP8_TILES on a row
+    tile of m padded to a power of two (at least 16, tl.dot's least), the K tile narrowed to the scale groups'
+    largest power of two (group_k; 0: a scale a row) and to K; K split, in a power of two of ranges, where the column
+    tiles are fewer than FP8_PROGRAMS_PER_SM a SM (the last program to arrive sums the splits); glu: a [2 I, K]
+    weight whose gate and up halves a program reads side by side (half the features of each, no split)."""
+    block_k = min(FP8_TILES["BLOCK_K"], max(16, triton.next_power_of_2(k)))
+    if group_k:
+        block_k = min(block_k, group_k & -group_k)
+    block_n = FP8_TILES["BLOCK_N"] // (2 if glu else 1)
+    tiles = triton.cdiv(n // (2 if glu else 1), block_n)
+    most = min(triton.cdiv(k, block_k), FP8_PROGRAMS_PER_SM * num_sms(device) // tiles)
+    split = 1 if glu or most < 2 else 1 << (most.bit_length() - 1)
+    return {**FP8_TILES, "USE_DOT": True, "BLOCK_M": max(16, triton.next_power_of_2(m)), "BLOCK_N": block_n,
+            "BLOCK_K": block_k, "SPLIT_K": split}
 
 
 def _dot_config(m: int, n: int, k: int, device: torch.device, measured: bool = True) -> dict:
