@@ -244,8 +244,8 @@ def main() -> None:
                     log.reset()
                 tps, decode, acc = tokens_per_s(llm, b, args.context, args.new_tokens, args.repeats, warmup, log,
                                                  phases)
-                print(f"k {k}, acceptance {rate}, batch {b}: decode step phases, median ms {phases.medians()}",
-                      flush=True)
+                print(f"k {k}, acceptance {rate}, batch {b}: {tps:.1f} tok/s ({tps / base[b][0]:.3f}x the target "
+                      f"alone); decode step phases, median ms {phases.medians()}", flush=True)
                 rows.append({"k": k, "rate": rate, "batch": b, "tok_s": tps, "speedup": tps / base[b][0],
                              "decode_tok_s": decode, "decode_speedup": decode / base[b][1],
                              "measured_acceptance": acc, "phases_ms": phases.medians(),

@@ -24,8 +24,8 @@ def test_fp8_scaled_mm_matches_reference_on_cuda():
 def test_e4m3_to_bf16_conversion_is_exact_on_cuda():
     """The kernel's own FP8 -> bfloat16 conversion (engine/kernels/e4m3.py: bit operations and a bf16 multiply)
     against torch's for every byte but the two NaNs, subnormals and zeros of both signs included: bit for bit."""
-    from engine.kernels.triton_compat import tl, triton
     from engine.kernels.e4m3 import e4m3_to_bf16
+    from engine.kernels.triton_compat import tl, triton
 
     @triton.jit
     def convert(src, dst, n, BLOCK: tl.constexpr):

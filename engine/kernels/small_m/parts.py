@@ -88,13 +88,16 @@ def _multiply_add(acc, a, w, s, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr, S
     [BLOCK_M, BLOCK_N] with tl.dot (SCALED: the product times the weight rows' scales s [BLOCK_N]), or into acc
     [BLOCK_M, BLOCK_N, BLOCK_K] (FMA form, summed over K at the end)."""
     if USE_DOT:
-        if DOT_IEEE:
-            part = tl.dot(a, tl.trans(w), input_precision="ieee")
-        else:
-            part = tl.dot(a.to(w.dtype), tl.trans(w))
-        if SCALED:
-            part = part * s[None, :]
-        acc += part
+        if SCALED:  # the tile's product alone, scaled, then added
+            if DOT_IEEE:
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee") * s[None, :]
+            else:
+                acc += tl.dot(a.to(w.dtype), tl.trans(w)) * s[None, :]
+        else:  # accumulated in the product itself (acc as the MMA's addend)
+            if DOT_IEEE:
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a.to(w.dtype), tl.trans(w))
     else:
         acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     return acc

@@ -217,12 +217,15 @@ WIDE_LAYERS_MEASURED: dict[str, dict[tuple[tuple[int, int], ...], int]] = {
 
 
 # GPU models on which an FP8 model's layers take the folded products (engine/kernels/small_m/linear.py reading the FP8
-# weights, tiles from fp8_tiles) where they measured faster than the FP8 kernel (engine/quantization/fp8_linear.py)
-# beside separate norm, activation and add kernels: `benchmarks/gpu_decode.py --shape qwen3-8b-fp8 --fp8-folded`
-# against the same without. None: on an H100 (2026-12-07, benchmarks/RESULTS.md "FP8 weights in the folded few-row
-# products") the Qwen3-8B block-FP8 step at batch 1 took 12.5 ms folded against 4.56 unfolded, the four products of
-# a layer at one row 139-284 us (block scales) and 89-93 (a scale a row) against the FP8 kernel's 96. So an FP8 model
-# keeps the FP8 kernel on a GPU; under Triton's interpreter (tests/test_small_m_fp8.py) its layers fold.
+# weights, tiles from fp8_tiles; a Llama-family layer through the wide path from one row) where they measured faster
+# than the FP8 kernel (engine/quantization/fp8_linear.py) beside separate norm, activation and add kernels:
+# `benchmarks/gpu_decode.py --shape qwen3-8b-fp8 --fp8-folded` against the same without. None yet. On an H100
+# (2026-12-07, benchmarks/RESULTS.md "FP8 products: the K split summed in the same launch") the four products of a
+# layer in the tl.dot form at fp8_tiles' tiling cost what the FP8 kernel's do (91.3 against 92.1 us at one row), but
+# the Qwen3-8B block-FP8 step at batch 1 took 9.93 ms folded against 4.47 unfolded: its layers then took the few-row
+# path, whose norm products walk the whole row for its statistics in every program. The wide path from one row, which
+# removes that walk, has not been measured on a GPU. Under Triton's interpreter (tests/test_small_m_fp8.py) the layers
+# fold.
 FP8_FOLDED_MEASURED: set[str] = set()
 
 
