@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.e4m3 import e4m3_to_bf16
-from engine.kernels.small_m.arrival_counters import arrival_counters
+from engine.kernels.small_m.arrival_counters import arrival_counters, sum_splits
+from engine.kernels.small_m.tiles import split_k_range
 from engine.kernels.triton_compat import HAS_TRITON, interpreting
 
 # Rows up to which a GPU forward runs the kernel for block scales; beyond, dequantize and matmul (a prefill's cost is
@@ -68,16 +69,8 @@ if HAS_TRITON:
         out_mask = m_ok[:, None] & n_ok[None, :]
         last = True
         if SPLIT:
-            parts = part_ptr + rm[:, None] * N + rn[None, :]
-            tl.store(parts + sl * M * N, acc, mask=out_mask)
-            tl.debug_barrier()  # every thread's partials stored before the (one-thread) release below
-            tile = tl.program_id(2) * tl.num_programs(0) + pid
-            last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == num_splits - 1
-            if last:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in range(0, num_splits):  # from L2 (.cg): another SM's writes, never a stale L1 line
-                    acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(count_ptr + tile, 0)
+            last, acc = sum_splits(acc, part_ptr, count_ptr, tl.program_id(2) * tl.num_programs(0) + pid, sl,
+                                   num_splits, rm[:, None] * N + rn[None, :], out_mask, M * N)
         if last:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -123,8 +116,7 @@ def fp8_linear_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
     m_blocks = triton.cdiv(m, block_m)
     splits = num_splits or max(1, min(steps, cfg["programs"] // (n_tiles * m_blocks)))
-    k_slice = triton.cdiv(steps, splits) * block_k  # whole steps a slice: a step never straddles two
-    splits = triton.cdiv(k, k_slice)  # none empty
+    splits, k_slice = split_k_range(k, block_k, splits)  # whole steps a slice (none straddles two), none empty
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     counts = arrival_counters(x.device, n_tiles * m_blocks) if splits > 1 else out
     # Launched the ordinary way, not as a programmatic dependent: with dependent launch a Qwen3-8B FP8 step measured

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.triton_compat import tl, triton
+
 MIN_COUNTERS = 4096  # the first buffer's size: output tiles of 16 features cover N up to 65536
 _buffers: dict[tuple[str, int | None, int], torch.Tensor] = {}
 _retired: list[torch.Tensor] = []  # grown-out buffers a captured graph may still address: never freed
@@ -46,3 +48,21 @@ def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
             size = max(MIN_COUNTERS, 2 * (old.numel() if old is not None else 0), tiles)
             _buffers[k] = torch.zeros(size, dtype=torch.int32, device=device)
     return _buffers[key]
+
+
+@triton.jit
+def sum_splits(acc, part_ptr, count_ptr, tile, split, num_splits, offs, mask, MN):
+    """A split-K program's meeting point: store its float32 partial sums acc at the workspace's slice `split` (offs:
+    their offsets within a [M, N] slice of MN elements; mask: the tile's valid ones) and arrive at `tile`'s counter.
+    Returns (whether this program arrived last, and there the slices' sum in slice order, whichever arrived last, so
+    that a result does not depend on the arrival order); the last sets the counter back to 0 for the next launch."""
+    parts = part_ptr + offs
+    tl.store(parts + split * MN, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partials stored before the (one-thread) release below
+    last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == num_splits - 1
+    if last:
+        acc = tl.zeros_like(acc)
+        for s in range(0, num_splits):  # from L2 (.cg): another SM's writes, never a stale L1 line
+            acc += tl.load(parts + s * MN, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + tile, 0)
+    return last, acc

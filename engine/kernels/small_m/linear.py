@@ -50,7 +50,7 @@ import torch
 
 from engine.kernels.activation import ACTIVATIONS
 from engine.kernels.rms_norm import use_fused_kernels
-from engine.kernels.small_m.arrival_counters import arrival_counters
+from engine.kernels.small_m.arrival_counters import arrival_counters, sum_splits
 from engine.kernels.small_m.parts import accumulate_pair, group_scale, store_output, weight_tile
 from engine.kernels.small_m.reference import (
     PROLOGUE_ACT,
@@ -179,22 +179,14 @@ def _small_m_linear_kernel(
                       stride_o, HAS_BIAS, HAS_ADD, GLU, GELU_TANH, SS_OUT)
     else:
         # Split K: the partial sums go to the workspace [NUM_SPLITS, M, N]; the program that arrives last at this
-        # column tile's counter sums them, in split order whichever arrived last (so a result does not depend on
-        # the arrival order), finishes the output and sets the counter back to 0 for the next launch.
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        parts = part_ptr + rows[:, None] * N + cols[None, :]
-        tl.store(parts + tl.program_id(1) * M * N, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partials stored before the (one-thread) release below
-        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in range(NUM_SPLITS):  # from L2 (.cg): another SM's writes, never a stale L1 line
-                acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+        # column tile's counter sums them in split order and finishes the output.
+        last, acc = sum_splits(acc, part_ptr, count_ptr, pid, tl.program_id(1), NUM_SPLITS,
+                               rows[:, None] * N + cols[None, :], m_mask[:, None] & n_mask[None, :], M * N)
+        if last:
             if W_SCALE == 1:
                 acc = acc * tl.load(s_rows, mask=n_mask, other=0.0)[None, :]
             store_output(acc, acc, b_ptr, add_ptr, out_ptr, ss_out_ptr, rows, cols, m_mask, n_mask, M, stride_a,
                           stride_o, HAS_BIAS, HAS_ADD, False, GELU_TANH, SS_OUT)
-            tl.atomic_xchg(count_ptr + pid, 0)
 
 
 @dataclass
