@@ -156,6 +156,42 @@ def test_an_unlucky_early_reading_of_a_deep_position_does_not_hold_k_down(seed, 
     assert got >= 0.96 * rates[K], (got / rates[K], [k for k, _ in ks[:60]])
 
 
+def test_a_probe_of_a_few_readings_is_priced_on_their_hopeful_side():
+    """A probe is priced at its expected loss on the hopeful side of k's acceptance (UNCERTAINTY standard deviations
+    up): the same low figure read from two verifies costs less to check than read from two hundred, so a bad start
+    (two rejections, k = 0 measuring nothing after) is checked soon, a settled loser rarely."""
+    from engine.speculation.draft_cost_model import Acceptance, BucketCosts
+
+    def cost(verifies: int) -> float:
+        rule = DraftLengthRule(K)
+        st = BucketCosts()
+        for _ in range(3):
+            st.observe(0, 1.0, None)
+            st.observe(1, 1.4, 0.4)
+        rule.acceptance = Acceptance()
+        for i in range(verifies):
+            rule.acceptance.record(1, 1 if i % 3 == 2 else 0)  # position 1 read at 0.33 either way
+        rule._rates = rule.rates(st)
+        return rule._probe_cost(st, 1)
+
+    few, many = cost(4), cost(200)
+    assert few < 0.5 * many, (few, many)
+
+
+def test_an_old_reading_of_a_position_no_longer_attempted_fades():
+    """Positions age at every verify, attempted or not: three rejections of the fourth draft, then k = 3 for a long
+    while (position 4 never attempted), and position 4 reads close to the position before it again."""
+    from engine.speculation.draft_cost_model import Acceptance
+    acc = Acceptance()
+    for _ in range(3):
+        acc.record(4, 3)  # positions 1-3 accepted, 4 rejected
+    assert acc.rates(4)[3] < 0.45
+    for i in range(600):
+        acc.record(3, 3 if i % 5 else 2)  # position 3 at 0.8, position 4 not attempted
+    rates = acc.rates(4)
+    assert abs(rates[3] - rates[2]) < 0.1, rates
+
+
 def test_probes_are_bounded():
     """A draft that accepts nothing and costs 3/4 of a target step: every probe of k > 0 is pure loss. The probes
     the credit buys lose at most PROBE_SHARE of the run's time (the last one may overdraw it by one probe); the
@@ -209,6 +245,42 @@ def test_probes_pay_for_the_drafts_catch_up():
     first = 2 * rule_mod.PROBE_STEPS * step_seconds(batch, K, draft) + 32 * batch * per_token * 4
     assert probe_time <= rule_mod.PROBE_SHARE * total + first, (probe_time / total)
     assert rule.steps_at_zero >= 0.9 * 4000
+
+
+def test_a_recheck_from_k_zero_is_paid_for():
+    """The rule leaves k = 3 for k = 0 when k = 3's steps slow down (here for good), and a k it leaves is measured
+    again later. From k = 0 that recheck costs the draft's catch-up on every token the batch missed: it is bought
+    from the credit like any probe, else dropped. Forced (as it once was), each leave cost a catch-up of 16 steps of
+    64 requests, 51 target steps' time here (two unpaid moves from k = 0, 5300 tokens of catch-up each, cost an
+    H200 Qwen3-8B + 0.6B batch of 64 about 10% of a run)."""
+    clock = Clock()
+    rule = DraftLengthRule(K, clock=clock)
+    batch, per_token, rng = 64, 0.05, random.Random(0)
+
+    def seconds(k: int, slow: bool) -> float:
+        return 1.0 if k == 0 else (1.2 if not slow else 4.0) + 0.1 * k
+
+    missed, left, lost = 0, False, 0.0
+    for i in range(1200):
+        slow = i >= 300
+        k = rule.choose(batch, missed)
+        paid = rule._probing and not rule._forced
+        left = left or (slow and k == 0 and not rule._probing)
+        rule.planned(i, k, timed=True)
+        dt = seconds(k, slow) + (missed * per_token if k else 0.0)
+        missed = missed + batch if k == 0 else 0
+        clock.t += dt
+        verifies = []
+        for r in range(batch):
+            n = 0
+            while n < k and rng.random() < 0.8:
+                n += 1
+            verifies.append((f"r{r}", k, n))
+        rule.observe(i, verifies if k else [], 0.1 * k if k else None)
+        if left and k and not paid:
+            lost += dt
+    assert rule.last_k == 0
+    assert lost == 0.0, lost  # past the leave, no step at k > 0 but those the credit bought
 
 
 def test_a_request_with_poor_acceptance_drafts_less():

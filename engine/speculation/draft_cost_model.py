@@ -17,8 +17,10 @@ Cost, per load bucket (the requests that want to run, by powers of two, as the s
   in k at a given batch.
 
 Gain: the acceptance at each draft position i, conditional on the drafts before it being accepted (a running,
-decayed count of attempts and accepts), over every request and per request. A request at k commits
-1 + sum_{i <= k} prod_{j <= i} a_j tokens on average (the accepted drafts and the bonus or recovered token).
+decayed count of attempts and accepts; every position ages at each step, attempted or not, so an old reading of a
+position only a probe reaches fades toward the position before it), over every request and per request. A request
+at k commits 1 + sum_{i <= k} prod_{j <= i} a_j tokens on average
+(the accepted drafts and the bonus or recovered token).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ SMOOTHING = 0.3  # weight of a new sample in a running mean (a draft forward's s
 # collection, a host stall) leaves it where it was. With five, three slow k = 0 steps of a gemma-3-1b + 270m batch
 # of 8 on an H200 (3.1, 3.1, 2.1 ms against 1.45) moved it, and the rule ran ten steps at k > 0 for them.
 RECENT_STEPS = 9
-DECAY = 0.995  # a position's counts shrink by this at each step that attempts it: the acceptance follows the text
+DECAY = 0.995  # every position's counts shrink by this at each step with drafts: the acceptance follows the text
 PRIOR_ACCEPTANCE = 0.5  # a position never attempted (and none before it either)
 PRIOR_ATTEMPTS = 2.0  # pseudo-attempts a position's estimate starts from, at the position before it's figure
 
@@ -171,10 +173,15 @@ class Acceptance:
         while len(self.attempts) < k:
             self.attempts.append(0.0)
             self.accepts.append(0.0)
-        d = DECAY if decay else 1.0
+        if decay:
+            # Every position ages, attempted or not: a deep position runs only in probes while a smaller k wins,
+            # and a few unlucky readings of it must fade back toward the position before it, not hold for ever.
+            for i in range(len(self.attempts)):
+                self.attempts[i] *= DECAY
+                self.accepts[i] *= DECAY
         for i in range(min(accepted + 1, k)):
-            self.attempts[i] = self.attempts[i] * d + 1.0
-            self.accepts[i] = self.accepts[i] * d + (1.0 if i < accepted else 0.0)
+            self.attempts[i] += 1.0
+            self.accepts[i] += 1.0 if i < accepted else 0.0
 
     def variances(self, k: int) -> list[float]:
         """The variance of each of a_1..a_k's estimates: a Beta posterior's over its decayed counts (uniform

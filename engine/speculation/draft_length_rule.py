@@ -21,9 +21,11 @@ every draft before it was accepted, so one unlucky early reading of it held a ba
 6-9% faster), then one never measured (the likeliest winner), then the one whose figure is oldest. At most one
 probe starts every MIN_PROBE_GAP steps of a bucket, and only while a credit covers its expected loss: the credit
 grows by PROBE_SHARE of every other step's time and pays each probe's real loss, its time less the time the best k
-takes to commit the same tokens (a catch-up after k = 0 is all loss). So probes cost about PROBE_SHARE of the
-throughput: a near tie's runner-up, which loses almost nothing, is probed as often as the gap allows, a draft that
-accepts nothing rarely (priced at their whole time, probes of k = 4 from k = 3 came every 140 steps at batch 1).
+takes to commit the same tokens (a catch-up after k = 0 is all loss), priced on the hopeful side of k's acceptance
+(UNCERTAINTY standard deviations up): a figure from a few unlucky verifies is cheap to check, a settled one is not.
+So probes cost about PROBE_SHARE of the throughput: a near tie's runner-up, which loses almost nothing, is probed
+as often as the gap allows, a draft that accepts nothing rarely (priced at their whole time, probes of k = 4
+from k = 3 came every 140 steps at batch 1).
 Forced probes, the line's second point (the other end of 0..K, as soon as the first k has a figure) and the
 rechecks, run whatever the credit and are not paid from it: their own rules bound them, and paying for a bucket's
 warm-up left the credit in debt for hundreds of steps.
@@ -33,10 +35,12 @@ or falls on a k's first probe, and such a figure would hold the rule off that k 
 ran k = 1-2 for the rest of a run after one burst, where k = 0 ran at the target alone's speed). So a k the rule
 leaves, and a k measured once and not chosen, is measured again RECHECK_STEPS steps later, once per leave or first
 figure; the recheck's steps replace the k's figure (its RECENT_STEPS window would otherwise still hold the burst's).
+From k = 0 a recheck of k > 0 costs the draft's catch-up, so the credit buys it like a probe, else it is dropped.
 
 Leaving k = 0 takes a figure of the destination from the bucket's last FRESH_STEPS steps, else a probe of it first
 (within the credit, catch-up included): a slowdown of every k shows first in the k that runs, reads as a win against
-an old figure of another, and the move costs the catch-up on every token the draft missed.
+an old figure of another, and the move costs the catch-up on every token the draft missed: even with a fresh figure
+the move must still win with that catch-up spread over MOVE_HORIZON steps of the new k.
 
 Per request: a request whose own acceptance (from MIN_REQUEST_DRAFTS verifies) puts a draft position below what it
 costs (expected accepted tokens under E(k) x (v / B) / T(k), v the verify's seconds for one more k across a batch of
@@ -72,6 +76,7 @@ PROBE_STEPS = SETTLE_STEPS + WINDOW_STEPS
 MIN_PROBE_GAP = 32  # steps of a bucket between the starts of two probes, at least
 RECHECK_STEPS = 16  # steps of a bucket after which a k left or measured once is measured again (see Rechecks)
 REPRICE_STEPS = 8  # steps of a bucket after which a probe the credit could not buy is priced again
+MOVE_HORIZON = 32  # steps of a k > 0 over which a move there from k = 0 must pay back the draft's catch-up
 FRESH_STEPS = 32  # a k's figure taken within this many steps of its bucket may move the rule there from k = 0
 PROBE_SHARE = 0.01  # share of the engine's time probes may lose (against the best k)
 MARGIN = 0.02  # the current k is kept unless another promises this share more tokens a second
@@ -186,6 +191,15 @@ class DraftLengthRule:
         k = min((k for k, at in due.items() if st.steps - at >= RECHECK_STEPS), key=due.get, default=None)
         if k is not None:
             del due[k]
+            if best == 0 and k > 0 and self.catch_up_token_seconds is not None:
+                # From k = 0 a recheck costs the draft's catch-up on every token it missed: paid from the credit like
+                # any probe, else dropped (the paid probes measure k again when they can afford it).
+                cost = self._probe_cost(st, k)
+                if self.credit < cost:
+                    return best, False
+                if k in st.step:
+                    st.step[k].restart()
+                return self._start_probe(b, st, k, rate=max(self._rates.values(), default=None)), True
             if k in st.step:
                 st.step[k].restart()  # measured again: the burst's samples go
             return self._start_probe(b, st, k, forced=True), True
@@ -211,7 +225,12 @@ class DraftLengthRule:
         best_rate = max(self._rates.values(), default=None)
         lost = t
         if best_rate:
-            lost = max(t - expected_tokens(self.acceptance.rates(k), k) / best_rate, 0.0)
+            # Priced on the hopeful side of k's acceptance (UNCERTAINTY standard deviations up): what a probe buys
+            # is that estimate's truth, so one read from a few unlucky verifies is cheap to check, a settled one not.
+            rates = self.acceptance.rates(k)
+            hopeful = expected_tokens(rates, k) + UNCERTAINTY * expected_tokens_std(
+                rates, self.acceptance.variances(k), k)
+            lost = max(t - hopeful / best_rate, 0.0)
         cost = PROBE_STEPS * lost
         if self.credit >= cost and k > 0 and self.catch_up_token_seconds is not None:
             cost += self._missed() * self.catch_up_token_seconds
@@ -287,6 +306,12 @@ class DraftLengthRule:
             # 64 moved to k = 1 on a figure hundreds of steps old and paid a 95 ms catch-up): probed first, within
             # the credit (its catch-up included), the rule staying at k = 0 until then.
             wanted, best = best, 0
+        elif cur == 0 and best > 0 and 0 in rates and self.catch_up_token_seconds is not None:
+            # The move pays the draft's catch-up first: it must still win over MOVE_HORIZON steps of the new k.
+            horizon = MOVE_HORIZON * (st.seconds(best) or 0.0)
+            catch_up = self._missed() * self.catch_up_token_seconds
+            if rates[best] * horizon < rates[0] * (horizon + catch_up):
+                best = 0
         if cur is not None and cur != best:
             self._recheck.setdefault(b, {})[cur] = st.steps  # left: measured again later (see Rechecks)
         self._current[b] = best
