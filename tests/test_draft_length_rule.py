@@ -283,6 +283,32 @@ def test_a_recheck_from_k_zero_is_paid_for():
     assert lost == 0.0, lost  # past the leave, no step at k > 0 but those the credit bought
 
 
+@pytest.mark.parametrize("missed, moves", [(0, True), (640, False)])
+def test_leaving_k_zero_pays_back_the_catch_up(missed, moves):
+    """At k = 0 with a fresh figure of k = 3 that promises 3% more (a near tie), the move is made only if it still
+    wins once the draft's catch-up on what it missed (here 10 steps of 64 requests, 0.01 s a token) is spread over
+    MOVE_HORIZON steps of k = 3."""
+    from engine.speculation.draft_cost_model import Acceptance, BucketCosts
+    rule = DraftLengthRule(3)  # k = 3 the longest: no line beyond it
+    b = rule_mod.bucket_of(64)
+    st = rule.buckets[b] = BucketCosts()
+    rule.acceptance = Acceptance()
+    for i in range(4000):
+        rule.acceptance.record(3, 3 if i % 5 else 1)
+    rates = rule.acceptance.rates(3)
+    for _ in range(9):
+        st.observe(0, 1.0, None)
+        for k, gain in ((1, 0.9), (2, 0.9), (3, 1.03)):  # tokens a second against k = 0's
+            st.observe(k, expected_tokens(rates, k) / gain, 0.1 * k)
+    st.steps = 100
+    for m in st.step.values():
+        m.at = st.steps
+    rule._current[b] = 0
+    rule.catch_up_token_seconds = 0.01
+    rule._last_probe[b] = st.steps  # no probe due: the choice alone
+    assert (rule.choose(64, missed) == 3) == moves
+
+
 def test_a_request_with_poor_acceptance_drafts_less():
     clock = Clock()
     rule = DraftLengthRule(K, clock=clock)
