@@ -59,9 +59,9 @@ class ChoiceLog:
         choose = self.rule.choose
         observe_step = self.rule.observe
 
-        def traced(step_id: int, verifies: list, propose_seconds: float | None) -> None:
+        def traced(step_id: int, verifies: list, propose_seconds: float | None, drafted: bool = True) -> None:
             p, last = self.rule._planned.get(step_id), self.rule._last_commit
-            observe_step(step_id, verifies, propose_seconds)
+            observe_step(step_id, verifies, propose_seconds, drafted)
             if self.on and p is not None and last is not None:
                 ms = round((self.rule._last_commit - last) * 1e3, 3)
                 self.trace.append((p.k, p.probe, p.timed, p.catch_up, ms))

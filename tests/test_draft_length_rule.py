@@ -309,6 +309,28 @@ def test_leaving_k_zero_pays_back_the_catch_up(missed, moves):
     assert (rule.choose(64, missed) == 3) == moves
 
 
+def test_a_step_where_no_request_drafted_is_booked_at_k_zero():
+    """The last step of requests one token from max_tokens: the step's k is 3 but every request's shrank to 0, so the
+    draft sat it out. Booked at k = 3 with the draft's catch-up count, its short time read as a free catch-up (the
+    per-token figure cut by SMOOTHING each time) and as a fast k = 3 step; it is booked as the k = 0 step it was."""
+    clock = Clock()
+    rule = DraftLengthRule(K, clock=clock)
+    drive(rule, clock, 200, 8, 0.0, draft=0.75)  # a draft that accepts nothing: the rule settles at k = 0
+    b = rule_mod.bucket_of(8)
+    rule.catch_up_token_seconds = 0.01
+    k3 = list(rule.buckets[b].step[3].recent) if 3 in rule.buckets[b].step else []
+    zero_samples = rule.buckets[b].step[0].samples
+    for i in range(200, 205):
+        rule.choose(8, 80)
+        rule.pin(3)
+        rule.planned(i, 3, timed=True)
+        clock.t += step_seconds(8, 0, 0.75)
+        rule.observe(i, [], None, drafted=False)
+    assert rule.catch_up_token_seconds == 0.01
+    assert (list(rule.buckets[b].step[3].recent) if 3 in rule.buckets[b].step else []) == k3
+    assert rule.buckets[b].step[0].samples > zero_samples
+
+
 def test_a_request_with_poor_acceptance_drafts_less():
     clock = Clock()
     rule = DraftLengthRule(K, clock=clock)

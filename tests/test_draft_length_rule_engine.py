@@ -91,6 +91,29 @@ def test_greedy_stays_the_targets_while_k_changes_every_step(tiny_models, tiny_d
     assert kv.draft_kv.num_used_blocks() == [0] * len(kv.draft_kv.num_used_blocks())
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_no_request_drafts_in_is_booked_at_k_zero(tiny_models, near_drafts, async_scheduling):
+    """k = 3 every step: a request's last step, one token from max_tokens, drafts nothing (its k shrinks to 0), so
+    the draft sits it out; the rule is told, and books that step as k = 0 (not as a k = 3 step with a catch-up)."""
+    llm = LLM(tiny_models["llama"].path, draft_model=near_drafts["llama"].path, num_speculative_tokens=3,
+              rejection_sampling="strict", async_scheduling=async_scheduling, **ENGINE_KW)
+    _cycling(llm, [3])
+    rule = llm.engine.draft_rule
+    booked: list[tuple[int, bool]] = []
+    observe = rule.observe
+
+    def recording(step_id, verifies, propose_seconds, drafted=True):
+        p = rule._planned.get(step_id)
+        observe(step_id, verifies, propose_seconds, drafted)
+        if p is not None:
+            booked.append((p.k, drafted))
+
+    rule.observe = recording
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert booked[-1] == (0, False), booked  # the last step: no request drafted, booked at k = 0
+    assert any(k == 3 and drafted for k, drafted in booked)
+
+
 def test_draft_catches_up_after_k_zero_without_recomputing_its_cache(tiny_models, near_drafts):
     """After steps at k = 0 the draft's first forward is one chunk of what it missed; with a prefix hit it starts
     from its cached blocks, not from the prompt's start."""

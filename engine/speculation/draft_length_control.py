@@ -59,11 +59,13 @@ class DraftLengthControl:
     def observe(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
         """Feed the draft length rule a committed step: each verify's k and accepted drafts, the propose phase."""
         verifies = []
+        drafted = False
         for n, (s, tokens, accepted) in enumerate(zip(scheduled, result.sampled, result.num_accepted)):
             k = result.num_draft_tokens[n] if result.num_draft_tokens is not None else s.num_draft_tokens
+            drafted = drafted or k > 0
             if tokens is not None and k and not s.request.status.finished:
                 verifies.append((s.request.request_id, k, accepted))
-        self.rule.observe(result.step_id, verifies, result.phase_seconds.get(PROPOSE))
+        self.rule.observe(result.step_id, verifies, result.phase_seconds.get(PROPOSE), drafted)
 
 
 def _seeded(request: Request) -> bool:

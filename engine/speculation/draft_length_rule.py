@@ -357,9 +357,11 @@ class DraftLengthRule:
         while len(self._planned) > MAX_PLANNED:  # plans never committed (a failed step) are not kept for ever
             self._planned.pop(next(iter(self._planned)))
 
-    def observe(self, step_id: int, verifies: list[tuple[str, int, int]], propose_seconds: float | None) -> None:
+    def observe(self, step_id: int, verifies: list[tuple[str, int, int]], propose_seconds: float | None,
+                drafted: bool = True) -> None:
         """Step `step_id` committed (now). verifies: (request id, k, accepted) of each request it verified drafts
-        for; propose_seconds: its propose phase."""
+        for; propose_seconds: its propose phase; drafted: whether any request of it drafted (False where every
+        request's k shrank to 0, at max_tokens or max_model_len: the draft sat the step out, so it ran as k = 0)."""
         self._cut = None  # the figures the cut reads change with this commit
         for n, (rid, k, accepted) in enumerate(verifies):
             self.acceptance.record(k, accepted, decay=n == 0)
@@ -374,6 +376,8 @@ class DraftLengthRule:
         last, self._last_commit = self._last_commit, now
         if p is None:
             return
+        if p.k > 0 and not drafted:
+            p.k, p.catch_up = 0, 0  # booked as what ran: no draft forward, no catch-up
         # The engine's period from the last commit to this one: all a step costs, the host's share too (committing
         # and detokenizing the last step's tokens, scheduling this one), which in-process speculation runs between
         # a commit and the next plan. Timing from the plan instead left that out: 1-5 ms a step of a batch of 32 on
