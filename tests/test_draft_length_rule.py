@@ -4,8 +4,8 @@ The rule alone on a simulated clock: a step at batch n and draft length k costs 
 verify says, each verify accepts what a given acceptance draws, and the rule must pick the k that commits the most
 tokens a second at each load, follow a change of winner (load or acceptance), probe within its bounds, and cut the
 k of a request whose own acceptance is poor, working out a step's figures once. On step times measured on GPUs
-(bursts, slowdowns): tests/test_draft_length_rule_gpu_traces.py. The engine under the rule:
-tests/test_draft_length_rule_engine.py.
+(bursts, slowdowns): tests/test_draft_length_rule_gpu_traces.py. Around k = 0 (the draft's catch-up):
+tests/test_draft_length_rule_catch_up.py. The engine under the rule: tests/test_draft_length_rule_engine.py.
 """
 
 from __future__ import annotations
@@ -221,114 +221,6 @@ def test_probes_are_bounded():
     assert starts - forced_starts >= 3  # it does buy probes: the losers' figures stay fresh
     assert sum(k == 0 for k, _ in ks) >= 0.95 * len(ks)
     assert rule.steps_at_zero == sum(k == 0 for k, _ in ks)
-
-
-def test_probes_pay_for_the_drafts_catch_up():
-    """A probe of k > 0 after steps at k = 0 costs the draft's catch-up on every token it missed, which grows with
-    the time at k = 0: the rule measures that cost and waits until its credit covers it, so probing stays within
-    its share of the time however long the catch-up."""
-    clock = Clock()
-    rule = DraftLengthRule(K, clock=clock)
-    batch, draft, per_token = 8, 0.75, 0.05  # a caught-up token costs 1/20 of a target step
-    missed, probe_time, total = 0, 0.0, 0.0
-    for i in range(4000):
-        k = rule.choose(batch, missed)
-        probed = rule._probing
-        rule.planned(i, k, timed=True)
-        dt = step_seconds(batch, k, draft) + (missed * per_token if k else 0.0)
-        missed = missed + batch if k == 0 else 0
-        clock.t += dt
-        rule.observe(i, [(f"r{r}", k, 0) for r in range(batch)] if k else [], k * draft if k else None)
-        total += dt
-        probe_time += dt if probed else 0.0
-    assert rule.catch_up_token_seconds == pytest.approx(per_token, rel=0.05)
-    first = 2 * rule_mod.PROBE_STEPS * step_seconds(batch, K, draft) + 32 * batch * per_token * 4
-    assert probe_time <= rule_mod.PROBE_SHARE * total + first, (probe_time / total)
-    assert rule.steps_at_zero >= 0.9 * 4000
-
-
-def test_a_recheck_from_k_zero_is_paid_for():
-    """The rule leaves k = 3 for k = 0 when k = 3's steps slow down (here for good), and a k it leaves is measured
-    again later. From k = 0 that recheck costs the draft's catch-up on every token the batch missed: it is bought
-    from the credit like any probe, else dropped. Forced (as it once was), each leave cost a catch-up of 16 steps of
-    64 requests, 51 target steps' time here (two unpaid moves from k = 0, 5300 tokens of catch-up each, cost an
-    H200 Qwen3-8B + 0.6B batch of 64 about 10% of a run)."""
-    clock = Clock()
-    rule = DraftLengthRule(K, clock=clock)
-    batch, per_token, rng = 64, 0.05, random.Random(0)
-
-    def seconds(k: int, slow: bool) -> float:
-        return 1.0 if k == 0 else (1.2 if not slow else 4.0) + 0.1 * k
-
-    missed, left, lost = 0, False, 0.0
-    for i in range(1200):
-        slow = i >= 300
-        k = rule.choose(batch, missed)
-        paid = rule._probing and not rule._forced
-        left = left or (slow and k == 0 and not rule._probing)
-        rule.planned(i, k, timed=True)
-        dt = seconds(k, slow) + (missed * per_token if k else 0.0)
-        missed = missed + batch if k == 0 else 0
-        clock.t += dt
-        verifies = []
-        for r in range(batch):
-            n = 0
-            while n < k and rng.random() < 0.8:
-                n += 1
-            verifies.append((f"r{r}", k, n))
-        rule.observe(i, verifies if k else [], 0.1 * k if k else None)
-        if left and k and not paid:
-            lost += dt
-    assert rule.last_k == 0
-    assert lost == 0.0, lost  # past the leave, no step at k > 0 but those the credit bought
-
-
-@pytest.mark.parametrize("missed, moves", [(0, True), (640, False)])
-def test_leaving_k_zero_pays_back_the_catch_up(missed, moves):
-    """At k = 0 with a fresh figure of k = 3 that promises 3% more (a near tie), the move is made only if it still
-    wins once the draft's catch-up on what it missed (here 10 steps of 64 requests, 0.01 s a token) is spread over
-    MOVE_HORIZON steps of k = 3."""
-    from engine.speculation.draft_cost_model import Acceptance, BucketCosts
-    rule = DraftLengthRule(3)  # k = 3 the longest: no line beyond it
-    b = rule_mod.bucket_of(64)
-    st = rule.buckets[b] = BucketCosts()
-    rule.acceptance = Acceptance()
-    for i in range(4000):
-        rule.acceptance.record(3, 3 if i % 5 else 1)
-    rates = rule.acceptance.rates(3)
-    for _ in range(9):
-        st.observe(0, 1.0, None)
-        for k, gain in ((1, 0.9), (2, 0.9), (3, 1.03)):  # tokens a second against k = 0's
-            st.observe(k, expected_tokens(rates, k) / gain, 0.1 * k)
-    st.steps = 100
-    for m in st.step.values():
-        m.at = st.steps
-    rule._current[b] = 0
-    rule.catch_up_token_seconds = 0.01
-    rule._last_probe[b] = st.steps  # no probe due: the choice alone
-    assert (rule.choose(64, missed) == 3) == moves
-
-
-def test_a_step_where_no_request_drafted_is_booked_at_k_zero():
-    """The last step of requests one token from max_tokens: the step's k is 3 but every request's shrank to 0, so the
-    draft sat it out. Booked at k = 3 with the draft's catch-up count, its short time read as a free catch-up (the
-    per-token figure cut by SMOOTHING each time) and as a fast k = 3 step; it is booked as the k = 0 step it was."""
-    clock = Clock()
-    rule = DraftLengthRule(K, clock=clock)
-    drive(rule, clock, 200, 8, 0.0, draft=0.75)  # a draft that accepts nothing: the rule settles at k = 0
-    b = rule_mod.bucket_of(8)
-    rule.catch_up_token_seconds = 0.01
-    k3 = list(rule.buckets[b].step[3].recent) if 3 in rule.buckets[b].step else []
-    zero_samples = rule.buckets[b].step[0].samples
-    for i in range(200, 205):
-        rule.choose(8, 80)
-        rule.pin(3)
-        rule.planned(i, 3, timed=True)
-        clock.t += step_seconds(8, 0, 0.75)
-        rule.observe(i, [], None, drafted=False)
-    assert rule.catch_up_token_seconds == 0.01
-    assert (list(rule.buckets[b].step[3].recent) if 3 in rule.buckets[b].step else []) == k3
-    assert rule.buckets[b].step[0].samples > zero_samples
 
 
 def test_a_request_with_poor_acceptance_drafts_less():
