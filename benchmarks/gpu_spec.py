@@ -237,7 +237,7 @@ def main() -> None:
                 # A row is a server whose traffic accepts at this rate: the rule's acceptance counts start afresh,
                 # not from the last rate's (they decay over a few hundred steps, longer than a row's warm-up).
                 llm.engine.draft_lengths.rule.acceptance = Acceptance()
-                llm.engine.draft_lengths.rule.requests.clear()
+                llm.engine.draft_lengths.rule.per_request.requests.clear()
             for b in batches:
                 phases.reset()
                 if log is not None:

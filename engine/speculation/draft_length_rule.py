@@ -42,10 +42,8 @@ Leaving k = 0 takes a figure of the destination from the bucket's last FRESH_STE
 an old figure of another, and the move costs the catch-up on every token the draft missed: even with a fresh figure
 the move must still win with that catch-up spread over MOVE_HORIZON steps of the new k.
 
-Per request: a request whose own acceptance (from MIN_REQUEST_DRAFTS verifies) puts a draft position below what it
-costs (expected accepted tokens under E(k) x (v / B) / T(k), v the verify's seconds for one more k across a batch of
-B, so v / B one request's row) drafts fewer than the step's k, never more (ScheduledRequest's num_draft_tokens).
-Priced at v, a whole batch's row, the cut took drafts from requests whose few verifies read low by chance.
+Per request: a request whose own acceptance does not pay for the step's last drafts drafts fewer (engine/
+speculation/draft_length_per_request.py).
 
 A seeded request at temperature > 0 keeps num_speculative_tokens (engine/speculation/draft_length_control.py pins its
 steps): its samples depend on the k's it is verified at, and its seed promises one output whatever the load.
@@ -57,7 +55,6 @@ exist, and every k verifies losslessly. The clock is injectable: tests drive the
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,8 +64,8 @@ from engine.speculation.draft_cost_model import (
     BucketCosts,
     expected_tokens,
     expected_tokens_std,
-    reach,
 )
+from engine.speculation.draft_length_per_request import RequestDraftLengths
 
 SETTLE_STEPS = 1  # steps after a switch of k or bucket not timed (a catch-up, or the step before still in flight)
 WINDOW_STEPS = 3  # timed steps a probe runs
@@ -81,9 +78,7 @@ FRESH_STEPS = 32  # a k's figure taken within this many steps of its bucket may 
 PROBE_SHARE = 0.01  # share of the engine's time probes may lose (against the best k)
 MARGIN = 0.02  # the current k is kept unless another promises this share more tokens a second
 UNCERTAINTY = 1.0  # standard deviations of a k > 0's acceptance-driven estimate by which k = 0 must beat it
-MIN_REQUEST_DRAFTS = 8  # a request's own acceptance counts from this many of its verifies
 MAX_PLANNED = 64  # plans awaiting their commit kept at most
-MAX_REQUESTS = 4096  # per-request acceptance kept for at most this many requests (oldest dropped)
 
 
 def bucket_of(num_requests: int) -> int:
@@ -111,7 +106,7 @@ class DraftLengthRule:
         self.clock = clock
         self.buckets: dict[int, BucketCosts] = {}
         self.acceptance = Acceptance()
-        self.requests: OrderedDict[str, Acceptance] = OrderedDict()
+        self.per_request = RequestDraftLengths()
         self._planned: dict[int, _Planned] = {}
         self._current: dict[int, int] = {}  # bucket -> the k it runs outside probes
         self._probe: dict[int, tuple[int, int, bool, float | None]] = {}  # bucket -> (k, steps left, forced, rate)
@@ -137,9 +132,6 @@ class DraftLengthRule:
         self._catch_up_tokens: int | Callable[[], int] = 0
         # Seconds a token of the draft's catch-up adds to the first step at k > 0 after k = 0 (part of a probe's cost).
         self.catch_up_token_seconds: float | None = None
-        # (k, threshold, the batch's rates) of the last choice: the cut's figures, worked out once a step (per
-        # request, they cost a batch of 32 up to a millisecond of host time a step).
-        self._cut: tuple[int, float | None, list[float]] | None = None
 
     # --- choosing --------------------------------------------------------------------------------------
     def choose(self, batch_size: int, catch_up_tokens: int | Callable[[], int] = 0) -> int:
@@ -147,7 +139,7 @@ class DraftLengthRule:
         catch up on at a step with k > 0 (the tokens it missed while k was 0), a probe's cost beyond its steps (or a
         function that counts them, called only where needed)."""
         self._catch_up_tokens = catch_up_tokens
-        self._cut = None
+        self.per_request.new_figures()
         b = bucket_of(batch_size)
         st = self.buckets.setdefault(b, BucketCosts())
         st.steps += 1
@@ -191,18 +183,14 @@ class DraftLengthRule:
         k = min((k for k, at in due.items() if st.steps - at >= RECHECK_STEPS), key=due.get, default=None)
         if k is not None:
             del due[k]
-            if best == 0 and k > 0 and self.catch_up_token_seconds is not None:
-                # From k = 0 a recheck costs the draft's catch-up on every token it missed: paid from the credit like
-                # any probe, else dropped (the paid probes measure k again when they can afford it).
-                cost = self._probe_cost(st, k)
-                if self.credit < cost:
-                    return best, False
-                if k in st.step:
-                    st.step[k].restart()
-                return self._start_probe(b, st, k, rate=max(self._rates.values(), default=None)), True
+            # From k = 0 a recheck of k > 0 costs the draft's catch-up on every token it missed: paid from the credit
+            # like any probe, else dropped (the paid probes measure k again when they can afford it).
+            paid = best == 0 and k > 0 and self.catch_up_token_seconds is not None
+            if paid and self.credit < self._probe_cost(st, k):
+                return best, False
             if k in st.step:
                 st.step[k].restart()  # measured again: the burst's samples go
-            return self._start_probe(b, st, k, forced=True), True
+            return self._start_probe(b, st, k, forced=not paid, rate=self._best_rate() if paid else None), True
         # A probe's target and price read every k's figures: only past the gap, and again only once the credit reaches
         # what the last priced probe needed or REPRICE_STEPS later (the figures move; another target may be cheaper).
         short, at = self._short.get(b, (0.0, 0))
@@ -213,7 +201,7 @@ class DraftLengthRule:
                 cost = self._probe_cost(st, target)
                 if self.credit >= cost:
                     self._short.pop(b, None)
-                    return self._start_probe(b, st, target, rate=max(self._rates.values(), default=None)), True
+                    return self._start_probe(b, st, target, rate=self._best_rate()), True
                 self._short[b] = (cost, st.steps)
         return best, False
 
@@ -222,7 +210,7 @@ class DraftLengthRule:
         are expected to, and the draft's catch-up on what it missed (counted only once the steps alone fit the
         credit: the count walks the running requests)."""
         t = st.seconds(k) or 0.0
-        best_rate = max(self._rates.values(), default=None)
+        best_rate = self._best_rate()
         lost = t
         if best_rate:
             # Priced on the hopeful side of k's acceptance (UNCERTAINTY standard deviations up): what a probe buys
@@ -235,6 +223,10 @@ class DraftLengthRule:
         if self.credit >= cost and k > 0 and self.catch_up_token_seconds is not None:
             cost += self._missed() * self.catch_up_token_seconds
         return cost
+
+    def _best_rate(self) -> float | None:
+        """The last choice's best tokens a second a request (what a paid probe's loss is measured against)."""
+        return max(self._rates.values(), default=None)
 
     def _missed(self) -> int:
         """The last choice's catch-up tokens (counted once, where given as a function)."""
@@ -319,32 +311,18 @@ class DraftLengthRule:
 
     def request_k(self, request_id: str, k: int) -> int:
         """The k of one request in a step of k: less where its own acceptance does not pay for the last drafts."""
-        mine = self.requests.get(request_id)
-        if k <= 0 or mine is None or mine.drafts < MIN_REQUEST_DRAFTS:
-            return k
-        threshold, batch_rates = self._threshold(k)
-        if threshold is None:
-            return k
-        own = reach(mine.rates(k, fallback=batch_rates))
-        while k > 0 and own[k - 1] < threshold:
-            k -= 1
-        return k
+        return self.per_request.k(request_id, k, self._threshold)
 
     def _threshold(self, k: int) -> tuple[float | None, list[float]]:
-        """(the reach a request's last draft at k must have to pay for its row of the verify (see Per request):
-        E(k) x (v / B) / T(k), from the figures of the last choice's bucket, None without them; the batch's rates
-        a_1..a_k). Worked out once a step: the figures change only at a commit, and a step's requests share them."""
-        if self._cut is not None and self._cut[0] == k:
-            return self._cut[1], self._cut[2]
-        threshold = None
+        """(the reach a request's last draft at k must have to pay for its row of the verify: E(k) x (v / B) / T(k),
+        from the figures of the last choice's bucket, None without them; the batch's rates a_1..a_k)."""
         rates = self.acceptance.rates(k)
         st = self.buckets.get(self.last_bucket)
         if st is not None:
             t, v = st.seconds(k), st.verify_slope()
             if t is not None and v is not None and t > 0.0:
-                threshold = expected_tokens(rates, k) * v / (self.last_batch * t)
-        self._cut = (k, threshold, rates)
-        return threshold, rates
+                return expected_tokens(rates, k) * v / (self.last_batch * t), rates
+        return None, rates
 
     # --- measuring -------------------------------------------------------------------------------------
     def planned(self, step_id: int, k: int, timed: bool) -> None:
@@ -362,15 +340,10 @@ class DraftLengthRule:
         """Step `step_id` committed (now). verifies: (request id, k, accepted) of each request it verified drafts
         for; propose_seconds: its propose phase; drafted: whether any request of it drafted (False where every
         request's k shrank to 0, at max_tokens or max_model_len: the draft sat the step out, so it ran as k = 0)."""
-        self._cut = None  # the figures the cut reads change with this commit
+        self.per_request.new_figures()  # the figures the cut reads change with this commit
         for n, (rid, k, accepted) in enumerate(verifies):
             self.acceptance.record(k, accepted, decay=n == 0)
-            mine = self.requests.get(rid)
-            if mine is None:
-                mine = self.requests[rid] = Acceptance()
-                while len(self.requests) > MAX_REQUESTS:
-                    self.requests.popitem(last=False)
-            mine.record(k, accepted)
+            self.per_request.record(rid, k, accepted)
         now = self.clock()
         p = self._planned.pop(step_id, None)
         last, self._last_commit = self._last_commit, now
@@ -407,7 +380,7 @@ class DraftLengthRule:
 
     def forget(self, request_id: str) -> None:
         """A request ended: its own acceptance is no longer needed."""
-        self.requests.pop(request_id, None)
+        self.per_request.forget(request_id)
 
     # --- reporting -------------------------------------------------------------------------------------
     def estimates(self) -> dict[str, dict[int, float]]:
