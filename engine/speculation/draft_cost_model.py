@@ -96,6 +96,7 @@ class BucketCosts:
     step: dict[int, RecentMedian] = field(default_factory=dict)  # k -> seconds a step
     draft_forward: Mean | None = None  # seconds one draft forward takes (propose / k)
     steps: int = 0  # steps planned in this bucket
+    credit: float = 0.0  # seconds of probe loss this bucket's steps earned, less its probes' (the rule's Probes)
 
     def observe(self, k: int, seconds: float, propose_seconds: float | None) -> None:
         m = self.step.get(k)

@@ -19,13 +19,13 @@ measured while drafting), so the rule runs PROBE_STEPS steps at another k now an
 best on its acceptance's uncertainty (UNCERTAINTY standard deviations added: a deep position is attempted only when
 every draft before it was accepted, so one unlucky early reading of it held a batch-1 pair at k = 3 where k = 4 was
 6-9% faster), then one never measured (the likeliest winner), then the one whose figure is oldest. At most one
-probe starts every MIN_PROBE_GAP steps of a bucket, and only while a credit covers its expected loss: the credit
-grows by PROBE_SHARE of every other step's time and pays each probe's real loss, its time less the time the best k
-takes to commit the same tokens (a catch-up after k = 0 is all loss), priced on the hopeful side of k's acceptance
-(UNCERTAINTY standard deviations up): a figure from a few unlucky verifies is cheap to check, a settled one is not.
-So probes cost about PROBE_SHARE of the throughput: a near tie's runner-up, which loses almost nothing, is probed
-as often as the gap allows, a draft that accepts nothing rarely (priced at their whole time, probes of k = 4
-from k = 3 came every 140 steps at batch 1).
+probe starts every MIN_PROBE_GAP steps of a bucket, and only while the bucket's credit covers its expected loss:
+the credit grows by PROBE_SHARE of every other step's time in the bucket and pays each probe's real loss, its time
+less the time the best k takes to commit the same tokens (a catch-up after k = 0 is all loss), priced on the
+hopeful side of k's acceptance (UNCERTAINTY standard deviations up): a figure from a few unlucky verifies is cheap to
+check, a settled one is not. So probes cost about PROBE_SHARE of the throughput at each load: a near tie's
+runner-up, which loses almost nothing, is probed as often as the gap allows, a draft that accepts nothing rarely
+(priced at their whole time, probes of k = 4 from k = 3 came every 140 steps at batch 1).
 Forced probes, the line's second point (the other end of 0..K, as soon as the first k has a figure) and the
 rechecks, run whatever the credit and are not paid from it: their own rules bound them, and paying for a bucket's
 warm-up left the credit in debt for hundreds of steps.
@@ -37,16 +37,15 @@ leaves, and a k measured once and not chosen, is measured again RECHECK_STEPS st
 figure; the recheck's steps replace the k's figure (its RECENT_STEPS window would otherwise still hold the burst's).
 From k = 0 a recheck of k > 0 costs the draft's catch-up, so the credit buys it like a probe, else it is dropped.
 
-Leaving k = 0 takes a figure of the destination from the bucket's last FRESH_STEPS steps, else a probe of it first
-(within the credit, catch-up included): a slowdown of every k shows first in the k that runs, reads as a win against
-an old figure of another, and the move costs the catch-up on every token the draft missed: even with a fresh figure
-the move must still win with that catch-up spread over MOVE_HORIZON steps of the new k.
+Leaving k = 0 costs the draft's catch-up on every token it missed: the destination must still win with that catch-up
+spread over MOVE_HORIZON steps of it, on a figure from the bucket's last FRESH_STEPS steps, else a probe of it comes
+first (a slowdown of every k shows first in the k that runs, and reads as a win against an old figure of another).
+That probe pays from the credit its steps' loss only: the catch-up is the move's, which the figures say pays back.
 
 Per request: a request whose own acceptance does not pay for the step's last drafts drafts fewer (engine/
-speculation/draft_length_per_request.py).
-
-A seeded request at temperature > 0 keeps num_speculative_tokens (engine/speculation/draft_length_control.py pins its
-steps): its samples depend on the k's it is verified at, and its seed promises one output whatever the load.
+speculation/draft_length_per_request.py). A seeded request at temperature > 0 keeps num_speculative_tokens
+(draft_length_control.py pins its steps): its samples depend on the k's it is verified at, and its seed promises one
+output whatever the load.
 
 Exactness does not depend on the rule: k is chosen from what earlier steps committed, before the step's drafts
 exist, and every k verifies losslessly. The clock is injectable: tests drive the rule with simulated step times.
@@ -113,12 +112,9 @@ class DraftLengthRule:
         self._last_probe: dict[int, int] = {}  # bucket -> its step count at its last probe's start
         self._recheck: dict[int, dict[int, int]] = {}  # bucket -> {k to measure again: the bucket's step count then}
         self._run: tuple[int, int] | None = None  # (bucket, k) of the steps committed since the last switch
-        self._run_steps = 0
+        self._run_steps = 0  # and how many
         self._last_commit: float | None = None
-        self.credit = 0.0  # seconds of probe loss earned (PROBE_SHARE of every step's time), less those lost
-        self.last_k = max_k  # the last step's k
-        self.last_bucket = 0
-        self.last_batch = 1  # the last step's requests
+        self.last_k, self.last_bucket, self.last_batch = max_k, 0, 1  # the last step's k, bucket and requests
         self.steps_at_zero = 0  # steps chosen with k = 0
         self.probe_steps = 0  # steps run as probes
         self.steps = 0  # steps chosen
@@ -186,7 +182,7 @@ class DraftLengthRule:
             # From k = 0 a recheck of k > 0 costs the draft's catch-up on every token it missed: paid from the credit
             # like any probe, else dropped (the paid probes measure k again when they can afford it).
             paid = best == 0 and k > 0 and self.catch_up_token_seconds is not None
-            if paid and self.credit < self._probe_cost(st, k):
+            if paid and st.credit < self._probe_cost(st, k):
                 return best, False
             if k in st.step:
                 st.step[k].restart()  # measured again: the burst's samples go
@@ -195,17 +191,20 @@ class DraftLengthRule:
         # what the last priced probe needed or REPRICE_STEPS later (the figures move; another target may be cheaper).
         short, at = self._short.get(b, (0.0, 0))
         if (st.steps - self._last_probe.get(b, 0) >= MIN_PROBE_GAP
-                and (self.credit >= short or st.steps - at >= REPRICE_STEPS)):
+                and (st.credit >= short or st.steps - at >= REPRICE_STEPS)):
             target = wanted if wanted is not None else self._probe_target(st, best)
             if target is not None:
-                cost = self._probe_cost(st, target)
-                if self.credit >= cost:
+                # Before a move out of k = 0, not the catch-up (see Leaving k = 0): charged it, a probe where the draft
+                # misses more a step than the credit earns was never bought (an H100 Qwen3-8B + 0.6B pair held k = 0
+                # at batch 32 where k = 3 ran 26% faster).
+                cost = self._probe_cost(st, target, catch_up=target != wanted)
+                if st.credit >= cost:
                     self._short.pop(b, None)
                     return self._start_probe(b, st, target, rate=self._best_rate()), True
                 self._short[b] = (cost, st.steps)
         return best, False
 
-    def _probe_cost(self, st: BucketCosts, k: int) -> float:
+    def _probe_cost(self, st: BucketCosts, k: int, catch_up: bool = True) -> float:
         """A probe of k's expected loss: its steps' time less the time the best k takes to commit the tokens they
         are expected to, and the draft's catch-up on what it missed (counted only once the steps alone fit the
         credit: the count walks the running requests)."""
@@ -220,7 +219,7 @@ class DraftLengthRule:
                 rates, self.acceptance.variances(k), k)
             lost = max(t - hopeful / best_rate, 0.0)
         cost = PROBE_STEPS * lost
-        if self.credit >= cost and k > 0 and self.catch_up_token_seconds is not None:
+        if catch_up and st.credit >= cost and k > 0 and self.catch_up_token_seconds is not None:
             cost += self._missed() * self.catch_up_token_seconds
         return cost
 
@@ -293,17 +292,17 @@ class DraftLengthRule:
                 if rates[kb] + UNCERTAINTY * self._spread(st, kb) >= (1.0 - MARGIN) * rates[0]:
                     best = kb
         wanted = None
-        if cur == 0 and best > 0 and ((m := st.step.get(best)) is None or st.steps - m.at > FRESH_STEPS):
-            # Leaving k = 0 needs the destination's figure from now (see Leaving k = 0: an H100 gemma pair at batch
-            # 64 moved to k = 1 on a figure hundreds of steps old and paid a 95 ms catch-up): probed first, within
-            # the credit (its catch-up included), the rule staying at k = 0 until then.
-            wanted, best = best, 0
-        elif cur == 0 and best > 0 and 0 in rates and self.catch_up_token_seconds is not None:
+        if cur == 0 and best > 0 and 0 in rates and self.catch_up_token_seconds is not None:
             # The move pays the draft's catch-up first: it must still win over MOVE_HORIZON steps of the new k.
             horizon = MOVE_HORIZON * (st.seconds(best) or 0.0)
             catch_up = self._missed() * self.catch_up_token_seconds
             if rates[best] * horizon < rates[0] * (horizon + catch_up):
                 best = 0
+        if cur == 0 and best > 0 and ((m := st.step.get(best)) is None or st.steps - m.at > FRESH_STEPS):
+            # Leaving k = 0 needs the destination's figure from now (see Leaving k = 0: an H100 gemma pair at batch
+            # 64 moved to k = 1 on a figure hundreds of steps old and paid a 95 ms catch-up): probed first, the rule
+            # staying at k = 0 until then.
+            wanted, best = best, 0
         if cur is not None and cur != best:
             self._recheck.setdefault(b, {})[cur] = st.steps  # left: measured again later (see Rechecks)
         self._current[b] = best
@@ -357,17 +356,20 @@ class DraftLengthRule:
         # a GPU, enough to make a losing k look 1.6x faster than it ran. Idle time (no request running) ends in a
         # step with a prefill, which is never timed and earns no credit.
         dt = max(0.0, now - (p.at if last is None else last))
+        st = self.buckets.setdefault(p.bucket, BucketCosts())
         if p.timed:
-            # A probe pays its real time (a catch-up included) out of the credit; every other step earns its share.
+            # A probe pays its real time (a catch-up included) out of its bucket's credit; every other step earns its
+            # share there. Per bucket, so that probes at a load are paid by steps at that load: a credit earned over a
+            # quiet hour at batch 1 is not spent on catch-ups at batch 64, the load where throughput matters most
+            # (one shared credit, banked over a benchmark's earlier rows, cost its batch-64 row 5-8%).
             if not p.probe:
-                self.credit += PROBE_SHARE * dt
+                st.credit += PROBE_SHARE * dt
             else:  # its time less the time the best k takes to commit its tokens (one at k = 0)
                 tokens = p.batch + sum(accepted for _, _, accepted in verifies)
-                self.credit -= max(dt - tokens / (p.best_rate * p.batch), 0.0) if p.best_rate else dt
+                st.credit -= max(dt - tokens / (p.best_rate * p.batch), 0.0) if p.best_rate else dt
         if self._run != (p.bucket, p.k):
             self._run, self._run_steps = (p.bucket, p.k), 0
         self._run_steps += 1
-        st = self.buckets.setdefault(p.bucket, BucketCosts())
         if p.catch_up > 0 and p.timed and (t := st.seconds(p.k)) is not None:
             x = max(dt - t, 0.0) / p.catch_up
             c = self.catch_up_token_seconds
