@@ -197,3 +197,27 @@ def test_k_zero_is_left_when_speculation_wins_again_whatever_the_catch_up():
     ks = run(300, 600, 0.9)
     assert ks.index(next(k for k in ks if k)) <= rule_mod.MIN_PROBE_GAP + rule_mod.PROBE_STEPS
     assert all(k >= 2 for k in ks[-100:]), ks[-100:]
+
+
+def test_at_k_zero_a_near_tie_stays_at_k_zero():
+    """At k = 0 with figures by which k = 3 promises 1.6% more (within MARGIN, a near tie; its figure older than
+    FRESH_STEPS), the rule stays at k = 0 and wants no probe of k = 3. The preference for k > 0 in a near tie (k = 0
+    must beat the best k > 0 by a standard deviation of it) guards a move to k = 0; applied at k = 0 too, it sent an
+    H100 Qwen3-8B + 0.6B batch of 64 to probe k = 4 every 32 steps, each probe paying a catch-up (0.912x the best)."""
+    from engine.speculation.draft_cost_model import BucketCosts
+    rule = DraftLengthRule(3)
+    b = rule_mod.bucket_of(64)
+    st = rule.buckets[b] = BucketCosts()
+    for i in range(4000):
+        rule.acceptance.record(3, 3 if i % 5 else 1)
+    rates = rule.acceptance.rates(3)
+    for _ in range(9):
+        st.observe(0, 1.0, None)
+        for k in (1, 2, 3):
+            st.observe(k, expected_tokens(rates, k) / (0.98 if k < 3 else 1.016), 0.1 * k)
+    st.steps = 200
+    st.step[0].at = st.steps
+    rule._current[b] = 0
+    assert rule._best(b, st) == (0, None)
+    rule._current[b] = 3  # from k = 3 the same figures keep k = 3 (a move to k = 0 needs a clear win)
+    assert rule._best(b, st) == (3, None)

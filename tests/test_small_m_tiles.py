@@ -138,8 +138,8 @@ def test_few_rows_sweeps_write_the_table_entry():
 
 def test_few_rows_entries_give_the_form_and_row_tile(monkeypatch):
     """An H200's measured entries at 1-4 rows on Gemma 3 1B's shapes: three rows take the four-row entry, the DOT
-    form's 16-row tile, the row loop's flag; a GPU model without entries keeps the rule; `measured=False` is the
-    rule (what a sweep ranks and an explicit config overrides)."""
+    form's 16-row tile, the row loop's flag; an H100 takes the same entries, a GPU model without entries the rule;
+    `measured=False` is the rule (what a sweep ranks and an explicit config overrides)."""
     monkeypatch.setattr(small_m_tiles, "num_sms", lambda device: 132)
     monkeypatch.setattr(small_m_tiles, "_cuda_name", lambda index: "NVIDIA H200")
     cuda = torch.device("cuda", 0)
@@ -155,7 +155,10 @@ def test_few_rows_entries_give_the_form_and_row_tile(monkeypatch):
         assert got == want, (m, n, k, cfg)
         rule = small_m_tiles.tiles_for(m, n, k, torch.device("meta"))
         assert small_m_tiles.tiles_for(m, n, k, cuda, measured=False) == rule != cfg
-    monkeypatch.setattr(small_m_tiles, "_cuda_name", lambda index: "NVIDIA H100 80GB HBM3")
+    h200 = small_m_tiles.tiles_for(4, *gate_up, cuda)
+    monkeypatch.setattr(small_m_tiles, "_cuda_name", lambda index: "NVIDIA H100 80GB HBM3")  # shares these entries
+    assert small_m_tiles.tiles_for(4, *gate_up, cuda) == h200
+    monkeypatch.setattr(small_m_tiles, "_cuda_name", lambda index: "NVIDIA A100-SXM4-80GB")
     assert small_m_tiles.tiles_for(4, *gate_up, cuda) == small_m_tiles.tiles_for(4, *gate_up, torch.device("meta"))
 
 

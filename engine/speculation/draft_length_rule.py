@@ -283,9 +283,10 @@ class DraftLengthRule:
         cur = self._current.get(b)
         if cur is not None and cur in rates and rates[cur] >= (1.0 - MARGIN) * rates[best]:
             best = cur
-        if best == 0:
+        if best == 0 and cur != 0:
             # k = 0 measures no acceptance, so a move there on an unlucky estimate would stick until a probe: it
-            # takes k = 0 beating the best k > 0's estimate by UNCERTAINTY standard deviations of it as well.
+            # takes k = 0 beating the best k > 0's estimate by UNCERTAINTY standard deviations of it as well. Not
+            # at k = 0 already: there a near tie sent the rule to probe k > 0, paying a catch-up, every 32 steps.
             drafting = [k for k in rates if k > 0]
             if drafting:
                 kb = max(drafting, key=lambda k: (rates[k], -k))

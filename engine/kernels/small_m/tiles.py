@@ -40,6 +40,20 @@ CUBLAS = {"CUBLAS": True}
 # were left out: SmolLM2 at one and two rows (2-9% slower), the 270M model at two and four rows, and Qwen3-0.6B at
 # four rows, though each product alone was 5-16% faster.
 _ROW = {"ROW_LOOP": True}
+# Gemma 3 1B at two and four rows (a verify of k = 1-3 at batch 1), swept on an H200 (figures: us, against the rule's).
+# The H100 takes them too: there the rule's form made a batch-1 verify of 2-4 rows 2.1-3.1 ms against 1.6 at 5 rows
+# (`benchmarks/gpu_spec.py --target gemma3-1b --draft gemma3-270m`, 2026-12-07), the 1B model's gate_up alone
+# 20-44 us a layer over its cuBLAS time; same SMs and tiles, a slower memory.
+_GEMMA3_1B_QKV_FEW_ROWS = {
+    (2, 1536, 1152): dict(**_ROW, BLOCK_N=4, BLOCK_K=2048, num_warps=4),  # 3.29 against 4.85
+    (4, 1536, 1152): dict(**_ROW, BLOCK_N=4, BLOCK_K=2048, num_warps=4),  # 4.96 against 7.22
+}
+_GEMMA3_1B_MLP_FEW_ROWS = {
+    (2, 13824, 1152): CUBLAS,  # gate_up: 11.9 us against 32.5
+    (4, 13824, 1152): dict(USE_DOT=True, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),  # 12.9 against 56.4
+    (2, 1152, 6912): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=8),  # down: 9.63 against 14.8
+    (4, 1152, 6912): CUBLAS,  # 10.2 against 17.1
+}
 FEW_ROWS_MEASURED: dict[str, dict[tuple[int, int, int], dict]] = {
     "NVIDIA H200": {
         (1, 6144, 4096): CUBLAS,  # Qwen3-8B qkv
@@ -47,15 +61,11 @@ FEW_ROWS_MEASURED: dict[str, dict[tuple[int, int, int], dict]] = {
         (1, 24576, 4096): CUBLAS,  # Qwen3-8B gate_up
         (1, 4096, 12288): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4),  # Qwen3-8B down: 26.3 us against 30.6
         (1, 1536, 1152): dict(BLOCK_N=4, BLOCK_K=2048, num_warps=8),  # Gemma 3 1B qkv: 3.03 us against 4.52
-        (2, 1536, 1152): dict(**_ROW, BLOCK_N=4, BLOCK_K=2048, num_warps=4),  # 3.29 against 4.85
-        (4, 1536, 1152): dict(**_ROW, BLOCK_N=4, BLOCK_K=2048, num_warps=4),  # 4.96 against 7.22
+        **_GEMMA3_1B_QKV_FEW_ROWS,
         (1, 1152, 1024): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),  # Gemma 3 1B o_proj: 2.08 us against 2.15
         (1, 13824, 1152): CUBLAS,  # Gemma 3 1B gate_up: 10.6 us and the norm kernel, against 30.4 (best tiling 16.6)
-        (2, 13824, 1152): CUBLAS,  # 11.9 us against 32.5
-        (4, 13824, 1152): dict(USE_DOT=True, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),  # 12.9 against 56.4
         (1, 1152, 6912): dict(BLOCK_N=2, BLOCK_K=2048, num_warps=4),  # Gemma 3 1B down: 7.99 us against 9.49
-        (2, 1152, 6912): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=8),  # 9.63 against 14.8
-        (4, 1152, 6912): CUBLAS,  # 10.2 against 17.1
+        **_GEMMA3_1B_MLP_FEW_ROWS,
         (1, 1536, 640): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8),  # Gemma 3 270M qkv: 2.53 us against 2.68
         (1, 640, 1024): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8),  # Gemma 3 270M o_proj: 1.66 us against 1.89
         (4, 576, 576): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=8),  # SmolLM2-135M o_proj: 3.12 us against 3.41
@@ -71,6 +81,8 @@ FEW_ROWS_MEASURED: dict[str, dict[tuple[int, int, int], dict]] = {
         (1, 5120, 2880): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),  # gpt-oss qkv: 14.1 us against 21.8
         (1, 5760, 2880): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4),  # 2880 -> 5760: 15.4 us against 24.1
         (1, 2880, 2880): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4),  # 2880 -> 2880: 7.21 us against 11.5
+        **_GEMMA3_1B_QKV_FEW_ROWS,
+        **_GEMMA3_1B_MLP_FEW_ROWS,
     },
 }
 
