@@ -41,9 +41,9 @@ CUBLAS = {"CUBLAS": True}
 # four rows, though each product alone was 5-16% faster.
 _ROW = {"ROW_LOOP": True}
 # Gemma 3 1B at two and four rows (a verify of k = 1-3 at batch 1), swept on an H200 (figures: us, against the rule's).
-# The H100 takes them too: there the rule's form made a batch-1 verify of 2-4 rows 2.1-3.1 ms against 1.6 at 5 rows
-# (`benchmarks/gpu_spec.py --target gemma3-1b --draft gemma3-270m`, 2026-12-07), the 1B model's gate_up alone
-# 20-44 us a layer over its cuBLAS time; same SMs and tiles, a slower memory.
+# The H100 (same SMs, a slower memory) takes them too: with the rule's forms its batch-1 verify of 2-4 rows took 2.1-3.1
+# ms against 1.6 at 5 rows, with these 1.5-1.6 (`benchmarks/gpu_spec.py --target gemma3-1b --draft gemma3-270m`,
+# 2026-12-07, benchmarks/RESULTS.md); each product alone not swept there.
 _GEMMA3_1B_QKV_FEW_ROWS = {
     (2, 1536, 1152): dict(**_ROW, BLOCK_N=4, BLOCK_K=2048, num_warps=4),  # 3.29 against 4.85
     (4, 1536, 1152): dict(**_ROW, BLOCK_N=4, BLOCK_K=2048, num_warps=4),  # 4.96 against 7.22
