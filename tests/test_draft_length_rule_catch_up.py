@@ -221,3 +221,33 @@ def test_at_k_zero_a_near_tie_stays_at_k_zero():
     assert rule._best(b, st) == (0, None)
     rule._current[b] = 3  # from k = 3 the same figures keep k = 3 (a move to k = 0 needs a clear win)
     assert rule._best(b, st) == (3, None)
+
+
+def test_a_small_catch_up_does_not_price_probes_out():
+    """Batch 1 on an H100's Gemma 3 1B + 270M step times, an unlucky start (four verifies at k = 4 reading low, so
+    k = 0 looks best). The first catch-up is 4 tokens, whose extra time (the k = 1 step against a figure from the line
+    through k = 0 and 4) is mostly the step's own error. Read alone as 0.17 ms a token, it priced every later probe
+    (the draft missing a token a step) out of a credit that kept growing: the rule sat at k = 0 with no probe at all
+    (the H100 held k = 0 for 250 of 254 steps where k = 3 ran 15% faster). Divided by at least MIN_CATCH_UP_TOKENS,
+    the figure stays near the true cost and the probes run."""
+    clock = Clock()
+    rule = DraftLengthRule(K, clock=clock)
+    seconds = {0: 1.95e-3, 1: 3.43e-3, 2: 3.99e-3, 3: 4.56e-3, 4: 5.12e-3}
+    per_token, rng, missed = 3e-6, random.Random(0), 0
+    start = [(4, 0), (4, 1), (4, 0), (4, 3), (0, 0), (0, 0), (0, 0), (0, 0)]
+    for i in range(1200):
+        k = rule.choose(1, missed)
+        if i < len(start):
+            k, n = start[i]
+            rule.pin(k)
+        rule.planned(i, k, timed=True)
+        dt = seconds[k] + (missed * per_token if k else 0.0)
+        missed = missed + 1 if k == 0 else 0
+        if i >= len(start):
+            n = 0
+            while n < k and rng.random() < 0.7:
+                n += 1
+        clock.t += dt
+        rule.observe(i, [("r0", k, n)] if k else [], 0.6e-3 * k if k else None)
+    assert rule.catch_up_token_seconds < 3 * per_token, rule.catch_up_token_seconds
+    assert rule.probe_steps >= 3 * rule_mod.PROBE_STEPS, rule.probe_steps

@@ -16,6 +16,8 @@ Cost, per load bucket (the requests that want to run, by powers of two, as the s
   grows about linearly
   in k at a given batch.
 
+Catch-up: the seconds a token of the draft's catch-up (after steps at k = 0) adds to a step (CatchUpCost).
+
 Gain: the acceptance at each draft position i, conditional on the drafts before it being accepted (a running,
 decayed count of attempts and accepts; every position ages at each step, attempted or not, so an old reading of a
 position only a probe reaches fades toward the position before it), over every request and per request. A request
@@ -153,6 +155,27 @@ class BucketCosts:
             return None
         d = self.draft_forward.value if self.draft_forward is not None else 0.0
         return max(s - d, 0.0)
+
+
+MIN_CATCH_UP_TOKENS = 64  # the per-token catch-up figure divides by at least this many tokens
+
+
+@dataclass
+class CatchUpCost:
+    """Seconds a token of the draft's catch-up adds to the first step at k > 0 after k = 0: the recent catch-ups'
+    extra seconds over their tokens (both decayed by SMOOTHING a catch-up), divided by at least MIN_CATCH_UP_TOKENS
+    tokens. A small catch-up's extra time is mostly the step's own noise: read alone (0.7 ms over 4 tokens on an H100
+    at batch 1) it priced every later probe out of the draft length rule's credit."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+
+    def add(self, extra_seconds: float, tokens: int) -> float:
+        """One catch-up of `tokens` whose step took `extra_seconds` more than its k's figure; returns the figure."""
+        keep = 1.0 - SMOOTHING
+        self.seconds = keep * self.seconds + extra_seconds
+        self.tokens = keep * self.tokens + tokens
+        return self.seconds / max(self.tokens, MIN_CATCH_UP_TOKENS)
 
 
 @dataclass

@@ -58,9 +58,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.speculation.draft_cost_model import (
-    SMOOTHING,
     Acceptance,
     BucketCosts,
+    CatchUpCost,
     expected_tokens,
     expected_tokens_std,
 )
@@ -128,6 +128,7 @@ class DraftLengthRule:
         self._catch_up_tokens: int | Callable[[], int] = 0
         # Seconds a token of the draft's catch-up adds to the first step at k > 0 after k = 0 (part of a probe's cost).
         self.catch_up_token_seconds: float | None = None
+        self.catch_up_cost = CatchUpCost()  # where that figure comes from
 
     # --- choosing --------------------------------------------------------------------------------------
     def choose(self, batch_size: int, catch_up_tokens: int | Callable[[], int] = 0) -> int:
@@ -372,9 +373,7 @@ class DraftLengthRule:
             self._run, self._run_steps = (p.bucket, p.k), 0
         self._run_steps += 1
         if p.catch_up > 0 and p.timed and (t := st.seconds(p.k)) is not None:
-            x = max(dt - t, 0.0) / p.catch_up
-            c = self.catch_up_token_seconds
-            self.catch_up_token_seconds = x if c is None else c + SMOOTHING * (x - c)
+            self.catch_up_token_seconds = self.catch_up_cost.add(max(dt - t, 0.0), p.catch_up)
         if self._run_steps <= SETTLE_STEPS or not p.timed or dt <= 0.0:
             return
         if p.k not in st.step:
