@@ -18,6 +18,17 @@ from engine.speculation.draft_length_rule import DraftLengthRule
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def draws(rng: random.Random, batch: int, k: int, accept: float) -> list[tuple[str, int, int]]:
+    """(request id, k, accepted) of each request of a batch whose drafts are each accepted with chance `accept`."""
+    out = []
+    for r in range(batch):
+        n = 0
+        while n < k and rng.random() < accept:
+            n += 1
+        out.append((f"r{r}", k, n))
+    return out
+
+
 def test_probes_pay_for_the_drafts_catch_up():
     """A probe of k > 0 after steps at k = 0 costs the draft's catch-up on every token it missed, which grows with
     the time at k = 0: the rule measures that cost and waits until its credit covers it, so probing stays within
@@ -65,12 +76,7 @@ def test_a_recheck_from_k_zero_is_paid_for():
         dt = seconds(k, slow) + (missed * per_token if k else 0.0)
         missed = missed + batch if k == 0 else 0
         clock.t += dt
-        verifies = []
-        for r in range(batch):
-            n = 0
-            while n < k and rng.random() < 0.8:
-                n += 1
-            verifies.append((f"r{r}", k, n))
+        verifies = draws(rng, batch, k, 0.8)
         rule.observe(i, verifies if k else [], 0.1 * k if k else None)
         if left and k and not paid:
             lost += dt
@@ -148,12 +154,7 @@ def test_credit_earned_at_one_load_is_not_spent_at_another():
         dt = seconds(k) + (missed * per_token if k else 0.0)
         missed = missed + batch if k == 0 else 0
         clock.t += dt
-        verifies = []
-        for r in range(batch):
-            n = 0
-            while n < k and rng.random() < 0.8:
-                n += 1
-            verifies.append((f"r{r}", k, n))
+        verifies = draws(rng, batch, k, 0.8)
         rule.observe(i, verifies if k else [], 0.2 * k if k else None)
         total += dt
         if paid:  # what the step lost against k = 0 committing the same tokens
@@ -180,12 +181,7 @@ def test_k_zero_is_left_when_speculation_wins_again_whatever_the_catch_up():
             dt = 1.0 + 0.25 * k + (missed * per_token if k else 0.0)  # bound by the weights at this batch
             missed = missed + batch if k == 0 else 0
             clock.t += dt
-            verifies = []
-            for r in range(batch):
-                n = 0
-                while n < k and rng.random() < accept:
-                    n += 1
-                verifies.append((f"r{r}", k, n))
+            verifies = draws(rng, batch, k, accept)
             rule.observe(i, verifies if k else [], 0.25 * k if k else None)
             ks.append(k)
         return ks
