@@ -12,7 +12,7 @@ import pytest
 from test_draft_length_rule import Clock, K, drive, step_seconds
 
 from engine.speculation import draft_length_rule as rule_mod
-from engine.speculation.draft_cost_model import Acceptance, expected_tokens
+from engine.speculation.draft_cost_model import Acceptance, BucketCosts, expected_tokens
 from engine.speculation.draft_length_rule import DraftLengthRule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -84,24 +84,30 @@ def test_a_recheck_from_k_zero_is_paid_for():
     assert lost == 0.0, lost  # past the leave, no step at k > 0 but those the credit bought
 
 
-@pytest.mark.parametrize("missed, moves", [(0, True), (640, False)])
-def test_leaving_k_zero_pays_back_the_catch_up(missed, moves):
-    """At k = 0 with a fresh figure of k = 3 that promises 3% more (a near tie), the move is made only if it still
-    wins once the draft's catch-up on what it missed (here 10 steps of 64 requests, 0.01 s a token) is spread over
-    MOVE_HORIZON steps of k = 3."""
-    from engine.speculation.draft_cost_model import BucketCosts
-    rule = DraftLengthRule(3)  # k = 3 the longest: no line beyond it
+def settled_figures(gains: dict[int, float], steps: int) -> tuple[DraftLengthRule, int, BucketCosts]:
+    """A rule with k = 3 the longest (no line beyond it) whose bucket of 64 requests holds nine steps of each k,
+    taken at its step 0: k = 0 one token a request in 1.0 s, each k > 0 `gains[k]` times k = 0's tokens a second at
+    a settled acceptance (4000 verifies of 3 drafts, one in five rejecting at the second). Its step count: `steps`."""
+    rule = DraftLengthRule(3)
     b = rule_mod.bucket_of(64)
     st = rule.buckets[b] = BucketCosts()
-    rule.acceptance = Acceptance()
     for i in range(4000):
         rule.acceptance.record(3, 3 if i % 5 else 1)
     rates = rule.acceptance.rates(3)
     for _ in range(9):
         st.observe(0, 1.0, None)
-        for k, gain in ((1, 0.9), (2, 0.9), (3, 1.03)):  # tokens a second against k = 0's
+        for k, gain in gains.items():
             st.observe(k, expected_tokens(rates, k) / gain, 0.1 * k)
-    st.steps = 100
+    st.steps = steps
+    return rule, b, st
+
+
+@pytest.mark.parametrize("missed, moves", [(0, True), (640, False)])
+def test_leaving_k_zero_pays_back_the_catch_up(missed, moves):
+    """At k = 0 with a fresh figure of k = 3 that promises 3% more (a near tie), the move is made only if it still
+    wins once the draft's catch-up on what it missed (here 10 steps of 64 requests, 0.01 s a token) is spread over
+    MOVE_HORIZON steps of k = 3."""
+    rule, b, st = settled_figures({1: 0.9, 2: 0.9, 3: 1.03}, steps=100)
     for m in st.step.values():
         m.at = st.steps
     rule._current[b] = 0
@@ -200,18 +206,7 @@ def test_at_k_zero_a_near_tie_stays_at_k_zero():
     FRESH_STEPS), the rule stays at k = 0 and wants no probe of k = 3. The preference for k > 0 in a near tie (k = 0
     must beat the best k > 0 by a standard deviation of it) guards a move to k = 0; applied at k = 0 too, it sent an
     H100 Qwen3-8B + 0.6B batch of 64 to probe k = 4 every 32 steps, each probe paying a catch-up (0.912x the best)."""
-    from engine.speculation.draft_cost_model import BucketCosts
-    rule = DraftLengthRule(3)
-    b = rule_mod.bucket_of(64)
-    st = rule.buckets[b] = BucketCosts()
-    for i in range(4000):
-        rule.acceptance.record(3, 3 if i % 5 else 1)
-    rates = rule.acceptance.rates(3)
-    for _ in range(9):
-        st.observe(0, 1.0, None)
-        for k in (1, 2, 3):
-            st.observe(k, expected_tokens(rates, k) / (0.98 if k < 3 else 1.016), 0.1 * k)
-    st.steps = 200
+    rule, b, st = settled_figures({1: 0.98, 2: 0.98, 3: 1.016}, steps=200)
     st.step[0].at = st.steps
     rule._current[b] = 0
     assert rule._best(b, st) == (0, None)
